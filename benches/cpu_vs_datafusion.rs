@@ -1,0 +1,141 @@
+//! The CPU path against DataFusion's own TopK on the tweet queries (DESIGN §9), same machine,
+//! same run, same in-memory table.
+//!
+//! ```text
+//! cargo bench --bench cpu_vs_datafusion -- [--rows N] [--runs R] [--csv FILE]
+//! ```
+//!
+//! Each query runs R times per engine (after one warm-up), alternating engines; the table shows
+//! medians and the ratio ours / DataFusion (target: ≤ 2). Results are checked to be the same
+//! rows as DataFusion's (as multisets of the sort-key values, since DataFusion orders ties
+//! arbitrarily).
+
+use std::time::Instant;
+
+use datafusion::arrow::array::RecordBatch;
+use datafusion::arrow::util::display::{ArrayFormatter, FormatOptions};
+use datafusion::error::Result;
+use datafusion::execution::SessionStateBuilder;
+use datafusion::prelude::{SessionConfig, SessionContext};
+use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
+use datafusion_gpu_topk::{Backend, GpuTopKConfig, SessionStateBuilderExt};
+
+fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .map(|v| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("bad value for {name}: {v}"))
+        })
+        .unwrap_or(default)
+}
+
+fn queries() -> Vec<(String, String)> {
+    let mut q = Vec::new();
+    for sel in [0.1, 0.5, 1.0] {
+        q.push((
+            format!("Q1 sel={sel}"),
+            format!(
+                "SELECT id, retweet_count FROM tweets WHERE tweet_time < '{}' ORDER BY retweet_count DESC LIMIT 50",
+                tweets::time_bound_for_selectivity(sel)
+            ),
+        ));
+    }
+    for k in [50, 1000, 100_000] {
+        q.push((
+            format!("Q2 k={k}"),
+            format!("SELECT id, retweet_count + 0.5 * likes_count AS score FROM tweets ORDER BY retweet_count + 0.5 * likes_count DESC LIMIT {k}"),
+        ));
+    }
+    for k in [50, 1000] {
+        q.push((
+            format!("Q3 k={k}"),
+            format!("SELECT id, retweet_count FROM tweets WHERE lang = 'en' OR lang = 'es' ORDER BY retweet_count DESC LIMIT {k}"),
+        ));
+    }
+    q.push(("Q4".into(), tweets::QUERIES[3].1.to_string()));
+    q
+}
+
+fn session(ours: bool) -> SessionContext {
+    let gpu = GpuTopKConfig::default()
+        .with_enabled(ours)
+        .with_backend(Backend::Cpu);
+    let state = SessionStateBuilder::new()
+        .with_config(SessionConfig::new())
+        .with_default_features()
+        .with_gpu_topk(gpu)
+        .build();
+    SessionContext::new_with_state(state)
+}
+
+/// The last column's values, sorted: equal for both engines whatever their tie order.
+fn key_multiset(batches: &[RecordBatch]) -> Vec<String> {
+    let options = FormatOptions::default();
+    let mut values = Vec::new();
+    for b in batches {
+        let col = b.column(b.num_columns() - 1);
+        let f = ArrayFormatter::try_new(col.as_ref(), &options).unwrap();
+        values.extend((0..b.num_rows()).map(|r| f.value(r).to_string()));
+    }
+    values.sort();
+    values
+}
+
+async fn time(ctx: &SessionContext, sql: &str) -> Result<(f64, Vec<RecordBatch>)> {
+    let started = Instant::now();
+    let batches = ctx.sql(sql).await?.collect().await?;
+    Ok((started.elapsed().as_secs_f64() * 1e3, batches))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let rows: u64 = arg("--rows", 20_000_000);
+    let runs: usize = arg("--runs", 5);
+    let csv: String = arg("--csv", String::new());
+    let ours = session(true);
+    let plain = session(false);
+    let partitions = ours.copied_config().target_partitions();
+    let started = Instant::now();
+    let table = tweets::tweets_mem_table(&TweetsSpec::new(rows), partitions)?;
+    ours.register_table("tweets", table.clone())?;
+    plain.register_table("tweets", table)?;
+    println!(
+        "# {rows} tweets in memory ({partitions} partitions, generated in {:.1} s), {runs} runs each, median ms",
+        started.elapsed().as_secs_f64()
+    );
+    let mut lines = vec!["query,rows,ours_ms,datafusion_ms,ratio".to_string()];
+    println!(
+        "{:<16} {:>10} {:>14} {:>8}  same rows",
+        "query", "ours ms", "DataFusion ms", "ratio"
+    );
+    for (name, sql) in queries() {
+        let (_, a) = time(&ours, &sql).await?;
+        let (_, b) = time(&plain, &sql).await?;
+        let same = key_multiset(&a) == key_multiset(&b);
+        let (mut t_ours, mut t_plain) = (Vec::new(), Vec::new());
+        for _ in 0..runs {
+            t_ours.push(time(&ours, &sql).await?.0);
+            t_plain.push(time(&plain, &sql).await?.0);
+        }
+        let (o, p) = (median(t_ours), median(t_plain));
+        println!(
+            "{name:<16} {o:>10.1} {p:>14.1} {:>8.2}  {}",
+            o / p,
+            if same { "yes" } else { "NO" }
+        );
+        lines.push(format!("{name},{rows},{o:.2},{p:.2},{:.3}", o / p));
+        assert!(same, "{name}: results differ from DataFusion's");
+    }
+    if !csv.is_empty() {
+        std::fs::write(&csv, lines.join("\n") + "\n")?;
+    }
+    Ok(())
+}

@@ -1,0 +1,12 @@
+//! Synthetic data sets for tests, the CLI and the benchmarks.
+//!
+//! [`tweets`] models the 250M tweets of May 2017 used by the SIGMOD'18 bitonic top-k
+//! evaluation, together with its four headline queries ([`QUERIES`]).
+
+pub mod tweets;
+
+pub use tweets::{
+    DEFAULT_SEED, LANGS, QUERIES, TABLE_NAME, TIME_END_MS, TIME_START_MS, TweetsSpec, WriteSummary,
+    generate_rows, q1_with_selectivity, time_bound_for_selectivity, tweets_mem_table,
+    tweets_partitions, tweets_schema, write_parquet,
+};

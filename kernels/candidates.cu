@@ -1,0 +1,151 @@
+// candidates.cu: the device-resident candidate buffer of a selection in progress.
+//
+// Each batch's encoded keys are appended to the candidate buffer with their row ids, except
+// rows that cannot win any more: a row is kept only if its (key, row id) is smaller than the
+// *threshold*, the k-th best pair of an earlier reduction of the buffer to k (nothing at or
+// above it can be among the final k, since the k pairs below it already exist). Appends are
+// warp-aggregated (one atomic per warp); their order does not matter, as pairs are unique.
+//
+// `pair_max` computes the threshold after a reduction (the largest of the k survivors): a
+// grid-stride maximum per block, then the last block to finish reduces the per-block maxima.
+
+#include "common.cuh"
+
+// The threshold as stored on the device (the host allocates and zeroes 64 bytes for it).
+template <class K> struct Threshold {
+    K key;
+    u64 id;
+    u32 valid;
+};
+
+// Appends rows [0, n) of (keys, ids) below the threshold at `*count`. `ids` null means
+// consecutive row ids starting at `id_start`. The host guarantees room for all n rows.
+template <class K>
+__device__ void append(const K *keys, const u64 *ids, u64 id_start, u64 n, const Threshold<K> *thr, K *cand_keys,
+                       u64 *cand_ids, u64 *count) {
+    const bool filter = thr->valid != 0;
+    const K tk = thr->key;
+    const u64 tid = thr->id;
+    FOR_BLOCK_ROUNDS(i0, n) {
+        const u64 i = i0 + threadIdx.x;
+        bool keep = false;
+        K k;
+        u64 id = 0;
+        if (i < n) {
+            k = keys[i];
+            id = ids ? ids[i] : id_start + i;
+            keep = !filter || pair_less(k, id, tk, tid);
+        }
+        const u64 pos = warp_append(keep, count);
+        if (keep) {
+            cand_keys[pos] = k;
+            cand_ids[pos] = id;
+        }
+    }
+}
+
+// Largest pair of [0, n) into *thr (valid = 1). `partial_keys/ids` hold one pair per block;
+// `counter` is zero at launch (and reset by the last block).
+template <class K>
+__device__ void pair_max(const K *keys, const u64 *ids, u64 n, K *partial_keys, u64 *partial_ids, u32 *counter,
+                         Threshold<K> *thr) {
+    __shared__ K s_keys[256];
+    __shared__ u64 s_ids[256];
+    K best = key_zero<K>();
+    u64 best_id = 0;
+    bool any = false;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const K k = keys[i];
+        const u64 id = ids[i];
+        if (!any || pair_less(best, best_id, k, id)) {
+            best = k;
+            best_id = id;
+            any = true;
+        }
+    }
+    // Threads without rows contribute the smallest pair, (0, 0), which never wins over a row.
+    s_keys[threadIdx.x] = best;
+    s_ids[threadIdx.x] = best_id;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            const u32 o = threadIdx.x + s;
+            if (pair_less(s_keys[threadIdx.x], s_ids[threadIdx.x], s_keys[o], s_ids[o])) {
+                s_keys[threadIdx.x] = s_keys[o];
+                s_ids[threadIdx.x] = s_ids[o];
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        partial_keys[blockIdx.x] = s_keys[0];
+        partial_ids[blockIdx.x] = s_ids[0];
+    }
+    if (!last_block_done(counter)) return;
+    // The last block reduces the per-block maxima (L2 loads: other blocks wrote them).
+    best = key_zero<K>();
+    best_id = 0;
+    for (u32 b = threadIdx.x; b < gridDim.x; b += blockDim.x) {
+        const K k = load_cg(&partial_keys[b]);
+        const u64 id = __ldcg(&partial_ids[b]);
+        if (pair_less(best, best_id, k, id)) {
+            best = k;
+            best_id = id;
+        }
+    }
+    s_keys[threadIdx.x] = best;
+    s_ids[threadIdx.x] = best_id;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            const u32 o = threadIdx.x + s;
+            if (pair_less(s_keys[threadIdx.x], s_ids[threadIdx.x], s_keys[o], s_ids[o])) {
+                s_keys[threadIdx.x] = s_keys[o];
+                s_ids[threadIdx.x] = s_ids[o];
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        thr->key = s_keys[0];
+        thr->id = s_ids[0];
+        thr->valid = 1;
+    }
+}
+
+// Sets the threshold to pair `index` of (keys, ids), e.g. the k-th of a sorted selection.
+template <class K> __device__ void threshold_from(const K *keys, const u64 *ids, u64 index, Threshold<K> *thr) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        thr->key = keys[index];
+        thr->id = ids[index];
+        thr->valid = 1;
+    }
+}
+
+// Fills [from, to) with the largest pair (all-ones key and row id): padding that sorts last.
+template <class K> __device__ void fill_max(K *keys, u64 *ids, u64 from, u64 to) {
+    const K m = key_max<K>();
+    for (u64 i = from + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < to; i += (u64)gridDim.x * blockDim.x) {
+        keys[i] = m;
+        ids[i] = ~0ull;
+    }
+}
+
+#define CANDIDATE_ENTRIES(K, S)                                                                                   \
+    extern "C" __global__ void                                                                                    \
+        append_##S(const K *keys, const u64 *ids, u64 id_start, u64 n, const Threshold<K> *thr, K *cand_keys,     \
+                   u64 *cand_ids, u64 *count) {                                                                   \
+        append<K>(keys, ids, id_start, n, thr, cand_keys, cand_ids, count);                                       \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256)                                                             \
+        pair_max_##S(const K *keys, const u64 *ids, u64 n, K *partial_keys, u64 *partial_ids, u32 *counter,      \
+                     Threshold<K> *thr) {                                                                         \
+        pair_max<K>(keys, ids, n, partial_keys, partial_ids, counter, thr);                                       \
+    }                                                                                                             \
+    extern "C" __global__ void threshold_from_##S(const K *keys, const u64 *ids, u64 index, Threshold<K> *thr) {  \
+        threshold_from<K>(keys, ids, index, thr);                                                                 \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) fill_max_##S(K *keys, u64 *ids, u64 from, u64 to) {         \
+        fill_max<K>(keys, ids, from, to);                                                                         \
+    }
+INSTANTIATE_KEYS(CANDIDATE_ENTRIES)

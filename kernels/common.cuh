@@ -1,0 +1,162 @@
+// common.cuh: types and helpers shared by every kernel file (NVRTC-compilable: no host headers).
+//
+// A *pair* is a composite key (the order-preserving encoding of the sort keys, see
+// src/keys/mod.rs) and a 64-bit row id. Pairs are ordered by (key, row id); since row ids are
+// unique, so are pairs, which is what makes radix selection exact and ties deterministic.
+//
+// Keys live in memory as arrays of little-endian words, least significant first, exactly like
+// Rust's u32 / u64 / u128 (the 256-bit key is four u64 words, converted on the host). The four
+// key types share one interface: `K::N` words of type `K::Word`, `K::BITS` bits.
+//
+// For radix selection a pair is read as one *virtual* integer of 64 + K::BITS bits: the row id
+// in bits [0, 64), the key above it. Virtual word 0 is the row id, virtual word j + 1 is key
+// word j (zero-extended for the 32-bit key).
+#pragma once
+
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned short u16;
+typedef short i16;
+typedef unsigned char u8;
+typedef signed char i8;
+
+struct K32 {
+    typedef u32 Word;
+    enum { N = 1, BITS = 32 };
+    Word w[N];
+};
+struct K64 {
+    typedef u64 Word;
+    enum { N = 1, BITS = 64 };
+    Word w[N];
+};
+struct __align__(16) K128 {
+    typedef u64 Word;
+    enum { N = 2, BITS = 128 };
+    Word w[N];
+};
+struct __align__(16) K256 {
+    typedef u64 Word;
+    enum { N = 4, BITS = 256 };
+    Word w[N];
+};
+
+// Virtual words of a pair (row id + key), and the most any key type has.
+#define MAX_VWORDS 5
+template <class K> struct VWords {
+    enum { N = 1 + (K::BITS + 63) / 64 };
+};
+
+template <class K> __device__ __forceinline__ K key_max() {
+    K k;
+#pragma unroll
+    for (int j = 0; j < K::N; ++j) k.w[j] = (typename K::Word)(~0ull);
+    return k;
+}
+
+template <class K> __device__ __forceinline__ K key_zero() {
+    K k;
+#pragma unroll
+    for (int j = 0; j < K::N; ++j) k.w[j] = 0;
+    return k;
+}
+
+// (a, ia) < (b, ib): key words from the most significant down, then the row id.
+template <class K>
+__device__ __forceinline__ bool pair_less(const K &a, u64 ia, const K &b, u64 ib) {
+#pragma unroll
+    for (int j = K::N - 1; j >= 0; --j) {
+        if (a.w[j] != b.w[j]) return a.w[j] < b.w[j];
+    }
+    return ia < ib;
+}
+
+// Virtual word q of the pair. The unrolled selects keep `k` in registers (a run-time index
+// into a register array would spill it to local memory).
+template <class K> __device__ __forceinline__ u64 vword(const K &k, u64 id, int q) {
+    u64 r = (q == 0) ? id : 0ull;
+#pragma unroll
+    for (int j = 0; j < K::N; ++j) {
+        if (q == j + 1) r = (u64)k.w[j];
+    }
+    return r;
+}
+
+// Bits [lo, lo + nbits) of the virtual integer, nbits <= 32.
+template <class K>
+__device__ __forceinline__ u32 vbits(const K &k, u64 id, int lo, int nbits) {
+    const int q = lo >> 6, r = lo & 63;
+    u64 v = vword(k, id, q) >> r;
+    if (r + nbits > 64) v |= vword(k, id, q + 1) << (64 - r);
+    return (u32)(v & ((1ull << nbits) - 1));
+}
+
+// Loads bypassing L1, for data other blocks of the same kernel wrote (read in a last block).
+template <class K> __device__ __forceinline__ K load_cg(const K *p) {
+    K k;
+#pragma unroll
+    for (int j = 0; j < K::N; ++j) k.w[j] = __ldcg(&p->w[j]);
+    return k;
+}
+
+// ---- warp helpers --------------------------------------------------------------------------
+
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ u32 lane_id() { return threadIdx.x & 31u; }
+
+__device__ __forceinline__ u64 warp_or(u64 v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v |= __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ u64 warp_and(u64 v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v &= __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+// Warp-aggregated append: every lane of the warp calls this (all 32 lanes must be active);
+// lanes with `want` get consecutive slots from `*counter`, one atomic per warp.
+__device__ __forceinline__ u64 warp_append(bool want, u64 *counter) {
+    const u32 mask = __ballot_sync(FULL_MASK, want);
+    if (mask == 0) return 0;
+    const u32 leader = __ffs(mask) - 1;
+    u64 base = 0;
+    if (lane_id() == leader) base = atomicAdd(counter, (u64)__popc(mask));
+    base = __shfl_sync(FULL_MASK, base, leader);
+    return base + __popc(mask & ((1u << lane_id()) - 1u));
+}
+
+// "Last block" pattern: every thread calls this after its global writes; returns true in the
+// one block that finished last (all other blocks' writes are then visible to it). The counter
+// must be zero at launch; the last block resets it.
+__device__ __forceinline__ bool last_block_done(u32 *counter) {
+    __shared__ bool am_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 ticket = atomicAdd(counter, 1u);
+        am_last = (ticket == gridDim.x - 1);
+        if (am_last) *counter = 0;
+    }
+    __syncthreads();
+    if (am_last) __threadfence();
+    return am_last;
+}
+
+// Grid-stride iteration whose trip count is uniform across each block (so that warp-wide
+// ballots see all 32 lanes): `i0` is the block's first index of each round.
+#define FOR_BLOCK_ROUNDS(i0, n)                                                                \
+    for (u64 i0 = (u64)blockIdx.x * blockDim.x; i0 < (n); i0 += (u64)gridDim.x * blockDim.x)
+
+// Declares the extern "C" entry points of a kernel template for the four key types:
+// NAME_k32, NAME_k64, NAME_k128, NAME_k256.
+#define INSTANTIATE_KEYS(MACRO)                                                                \
+    MACRO(K32, k32)                                                                            \
+    MACRO(K64, k64)                                                                            \
+    MACRO(K128, k128)                                                                          \
+    MACRO(K256, k256)

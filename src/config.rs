@@ -1,0 +1,108 @@
+//! Settings, as a DataFusion [`ConfigExtension`] under the `gpu_topk` namespace, so that they
+//! can be changed from SQL: `SET gpu_topk.enabled = false`, `SET gpu_topk.backend = 'cpu'`.
+
+use std::fmt;
+use std::str::FromStr;
+
+use datafusion::common::config::ConfigExtension;
+use datafusion::common::{config_field, extensions_options};
+use datafusion::error::DataFusionError;
+
+/// Where the top-k selection runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backend {
+    /// The GPU when one is usable; otherwise DataFusion's own TopK stays in the plan.
+    #[default]
+    Auto,
+    /// Force the CUDA backend (falls back to the CPU path, visibly, if the GPU fails).
+    Cuda,
+    /// Force this crate's CPU path (the GPU path's twin; also used without a GPU).
+    Cpu,
+}
+
+/// Which selection algorithm runs (`auto` lets the cost model choose).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Algorithm {
+    #[default]
+    Auto,
+    Bitonic,
+    Radix,
+    Delegate,
+    Sample,
+    Cpu,
+}
+
+macro_rules! keyword_enum {
+    ($ty:ident, $what:literal, $($variant:ident => $name:literal),+ $(,)?) => {
+        impl $ty {
+            /// Every accepted spelling, for error messages.
+            pub const NAMES: &'static [&'static str] = &[$($name),+];
+            pub fn as_str(&self) -> &'static str {
+                match self { $($ty::$variant => $name),+ }
+            }
+        }
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+        impl FromStr for $ty {
+            type Err = DataFusionError;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                match s.trim().to_ascii_lowercase().as_str() {
+                    $($name => Ok($ty::$variant),)+
+                    other => Err(DataFusionError::Configuration(format!(
+                        "invalid {} '{other}': expected one of {}",
+                        $what,
+                        Self::NAMES.join(", ")
+                    ))),
+                }
+            }
+        }
+        config_field!($ty);
+    };
+}
+
+keyword_enum!(Backend, "gpu_topk.backend", Auto => "auto", Cuda => "cuda", Cpu => "cpu");
+keyword_enum!(Algorithm, "gpu_topk.algorithm",
+    Auto => "auto", Bitonic => "bitonic", Radix => "radix",
+    Delegate => "delegate", Sample => "sample", Cpu => "cpu");
+
+extensions_options! {
+    /// Settings of the GPU top-k operator (`SET gpu_topk.<name> = <value>`).
+    pub struct GpuTopKConfig {
+        /// Replace DataFusion's TopK with the GPU top-k operator where the query's shape allows.
+        pub enabled: bool, default = true
+        /// `auto` (GPU when present, else DataFusion's TopK), `cuda` or `cpu`.
+        pub backend: Backend, default = Backend::Auto
+        /// `auto` (cost model) or one of bitonic, radix, delegate, sample, cpu.
+        pub algorithm: Algorithm, default = Algorithm::Auto
+        /// Largest k (fetch + offset) the operator takes; larger ones stay with DataFusion.
+        pub max_k: usize, default = 1 << 24
+        /// Directory of the compiled-kernel cache (empty: the platform cache directory).
+        pub kernel_cache_dir: String, default = String::new()
+    }
+}
+
+impl ConfigExtension for GpuTopKConfig {
+    const PREFIX: &'static str = "gpu_topk";
+}
+
+impl GpuTopKConfig {
+    pub fn with_enabled(mut self, enabled: bool) -> Self {
+        self.enabled = enabled;
+        self
+    }
+    pub fn with_backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+    pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = algorithm;
+        self
+    }
+    pub fn with_max_k(mut self, max_k: usize) -> Self {
+        self.max_k = max_k;
+        self
+    }
+}

@@ -1,0 +1,893 @@
+//! The host side of every kernel, on one stream: this is where the kernels of `kernels/` are
+//! launched.
+//!
+//! A [`TopKEngine`] owns a stream and a few small device scalars (the radix control block, the
+//! candidate count, the threshold) and works on [`DevicePairs`]: (composite key, row id) pairs
+//! in two pooled device buffers, keys in the device layout of their [`KeyKind`]. Everything it
+//! enqueues runs in stream order, so no step waits for the host except the few that read a
+//! result back (a count, a consistency check, the final row ids).
+//!
+//! - [`encode_column`](TopKEngine::encode_column): Arrow buffers → composite keys (encode.cu);
+//! - [`append`](TopKEngine::append): keys below the threshold → candidate buffer
+//!   (candidates.cu);
+//! - [`radix_select`](TopKEngine::radix_select): exactly the k smallest pairs, unordered, any k
+//!   (radix.cu);
+//! - [`bitonic_select`](TopKEngine::bitonic_select): the k smallest, sorted, for
+//!   k ≤ [`bitonic_max_k`](TopKEngine::bitonic_max_k) (bitonic.cu);
+//! - [`sort`](TopKEngine::sort): bitonic sort of any number of pairs (bitonic.cu);
+//! - [`select_sorted`](TopKEngine::select_sorted): one of the two selections, then sorted.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg, result};
+use datafusion::arrow::datatypes::{DataType, TimeUnit};
+
+use super::kernels::Kernels;
+use super::memory::{PinnedLease, PooledBuffer};
+use super::{GpuDevice, GpuError, GpuResult};
+
+/// The device layout of composite keys: the narrowest of four that holds the layout's bits
+/// (keys are right-aligned, so a layout of ≤ 32 bits fits a `u32`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KeyKind {
+    K32,
+    K64,
+    K128,
+    K256,
+}
+
+impl KeyKind {
+    pub const ALL: [KeyKind; 4] = [KeyKind::K32, KeyKind::K64, KeyKind::K128, KeyKind::K256];
+
+    /// The narrowest kind holding `total_bits` (≤ 256) bits.
+    pub fn for_total_bits(total_bits: u32) -> Self {
+        match total_bits {
+            0..=32 => KeyKind::K32,
+            33..=64 => KeyKind::K64,
+            65..=128 => KeyKind::K128,
+            _ => KeyKind::K256,
+        }
+    }
+
+    pub fn bits(self) -> u32 {
+        match self {
+            KeyKind::K32 => 32,
+            KeyKind::K64 => 64,
+            KeyKind::K128 => 128,
+            KeyKind::K256 => 256,
+        }
+    }
+
+    /// Bytes of one key in device memory (little-endian words, least significant first).
+    pub fn key_bytes(self) -> usize {
+        self.bits() as usize / 8
+    }
+
+    /// Suffix of the kernels' entry points for this kind.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            KeyKind::K32 => "k32",
+            KeyKind::K64 => "k64",
+            KeyKind::K128 => "k128",
+            KeyKind::K256 => "k256",
+        }
+    }
+
+    /// Bytes of one pair in shared memory (key, then row id).
+    fn pair_bytes(self) -> usize {
+        self.key_bytes() + 8
+    }
+}
+
+/// The selection algorithms the device runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceAlgorithm {
+    /// Bitonic top-k (small k): the k smallest, sorted, in shared memory.
+    Bitonic,
+    /// Radix select (any k), then a bitonic sort of the winners.
+    Radix,
+}
+
+impl DeviceAlgorithm {
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceAlgorithm::Bitonic => "bitonic",
+            DeviceAlgorithm::Radix => "radix",
+        }
+    }
+}
+
+/// How encode.cu reads a column (`Native` there; the same mapping as the keys module's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum NativeCode {
+    Bool = 0,
+    U8 = 1,
+    U16 = 2,
+    U32 = 3,
+    U64 = 4,
+    I8 = 5,
+    I16 = 6,
+    I32 = 7,
+    I64 = 8,
+    I128 = 9,
+    F16 = 10,
+    F32 = 11,
+    F64 = 12,
+}
+
+impl NativeCode {
+    /// The native representation of a key type, `None` when keys do not support it.
+    pub fn for_data_type(data_type: &DataType) -> Option<Self> {
+        use DataType::*;
+        Some(match data_type {
+            Boolean => Self::Bool,
+            UInt8 => Self::U8,
+            UInt16 => Self::U16,
+            UInt32 => Self::U32,
+            UInt64 => Self::U64,
+            Int8 => Self::I8,
+            Int16 => Self::I16,
+            Int32 | Date32 | Decimal32(..) => Self::I32,
+            Time32(TimeUnit::Second | TimeUnit::Millisecond) => Self::I32,
+            Int64 | Date64 | Timestamp(..) | Duration(_) | Decimal64(..) => Self::I64,
+            Time64(TimeUnit::Microsecond | TimeUnit::Nanosecond) => Self::I64,
+            Decimal128(..) => Self::I128,
+            Float16 => Self::F16,
+            Float32 => Self::F32,
+            Float64 => Self::F64,
+            _ => return None,
+        })
+    }
+
+    /// Value bits.
+    pub fn bits(self) -> u32 {
+        match self {
+            Self::Bool => 1,
+            Self::U8 | Self::I8 => 8,
+            Self::U16 | Self::I16 | Self::F16 => 16,
+            Self::U32 | Self::I32 | Self::F32 => 32,
+            Self::U64 | Self::I64 | Self::F64 => 64,
+            Self::I128 => 128,
+        }
+    }
+
+    /// Bytes per value, `None` for bit-packed booleans.
+    pub fn byte_width(self) -> Option<usize> {
+        (self != Self::Bool).then(|| self.bits() as usize / 8)
+    }
+}
+
+/// encode.cu flags.
+pub const ENCODE_FIRST: u32 = 1;
+pub const ENCODE_NULLABLE: u32 = 2;
+pub const ENCODE_NULLS_FIRST: u32 = 4;
+
+/// One column for [`TopKEngine::encode_column`]; pointers are device addresses.
+#[derive(Debug, Clone, Copy)]
+pub struct EncodeColumn {
+    /// The first row's value (for booleans: the byte holding bit `value_bit_offset`).
+    pub values: u64,
+    pub value_bit_offset: u64,
+    /// Arrow validity bitmap (1 = valid) at the byte holding bit `validity_bit_offset`, or 0
+    /// when every row is valid.
+    pub validity: u64,
+    pub validity_bit_offset: u64,
+    pub rows: usize,
+    pub native: NativeCode,
+    pub value_bits: u32,
+    /// Offset of the field's lowest bit in the composite.
+    pub shift: u32,
+    /// XORed into the value bits (all value bits for DESC).
+    pub xor: u128,
+    /// `ENCODE_*` flags.
+    pub flags: u32,
+}
+
+/// (key, row id) pairs in device memory.
+#[derive(Debug)]
+pub struct DevicePairs {
+    keys: PooledBuffer,
+    ids: PooledBuffer,
+    capacity: usize,
+    kind: KeyKind,
+}
+
+impl DevicePairs {
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub fn kind(&self) -> KeyKind {
+        self.kind
+    }
+
+    /// Device address of key `i`.
+    pub fn key_at(&self, i: usize) -> u64 {
+        self.keys.ptr() + (i * self.kind.key_bytes()) as u64
+    }
+
+    /// Device address of row id `i`.
+    pub fn id_at(&self, i: usize) -> u64 {
+        self.ids.ptr() + (i * 8) as u64
+    }
+}
+
+/// A kernel argument (kernels take device pointers as `u64`).
+#[derive(Debug, Clone, Copy)]
+enum Arg {
+    U64(u64),
+    U32(u32),
+}
+
+impl From<u64> for Arg {
+    fn from(v: u64) -> Self {
+        Arg::U64(v)
+    }
+}
+
+impl From<u32> for Arg {
+    fn from(v: u32) -> Self {
+        Arg::U32(v)
+    }
+}
+
+impl From<usize> for Arg {
+    fn from(v: usize) -> Self {
+        Arg::U64(v as u64)
+    }
+}
+
+macro_rules! args {
+    ($($a:expr),* $(,)?) => { &[$(Arg::from($a)),*] };
+}
+
+// The small device scalars of an engine, one buffer (zeroed at start).
+/// The radix control block (`RadixCtl` in radix.cu, 1160 bytes).
+const CTL_OFFSET: u64 = 0;
+const CTL_BYTES: usize = 1160;
+// Fields of RadixCtl read back by the host.
+const CTL_N_OUT: usize = 16;
+const CTL_DONE: usize = 1140;
+const CTL_ERROR: usize = 1156;
+/// `Threshold<K>` of candidates.cu (≤ 48 bytes).
+const THRESHOLD_OFFSET: u64 = 2048;
+const THRESHOLD_BYTES: usize = 64;
+/// The candidate count (u64).
+const COUNT_OFFSET: u64 = 2112;
+/// pair_max's block counter (u32, zero between launches).
+const COUNTER_OFFSET: u64 = 2120;
+const SCALAR_BYTES: usize = 4096;
+
+/// Threads per block of the grid-stride kernels and of the bitonic kernels.
+const THREADS: u32 = 256;
+const BITONIC_THREADS: u32 = 512;
+/// Largest chunk one upload through pinned memory moves.
+const UPLOAD_CHUNK: usize = 64 << 20;
+/// Staged parts start at multiples of this (aligned loads of every type).
+const STAGE_ALIGN: usize = 256;
+
+/// Runs the kernels on one stream (see the module documentation). Not thread-safe: callers
+/// serialise access (the selector holds it behind a mutex).
+pub struct TopKEngine {
+    device: Arc<GpuDevice>,
+    kernels: Arc<Kernels>,
+    stream: Arc<CudaStream>,
+    kind: KeyKind,
+    scalars: PooledBuffer,
+    /// Two write-combined upload buffers used in turn, so that the host fills one while the
+    /// other is being copied.
+    upload: [Option<PinnedLease>; 2],
+    next_upload: usize,
+    /// Device buffer that staged batch data lands in (overwritten by each `stage`).
+    staging: Option<PooledBuffer>,
+    readback: Option<PinnedLease>,
+}
+
+impl std::fmt::Debug for TopKEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TopKEngine")
+            .field("kind", &self.kind)
+            .finish()
+    }
+}
+
+impl TopKEngine {
+    /// An engine for keys of `kind` on a new stream of `device`; compiles or loads the kernels
+    /// on first use.
+    pub fn new(device: &Arc<GpuDevice>, kind: KeyKind) -> GpuResult<Self> {
+        let kernels = device.kernels()?;
+        let stream = device.new_stream()?;
+        device.context.bind_to_thread()?;
+        let scalars = device.pool.alloc(SCALAR_BYTES, &stream)?;
+        let engine = Self {
+            device: Arc::clone(device),
+            kernels,
+            stream,
+            kind,
+            scalars,
+            upload: [None, None],
+            next_upload: 0,
+            staging: None,
+            readback: None,
+        };
+        engine.memset_zero(engine.scalars.ptr(), SCALAR_BYTES)?;
+        Ok(engine)
+    }
+
+    pub fn kind(&self) -> KeyKind {
+        self.kind
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn device(&self) -> &Arc<GpuDevice> {
+        &self.device
+    }
+
+    /// Waits for all work enqueued so far.
+    pub fn synchronize(&self) -> GpuResult<()> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    // ---- plumbing ------------------------------------------------------------------------
+
+    fn launch(
+        &self,
+        name: &str,
+        grid: u32,
+        block: u32,
+        shared: usize,
+        args: &[Arg],
+    ) -> GpuResult<()> {
+        let function = self.kernels.get(name)?;
+        let mut builder = self.stream.launch_builder(function);
+        for arg in args {
+            match arg {
+                Arg::U64(v) => builder.arg(v),
+                Arg::U32(v) => builder.arg(v),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (grid.max(1), 1, 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: shared as u32,
+        };
+        // SAFETY: every kernel's parameters are device pointers (u64) and scalars whose order
+        // and types the callers below match to the .cu signatures; the buffers behind the
+        // pointers are alive until the work is ordered before their release (pool events).
+        unsafe { builder.launch(cfg) }
+            .map_err(|e| GpuError(format!("launching {name} failed: {e}")))?;
+        Ok(())
+    }
+
+    fn kernel(&self, base: &str) -> String {
+        format!("{base}_{}", self.kind.suffix())
+    }
+
+    /// Blocks for a grid-stride kernel over `n` items.
+    fn grid_for(&self, n: usize, items_per_thread: usize) -> u32 {
+        let blocks = n.div_ceil(THREADS as usize * items_per_thread).max(1);
+        blocks.min(self.device.sm_count * 8) as u32
+    }
+
+    fn memset_zero(&self, dst: u64, bytes: usize) -> GpuResult<()> {
+        self.device.context.bind_to_thread()?;
+        // SAFETY: dst..dst+bytes lies in a live buffer of this engine, used on this stream.
+        unsafe { result::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }?;
+        Ok(())
+    }
+
+    fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> GpuResult<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.device.context.bind_to_thread()?;
+        // SAFETY: both ranges lie in live buffers used on this stream.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }?;
+        Ok(())
+    }
+
+    /// Enqueues a write of one u64 (from pageable memory: the driver copies it before
+    /// returning, so the source may go away).
+    fn write_u64(&self, dst: u64, value: u64) -> GpuResult<()> {
+        self.device.context.bind_to_thread()?;
+        // SAFETY: dst is 8 live bytes of this engine's scalars; pageable source, see above.
+        unsafe { result::memcpy_htod_async(dst, &[value], self.stream.cu_stream()) }?;
+        Ok(())
+    }
+
+    /// A buffer for `capacity` pairs of this engine's kind.
+    pub fn alloc_pairs(&self, capacity: usize) -> GpuResult<DevicePairs> {
+        let capacity = capacity.max(1);
+        Ok(DevicePairs {
+            keys: self
+                .device
+                .pool
+                .alloc(capacity * self.kind.key_bytes(), &self.stream)?,
+            ids: self.device.pool.alloc(capacity * 8, &self.stream)?,
+            capacity,
+            kind: self.kind,
+        })
+    }
+
+    /// Copies `count` pairs from `src[from..]` to `dst[to..]`.
+    pub fn copy_pairs(
+        &self,
+        src: &DevicePairs,
+        from: usize,
+        dst: &DevicePairs,
+        to: usize,
+        count: usize,
+    ) -> GpuResult<()> {
+        if from + count > src.capacity || to + count > dst.capacity {
+            return Err(GpuError(format!(
+                "pair copy out of bounds: {count} pairs from {from} of {} to {to} of {}",
+                src.capacity, dst.capacity
+            )));
+        }
+        self.copy_dtod(
+            dst.key_at(to),
+            src.key_at(from),
+            count * self.kind.key_bytes(),
+        )?;
+        self.copy_dtod(dst.id_at(to), src.id_at(from), count * 8)
+    }
+
+    /// Uploads an image of `total` bytes, made of `parts` (offset, bytes) with undefined gaps,
+    /// to device address `dst`, in chunks through the two pinned buffers in turn.
+    fn upload_image(&mut self, parts: &[(usize, &[u8])], total: usize, dst: u64) -> GpuResult<()> {
+        let mut start = 0;
+        while start < total {
+            let end = (start + UPLOAD_CHUNK).min(total);
+            let slot = self.next_upload;
+            self.next_upload ^= 1;
+            let need = end - start;
+            if self.upload[slot].as_ref().is_none_or(|l| l.len() < need) {
+                // Dropping the old lease returns it; its event guards any copy in flight.
+                self.upload[slot] = Some(self.device.pinned.take(need.max(1 << 20), true)?);
+            }
+            let lease = self.upload[slot].as_mut().expect("set above");
+            let host = lease.as_mut_slice()?; // waits for this buffer's previous copy
+            for &(offset, data) in parts {
+                let a = start.max(offset);
+                let b = end.min(offset + data.len());
+                if a < b {
+                    host[a - start..b - start].copy_from_slice(&data[a - offset..b - offset]);
+                }
+            }
+            lease.upload(need, dst + start as u64, &self.stream)?;
+            start = end;
+        }
+        Ok(())
+    }
+
+    /// Uploads host bytes to device address `dst` (asynchronously; the host data is copied
+    /// into pinned memory before this returns).
+    pub fn upload_bytes(&mut self, src: &[u8], dst: u64) -> GpuResult<()> {
+        self.upload_image(&[(0, src)], src.len(), dst)
+    }
+
+    /// Stages host byte slices on the device, each at an aligned offset of one staging
+    /// buffer, with as few copies as possible; returns their device addresses, valid until the
+    /// next `stage` (stream order makes reuse safe: the next upload runs after the kernels
+    /// that read this one).
+    pub fn stage(&mut self, parts: &[&[u8]]) -> GpuResult<Vec<u64>> {
+        let mut offsets = Vec::with_capacity(parts.len());
+        let mut total = 0usize;
+        for part in parts {
+            offsets.push(total);
+            total += part.len().div_ceil(STAGE_ALIGN) * STAGE_ALIGN;
+        }
+        if self.staging.as_ref().is_none_or(|s| s.bytes() < total) {
+            self.staging = Some(self.device.pool.alloc(total.max(1 << 20), &self.stream)?);
+        }
+        let base = self.staging.as_ref().expect("set above").ptr();
+        let image: Vec<(usize, &[u8])> =
+            offsets.iter().copied().zip(parts.iter().copied()).collect();
+        self.upload_image(&image, total, base)?;
+        Ok(offsets.iter().map(|&o| base + o as u64).collect())
+    }
+
+    /// Reads `len` bytes at device address `src` (waits for all work enqueued so far).
+    pub fn read_bytes(&mut self, src: u64, len: usize) -> GpuResult<Vec<u8>> {
+        if len == 0 {
+            self.synchronize()?;
+            return Ok(vec![]);
+        }
+        if self.readback.as_ref().is_none_or(|l| l.len() < len) {
+            self.readback = Some(self.device.pinned.take(len.max(4096), false)?);
+        }
+        let lease = self.readback.as_mut().expect("set above");
+        lease.download(src, len, &self.stream)?;
+        Ok(lease.as_slice()?[..len].to_vec())
+    }
+
+    fn read_u64(&mut self, src: u64) -> GpuResult<u64> {
+        let bytes = self.read_bytes(src, 8)?;
+        Ok(u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")))
+    }
+
+    /// Uploads host pairs: `keys` holds `ids.len()` keys in the device layout of this kind.
+    pub fn upload_pairs(&mut self, keys: &[u8], ids: &[u64]) -> GpuResult<DevicePairs> {
+        let n = ids.len();
+        if keys.len() != n * self.kind.key_bytes() {
+            return Err(GpuError(format!(
+                "{} key bytes for {n} {:?} keys",
+                keys.len(),
+                self.kind
+            )));
+        }
+        let pairs = self.alloc_pairs(n)?;
+        self.upload_bytes(keys, pairs.key_at(0))?;
+        let id_bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
+        self.upload_bytes(&id_bytes, pairs.id_at(0))?;
+        Ok(pairs)
+    }
+
+    /// The row ids of pairs `[0, count)`.
+    pub fn download_ids(&mut self, pairs: &DevicePairs, count: usize) -> GpuResult<Vec<u64>> {
+        let bytes = self.read_bytes(pairs.id_at(0), count * 8)?;
+        Ok(bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect())
+    }
+
+    /// The keys of pairs `[0, count)`, in the device layout.
+    pub fn download_keys(&mut self, pairs: &DevicePairs, count: usize) -> GpuResult<Vec<u8>> {
+        self.read_bytes(pairs.key_at(0), count * self.kind.key_bytes())
+    }
+
+    // ---- encode and append (encode.cu, candidates.cu) -------------------------------------
+
+    /// ORs (or, with `ENCODE_FIRST`, writes) one column's field into `rows` keys at `out`.
+    pub fn encode_column(&self, column: &EncodeColumn, out: u64) -> GpuResult<()> {
+        if column.rows == 0 {
+            return Ok(());
+        }
+        self.launch(
+            &self.kernel("encode_column"),
+            self.grid_for(column.rows, 4),
+            THREADS,
+            0,
+            args![
+                column.values,
+                column.value_bit_offset,
+                column.validity,
+                column.validity_bit_offset,
+                column.rows,
+                column.native as u32,
+                column.value_bits,
+                column.shift,
+                column.xor as u64,
+                (column.xor >> 64) as u64,
+                column.flags,
+                out,
+            ],
+        )
+    }
+
+    /// Appends the `n` pairs (keys at `keys`, row ids at `ids` or `id_start + i` when `ids` is
+    /// `None`) that beat the threshold to `candidates` at the device-side candidate count. The
+    /// caller guarantees room for all n.
+    pub fn append(
+        &self,
+        keys: u64,
+        ids: Option<u64>,
+        id_start: u64,
+        n: usize,
+        candidates: &DevicePairs,
+    ) -> GpuResult<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let base = self.scalars.ptr();
+        self.launch(
+            &self.kernel("append"),
+            self.grid_for(n, 4),
+            THREADS,
+            0,
+            args![
+                keys,
+                ids.unwrap_or(0),
+                id_start,
+                n,
+                base + THRESHOLD_OFFSET,
+                candidates.key_at(0),
+                candidates.id_at(0),
+                base + COUNT_OFFSET,
+            ],
+        )
+    }
+
+    /// Empties the candidate set: count 0, no threshold.
+    pub fn reset_candidates(&self) -> GpuResult<()> {
+        let base = self.scalars.ptr();
+        self.memset_zero(base + THRESHOLD_OFFSET, THRESHOLD_BYTES)?;
+        self.write_u64(base + COUNT_OFFSET, 0)
+    }
+
+    /// The device-side candidate count (waits for the work enqueued so far).
+    pub fn candidate_count(&mut self) -> GpuResult<usize> {
+        let base = self.scalars.ptr();
+        Ok(self.read_u64(base + COUNT_OFFSET)? as usize)
+    }
+
+    pub fn set_candidate_count(&self, count: usize) -> GpuResult<()> {
+        self.write_u64(self.scalars.ptr() + COUNT_OFFSET, count as u64)
+    }
+
+    /// Threshold := the largest of pairs `[0, n)` (n ≥ 1).
+    pub fn threshold_from_max(&self, pairs: &DevicePairs, n: usize) -> GpuResult<()> {
+        let grid = self.grid_for(n, 8);
+        let partial = self.alloc_pairs(grid as usize)?;
+        let base = self.scalars.ptr();
+        self.launch(
+            &self.kernel("pair_max"),
+            grid,
+            THREADS,
+            0,
+            args![
+                pairs.key_at(0),
+                pairs.id_at(0),
+                n,
+                partial.key_at(0),
+                partial.id_at(0),
+                base + COUNTER_OFFSET,
+                base + THRESHOLD_OFFSET,
+            ],
+        )
+    }
+
+    /// Threshold := pair `index`.
+    pub fn threshold_from_index(&self, pairs: &DevicePairs, index: usize) -> GpuResult<()> {
+        self.launch(
+            &self.kernel("threshold_from"),
+            1,
+            32,
+            0,
+            args![
+                pairs.key_at(0),
+                pairs.id_at(0),
+                index,
+                self.scalars.ptr() + THRESHOLD_OFFSET
+            ],
+        )
+    }
+
+    // ---- selection (radix.cu, bitonic.cu) --------------------------------------------------
+
+    /// Pairs per block of the bitonic kernels: the largest power of two whose pairs fit the
+    /// block's shared memory (8192 for 64- and 128-bit keys on Hopper's 227 KiB).
+    pub fn bitonic_chunk(&self) -> usize {
+        bitonic_chunk(self.device.max_shared_per_block, self.kind)
+    }
+
+    /// The largest k of [`bitonic_select`](Self::bitonic_select): a quarter of the chunk, so
+    /// that each round cuts the data at least fourfold.
+    pub fn bitonic_max_k(&self) -> usize {
+        self.bitonic_chunk() / 4
+    }
+
+    /// Exactly the k smallest of pairs `[0, n)` (0 < k < n), unordered, in a new buffer of
+    /// `out_capacity` (≥ k) pairs. Reads the control block back once, to check it.
+    pub fn radix_select(
+        &mut self,
+        input: &DevicePairs,
+        n: usize,
+        k: usize,
+        out_capacity: usize,
+    ) -> GpuResult<DevicePairs> {
+        if k == 0 || k >= n {
+            return Err(GpuError(format!(
+                "radix select needs 0 < k < n, got k = {k}, n = {n}"
+            )));
+        }
+        let out = self.alloc_pairs(out_capacity.max(k))?;
+        let scratch = [self.alloc_pairs(n)?, self.alloc_pairs(n)?];
+        let ctl = self.scalars.ptr() + CTL_OFFSET;
+        self.launch("radix_init", 1, THREADS, 0, args![ctl, n, k])?;
+        let grid = self.grid_for(n, 16);
+        self.launch(
+            &self.kernel("radix_masks"),
+            grid,
+            THREADS,
+            0,
+            args![ctl, input.key_at(0), input.id_at(0)],
+        )?;
+        let hist = self.kernel("radix_hist");
+        let filter = self.kernel("radix_filter");
+        // Every pass consumes at least 8 of the 64 + key bits; passes after the last return.
+        let passes = (64 + self.kind.bits()).div_ceil(8) as usize;
+        for pass in 0..passes {
+            let src = if pass == 0 {
+                input
+            } else {
+                &scratch[(pass - 1) % 2]
+            };
+            let next = &scratch[pass % 2];
+            self.launch(
+                &hist,
+                grid,
+                THREADS,
+                0,
+                args![ctl, src.key_at(0), src.id_at(0)],
+            )?;
+            self.launch(
+                &filter,
+                grid,
+                THREADS,
+                0,
+                args![
+                    ctl,
+                    src.key_at(0),
+                    src.id_at(0),
+                    out.key_at(0),
+                    out.id_at(0),
+                    next.key_at(0),
+                    next.id_at(0),
+                ],
+            )?;
+        }
+        let block = self.read_bytes(ctl, CTL_BYTES)?;
+        let u64_at = |o: usize| u64::from_le_bytes(block[o..o + 8].try_into().expect("8 bytes"));
+        let u32_at = |o: usize| u32::from_le_bytes(block[o..o + 4].try_into().expect("4 bytes"));
+        let (n_out, done, error) = (u64_at(CTL_N_OUT), u32_at(CTL_DONE), u32_at(CTL_ERROR));
+        if error != 0 || done != 1 || n_out != k as u64 {
+            return Err(GpuError(format!(
+                "radix select failed its consistency check (error {error}, done {done}, \
+                 {n_out} winners for k = {k} of n = {n})"
+            )));
+        }
+        Ok(out)
+    }
+
+    /// The k smallest of pairs `[0, n)`, sorted, at the start of a new buffer (its first
+    /// min(n, k) pairs; the rest is padding). Needs k ≤ [`bitonic_max_k`](Self::bitonic_max_k).
+    pub fn bitonic_select(
+        &self,
+        input: &DevicePairs,
+        n: usize,
+        k: usize,
+    ) -> GpuResult<DevicePairs> {
+        let k2 = k.max(1).next_power_of_two();
+        let chunk = self.bitonic_chunk();
+        if k2 * 4 > chunk {
+            return Err(GpuError(format!(
+                "bitonic top-k supports k up to {} for {:?} keys on this device, not {k}",
+                self.bitonic_max_k(),
+                self.kind
+            )));
+        }
+        let shared = chunk * self.kind.pair_bytes();
+        let name = self.kernel("bitonic_topk");
+        let mut len = n;
+        let mut current: Option<DevicePairs> = None;
+        loop {
+            let blocks = len.div_ceil(chunk).max(1);
+            let out = self.alloc_pairs(blocks * k2)?;
+            let src = current.as_ref().unwrap_or(input);
+            self.launch(
+                &name,
+                blocks as u32,
+                BITONIC_THREADS,
+                shared,
+                args![
+                    src.key_at(0),
+                    src.id_at(0),
+                    len,
+                    out.key_at(0),
+                    out.id_at(0),
+                    k2 as u32,
+                    chunk as u32
+                ],
+            )?;
+            current = Some(out);
+            len = blocks * k2;
+            if blocks == 1 {
+                break;
+            }
+        }
+        Ok(current.expect("at least one round"))
+    }
+
+    /// Pairs `[0, m)` sorted ascending, at the start of a new buffer (bitonic sort, padded to
+    /// a power of two with the largest pair).
+    pub fn sort(&self, input: &DevicePairs, m: usize) -> GpuResult<DevicePairs> {
+        let m2 = m.max(1).next_power_of_two();
+        let buf = self.alloc_pairs(m2)?;
+        self.copy_pairs(input, 0, &buf, 0, m)?;
+        if m2 > m {
+            self.launch(
+                &self.kernel("fill_max"),
+                self.grid_for(m2 - m, 4),
+                THREADS,
+                0,
+                args![buf.key_at(0), buf.id_at(0), m, m2],
+            )?;
+        }
+        if m2 == 1 {
+            return Ok(buf);
+        }
+        let chunk = self.bitonic_chunk().min(m2);
+        let shared = chunk * self.kind.pair_bytes();
+        let blocks = (m2 / chunk) as u32;
+        let (keys, ids) = (buf.key_at(0), buf.id_at(0));
+        self.launch(
+            &self.kernel("bitonic_sort_local"),
+            blocks,
+            BITONIC_THREADS,
+            shared,
+            args![keys, ids, m2, chunk as u32],
+        )?;
+        let step = self.kernel("bitonic_sort_step");
+        let merge = self.kernel("bitonic_merge_local");
+        let mut size = 2 * chunk;
+        while size <= m2 {
+            let mut stride = size / 2;
+            while stride >= chunk {
+                self.launch(
+                    &step,
+                    self.grid_for(m2 / 2, 4),
+                    THREADS,
+                    0,
+                    args![keys, ids, m2, size, stride],
+                )?;
+                stride /= 2;
+            }
+            self.launch(
+                &merge,
+                blocks,
+                BITONIC_THREADS,
+                shared,
+                args![keys, ids, m2, size, chunk as u32],
+            )?;
+            size *= 2;
+        }
+        Ok(buf)
+    }
+
+    /// The min(n, k) smallest of pairs `[0, n)`, sorted, at the start of the returned buffer.
+    pub fn select_sorted(
+        &mut self,
+        input: &DevicePairs,
+        n: usize,
+        k: usize,
+        algorithm: DeviceAlgorithm,
+    ) -> GpuResult<(DevicePairs, usize)> {
+        let m = n.min(k);
+        if m == 0 {
+            return Ok((self.alloc_pairs(1)?, 0));
+        }
+        let sorted = match algorithm {
+            DeviceAlgorithm::Bitonic => self.bitonic_select(input, n, k)?,
+            DeviceAlgorithm::Radix if n > k => {
+                let winners = self.radix_select(input, n, k, k)?;
+                self.sort(&winners, k)?
+            }
+            DeviceAlgorithm::Radix => self.sort(input, n)?,
+        };
+        Ok((sorted, m))
+    }
+}
+
+impl Drop for TopKEngine {
+    fn drop(&mut self) {
+        // Buffers go back to the pool ordered by events; waiting here also keeps the pinned
+        // buffers' copies from outliving a failed engine.
+        let _ = self.stream.synchronize();
+    }
+}
+
+/// See [`TopKEngine::bitonic_chunk`]; `max_shared` is the block's opt-in shared memory.
+pub fn bitonic_chunk(max_shared: usize, kind: KeyKind) -> usize {
+    let budget = max_shared.max(48 * 1024);
+    let mut chunk = 256;
+    while chunk * 2 * kind.pair_bytes() <= budget && chunk * 2 <= 16384 {
+        chunk *= 2;
+    }
+    chunk
+}

@@ -1,0 +1,210 @@
+//! The CUDA device runtime (cudarc, loaded dynamically).
+//!
+//! Detection never panics: with `dynamic-loading`, cudarc panics on first use of a library it
+//! cannot find, so [`gpu_status`] first asks `is_culib_present` for the driver and NVRTC, then
+//! initialises the driver and opens device 0. The result is computed once per process.
+//!
+//! The rest of the runtime, one module each:
+//! - [`memory`]: pooled device buffers (reused by size class) and pinned staging buffers;
+//! - [`kernels`]: the `kernels/*.cu` sources, NVRTC compilation to CUBIN, the on-disk cache;
+//! - [`algorithms`]: the host side of each kernel (encode, append, radix select, bitonic top-k,
+//!   sort), on one stream;
+//! - [`timer`]: CUDA events for timing.
+
+pub mod algorithms;
+pub mod kernels;
+pub mod memory;
+pub mod timer;
+
+use std::fmt;
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{CudaContext, CudaStream, DriverError};
+
+pub use algorithms::{DeviceAlgorithm, DevicePairs, KeyKind, TopKEngine};
+pub use kernels::Kernels;
+pub use memory::{BufferPool, PinnedBuffer, PinnedLease, PinnedPool, PooledBuffer};
+pub use timer::GpuTimer;
+
+/// What the process knows about its GPU.
+#[derive(Debug, Clone)]
+pub enum GpuStatus {
+    /// A usable device.
+    Available(Arc<GpuDevice>),
+    /// No usable device, and why (shown in EXPLAIN and by the CLI).
+    Unavailable(String),
+}
+
+/// An error of the device runtime: a driver error, a kernel compile error (with NVRTC's log),
+/// or a failed consistency check. The selectors turn it into a `DataFusionError`, and the
+/// caller falls back to the CPU path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuError(pub String);
+
+impl fmt::Display for GpuError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for GpuError {}
+
+impl From<DriverError> for GpuError {
+    fn from(e: DriverError) -> Self {
+        GpuError(format!("CUDA driver error: {e}"))
+    }
+}
+
+impl From<String> for GpuError {
+    fn from(message: String) -> Self {
+        GpuError(message)
+    }
+}
+
+pub type GpuResult<T> = Result<T, GpuError>;
+
+/// One CUDA device and its context, with the device-wide buffer pools and the kernels.
+pub struct GpuDevice {
+    pub context: Arc<CudaContext>,
+    pub name: String,
+    /// Compute capability (major, minor), e.g. (9, 0) for the H100.
+    pub compute_capability: (i32, i32),
+    pub total_memory: usize,
+    /// Streaming multiprocessors (132 on the H100 SXM).
+    pub sm_count: usize,
+    /// Shared memory one block may use after opting in (227 KiB on Hopper).
+    pub max_shared_per_block: usize,
+    /// The driver's CUDA version, e.g. 13000 (part of the kernel cache key).
+    pub driver_version: i32,
+    /// Device buffers, reused by size class across selections.
+    pub pool: Arc<BufferPool>,
+    /// Pinned host staging buffers, reused across selections.
+    pub pinned: Arc<PinnedPool>,
+    kernels: OnceLock<Result<Arc<Kernels>, String>>,
+}
+
+impl fmt::Debug for GpuDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuDevice")
+            .field("name", &self.name)
+            .field("arch", &self.arch())
+            .field("sm_count", &self.sm_count)
+            .field("total_memory", &self.total_memory)
+            .finish()
+    }
+}
+
+impl GpuDevice {
+    /// `sm_90` and the like: the NVRTC target for CUBIN.
+    pub fn arch(&self) -> String {
+        let (major, minor) = self.compute_capability;
+        format!("sm_{major}{minor}")
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "{} ({}, {} GiB)",
+            self.name,
+            self.arch(),
+            self.total_memory >> 30
+        )
+    }
+
+    /// The compiled kernels, built (or read from the on-disk cache in the default directory)
+    /// on first use. A failure is remembered: the same sources would fail again.
+    pub fn kernels(&self) -> GpuResult<Arc<Kernels>> {
+        self.kernels_with_cache_dir(None)
+    }
+
+    /// As [`kernels`](Self::kernels), with the CUBIN cache in `cache_dir` (when this is the
+    /// first call; later calls return the kernels loaded then).
+    pub fn kernels_with_cache_dir(&self, cache_dir: Option<&Path>) -> GpuResult<Arc<Kernels>> {
+        self.kernels
+            .get_or_init(|| {
+                Kernels::load(
+                    &self.context,
+                    &self.arch(),
+                    self.driver_version,
+                    self.max_shared_per_block,
+                    cache_dir,
+                )
+                .map(Arc::new)
+                .map_err(|e| e.0)
+            })
+            .clone()
+            .map_err(GpuError)
+    }
+
+    /// A new non-blocking stream on this device.
+    pub fn new_stream(&self) -> GpuResult<Arc<CudaStream>> {
+        Ok(self.context.new_stream()?)
+    }
+}
+
+/// The process's GPU, detected on first call.
+pub fn gpu_status() -> &'static GpuStatus {
+    static STATUS: OnceLock<GpuStatus> = OnceLock::new();
+    STATUS.get_or_init(|| match detect() {
+        Ok(device) => GpuStatus::Available(Arc::new(device)),
+        Err(reason) => GpuStatus::Unavailable(reason),
+    })
+}
+
+/// The usable device, if any.
+pub fn gpu() -> Option<Arc<GpuDevice>> {
+    match gpu_status() {
+        GpuStatus::Available(device) => Some(Arc::clone(device)),
+        GpuStatus::Unavailable(_) => None,
+    }
+}
+
+fn detect() -> Result<GpuDevice, String> {
+    if std::env::var_os("GPU_TOPK_DISABLE_CUDA").is_some() {
+        return Err("CUDA disabled by GPU_TOPK_DISABLE_CUDA".into());
+    }
+    // SAFETY: only probes whether the shared library can be loaded.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("no CUDA driver library (libcuda) found".into());
+    }
+    // SAFETY: as above.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err("no NVRTC library (libnvrtc) found".into());
+    }
+    let count = CudaContext::device_count().map_err(|e| format!("CUDA driver error: {e}"))?;
+    if count < 1 {
+        return Err("the CUDA driver reports no device".into());
+    }
+    let context = CudaContext::new(0).map_err(|e| format!("cannot open CUDA device 0: {e}"))?;
+    let name = context.name().unwrap_or_else(|_| "unknown GPU".into());
+    let compute_capability = context
+        .compute_capability()
+        .map_err(|e| format!("cannot read the compute capability: {e}"))?;
+    let total_memory = context.total_mem().unwrap_or(0);
+    let attribute = |a| {
+        context
+            .attribute(a)
+            .map_err(|e| format!("cannot read device attribute {a:?}: {e}"))
+    };
+    let sm_count = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    let max_shared_per_block =
+        attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+    let mut driver_version = 0;
+    // SAFETY: the driver library is loaded and initialised (CudaContext::new succeeded).
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }
+        .result()
+        .map_err(|e| format!("cannot read the driver version: {e}"))?;
+    Ok(GpuDevice {
+        pool: Arc::new(BufferPool::new(Arc::clone(&context), total_memory / 4)),
+        pinned: Arc::new(PinnedPool::new(Arc::clone(&context), 1 << 30)),
+        context,
+        name,
+        compute_capability,
+        total_memory,
+        sm_count: sm_count.max(1) as usize,
+        max_shared_per_block: max_shared_per_block.max(0) as usize,
+        driver_version,
+        kernels: OnceLock::new(),
+    })
+}

@@ -1,0 +1,315 @@
+//! [`GpuTopKExec`]: `ORDER BY … LIMIT k [OFFSET m]` fused with its filter, as one operator.
+//!
+//! The operator replaces DataFusion's `SortPreservingMergeExec` / `SortExec(TopK)` /
+//! `GlobalLimitExec` (and the filter and column projection directly below them, see
+//! [`crate::rule`]). It has one output partition and emits one sorted batch:
+//!
+//! 1. Every input partition is read concurrently (one task each, aborted when the stream is
+//!    dropped, so the operator is cancellation-safe).
+//! 2. Per batch: the fused predicate is evaluated (rows failing it go no further), then the
+//!    sort-key expressions on the surviving rows. Rows get global row ids: partition, then
+//!    position within the partition, which is the input order that ties are broken by.
+//! 3. The key columns go to the selector ([`crate::select`]): CPU or GPU, chosen by
+//!    [`crate::cost`]. It keeps the best `k` `(key, row id)` pairs and a running threshold.
+//! 4. Late materialisation: only the output columns of rows the selector admitted are kept
+//!    ([`row_store::RowStore`]), and pruned as the selector evicts them.
+//! 5. When the input ends, the winners' rows are gathered in order, `OFFSET` applied.
+//!
+//! The running threshold is published through a [`DynamicFilterPhysicalExpr`] that DataFusion's
+//! `FilterPushdown(Post)` hands to the scans below, so they can skip row groups that cannot win.
+//! Memory for retained rows is reserved from DataFusion's memory pool.
+
+mod dynamic_filter;
+mod row_store;
+mod stream;
+
+use std::fmt::{self, Formatter};
+use std::sync::Arc;
+
+use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::common::config::ConfigOptions;
+use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::error::Result;
+use datafusion::execution::TaskContext;
+use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
+use datafusion::physical_expr::{LexOrdering, PhysicalExpr};
+use datafusion::physical_plan::execution_plan::{
+    Boundedness, ChildrenPropertiesMode, EmissionType, ReplaceChildrenOptions,
+};
+use datafusion::physical_plan::filter_pushdown::{
+    ChildFilterDescription, ChildPushdownResult, FilterDescription, FilterPushdownPhase,
+    FilterPushdownPropagation,
+};
+use datafusion::physical_plan::metrics::{ExecutionPlanMetricsSet, MetricsSet};
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
+    SendableRecordBatchStream,
+};
+
+use crate::cost::SelectionChoice;
+use crate::keys::KeyLayout;
+
+pub use dynamic_filter::threshold_predicate;
+
+/// Everything the rule decided about one top-k query. Expressions are over the input's schema.
+#[derive(Debug, Clone)]
+pub struct TopKSpec {
+    pub sort_exprs: LexOrdering,
+    /// The fused `WHERE` predicate, evaluated before the sort keys.
+    pub filter: Option<Arc<dyn PhysicalExpr>>,
+    /// One expression (a column or literal) per output column.
+    pub output_exprs: Vec<Arc<dyn PhysicalExpr>>,
+    /// Rows to select: the query's fetch plus its offset.
+    pub k: usize,
+    /// Rows of the sorted result to skip (`OFFSET`).
+    pub skip: usize,
+    pub layout: KeyLayout,
+    pub choice: SelectionChoice,
+    /// Why this backend, for EXPLAIN.
+    pub reason: String,
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct GpuTopKExec {
+    input: Arc<dyn ExecutionPlan>,
+    spec: Arc<TopKSpec>,
+    schema: SchemaRef,
+    dynamic_filter: Arc<DynamicFilterPhysicalExpr>,
+    metrics: ExecutionPlanMetricsSet,
+    properties: Arc<PlanProperties>,
+}
+
+impl GpuTopKExec {
+    /// Builds the operator that replaces `replaced` (whose schema, ordering and equivalences
+    /// it takes over: it yields the same rows in the same order).
+    pub fn try_new(
+        input: Arc<dyn ExecutionPlan>,
+        spec: TopKSpec,
+        replaced: &dyn ExecutionPlan,
+    ) -> Result<Self> {
+        let schema = replaced.schema();
+        if spec.output_exprs.len() != schema.fields().len() {
+            return datafusion::common::internal_err!(
+                "GpuTopKExec: {} output expressions for {} columns",
+                spec.output_exprs.len(),
+                schema.fields().len()
+            );
+        }
+        let properties = PlanProperties::new(
+            replaced.properties().equivalence_properties().clone(),
+            Partitioning::UnknownPartitioning(1),
+            EmissionType::Final,
+            Boundedness::Bounded,
+        );
+        let dynamic_filter = Arc::new(new_dynamic_filter(&spec.sort_exprs));
+        Ok(Self {
+            input,
+            spec: Arc::new(spec),
+            schema,
+            dynamic_filter,
+            metrics: ExecutionPlanMetricsSet::new(),
+            properties: Arc::new(properties),
+        })
+    }
+
+    pub fn input(&self) -> &Arc<dyn ExecutionPlan> {
+        &self.input
+    }
+
+    pub fn spec(&self) -> &TopKSpec {
+        &self.spec
+    }
+
+    /// The threshold filter this operator publishes to the scans below.
+    pub fn dynamic_filter(&self) -> &Arc<DynamicFilterPhysicalExpr> {
+        &self.dynamic_filter
+    }
+
+    fn with_input(&self, input: Arc<dyn ExecutionPlan>) -> Self {
+        Self {
+            input,
+            spec: Arc::clone(&self.spec),
+            schema: Arc::clone(&self.schema),
+            // Kept across child replacement: the scans below hold this very filter.
+            dynamic_filter: Arc::clone(&self.dynamic_filter),
+            metrics: self.metrics.clone(),
+            properties: Arc::clone(&self.properties),
+        }
+    }
+}
+
+fn new_dynamic_filter(sort_exprs: &LexOrdering) -> DynamicFilterPhysicalExpr {
+    let first_key = Arc::clone(&sort_exprs.first().expr);
+    DynamicFilterPhysicalExpr::new(vec![first_key], lit(true))
+}
+
+impl DisplayAs for GpuTopKExec {
+    fn fmt_as(&self, t: DisplayFormatType, f: &mut Formatter) -> fmt::Result {
+        let spec = &self.spec;
+        match t {
+            DisplayFormatType::Default | DisplayFormatType::Verbose => {
+                write!(
+                    f,
+                    "GpuTopKExec: k={}, skip={}, expr=[{}]",
+                    spec.k, spec.skip, spec.sort_exprs
+                )?;
+                if let Some(filter) = &spec.filter {
+                    write!(f, ", filter=[{filter}]")?;
+                }
+                write!(
+                    f,
+                    ", key_bits={}, backend={}, algorithm={}",
+                    spec.layout.total_bits(),
+                    spec.choice.backend(),
+                    spec.choice.algorithm()
+                )?;
+                if matches!(t, DisplayFormatType::Verbose) {
+                    write!(f, ", reason=[{}]", spec.reason)?;
+                }
+                if let Ok(current) = self.dynamic_filter.current()
+                    && !current.eq(&lit(true))
+                {
+                    write!(f, ", threshold=[{current}]")?;
+                }
+                Ok(())
+            }
+            DisplayFormatType::TreeRender => {
+                writeln!(f, "{}", spec.sort_exprs)?;
+                writeln!(
+                    f,
+                    "limit={} skip={}",
+                    spec.k - spec.skip.min(spec.k),
+                    spec.skip
+                )?;
+                writeln!(f, "backend={}", spec.choice)
+            }
+        }
+    }
+}
+
+impl ExecutionPlan for GpuTopKExec {
+    fn name(&self) -> &str {
+        "GpuTopKExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.properties
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.input]
+    }
+
+    fn apply_expressions(
+        &self,
+        f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        let spec = &self.spec;
+        let dynamic: Arc<dyn PhysicalExpr> = self.dynamic_filter.clone();
+        let exprs = spec
+            .sort_exprs
+            .iter()
+            .map(|s| &s.expr)
+            .chain(spec.filter.iter())
+            .chain(spec.output_exprs.iter())
+            .chain(std::iter::once(&dynamic));
+        for expr in exprs {
+            if f(expr)? == TreeNodeRecursion::Stop {
+                return Ok(TreeNodeRecursion::Stop);
+            }
+        }
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn dynamic_expressions_produced(&self) -> Vec<Arc<dyn PhysicalExpr>> {
+        vec![self.dynamic_filter.clone()]
+    }
+
+    fn benefits_from_input_partitioning(&self) -> Vec<bool> {
+        vec![false]
+    }
+
+    fn replace_children(
+        self: Arc<Self>,
+        mut children: Vec<Arc<dyn ExecutionPlan>>,
+        _options: ReplaceChildrenOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        if children.len() != 1 {
+            return datafusion::common::internal_err!("GpuTopKExec takes exactly one child");
+        }
+        // Our properties come from the replaced subtree's output, which a new child (e.g. a scan
+        // with a pushed-down filter) does not change.
+        Ok(Arc::new(self.with_input(children.swap_remove(0))))
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        self.replace_children(
+            children,
+            ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute),
+        )
+    }
+
+    fn reset_state(self: Arc<Self>) -> Result<Arc<dyn ExecutionPlan>> {
+        let mut fresh = self.with_input(Arc::clone(&self.input));
+        fresh.dynamic_filter = Arc::new(new_dynamic_filter(&self.spec.sort_exprs));
+        fresh.metrics = ExecutionPlanMetricsSet::new();
+        Ok(Arc::new(fresh))
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        if partition != 0 {
+            return datafusion::common::internal_err!(
+                "GpuTopKExec has one output partition, asked for {partition}"
+            );
+        }
+        stream::execute(
+            Arc::clone(&self.input),
+            Arc::clone(&self.spec),
+            Arc::clone(&self.schema),
+            Arc::clone(&self.dynamic_filter),
+            &self.metrics,
+            context,
+        )
+    }
+
+    fn metrics(&self) -> Option<MetricsSet> {
+        Some(self.metrics.clone_inner())
+    }
+
+    fn fetch(&self) -> Option<usize> {
+        Some(self.spec.k - self.spec.skip.min(self.spec.k))
+    }
+
+    fn gather_filters_for_pushdown(
+        &self,
+        phase: FilterPushdownPhase,
+        parent_filters: Vec<Arc<dyn PhysicalExpr>>,
+        config: &ConfigOptions,
+    ) -> Result<FilterDescription> {
+        // Filters from above must stay above a LIMIT; our own threshold goes down.
+        let mut child = ChildFilterDescription::all_unsupported(&parent_filters);
+        if phase == FilterPushdownPhase::Post
+            && config.optimizer.enable_topk_dynamic_filter_pushdown
+        {
+            child = child.with_self_filter(self.dynamic_filter.clone());
+        }
+        Ok(FilterDescription::new().with_child(child))
+    }
+
+    fn handle_child_pushdown_result(
+        &self,
+        _phase: FilterPushdownPhase,
+        child_pushdown_result: ChildPushdownResult,
+        _config: &ConfigOptions,
+    ) -> Result<FilterPushdownPropagation<Arc<dyn ExecutionPlan>>> {
+        Ok(FilterPushdownPropagation::if_all(child_pushdown_result))
+    }
+}

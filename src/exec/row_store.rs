@@ -1,0 +1,180 @@
+//! Rows retained for late materialisation.
+//!
+//! The selector decides which row ids win; the store keeps, for rows that may still win, the
+//! operator's output columns (and the first sort key, which the dynamic filter publishes).
+//! Batches enter already cut down to the admitted rows; [`RowStore::retain`] drops rows the
+//! selector has since evicted, so the store stays near `k` rows however large the input is.
+
+use std::collections::HashMap;
+
+use datafusion::arrow::array::{ArrayRef, RecordBatch, UInt32Array};
+use datafusion::arrow::compute::{interleave_record_batch, take_record_batch};
+use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::common::ScalarValue;
+use datafusion::error::{DataFusionError, Result};
+
+/// Row ids of a stored batch's rows, ascending.
+#[derive(Debug)]
+enum StoredIds {
+    Range(u64),
+    List(Vec<u64>),
+}
+
+#[derive(Debug)]
+struct Entry {
+    ids: StoredIds,
+    /// Output columns, then the first sort key as the last column.
+    batch: RecordBatch,
+}
+
+impl Entry {
+    fn id(&self, row: usize) -> u64 {
+        match &self.ids {
+            StoredIds::Range(start) => start + row as u64,
+            StoredIds::List(ids) => ids[row],
+        }
+    }
+
+    /// Position of `id` in this entry, if present.
+    fn position(&self, id: u64) -> Option<usize> {
+        match &self.ids {
+            StoredIds::Range(start) => {
+                let n = self.batch.num_rows() as u64;
+                (id >= *start && id < start + n).then(|| (id - start) as usize)
+            }
+            StoredIds::List(ids) => ids.binary_search(&id).ok(),
+        }
+    }
+}
+
+/// See the module documentation.
+#[derive(Debug, Default)]
+pub struct RowStore {
+    entries: Vec<Entry>,
+    rows: usize,
+    bytes: usize,
+    /// Rows at the last [`retain`](Self::retain), to pace the next one.
+    rows_after_retain: usize,
+}
+
+impl RowStore {
+    /// Memory held by the retained arrays.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Adds rows whose ids are `first_id..` (one per row, consecutive).
+    pub fn insert_range(&mut self, first_id: u64, batch: RecordBatch) {
+        self.push(StoredIds::Range(first_id), batch);
+    }
+
+    /// Adds rows with the given ascending ids.
+    pub fn insert_list(&mut self, ids: Vec<u64>, batch: RecordBatch) {
+        debug_assert_eq!(ids.len(), batch.num_rows());
+        self.push(StoredIds::List(ids), batch);
+    }
+
+    fn push(&mut self, ids: StoredIds, batch: RecordBatch) {
+        if batch.num_rows() == 0 {
+            return;
+        }
+        self.rows += batch.num_rows();
+        self.bytes += batch.get_array_memory_size();
+        self.entries.push(Entry { ids, batch });
+    }
+
+    /// Whether enough rows arrived since the last [`retain`](Self::retain) to make another one
+    /// worthwhile (amortised O(1) per row).
+    pub fn wants_retain(&self, k: usize) -> bool {
+        self.rows > (2 * self.rows_after_retain).max(2 * k).max(8192)
+    }
+
+    /// Keeps only the rows whose ids are in `live` (ascending), compacting what remains.
+    pub fn retain(&mut self, live: &[u64]) -> Result<()> {
+        let mut kept = Vec::with_capacity(self.entries.len());
+        let (mut rows, mut bytes) = (0, 0);
+        for entry in self.entries.drain(..) {
+            let n = entry.batch.num_rows();
+            let (first, last) = (entry.id(0), entry.id(n - 1));
+            let lo = live.partition_point(|&id| id < first);
+            let hi = live.partition_point(|&id| id <= last);
+            if lo == hi {
+                continue;
+            }
+            let (indices, ids): (Vec<u32>, Vec<u64>) = live[lo..hi]
+                .iter()
+                .filter_map(|&id| entry.position(id).map(|p| (p as u32, id)))
+                .unzip();
+            let entry = if indices.len() == n {
+                entry
+            } else if indices.is_empty() {
+                continue;
+            } else {
+                let batch = take_record_batch(&entry.batch, &UInt32Array::from(indices))?;
+                Entry {
+                    ids: StoredIds::List(ids),
+                    batch,
+                }
+            };
+            rows += entry.batch.num_rows();
+            bytes += entry.batch.get_array_memory_size();
+            kept.push(entry);
+        }
+        self.entries = kept;
+        self.rows = rows;
+        self.bytes = bytes;
+        self.rows_after_retain = rows;
+        Ok(())
+    }
+
+    /// The value of the last column (the first sort key) of row `id`.
+    pub fn key_value(&self, id: u64) -> Result<Option<ScalarValue>> {
+        for entry in &self.entries {
+            if let Some(row) = entry.position(id) {
+                let key: &ArrayRef = entry.batch.columns().last().ok_or_else(|| {
+                    DataFusionError::Internal("row store batch has no key column".into())
+                })?;
+                return ScalarValue::try_from_array(key, row).map(Some);
+            }
+        }
+        Ok(None)
+    }
+
+    /// The rows `ids` in that order, as one batch of `schema` (the output columns).
+    pub fn gather(&self, ids: &[u64], schema: &SchemaRef) -> Result<RecordBatch> {
+        let wanted: HashMap<u64, usize> = ids.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+        let mut at: Vec<Option<(usize, usize)>> = vec![None; ids.len()];
+        for (e, entry) in self.entries.iter().enumerate() {
+            for row in 0..entry.batch.num_rows() {
+                if let Some(&slot) = wanted.get(&entry.id(row)) {
+                    at[slot] = Some((e, row));
+                }
+            }
+        }
+        let at: Vec<(usize, usize)> = at
+            .into_iter()
+            .zip(ids)
+            .map(|(found, id)| {
+                found.ok_or_else(|| {
+                    DataFusionError::Internal(format!("winning row {id} was not retained"))
+                })
+            })
+            .collect::<Result<_>>()?;
+        let width = schema.fields().len();
+        if at.is_empty() {
+            return Ok(RecordBatch::new_empty(schema.clone()));
+        }
+        let batches: Vec<RecordBatch> = self
+            .entries
+            .iter()
+            .map(|e| e.batch.project(&(0..width).collect::<Vec<_>>()))
+            .collect::<std::result::Result<_, _>>()?;
+        let refs: Vec<&RecordBatch> = batches.iter().collect();
+        let gathered = interleave_record_batch(&refs, &at)?;
+        Ok(RecordBatch::try_new_with_options(
+            schema.clone(),
+            gathered.columns().to_vec(),
+            &Default::default(),
+        )?)
+    }
+}

@@ -1,0 +1,338 @@
+//! The operator's execution (see the module documentation of [`super`]).
+
+use std::sync::{Arc, Mutex};
+
+use datafusion::arrow::array::{Array, ArrayRef, AsArray, BooleanArray, RecordBatch, UInt32Array};
+use datafusion::arrow::compute::kernels::take::take;
+use datafusion::arrow::compute::{filter_record_batch, prep_null_mask_filter};
+use datafusion::arrow::datatypes::{Field, Schema, SchemaRef};
+use datafusion::common::runtime::JoinSet;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::TaskContext;
+use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
+use datafusion::physical_expr::expressions::DynamicFilterPhysicalExpr;
+use datafusion::physical_plan::metrics::{Count, ExecutionPlanMetricsSet, MetricBuilder, Time};
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    ExecutionPlan, ExecutionPlanProperties, SendableRecordBatchStream,
+};
+use futures::StreamExt;
+
+use super::TopKSpec;
+use super::dynamic_filter::threshold_predicate;
+use super::row_store::RowStore;
+use crate::cost::SelectionChoice;
+use crate::select::{self, Admitted, RowIds, SelectInput, SelectionSpec, TopKSelector};
+
+/// Metrics shown by `EXPLAIN ANALYZE`.
+#[derive(Debug, Clone)]
+struct TopKMetrics {
+    rows_in: Count,
+    rows_passed_filter: Count,
+    output_rows: Count,
+    gpu_fallbacks: Count,
+    filter_time: Time,
+    key_eval_time: Time,
+    select_time: Time,
+    retain_time: Time,
+    gather_time: Time,
+}
+
+impl TopKMetrics {
+    fn new(set: &ExecutionPlanMetricsSet) -> Self {
+        let time = |name: &'static str| MetricBuilder::new(set).subset_time(name, 0);
+        Self {
+            rows_in: MetricBuilder::new(set).counter("rows_in", 0),
+            rows_passed_filter: MetricBuilder::new(set).counter("rows_passed_filter", 0),
+            output_rows: MetricBuilder::new(set).output_rows(0),
+            gpu_fallbacks: MetricBuilder::new(set).counter("gpu_fallbacks", 0),
+            filter_time: time("filter_time"),
+            key_eval_time: time("key_eval_time"),
+            select_time: time("select_time"),
+            retain_time: time("retain_time"),
+            gather_time: time("gather_time"),
+        }
+    }
+}
+
+pub(super) fn execute(
+    input: Arc<dyn ExecutionPlan>,
+    spec: Arc<TopKSpec>,
+    schema: SchemaRef,
+    dynamic_filter: Arc<DynamicFilterPhysicalExpr>,
+    metrics: &ExecutionPlanMetricsSet,
+    context: Arc<TaskContext>,
+) -> Result<SendableRecordBatchStream> {
+    let metrics = TopKMetrics::new(metrics);
+    let output_schema = Arc::clone(&schema);
+    let result = async move {
+        let batch = run(input, spec, output_schema, dynamic_filter, metrics, context).await?;
+        Ok(batch)
+    };
+    Ok(Box::pin(RecordBatchStreamAdapter::new(
+        schema,
+        futures::stream::once(result),
+    )))
+}
+
+async fn run(
+    input: Arc<dyn ExecutionPlan>,
+    spec: Arc<TopKSpec>,
+    schema: SchemaRef,
+    dynamic_filter: Arc<DynamicFilterPhysicalExpr>,
+    metrics: TopKMetrics,
+    context: Arc<TaskContext>,
+) -> Result<RecordBatch> {
+    let reservation = MemoryConsumer::new("GpuTopKExec").register(context.memory_pool());
+    let attempt = select_all(
+        &input,
+        &spec,
+        &schema,
+        &dynamic_filter,
+        &metrics,
+        &context,
+        &reservation,
+        &spec.choice,
+    )
+    .await;
+    let batch = match attempt {
+        Ok(batch) => batch,
+        Err(e) if spec.choice != SelectionChoice::Cpu && is_device_error(&e) => {
+            // A GPU fault never loses the query: run it again on the CPU path.
+            log::warn!(
+                "gpu-topk: {} failed, falling back to the CPU path: {e}",
+                spec.choice
+            );
+            metrics.gpu_fallbacks.add(1);
+            select_all(
+                &input,
+                &spec,
+                &schema,
+                &dynamic_filter,
+                &metrics,
+                &context,
+                &reservation,
+                &SelectionChoice::Cpu,
+            )
+            .await?
+        }
+        Err(e) => return Err(e),
+    };
+    dynamic_filter.mark_complete();
+    metrics.output_rows.add(batch.num_rows());
+    Ok(batch)
+}
+
+/// Errors raised by the device path (as opposed to errors of the query itself, such as an
+/// overflow in a sort expression, which the CPU path would raise too).
+fn is_device_error(e: &DataFusionError) -> bool {
+    matches!(e.find_root(), DataFusionError::External(_))
+        || e.to_string().contains(crate::select::DEVICE_ERROR_TAG)
+}
+
+/// State shared by the partition tasks of one run.
+struct Shared {
+    spec: Arc<TopKSpec>,
+    selector: Arc<dyn TopKSelector>,
+    store: Mutex<StoreState>,
+    store_schema: SchemaRef,
+    dynamic_filter: Arc<DynamicFilterPhysicalExpr>,
+    reservation: MemoryReservation,
+    metrics: TopKMetrics,
+}
+
+struct StoreState {
+    rows: RowStore,
+    /// Row id of the threshold last published to the dynamic filter.
+    published: Option<u64>,
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn select_all(
+    input: &Arc<dyn ExecutionPlan>,
+    spec: &Arc<TopKSpec>,
+    schema: &SchemaRef,
+    dynamic_filter: &Arc<DynamicFilterPhysicalExpr>,
+    metrics: &TopKMetrics,
+    context: &Arc<TaskContext>,
+    reservation: &MemoryReservation,
+    choice: &SelectionChoice,
+) -> Result<RecordBatch> {
+    let selection = SelectionSpec {
+        layout: spec.layout.clone(),
+        k: spec.k,
+    };
+    let selector = select::create_selector(&selection, choice)?;
+    let input_schema = input.schema();
+    let first_key_type = spec.sort_exprs.first().expr.data_type(&input_schema)?;
+    let mut fields: Vec<Field> = schema
+        .fields()
+        .iter()
+        .map(|f| f.as_ref().clone().with_nullable(true))
+        .collect();
+    fields.push(Field::new("__gpu_topk_first_key", first_key_type, true));
+    let shared = Arc::new(Shared {
+        spec: Arc::clone(spec),
+        selector: Arc::clone(&selector),
+        store: Mutex::new(StoreState {
+            rows: RowStore::default(),
+            published: None,
+        }),
+        store_schema: Arc::new(Schema::new(fields)),
+        dynamic_filter: Arc::clone(dynamic_filter),
+        reservation: reservation.new_empty(),
+        metrics: metrics.clone(),
+    });
+
+    if spec.k > 0 {
+        // One task per input partition; dropping the JoinSet (cancellation) aborts them all.
+        let mut tasks = JoinSet::new();
+        for partition in 0..input.output_partitioning().partition_count() {
+            let mut stream = input.execute(partition, Arc::clone(context))?;
+            let shared = Arc::clone(&shared);
+            tasks.spawn(async move {
+                let mut offset = 0u64;
+                while let Some(batch) = stream.next().await {
+                    let batch = batch?;
+                    shared.process_batch(partition, offset, &batch)?;
+                    offset += batch.num_rows() as u64;
+                }
+                Ok::<_, DataFusionError>(())
+            });
+        }
+        while let Some(result) = tasks.join_next().await {
+            result.map_err(|e| DataFusionError::ExecutionJoin(Box::new(e)))??;
+        }
+    }
+
+    let _timer = metrics.gather_time.timer();
+    let winners = selector.finish()?;
+    let skip = spec.skip.min(winners.len());
+    let store = shared.store.lock().unwrap_or_else(|e| e.into_inner());
+    store.rows.gather(&winners[skip..], schema)
+}
+
+impl Shared {
+    /// Filter, key evaluation, selection and retention of one input batch.
+    fn process_batch(&self, partition: usize, offset: u64, batch: &RecordBatch) -> Result<()> {
+        let n = batch.num_rows();
+        if n == 0 {
+            return Ok(());
+        }
+        let metrics = &self.metrics;
+        metrics.rows_in.add(n);
+        let first_id = select::row_id(partition, offset);
+
+        // 1. The fused predicate.
+        let mut explicit_ids: Option<Vec<u64>> = None;
+        let filtered = match &self.spec.filter {
+            None => batch.clone(),
+            Some(predicate) => {
+                let _timer = metrics.filter_time.timer();
+                let mask = predicate.evaluate(batch)?.into_array(n)?;
+                let mask: &BooleanArray = mask.as_boolean_opt().ok_or_else(|| {
+                    DataFusionError::Internal("filter predicate is not boolean".into())
+                })?;
+                let mask = match mask.null_count() {
+                    0 => mask.clone(),
+                    _ => prep_null_mask_filter(mask),
+                };
+                let passed = mask.true_count();
+                if passed == 0 {
+                    return Ok(());
+                }
+                if passed == n {
+                    batch.clone()
+                } else {
+                    explicit_ids = Some(
+                        mask.values()
+                            .set_indices()
+                            .map(|i| first_id + i as u64)
+                            .collect(),
+                    );
+                    filter_record_batch(batch, &mask)?
+                }
+            }
+        };
+        let m = filtered.num_rows();
+        metrics.rows_passed_filter.add(m);
+
+        // 2. The ranking keys, on the surviving rows only (as DataFusion evaluates them).
+        let keys: Vec<ArrayRef> = {
+            let _timer = metrics.key_eval_time.timer();
+            self.spec
+                .sort_exprs
+                .iter()
+                .map(|s| s.expr.evaluate(&filtered)?.into_array(m))
+                .collect::<Result<_>>()?
+        };
+
+        // 3. Selection.
+        let row_ids = match &explicit_ids {
+            Some(ids) => RowIds::Explicit(ids),
+            None => RowIds::Range(first_id),
+        };
+        let admitted = {
+            let _timer = metrics.select_time.timer();
+            self.selector.push(SelectInput {
+                keys: &keys,
+                row_ids,
+            })?
+        };
+
+        // 4. Late materialisation: keep the output columns of admitted rows only.
+        let _timer = metrics.retain_time.timer();
+        let mut columns: Vec<ArrayRef> = self
+            .spec
+            .output_exprs
+            .iter()
+            .map(|e| e.evaluate(&filtered)?.into_array(m))
+            .collect::<Result<_>>()?;
+        columns.push(Arc::clone(&keys[0]));
+        let (columns, ids) = match admitted {
+            Admitted::All => (columns, None),
+            Admitted::Indices(indices) if indices.is_empty() => return Ok(()),
+            Admitted::Indices(indices) if indices.len() == m => (columns, None),
+            Admitted::Indices(indices) => {
+                let ids: Vec<u64> = indices.iter().map(|&i| row_ids.get(i as usize)).collect();
+                let indices = UInt32Array::from(indices);
+                let columns = columns
+                    .iter()
+                    .map(|c| take(c.as_ref(), &indices, None))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                (columns, Some(ids))
+            }
+        };
+        let retained = RecordBatch::try_new(Arc::clone(&self.store_schema), columns)?;
+        let mut store = self.store.lock().unwrap_or_else(|e| e.into_inner());
+        match (ids, explicit_ids) {
+            (Some(ids), _) | (None, Some(ids)) => store.rows.insert_list(ids, retained),
+            (None, None) => store.rows.insert_range(first_id, retained),
+        }
+        if store.rows.wants_retain(self.spec.k)
+            && let Some(live) = self.selector.live_row_ids()?
+        {
+            store.rows.retain(&live)?;
+        }
+        self.reservation.try_resize(store.rows.bytes())?;
+        self.publish_threshold(&mut store)
+    }
+
+    /// Tightens the dynamic filter when the selector's threshold moved.
+    fn publish_threshold(&self, store: &mut StoreState) -> Result<()> {
+        let Some(id) = self.selector.threshold_row_id() else {
+            return Ok(());
+        };
+        if store.published == Some(id) {
+            return Ok(());
+        }
+        let Some(value) = store.rows.key_value(id)? else {
+            return Ok(()); // not stored yet: its push is still in flight
+        };
+        store.published = Some(id);
+        if let Some(predicate) = threshold_predicate(self.spec.sort_exprs.first(), &value)? {
+            self.dynamic_filter.update(predicate)?;
+        }
+        Ok(())
+    }
+}

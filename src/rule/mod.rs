@@ -1,0 +1,343 @@
+//! [`GpuTopKRule`]: the physical-optimizer rule that puts [`GpuTopKExec`] into plans.
+//!
+//! It collapses DataFusion's top-k subtree
+//!
+//! ```text
+//! [GlobalLimitExec skip=m]
+//!   SortPreservingMergeExec fetch=k+m          ═▶   GpuTopKExec k+m, skip=m, keys, filter, output
+//!     SortExec TopK fetch=k+m                          input (everything below the absorbed nodes)
+//!       [ProjectionExec of columns]
+//!         [FilterExec predicate, projection]
+//!           [RepartitionExec round-robin] [CoalescePartitionsExec]
+//!             input
+//! ```
+//!
+//! (and the single-partition form, a lone `SortExec` TopK). Matching is on node types and
+//! expression structure only: column references are followed through each absorbed node's
+//! projection, so the rule never depends on DataFusion's column order.
+//!
+//! Round-robin repartitioning and partition coalescing directly below are dropped: our operator
+//! reads every partition itself, and without them the input order (partition, batch, row) is
+//! deterministic, which is what makes ties deterministic.
+//!
+//! A shape or type the operator cannot take leaves the plan untouched (the rule never errors);
+//! the reason is logged and kept in [`GpuTopKRule::last_decisions`].
+
+use std::sync::{Arc, Mutex};
+
+use datafusion::common::config::ConfigOptions;
+use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
+use datafusion::error::Result;
+use datafusion::physical_expr::expressions::{Column, Literal};
+use datafusion::physical_expr::{LexOrdering, PhysicalExpr, PhysicalSortExpr};
+use datafusion::physical_optimizer::PhysicalOptimizerRule;
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::filter::FilterExec;
+use datafusion::physical_plan::limit::GlobalLimitExec;
+use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::sorts::sort::SortExec;
+use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
+use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitioning};
+
+use crate::config::GpuTopKConfig;
+use crate::cost::{self, Placement};
+use crate::exec::{GpuTopKExec, TopKSpec};
+use crate::keys::{KeyLayout, KeySpec};
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct GpuTopKRule {
+    /// Used when the session has no `gpu_topk` extension registered.
+    default_config: GpuTopKConfig,
+    decisions: Mutex<Vec<String>>,
+}
+
+impl GpuTopKRule {
+    pub const NAME: &'static str = "GpuTopKRule";
+
+    pub fn new(default_config: GpuTopKConfig) -> Self {
+        Self {
+            default_config,
+            decisions: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Why top-k subtrees of the last optimized plan were left to DataFusion (one line each).
+    pub fn last_decisions(&self) -> Vec<String> {
+        self.decisions.lock().map(|d| d.clone()).unwrap_or_default()
+    }
+}
+
+impl PhysicalOptimizerRule for GpuTopKRule {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        options: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let config = options
+            .extensions
+            .get::<GpuTopKConfig>()
+            .unwrap_or(&self.default_config);
+        let mut decisions = Vec::new();
+        if !config.enabled {
+            decisions.push("gpu_topk.enabled = false".to_string());
+            *self.decisions.lock().unwrap_or_else(|e| e.into_inner()) = decisions;
+            return Ok(plan);
+        }
+        let plan = plan
+            .transform_down(|node| match match_top_k(&node, config) {
+                Ok(exec) => Ok(Transformed::yes(exec)),
+                Err(Declined::NotTopK) => Ok(Transformed::no(node)),
+                Err(Declined::Because(why)) => {
+                    log::info!("gpu-topk: DataFusion's TopK kept: {why}");
+                    decisions.push(why);
+                    Ok(Transformed::no(node))
+                }
+            })
+            .data()?;
+        *self.decisions.lock().unwrap_or_else(|e| e.into_inner()) = decisions;
+        Ok(plan)
+    }
+
+    fn name(&self) -> &str {
+        Self::NAME
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+enum Declined {
+    /// The node does not start a top-k subtree.
+    NotTopK,
+    /// It does, but we leave it to DataFusion, for this reason.
+    Because(String),
+}
+
+fn because<T>(why: impl Into<String>) -> std::result::Result<T, Declined> {
+    Err(Declined::Because(why.into()))
+}
+
+/// Recognises a top-k subtree rooted at `node` and builds its replacement.
+fn match_top_k(
+    node: &Arc<dyn ExecutionPlan>,
+    config: &GpuTopKConfig,
+) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
+    // [GlobalLimitExec skip]
+    let (skip, limit_fetch, below_limit) = match node.downcast_ref::<GlobalLimitExec>() {
+        Some(limit) => (limit.skip(), limit.fetch(), limit.input()),
+        None => (0, None, node),
+    };
+    // SortPreservingMergeExec over SortExec(preserve_partitioning), or a lone SortExec.
+    // DataFusion may put a column projection between the merge and the sorts.
+    let mut above_sort: Option<&ProjectionExec> = None;
+    let (sort, fetch) = if let Some(merge) = below_limit.downcast_ref::<SortPreservingMergeExec>() {
+        let mut below_merge = merge.input();
+        if let Some(projection) = below_merge.downcast_ref::<ProjectionExec>() {
+            if !is_column_projection(projection) {
+                return because("computed projection between the merge and the sort");
+            }
+            above_sort = Some(projection);
+            below_merge = projection.input();
+        }
+        let Some(sort) = below_merge.downcast_ref::<SortExec>() else {
+            return Err(Declined::NotTopK);
+        };
+        let (Some(merge_fetch), Some(sort_fetch)) = (merge.fetch(), sort.fetch()) else {
+            return Err(Declined::NotTopK);
+        };
+        (sort, merge_fetch.min(sort_fetch))
+    } else if let Some(sort) = below_limit.downcast_ref::<SortExec>() {
+        let Some(fetch) = sort.fetch() else {
+            return Err(Declined::NotTopK);
+        };
+        if sort.preserve_partitioning() && sort.input().output_partitioning().partition_count() > 1
+        {
+            // A per-partition TopK without a merge above it is not a whole-query top-k.
+            return Err(Declined::NotTopK);
+        }
+        (sort, fetch)
+    } else {
+        return Err(Declined::NotTopK);
+    };
+    if below_limit.output_partitioning().partition_count() != 1 {
+        return Err(Declined::NotTopK);
+    }
+    // Rows to select: the limit's window [skip, skip + fetch) within the sorted input.
+    let k = match limit_fetch {
+        Some(f) => fetch.min(skip.saturating_add(f)),
+        None => fetch,
+    };
+    if k > config.max_k {
+        return because(format!("k = {k} exceeds gpu_topk.max_k = {}", config.max_k));
+    }
+
+    let absorbed = absorb_below(sort.input(), sort.expr(), above_sort)?;
+    let input_schema = absorbed.input.schema();
+    let mut specs = Vec::with_capacity(absorbed.sort_exprs.len());
+    for sort_expr in absorbed.sort_exprs.iter() {
+        let data_type = sort_expr
+            .expr
+            .data_type(&input_schema)
+            .or_else(|e| because(format!("cannot type sort key: {e}")))?;
+        let nullable = sort_expr
+            .expr
+            .nullable(&input_schema)
+            .or_else(|e| because(format!("cannot type sort key: {e}")))?;
+        specs.push(KeySpec {
+            data_type,
+            descending: sort_expr.options.descending,
+            nulls_first: sort_expr.options.nulls_first,
+            nullable,
+        });
+    }
+    let layout = KeyLayout::try_new(specs).or_else(because)?;
+
+    let (choice, reason) = match cost::choose(config.backend, config.algorithm, k) {
+        Placement::Run { choice, reason } => (choice, reason),
+        Placement::Decline(why) => return because(why),
+    };
+    let spec = TopKSpec {
+        sort_exprs: absorbed.sort_exprs,
+        filter: absorbed.filter,
+        output_exprs: absorbed.output_exprs,
+        k,
+        skip,
+        layout,
+        choice,
+        reason,
+    };
+    let exec = GpuTopKExec::try_new(absorbed.input, spec, node.as_ref())
+        .or_else(|e| because(format!("cannot build the operator: {e}")))?;
+    Ok(Arc::new(exec))
+}
+
+/// The operator's inputs once the nodes below the sort are absorbed; every expression is
+/// rewritten against `input`'s schema.
+struct Absorbed {
+    input: Arc<dyn ExecutionPlan>,
+    sort_exprs: LexOrdering,
+    filter: Option<Arc<dyn PhysicalExpr>>,
+    /// One per column of the sort's input (the operator's output before any projection above).
+    output_exprs: Vec<Arc<dyn PhysicalExpr>>,
+}
+
+fn absorb_below(
+    sort_input: &Arc<dyn ExecutionPlan>,
+    ordering: &LexOrdering,
+    above_sort: Option<&ProjectionExec>,
+) -> std::result::Result<Absorbed, Declined> {
+    let schema = sort_input.schema();
+    let output_exprs = match above_sort {
+        Some(projection) => projection
+            .expr()
+            .iter()
+            .map(|p| Arc::clone(&p.expr))
+            .collect(),
+        None => (0..schema.fields().len())
+            .map(|i| Arc::new(Column::new(schema.field(i).name(), i)) as Arc<dyn PhysicalExpr>)
+            .collect(),
+    };
+    let mut absorbed = Absorbed {
+        input: Arc::clone(sort_input),
+        sort_exprs: ordering.clone(),
+        filter: None,
+        output_exprs,
+    };
+    loop {
+        let node = Arc::clone(&absorbed.input);
+        if let Some(projection) = node.downcast_ref::<ProjectionExec>() {
+            if !is_column_projection(projection) {
+                break;
+            }
+            let exprs: Vec<_> = projection
+                .expr()
+                .iter()
+                .map(|p| Arc::clone(&p.expr))
+                .collect();
+            absorbed.substitute(&exprs)?;
+            absorbed.input = Arc::clone(projection.input());
+        } else if let Some(filter) = node.downcast_ref::<FilterExec>() {
+            if absorbed.filter.is_some() {
+                break; // one predicate: DataFusion evaluates stacked filters in sequence
+            }
+            if let Some(projection) = filter.projection() {
+                let input_schema = filter.input().schema();
+                let exprs: Vec<Arc<dyn PhysicalExpr>> = projection
+                    .iter()
+                    .map(|&i| {
+                        Arc::new(Column::new(input_schema.field(i).name(), i))
+                            as Arc<dyn PhysicalExpr>
+                    })
+                    .collect();
+                absorbed.substitute(&exprs)?;
+            }
+            absorbed.filter = Some(Arc::clone(filter.predicate()));
+            absorbed.input = Arc::clone(filter.input());
+        } else if let Some(coalesce) = node.downcast_ref::<CoalescePartitionsExec>() {
+            if coalesce.fetch().is_some() {
+                break;
+            }
+            absorbed.input = Arc::clone(coalesce.input());
+        } else if let Some(repartition) = node.downcast_ref::<RepartitionExec>() {
+            if !matches!(repartition.partitioning(), Partitioning::RoundRobinBatch(_))
+                || repartition.preserve_order()
+            {
+                break;
+            }
+            absorbed.input = Arc::clone(repartition.input());
+        } else {
+            break;
+        }
+    }
+    Ok(absorbed)
+}
+
+/// Columns and literals only: a computed column must be evaluated on every row, as DataFusion
+/// does (its errors included), so such a projection is not absorbed.
+fn is_column_projection(projection: &ProjectionExec) -> bool {
+    projection
+        .expr()
+        .iter()
+        .all(|p| p.expr.is::<Column>() || p.expr.is::<Literal>())
+}
+
+impl Absorbed {
+    /// Rewrites every expression through a projection: column `i` becomes `exprs[i]`.
+    fn substitute(&mut self, exprs: &[Arc<dyn PhysicalExpr>]) -> std::result::Result<(), Declined> {
+        let rewrite =
+            |expr: &Arc<dyn PhysicalExpr>| -> std::result::Result<Arc<dyn PhysicalExpr>, Declined> {
+                Arc::clone(expr)
+                    .transform_down(|e| match e.downcast_ref::<Column>() {
+                        Some(col) => match exprs.get(col.index()) {
+                            Some(replacement) => Ok(Transformed::new(
+                                Arc::clone(replacement),
+                                true,
+                                datafusion::common::tree_node::TreeNodeRecursion::Jump,
+                            )),
+                            None => datafusion::common::internal_err!("column {col} out of range"),
+                        },
+                        None => Ok(Transformed::no(e)),
+                    })
+                    .data()
+                    .or_else(|e| because(format!("cannot rewrite expression: {e}")))
+            };
+        let mut sort_exprs = Vec::with_capacity(self.sort_exprs.len());
+        for s in self.sort_exprs.iter() {
+            sort_exprs.push(PhysicalSortExpr::new(rewrite(&s.expr)?, s.options));
+        }
+        self.sort_exprs = LexOrdering::new(sort_exprs)
+            .ok_or_else(|| Declined::Because("empty ordering".into()))?;
+        if let Some(filter) = &self.filter {
+            self.filter = Some(rewrite(filter)?);
+        }
+        self.output_exprs = self
+            .output_exprs
+            .iter()
+            .map(&rewrite)
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(())
+    }
+}

@@ -1,0 +1,626 @@
+//! The CUDA selector: the same selection as the CPU selector ([`super::cpu`]), on the device.
+//!
+//! Each `push` (from any partition's thread; device work is serialised by a mutex, on one
+//! stream) copies the raw Arrow buffers of the key columns (values and validity bitmaps, no
+//! host-side encoding) into pinned staging memory, uploads them asynchronously, encodes them on
+//! the device into composite keys (encode.cu, bit for bit the keys module's encoding), and
+//! appends (key, row id) to a device-resident candidate buffer, dropping rows that are not below
+//! the current threshold. When the buffer could overflow, it is reduced on the device to the
+//! best k (radix select or bitonic top-k), whose k-th pair becomes the new threshold. `push`
+//! admits every row (the device decides later); `finish` selects the final k, sorts them by
+//! (key, row id) and copies their row ids back, in order.
+//!
+//! [`select_topk_device`] and [`encode_keys_device`] are lower-level entries for tests and
+//! benchmarks: selection of host-encoded keys, and the device encoding alone.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use datafusion::arrow::array::{Array, ArrayData, ArrayRef, AsArray};
+use datafusion::arrow::buffer::Buffer;
+use datafusion::error::{DataFusionError, Result};
+
+use super::{Admitted, RowIds, SelectInput, SelectionSpec, TopKSelector};
+use crate::config::Algorithm;
+use crate::device::algorithms::{
+    ENCODE_FIRST, ENCODE_NULLABLE, ENCODE_NULLS_FIRST, EncodeColumn, NativeCode,
+};
+use crate::device::{
+    DeviceAlgorithm, DevicePairs, GpuDevice, GpuError, GpuResult, KeyKind, PooledBuffer, TopKEngine,
+};
+use crate::keys::{EncodedKeys, KeyLayout, KeyWidth, U256};
+
+/// Candidates kept on the device before a reduction to k: at least this many pairs.
+const MIN_CAPACITY: usize = 1 << 22;
+
+/// The device layout of a key layout's composites.
+pub fn key_kind(layout: &KeyLayout) -> KeyKind {
+    KeyKind::for_total_bits(layout.total_bits())
+}
+
+/// The largest k the bitonic top-k takes for `layout` on `device`.
+pub fn bitonic_max_k(device: &GpuDevice, layout: &KeyLayout) -> usize {
+    crate::device::algorithms::bitonic_chunk(device.max_shared_per_block, key_kind(layout)) / 4
+}
+
+/// Resolves the configured algorithm: `auto` is bitonic top-k up to [`bitonic_max_k`], radix
+/// select beyond.
+pub fn device_algorithm(
+    device: &GpuDevice,
+    layout: &KeyLayout,
+    k: usize,
+    algorithm: Algorithm,
+) -> Result<DeviceAlgorithm> {
+    let limit = bitonic_max_k(device, layout);
+    match algorithm {
+        Algorithm::Auto if k <= limit => Ok(DeviceAlgorithm::Bitonic),
+        Algorithm::Auto | Algorithm::Radix => Ok(DeviceAlgorithm::Radix),
+        Algorithm::Bitonic if k <= limit => Ok(DeviceAlgorithm::Bitonic),
+        Algorithm::Bitonic => Err(DataFusionError::Plan(format!(
+            "the CUDA bitonic top-k supports k up to {limit} for these keys, not {k}"
+        ))),
+        Algorithm::Delegate | Algorithm::Sample => Err(DataFusionError::NotImplemented(format!(
+            "the CUDA {algorithm} algorithm is not implemented yet"
+        ))),
+        Algorithm::Cpu => Err(DataFusionError::Plan(
+            "algorithm 'cpu' does not run on the GPU".into(),
+        )),
+    }
+}
+
+/// Builds the CUDA selector (compiles or loads the kernels on first use, which may fail: the
+/// caller then falls back to the CPU selector).
+pub fn new_cuda_selector(
+    spec: &SelectionSpec,
+    device: Arc<GpuDevice>,
+    algorithm: Algorithm,
+) -> Result<Arc<dyn TopKSelector>> {
+    new_cuda_selector_with_capacity(spec, device, algorithm, MIN_CAPACITY)
+}
+
+/// As [`new_cuda_selector`], keeping at least `min_capacity` candidates on the device before
+/// reducing them to k (tests use small capacities to exercise reductions and growth).
+pub fn new_cuda_selector_with_capacity(
+    spec: &SelectionSpec,
+    device: Arc<GpuDevice>,
+    algorithm: Algorithm,
+    min_capacity: usize,
+) -> Result<Arc<dyn TopKSelector>> {
+    let kind = key_kind(&spec.layout);
+    let algorithm = device_algorithm(&device, &spec.layout, spec.k, algorithm)?;
+    let engine = TopKEngine::new(&device, kind).map_err(gpu_error)?;
+    Ok(Arc::new(CudaSelector {
+        layout: spec.layout.clone(),
+        k: spec.k,
+        algorithm,
+        arch: device.arch(),
+        min_capacity: min_capacity.max(1),
+        state: Mutex::new(State {
+            engine,
+            candidates: None,
+            capacity: 0,
+            upper: 0,
+            batch_keys: None,
+            failed: None,
+        }),
+    }))
+}
+
+fn gpu_error(e: GpuError) -> DataFusionError {
+    DataFusionError::External(Box::new(GpuError(format!(
+        "CUDA top-k selection failed: {e}"
+    ))))
+}
+
+/// See the module documentation.
+pub struct CudaSelector {
+    layout: KeyLayout,
+    k: usize,
+    algorithm: DeviceAlgorithm,
+    arch: String,
+    min_capacity: usize,
+    state: Mutex<State>,
+}
+
+struct State {
+    engine: TopKEngine,
+    /// The candidate buffer (allocated on the first push) and its capacity in pairs.
+    candidates: Option<DevicePairs>,
+    capacity: usize,
+    /// An upper bound of the device-side candidate count (exact after a read-back).
+    upper: usize,
+    /// Encoded keys of the batch being pushed.
+    batch_keys: Option<PooledBuffer>,
+    /// The first device error; later calls fail at once with it.
+    failed: Option<GpuError>,
+}
+
+impl fmt::Debug for CudaSelector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaSelector")
+            .field("k", &self.k)
+            .field("algorithm", &self.algorithm)
+            .finish()
+    }
+}
+
+impl CudaSelector {
+    fn state(&self) -> Result<MutexGuard<'_, State>> {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        match &state.failed {
+            Some(e) => Err(gpu_error(e.clone())),
+            None => Ok(state),
+        }
+    }
+}
+
+impl State {
+    /// Runs device work; the first error poisons the selection.
+    fn run<T>(&mut self, work: impl FnOnce(&mut Self) -> GpuResult<T>) -> Result<T> {
+        work(self).map_err(|e| {
+            self.failed = Some(e.clone());
+            gpu_error(e)
+        })
+    }
+
+    /// Makes room for `n` more candidates: reduce to k, or grow.
+    fn ensure_room(
+        &mut self,
+        n: usize,
+        k: usize,
+        algorithm: DeviceAlgorithm,
+        min_capacity: usize,
+    ) -> GpuResult<()> {
+        if self.candidates.is_none() {
+            let capacity = (2 * k).max(min_capacity).max(k + n);
+            self.candidates = Some(self.engine.alloc_pairs(capacity)?);
+            self.capacity = capacity;
+            self.upper = 0;
+            self.engine.reset_candidates()?;
+        }
+        if self.upper + n > self.capacity && self.upper > k {
+            self.reduce(k, algorithm)?;
+        }
+        if self.upper + n > self.capacity {
+            let capacity = (2 * self.capacity).max(self.upper + n + k);
+            let count = self.engine.candidate_count()?;
+            let grown = self.engine.alloc_pairs(capacity)?;
+            let old = self.candidates.take().expect("allocated above");
+            self.engine.copy_pairs(&old, 0, &grown, 0, count)?;
+            self.candidates = Some(grown);
+            self.capacity = capacity;
+            self.upper = count;
+        }
+        Ok(())
+    }
+
+    /// Cuts the candidates to the best k on the device and sets the threshold to the k-th.
+    fn reduce(&mut self, k: usize, algorithm: DeviceAlgorithm) -> GpuResult<()> {
+        let count = self.engine.candidate_count()?;
+        self.upper = count;
+        if count <= k || k == 0 {
+            return Ok(());
+        }
+        let candidates = self.candidates.take().expect("reduce needs candidates");
+        let reduced = match algorithm {
+            DeviceAlgorithm::Radix => {
+                let winners = self
+                    .engine
+                    .radix_select(&candidates, count, k, self.capacity)?;
+                self.engine.threshold_from_max(&winners, k)?;
+                winners
+            }
+            DeviceAlgorithm::Bitonic => {
+                let sorted = self.engine.bitonic_select(&candidates, count, k)?;
+                self.engine.copy_pairs(&sorted, 0, &candidates, 0, k)?;
+                self.engine.threshold_from_index(&sorted, k - 1)?;
+                candidates
+            }
+        };
+        self.candidates = Some(reduced);
+        self.engine.set_candidate_count(k)?;
+        self.upper = k;
+        Ok(())
+    }
+}
+
+impl TopKSelector for CudaSelector {
+    fn describe(&self) -> String {
+        format!("cuda {} ({})", self.algorithm.name(), self.arch)
+    }
+
+    fn push(&self, input: SelectInput<'_>) -> Result<Admitted> {
+        let n = input.num_rows();
+        if n == 0 || self.k == 0 {
+            return Ok(Admitted::Indices(vec![]));
+        }
+        let columns = plan_columns(&self.layout, input.keys)?;
+        let (k, algorithm, min_capacity) = (self.k, self.algorithm, self.min_capacity);
+        let mut state = self.state()?;
+        state.run(|state| {
+            state.ensure_room(n, k, algorithm, min_capacity)?;
+            let keys = encode_batch(
+                &mut state.engine,
+                &mut state.batch_keys,
+                &columns,
+                n,
+                &input.row_ids,
+            )?;
+            let (ids, id_start) = match keys.ids {
+                Some(ids) => (Some(ids), 0),
+                None => match input.row_ids {
+                    RowIds::Range(start) => (None, start),
+                    RowIds::Explicit(_) => unreachable!("explicit ids are staged"),
+                },
+            };
+            let candidates = state.candidates.as_ref().expect("ensure_room allocates");
+            state
+                .engine
+                .append(keys.keys, ids, id_start, n, candidates)?;
+            state.upper += n;
+            Ok(())
+        })?;
+        Ok(Admitted::All)
+    }
+
+    fn threshold_row_id(&self) -> Option<u64> {
+        None
+    }
+
+    fn live_row_ids(&self) -> Result<Option<Vec<u64>>> {
+        Ok(None)
+    }
+
+    fn finish(&self) -> Result<Vec<u64>> {
+        let (k, algorithm) = (self.k, self.algorithm);
+        let mut state = self.state()?;
+        state.run(|state| {
+            let Some(candidates) = state.candidates.take() else {
+                return Ok(vec![]);
+            };
+            let count = state.engine.candidate_count()?;
+            let (sorted, m) = state
+                .engine
+                .select_sorted(&candidates, count, k, algorithm)?;
+            let ids = state.engine.download_ids(&sorted, m)?;
+            state.engine.reset_candidates()?;
+            state.upper = 0;
+            state.capacity = 0;
+            Ok(ids)
+        })
+    }
+}
+
+// ---- Arrow columns → device -----------------------------------------------------------------
+
+/// One key column, ready to stage: its raw Arrow buffers and its field in the composite.
+struct ColumnPlan {
+    values: Buffer,
+    values_range: std::ops::Range<usize>,
+    value_bit_offset: u64,
+    /// Validity bytes, their range and bit offset, when the column holds NULLs.
+    validity: Option<(Buffer, std::ops::Range<usize>, u64)>,
+    native: NativeCode,
+    shift: u32,
+    xor: u128,
+    flags: u32,
+}
+
+fn exec_error(message: String) -> DataFusionError {
+    DataFusionError::Execution(message)
+}
+
+/// Checks the columns against the layout (as `KeyLayout::encode` does) and collects their
+/// buffers.
+fn plan_columns(layout: &KeyLayout, columns: &[ArrayRef]) -> Result<Vec<ColumnPlan>> {
+    let specs = layout.specs();
+    if columns.len() != specs.len() {
+        return Err(exec_error(format!(
+            "key encoding expects {} columns, got {}",
+            specs.len(),
+            columns.len()
+        )));
+    }
+    let n = columns.first().map_or(0, |c| c.len());
+    let mut plans = Vec::with_capacity(columns.len());
+    for (i, (column, spec)) in columns.iter().zip(specs).enumerate() {
+        if column.len() != n {
+            return Err(exec_error(format!(
+                "key column {} has {} rows, key column 1 has {n}",
+                i + 1,
+                column.len()
+            )));
+        }
+        if column.data_type() != &spec.data_type {
+            return Err(exec_error(format!(
+                "key column {} has type {}, the key layout expects {}",
+                i + 1,
+                column.data_type(),
+                spec.data_type
+            )));
+        }
+        let native = NativeCode::for_data_type(&spec.data_type)
+            .filter(|native| Some(native.bits()) == spec.value_bits())
+            .ok_or_else(|| {
+                exec_error(format!(
+                    "sort key {} has type {}, which the CUDA key encoder does not support",
+                    i + 1,
+                    spec.data_type
+                ))
+            })?;
+        let nulls = column
+            .logical_nulls()
+            .filter(|nulls| nulls.null_count() > 0);
+        if let Some(nulls) = &nulls
+            && !spec.nullable
+        {
+            return Err(exec_error(format!(
+                "key column {} holds {} NULLs but was declared not nullable",
+                i + 1,
+                nulls.null_count()
+            )));
+        }
+        let (values, values_range, value_bit_offset) = match native.byte_width() {
+            None => {
+                let bits = column.as_boolean().values();
+                let offset = bits.offset();
+                (
+                    bits.inner().clone(),
+                    offset / 8..(offset + n).div_ceil(8),
+                    (offset % 8) as u64,
+                )
+            }
+            Some(width) => {
+                let data: ArrayData = column.to_data();
+                let offset = data.offset();
+                (
+                    data.buffers()[0].clone(),
+                    offset * width..(offset + n) * width,
+                    0,
+                )
+            }
+        };
+        let validity = nulls.map(|nulls| {
+            let bits = nulls.inner();
+            let offset = bits.offset();
+            (
+                bits.inner().clone(),
+                offset / 8..(offset + n).div_ceil(8),
+                (offset % 8) as u64,
+            )
+        });
+        let value_bits = native.bits();
+        let value_mask = if value_bits == 128 {
+            u128::MAX
+        } else {
+            (1u128 << value_bits) - 1
+        };
+        let mut flags = if i == 0 { ENCODE_FIRST } else { 0 };
+        if spec.nullable {
+            flags |= ENCODE_NULLABLE;
+        }
+        if spec.nulls_first {
+            flags |= ENCODE_NULLS_FIRST;
+        }
+        plans.push(ColumnPlan {
+            values,
+            values_range,
+            value_bit_offset,
+            validity,
+            native,
+            shift: layout.field_shift(i),
+            xor: if spec.descending { value_mask } else { 0 },
+            flags,
+        });
+    }
+    Ok(plans)
+}
+
+/// Where a batch's encoded keys (and staged row ids) are on the device.
+struct EncodedBatch {
+    keys: u64,
+    ids: Option<u64>,
+}
+
+/// Stages the columns' buffers (and explicit row ids) with one upload and encodes them into
+/// `keys_buffer` (grown as needed).
+fn encode_batch(
+    engine: &mut TopKEngine,
+    keys_buffer: &mut Option<PooledBuffer>,
+    columns: &[ColumnPlan],
+    n: usize,
+    row_ids: &RowIds<'_>,
+) -> GpuResult<EncodedBatch> {
+    let mut parts: Vec<&[u8]> = Vec::with_capacity(2 * columns.len() + 1);
+    for column in columns {
+        parts.push(&column.values.as_slice()[column.values_range.clone()]);
+        if let Some((bits, range, _)) = &column.validity {
+            parts.push(&bits.as_slice()[range.clone()]);
+        }
+    }
+    if let RowIds::Explicit(ids) = row_ids {
+        if ids.len() < n {
+            return Err(GpuError(format!("{} row ids for {n} rows", ids.len())));
+        }
+        // SAFETY: viewing initialised u64s as their bytes (no padding, alignment 1).
+        parts.push(unsafe { std::slice::from_raw_parts(ids.as_ptr() as *const u8, n * 8) });
+    }
+    let addresses = engine.stage(&parts)?;
+
+    let key_bytes = n * engine.kind().key_bytes();
+    if keys_buffer.as_ref().is_none_or(|b| b.bytes() < key_bytes) {
+        let device = Arc::clone(engine.device());
+        *keys_buffer = Some(device.pool.alloc(key_bytes, engine.stream())?);
+    }
+    let keys = keys_buffer.as_ref().expect("allocated above").ptr();
+    let mut next = addresses.iter().copied();
+    for column in columns {
+        let values = next.next().expect("one address per part");
+        let (validity, validity_bit_offset) = match &column.validity {
+            Some((_, _, bit_offset)) => (next.next().expect("one address per part"), *bit_offset),
+            None => (0, 0),
+        };
+        engine.encode_column(
+            &EncodeColumn {
+                values,
+                value_bit_offset: column.value_bit_offset,
+                validity,
+                validity_bit_offset,
+                rows: n,
+                native: column.native,
+                value_bits: column.native.bits(),
+                shift: column.shift,
+                xor: column.xor,
+                flags: column.flags,
+            },
+            keys,
+        )?;
+    }
+    Ok(EncodedBatch {
+        keys,
+        ids: next.next(),
+    })
+}
+
+// ---- entries for tests and benchmarks -------------------------------------------------------
+
+/// Host-encoded composite keys, one per row.
+#[derive(Debug, Clone, Copy)]
+pub enum HostKeys<'a> {
+    U32(&'a [u32]),
+    U64(&'a [u64]),
+    U128(&'a [u128]),
+    U256(&'a [U256]),
+}
+
+impl HostKeys<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            HostKeys::U32(v) => v.len(),
+            HostKeys::U64(v) => v.len(),
+            HostKeys::U128(v) => v.len(),
+            HostKeys::U256(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn kind(&self) -> KeyKind {
+        match self {
+            HostKeys::U32(_) => KeyKind::K32,
+            HostKeys::U64(_) => KeyKind::K64,
+            HostKeys::U128(_) => KeyKind::K128,
+            HostKeys::U256(_) => KeyKind::K256,
+        }
+    }
+
+    /// The keys in the device layout: little-endian words, least significant first.
+    pub fn device_bytes(&self) -> Vec<u8> {
+        match self {
+            HostKeys::U32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            HostKeys::U64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            HostKeys::U128(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            HostKeys::U256(v) => v
+                .iter()
+                .flat_map(|x| {
+                    let mut b = [0u8; 32];
+                    b[..16].copy_from_slice(&x.lo.to_le_bytes());
+                    b[16..].copy_from_slice(&x.hi.to_le_bytes());
+                    b
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Selects the `k` smallest (key, row id) pairs of host-encoded keys on the device and returns
+/// their row ids sorted by (key, row id): the first min(n, k) of a stable sort.
+pub fn select_topk_device(
+    device: &Arc<GpuDevice>,
+    keys: HostKeys<'_>,
+    ids: &[u64],
+    k: usize,
+    algorithm: DeviceAlgorithm,
+) -> GpuResult<Vec<u64>> {
+    if keys.len() != ids.len() {
+        return Err(GpuError(format!(
+            "{} keys and {} row ids",
+            keys.len(),
+            ids.len()
+        )));
+    }
+    let mut engine = TopKEngine::new(device, keys.kind())?;
+    let n = ids.len();
+    let pairs = engine.upload_pairs(&keys.device_bytes(), ids)?;
+    let (sorted, m) = engine.select_sorted(&pairs, n, k, algorithm)?;
+    engine.download_ids(&sorted, m)
+}
+
+/// Encodes one batch of key columns on the device (the selector's path) and returns the
+/// composites in the layout's width, to compare with [`KeyLayout::encode`].
+pub fn encode_keys_device(
+    device: &Arc<GpuDevice>,
+    layout: &KeyLayout,
+    columns: &[ArrayRef],
+) -> Result<EncodedKeys> {
+    let plans = plan_columns(layout, columns)?;
+    let n = columns.first().map_or(0, |c| c.len());
+    let kind = key_kind(layout);
+    let bytes = (|| {
+        let mut engine = TopKEngine::new(device, kind)?;
+        if n == 0 {
+            return Ok(vec![]);
+        }
+        let mut buffer = None;
+        let batch = encode_batch(&mut engine, &mut buffer, &plans, n, &RowIds::Range(0))?;
+        engine.read_bytes(batch.keys, n * kind.key_bytes())
+    })()
+    .map_err(gpu_error)?;
+    let words = |size: usize| bytes.chunks_exact(size);
+    Ok(match layout.width() {
+        KeyWidth::W64 if kind == KeyKind::K32 => EncodedKeys::W64(
+            words(4)
+                .map(|c| u64::from(u32::from_le_bytes(c.try_into().unwrap())))
+                .collect(),
+        ),
+        KeyWidth::W64 => EncodedKeys::W64(
+            words(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+        ),
+        KeyWidth::W128 => EncodedKeys::W128(
+            words(16)
+                .map(|c| u128::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+        ),
+        KeyWidth::W256 => EncodedKeys::W256(
+            words(32)
+                .map(|c| U256 {
+                    lo: u128::from_le_bytes(c[..16].try_into().unwrap()),
+                    hi: u128::from_le_bytes(c[16..].try_into().unwrap()),
+                })
+                .collect(),
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn u256_device_layout_is_little_endian_words() {
+        let key = U256 {
+            hi: (4u128 << 64) | 3,
+            lo: (2u128 << 64) | 1,
+        };
+        let bytes = HostKeys::U256(&[key]).device_bytes();
+        let words: Vec<u64> = bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(words, vec![1, 2, 3, 4]);
+    }
+}

@@ -1,0 +1,115 @@
+//! Selection: the one boundary between *what* to select and *which device* selects it.
+//!
+//! *What*: among all rows offered, the `k` smallest by `(composite key, row id)`. The composite
+//! key is the order-preserving unsigned encoding of the sort keys ([`crate::keys`]); the row id
+//! is the row's global input position (partition, then row within the partition; see
+//! [`row_id`]), so every pair is unique, ties are broken by input order, and the result is the
+//! first `k` rows of a stable sort: deterministic, and exactly DataFusion's order.
+//!
+//! *Which*: [`create_selector`] is the single entry point. The cost model ([`crate::cost`])
+//! resolves the backend and algorithm; every implementation of [`TopKSelector`] returns the
+//! same thing, the winners' row ids in output order.
+
+pub mod cpu;
+
+use std::fmt::Debug;
+use std::sync::Arc;
+
+use datafusion::arrow::array::ArrayRef;
+use datafusion::error::Result;
+
+use crate::cost::SelectionChoice;
+use crate::keys::KeyLayout;
+
+/// Marks errors raised by a device selector, so the operator can tell a GPU fault (which falls
+/// back to the CPU path) from an error of the query itself.
+pub const DEVICE_ERROR_TAG: &str = "[gpu-topk device]";
+
+/// Bits of a row id that hold the row's position inside its input partition.
+pub const ROW_BITS: u32 = 40;
+
+/// The global row id of row `row` of input partition `partition`: sorting by it gives the input
+/// order (partition index, then batch, then row).
+pub fn row_id(partition: usize, row: u64) -> u64 {
+    debug_assert!(row < (1 << ROW_BITS));
+    ((partition as u64) << ROW_BITS) | row
+}
+
+/// Row ids of the rows of one [`SelectInput`].
+#[derive(Debug, Clone, Copy)]
+pub enum RowIds<'a> {
+    /// Consecutive ids starting at the given one (no filter, or all rows passed).
+    Range(u64),
+    /// One id per row (the rows that passed a filter).
+    Explicit(&'a [u64]),
+}
+
+impl RowIds<'_> {
+    #[inline]
+    pub fn get(&self, i: usize) -> u64 {
+        match self {
+            RowIds::Range(start) => start + i as u64,
+            RowIds::Explicit(ids) => ids[i],
+        }
+    }
+}
+
+/// One batch offered to a selector: the evaluated sort-key columns (one per sort expression,
+/// aligned) and the rows' ids.
+#[derive(Debug, Clone, Copy)]
+pub struct SelectInput<'a> {
+    pub keys: &'a [ArrayRef],
+    pub row_ids: RowIds<'a>,
+}
+
+impl SelectInput<'_> {
+    pub fn num_rows(&self) -> usize {
+        self.keys.first().map(|a| a.len()).unwrap_or(0)
+    }
+}
+
+/// Which rows of an input may still be among the winners (the caller keeps only those rows).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admitted {
+    /// Every row may be a winner (e.g. the device decides later).
+    All,
+    /// Only these row positions (indices into the input, ascending).
+    Indices(Vec<u32>),
+}
+
+/// A top-k selection in progress. Partition tasks call [`push`](Self::push) concurrently.
+pub trait TopKSelector: Send + Sync + Debug {
+    /// Short description for EXPLAIN ANALYZE and the CLI, e.g. `cpu` or `cuda radix (sm_90)`.
+    fn describe(&self) -> String;
+
+    /// Offers one batch.
+    fn push(&self, input: SelectInput<'_>) -> Result<Admitted>;
+
+    /// Row id of the current k-th best candidate, once k rows have been seen. Nothing worse can
+    /// win any more, which is what the dynamic filter publishes to the scans.
+    fn threshold_row_id(&self) -> Option<u64>;
+
+    /// Row ids of the current candidates, ascending, when known cheaply (used to drop rows the
+    /// caller no longer needs to retain); `None` when that would cost a device round trip.
+    fn live_row_ids(&self) -> Result<Option<Vec<u64>>>;
+
+    /// Ends the selection: the winners' row ids in output order (at most `k`).
+    fn finish(&self) -> Result<Vec<u64>>;
+}
+
+/// What to select: the key layout and `k` (the query's fetch plus its offset).
+#[derive(Debug, Clone)]
+pub struct SelectionSpec {
+    pub layout: KeyLayout,
+    pub k: usize,
+}
+
+/// The single entry point: builds the selector the cost model chose.
+pub fn create_selector(
+    spec: &SelectionSpec,
+    choice: &SelectionChoice,
+) -> Result<Arc<dyn TopKSelector>> {
+    match choice {
+        SelectionChoice::Cpu => Ok(cpu::new_selector(spec)),
+    }
+}

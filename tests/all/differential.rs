@@ -1,0 +1,473 @@
+//! Differential tests: a broad family of `ORDER BY … LIMIT` queries run with the operator (the
+//! backend under test) and with plain DataFusion; results must be identical row for row.
+//!
+//! Plain DataFusion does not order tied rows deterministically, so the oracle query appends the
+//! input position `rid` as a last sort key: that is exactly the stable order the operator
+//! promises (ties broken by input order), checked against DataFusion's own sort.
+
+use std::sync::Arc;
+
+use datafusion::arrow::array::{
+    ArrayRef, BooleanArray, Date32Array, Date64Array, Decimal128Array, Float16Array, Float32Array,
+    Float64Array, Int8Array, Int16Array, Int32Array, Int64Array, RecordBatch, StringArray,
+    TimestampMicrosecondArray, TimestampMillisecondArray, TimestampNanosecondArray,
+    TimestampSecondArray, UInt8Array, UInt16Array, UInt32Array, UInt64Array,
+};
+use datafusion::arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
+use half::f16;
+
+use crate::common::{
+    Rng, count_gpu_topk, exact_rows, physical_plan, plan_text, register, run, session,
+};
+
+const KEY_COLUMNS: &[&str] = &[
+    "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64", "f16", "f32", "f64", "d32", "d64",
+    "ts_s", "ts_ms", "ts_us", "ts_ns", "dec", "b", "g", "nn", "allnull", "nan_only",
+];
+
+fn schema() -> SchemaRef {
+    let ts = |unit, tz: Option<&str>| DataType::Timestamp(unit, tz.map(Arc::from));
+    Arc::new(Schema::new(vec![
+        Field::new("rid", DataType::Int64, false),
+        Field::new("i8", DataType::Int8, true),
+        Field::new("i16", DataType::Int16, true),
+        Field::new("i32", DataType::Int32, true),
+        Field::new("i64", DataType::Int64, true),
+        Field::new("u8", DataType::UInt8, true),
+        Field::new("u16", DataType::UInt16, true),
+        Field::new("u32", DataType::UInt32, true),
+        Field::new("u64", DataType::UInt64, true),
+        Field::new("f16", DataType::Float16, true),
+        Field::new("f32", DataType::Float32, true),
+        Field::new("f64", DataType::Float64, true),
+        Field::new("d32", DataType::Date32, true),
+        Field::new("d64", DataType::Date64, true),
+        Field::new("ts_s", ts(TimeUnit::Second, None), true),
+        Field::new("ts_ms", ts(TimeUnit::Millisecond, Some("UTC")), true),
+        Field::new("ts_us", ts(TimeUnit::Microsecond, Some("+05:00")), true),
+        Field::new("ts_ns", ts(TimeUnit::Nanosecond, None), true),
+        Field::new("dec", DataType::Decimal128(20, 3), true),
+        Field::new("b", DataType::Boolean, true),
+        Field::new("g", DataType::Int32, true),
+        Field::new("nn", DataType::Int32, false),
+        Field::new("allnull", DataType::Int32, true),
+        Field::new("nan_only", DataType::Float64, true),
+        Field::new("s", DataType::Utf8, true),
+    ]))
+}
+
+/// Picks an edge value half the time, else a random one; NULL 1 time in 10.
+fn pick<T: Copy>(rng: &mut Rng, edges: &[T], random: impl FnOnce(&mut Rng) -> T) -> Option<T> {
+    if rng.chance(0.1) {
+        None
+    } else if rng.chance(0.5) {
+        Some(edges[rng.below(edges.len() as u64) as usize])
+    } else {
+        Some(random(rng))
+    }
+}
+
+fn float_edges() -> Vec<f64> {
+    vec![
+        0.0,
+        -0.0,
+        1.0,
+        -1.0,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        f64::NAN,
+        -f64::NAN,
+        f64::MIN,
+        f64::MAX,
+        f64::MIN_POSITIVE,
+        5e-324,
+        128.6,
+        128.7,
+    ]
+}
+
+fn batch(rng: &mut Rng, first_rid: i64, n: usize) -> RecordBatch {
+    macro_rules! col {
+        ($arr:ty, $edges:expr, $rand:expr) => {{
+            let edges = $edges;
+            Arc::new(<$arr>::from(
+                (0..n).map(|_| pick(rng, &edges, $rand)).collect::<Vec<_>>(),
+            )) as ArrayRef
+        }};
+    }
+    let fe = float_edges();
+    let rid: ArrayRef = Arc::new(Int64Array::from_iter_values(
+        first_rid..first_rid + n as i64,
+    ));
+    let columns: Vec<ArrayRef> = vec![
+        rid,
+        col!(
+            Int8Array,
+            [i8::MIN, i8::MAX, 0, -1, 1],
+            |r: &mut Rng| r.next_u64() as i8
+        ),
+        col!(
+            Int16Array,
+            [i16::MIN, i16::MAX, 0, -1],
+            |r: &mut Rng| (r.below(50) as i16) - 25
+        ),
+        col!(
+            Int32Array,
+            [i32::MIN, i32::MAX, 0, -1],
+            |r: &mut Rng| r.next_u64() as i32
+        ),
+        col!(
+            Int64Array,
+            [i64::MIN, i64::MAX, 0, -1],
+            |r: &mut Rng| r.next_u64() as i64
+        ),
+        col!(UInt8Array, [0, u8::MAX, 1], |r: &mut Rng| r.below(10) as u8),
+        col!(UInt16Array, [0, u16::MAX], |r: &mut Rng| r.next_u64()
+            as u16),
+        col!(UInt32Array, [0, u32::MAX], |r: &mut Rng| r.next_u64()
+            as u32),
+        col!(UInt64Array, [0, u64::MAX, 1 << 63], |r: &mut Rng| r
+            .next_u64()),
+        col!(
+            Float16Array,
+            fe.iter().map(|&v| f16::from_f64(v)).collect::<Vec<_>>(),
+            |r: &mut Rng| f16::from_f64(r.below(200) as f64 / 8.0 - 12.0)
+        ),
+        col!(
+            Float32Array,
+            fe.iter().map(|&v| v as f32).collect::<Vec<_>>(),
+            |r: &mut Rng| 128.6 + (r.below(1000) as f32) * 1e-4
+        ),
+        col!(Float64Array, fe.clone(), |r: &mut Rng| (r.next_u64() >> 11)
+            as f64
+            / 9e15
+            - 0.5),
+        col!(
+            Date32Array,
+            [i32::MIN, i32::MAX, 0, -1],
+            |r: &mut Rng| r.below(20000) as i32
+        ),
+        col!(
+            Date64Array,
+            [0, 86_400_000, -86_400_000],
+            |r: &mut Rng| (r.below(9000) as i64) * 86_400_000
+        ),
+        col!(
+            TimestampSecondArray,
+            [i64::MIN, i64::MAX, 0],
+            |r: &mut Rng| r.below(1 << 40) as i64
+        ),
+        col!(
+            TimestampMillisecondArray,
+            [i64::MIN, i64::MAX, 0],
+            |r: &mut Rng| r.below(1000) as i64
+        )
+        .as_ref()
+        .to_data()
+        .into_builder()
+        .data_type(DataType::Timestamp(
+            TimeUnit::Millisecond,
+            Some("UTC".into()),
+        ))
+        .build()
+        .map(datafusion::arrow::array::make_array)
+        .unwrap(),
+        col!(
+            TimestampMicrosecondArray,
+            [i64::MIN, i64::MAX, -1],
+            |r: &mut Rng| r.next_u64() as i64
+        )
+        .as_ref()
+        .to_data()
+        .into_builder()
+        .data_type(DataType::Timestamp(
+            TimeUnit::Microsecond,
+            Some("+05:00".into()),
+        ))
+        .build()
+        .map(datafusion::arrow::array::make_array)
+        .unwrap(),
+        col!(
+            TimestampNanosecondArray,
+            [i64::MIN, i64::MAX, 0],
+            |r: &mut Rng| r.next_u64() as i64
+        ),
+        Arc::new(
+            Decimal128Array::from(
+                (0..n)
+                    .map(|_| {
+                        let max = 10i128.pow(20) - 1;
+                        pick(rng, &[0i128, max, -max, 1, -1], |r: &mut Rng| {
+                            (r.next_u64() as i64 as i128) * 1000 + r.below(1000) as i128
+                        })
+                        .map(|v| v.clamp(-max, max))
+                    })
+                    .collect::<Vec<_>>(),
+            )
+            .with_precision_and_scale(20, 3)
+            .unwrap(),
+        ),
+        Arc::new(BooleanArray::from(
+            (0..n)
+                .map(|_| pick(rng, &[true, false], |r: &mut Rng| r.chance(0.5)))
+                .collect::<Vec<_>>(),
+        )),
+        col!(Int32Array, [0, 1, 2, 3], |r: &mut Rng| r.below(7) as i32),
+        Arc::new(Int32Array::from_iter_values(
+            (0..n).map(|_| rng.below(5) as i32),
+        )),
+        Arc::new(Int32Array::from(vec![None::<i32>; n])),
+        Arc::new(Float64Array::from(vec![Some(f64::NAN); n])),
+        Arc::new(StringArray::from(
+            (0..n)
+                .map(|_| {
+                    pick(rng, &["a", "b", ""], |r: &mut Rng| {
+                        ["x", "ab", "ba"][r.below(3) as usize]
+                    })
+                })
+                .collect::<Vec<_>>(),
+        )),
+    ];
+    RecordBatch::try_new(schema(), columns).expect("test batch")
+}
+
+/// Partitions of uneven sizes (one empty), in batches of uneven sizes; `rid` counts rows in
+/// partition order.
+fn table(seed: u64, sizes: &[&[usize]]) -> Vec<Vec<RecordBatch>> {
+    let mut rng = Rng::new(seed);
+    let mut rid = 0i64;
+    sizes
+        .iter()
+        .map(|batches| {
+            batches
+                .iter()
+                .map(|&n| {
+                    let b = batch(&mut rng, rid, n);
+                    rid += n as i64;
+                    b
+                })
+                .collect()
+        })
+        .collect()
+}
+
+struct Case {
+    select: String,
+    filter: String,
+    order: String,
+    limit: String,
+    /// Append `rid` to the oracle's ORDER BY (the rows have an input position).
+    tiebreak: bool,
+    /// The operator must take this query.
+    expect_operator: bool,
+}
+
+fn case(select: &str, filter: &str, order: &str, limit: &str) -> Case {
+    Case {
+        select: select.into(),
+        filter: filter.into(),
+        order: order.into(),
+        limit: limit.into(),
+        tiebreak: true,
+        expect_operator: true,
+    }
+}
+
+fn cases() -> Vec<Case> {
+    let mut cases = Vec::new();
+    let limits = ["LIMIT 1", "LIMIT 10", "LIMIT 333", "LIMIT 7 OFFSET 5"];
+    for (i, col) in KEY_COLUMNS.iter().enumerate() {
+        for (j, dir) in ["ASC", "DESC", "ASC NULLS FIRST", "DESC NULLS LAST"]
+            .iter()
+            .enumerate()
+        {
+            let limit = limits[(i + j) % limits.len()];
+            cases.push(case(
+                &format!("SELECT rid, {col}"),
+                "",
+                &format!("{col} {dir}"),
+                limit,
+            ));
+        }
+    }
+    let more = [
+        // multi-key, mixed directions, composites of 64/128/256 bits
+        (
+            "SELECT rid, g, f64, i64",
+            "",
+            "g DESC, f64 ASC NULLS FIRST, i64 DESC",
+            "LIMIT 50",
+        ),
+        (
+            "SELECT rid, b, u8",
+            "",
+            "b, u8 DESC NULLS LAST",
+            "LIMIT 20 OFFSET 3",
+        ),
+        (
+            "SELECT rid, dec, i64",
+            "",
+            "dec DESC NULLS FIRST, i64 NULLS FIRST",
+            "LIMIT 40",
+        ),
+        ("SELECT rid, nn, g", "", "nn, g DESC", "LIMIT 100"),
+        ("SELECT *", "", "ts_ns DESC, d32", "LIMIT 5"),
+        // filters (fused predicates)
+        (
+            "SELECT rid, i32",
+            "WHERE i32 > 0 AND b",
+            "i32 DESC",
+            "LIMIT 25",
+        ),
+        (
+            "SELECT rid, f64",
+            "WHERE f64 < 0.5 OR g = 3",
+            "f64",
+            "LIMIT 25",
+        ),
+        (
+            "SELECT rid, s, g",
+            "WHERE s LIKE 'a%'",
+            "g DESC",
+            "LIMIT 30",
+        ),
+        ("SELECT rid, u32", "WHERE i8 IS NULL", "u32 DESC", "LIMIT 8"),
+        ("SELECT rid, g", "WHERE rid % 3 = 0", "g", "LIMIT 1000"),
+        ("SELECT rid, i16", "WHERE false", "i16", "LIMIT 5"),
+        // ranking expressions
+        ("SELECT rid, i16, g", "", "i16 + g * 2 DESC", "LIMIT 30"),
+        ("SELECT rid", "", "f32 * 0.5 + g", "LIMIT 30"),
+        ("SELECT rid", "", "abs(i16) DESC, g", "LIMIT 15"),
+        (
+            "SELECT rid",
+            "",
+            "CASE WHEN b THEN g ELSE -g END",
+            "LIMIT 15",
+        ),
+        (
+            "SELECT rid",
+            "",
+            "CAST(i16 AS DOUBLE) / 3.0 DESC",
+            "LIMIT 15",
+        ),
+        ("SELECT rid, g + 1 AS h", "", "h DESC", "LIMIT 9"),
+        // k vs n
+        ("SELECT rid, g", "", "g", "LIMIT 100000"),
+        ("SELECT rid, g", "", "g DESC", "LIMIT 0"),
+        ("SELECT rid, i64", "", "i64", "LIMIT 100 OFFSET 100000"),
+    ];
+    for (select, filter, order, limit) in more {
+        let mut c = case(select, filter, order, limit);
+        // DataFusion plans LIMIT 0 and WHERE false without a sort at all.
+        c.expect_operator = !limit.contains("LIMIT 0") && !filter.contains("false");
+        cases.push(c);
+    }
+    // Top-k over GROUP BY output: the keys give a total order (no input position).
+    for (order, limit) in [
+        ("c DESC, g", "LIMIT 3"),
+        ("c, g DESC NULLS LAST", "LIMIT 4"),
+    ] {
+        let mut c = case("SELECT g, count(*) AS c", "GROUP BY g", order, limit);
+        c.tiebreak = false;
+        cases.push(c);
+    }
+    // Unsupported sort key type: DataFusion keeps the plan.
+    let mut c = case("SELECT rid, s", "", "s DESC, rid", "LIMIT 10");
+    c.expect_operator = false;
+    c.tiebreak = false;
+    cases.push(c);
+    cases
+}
+
+async fn check_all(partitions: usize, data: Vec<Vec<RecordBatch>>) {
+    let ours = session(true, partitions, 100);
+    let plain = session(false, partitions, 100);
+    register(&ours, "t", data.clone());
+    register(&plain, "t", data);
+    let mut checked = 0;
+    for c in cases() {
+        let from = format!("{} FROM t {}", c.select, c.filter);
+        let sql = format!("{from} ORDER BY {} {}", c.order, c.limit);
+        let oracle = if c.tiebreak {
+            format!("{from} ORDER BY {}, rid {}", c.order, c.limit)
+        } else {
+            sql.clone()
+        };
+        let plan = physical_plan(&ours, &sql)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+        let uses = count_gpu_topk(&plan) > 0;
+        assert_eq!(
+            uses,
+            c.expect_operator,
+            "{sql}: operator expected {}, plan:\n{}",
+            c.expect_operator,
+            plan_text(&plan)
+        );
+        let (got, want) = match (run(&ours, &sql).await, run(&plain, &oracle).await) {
+            (Ok(got), Ok(want)) => (got, want),
+            // DataFusion's errors (e.g. overflow in a ranking expression) must be ours too.
+            (Err(ours), Err(theirs)) => {
+                assert_eq!(ours.to_string(), theirs.to_string(), "{sql}");
+                checked += 1;
+                continue;
+            }
+            (ours, theirs) => panic!("{sql}: ours {ours:?}\nDataFusion {theirs:?}"),
+        };
+        let (got, want) = (exact_rows(&got), exact_rows(&want));
+        if got != want {
+            let first = got.iter().zip(&want).position(|(a, b)| a != b);
+            panic!(
+                "{sql} (partitions={partitions}) differs from DataFusion ({oracle}):\n\
+                 rows: ours {} vs {}; first difference at line {first:?}\nours: {:?}\nwant: {:?}",
+                got.len(),
+                want.len(),
+                first.map(|i| &got[i]),
+                first.map(|i| &want[i]),
+            );
+        }
+        checked += 1;
+    }
+    assert!(checked > 100, "only {checked} cases ran");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn matches_datafusion_four_partitions() {
+    let data = table(1, &[&[100, 37, 263, 300], &[], &[1, 512], &[999, 201]]);
+    check_all(4, data).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matches_datafusion_one_partition() {
+    let data = table(2, &[&[700, 3, 64]]);
+    check_all(1, data).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn matches_datafusion_more_partitions_than_target() {
+    // Eight partitions read by a session targeting three: DataFusion merges them.
+    let sizes: Vec<Vec<usize>> = (0..8).map(|p| vec![50 + 17 * p, 3 * p]).collect();
+    let sizes: Vec<&[usize]> = sizes.iter().map(|v| v.as_slice()).collect();
+    check_all(3, table(3, &sizes)).await;
+}
+
+#[tokio::test]
+async fn empty_table() {
+    let ours = session(true, 2, 100);
+    let plain = session(false, 2, 100);
+    let empty = vec![vec![RecordBatch::new_empty(schema())], vec![]];
+    register(&ours, "t", empty.clone());
+    register(&plain, "t", empty);
+    for sql in [
+        "SELECT rid, i32 FROM t ORDER BY i32 DESC LIMIT 5",
+        "SELECT rid FROM t WHERE b ORDER BY f64, rid LIMIT 5 OFFSET 2",
+    ] {
+        assert!(
+            count_gpu_topk(&physical_plan(&ours, sql).await.unwrap()) > 0,
+            "{sql}"
+        );
+        let got = exact_rows(&run(&ours, sql).await.unwrap());
+        let want = exact_rows(&run(&plain, sql).await.unwrap());
+        assert_eq!(got, want, "{sql}");
+    }
+}

@@ -1,0 +1,935 @@
+//! The CUDA backend: kernels compile under NVRTC for sm_90 (no GPU needed), the CUBIN cache,
+//! and, on a machine with a GPU, the device encoding and both selection algorithms against the
+//! CPU path, element by element. Tests that need NVRTC or a GPU print `SKIP: …` and pass
+//! without them.
+
+use std::sync::Arc;
+
+use datafusion::arrow::array::{
+    Array, ArrayRef, BooleanArray, Date32Array, Date64Array, Decimal32Array, Decimal64Array,
+    Decimal128Array, DurationMicrosecondArray, DurationMillisecondArray, DurationNanosecondArray,
+    DurationSecondArray, Float16Array, Float32Array, Float64Array, Int8Array, Int16Array,
+    Int32Array, Int64Array, Time32MillisecondArray, Time32SecondArray, Time64MicrosecondArray,
+    Time64NanosecondArray, TimestampMicrosecondArray, TimestampMillisecondArray,
+    TimestampNanosecondArray, TimestampSecondArray, UInt8Array, UInt16Array, UInt32Array,
+    UInt64Array,
+};
+use datafusion::arrow::datatypes::DataType;
+use datafusion_gpu_topk::config::Algorithm;
+use datafusion_gpu_topk::device::kernels::{
+    self, KernelSources, cache_key, compile_cubin, compile_program, cubin_cached, entry_points,
+    nvrtc_available, read_cache_file, write_cache_file,
+};
+use datafusion_gpu_topk::device::{DeviceAlgorithm, GpuDevice, GpuStatus, gpu, gpu_status};
+use datafusion_gpu_topk::keys::{KeyLayout, KeySpec, U256};
+use datafusion_gpu_topk::select::cuda::{
+    HostKeys, bitonic_max_k, encode_keys_device, key_kind, new_cuda_selector_with_capacity,
+    select_topk_device,
+};
+use datafusion_gpu_topk::select::{RowIds, SelectInput, SelectionSpec, cpu, row_id};
+
+// ---- helpers ----------------------------------------------------------------------------------
+
+/// xorshift64*: tiny, deterministic, good enough for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+fn nvrtc_or_skip(test: &str) -> bool {
+    if nvrtc_available() {
+        true
+    } else {
+        eprintln!(
+            "SKIP: {test}: no NVRTC library (run .ci/install-nvrtc.sh and put its output on LD_LIBRARY_PATH)"
+        );
+        false
+    }
+}
+
+fn gpu_or_skip(test: &str) -> Option<Arc<GpuDevice>> {
+    match gpu_status() {
+        GpuStatus::Available(device) => {
+            device.pool.set_poison(true);
+            Some(Arc::clone(device))
+        }
+        GpuStatus::Unavailable(why) => {
+            eprintln!("SKIP: {test}: no GPU ({why})");
+            None
+        }
+    }
+}
+
+/// The reference: row ids of the min(n, k) smallest (key, id) pairs, in order.
+fn oracle<K: Ord + Copy>(keys: &[K], ids: &[u64], k: usize) -> Vec<u64> {
+    let mut pairs: Vec<(K, u64)> = keys.iter().copied().zip(ids.iter().copied()).collect();
+    if k == 0 {
+        return vec![];
+    }
+    if pairs.len() > k {
+        pairs.select_nth_unstable(k - 1);
+        pairs.truncate(k);
+    }
+    pairs.sort_unstable();
+    pairs.into_iter().map(|(_, id)| id).collect()
+}
+
+fn tmp_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("gpu-topk-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+// ---- NVRTC (no GPU needed) --------------------------------------------------------------------
+
+#[test]
+fn every_kernel_compiles_for_sm_90_without_spills() {
+    if !nvrtc_or_skip("every_kernel_compiles_for_sm_90_without_spills") {
+        return;
+    }
+    let sources = KernelSources::embedded();
+    let headers = sources.headers();
+    assert!(!sources.programs().is_empty());
+    for (name, source) in sources.programs() {
+        let compiled = compile_program(name, source, &headers, "sm_90", &["--ptxas-options=-v"])
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(compiled.cubin.len() > 64, "{name}: empty CUBIN");
+        // The report has one "Function properties for NAME" block per entry point.
+        let mut current = String::new();
+        let mut reported = 0;
+        for line in compiled.log.lines() {
+            if let Some(f) = line.split("Function properties for ").nth(1) {
+                current = f.trim().to_string();
+            }
+            if line.contains("spill stores") {
+                assert!(
+                    line.contains(" 0 bytes spill stores") && line.contains(" 0 bytes spill loads"),
+                    "{name}: {current} spills: {line}"
+                );
+            }
+            if line.contains("Used") && line.contains("registers") {
+                eprintln!("{name:14} {current:28} {}", line.trim());
+                reported += 1;
+            }
+        }
+        assert_eq!(
+            reported,
+            entry_points(name).len(),
+            "{name}: entry points vs report:\n{}",
+            compiled.log
+        );
+        for entry in entry_points(name) {
+            assert!(
+                compiled.log.contains(&format!("for {entry}")),
+                "{name}: no kernel {entry}"
+            );
+        }
+    }
+}
+
+#[test]
+fn compile_cubin_reports_errors_with_the_log_and_rejects_virtual_targets() {
+    if !nvrtc_or_skip("compile_cubin_reports_errors_with_the_log_and_rejects_virtual_targets") {
+        return;
+    }
+    let ok =
+        "#include \"common.cuh\"\nextern \"C\" __global__ void f(u64 *p) { p[threadIdx.x] = 1; }";
+    assert!(!compile_cubin(ok, "sm_90", &[]).unwrap().is_empty());
+    let err = compile_cubin(
+        "extern \"C\" __global__ void f() { undeclared(); }",
+        "sm_90",
+        &[],
+    )
+    .unwrap_err();
+    assert!(
+        err.contains("undeclared"),
+        "the error carries NVRTC's log: {err}"
+    );
+    let err = compile_cubin(ok, "compute_90", &[]).unwrap_err();
+    assert!(err.contains("compute_90"), "{err}");
+}
+
+#[test]
+fn kernel_sources_load_from_a_directory() {
+    let dir = tmp_dir("sources");
+    for (name, text) in kernels::EMBEDDED {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+    let from_dir = KernelSources::from_dir(&dir).unwrap();
+    for (name, text) in kernels::EMBEDDED {
+        assert_eq!(from_dir.get(name), Some(*text));
+    }
+    std::fs::remove_file(dir.join("radix.cu")).unwrap();
+    assert!(
+        KernelSources::from_dir(&dir)
+            .unwrap_err()
+            .contains("radix.cu")
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn cache_files_detect_corruption_truncation_and_stale_keys() {
+    let dir = tmp_dir("cache-files");
+    let path = dir.join("x.cubin");
+    let payload: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+    let key = cache_key(&[b"source", b"sm_90"]);
+    assert_ne!(key, cache_key(&[b"source", b"sm_80"]));
+    assert_ne!(cache_key(&[b"ab", b"c"]), cache_key(&[b"a", b"bc"]));
+    write_cache_file(&path, key, &payload).unwrap();
+    assert_eq!(read_cache_file(&path, key), Some(payload.clone()));
+    assert_eq!(read_cache_file(&path, key ^ 1), None, "another key");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+    assert_eq!(read_cache_file(&path, key), None, "corrupt payload");
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    assert_eq!(read_cache_file(&path, key), None, "truncated");
+    std::fs::write(&path, b"").unwrap();
+    assert_eq!(read_cache_file(&path, key), None, "empty");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn cubin_cache_stores_reuses_and_rebuilds() {
+    if !nvrtc_or_skip("cubin_cache_stores_reuses_and_rebuilds") {
+        return;
+    }
+    let dir = tmp_dir("cubin-cache");
+    let sources = KernelSources::embedded();
+    let first = cubin_cached("candidates.cu", &sources, "sm_90", &[], 13000, Some(&dir)).unwrap();
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "one cache file: {files:?}");
+    let name = files[0].file_name().unwrap().to_string_lossy().to_string();
+    assert!(
+        name.starts_with("candidates-sm_90-") && name.ends_with(".cubin"),
+        "{name}"
+    );
+    let bytes = std::fs::read(&files[0]).unwrap();
+    assert_eq!(&bytes[48..], &first[..]);
+    // A valid entry is used as is: a marker payload under the same key comes back.
+    let key = u128::from_le_bytes(bytes[16..32].try_into().unwrap());
+    write_cache_file(&files[0], key, b"marker").unwrap();
+    let marker = cubin_cached("candidates.cu", &sources, "sm_90", &[], 13000, Some(&dir)).unwrap();
+    assert_eq!(marker, b"marker");
+    // A corrupt entry is rebuilt and rewritten.
+    let mut corrupt = bytes.clone();
+    corrupt[100] ^= 0xff;
+    std::fs::write(&files[0], &corrupt).unwrap();
+    let again = cubin_cached("candidates.cu", &sources, "sm_90", &[], 13000, Some(&dir)).unwrap();
+    assert_eq!(again, first);
+    assert_eq!(std::fs::read(&files[0]).unwrap(), bytes);
+    // Another driver version is another key, another file.
+    cubin_cached("candidates.cu", &sources, "sm_90", &[], 13010, Some(&dir)).unwrap();
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+// ---- selection of host-encoded keys ------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dist {
+    Uniform,
+    AllEqual,
+    /// Every key all ones and one row id all ones: indistinguishable from the padding pair.
+    AllMax,
+    /// f32 Uniform[128.6, 128.7], order-encoded, in the top bits.
+    Narrow,
+    SortedAsc,
+    SortedDesc,
+    /// Geometric: key = leading zeros of a random word (most keys 0 or 1).
+    HeavyTies,
+}
+
+const DISTS: [Dist; 7] = [
+    Dist::Uniform,
+    Dist::AllEqual,
+    Dist::AllMax,
+    Dist::Narrow,
+    Dist::SortedAsc,
+    Dist::SortedDesc,
+    Dist::HeavyTies,
+];
+
+fn f32_key(x: f32) -> u32 {
+    let b = x.to_bits();
+    b ^ if b >> 31 == 1 { u32::MAX } else { 1 << 31 }
+}
+
+/// Primary values (the most significant 32 or 64 key bits) and unique, shuffled row ids.
+fn generate(dist: Dist, n: usize, wide: bool, seed: u64) -> (Vec<u64>, Vec<u64>) {
+    let mut rng = Rng::new(seed);
+    let keys = (0..n as u64)
+        .map(|i| match dist {
+            Dist::Uniform if wide => rng.next(),
+            Dist::Uniform => rng.next() >> 32,
+            Dist::AllEqual => 0x1234_5678,
+            Dist::AllMax if wide => u64::MAX,
+            Dist::AllMax => u64::from(u32::MAX),
+            Dist::Narrow => {
+                let v = u64::from(f32_key(128.6 + 0.1 * rng.unit() as f32));
+                if wide {
+                    v << 32 | (rng.next() >> 62)
+                } else {
+                    v
+                }
+            }
+            Dist::SortedAsc => i * 3,
+            Dist::SortedDesc => (n as u64 - i) * 3,
+            Dist::HeavyTies => u64::from(rng.next().leading_zeros()),
+        })
+        .collect();
+    // Unique ids (an odd multiplier is a bijection) in shuffled order.
+    let mut ids: Vec<u64> = (0..n as u64)
+        .map(|i| i.wrapping_mul(0xD6E8_FEB8_6659_FD93) >> 1)
+        .collect();
+    if dist == Dist::AllMax && n > 0 {
+        ids[n / 2] = u64::MAX;
+    }
+    (keys, ids)
+}
+
+/// Checks both algorithms (bitonic where k allows) for one input of every key width against
+/// the oracle.
+fn check_select(device: &Arc<GpuDevice>, dist: Dist, n: usize, k: usize, seed: u64) {
+    let (p32, ids) = generate(dist, n, false, seed);
+    let (p64, _) = generate(dist, n, true, seed);
+    let k32: Vec<u32> = p32.iter().map(|&v| v as u32).collect();
+    let k64 = p64.clone();
+    // Lower words derived from the primary value keep ties tied; all ones stays all ones.
+    let k128: Vec<u128> = p64
+        .iter()
+        .map(|&v| (u128::from(v) << 64) | u128::from(v.rotate_left(17) | (v >> 1)))
+        .collect();
+    let k256: Vec<U256> = k128
+        .iter()
+        .map(|&v| U256 {
+            hi: v,
+            lo: v.rotate_left(41),
+        })
+        .collect();
+    let cases: [(HostKeys<'_>, Vec<u64>); 4] = [
+        (HostKeys::U32(&k32), oracle(&k32, &ids, k)),
+        (HostKeys::U64(&k64), oracle(&k64, &ids, k)),
+        (HostKeys::U128(&k128), oracle(&k128, &ids, k)),
+        (HostKeys::U256(&k256), oracle(&k256, &ids, k)),
+    ];
+    for (keys, expected) in cases {
+        let kind = keys.kind();
+        let mut algorithms = vec![DeviceAlgorithm::Radix];
+        let chunk = datafusion_gpu_topk::device::algorithms::bitonic_chunk(
+            device.max_shared_per_block,
+            kind,
+        );
+        if k.max(1).next_power_of_two() * 4 <= chunk {
+            algorithms.push(DeviceAlgorithm::Bitonic);
+        }
+        for algorithm in algorithms {
+            let got = select_topk_device(device, keys, &ids, k, algorithm)
+                .unwrap_or_else(|e| panic!("{kind:?} {algorithm:?} {dist:?} n={n} k={k}: {e}"));
+            if got != expected {
+                let first = got.iter().zip(&expected).position(|(a, b)| a != b);
+                panic!(
+                    "{kind:?} {algorithm:?} {dist:?} n={n} k={k}: {} ids, expected {}; first \
+                     difference at {first:?}",
+                    got.len(),
+                    expected.len()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_selection_matches_the_oracle_for_every_width_size_k_and_distribution() {
+    let Some(device) = gpu_or_skip("gpu_selection_matches_the_oracle") else {
+        return;
+    };
+    let mut seed = 1;
+    for k in [1usize, 7, 32, 100, 1024, 5000, 100_000] {
+        let mut sizes = vec![1, k.saturating_sub(1).max(1), k, k + 1, 3 * k + 17, 10_007];
+        if k <= 5000 {
+            sizes.push(100_003);
+        }
+        sizes.sort_unstable();
+        sizes.dedup();
+        for n in sizes {
+            for dist in DISTS {
+                seed += 1;
+                check_select(&device, dist, n, k, seed);
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_selection_edge_cases() {
+    let Some(device) = gpu_or_skip("gpu_selection_edge_cases") else {
+        return;
+    };
+    // Empty input, k = 0, k > n, n = 2^k boundaries of the bitonic chunk.
+    check_select(&device, Dist::Uniform, 0, 5, 1);
+    check_select(&device, Dist::Uniform, 10, 0, 2);
+    check_select(&device, Dist::Uniform, 10, 1000, 3);
+    for n in [8191, 8192, 8193, 16384, 16385, 32768 + 5] {
+        for k in [1, 2, 3, 255, 256, 257, 1000] {
+            check_select(&device, Dist::HeavyTies, n, k, n as u64 * 31 + k as u64);
+            check_select(&device, Dist::Uniform, n, k, n as u64 * 37 + k as u64);
+        }
+    }
+}
+
+#[test]
+fn gpu_selection_large_inputs() {
+    let Some(device) = gpu_or_skip("gpu_selection_large_inputs") else {
+        return;
+    };
+    // 2^20 + 7 over every distribution and a large k, then one 2^27 case per algorithm.
+    for dist in DISTS {
+        let n = (1 << 20) + 7;
+        let (keys, ids) = generate(dist, n, true, 99);
+        for (k, algorithm) in [
+            (50, DeviceAlgorithm::Bitonic),
+            (50, DeviceAlgorithm::Radix),
+            (300_000, DeviceAlgorithm::Radix),
+        ] {
+            let got =
+                select_topk_device(&device, HostKeys::U64(&keys), &ids, k, algorithm).unwrap();
+            assert!(
+                got == oracle(&keys, &ids, k),
+                "{dist:?} n={n} k={k} {algorithm:?}"
+            );
+        }
+    }
+    let n = 1 << 27;
+    let (keys, ids) = generate(Dist::Uniform, n, true, 7);
+    for (k, algorithm) in [
+        (100, DeviceAlgorithm::Bitonic),
+        (1000, DeviceAlgorithm::Radix),
+    ] {
+        let got = select_topk_device(&device, HostKeys::U64(&keys), &ids, k, algorithm).unwrap();
+        assert!(got == oracle(&keys, &ids, k), "2^27 k={k} {algorithm:?}");
+    }
+}
+
+// ---- device encoding vs KeyLayout::encode --------------------------------------------------------
+
+fn spec(data_type: DataType, descending: bool, nulls_first: bool, nullable: bool) -> KeySpec {
+    KeySpec {
+        data_type,
+        descending,
+        nulls_first,
+        nullable,
+    }
+}
+
+/// A column of `data_type` with n rows: random values (with the type's edge values mixed in)
+/// and, when `nulls`, about a fifth NULL.
+fn column(data_type: &DataType, n: usize, nulls: bool, rng: &mut Rng) -> ArrayRef {
+    let valid: Vec<bool> = (0..n).map(|_| !nulls || rng.below(5) != 0).collect();
+    let pick = |rng: &mut Rng, edges: &[i128], random: i128| -> i128 {
+        if rng.below(4) == 0 {
+            edges[rng.below(edges.len() as u64) as usize]
+        } else {
+            random
+        }
+    };
+    macro_rules! ints {
+        ($array:ty, $t:ty) => {{
+            let edges = [<$t>::MIN as i128, <$t>::MAX as i128, 0, 1, -1];
+            let values: Vec<Option<$t>> = (0..n)
+                .map(|i| {
+                    let r = rng.next() as $t as i128;
+                    let v = pick(rng, &edges, r) as $t;
+                    valid[i].then_some(v)
+                })
+                .collect();
+            Arc::new(<$array>::from(values)) as ArrayRef
+        }};
+    }
+    macro_rules! floats {
+        ($array:ty, $t:ty, $from:expr) => {{
+            let edges: [$t; 10] = [
+                $from(0.0),
+                $from(-0.0),
+                $from(f64::INFINITY),
+                $from(f64::NEG_INFINITY),
+                $from(f64::NAN),
+                -$from(f64::NAN),
+                $from(1.5),
+                $from(-1.5),
+                $from(f64::MIN_POSITIVE),
+                $from(65504.0),
+            ];
+            let values: Vec<Option<$t>> = (0..n)
+                .map(|i| {
+                    let v = if rng.below(3) == 0 {
+                        edges[rng.below(edges.len() as u64) as usize]
+                    } else {
+                        $from((rng.unit() - 0.5) * 1000.0)
+                    };
+                    valid[i].then_some(v)
+                })
+                .collect();
+            Arc::new(<$array>::from(values)) as ArrayRef
+        }};
+    }
+    macro_rules! with_tz {
+        ($a:expr, $array:ty, $tz:expr) => {{
+            let a = $a;
+            let a = a.as_any().downcast_ref::<$array>().unwrap().clone();
+            Arc::new(a.with_timezone_opt($tz.clone())) as ArrayRef
+        }};
+    }
+    match data_type {
+        DataType::Boolean => {
+            let values: Vec<Option<bool>> = (0..n)
+                .map(|i| valid[i].then_some(rng.below(2) == 1))
+                .collect();
+            Arc::new(BooleanArray::from(values))
+        }
+        DataType::UInt8 => ints!(UInt8Array, u8),
+        DataType::UInt16 => ints!(UInt16Array, u16),
+        DataType::UInt32 => ints!(UInt32Array, u32),
+        DataType::UInt64 => ints!(UInt64Array, u64),
+        DataType::Int8 => ints!(Int8Array, i8),
+        DataType::Int16 => ints!(Int16Array, i16),
+        DataType::Int32 => ints!(Int32Array, i32),
+        DataType::Int64 => ints!(Int64Array, i64),
+        DataType::Date32 => ints!(Date32Array, i32),
+        DataType::Date64 => ints!(Date64Array, i64),
+        DataType::Time32(u) => match u {
+            datafusion::arrow::datatypes::TimeUnit::Second => ints!(Time32SecondArray, i32),
+            _ => ints!(Time32MillisecondArray, i32),
+        },
+        DataType::Time64(u) => match u {
+            datafusion::arrow::datatypes::TimeUnit::Microsecond => {
+                ints!(Time64MicrosecondArray, i64)
+            }
+            _ => ints!(Time64NanosecondArray, i64),
+        },
+        DataType::Timestamp(u, tz) => {
+            use datafusion::arrow::datatypes::TimeUnit::*;
+            // with_timezone_opt keeps the values (a cast would convert, and null overflows).
+            match u {
+                Second => with_tz!(ints!(TimestampSecondArray, i64), TimestampSecondArray, tz),
+                Millisecond => {
+                    with_tz!(ints!(TimestampMillisecondArray, i64), TimestampMillisecondArray, tz)
+                }
+                Microsecond => {
+                    with_tz!(ints!(TimestampMicrosecondArray, i64), TimestampMicrosecondArray, tz)
+                }
+                Nanosecond => {
+                    with_tz!(ints!(TimestampNanosecondArray, i64), TimestampNanosecondArray, tz)
+                }
+            }
+        }
+        DataType::Duration(u) => {
+            use datafusion::arrow::datatypes::TimeUnit::*;
+            match u {
+                Second => ints!(DurationSecondArray, i64),
+                Millisecond => ints!(DurationMillisecondArray, i64),
+                Microsecond => ints!(DurationMicrosecondArray, i64),
+                Nanosecond => ints!(DurationNanosecondArray, i64),
+            }
+        }
+        DataType::Decimal32(p, s) => {
+            let a = ints!(Decimal32Array, i32);
+            let a = a.as_any().downcast_ref::<Decimal32Array>().unwrap().clone();
+            Arc::new(a.with_precision_and_scale(*p, *s).unwrap())
+        }
+        DataType::Decimal64(p, s) => {
+            let a = ints!(Decimal64Array, i64);
+            let a = a.as_any().downcast_ref::<Decimal64Array>().unwrap().clone();
+            Arc::new(a.with_precision_and_scale(*p, *s).unwrap())
+        }
+        DataType::Decimal128(p, s) => {
+            let edges = [i128::MIN, i128::MAX, 0, 1, -1, i128::from(i64::MIN) - 1];
+            let values: Vec<Option<i128>> = (0..n)
+                .map(|i| {
+                    let r =
+                        (i128::from(rng.next()) << 64 | i128::from(rng.next())) >> rng.below(100);
+                    valid[i].then_some(pick(rng, &edges, r))
+                })
+                .collect();
+            Arc::new(
+                Decimal128Array::from(values)
+                    .with_precision_and_scale(*p, *s)
+                    .unwrap(),
+            )
+        }
+        DataType::Float16 => floats!(Float16Array, half::f16, half::f16::from_f64),
+        DataType::Float32 => floats!(Float32Array, f32, |x: f64| x as f32),
+        DataType::Float64 => floats!(Float64Array, f64, |x: f64| x),
+        other => panic!("no generator for {other}"),
+    }
+}
+
+fn all_key_types() -> Vec<DataType> {
+    use datafusion::arrow::datatypes::TimeUnit::*;
+    vec![
+        DataType::Boolean,
+        DataType::UInt8,
+        DataType::UInt16,
+        DataType::UInt32,
+        DataType::UInt64,
+        DataType::Int8,
+        DataType::Int16,
+        DataType::Int32,
+        DataType::Int64,
+        DataType::Float16,
+        DataType::Float32,
+        DataType::Float64,
+        DataType::Date32,
+        DataType::Date64,
+        DataType::Time32(Second),
+        DataType::Time32(Millisecond),
+        DataType::Time64(Microsecond),
+        DataType::Time64(Nanosecond),
+        DataType::Timestamp(Second, None),
+        DataType::Timestamp(Millisecond, None),
+        DataType::Timestamp(Microsecond, Some("+02:00".into())),
+        DataType::Timestamp(Nanosecond, None),
+        DataType::Duration(Second),
+        DataType::Duration(Millisecond),
+        DataType::Duration(Microsecond),
+        DataType::Duration(Nanosecond),
+        DataType::Decimal32(9, 2),
+        DataType::Decimal64(18, 3),
+        DataType::Decimal128(38, 10),
+    ]
+}
+
+fn assert_same_encoding(
+    device: &Arc<GpuDevice>,
+    layout: &KeyLayout,
+    columns: &[ArrayRef],
+    what: &str,
+) {
+    let expected = layout.encode(columns).unwrap();
+    let got = encode_keys_device(device, layout, columns).unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_eq!(got.width(), expected.width(), "{what}");
+    if got != expected {
+        panic!("{what}: the device encoding differs from KeyLayout::encode");
+    }
+}
+
+#[test]
+fn gpu_encoding_matches_the_keys_module_for_every_type_and_option() {
+    let Some(device) = gpu_or_skip("gpu_encoding_matches_the_keys_module") else {
+        return;
+    };
+    let mut rng = Rng::new(5);
+    for data_type in all_key_types() {
+        for nullable in [false, true] {
+            for descending in [false, true] {
+                for nulls_first in [false, true] {
+                    let n = 1000 + rng.below(100) as usize;
+                    let full = column(&data_type, n + 13, nullable, &mut rng);
+                    // Sliced at an odd offset: bit offsets of booleans and validity bitmaps.
+                    for array in [full.slice(0, n), full.slice(5, n), full.slice(13, n)] {
+                        let s = spec(data_type.clone(), descending, nulls_first, nullable);
+                        let layout = KeyLayout::try_new(vec![s]).unwrap();
+                        let what = format!(
+                            "{data_type} nullable={nullable} desc={descending} \
+                             nulls_first={nulls_first} offset={}",
+                            array.offset()
+                        );
+                        assert_same_encoding(&device, &layout, &[array], &what);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_encoding_matches_for_composite_layouts_of_every_width() {
+    let Some(device) = gpu_or_skip("gpu_encoding_matches_for_composite_layouts") else {
+        return;
+    };
+    let types = all_key_types();
+    let mut rng = Rng::new(11);
+    let mut kinds_seen = std::collections::HashSet::new();
+    for round in 0..400 {
+        let keys = 1 + rng.below(4) as usize;
+        let specs: Vec<KeySpec> = (0..keys)
+            .map(|_| {
+                let t = types[rng.below(types.len() as u64) as usize].clone();
+                spec(t, rng.below(2) == 1, rng.below(2) == 1, rng.below(2) == 1)
+            })
+            .collect();
+        let Ok(layout) = KeyLayout::try_new(specs.clone()) else {
+            continue; // over 256 bits
+        };
+        kinds_seen.insert(key_kind(&layout));
+        let n = 1 + rng.below(3000) as usize;
+        let columns: Vec<ArrayRef> = specs
+            .iter()
+            .map(|s| column(&s.data_type, n + 3, s.nullable, &mut rng).slice(3, n))
+            .collect();
+        assert_same_encoding(
+            &device,
+            &layout,
+            &columns,
+            &format!("round {round}: {specs:?}"),
+        );
+    }
+    assert_eq!(
+        kinds_seen.len(),
+        4,
+        "layouts of every width were drawn: {kinds_seen:?}"
+    );
+}
+
+// ---- the selector vs the CPU selector -------------------------------------------------------------
+
+#[allow(clippy::too_many_arguments)]
+/// Pushes the same batches (from several threads, one per partition) to a CUDA selector and
+/// to the CPU selector and compares their results.
+fn check_selector(
+    device: &Arc<GpuDevice>,
+    specs: Vec<KeySpec>,
+    k: usize,
+    partitions: usize,
+    batches: usize,
+    rows: usize,
+    algorithm: Algorithm,
+    capacity: usize,
+    seed: u64,
+) {
+    let layout = KeyLayout::try_new(specs.clone()).unwrap();
+    let spec = SelectionSpec { layout, k };
+    let cpu = cpu::new_selector(&spec);
+    let gpu = new_cuda_selector_with_capacity(&spec, Arc::clone(device), algorithm, capacity)
+        .unwrap_or_else(|e| panic!("{e}"));
+    std::thread::scope(|scope| {
+        for partition in 0..partitions {
+            let (cpu, gpu, specs) = (Arc::clone(&cpu), Arc::clone(&gpu), specs.clone());
+            scope.spawn(move || {
+                let mut rng = Rng::new(seed * 1000 + partition as u64);
+                let mut next_row = 0u64;
+                for batch in 0..batches {
+                    let n = 1 + rng.below(rows as u64) as usize;
+                    let columns: Vec<ArrayRef> = specs
+                        .iter()
+                        .map(|s| column(&s.data_type, n, s.nullable, &mut rng))
+                        .collect();
+                    // Every other batch has a filter: explicit, increasing ids with gaps.
+                    let explicit: Vec<u64> = (0..n as u64)
+                        .map(|i| row_id(partition, next_row + 2 * i))
+                        .collect();
+                    let row_ids = if batch % 2 == 1 {
+                        RowIds::Explicit(&explicit)
+                    } else {
+                        RowIds::Range(row_id(partition, next_row))
+                    };
+                    next_row += 2 * n as u64;
+                    let input = SelectInput {
+                        keys: &columns,
+                        row_ids,
+                    };
+                    cpu.push(input).unwrap();
+                    gpu.push(input).unwrap_or_else(|e| panic!("push: {e}"));
+                }
+            });
+        }
+    });
+    let expected = cpu.finish().unwrap();
+    let got = gpu.finish().unwrap_or_else(|e| panic!("finish: {e}"));
+    assert!(
+        got == expected,
+        "{} k={k} {algorithm:?} capacity={capacity}: {} ids, expected {}",
+        gpu.describe(),
+        got.len(),
+        expected.len()
+    );
+}
+
+#[test]
+fn gpu_selector_matches_the_cpu_selector() {
+    let Some(device) = gpu_or_skip("gpu_selector_matches_the_cpu_selector") else {
+        return;
+    };
+    let specs_list = vec![
+        // retweet_count DESC: heavy ties are broken by row id.
+        vec![spec(DataType::Int64, true, true, false)],
+        // 32-bit device keys: a nullable f16, a non-nullable f32 (NaNs, ±0, ±inf).
+        vec![spec(DataType::Float16, false, false, true)],
+        vec![spec(DataType::Float32, true, false, false)],
+        vec![spec(DataType::Float32, true, false, true)],
+        // Composite keys: 64 and 128 bits and beyond.
+        vec![
+            spec(DataType::Int32, true, true, true),
+            spec(DataType::Boolean, false, false, true),
+        ],
+        vec![
+            spec(DataType::Float64, false, true, true),
+            spec(DataType::Int32, true, false, false),
+        ],
+        vec![
+            spec(DataType::Decimal128(38, 2), false, false, true),
+            spec(DataType::Int64, true, true, true),
+        ],
+    ];
+    let mut seed = 0;
+    for specs in specs_list {
+        for (k, algorithm) in [
+            (1, Algorithm::Auto),
+            (10, Algorithm::Bitonic),
+            (10, Algorithm::Radix),
+            (300, Algorithm::Auto),
+            (3000, Algorithm::Radix),
+        ] {
+            for capacity in [1, 5000, 1 << 22] {
+                seed += 1;
+                check_selector(
+                    &device,
+                    specs.clone(),
+                    k,
+                    4,
+                    6,
+                    3000,
+                    algorithm,
+                    capacity,
+                    seed,
+                );
+            }
+        }
+        // Narrow value domain: ties everywhere.
+        seed += 1;
+        check_selector(
+            &device,
+            specs.clone(),
+            100,
+            3,
+            20,
+            500,
+            Algorithm::Radix,
+            300,
+            seed,
+        );
+    }
+}
+
+#[test]
+fn gpu_selector_without_rows_or_with_k_zero() {
+    let Some(device) = gpu_or_skip("gpu_selector_without_rows_or_with_k_zero") else {
+        return;
+    };
+    let layout = KeyLayout::try_new(vec![spec(DataType::Int64, false, false, true)]).unwrap();
+    for k in [0, 5] {
+        let spec = SelectionSpec {
+            layout: layout.clone(),
+            k,
+        };
+        let gpu = new_cuda_selector_with_capacity(&spec, Arc::clone(&device), Algorithm::Auto, 1)
+            .unwrap();
+        let empty: ArrayRef = Arc::new(Int64Array::from(Vec::<i64>::new()));
+        gpu.push(SelectInput {
+            keys: &[empty],
+            row_ids: RowIds::Range(0),
+        })
+        .unwrap();
+        assert_eq!(gpu.finish().unwrap(), Vec::<u64>::new());
+    }
+    // All NULL: ties broken by row id.
+    let spec1 = SelectionSpec { layout, k: 3 };
+    let gpu =
+        new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), Algorithm::Radix, 1).unwrap();
+    let nulls: ArrayRef = Arc::new(Int64Array::from(vec![None::<i64>; 10]));
+    gpu.push(SelectInput {
+        keys: &[nulls],
+        row_ids: RowIds::Range(100),
+    })
+    .unwrap();
+    assert_eq!(gpu.finish().unwrap(), vec![100, 101, 102]);
+}
+
+#[test]
+fn gpu_selector_rejects_mismatched_input_and_algorithms() {
+    let Some(device) = gpu_or_skip("gpu_selector_rejects_mismatched_input") else {
+        return;
+    };
+    let layout = KeyLayout::try_new(vec![spec(DataType::Int64, false, false, false)]).unwrap();
+    let spec1 = SelectionSpec {
+        layout: layout.clone(),
+        k: 5,
+    };
+    let gpu =
+        new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), Algorithm::Auto, 1).unwrap();
+    let wrong: ArrayRef = Arc::new(Int32Array::from(vec![1, 2, 3]));
+    assert!(
+        gpu.push(SelectInput {
+            keys: &[wrong],
+            row_ids: RowIds::Range(0)
+        })
+        .is_err()
+    );
+    let with_nulls: ArrayRef = Arc::new(Int64Array::from(vec![Some(1), None]));
+    assert!(
+        gpu.push(SelectInput {
+            keys: &[with_nulls],
+            row_ids: RowIds::Range(0)
+        })
+        .is_err()
+    );
+    for algorithm in [Algorithm::Delegate, Algorithm::Sample, Algorithm::Cpu] {
+        assert!(
+            new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), algorithm, 1).is_err()
+        );
+    }
+    let big = SelectionSpec {
+        layout: layout.clone(),
+        k: bitonic_max_k(&device, &layout) + 1,
+    };
+    assert!(
+        new_cuda_selector_with_capacity(&big, Arc::clone(&device), Algorithm::Bitonic, 1).is_err()
+    );
+    let auto =
+        new_cuda_selector_with_capacity(&big, Arc::clone(&device), Algorithm::Auto, 1).unwrap();
+    assert!(
+        auto.describe().starts_with("cuda radix"),
+        "{}",
+        auto.describe()
+    );
+}
+
+#[test]
+fn gpu_detection_and_kernels_load() {
+    match gpu() {
+        None => eprintln!(
+            "SKIP: gpu_detection_and_kernels_load: no GPU ({:?})",
+            gpu_status()
+        ),
+        Some(device) => {
+            eprintln!(
+                "{} sm={} smem={}",
+                device.describe(),
+                device.sm_count,
+                device.max_shared_per_block
+            );
+            device.kernels().unwrap();
+        }
+    }
+}

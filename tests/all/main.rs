@@ -1,0 +1,8 @@
+//! The integration tests, one binary (easy to carry to the GPU machine).
+//!
+//! The operator's backend is `GPU_TOPK_TEST_BACKEND` (`cpu` by default; `cuda` on a GPU
+//! machine), so the same suite checks the CPU path in CI and the CUDA path on the GPU.
+
+mod common;
+mod differential;
+mod plan;

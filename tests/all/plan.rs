@@ -1,0 +1,255 @@
+//! The rule's rewrites, EXPLAIN, settings, metrics and the dynamic filter.
+
+use std::sync::Arc;
+
+use datafusion::arrow::array::{Int32Array, Int64Array, RecordBatch};
+use datafusion::arrow::datatypes::{DataType, Field, Schema};
+use datafusion::execution::SessionStateBuilder;
+use datafusion::physical_plan::{ExecutionPlan, collect};
+use datafusion::prelude::{SessionConfig, SessionContext};
+use datafusion_gpu_topk::device::gpu;
+use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
+use futures::StreamExt;
+
+use crate::common::{count_gpu_topk, physical_plan, plan_text, register, run, session};
+
+fn numbers(partitions: usize, rows: i64) -> Vec<Vec<RecordBatch>> {
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("v", DataType::Int32, true),
+        Field::new("w", DataType::Int32, false),
+    ]));
+    let per = rows / partitions as i64;
+    (0..partitions as i64)
+        .map(|p| {
+            let ids: Vec<i64> = (p * per..(p + 1) * per).collect();
+            let v: Vec<Option<i32>> = ids
+                .iter()
+                .map(|&i| (i % 11 != 0).then_some(((i * 7919) % 1000) as i32))
+                .collect();
+            let w: Vec<i32> = ids.iter().map(|&i| (i % 5) as i32).collect();
+            vec![
+                RecordBatch::try_new(
+                    schema.clone(),
+                    vec![
+                        Arc::new(Int64Array::from(ids)),
+                        Arc::new(Int32Array::from(v)),
+                        Arc::new(Int32Array::from(w)),
+                    ],
+                )
+                .unwrap(),
+            ]
+        })
+        .collect()
+}
+
+fn find_exec(plan: &Arc<dyn ExecutionPlan>) -> Option<&GpuTopKExec> {
+    if let Some(exec) = plan.downcast_ref::<GpuTopKExec>() {
+        return Some(exec);
+    }
+    plan.children().into_iter().find_map(find_exec)
+}
+
+#[tokio::test]
+async fn collapses_merge_sort_limit_filter_and_projection() {
+    let ctx = session(true, 4, 1024);
+    register(&ctx, "t", numbers(4, 4000));
+    let sql = "SELECT id FROM t WHERE w < 3 ORDER BY v DESC NULLS LAST LIMIT 5 OFFSET 2";
+    let plan = physical_plan(&ctx, sql).await.unwrap();
+    let text = plan_text(&plan);
+    assert_eq!(count_gpu_topk(&plan), 1, "{text}");
+    for gone in [
+        "SortExec",
+        "SortPreservingMergeExec",
+        "GlobalLimitExec",
+        "FilterExec",
+    ] {
+        assert!(!text.contains(gone), "{gone} should be absorbed:\n{text}");
+    }
+    assert!(text.contains("k=7, skip=2"), "{text}");
+    assert!(text.contains("filter=[w@2 < 3]"), "{text}");
+    assert!(text.contains("backend=cpu"), "{text}");
+    let exec = find_exec(&plan).unwrap();
+    assert_eq!(exec.spec().k, 7);
+    assert_eq!(exec.spec().skip, 2);
+}
+
+#[tokio::test]
+async fn explain_and_explain_analyze_show_the_operator_and_its_metrics() {
+    let ctx = session(true, 2, 1024);
+    register(&ctx, "t", numbers(2, 3000));
+    let explain = run(&ctx, "EXPLAIN SELECT id, v FROM t ORDER BY v LIMIT 3")
+        .await
+        .unwrap();
+    let text = datafusion::arrow::util::pretty::pretty_format_batches(&explain)
+        .unwrap()
+        .to_string();
+    assert!(
+        text.contains("GpuTopKExec: k=3, skip=0, expr=[v@1 ASC NULLS LAST]"),
+        "{text}"
+    );
+    assert!(text.contains("algorithm="), "{text}");
+
+    let analyze = run(
+        &ctx,
+        "EXPLAIN ANALYZE SELECT id FROM t WHERE w = 1 ORDER BY v LIMIT 3",
+    )
+    .await
+    .unwrap();
+    let text = datafusion::arrow::util::pretty::pretty_format_batches(&analyze)
+        .unwrap()
+        .to_string();
+    for metric in [
+        "rows_in=3.00 K",
+        "rows_passed_filter=600",
+        "output_rows=3",
+        "select_time",
+        "filter_time",
+    ] {
+        assert!(text.contains(metric), "{metric} missing:\n{text}");
+    }
+}
+
+#[tokio::test]
+async fn settings_work_from_sql_and_bad_values_are_clear_errors() {
+    let ctx = session(true, 2, 1024);
+    register(&ctx, "t", numbers(2, 100));
+    let sql = "SELECT id FROM t ORDER BY v LIMIT 3";
+    assert_eq!(count_gpu_topk(&physical_plan(&ctx, sql).await.unwrap()), 1);
+
+    run(&ctx, "SET gpu_topk.enabled = false").await.unwrap();
+    assert_eq!(count_gpu_topk(&physical_plan(&ctx, sql).await.unwrap()), 0);
+    run(&ctx, "SET gpu_topk.enabled = true").await.unwrap();
+    run(&ctx, "SET gpu_topk.backend = 'cpu'").await.unwrap();
+    let plan = physical_plan(&ctx, sql).await.unwrap();
+    assert!(plan_text(&plan).contains("backend=cpu"));
+
+    let err = run(&ctx, "SET gpu_topk.backend = 'tpu'")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("auto, cuda, cpu"), "{err}");
+    let err = run(&ctx, "SET gpu_topk.algorithm = 'quick'")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("bitonic"), "{err}");
+    run(&ctx, "SET gpu_topk.max_k = 2").await.unwrap();
+    assert_eq!(
+        count_gpu_topk(&physical_plan(&ctx, sql).await.unwrap()),
+        0,
+        "k=3 > max_k"
+    );
+}
+
+#[tokio::test]
+async fn auto_without_a_gpu_keeps_datafusions_topk() {
+    if gpu().is_some() {
+        eprintln!("SKIP auto_without_a_gpu_keeps_datafusions_topk: a GPU is present");
+        return;
+    }
+    let config = GpuTopKConfig::default().with_backend(Backend::Auto);
+    let state = SessionStateBuilder::new()
+        .with_default_features()
+        .with_gpu_topk(config)
+        .build();
+    let ctx = SessionContext::new_with_state(state);
+    register(&ctx, "t", numbers(2, 100));
+    let plan = physical_plan(&ctx, "SELECT id FROM t ORDER BY v LIMIT 3")
+        .await
+        .unwrap();
+    let text = plan_text(&plan);
+    assert_eq!(count_gpu_topk(&plan), 0, "{text}");
+    assert!(text.contains("SortExec: TopK"), "{text}");
+}
+
+#[tokio::test]
+async fn dynamic_filter_reaches_the_parquet_scan_and_tightens() {
+    let dir = std::env::temp_dir().join(format!("gpu-topk-dynfilter-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let writer_ctx = SessionContext::new();
+    register(&writer_ctx, "src", numbers(1, 50_000));
+    writer_ctx
+        .sql(&format!(
+            "COPY (SELECT * FROM src) TO '{}/data.parquet' STORED AS PARQUET \
+             OPTIONS ('format.max_row_group_size' '5000')",
+            dir.display()
+        ))
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+
+    let ctx = session(true, 1, 1024);
+    ctx.register_parquet(
+        "p",
+        dir.join("data.parquet").to_str().unwrap(),
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    let plan = physical_plan(&ctx, "SELECT id, v FROM p ORDER BY id DESC LIMIT 4")
+        .await
+        .unwrap();
+    let text = plan_text(&plan);
+    assert!(
+        text.contains("DynamicFilter"),
+        "scan should hold our dynamic filter:\n{text}"
+    );
+    let batches = collect(Arc::clone(&plan), ctx.task_ctx()).await.unwrap();
+    let ids: Vec<i64> = batches
+        .iter()
+        .flat_map(|b| {
+            b.column(0)
+                .as_any()
+                .downcast_ref::<Int64Array>()
+                .unwrap()
+                .values()
+                .to_vec()
+        })
+        .collect();
+    assert_eq!(ids, vec![49_999, 49_998, 49_997, 49_996]);
+    let exec = find_exec(&plan).unwrap();
+    let threshold = exec.dynamic_filter().current().unwrap().to_string();
+    assert!(
+        threshold.contains(">="),
+        "threshold should be published: {threshold}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn dropping_the_stream_early_is_clean() {
+    let ctx = session(true, 4, 64);
+    register(&ctx, "t", numbers(4, 40_000));
+    let plan = physical_plan(&ctx, "SELECT id FROM t ORDER BY v, id LIMIT 10")
+        .await
+        .unwrap();
+    let stream = plan.execute(0, ctx.task_ctx()).unwrap();
+    drop(stream);
+    // And a full run afterwards still works.
+    let mut stream = plan.execute(0, ctx.task_ctx()).unwrap();
+    let batch = stream.next().await.unwrap().unwrap();
+    assert_eq!(batch.num_rows(), 10);
+}
+
+#[tokio::test]
+async fn with_gpu_topk_keeps_the_users_config_and_places_the_rule() {
+    let state = SessionStateBuilder::new()
+        .with_config(SessionConfig::new().with_batch_size(123))
+        .with_default_features()
+        .with_gpu_topk(GpuTopKConfig::default())
+        .build();
+    assert_eq!(state.config().batch_size(), 123);
+    let names: Vec<&str> = state
+        .physical_optimizers()
+        .iter()
+        .map(|r| r.name())
+        .collect();
+    let ours = names
+        .iter()
+        .position(|n| *n == "GpuTopKRule")
+        .expect("rule inserted");
+    assert_eq!(names[ours + 1], "FilterPushdown(Post)", "{names:?}");
+}
