@@ -21,7 +21,7 @@ use datafusion_gpu_topk::device::kernels::{
     nvrtc_available, read_cache_file, write_cache_file,
 };
 use datafusion_gpu_topk::device::{DeviceAlgorithm, GpuDevice, GpuStatus, gpu, gpu_status};
-use datafusion_gpu_topk::keys::{KeyLayout, KeySpec, U256};
+use datafusion_gpu_topk::keys::{EncodedKeys, KeyLayout, KeySpec, U256};
 use datafusion_gpu_topk::select::cuda::{
     HostKeys, bitonic_max_k, encode_keys_device, key_kind, new_cuda_selector_with_capacity,
     select_topk_device,
@@ -131,7 +131,8 @@ fn every_kernel_compiles_for_sm_90_without_spills() {
         assert_eq!(
             reported,
             entry_points(name).len(),
-            "{name}: entry points vs report:\n{}",
+            "{name}: {reported} register reports for {} entry points; NVRTC's log:\n{}",
+            entry_points(name).len(),
             compiled.log
         );
         for entry in entry_points(name) {
@@ -534,13 +535,25 @@ fn column(data_type: &DataType, n: usize, nulls: bool, rng: &mut Rng) -> ArrayRe
             match u {
                 Second => with_tz!(ints!(TimestampSecondArray, i64), TimestampSecondArray, tz),
                 Millisecond => {
-                    with_tz!(ints!(TimestampMillisecondArray, i64), TimestampMillisecondArray, tz)
+                    with_tz!(
+                        ints!(TimestampMillisecondArray, i64),
+                        TimestampMillisecondArray,
+                        tz
+                    )
                 }
                 Microsecond => {
-                    with_tz!(ints!(TimestampMicrosecondArray, i64), TimestampMicrosecondArray, tz)
+                    with_tz!(
+                        ints!(TimestampMicrosecondArray, i64),
+                        TimestampMicrosecondArray,
+                        tz
+                    )
                 }
                 Nanosecond => {
-                    with_tz!(ints!(TimestampNanosecondArray, i64), TimestampNanosecondArray, tz)
+                    with_tz!(
+                        ints!(TimestampNanosecondArray, i64),
+                        TimestampNanosecondArray,
+                        tz
+                    )
                 }
             }
         }
@@ -930,6 +943,176 @@ fn gpu_detection_and_kernels_load() {
                 device.max_shared_per_block
             );
             device.kernels().unwrap();
+        }
+    }
+}
+
+/// Composite keys widened to 256 bits (an order-preserving embedding of every width).
+fn widen(keys: EncodedKeys) -> Vec<U256> {
+    match keys {
+        EncodedKeys::W64(v) => v.into_iter().map(|x| U256::from_u128(x.into())).collect(),
+        EncodedKeys::W128(v) => v.into_iter().map(U256::from_u128).collect(),
+        EncodedKeys::W256(v) => v,
+    }
+}
+
+#[test]
+fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
+    let Some(device) = gpu_or_skip("gpu_selector_randomised") else {
+        return;
+    };
+    let types = all_key_types();
+    let mut rng0 = Rng::new(424_242);
+    let mut failures = Vec::new();
+    for round in 0..150 {
+        let specs: Vec<KeySpec> = (0..1 + rng0.below(2))
+            .map(|_| {
+                let t = match rng0.below(2) {
+                    0 => DataType::Int64,
+                    _ => types[rng0.below(types.len() as u64) as usize].clone(),
+                };
+                spec(
+                    t,
+                    rng0.below(2) == 1,
+                    rng0.below(2) == 1,
+                    rng0.below(2) == 1,
+                )
+            })
+            .collect();
+        let layout = KeyLayout::try_new(specs.clone()).unwrap();
+        let k = [1, 2, 10, 100, 3000][rng0.below(5) as usize];
+        let algorithm =
+            [Algorithm::Auto, Algorithm::Radix, Algorithm::Bitonic][rng0.below(3) as usize];
+        let capacity = [1, 100, 5000, 1 << 22][rng0.below(4) as usize];
+        let (threads, batches) = (1 + rng0.below(8) as usize, 1 + rng0.below(8) as usize);
+        let rows = [10, 500, 3000][rng0.below(3) as usize];
+        let seed = rng0.next();
+        let spec1 = SelectionSpec {
+            layout: layout.clone(),
+            k,
+        };
+        let Ok(gpu) =
+            new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), algorithm, capacity)
+        else {
+            continue; // bitonic with too large a k
+        };
+        let cpu = cpu::new_selector(&spec1);
+        let all = std::sync::Mutex::new(Vec::<(U256, u64)>::new());
+        std::thread::scope(|scope| {
+            for partition in 0..threads {
+                let (cpu, gpu, specs, all, layout) = (
+                    Arc::clone(&cpu),
+                    Arc::clone(&gpu),
+                    specs.clone(),
+                    &all,
+                    &layout,
+                );
+                scope.spawn(move || {
+                    let mut rng = Rng::new(seed ^ (partition as u64 * 7919));
+                    let mut next_row = 0u64;
+                    for batch in 0..batches {
+                        let n = 1 + rng.below(rows) as usize;
+                        let columns: Vec<ArrayRef> = specs
+                            .iter()
+                            .map(|s| column(&s.data_type, n, s.nullable, &mut rng))
+                            .collect();
+                        let explicit: Vec<u64> = (0..n as u64)
+                            .map(|i| row_id(partition, next_row + 2 * i))
+                            .collect();
+                        let row_ids = if batch % 2 == 1 {
+                            RowIds::Explicit(&explicit)
+                        } else {
+                            RowIds::Range(row_id(partition, next_row))
+                        };
+                        next_row += 2 * n as u64;
+                        let keys = widen(layout.encode(&columns).unwrap());
+                        all.lock().unwrap().extend(
+                            keys.into_iter()
+                                .enumerate()
+                                .map(|(i, key)| (key, row_ids.get(i))),
+                        );
+                        let input = SelectInput {
+                            keys: &columns,
+                            row_ids,
+                        };
+                        cpu.push(input).unwrap();
+                        gpu.push(input).unwrap();
+                    }
+                });
+            }
+        });
+        let (expected, got) = (cpu.finish().unwrap(), gpu.finish().unwrap());
+        let mut all = all.into_inner().unwrap();
+        all.sort_unstable();
+        let truth: Vec<u64> = all.iter().take(k).map(|p| p.1).collect();
+        if got != truth || expected != truth {
+            failures.push(format!(
+                "round {round}: {} k={k} capacity={capacity} threads={threads} \
+                 batches={batches} rows={rows} {specs:?}: cpu ok {}, gpu ok {}",
+                gpu.describe(),
+                expected == truth,
+                got == truth
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Device times of the selection kernels on resident data (`cargo test -- --ignored
+/// gpu_timing`): a first look, not the benchmark.
+#[test]
+#[ignore]
+fn gpu_timing_of_select_sorted() {
+    use datafusion_gpu_topk::device::{GpuTimer, KeyKind, TopKEngine};
+    let Some(device) = gpu_or_skip("gpu_timing_of_select_sorted") else {
+        return;
+    };
+    device.pool.set_poison(false);
+    let n = 1 << 27;
+    for (dist, kind) in [
+        (Dist::Uniform, KeyKind::K32),
+        (Dist::Uniform, KeyKind::K64),
+        (Dist::Narrow, KeyKind::K64),
+        (Dist::AllEqual, KeyKind::K64),
+        (Dist::Uniform, KeyKind::K128),
+    ] {
+        let (p, ids) = generate(dist, n, kind != KeyKind::K32, 3);
+        let bytes: Vec<u8> = match kind {
+            KeyKind::K32 => p.iter().flat_map(|&v| (v as u32).to_le_bytes()).collect(),
+            KeyKind::K64 => p.iter().flat_map(|&v| v.to_le_bytes()).collect(),
+            _ => p
+                .iter()
+                .flat_map(|&v| (u128::from(v) << 64).to_le_bytes())
+                .collect(),
+        };
+        let mut engine = TopKEngine::new(&device, kind).unwrap();
+        let pairs = engine.upload_pairs(&bytes, &ids).unwrap();
+        for (k, algorithm) in [
+            (50, DeviceAlgorithm::Bitonic),
+            (1024, DeviceAlgorithm::Bitonic),
+            (50, DeviceAlgorithm::Radix),
+            (100_000, DeviceAlgorithm::Radix),
+        ] {
+            let mut times = Vec::new();
+            for run in 0..6 {
+                let timer = GpuTimer::start(engine.stream()).unwrap();
+                let (sorted, _) = engine.select_sorted(&pairs, n, k, algorithm).unwrap();
+                let ms = timer.stop().unwrap();
+                drop(sorted);
+                if run > 0 {
+                    times.push(ms); // the first run warms up the pool
+                }
+            }
+            times.sort_by(f32::total_cmp);
+            // Read floor: the pairs once at ~3 TB/s.
+            let floor = (n * (kind.key_bytes() + 8)) as f32 / 3.0e9;
+            eprintln!(
+                "n=2^27 {kind:?} {dist:?} k={k} {algorithm:?}: {:.2} ms median of {} \
+                 ({:.1}x the {floor:.2} ms read floor)",
+                times[times.len() / 2],
+                times.len(),
+                times[times.len() / 2] / floor
+            );
         }
     }
 }
