@@ -24,9 +24,9 @@ pub fn threshold_predicate(
     if value.is_null() {
         // The k-th candidate is NULL: with NULLS FIRST only NULLs can still win; with NULLS
         // LAST every row is at least as good.
-        return Ok(nulls_first
+        return nulls_first
             .then(|| is_null(Arc::clone(&key.expr)))
-            .transpose()?);
+            .transpose();
     }
     let op = if key.options.descending {
         Operator::GtEq

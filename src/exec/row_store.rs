@@ -5,8 +5,6 @@
 //! Batches enter already cut down to the admitted rows; [`RowStore::retain`] drops rows the
 //! selector has since evicted, so the store stays near `k` rows however large the input is.
 
-use std::collections::HashMap;
-
 use datafusion::arrow::array::{ArrayRef, RecordBatch, UInt32Array};
 use datafusion::arrow::compute::{interleave_record_batch, take_record_batch};
 use datafusion::arrow::datatypes::SchemaRef;
@@ -142,39 +140,42 @@ impl RowStore {
 
     /// The rows `ids` in that order, as one batch of `schema` (the output columns).
     pub fn gather(&self, ids: &[u64], schema: &SchemaRef) -> Result<RecordBatch> {
-        let wanted: HashMap<u64, usize> = ids.iter().enumerate().map(|(i, &id)| (id, i)).collect();
-        let mut at: Vec<Option<(usize, usize)>> = vec![None; ids.len()];
-        for (e, entry) in self.entries.iter().enumerate() {
-            for row in 0..entry.batch.num_rows() {
-                if let Some(&slot) = wanted.get(&entry.id(row)) {
-                    at[slot] = Some((e, row));
-                }
-            }
-        }
-        let at: Vec<(usize, usize)> = at
-            .into_iter()
-            .zip(ids)
-            .map(|(found, id)| {
-                found.ok_or_else(|| {
-                    DataFusionError::Internal(format!("winning row {id} was not retained"))
-                })
-            })
-            .collect::<Result<_>>()?;
-        let width = schema.fields().len();
-        if at.is_empty() {
+        if ids.is_empty() {
             return Ok(RecordBatch::new_empty(schema.clone()));
         }
+        // Entries hold disjoint id ranges: find each id's entry by binary search on first ids.
+        let mut by_first: Vec<(u64, usize)> = self
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(e, entry)| (entry.id(0), e))
+            .collect();
+        by_first.sort_unstable();
+        let at: Vec<(usize, usize)> = ids
+            .iter()
+            .map(|&id| {
+                let i = by_first.partition_point(|&(first, _)| first <= id);
+                i.checked_sub(1)
+                    .and_then(|i| {
+                        let e = by_first[i].1;
+                        self.entries[e].position(id).map(|row| (e, row))
+                    })
+                    .ok_or_else(|| {
+                        DataFusionError::Internal(format!("winning row {id} was not retained"))
+                    })
+            })
+            .collect::<Result<_>>()?;
+        let width: Vec<usize> = (0..schema.fields().len()).collect();
         let batches: Vec<RecordBatch> = self
             .entries
             .iter()
-            .map(|e| e.batch.project(&(0..width).collect::<Vec<_>>()))
+            .map(|e| e.batch.project(&width))
             .collect::<std::result::Result<_, _>>()?;
         let refs: Vec<&RecordBatch> = batches.iter().collect();
         let gathered = interleave_record_batch(&refs, &at)?;
-        Ok(RecordBatch::try_new_with_options(
+        Ok(RecordBatch::try_new(
             schema.clone(),
             gathered.columns().to_vec(),
-            &Default::default(),
         )?)
     }
 }

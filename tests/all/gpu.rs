@@ -1105,7 +1105,7 @@ fn gpu_timing_of_select_sorted() {
             }
             times.sort_by(f32::total_cmp);
             // Read floor: the pairs once at ~3 TB/s.
-            let floor = (n * (kind.key_bytes() + 8)) as f32 / 3.0e9;
+            let floor = (n * (kind.key_bytes() + 8)) as f32 / 3.0e6;
             eprintln!(
                 "n=2^27 {kind:?} {dist:?} k={k} {algorithm:?}: {:.2} ms median of {} \
                  ({:.1}x the {floor:.2} ms read floor)",
