@@ -1,19 +1,25 @@
 //! The cost model: chooses where the selection runs and with which algorithm.
 //!
 //! Today the choice is the settings' (backend, algorithm) resolved against the machine: a GPU
-//! backend needs a detected device; otherwise the CPU selector runs. The analytical per-algorithm
-//! model (DESIGN §6) plugs in here, in [`choose`], the one place the choice is made.
+//! backend needs a detected device, and `auto` on the GPU is bitonic top-k up to its k limit
+//! (shared memory bound) and radix select beyond ([`crate::select::cuda::device_algorithm`]).
+//! The analytical per-algorithm model (DESIGN §6) plugs in here, in [`choose`], the one place
+//! the choice is made.
 
 use std::fmt;
 
 use crate::config::{Algorithm, Backend};
-use crate::device::{GpuStatus, gpu_status};
+use crate::device::{DeviceAlgorithm, GpuStatus, gpu_status};
+use crate::keys::KeyLayout;
+use crate::select::cuda::device_algorithm;
 
 /// The resolved choice for one query.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SelectionChoice {
     /// This crate's CPU selector.
     Cpu,
+    /// The CUDA selector with this algorithm.
+    Cuda(DeviceAlgorithm),
 }
 
 impl SelectionChoice {
@@ -21,6 +27,7 @@ impl SelectionChoice {
     pub fn backend(&self) -> &'static str {
         match self {
             SelectionChoice::Cpu => "cpu",
+            SelectionChoice::Cuda(_) => "cuda",
         }
     }
 
@@ -28,6 +35,16 @@ impl SelectionChoice {
     pub fn algorithm(&self) -> &'static str {
         match self {
             SelectionChoice::Cpu => "select-nth",
+            SelectionChoice::Cuda(algorithm) => algorithm.name(),
+        }
+    }
+
+    /// The setting that selects this algorithm, for building the selector.
+    pub fn setting(&self) -> Algorithm {
+        match self {
+            SelectionChoice::Cpu => Algorithm::Cpu,
+            SelectionChoice::Cuda(DeviceAlgorithm::Bitonic) => Algorithm::Bitonic,
+            SelectionChoice::Cuda(DeviceAlgorithm::Radix) => Algorithm::Radix,
         }
     }
 }
@@ -44,7 +61,7 @@ pub enum Placement {
     /// Run our operator with this selection.
     Run {
         choice: SelectionChoice,
-        /// Why (shown in EXPLAIN), e.g. "backend=cpu forced".
+        /// Why (shown in EXPLAIN VERBOSE), e.g. "CPU path forced by settings".
         reason: String,
     },
     /// Leave DataFusion's own TopK in place, and why.
@@ -52,28 +69,32 @@ pub enum Placement {
 }
 
 /// Resolves the settings against the machine. `k` is fetch + offset.
-pub fn choose(backend: Backend, algorithm: Algorithm, _k: usize) -> Placement {
-    let forced_cpu = backend == Backend::Cpu || algorithm == Algorithm::Cpu;
-    if forced_cpu {
+pub fn choose(backend: Backend, algorithm: Algorithm, layout: &KeyLayout, k: usize) -> Placement {
+    if backend == Backend::Cpu || algorithm == Algorithm::Cpu {
         return Placement::Run {
             choice: SelectionChoice::Cpu,
             reason: "CPU path forced by settings".into(),
         };
     }
-    match gpu_status() {
-        GpuStatus::Unavailable(why) => match backend {
-            Backend::Cuda => Placement::Run {
-                choice: SelectionChoice::Cpu,
-                reason: format!("backend=cuda but no GPU: {why}; CPU fallback"),
-            },
-            _ => Placement::Decline(format!("no GPU found ({why})")),
-        },
-        GpuStatus::Available(device) => Placement::Run {
+    let cpu_or_decline = |why: String| match backend {
+        Backend::Cuda => Placement::Run {
             choice: SelectionChoice::Cpu,
-            reason: format!(
-                "GPU {} found, but this build has no GPU selector yet; CPU path",
-                device.describe()
-            ),
+            reason: format!("backend=cuda, but {why}: CPU path"),
+        },
+        _ => Placement::Decline(why),
+    };
+    match gpu_status() {
+        GpuStatus::Unavailable(why) => cpu_or_decline(format!("no GPU found ({why})")),
+        GpuStatus::Available(device) => match device_algorithm(device, layout, k, algorithm) {
+            Ok(chosen) => Placement::Run {
+                choice: SelectionChoice::Cuda(chosen),
+                reason: format!(
+                    "GPU {}; algorithm={algorithm}, k={k}, {}-bit keys",
+                    device.describe(),
+                    layout.total_bits()
+                ),
+            },
+            Err(e) => cpu_or_decline(format!("the GPU cannot run this selection ({e})")),
         },
     }
 }

@@ -224,10 +224,6 @@ pub fn compile_program(
     if !nvrtc_available() {
         return Err("no NVRTC library (libnvrtc) found".into());
     }
-    // One compilation at a time: compiles are rare (once per file and process), and ptxas'
-    // report (`--ptxas-options=-v`) was seen to go missing from logs of concurrent programs.
-    static COMPILING: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _serial = COMPILING.lock().unwrap_or_else(|e| e.into_inner());
     let opts = options(arch, extra)?;
     let c_source = cstring(name, source)?;
     let c_name = cstring("program name", name)?;

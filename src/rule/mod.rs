@@ -195,7 +195,7 @@ fn match_top_k(
     }
     let layout = KeyLayout::try_new(specs).or_else(because)?;
 
-    let (choice, reason) = match cost::choose(config.backend, config.algorithm, k) {
+    let (choice, reason) = match cost::choose(config.backend, config.algorithm, &layout, k) {
         Placement::Run { choice, reason } => (choice, reason),
         Placement::Decline(why) => return because(why),
     };

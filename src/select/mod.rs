@@ -11,12 +11,13 @@
 //! same thing, the winners' row ids in output order.
 
 pub mod cpu;
+pub mod cuda;
 
 use std::fmt::Debug;
 use std::sync::Arc;
 
 use datafusion::arrow::array::ArrayRef;
-use datafusion::error::Result;
+use datafusion::error::{DataFusionError, Result};
 
 use crate::cost::SelectionChoice;
 use crate::keys::KeyLayout;
@@ -111,5 +112,11 @@ pub fn create_selector(
 ) -> Result<Arc<dyn TopKSelector>> {
     match choice {
         SelectionChoice::Cpu => Ok(cpu::new_selector(spec)),
+        SelectionChoice::Cuda(_) => match crate::device::gpu() {
+            Some(device) => cuda::new_cuda_selector(spec, device, choice.setting()),
+            None => Err(DataFusionError::External(
+                format!("{DEVICE_ERROR_TAG} no GPU available").into(),
+            )),
+        },
     }
 }

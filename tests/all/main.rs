@@ -5,4 +5,5 @@
 
 mod common;
 mod differential;
+mod gpu;
 mod plan;
