@@ -1,12 +1,12 @@
-//! The CPU path against DataFusion's own TopK on the tweet queries (DESIGN §9), same machine,
-//! same run, same in-memory table.
+//! Our operator (CPU path, and CUDA when a GPU is present) against DataFusion's own TopK on the
+//! tweet queries (DESIGN §9): same machine, same run, same in-memory table, end to end.
 //!
 //! ```text
 //! cargo bench --bench cpu_vs_datafusion -- [--rows N] [--runs R] [--csv FILE]
 //! ```
 //!
 //! Each query runs R times per engine (after one warm-up), alternating engines; the table shows
-//! medians and the ratio ours / DataFusion (target: ≤ 2). Results are checked to be the same
+//! medians and the ratio ours / DataFusion (CPU path target: ≤ 2). Results are checked to be the same
 //! rows as DataFusion's (as multisets of the sort-key values, since DataFusion orders ties
 //! arbitrarily).
 
@@ -18,6 +18,7 @@ use datafusion::error::Result;
 use datafusion::execution::SessionStateBuilder;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
+use datafusion_gpu_topk::device::gpu;
 use datafusion_gpu_topk::{Backend, GpuTopKConfig, SessionStateBuilderExt};
 
 fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -59,10 +60,10 @@ fn queries() -> Vec<(String, String)> {
     q
 }
 
-fn session(ours: bool) -> SessionContext {
+fn session(ours: bool, backend: Backend) -> SessionContext {
     let gpu = GpuTopKConfig::default()
         .with_enabled(ours)
-        .with_backend(Backend::Cpu);
+        .with_backend(backend);
     let state = SessionStateBuilder::new()
         .with_config(SessionConfig::new())
         .with_default_features()
@@ -100,38 +101,54 @@ async fn main() -> Result<()> {
     let rows: u64 = arg("--rows", 20_000_000);
     let runs: usize = arg("--runs", 5);
     let csv: String = arg("--csv", String::new());
-    let ours = session(true);
-    let plain = session(false);
-    let partitions = ours.copied_config().target_partitions();
+    let plain = session(false, Backend::Cpu);
+    // Our operator on the CPU path, and on the GPU when there is one.
+    let mut engines = vec![("cpu", session(true, Backend::Cpu))];
+    if gpu().is_some() {
+        engines.push(("cuda", session(true, Backend::Cuda)));
+    }
+    let partitions = plain.copied_config().target_partitions();
     let started = Instant::now();
     let table = tweets::tweets_mem_table(&TweetsSpec::new(rows), partitions)?;
-    ours.register_table("tweets", table.clone())?;
-    plain.register_table("tweets", table)?;
+    plain.register_table("tweets", table.clone())?;
+    for (_, ctx) in &engines {
+        ctx.register_table("tweets", table.clone())?;
+    }
     println!(
         "# {rows} tweets in memory ({partitions} partitions, generated in {:.1} s), {runs} runs each, median ms",
         started.elapsed().as_secs_f64()
     );
-    let mut lines = vec!["query,rows,ours_ms,datafusion_ms,ratio".to_string()];
-    println!(
-        "{:<16} {:>10} {:>14} {:>8}  same rows",
-        "query", "ours ms", "DataFusion ms", "ratio"
-    );
+    let mut header = format!("{:<14} {:>13}", "query", "DataFusion ms");
+    let mut lines = vec!["query,rows,engine,ms,datafusion_ms,ratio".to_string()];
+    for (name, _) in &engines {
+        header += &format!(" {:>9} {:>7}", format!("{name} ms"), format!("{name}/DF"));
+    }
+    println!("{header}  same rows");
     for (name, sql) in queries() {
-        let (_, a) = time(&ours, &sql).await?;
-        let (_, b) = time(&plain, &sql).await?;
-        let same = key_multiset(&a) == key_multiset(&b);
-        let (mut t_ours, mut t_plain) = (Vec::new(), Vec::new());
-        for _ in 0..runs {
-            t_ours.push(time(&ours, &sql).await?.0);
-            t_plain.push(time(&plain, &sql).await?.0);
+        let (_, want) = time(&plain, &sql).await?;
+        let want = key_multiset(&want);
+        let mut same = true;
+        for (_, ctx) in &engines {
+            same &= key_multiset(&time(ctx, &sql).await?.1) == want;
         }
-        let (o, p) = (median(t_ours), median(t_plain));
-        println!(
-            "{name:<16} {o:>10.1} {p:>14.1} {:>8.2}  {}",
-            o / p,
-            if same { "yes" } else { "NO" }
-        );
-        lines.push(format!("{name},{rows},{o:.2},{p:.2},{:.3}", o / p));
+        let mut times = vec![Vec::new(); engines.len() + 1];
+        for _ in 0..runs {
+            times[0].push(time(&plain, &sql).await?.0);
+            for (e, (_, ctx)) in engines.iter().enumerate() {
+                times[e + 1].push(time(ctx, &sql).await?.0);
+            }
+        }
+        let medians: Vec<f64> = times.into_iter().map(median).collect();
+        let mut line = format!("{name:<14} {:>13.1}", medians[0]);
+        for (e, (engine, _)) in engines.iter().enumerate() {
+            let (ms, ratio) = (medians[e + 1], medians[e + 1] / medians[0]);
+            line += &format!(" {ms:>9.1} {ratio:>7.2}");
+            lines.push(format!(
+                "{name},{rows},{engine},{ms:.2},{:.2},{ratio:.3}",
+                medians[0]
+            ));
+        }
+        println!("{line}  {}", if same { "yes" } else { "NO" });
         assert!(same, "{name}: results differ from DataFusion's");
     }
     if !csv.is_empty() {

@@ -42,6 +42,7 @@ OPTIONS:
     --rows N        rows of the in-memory tweets table (default 10000000)
     --backend B     auto (GPU if present, else DataFusion's TopK), cuda, or cpu (default auto)
     --explain       print the physical plan instead of running the query
+    --show N        result rows printed per query (default: 10 for Q1-Q4, all for `query`)
 ";
 
 const DEFAULT_ROWS: u64 = 10_000_000;
@@ -65,6 +66,8 @@ struct Args {
     command: Command,
     rows: Option<u64>,
     backend: Backend,
+    /// Result rows printed per query.
+    show: usize,
 }
 
 fn parse_args(raw: Vec<String>) -> std::result::Result<Args, String> {
@@ -89,7 +92,7 @@ fn parse_args(raw: Vec<String>) -> std::result::Result<Args, String> {
         }
         _ => Command::Queries,
     };
-    let (mut rows, mut backend, mut out) = (None, Backend::Auto, None);
+    let (mut rows, mut backend, mut out, mut show) = (None, Backend::Auto, None, None);
     while let Some(arg) = it.next() {
         let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
         match arg.as_str() {
@@ -107,6 +110,13 @@ fn parse_args(raw: Vec<String>) -> std::result::Result<Args, String> {
                     .map_err(|e: DataFusionError| e.to_string())?
             }
             "--out" => out = Some(value("--out")?),
+            "--show" => {
+                let v = value("--show")?;
+                show = Some(
+                    v.parse()
+                        .map_err(|_| format!("--show: '{v}' is not a row count"))?,
+                );
+            }
             "--explain" => match &mut command {
                 Command::Query { explain, .. } => *explain = true,
                 _ => return Err("--explain applies to `query`".into()),
@@ -132,10 +142,15 @@ fn parse_args(raw: Vec<String>) -> std::result::Result<Args, String> {
     } else if out.is_some() {
         return Err("--out applies to `gen`".into());
     }
+    let show = show.unwrap_or(match command {
+        Command::Queries => 10,
+        _ => usize::MAX,
+    });
     Ok(Args {
         command,
         rows,
         backend,
+        show,
     })
 }
 
@@ -180,7 +195,7 @@ async fn run(args: Args) -> Result<()> {
             print_gpu_status();
             for (name, sql) in tweets::QUERIES {
                 println!("\n== {name}: {sql}");
-                run_query(&ctx, sql, false, 10).await?;
+                run_query(&ctx, sql, false, args.show).await?;
             }
             Ok(())
         }
@@ -191,7 +206,7 @@ async fn run(args: Args) -> Result<()> {
         } => {
             let ctx = context(rows, args.backend, &tables).await?;
             print_gpu_status();
-            run_query(&ctx, &sql, explain, usize::MAX).await
+            run_query(&ctx, &sql, explain, args.show).await
         }
     }
 }

@@ -7,6 +7,7 @@
 //! the choice is made.
 
 use std::fmt;
+use std::path::Path;
 
 use crate::config::{Algorithm, Backend};
 use crate::device::{DeviceAlgorithm, GpuStatus, gpu_status};
@@ -68,8 +69,16 @@ pub enum Placement {
     Decline(String),
 }
 
-/// Resolves the settings against the machine. `k` is fetch + offset.
-pub fn choose(backend: Backend, algorithm: Algorithm, layout: &KeyLayout, k: usize) -> Placement {
+/// Resolves the settings against the machine. `k` is fetch + offset. On the GPU the kernels are
+/// loaded here (compiled by NVRTC on first use, cached in `kernel_cache_dir`), so a compile
+/// failure shows in EXPLAIN and the query runs on the CPU path.
+pub fn choose(
+    backend: Backend,
+    algorithm: Algorithm,
+    layout: &KeyLayout,
+    k: usize,
+    kernel_cache_dir: Option<&Path>,
+) -> Placement {
     if backend == Backend::Cpu || algorithm == Algorithm::Cpu {
         return Placement::Run {
             choice: SelectionChoice::Cpu,
@@ -86,6 +95,9 @@ pub fn choose(backend: Backend, algorithm: Algorithm, layout: &KeyLayout, k: usi
     match gpu_status() {
         GpuStatus::Unavailable(why) => cpu_or_decline(format!("no GPU found ({why})")),
         GpuStatus::Available(device) => match device_algorithm(device, layout, k, algorithm) {
+            Ok(_) if let Err(e) = device.kernels_with_cache_dir(kernel_cache_dir) => {
+                cpu_or_decline(format!("the GPU kernels are unusable ({e})"))
+            }
             Ok(chosen) => Placement::Run {
                 choice: SelectionChoice::Cuda(chosen),
                 reason: format!(

@@ -195,10 +195,13 @@ fn match_top_k(
     }
     let layout = KeyLayout::try_new(specs).or_else(because)?;
 
-    let (choice, reason) = match cost::choose(config.backend, config.algorithm, &layout, k) {
-        Placement::Run { choice, reason } => (choice, reason),
-        Placement::Decline(why) => return because(why),
-    };
+    let cache_dir = (!config.kernel_cache_dir.is_empty())
+        .then(|| std::path::Path::new(config.kernel_cache_dir.as_str()));
+    let (choice, reason) =
+        match cost::choose(config.backend, config.algorithm, &layout, k, cache_dir) {
+            Placement::Run { choice, reason } => (choice, reason),
+            Placement::Decline(why) => return because(why),
+        };
     let spec = TopKSpec {
         sort_exprs: absorbed.sort_exprs,
         filter: absorbed.filter,

@@ -20,7 +20,7 @@ use datafusion::arrow::array::{Array, ArrayData, ArrayRef, AsArray};
 use datafusion::arrow::buffer::Buffer;
 use datafusion::error::{DataFusionError, Result};
 
-use super::{Admitted, RowIds, SelectInput, SelectionSpec, TopKSelector};
+use super::{Admitted, DEVICE_ERROR_TAG, RowIds, SelectInput, SelectionSpec, TopKSelector};
 use crate::config::Algorithm;
 use crate::device::algorithms::{
     ENCODE_FIRST, ENCODE_NULLABLE, ENCODE_NULLS_FIRST, EncodeColumn, NativeCode,
@@ -106,9 +106,10 @@ pub fn new_cuda_selector_with_capacity(
     }))
 }
 
+/// A device fault, tagged so the operator falls back to the CPU path.
 fn gpu_error(e: GpuError) -> DataFusionError {
     DataFusionError::External(Box::new(GpuError(format!(
-        "CUDA top-k selection failed: {e}"
+        "{DEVICE_ERROR_TAG} CUDA top-k selection failed: {e}"
     ))))
 }
 

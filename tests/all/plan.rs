@@ -11,7 +11,18 @@ use datafusion_gpu_topk::device::gpu;
 use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
 use futures::StreamExt;
 
-use crate::common::{count_gpu_topk, physical_plan, plan_text, register, run, session};
+use crate::common::{
+    count_gpu_topk, physical_plan, plan_text, register, run, session, test_backend,
+};
+
+/// The backend EXPLAIN must show for the backend under test.
+fn expected_backend() -> &'static str {
+    match test_backend() {
+        Backend::Cpu => "cpu",
+        _ if gpu().is_some() => "cuda",
+        _ => "cpu",
+    }
+}
 
 fn numbers(partitions: usize, rows: i64) -> Vec<Vec<RecordBatch>> {
     let schema = Arc::new(Schema::new(vec![
@@ -68,7 +79,10 @@ async fn collapses_merge_sort_limit_filter_and_projection() {
     }
     assert!(text.contains("k=7, skip=2"), "{text}");
     assert!(text.contains("filter=[w@2 < 3]"), "{text}");
-    assert!(text.contains("backend=cpu"), "{text}");
+    assert!(
+        text.contains(&format!("backend={}", expected_backend())),
+        "{text}"
+    );
     let exec = find_exec(&plan).unwrap();
     assert_eq!(exec.spec().k, 7);
     assert_eq!(exec.spec().skip, 2);
