@@ -616,6 +616,16 @@ impl TopKEngine {
         Ok(self.read_u64(base + COUNT_OFFSET)? as usize)
     }
 
+    /// The row id of the threshold pair, once a reduction set one (waits for enqueued work).
+    pub fn threshold_row_id(&mut self) -> GpuResult<Option<u64>> {
+        let bytes = self.read_bytes(self.scalars.ptr() + THRESHOLD_OFFSET, THRESHOLD_BYTES)?;
+        // `Threshold<K>`: the key, then the u64 id (8-aligned), then the u32 `valid` flag.
+        let at = self.kind.key_bytes().max(8);
+        let id = u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+        let valid = u32::from_le_bytes(bytes[at + 8..at + 12].try_into().expect("4 bytes"));
+        Ok((valid != 0).then_some(id))
+    }
+
     pub fn set_candidate_count(&self, count: usize) -> GpuResult<()> {
         self.write_u64(self.scalars.ptr() + COUNT_OFFSET, count as u64)
     }

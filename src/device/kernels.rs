@@ -37,6 +37,7 @@ pub const EMBEDDED: &[(&str, &str)] = &[
     ("candidates.cu", include_str!("../../kernels/candidates.cu")),
     ("radix.cu", include_str!("../../kernels/radix.cu")),
     ("bitonic.cu", include_str!("../../kernels/bitonic.cu")),
+    ("read_floor.cu", include_str!("../../kernels/read_floor.cu")),
 ];
 
 /// Entry points instantiated once per key type (`NAME_k32` … `NAME_k256`), per file.

@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex};
 
 use datafusion::arrow::array::{Array, ArrayRef, AsArray, BooleanArray, RecordBatch, UInt32Array};
 use datafusion::arrow::compute::kernels::take::take;
-use datafusion::arrow::compute::{filter_record_batch, prep_null_mask_filter};
+use datafusion::arrow::compute::{concat, filter_record_batch, prep_null_mask_filter};
 use datafusion::arrow::datatypes::{Field, Schema, SchemaRef};
 use datafusion::common::runtime::JoinSet;
 use datafusion::error::{DataFusionError, Result};
@@ -192,12 +192,13 @@ async fn select_all(
             let shared = Arc::clone(&shared);
             tasks.spawn(async move {
                 let mut offset = 0u64;
+                let mut pending = Pending::default();
                 while let Some(batch) = stream.next().await {
                     let batch = batch?;
-                    shared.process_batch(partition, offset, &batch)?;
+                    shared.process_batch(partition, offset, &batch, &mut pending)?;
                     offset += batch.num_rows() as u64;
                 }
-                Ok::<_, DataFusionError>(())
+                shared.flush(&mut pending)
             });
         }
         while let Some(result) = tasks.join_next().await {
@@ -212,9 +213,73 @@ async fn select_all(
     store.rows.gather(&winners[skip..], schema)
 }
 
+/// Key columns of one partition waiting to be pushed as one larger batch (for selectors that
+/// admit every row and prefer large pushes, i.e. the GPU).
+#[derive(Default)]
+struct Pending {
+    keys: Vec<Vec<ArrayRef>>,
+    /// Row ids of the pending rows, in order.
+    ids: Vec<u64>,
+    /// Whether `ids` is one consecutive range (then it is not uploaded).
+    consecutive: bool,
+}
+
+impl Pending {
+    fn rows(&self) -> usize {
+        self.ids.len()
+    }
+
+    fn add(&mut self, keys: Vec<ArrayRef>, row_ids: RowIds<'_>, rows: usize) {
+        let contiguous = match (self.ids.last(), row_ids) {
+            (None, RowIds::Range(_)) => true,
+            (Some(&last), RowIds::Range(start)) => self.consecutive && start == last + 1,
+            (_, RowIds::Explicit(_)) => false,
+        };
+        self.consecutive = contiguous;
+        self.ids.extend((0..rows).map(|i| row_ids.get(i)));
+        self.keys.push(keys);
+    }
+}
+
 impl Shared {
+    /// Pushes the pending rows of a partition as one batch.
+    fn flush(&self, pending: &mut Pending) -> Result<()> {
+        if pending.rows() == 0 {
+            return Ok(());
+        }
+        let _timer = self.metrics.select_time.timer();
+        let columns = (0..self.spec.sort_exprs.len())
+            .map(|c| {
+                let parts: Vec<&dyn Array> = pending.keys.iter().map(|k| k[c].as_ref()).collect();
+                Ok(concat(&parts)?)
+            })
+            .collect::<Result<Vec<ArrayRef>>>()?;
+        let row_ids = if pending.consecutive {
+            RowIds::Range(pending.ids[0])
+        } else {
+            RowIds::Explicit(&pending.ids)
+        };
+        let admitted = self.selector.push(SelectInput {
+            keys: &columns,
+            row_ids,
+        })?;
+        if admitted != Admitted::All {
+            return datafusion::common::internal_err!(
+                "a selector that prefers batched pushes must admit every row"
+            );
+        }
+        *pending = Pending::default();
+        Ok(())
+    }
+
     /// Filter, key evaluation, selection and retention of one input batch.
-    fn process_batch(&self, partition: usize, offset: u64, batch: &RecordBatch) -> Result<()> {
+    fn process_batch(
+        &self,
+        partition: usize,
+        offset: u64,
+        batch: &RecordBatch,
+        pending: &mut Pending,
+    ) -> Result<()> {
         let n = batch.num_rows();
         if n == 0 {
             return Ok(());
@@ -272,7 +337,14 @@ impl Shared {
             Some(ids) => RowIds::Explicit(ids),
             None => RowIds::Range(first_id),
         };
-        let admitted = {
+        let batched = self.selector.preferred_push_rows();
+        let admitted = if batched > 0 {
+            pending.add(keys.clone(), row_ids, m);
+            if pending.rows() >= batched {
+                self.flush(pending)?;
+            }
+            Admitted::All
+        } else {
             let _timer = metrics.select_time.timer();
             self.selector.push(SelectInput {
                 keys: &keys,

@@ -14,6 +14,7 @@
 //! benchmarks: selection of host-encoded keys, and the device encoding alone.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use datafusion::arrow::array::{Array, ArrayData, ArrayRef, AsArray};
@@ -95,12 +96,14 @@ pub fn new_cuda_selector_with_capacity(
         algorithm,
         arch: device.arch(),
         min_capacity: min_capacity.max(1),
+        threshold: AtomicU64::new(u64::MAX),
         state: Mutex::new(State {
             engine,
             candidates: None,
             capacity: 0,
             upper: 0,
             batch_keys: None,
+            threshold: None,
             failed: None,
         }),
     }))
@@ -120,6 +123,8 @@ pub struct CudaSelector {
     algorithm: DeviceAlgorithm,
     arch: String,
     min_capacity: usize,
+    /// Row id of the device threshold read back after the last reduction (`u64::MAX`: none).
+    threshold: AtomicU64,
     state: Mutex<State>,
 }
 
@@ -132,6 +137,8 @@ struct State {
     upper: usize,
     /// Encoded keys of the batch being pushed.
     batch_keys: Option<PooledBuffer>,
+    /// Row id of the threshold pair after the last reduction (read back: it waits anyway).
+    threshold: Option<u64>,
     /// The first device error; later calls fail at once with it.
     failed: Option<GpuError>,
 }
@@ -221,6 +228,7 @@ impl State {
         self.candidates = Some(reduced);
         self.engine.set_candidate_count(k)?;
         self.upper = k;
+        self.threshold = self.engine.threshold_row_id()?;
         Ok(())
     }
 }
@@ -261,11 +269,20 @@ impl TopKSelector for CudaSelector {
             state.upper += n;
             Ok(())
         })?;
+        if let Some(id) = state.threshold {
+            self.threshold.store(id, Ordering::Relaxed);
+        }
         Ok(Admitted::All)
     }
 
+    fn preferred_push_rows(&self) -> usize {
+        // Per-push staging, launches and the host wait dominate small batches.
+        1 << 20
+    }
+
     fn threshold_row_id(&self) -> Option<u64> {
-        None
+        let id = self.threshold.load(Ordering::Relaxed);
+        (id != u64::MAX).then_some(id)
     }
 
     fn live_row_ids(&self) -> Result<Option<Vec<u64>>> {

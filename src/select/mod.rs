@@ -86,6 +86,12 @@ pub trait TopKSelector: Send + Sync + Debug {
     /// Offers one batch.
     fn push(&self, input: SelectInput<'_>) -> Result<Admitted>;
 
+    /// Rows per push this selector works best with: the operator concatenates batches up to
+    /// this size when the selector admits every row ([`Admitted::All`]); 0 pushes each batch.
+    fn preferred_push_rows(&self) -> usize {
+        0
+    }
+
     /// Row id of the current k-th best candidate, once k rows have been seen. Nothing worse can
     /// win any more, which is what the dynamic filter publishes to the scans.
     fn threshold_row_id(&self) -> Option<u64>;

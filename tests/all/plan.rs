@@ -226,10 +226,16 @@ async fn dynamic_filter_reaches_the_parquet_scan_and_tightens() {
     assert_eq!(ids, vec![49_999, 49_998, 49_997, 49_996]);
     let exec = find_exec(&plan).unwrap();
     let threshold = exec.dynamic_filter().current().unwrap().to_string();
-    assert!(
-        threshold.contains(">="),
-        "threshold should be published: {threshold}"
-    );
+    if expected_backend() == "cuda" {
+        // The CUDA selector learns its threshold at device reductions (millions of rows), which
+        // this small input never triggers.
+        eprintln!("NOTE: CUDA backend: threshold after 50k rows is [{threshold}]");
+    } else {
+        assert!(
+            threshold.contains(">="),
+            "threshold should be published: {threshold}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -266,4 +272,44 @@ async fn with_gpu_topk_keeps_the_users_config_and_places_the_rule() {
         .position(|n| *n == "GpuTopKRule")
         .expect("rule inserted");
     assert_eq!(names[ours + 1], "FilterPushdown(Post)", "{names:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cuda_threshold_is_published_after_device_reductions() {
+    if gpu().is_none() || test_backend() == Backend::Cpu {
+        eprintln!(
+            "SKIP cuda_threshold_is_published_after_device_reductions: needs a GPU and backend=cuda"
+        );
+        return;
+    }
+    // More rows than the device candidate buffer holds (2^22), so it reduces and reads back
+    // its threshold, which the operator then publishes.
+    let ctx = session(true, 4, 8192);
+    register(&ctx, "t", numbers(4, 6_000_000));
+    let plan = physical_plan(&ctx, "SELECT id FROM t ORDER BY id DESC LIMIT 3")
+        .await
+        .unwrap();
+    let batches = collect(Arc::clone(&plan), ctx.task_ctx()).await.unwrap();
+    let ids: Vec<i64> = batches
+        .iter()
+        .flat_map(|b| {
+            b.column(0)
+                .as_any()
+                .downcast_ref::<Int64Array>()
+                .unwrap()
+                .values()
+                .to_vec()
+        })
+        .collect();
+    assert_eq!(ids, vec![5_999_999, 5_999_998, 5_999_997]);
+    let threshold = find_exec(&plan)
+        .unwrap()
+        .dynamic_filter()
+        .current()
+        .unwrap()
+        .to_string();
+    assert!(
+        threshold.contains(">="),
+        "threshold should be published: {threshold}"
+    );
 }
