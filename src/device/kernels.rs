@@ -60,7 +60,10 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
 ];
 
 /// Entry points without a key type.
-const PLAIN_ENTRIES: &[(&str, &[&str])] = &[("radix.cu", &["radix_init"])];
+const PLAIN_ENTRIES: &[(&str, &[&str])] = &[
+    ("radix.cu", &["radix_init"]),
+    ("read_floor.cu", &["read_floor_w32", "read_floor_w64"]),
+];
 
 /// Entry points that take more than 48 KiB of dynamic shared memory.
 const LARGE_SHARED: &[&str] = &["bitonic_topk", "bitonic_sort_local", "bitonic_merge_local"];

@@ -75,6 +75,17 @@ pub(super) fn execute(
     )))
 }
 
+/// One execution of the operator: what every attempt (GPU, then CPU fallback) shares.
+struct TopKRun {
+    input: Arc<dyn ExecutionPlan>,
+    spec: Arc<TopKSpec>,
+    schema: SchemaRef,
+    dynamic_filter: Arc<DynamicFilterPhysicalExpr>,
+    metrics: TopKMetrics,
+    context: Arc<TaskContext>,
+    reservation: MemoryReservation,
+}
+
 async fn run(
     input: Arc<dyn ExecutionPlan>,
     spec: Arc<TopKSpec>,
@@ -84,42 +95,28 @@ async fn run(
     context: Arc<TaskContext>,
 ) -> Result<RecordBatch> {
     let reservation = MemoryConsumer::new("GpuTopKExec").register(context.memory_pool());
-    let attempt = select_all(
-        &input,
-        &spec,
-        &schema,
-        &dynamic_filter,
-        &metrics,
-        &context,
-        &reservation,
-        &spec.choice,
-    )
-    .await;
-    let batch = match attempt {
+    let run = TopKRun {
+        input,
+        spec,
+        schema,
+        dynamic_filter,
+        metrics,
+        context,
+        reservation,
+    };
+    let choice = run.spec.choice;
+    let batch = match run.select_all(choice).await {
         Ok(batch) => batch,
-        Err(e) if spec.choice != SelectionChoice::Cpu && is_device_error(&e) => {
+        Err(e) if choice != SelectionChoice::Cpu && is_device_error(&e) => {
             // A GPU fault never loses the query: run it again on the CPU path.
-            log::warn!(
-                "gpu-topk: {} failed, falling back to the CPU path: {e}",
-                spec.choice
-            );
-            metrics.gpu_fallbacks.add(1);
-            select_all(
-                &input,
-                &spec,
-                &schema,
-                &dynamic_filter,
-                &metrics,
-                &context,
-                &reservation,
-                &SelectionChoice::Cpu,
-            )
-            .await?
+            log::warn!("gpu-topk: {choice} failed, falling back to the CPU path: {e}");
+            run.metrics.gpu_fallbacks.add(1);
+            run.select_all(SelectionChoice::Cpu).await?
         }
         Err(e) => return Err(e),
     };
-    dynamic_filter.mark_complete();
-    metrics.output_rows.add(batch.num_rows());
+    run.dynamic_filter.mark_complete();
+    run.metrics.output_rows.add(batch.num_rows());
     Ok(batch)
 }
 
@@ -147,70 +144,63 @@ struct StoreState {
     published: Option<u64>,
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn select_all(
-    input: &Arc<dyn ExecutionPlan>,
-    spec: &Arc<TopKSpec>,
-    schema: &SchemaRef,
-    dynamic_filter: &Arc<DynamicFilterPhysicalExpr>,
-    metrics: &TopKMetrics,
-    context: &Arc<TaskContext>,
-    reservation: &MemoryReservation,
-    choice: &SelectionChoice,
-) -> Result<RecordBatch> {
-    let selection = SelectionSpec {
-        layout: spec.layout.clone(),
-        k: spec.k,
-    };
-    let selector = select::create_selector(&selection, choice)?;
-    let input_schema = input.schema();
-    let first_key_type = spec.sort_exprs.first().expr.data_type(&input_schema)?;
-    let mut fields: Vec<Field> = schema
-        .fields()
-        .iter()
-        .map(|f| f.as_ref().clone().with_nullable(true))
-        .collect();
-    fields.push(Field::new("__gpu_topk_first_key", first_key_type, true));
-    let shared = Arc::new(Shared {
-        spec: Arc::clone(spec),
-        selector: Arc::clone(&selector),
-        store: Mutex::new(StoreState {
-            rows: RowStore::default(),
-            published: None,
-        }),
-        store_schema: Arc::new(Schema::new(fields)),
-        dynamic_filter: Arc::clone(dynamic_filter),
-        reservation: reservation.new_empty(),
-        metrics: metrics.clone(),
-    });
+impl TopKRun {
+    async fn select_all(&self, choice: SelectionChoice) -> Result<RecordBatch> {
+        let selection = SelectionSpec {
+            layout: self.spec.layout.clone(),
+            k: self.spec.k,
+        };
+        let selector = select::create_selector(&selection, &choice)?;
+        let input_schema = self.input.schema();
+        let first_key_type = self.spec.sort_exprs.first().expr.data_type(&input_schema)?;
+        let mut fields: Vec<Field> = self
+            .schema
+            .fields()
+            .iter()
+            .map(|f| f.as_ref().clone().with_nullable(true))
+            .collect();
+        fields.push(Field::new("__gpu_topk_first_key", first_key_type, true));
+        let shared = Arc::new(Shared {
+            spec: Arc::clone(&self.spec),
+            selector: Arc::clone(&selector),
+            store: Mutex::new(StoreState {
+                rows: RowStore::default(),
+                published: None,
+            }),
+            store_schema: Arc::new(Schema::new(fields)),
+            dynamic_filter: Arc::clone(&self.dynamic_filter),
+            reservation: self.reservation.new_empty(),
+            metrics: self.metrics.clone(),
+        });
 
-    if spec.k > 0 {
-        // One task per input partition; dropping the JoinSet (cancellation) aborts them all.
-        let mut tasks = JoinSet::new();
-        for partition in 0..input.output_partitioning().partition_count() {
-            let mut stream = input.execute(partition, Arc::clone(context))?;
-            let shared = Arc::clone(&shared);
-            tasks.spawn(async move {
-                let mut offset = 0u64;
-                let mut pending = Pending::default();
-                while let Some(batch) = stream.next().await {
-                    let batch = batch?;
-                    shared.process_batch(partition, offset, &batch, &mut pending)?;
-                    offset += batch.num_rows() as u64;
-                }
-                shared.flush(&mut pending)
-            });
+        if self.spec.k > 0 {
+            // One task per input partition; dropping the JoinSet (cancellation) aborts them all.
+            let mut tasks = JoinSet::new();
+            for partition in 0..self.input.output_partitioning().partition_count() {
+                let mut stream = self.input.execute(partition, Arc::clone(&self.context))?;
+                let shared = Arc::clone(&shared);
+                tasks.spawn(async move {
+                    let mut offset = 0u64;
+                    let mut pending = Pending::default();
+                    while let Some(batch) = stream.next().await {
+                        let batch = batch?;
+                        shared.process_batch(partition, offset, &batch, &mut pending)?;
+                        offset += batch.num_rows() as u64;
+                    }
+                    shared.flush(&mut pending)
+                });
+            }
+            while let Some(result) = tasks.join_next().await {
+                result.map_err(|e| DataFusionError::ExecutionJoin(Box::new(e)))??;
+            }
         }
-        while let Some(result) = tasks.join_next().await {
-            result.map_err(|e| DataFusionError::ExecutionJoin(Box::new(e)))??;
-        }
+
+        let _timer = self.metrics.gather_time.timer();
+        let winners = selector.finish()?;
+        let skip = self.spec.skip.min(winners.len());
+        let store = shared.store.lock().unwrap_or_else(|e| e.into_inner());
+        store.rows.gather(&winners[skip..], &self.schema)
     }
-
-    let _timer = metrics.gather_time.timer();
-    let winners = selector.finish()?;
-    let skip = spec.skip.min(winners.len());
-    let store = shared.store.lock().unwrap_or_else(|e| e.into_inner());
-    store.rows.gather(&winners[skip..], schema)
 }
 
 /// Key columns of one partition waiting to be pushed as one larger batch (for selectors that

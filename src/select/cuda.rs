@@ -110,6 +110,12 @@ pub fn new_cuda_selector_with_capacity(
 }
 
 /// A device fault, tagged so the operator falls back to the CPU path.
+/// `GPU_TOPK_INJECT_FAULT` set: every push fails like a device fault (tests the CPU fallback).
+fn fault_injected() -> bool {
+    static INJECT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *INJECT.get_or_init(|| std::env::var_os("GPU_TOPK_INJECT_FAULT").is_some())
+}
+
 fn gpu_error(e: GpuError) -> DataFusionError {
     DataFusionError::External(Box::new(GpuError(format!(
         "{DEVICE_ERROR_TAG} CUDA top-k selection failed: {e}"
@@ -242,6 +248,11 @@ impl TopKSelector for CudaSelector {
         let n = input.num_rows();
         if n == 0 || self.k == 0 {
             return Ok(Admitted::Indices(vec![]));
+        }
+        if fault_injected() {
+            return Err(gpu_error(GpuError(
+                "fault injected by GPU_TOPK_INJECT_FAULT".into(),
+            )));
         }
         let columns = plan_columns(&self.layout, input.keys)?;
         let (k, algorithm, min_capacity) = (self.k, self.algorithm, self.min_capacity);

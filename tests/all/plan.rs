@@ -313,3 +313,49 @@ async fn cuda_threshold_is_published_after_device_reductions() {
         "threshold should be published: {threshold}"
     );
 }
+
+/// A device fault during a query reruns it on the CPU path, visibly (metrics, EXPLAIN ANALYZE).
+/// The fault is injected by an environment variable, so the check runs in a child process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_fault_falls_back_to_the_cpu_path() {
+    if gpu().is_none() {
+        eprintln!("SKIP gpu_fault_falls_back_to_the_cpu_path: no GPU");
+        return;
+    }
+    if std::env::var_os("GPU_TOPK_INJECT_FAULT").is_none() {
+        let status = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "plan::gpu_fault_falls_back_to_the_cpu_path",
+                "--exact",
+                "--nocapture",
+            ])
+            .env("GPU_TOPK_INJECT_FAULT", "1")
+            .env("GPU_TOPK_TEST_BACKEND", "cuda")
+            .status()
+            .unwrap();
+        assert!(status.success(), "the fault-injected child failed");
+        return;
+    }
+    let ctx = session(true, 2, 1024);
+    register(&ctx, "t", numbers(2, 10_000));
+    let sql = "SELECT id, v FROM t ORDER BY v DESC, id LIMIT 5";
+    let plan = physical_plan(&ctx, sql).await.unwrap();
+    assert!(
+        plan_text(&plan).contains("backend=cuda"),
+        "{}",
+        plan_text(&plan)
+    );
+    let got = crate::common::exact_rows(&collect(Arc::clone(&plan), ctx.task_ctx()).await.unwrap());
+    let plain = session(false, 2, 1024);
+    register(&plain, "t", numbers(2, 10_000));
+    assert_eq!(
+        got,
+        crate::common::exact_rows(&run(&plain, sql).await.unwrap())
+    );
+    let fallbacks = find_exec(&plan)
+        .unwrap()
+        .metrics()
+        .and_then(|m| m.sum_by_name("gpu_fallbacks"))
+        .map(|v| v.as_usize());
+    assert_eq!(fallbacks, Some(1));
+}
