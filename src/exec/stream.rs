@@ -259,7 +259,9 @@ impl Shared {
             );
         }
         *pending = Pending::default();
-        Ok(())
+        // A push may have moved the threshold (the partition's last push included).
+        let mut store = self.store.lock().unwrap_or_else(|e| e.into_inner());
+        self.publish_threshold(&mut store)
     }
 
     /// Filter, key evaluation, selection and retention of one input batch.
