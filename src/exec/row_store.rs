@@ -5,11 +5,16 @@
 //! Batches enter already cut down to the admitted rows; [`RowStore::retain`] drops rows the
 //! selector has since evicted, so the store stays near `k` rows however large the input is.
 
-use datafusion::arrow::array::{ArrayRef, RecordBatch, UInt32Array};
-use datafusion::arrow::compute::{interleave_record_batch, take_record_batch};
+use std::sync::Arc;
+
+use datafusion::arrow::array::{Array, ArrayRef, AsArray, RecordBatch, UInt32Array};
+use datafusion::arrow::compute::{
+    filter_record_batch, interleave_record_batch, prep_null_mask_filter, take_record_batch,
+};
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::common::ScalarValue;
 use datafusion::error::{DataFusionError, Result};
+use datafusion::physical_expr::PhysicalExpr;
 
 /// Row ids of a stored batch's rows, ascending.
 #[derive(Debug)]
@@ -43,6 +48,31 @@ impl Entry {
             StoredIds::List(ids) => ids.binary_search(&id).ok(),
         }
     }
+}
+
+/// The rows of `entry` for which `predicate` is true (`None`: no row).
+fn filter_entry(entry: Entry, predicate: &Arc<dyn PhysicalExpr>) -> Result<Option<Entry>> {
+    let n = entry.batch.num_rows();
+    let mask = predicate.evaluate(&entry.batch)?.into_array(n)?;
+    let mask = mask
+        .as_boolean_opt()
+        .ok_or_else(|| DataFusionError::Internal("prune predicate is not boolean".into()))?;
+    let mask = match mask.null_count() {
+        0 => mask.clone(),
+        _ => prep_null_mask_filter(mask),
+    };
+    Ok(match mask.true_count() {
+        0 => None,
+        kept if kept == n => Some(entry),
+        _ => {
+            let ids = mask.values().set_indices().map(|i| entry.id(i)).collect();
+            let batch = filter_record_batch(&entry.batch, &mask)?;
+            Some(Entry {
+                ids: StoredIds::List(ids),
+                batch,
+            })
+        }
+    })
 }
 
 /// See the module documentation.
@@ -122,6 +152,37 @@ impl RowStore {
         self.rows = rows;
         self.bytes = bytes;
         self.rows_after_retain = rows;
+        Ok(())
+    }
+
+    /// Keeps only the rows for which `predicate` (over the stored batches' schema) is true:
+    /// used with the threshold predicate when the selector cannot name its live rows.
+    pub fn retain_where(&mut self, predicate: &Arc<dyn PhysicalExpr>) -> Result<()> {
+        let entries = std::mem::take(&mut self.entries);
+        (self.rows, self.bytes) = (0, 0);
+        for entry in entries {
+            if let Some(entry) = filter_entry(entry, predicate)? {
+                self.rows += entry.batch.num_rows();
+                self.bytes += entry.batch.get_array_memory_size();
+                self.entries.push(entry);
+            }
+        }
+        self.rows_after_retain = self.rows;
+        Ok(())
+    }
+
+    /// [`retain_where`](Self::retain_where) for the most recently inserted batch only.
+    pub fn retain_last_where(&mut self, predicate: &Arc<dyn PhysicalExpr>) -> Result<()> {
+        let Some(entry) = self.entries.pop() else {
+            return Ok(());
+        };
+        self.rows -= entry.batch.num_rows();
+        self.bytes -= entry.batch.get_array_memory_size();
+        if let Some(entry) = filter_entry(entry, predicate)? {
+            self.rows += entry.batch.num_rows();
+            self.bytes += entry.batch.get_array_memory_size();
+            self.entries.push(entry);
+        }
         Ok(())
     }
 

@@ -10,7 +10,8 @@ use datafusion::common::runtime::JoinSet;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
-use datafusion::physical_expr::expressions::DynamicFilterPhysicalExpr;
+use datafusion::physical_expr::expressions::{Column, DynamicFilterPhysicalExpr};
+use datafusion::physical_expr::{PhysicalExpr, PhysicalSortExpr};
 use datafusion::physical_plan::metrics::{Count, ExecutionPlanMetricsSet, MetricBuilder, Time};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
@@ -142,6 +143,9 @@ struct StoreState {
     rows: RowStore,
     /// Row id of the threshold last published to the dynamic filter.
     published: Option<u64>,
+    /// That threshold as a predicate over the stored rows (their first sort key): rows failing
+    /// it cannot win, so rows admitted wholesale ([`Admitted::All`]) are cut with it.
+    prune: Option<Arc<dyn PhysicalExpr>>,
 }
 
 impl TopKRun {
@@ -166,6 +170,7 @@ impl TopKRun {
             store: Mutex::new(StoreState {
                 rows: RowStore::default(),
                 published: None,
+                prune: None,
             }),
             store_schema: Arc::new(Schema::new(fields)),
             dynamic_filter: Arc::clone(&self.dynamic_filter),
@@ -353,6 +358,7 @@ impl Shared {
             .map(|e| e.evaluate(&filtered)?.into_array(m))
             .collect::<Result<_>>()?;
         columns.push(Arc::clone(&keys[0]));
+        let admitted_all = admitted == Admitted::All;
         let (columns, ids) = match admitted {
             Admitted::All => (columns, None),
             Admitted::Indices(indices) if indices.is_empty() => return Ok(()),
@@ -372,6 +378,9 @@ impl Shared {
         match (ids, explicit_ids) {
             (Some(ids), _) | (None, Some(ids)) => store.rows.insert_list(ids, retained),
             (None, None) => store.rows.insert_range(first_id, retained),
+        }
+        if admitted_all && let Some(prune) = store.prune.clone() {
+            store.rows.retain_last_where(&prune)?;
         }
         if store.rows.wants_retain(self.spec.k)
             && let Some(live) = self.selector.live_row_ids()?
@@ -394,8 +403,23 @@ impl Shared {
             return Ok(()); // not stored yet: its push is still in flight
         };
         store.published = Some(id);
-        if let Some(predicate) = threshold_predicate(self.spec.sort_exprs.first(), &value)? {
+        let first = self.spec.sort_exprs.first();
+        if let Some(predicate) = threshold_predicate(first, &value)? {
             self.dynamic_filter.update(predicate)?;
+        }
+        // The same bound over the stored rows' key column drops rows that can no longer win.
+        let key_index = self.store_schema.fields().len() - 1;
+        let stored_key = PhysicalSortExpr::new(
+            Arc::new(Column::new(
+                self.store_schema.field(key_index).name(),
+                key_index,
+            )),
+            first.options,
+        );
+        store.prune = threshold_predicate(&stored_key, &value)?;
+        if let Some(prune) = store.prune.clone() {
+            store.rows.retain_where(&prune)?;
+            self.reservation.try_resize(store.rows.bytes())?;
         }
         Ok(())
     }
