@@ -20,7 +20,6 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg, result};
-use datafusion::arrow::datatypes::{DataType, TimeUnit};
 
 use super::kernels::Kernels;
 use super::memory::{PinnedLease, PooledBuffer};
@@ -97,66 +96,8 @@ impl DeviceAlgorithm {
     }
 }
 
-/// How encode.cu reads a column (`Native` there; the same mapping as the keys module's).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u32)]
-pub enum NativeCode {
-    Bool = 0,
-    U8 = 1,
-    U16 = 2,
-    U32 = 3,
-    U64 = 4,
-    I8 = 5,
-    I16 = 6,
-    I32 = 7,
-    I64 = 8,
-    I128 = 9,
-    F16 = 10,
-    F32 = 11,
-    F64 = 12,
-}
-
-impl NativeCode {
-    /// The native representation of a key type, `None` when keys do not support it.
-    pub fn for_data_type(data_type: &DataType) -> Option<Self> {
-        use DataType::*;
-        Some(match data_type {
-            Boolean => Self::Bool,
-            UInt8 => Self::U8,
-            UInt16 => Self::U16,
-            UInt32 => Self::U32,
-            UInt64 => Self::U64,
-            Int8 => Self::I8,
-            Int16 => Self::I16,
-            Int32 | Date32 | Decimal32(..) => Self::I32,
-            Time32(TimeUnit::Second | TimeUnit::Millisecond) => Self::I32,
-            Int64 | Date64 | Timestamp(..) | Duration(_) | Decimal64(..) => Self::I64,
-            Time64(TimeUnit::Microsecond | TimeUnit::Nanosecond) => Self::I64,
-            Decimal128(..) => Self::I128,
-            Float16 => Self::F16,
-            Float32 => Self::F32,
-            Float64 => Self::F64,
-            _ => return None,
-        })
-    }
-
-    /// Value bits.
-    pub fn bits(self) -> u32 {
-        match self {
-            Self::Bool => 1,
-            Self::U8 | Self::I8 => 8,
-            Self::U16 | Self::I16 | Self::F16 => 16,
-            Self::U32 | Self::I32 | Self::F32 => 32,
-            Self::U64 | Self::I64 | Self::F64 => 64,
-            Self::I128 => 128,
-        }
-    }
-
-    /// Bytes per value, `None` for bit-packed booleans.
-    pub fn byte_width(self) -> Option<usize> {
-        (self != Self::Bool).then(|| self.bits() as usize / 8)
-    }
-}
+/// How encode.cu reads a column: the keys module's native representation.
+pub use crate::keys::Native as NativeCode;
 
 /// encode.cu flags.
 pub const ENCODE_FIRST: u32 = 1;

@@ -415,26 +415,34 @@ fn exec_error(message: String) -> DataFusionError {
     DataFusionError::Execution(message)
 }
 
-/// Native representation of a supported key type.
+/// How a key type's values are stored natively (one per supported type family). The device
+/// encoder (encode.cu) reads columns by this code, so the discriminants are part of its ABI.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Native {
-    Bool,
-    U8,
-    U16,
-    U32,
-    U64,
-    I8,
-    I16,
-    I32,
-    I64,
-    I128,
-    F16,
-    F32,
-    F64,
+#[repr(u32)]
+pub enum Native {
+    Bool = 0,
+    U8 = 1,
+    U16 = 2,
+    U32 = 3,
+    U64 = 4,
+    I8 = 5,
+    I16 = 6,
+    I32 = 7,
+    I64 = 8,
+    I128 = 9,
+    F16 = 10,
+    F32 = 11,
+    F64 = 12,
 }
 
 impl Native {
-    fn bits(self) -> u32 {
+    /// The native representation of a key type, `None` when keys do not support it.
+    pub fn for_data_type(data_type: &DataType) -> Option<Self> {
+        native_kind(data_type)
+    }
+
+    /// Value bits.
+    pub fn bits(self) -> u32 {
         match self {
             Self::Bool => 1,
             Self::U8 | Self::I8 => 8,
@@ -443,6 +451,11 @@ impl Native {
             Self::U64 | Self::I64 | Self::F64 => 64,
             Self::I128 => 128,
         }
+    }
+
+    /// Bytes per value, `None` for bit-packed booleans.
+    pub fn byte_width(self) -> Option<usize> {
+        (self != Self::Bool).then(|| self.bits() as usize / 8)
     }
 }
 
