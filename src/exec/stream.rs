@@ -64,15 +64,18 @@ pub(super) fn execute(
     metrics: &ExecutionPlanMetricsSet,
     context: Arc<TaskContext>,
 ) -> Result<SendableRecordBatchStream> {
-    let metrics = TopKMetrics::new(metrics);
-    let output_schema = Arc::clone(&schema);
-    let result = async move {
-        let batch = run(input, spec, output_schema, dynamic_filter, metrics, context).await?;
-        Ok(batch)
+    let run = TopKRun {
+        reservation: MemoryConsumer::new("GpuTopKExec").register(context.memory_pool()),
+        input,
+        spec,
+        schema: Arc::clone(&schema),
+        dynamic_filter,
+        metrics: TopKMetrics::new(metrics),
+        context,
     };
     Ok(Box::pin(RecordBatchStreamAdapter::new(
         schema,
-        futures::stream::once(result),
+        futures::stream::once(async move { run.run().await }),
     )))
 }
 
@@ -87,38 +90,23 @@ struct TopKRun {
     reservation: MemoryReservation,
 }
 
-async fn run(
-    input: Arc<dyn ExecutionPlan>,
-    spec: Arc<TopKSpec>,
-    schema: SchemaRef,
-    dynamic_filter: Arc<DynamicFilterPhysicalExpr>,
-    metrics: TopKMetrics,
-    context: Arc<TaskContext>,
-) -> Result<RecordBatch> {
-    let reservation = MemoryConsumer::new("GpuTopKExec").register(context.memory_pool());
-    let run = TopKRun {
-        input,
-        spec,
-        schema,
-        dynamic_filter,
-        metrics,
-        context,
-        reservation,
-    };
-    let choice = run.spec.choice;
-    let batch = match run.select_all(choice).await {
-        Ok(batch) => batch,
-        Err(e) if choice != SelectionChoice::Cpu && is_device_error(&e) => {
-            // A GPU fault never loses the query: run it again on the CPU path.
-            log::warn!("gpu-topk: {choice} failed, falling back to the CPU path: {e}");
-            run.metrics.gpu_fallbacks.add(1);
-            run.select_all(SelectionChoice::Cpu).await?
-        }
-        Err(e) => return Err(e),
-    };
-    run.dynamic_filter.mark_complete();
-    run.metrics.output_rows.add(batch.num_rows());
-    Ok(batch)
+impl TopKRun {
+    async fn run(&self) -> Result<RecordBatch> {
+        let choice = self.spec.choice;
+        let batch = match self.select_all(choice).await {
+            Ok(batch) => batch,
+            Err(e) if choice != SelectionChoice::Cpu && is_device_error(&e) => {
+                // A GPU fault never loses the query: run it again on the CPU path.
+                log::warn!("gpu-topk: {choice} failed, falling back to the CPU path: {e}");
+                self.metrics.gpu_fallbacks.add(1);
+                self.select_all(SelectionChoice::Cpu).await?
+            }
+            Err(e) => return Err(e),
+        };
+        self.dynamic_filter.mark_complete();
+        self.metrics.output_rows.add(batch.num_rows());
+        Ok(batch)
+    }
 }
 
 /// Errors raised by the device path (as opposed to errors of the query itself, such as an

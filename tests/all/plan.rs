@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::{Int32Array, Int64Array, RecordBatch};
-use datafusion::arrow::datatypes::{DataType, Field, Schema};
+use datafusion::arrow::array::{AsArray, Int32Array, Int64Array, RecordBatch};
+use datafusion::arrow::datatypes::{DataType, Field, Int64Type, Schema};
 use datafusion::execution::SessionStateBuilder;
 use datafusion::physical_plan::{ExecutionPlan, collect};
 use datafusion::prelude::{SessionConfig, SessionContext};
@@ -51,6 +51,14 @@ fn numbers(partitions: usize, rows: i64) -> Vec<Vec<RecordBatch>> {
                 .unwrap(),
             ]
         })
+        .collect()
+}
+
+/// The first column of `batches` (an Int64 column), concatenated.
+fn first_column_i64(batches: &[RecordBatch]) -> Vec<i64> {
+    batches
+        .iter()
+        .flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
         .collect()
 }
 
@@ -212,17 +220,7 @@ async fn dynamic_filter_reaches_the_parquet_scan_and_tightens() {
         "scan should hold our dynamic filter:\n{text}"
     );
     let batches = collect(Arc::clone(&plan), ctx.task_ctx()).await.unwrap();
-    let ids: Vec<i64> = batches
-        .iter()
-        .flat_map(|b| {
-            b.column(0)
-                .as_any()
-                .downcast_ref::<Int64Array>()
-                .unwrap()
-                .values()
-                .to_vec()
-        })
-        .collect();
+    let ids = first_column_i64(&batches);
     assert_eq!(ids, vec![49_999, 49_998, 49_997, 49_996]);
     let exec = find_exec(&plan).unwrap();
     let threshold = exec.dynamic_filter().current().unwrap().to_string();
@@ -290,17 +288,7 @@ async fn cuda_threshold_is_published_after_device_reductions() {
         .await
         .unwrap();
     let batches = collect(Arc::clone(&plan), ctx.task_ctx()).await.unwrap();
-    let ids: Vec<i64> = batches
-        .iter()
-        .flat_map(|b| {
-            b.column(0)
-                .as_any()
-                .downcast_ref::<Int64Array>()
-                .unwrap()
-                .values()
-                .to_vec()
-        })
-        .collect();
+    let ids = first_column_i64(&batches);
     assert_eq!(ids, vec![5_999_999, 5_999_998, 5_999_997]);
     let threshold = find_exec(&plan)
         .unwrap()
