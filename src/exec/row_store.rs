@@ -23,14 +23,38 @@ enum StoredIds {
     List(Vec<u64>),
 }
 
+/// Rows entering the store: a batch (output columns, then the first sort key) and its ids.
 #[derive(Debug)]
-struct Entry {
+pub struct StoredBatch {
     ids: StoredIds,
     /// Output columns, then the first sort key as the last column.
     batch: RecordBatch,
 }
 
-impl Entry {
+impl StoredBatch {
+    /// Rows with the consecutive ids `first_id..`.
+    pub fn range(first_id: u64, batch: RecordBatch) -> Self {
+        Self {
+            ids: StoredIds::Range(first_id),
+            batch,
+        }
+    }
+
+    /// Rows with the given ascending ids.
+    pub fn list(ids: Vec<u64>, batch: RecordBatch) -> Self {
+        debug_assert_eq!(ids.len(), batch.num_rows());
+        Self {
+            ids: StoredIds::List(ids),
+            batch,
+        }
+    }
+
+    /// The rows for which `predicate` is true (`None`: no row). Done before taking the store's
+    /// lock, so partitions filter in parallel.
+    pub fn filter(self, predicate: &Arc<dyn PhysicalExpr>) -> Result<Option<Self>> {
+        filter_entry(self, predicate)
+    }
+
     fn id(&self, row: usize) -> u64 {
         match &self.ids {
             StoredIds::Range(start) => start + row as u64,
@@ -51,7 +75,10 @@ impl Entry {
 }
 
 /// The rows of `entry` for which `predicate` is true (`None`: no row).
-fn filter_entry(entry: Entry, predicate: &Arc<dyn PhysicalExpr>) -> Result<Option<Entry>> {
+fn filter_entry(
+    entry: StoredBatch,
+    predicate: &Arc<dyn PhysicalExpr>,
+) -> Result<Option<StoredBatch>> {
     let n = entry.batch.num_rows();
     let mask = predicate.evaluate(&entry.batch)?.into_array(n)?;
     let mask = mask
@@ -67,7 +94,7 @@ fn filter_entry(entry: Entry, predicate: &Arc<dyn PhysicalExpr>) -> Result<Optio
         _ => {
             let ids = mask.values().set_indices().map(|i| entry.id(i)).collect();
             let batch = filter_record_batch(&entry.batch, &mask)?;
-            Some(Entry {
+            Some(StoredBatch {
                 ids: StoredIds::List(ids),
                 batch,
             })
@@ -78,7 +105,7 @@ fn filter_entry(entry: Entry, predicate: &Arc<dyn PhysicalExpr>) -> Result<Optio
 /// See the module documentation.
 #[derive(Debug, Default)]
 pub struct RowStore {
-    entries: Vec<Entry>,
+    entries: Vec<StoredBatch>,
     rows: usize,
     bytes: usize,
     /// Rows at the last [`retain`](Self::retain), to pace the next one.
@@ -91,24 +118,14 @@ impl RowStore {
         self.bytes
     }
 
-    /// Adds rows whose ids are `first_id..` (one per row, consecutive).
-    pub fn insert_range(&mut self, first_id: u64, batch: RecordBatch) {
-        self.push(StoredIds::Range(first_id), batch);
-    }
-
-    /// Adds rows with the given ascending ids.
-    pub fn insert_list(&mut self, ids: Vec<u64>, batch: RecordBatch) {
-        debug_assert_eq!(ids.len(), batch.num_rows());
-        self.push(StoredIds::List(ids), batch);
-    }
-
-    fn push(&mut self, ids: StoredIds, batch: RecordBatch) {
-        if batch.num_rows() == 0 {
+    /// Adds rows.
+    pub fn insert(&mut self, rows: StoredBatch) {
+        if rows.batch.num_rows() == 0 {
             return;
         }
-        self.rows += batch.num_rows();
-        self.bytes += batch.get_array_memory_size();
-        self.entries.push(Entry { ids, batch });
+        self.rows += rows.batch.num_rows();
+        self.bytes += rows.batch.get_array_memory_size();
+        self.entries.push(rows);
     }
 
     /// Whether enough rows arrived since the last [`retain`](Self::retain) to make another one
@@ -139,7 +156,7 @@ impl RowStore {
                 continue;
             } else {
                 let batch = take_record_batch(&entry.batch, &UInt32Array::from(indices))?;
-                Entry {
+                StoredBatch {
                     ids: StoredIds::List(ids),
                     batch,
                 }
@@ -168,21 +185,6 @@ impl RowStore {
             }
         }
         self.rows_after_retain = self.rows;
-        Ok(())
-    }
-
-    /// [`retain_where`](Self::retain_where) for the most recently inserted batch only.
-    pub fn retain_last_where(&mut self, predicate: &Arc<dyn PhysicalExpr>) -> Result<()> {
-        let Some(entry) = self.entries.pop() else {
-            return Ok(());
-        };
-        self.rows -= entry.batch.num_rows();
-        self.bytes -= entry.batch.get_array_memory_size();
-        if let Some(entry) = filter_entry(entry, predicate)? {
-            self.rows += entry.batch.num_rows();
-            self.bytes += entry.batch.get_array_memory_size();
-            self.entries.push(entry);
-        }
         Ok(())
     }
 

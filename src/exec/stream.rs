@@ -21,7 +21,7 @@ use futures::StreamExt;
 
 use super::TopKSpec;
 use super::dynamic_filter::threshold_predicate;
-use super::row_store::RowStore;
+use super::row_store::{RowStore, StoredBatch};
 use crate::cost::SelectionChoice;
 use crate::select::{self, Admitted, RowIds, SelectInput, SelectionSpec, TopKSelector};
 
@@ -225,6 +225,10 @@ impl Pending {
 }
 
 impl Shared {
+    fn lock_store(&self) -> std::sync::MutexGuard<'_, StoreState> {
+        self.store.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Pushes the pending rows of a partition as one batch.
     fn flush(&self, pending: &mut Pending) -> Result<()> {
         if pending.rows() == 0 {
@@ -253,8 +257,7 @@ impl Shared {
         }
         *pending = Pending::default();
         // A push may have moved the threshold (the partition's last push included).
-        let mut store = self.store.lock().unwrap_or_else(|e| e.into_inner());
-        self.publish_threshold(&mut store)
+        self.publish_threshold(&mut self.lock_store())
     }
 
     /// Filter, key evaluation, selection and retention of one input batch.
@@ -362,14 +365,19 @@ impl Shared {
             }
         };
         let retained = RecordBatch::try_new(Arc::clone(&self.store_schema), columns)?;
-        let mut store = self.store.lock().unwrap_or_else(|e| e.into_inner());
-        match (ids, explicit_ids) {
-            (Some(ids), _) | (None, Some(ids)) => store.rows.insert_list(ids, retained),
-            (None, None) => store.rows.insert_range(first_id, retained),
+        let mut rows = match (ids, explicit_ids) {
+            (Some(ids), _) | (None, Some(ids)) => StoredBatch::list(ids, retained),
+            (None, None) => StoredBatch::range(first_id, retained),
+        };
+        let prune = self.lock_store().prune.clone();
+        if admitted_all && let Some(prune) = prune {
+            match rows.filter(&prune)? {
+                Some(kept) => rows = kept,
+                None => return Ok(()),
+            }
         }
-        if admitted_all && let Some(prune) = store.prune.clone() {
-            store.rows.retain_last_where(&prune)?;
-        }
+        let mut store = self.lock_store();
+        store.rows.insert(rows);
         if store.rows.wants_retain(self.spec.k)
             && let Some(live) = self.selector.live_row_ids()?
         {
