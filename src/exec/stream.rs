@@ -413,7 +413,11 @@ impl Shared {
             first.options,
         );
         store.prune = threshold_predicate(&stored_key, &value)?;
-        if let Some(prune) = store.prune.clone() {
+        // Rows arriving from now on are cut before they are stored; the rows already stored are
+        // cut when they have grown enough since the last cut (amortised O(1) per row).
+        if store.rows.wants_retain(self.spec.k)
+            && let Some(prune) = store.prune.clone()
+        {
             store.rows.retain_where(&prune)?;
             self.reservation.try_resize(store.rows.bytes())?;
         }
