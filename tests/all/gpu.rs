@@ -725,6 +725,34 @@ fn gpu_encoding_matches_for_composite_layouts_of_every_width() {
 
 // ---- the selector vs the CPU selector -------------------------------------------------------------
 
+/// One pushed batch of `n` random rows for `specs`, with the explicit row ids a filtered batch
+/// would carry (increasing, with gaps) starting at `next_row` of `partition`.
+fn pushed_batch(
+    specs: &[KeySpec],
+    n: usize,
+    partition: usize,
+    next_row: u64,
+    rng: &mut Rng,
+) -> (Vec<ArrayRef>, Vec<u64>) {
+    let columns = specs
+        .iter()
+        .map(|s| column(&s.data_type, n, s.nullable, rng))
+        .collect();
+    let explicit = (0..n as u64)
+        .map(|i| row_id(partition, next_row + 2 * i))
+        .collect();
+    (columns, explicit)
+}
+
+/// Every other batch is filtered (explicit ids); the others are consecutive ids.
+fn batch_row_ids(batch: usize, partition: usize, next_row: u64, explicit: &[u64]) -> RowIds<'_> {
+    if batch % 2 == 1 {
+        RowIds::Explicit(explicit)
+    } else {
+        RowIds::Range(row_id(partition, next_row))
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 /// Pushes the same batches (from several threads, one per partition) to a CUDA selector and
 /// to the CPU selector and compares their results.
@@ -752,19 +780,9 @@ fn check_selector(
                 let mut next_row = 0u64;
                 for batch in 0..batches {
                     let n = 1 + rng.below(rows as u64) as usize;
-                    let columns: Vec<ArrayRef> = specs
-                        .iter()
-                        .map(|s| column(&s.data_type, n, s.nullable, &mut rng))
-                        .collect();
-                    // Every other batch has a filter: explicit, increasing ids with gaps.
-                    let explicit: Vec<u64> = (0..n as u64)
-                        .map(|i| row_id(partition, next_row + 2 * i))
-                        .collect();
-                    let row_ids = if batch % 2 == 1 {
-                        RowIds::Explicit(&explicit)
-                    } else {
-                        RowIds::Range(row_id(partition, next_row))
-                    };
+                    let (columns, explicit) =
+                        pushed_batch(&specs, n, partition, next_row, &mut rng);
+                    let row_ids = batch_row_ids(batch, partition, next_row, &explicit);
                     next_row += 2 * n as u64;
                     let input = SelectInput {
                         keys: &columns,
@@ -1020,18 +1038,9 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
                     let mut next_row = 0u64;
                     for batch in 0..batches {
                         let n = 1 + rng.below(rows) as usize;
-                        let columns: Vec<ArrayRef> = specs
-                            .iter()
-                            .map(|s| column(&s.data_type, n, s.nullable, &mut rng))
-                            .collect();
-                        let explicit: Vec<u64> = (0..n as u64)
-                            .map(|i| row_id(partition, next_row + 2 * i))
-                            .collect();
-                        let row_ids = if batch % 2 == 1 {
-                            RowIds::Explicit(&explicit)
-                        } else {
-                            RowIds::Range(row_id(partition, next_row))
-                        };
+                        let (columns, explicit) =
+                            pushed_batch(&specs, n, partition, next_row, &mut rng);
+                        let row_ids = batch_row_ids(batch, partition, next_row, &explicit);
                         next_row += 2 * n as u64;
                         let keys = widen(layout.encode(&columns).unwrap());
                         all.lock().unwrap().extend(
