@@ -1,4 +1,5 @@
-//! Our operator (CPU path, and CUDA when a GPU is present) against DataFusion's own TopK on the
+//! Our operator (CPU path, and CUDA when a GPU is present: with the predicate and keys in
+//! generated GPU code, and with them evaluated on the host) against DataFusion's own TopK on the
 //! tweet queries (DESIGN §9): same machine, same run, same in-memory table, end to end.
 //!
 //! ```text
@@ -60,10 +61,11 @@ fn queries() -> Vec<(String, String)> {
     q
 }
 
-fn session(ours: bool, backend: Backend) -> SessionContext {
+fn session(ours: bool, backend: Backend, fuse: bool) -> SessionContext {
     let gpu = GpuTopKConfig::default()
         .with_enabled(ours)
-        .with_backend(backend);
+        .with_backend(backend)
+        .with_fuse_expressions(fuse);
     let state = SessionStateBuilder::new()
         .with_config(SessionConfig::new())
         .with_default_features()
@@ -101,11 +103,14 @@ async fn main() -> Result<()> {
     let rows: u64 = arg("--rows", 20_000_000);
     let runs: usize = arg("--runs", 5);
     let csv: String = arg("--csv", String::new());
-    let plain = session(false, Backend::Cpu);
-    // Our operator on the CPU path, and on the GPU when there is one.
-    let mut engines = vec![("cpu", session(true, Backend::Cpu))];
+    let plain = session(false, Backend::Cpu, true);
+    // Our operator on the CPU path, and on the GPU when there is one: predicate and keys in
+    // generated GPU code ("cuda"), and evaluated on the host with the columns shipped
+    // ("cuda-host").
+    let mut engines = vec![("cpu", session(true, Backend::Cpu, true))];
     if gpu().is_some() {
-        engines.push(("cuda", session(true, Backend::Cuda)));
+        engines.push(("cuda", session(true, Backend::Cuda, true)));
+        engines.push(("cuda-host", session(true, Backend::Cuda, false)));
     }
     let partitions = plain.copied_config().target_partitions();
     let started = Instant::now();

@@ -11,13 +11,6 @@
 
 #include "common.cuh"
 
-// The threshold as stored on the device (the host allocates and zeroes 64 bytes for it).
-template <class K> struct Threshold {
-    K key;
-    u64 id;
-    u32 valid;
-};
-
 // Appends rows [0, n) of (keys, ids) below the threshold at `*count`. `ids` null means
 // consecutive row ids starting at `id_start`. The host guarantees room for all n rows.
 template <class K>

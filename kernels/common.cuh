@@ -101,6 +101,32 @@ template <class K> __device__ __forceinline__ K load_cg(const K *p) {
     return k;
 }
 
+// The threshold as stored on the device (the host allocates and zeroes 64 bytes for it).
+template <class K> struct Threshold {
+    K key;
+    u64 id;
+    u32 valid;
+};
+
+// ---- key fields ----------------------------------------------------------------------------
+
+struct U128 {
+    u64 lo, hi;
+};
+
+__device__ __forceinline__ bool get_bit(const u8 *bits, u64 i) { return (bits[i >> 3] >> (i & 7)) & 1; }
+
+// Word j (64-bit words) of (v << shift), for shift < 256.
+__device__ __forceinline__ u64 shifted_word(U128 v, int shift, int j) {
+    const int o = 64 * j - shift; // bit of v that lands on bit 0 of word j
+    if (o >= 128 || o <= -64) return 0;
+    if (o < 0) return v.lo << (-o);
+    if (o == 0) return v.lo;
+    if (o < 64) return (v.lo >> o) | (v.hi << (64 - o));
+    if (o == 64) return v.hi;
+    return v.hi >> (o - 64);
+}
+
 // ---- warp helpers --------------------------------------------------------------------------
 
 #define FULL_MASK 0xffffffffu

@@ -39,12 +39,6 @@ enum Native {
 #define ENC_NULLABLE 2u    // the field has a null bit
 #define ENC_NULLS_FIRST 4u // NULLS FIRST (else NULLS LAST)
 
-struct U128 {
-    u64 lo, hi;
-};
-
-__device__ __forceinline__ bool get_bit(const u8 *bits, u64 i) { return (bits[i >> 3] >> (i & 7)) & 1; }
-
 // Ascending value bits of row i.
 template <int NATIVE> __device__ __forceinline__ U128 ordered(const u8 *values, u64 bit_offset, u64 i) {
     U128 v = {0, 0};
@@ -80,17 +74,6 @@ template <int NATIVE> __device__ __forceinline__ U128 ordered(const u8 *values, 
         v.lo = b ^ ((b >> 63) ? ~0ull : 0x8000000000000000ull);
     }
     return v;
-}
-
-// Word j (64-bit words) of (v << shift), for shift < 256.
-__device__ __forceinline__ u64 shifted_word(U128 v, int shift, int j) {
-    const int o = 64 * j - shift; // bit of v that lands on bit 0 of word j
-    if (o >= 128 || o <= -64) return 0;
-    if (o < 0) return v.lo << (-o);
-    if (o == 0) return v.lo;
-    if (o < 64) return (v.lo >> o) | (v.hi << (64 - o));
-    if (o == 64) return v.hi;
-    return v.hi >> (o - 64);
 }
 
 // The field of one row placed into a key: `value` at `shift`, and, when `bit` is set, the

@@ -81,6 +81,9 @@ extensions_options! {
         pub max_k: usize, default = 1 << 24
         /// Directory of the compiled-kernel cache (empty: the platform cache directory).
         pub kernel_cache_dir: String, default = String::new()
+        /// Evaluate the predicate and ranking expressions on the GPU, in generated code, where
+        /// they translate; `false` evaluates them on the host (DataFusion) and ships columns.
+        pub fuse_expressions: bool, default = true
     }
 }
 
@@ -103,6 +106,10 @@ impl GpuTopKConfig {
     }
     pub fn with_max_k(mut self, max_k: usize) -> Self {
         self.max_k = max_k;
+        self
+    }
+    pub fn with_fuse_expressions(mut self, fuse: bool) -> Self {
+        self.fuse_expressions = fuse;
         self
     }
 }

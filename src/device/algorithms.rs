@@ -10,6 +10,8 @@
 //! - [`encode_column`](TopKEngine::encode_column): Arrow buffers → composite keys (encode.cu);
 //! - [`append`](TopKEngine::append): keys below the threshold → candidate buffer
 //!   (candidates.cu);
+//! - [`fused_append`](TopKEngine::fused_append): a generated kernel ([`crate::fusion`]):
+//!   predicate, keys and append in one pass over the raw input columns;
 //! - [`radix_select`](TopKEngine::radix_select): exactly the k smallest pairs, unordered, any k
 //!   (radix.cu);
 //! - [`bitonic_select`](TopKEngine::bitonic_select): the k smallest, sorted, for
@@ -19,9 +21,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg, result};
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
 
-use super::kernels::Kernels;
+use super::kernels::{GeneratedKernel, Kernels};
 use super::memory::{PinnedLease, PooledBuffer};
 use super::{GpuDevice, GpuError, GpuResult};
 
@@ -284,6 +286,18 @@ impl TopKEngine {
         args: &[Arg],
     ) -> GpuResult<()> {
         let function = self.kernels.get(name)?;
+        self.launch_function(function, name, grid, block, shared, args)
+    }
+
+    fn launch_function(
+        &self,
+        function: &CudaFunction,
+        name: &str,
+        grid: u32,
+        block: u32,
+        shared: usize,
+        args: &[Arg],
+    ) -> GpuResult<()> {
         let mut builder = self.stream.launch_builder(function);
         for arg in args {
             match arg {
@@ -542,6 +556,53 @@ impl TopKEngine {
                 base + COUNT_OFFSET,
             ],
         )
+    }
+
+    /// Runs a generated kernel ([`crate::fusion`]) over `n` rows whose input buffers are
+    /// described by `inputs` (four values per kernel input: values address, value bit offset,
+    /// validity address or 0, validity bit offset; see the generated signature), with row ids
+    /// `id_start + i`. Rows passing the predicate and beating the threshold are appended to
+    /// `candidates`. `out` receives the number of rows that passed (u64), an error flag (u32 at
+    /// byte 8) and, from byte 16, one bit per row appended; the caller zeroes its first 16
+    /// bytes.
+    pub fn fused_append(
+        &self,
+        kernel: &GeneratedKernel,
+        inputs: &[u64],
+        n: usize,
+        id_start: u64,
+        candidates: &DevicePairs,
+        out: u64,
+    ) -> GpuResult<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let base = self.scalars.ptr();
+        let mut args: Vec<Arg> = inputs.iter().map(|&v| Arg::U64(v)).collect();
+        args.extend_from_slice(args![
+            n,
+            id_start,
+            base + THRESHOLD_OFFSET,
+            candidates.key_at(0),
+            candidates.id_at(0),
+            base + COUNT_OFFSET,
+            out,
+            out + 8,
+            out + 16,
+        ]);
+        self.launch_function(
+            &kernel.function,
+            crate::fusion::ENTRY,
+            self.grid_for(n, 4),
+            THREADS,
+            0,
+            &args,
+        )
+    }
+
+    /// Zeroes `bytes` bytes at device address `dst` (stream-ordered).
+    pub fn zero(&self, dst: u64, bytes: usize) -> GpuResult<()> {
+        self.memset_zero(dst, bytes)
     }
 
     /// Empties the candidate set: count 0, no threshold.

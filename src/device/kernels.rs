@@ -33,6 +33,7 @@ pub const CACHE_DIR_ENV: &str = "GPU_TOPK_CACHE_DIR";
 /// Every file of `kernels/`, embedded at build time.
 pub const EMBEDDED: &[(&str, &str)] = &[
     ("common.cuh", include_str!("../../kernels/common.cuh")),
+    ("fused.cuh", include_str!("../../kernels/fused.cuh")),
     ("encode.cu", include_str!("../../kernels/encode.cu")),
     ("candidates.cu", include_str!("../../kernels/candidates.cu")),
     ("radix.cu", include_str!("../../kernels/radix.cu")),
@@ -415,6 +416,28 @@ pub fn cubin_cached(
     let source = sources
         .get(name)
         .ok_or_else(|| format!("no kernel source named {name}"))?;
+    cubin_cached_source(
+        name,
+        source,
+        sources,
+        arch,
+        extra,
+        driver_version,
+        cache_dir,
+    )
+}
+
+/// As [`cubin_cached`] for a program text not among the kernel files (generated code), which
+/// may include the kernel headers.
+pub fn cubin_cached_source(
+    name: &str,
+    source: &str,
+    sources: &KernelSources,
+    arch: &str,
+    extra: &[&str],
+    driver_version: i32,
+    cache_dir: Option<&Path>,
+) -> Result<Vec<u8>, String> {
     let headers = sources.headers();
     let (major, minor) = nvrtc_version()?;
     let opts = options(arch, extra)?;
@@ -512,4 +535,62 @@ impl Kernels {
     pub fn arch(&self) -> &str {
         &self.arch
     }
+}
+
+// ---- generated programs ----------------------------------------------------------------------
+
+/// NVRTC options of generated code: no contraction of `a * b + c` into an FMA, whose single
+/// rounding would differ from the host's two.
+pub const GENERATED_OPTIONS: &[&str] = &["--fmad=false"];
+
+/// A generated program (see [`crate::fusion`]), compiled and loaded.
+pub struct GeneratedKernel {
+    pub function: CudaFunction,
+    _module: Arc<CudaModule>,
+    /// Time spent in NVRTC (zero when the CUBIN came from the disk cache).
+    pub compile_time: std::time::Duration,
+}
+
+impl std::fmt::Debug for GeneratedKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GeneratedKernel")
+            .field("compile_time", &self.compile_time)
+            .finish()
+    }
+}
+
+/// Compiles (or reads from the disk cache) and loads a generated program with entry `entry`.
+pub fn load_generated(
+    ctx: &Arc<CudaContext>,
+    arch: &str,
+    driver_version: i32,
+    source: &str,
+    entry: &str,
+    cache_dir: Option<&Path>,
+) -> GpuResult<GeneratedKernel> {
+    let sources = KernelSources::load()?;
+    let start = std::time::Instant::now();
+    let cubin = cubin_cached_source(
+        "generated.cu",
+        source,
+        &sources,
+        arch,
+        GENERATED_OPTIONS,
+        driver_version,
+        cache_dir,
+    )?;
+    let compile_time = start.elapsed();
+    let module = ctx
+        .load_module(Ptx::from_binary(cubin))
+        .map_err(|e| GpuError(format!("cannot load a generated module: {e}")))?;
+    let function = module.load_function(entry).map_err(|e| {
+        GpuError(format!(
+            "kernel {entry} is missing from generated code: {e}"
+        ))
+    })?;
+    Ok(GeneratedKernel {
+        function,
+        _module: module,
+        compile_time,
+    })
 }

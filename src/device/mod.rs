@@ -16,15 +16,16 @@ pub mod kernels;
 pub mod memory;
 pub mod timer;
 
+use std::collections::HashMap;
 use std::fmt;
-use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
 pub use algorithms::{DeviceAlgorithm, DevicePairs, KeyKind, TopKEngine};
-pub use kernels::Kernels;
+pub use kernels::{GeneratedKernel, Kernels};
 pub use memory::{BufferPool, PinnedBuffer, PinnedLease, PinnedPool, PooledBuffer};
 pub use timer::GpuTimer;
 
@@ -83,6 +84,11 @@ pub struct GpuDevice {
     /// Pinned host staging buffers, reused across selections.
     pub pinned: Arc<PinnedPool>,
     kernels: OnceLock<Result<Arc<Kernels>, String>>,
+    /// The CUBIN cache directory the kernels were loaded with (generated code uses it too).
+    cache_dir: OnceLock<Option<PathBuf>>,
+    /// Generated programs loaded so far, by source text: the second run of a query compiles
+    /// nothing.
+    generated: Mutex<HashMap<String, Arc<GeneratedKernel>>>,
 }
 
 impl fmt::Debug for GpuDevice {
@@ -123,6 +129,7 @@ impl GpuDevice {
     pub fn kernels_with_cache_dir(&self, cache_dir: Option<&Path>) -> GpuResult<Arc<Kernels>> {
         self.kernels
             .get_or_init(|| {
+                let _ = self.cache_dir.set(cache_dir.map(Path::to_path_buf));
                 Kernels::load(
                     &self.context,
                     &self.arch(),
@@ -135,6 +142,27 @@ impl GpuDevice {
             })
             .clone()
             .map_err(GpuError)
+    }
+
+    /// A generated program ([`crate::fusion`]), compiled on first use (or read from the disk
+    /// cache) and then kept in memory. Compile errors are not remembered.
+    pub fn generated_kernel(&self, source: &str, entry: &str) -> GpuResult<Arc<GeneratedKernel>> {
+        let mut loaded = self.generated.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(kernel) = loaded.get(source) {
+            return Ok(Arc::clone(kernel));
+        }
+        self.kernels()?;
+        let cache_dir = self.cache_dir.get().cloned().flatten();
+        let kernel = Arc::new(kernels::load_generated(
+            &self.context,
+            &self.arch(),
+            self.driver_version,
+            source,
+            entry,
+            cache_dir.as_deref(),
+        )?);
+        loaded.insert(source.to_string(), Arc::clone(&kernel));
+        Ok(kernel)
     }
 
     /// A new non-blocking stream on this device.
@@ -206,5 +234,7 @@ fn detect() -> Result<GpuDevice, String> {
         max_shared_per_block: max_shared_per_block.max(0) as usize,
         driver_version,
         kernels: OnceLock::new(),
+        cache_dir: OnceLock::new(),
+        generated: Mutex::new(HashMap::new()),
     })
 }

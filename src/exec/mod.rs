@@ -9,6 +9,9 @@
 //! 2. Per batch: the fused predicate is evaluated (rows failing it go no further), then the
 //!    sort-key expressions on the surviving rows. Rows get global row ids: partition, then
 //!    position within the partition, which is the input order that ties are broken by.
+//!    On the GPU with a generated program ([`crate::fusion`]) the batch goes to the device raw
+//!    instead: the program evaluates predicate and keys and reports the rows it appended; the
+//!    host evaluates only a predicate that does not translate.
 //! 3. The key columns go to the selector ([`crate::select`]): CPU or GPU, chosen by
 //!    [`crate::cost`]. It keeps the best `k` `(key, row id)` pairs and a running threshold.
 //! 4. Late materialisation: only the output columns of rows the selector admitted are kept
@@ -47,6 +50,7 @@ use datafusion::physical_plan::{
 };
 
 use crate::cost::SelectionChoice;
+use crate::fusion::FusionPlan;
 use crate::keys::KeyLayout;
 
 pub use dynamic_filter::threshold_predicate;
@@ -67,6 +71,8 @@ pub struct TopKSpec {
     pub choice: SelectionChoice,
     /// Why this backend, for EXPLAIN.
     pub reason: String,
+    /// Where the predicate and keys are evaluated when the selection runs on the GPU.
+    pub fusion: FusionPlan,
 }
 
 /// See the module documentation.
@@ -164,7 +170,11 @@ impl DisplayAs for GpuTopKExec {
                     spec.choice.backend(),
                     spec.choice.algorithm()
                 )?;
-                if matches!(t, DisplayFormatType::Verbose) {
+                let verbose = matches!(t, DisplayFormatType::Verbose);
+                if spec.choice != SelectionChoice::Cpu {
+                    write!(f, ", eval=[{}]", spec.fusion.describe(verbose))?;
+                }
+                if verbose {
                     write!(f, ", reason=[{}]", spec.reason)?;
                 }
                 if let Ok(current) = self.dynamic_filter.current()

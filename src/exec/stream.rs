@@ -2,9 +2,12 @@
 
 use std::sync::{Arc, Mutex};
 
+use datafusion::arrow::array::make_array;
 use datafusion::arrow::array::{Array, ArrayRef, AsArray, BooleanArray, RecordBatch, UInt32Array};
 use datafusion::arrow::compute::kernels::take::take;
-use datafusion::arrow::compute::{concat, filter_record_batch, prep_null_mask_filter};
+use datafusion::arrow::compute::{
+    concat, filter_record_batch, prep_null_mask_filter, take_record_batch,
+};
 use datafusion::arrow::datatypes::{Field, Schema, SchemaRef};
 use datafusion::common::runtime::JoinSet;
 use datafusion::error::{DataFusionError, Result};
@@ -23,7 +26,10 @@ use super::TopKSpec;
 use super::dynamic_filter::threshold_predicate;
 use super::row_store::{RowStore, StoredBatch};
 use crate::cost::SelectionChoice;
-use crate::select::{self, Admitted, RowIds, SelectInput, SelectionSpec, TopKSelector};
+use crate::fusion::{FusedProgram, KernelInput};
+use crate::select::{
+    self, Admitted, ColumnsInput, RowIds, SelectInput, SelectionSpec, TopKSelector,
+};
 
 /// Metrics shown by `EXPLAIN ANALYZE`.
 #[derive(Debug, Clone)]
@@ -119,6 +125,8 @@ fn is_device_error(e: &DataFusionError) -> bool {
 /// State shared by the partition tasks of one run.
 struct Shared {
     spec: Arc<TopKSpec>,
+    /// The generated program the selector runs (predicate and keys on the device), if any.
+    program: Option<Arc<FusedProgram>>,
     selector: Arc<dyn TopKSelector>,
     store: Mutex<StoreState>,
     store_schema: SchemaRef,
@@ -138,9 +146,15 @@ struct StoreState {
 
 impl TopKRun {
     async fn select_all(&self, choice: SelectionChoice) -> Result<RecordBatch> {
+        // The generated program runs where the selection runs: on the GPU.
+        let program = match choice {
+            SelectionChoice::Cuda(_) => self.spec.fusion.program.clone(),
+            SelectionChoice::Cpu => None,
+        };
         let selection = SelectionSpec {
             layout: self.spec.layout.clone(),
             k: self.spec.k,
+            program: program.clone(),
         };
         let selector = select::create_selector(&selection, &choice)?;
         let input_schema = self.input.schema();
@@ -154,6 +168,7 @@ impl TopKRun {
         fields.push(Field::new("__gpu_topk_first_key", first_key_type, true));
         let shared = Arc::new(Shared {
             spec: Arc::clone(&self.spec),
+            program,
             selector: Arc::clone(&selector),
             store: Mutex::new(StoreState {
                 rows: RowStore::default(),
@@ -175,12 +190,18 @@ impl TopKRun {
                 tasks.spawn(async move {
                     let mut offset = 0u64;
                     let mut pending = Pending::default();
+                    let mut fused = FusedPending::default();
                     while let Some(batch) = stream.next().await {
                         let batch = batch?;
-                        shared.process_batch(partition, offset, &batch, &mut pending)?;
+                        if shared.program.is_some() {
+                            shared.process_batch_fused(partition, offset, &batch, &mut fused)?;
+                        } else {
+                            shared.process_batch(partition, offset, &batch, &mut pending)?;
+                        }
                         offset += batch.num_rows() as u64;
                     }
-                    shared.flush(&mut pending)
+                    shared.flush(&mut pending)?;
+                    shared.flush_fused(&mut fused)
                 });
             }
             while let Some(result) = tasks.join_next().await {
@@ -222,6 +243,17 @@ impl Pending {
         self.ids.extend((0..rows).map(|i| row_ids.get(i)));
         self.keys.push(keys);
     }
+}
+
+/// Input batches of one partition waiting to be pushed, as one larger batch, to a selector that
+/// runs the generated program. Their rows have consecutive ids from `first_id`.
+#[derive(Default)]
+struct FusedPending {
+    batches: Vec<RecordBatch>,
+    /// Each batch's host-evaluated predicate, when the program takes one.
+    predicates: Vec<ArrayRef>,
+    first_id: u64,
+    rows: usize,
 }
 
 impl Shared {
@@ -382,6 +414,133 @@ impl Shared {
             && let Some(live) = self.selector.live_row_ids()?
         {
             store.rows.retain(&live)?;
+        }
+        self.reservation.try_resize(store.rows.bytes())?;
+        self.publish_threshold(&mut store)
+    }
+
+    /// The fused path's per-batch work: the predicate on the host only when the program does
+    /// not evaluate it; everything else happens in [`flush_fused`](Self::flush_fused).
+    fn process_batch_fused(
+        &self,
+        partition: usize,
+        offset: u64,
+        batch: &RecordBatch,
+        pending: &mut FusedPending,
+    ) -> Result<()> {
+        let n = batch.num_rows();
+        if n == 0 {
+            return Ok(());
+        }
+        self.metrics.rows_in.add(n);
+        let program = self.program.as_ref().expect("the fused path has a program");
+        let first_id = select::row_id(partition, offset);
+        let predicate = match (&self.spec.filter, program.host_predicate()) {
+            (Some(predicate), true) => {
+                let _timer = self.metrics.filter_time.timer();
+                let mask = predicate.evaluate(batch)?.into_array(n)?;
+                let mask: &BooleanArray = mask.as_boolean_opt().ok_or_else(|| {
+                    DataFusionError::Internal("filter predicate is not boolean".into())
+                })?;
+                let mask = prep_null_mask_filter(mask);
+                if mask.true_count() == 0 {
+                    return Ok(());
+                }
+                Some(Arc::new(mask) as ArrayRef)
+            }
+            _ => None,
+        };
+        if pending.rows > 0 && pending.first_id + pending.rows as u64 != first_id {
+            self.flush_fused(pending)?; // ids must stay consecutive
+        }
+        if pending.rows == 0 {
+            pending.first_id = first_id;
+        }
+        pending.batches.push(batch.clone());
+        pending.predicates.extend(predicate);
+        pending.rows += n;
+        if pending.rows >= self.selector.preferred_push_rows() {
+            self.flush_fused(pending)?;
+        }
+        Ok(())
+    }
+
+    /// Pushes a partition's pending batches to the program, then keeps the output columns of
+    /// the rows it appended.
+    fn flush_fused(&self, pending: &mut FusedPending) -> Result<()> {
+        if pending.rows == 0 {
+            return Ok(());
+        }
+        let pending = std::mem::take(pending);
+        let program = self.program.as_ref().expect("the fused path has a program");
+        let admitted = {
+            let _timer = self.metrics.select_time.timer();
+            let columns = program
+                .inputs
+                .iter()
+                .map(|input| {
+                    let parts: Vec<&dyn Array> = match input {
+                        KernelInput::Column(c) => pending
+                            .batches
+                            .iter()
+                            .map(|b| b.column(*c).as_ref())
+                            .collect(),
+                        KernelInput::HostPredicate => {
+                            pending.predicates.iter().map(|p| p.as_ref()).collect()
+                        }
+                    };
+                    match parts.as_slice() {
+                        [one] => Ok(make_array(one.to_data())),
+                        parts => Ok(concat(parts)?),
+                    }
+                })
+                .collect::<Result<Vec<ArrayRef>>>()?;
+            self.selector.push_columns(ColumnsInput {
+                columns: &columns,
+                first_id: pending.first_id,
+            })?
+        };
+        self.metrics.rows_passed_filter.add(admitted.passed);
+
+        // Late materialisation of the appended rows, batch by batch.
+        let _timer = self.metrics.retain_time.timer();
+        let mut rows = admitted.rows.as_slice();
+        let mut stored = Vec::new();
+        let mut base = 0u32;
+        for batch in &pending.batches {
+            let len = batch.num_rows() as u32;
+            let (mine, rest) = rows.split_at(rows.partition_point(|&r| r < base + len));
+            rows = rest;
+            if !mine.is_empty() {
+                let indices = UInt32Array::from_iter_values(mine.iter().map(|r| r - base));
+                let taken = take_record_batch(batch, &indices)?;
+                let m = taken.num_rows();
+                let mut columns: Vec<ArrayRef> = self
+                    .spec
+                    .output_exprs
+                    .iter()
+                    .map(|e| e.evaluate(&taken)?.into_array(m))
+                    .collect::<Result<_>>()?;
+                columns.push(
+                    self.spec
+                        .sort_exprs
+                        .first()
+                        .expr
+                        .evaluate(&taken)?
+                        .into_array(m)?,
+                );
+                let retained = RecordBatch::try_new(Arc::clone(&self.store_schema), columns)?;
+                let ids = mine
+                    .iter()
+                    .map(|&r| pending.first_id + u64::from(r))
+                    .collect();
+                stored.push(StoredBatch::list(ids, retained));
+            }
+            base += len;
+        }
+        let mut store = self.lock_store();
+        for rows in stored {
+            store.rows.insert(rows);
         }
         self.reservation.try_resize(store.rows.bytes())?;
         self.publish_threshold(&mut store)

@@ -43,6 +43,7 @@ use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitio
 use crate::config::GpuTopKConfig;
 use crate::cost::{self, Placement};
 use crate::exec::{GpuTopKExec, TopKSpec};
+use crate::fusion;
 use crate::keys::{KeyLayout, KeySpec};
 
 /// See the module documentation.
@@ -202,7 +203,21 @@ fn match_top_k(
             Placement::Run { choice, reason } => (choice, reason),
             Placement::Decline(why) => return because(why),
         };
+    let fusion = if config.fuse_expressions {
+        fusion::plan(
+            absorbed.filter.as_ref(),
+            &absorbed.sort_exprs,
+            &layout,
+            &input_schema,
+        )
+    } else {
+        fusion::FusionPlan::host(
+            "gpu_topk.fuse_expressions = false",
+            absorbed.filter.is_some(),
+        )
+    };
     let spec = TopKSpec {
+        fusion,
         sort_exprs: absorbed.sort_exprs,
         filter: absorbed.filter,
         output_exprs: absorbed.output_exprs,

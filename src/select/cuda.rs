@@ -7,7 +7,9 @@
 //! appends (key, row id) to a device-resident candidate buffer, dropping rows that are not below
 //! the current threshold. When the buffer could overflow, it is reduced on the device to the
 //! best k (radix select or bitonic top-k), whose k-th pair becomes the new threshold. `push`
-//! admits every row (the device decides later); `finish` selects the final k, sorts them by
+//! admits every row (the device decides later); `push_columns` instead hands the raw input
+//! columns to the query's generated program ([`crate::fusion`]), which evaluates predicate and
+//! keys and appends in one pass, and reads back which rows it appended; `finish` selects the final k, sorts them by
 //! (key, row id) and copies their row ids back, in order.
 //!
 //! [`select_topk_device`] and [`encode_keys_device`] are lower-level entries for tests and
@@ -19,16 +21,22 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use datafusion::arrow::array::{Array, ArrayData, ArrayRef, AsArray};
 use datafusion::arrow::buffer::Buffer;
+use datafusion::arrow::datatypes::DataType;
 use datafusion::error::{DataFusionError, Result};
 
-use super::{Admitted, DEVICE_ERROR_TAG, RowIds, SelectInput, SelectionSpec, TopKSelector};
+use super::{
+    Admitted, ColumnsInput, DEVICE_ERROR_TAG, FusedAdmitted, RowIds, SelectInput, SelectionSpec,
+    TopKSelector,
+};
 use crate::config::Algorithm;
 use crate::device::algorithms::{
     ENCODE_FIRST, ENCODE_NULLABLE, ENCODE_NULLS_FIRST, EncodeColumn, NativeCode,
 };
 use crate::device::{
-    DeviceAlgorithm, DevicePairs, GpuDevice, GpuError, GpuResult, KeyKind, PooledBuffer, TopKEngine,
+    DeviceAlgorithm, DevicePairs, GeneratedKernel, GpuDevice, GpuError, GpuResult, KeyKind,
+    PooledBuffer, TopKEngine,
 };
+use crate::fusion::FusedProgram;
 use crate::keys::{EncodedKeys, KeyLayout, KeyWidth, U256};
 
 /// Candidates kept on the device before a reduction to k: at least this many pairs.
@@ -90,7 +98,23 @@ pub fn new_cuda_selector_with_capacity(
     let kind = key_kind(&spec.layout);
     let algorithm = device_algorithm(&device, &spec.layout, spec.k, algorithm)?;
     let engine = TopKEngine::new(&device, kind).map_err(gpu_error)?;
+    let program = match &spec.program {
+        Some(program) if program.key_kind != kind => {
+            return datafusion::common::internal_err!(
+                "the generated program writes {:?} keys, the layout needs {kind:?}",
+                program.key_kind
+            );
+        }
+        Some(program) => Some(FusedKernel {
+            kernel: device
+                .generated_kernel(&program.source, crate::fusion::ENTRY)
+                .map_err(gpu_error)?,
+            program: Arc::clone(program),
+        }),
+        None => None,
+    };
     Ok(Arc::new(CudaSelector {
+        program,
         layout: spec.layout.clone(),
         k: spec.k,
         algorithm,
@@ -103,6 +127,7 @@ pub fn new_cuda_selector_with_capacity(
             capacity: 0,
             upper: 0,
             batch_keys: None,
+            fused_out: None,
             threshold: None,
             failed: None,
         }),
@@ -122,8 +147,16 @@ fn gpu_error(e: GpuError) -> DataFusionError {
     ))))
 }
 
+/// A generated program and its loaded kernel.
+struct FusedKernel {
+    program: Arc<FusedProgram>,
+    kernel: Arc<GeneratedKernel>,
+}
+
 /// See the module documentation.
 pub struct CudaSelector {
+    /// The generated program, when the device evaluates predicate and keys itself.
+    program: Option<FusedKernel>,
     layout: KeyLayout,
     k: usize,
     algorithm: DeviceAlgorithm,
@@ -143,6 +176,8 @@ struct State {
     upper: usize,
     /// Encoded keys of the batch being pushed.
     batch_keys: Option<PooledBuffer>,
+    /// What the generated kernel reports per push: rows passed, error flag, appended rows.
+    fused_out: Option<PooledBuffer>,
     /// Row id of the threshold pair after the last reduction (read back: it waits anyway).
     threshold: Option<u64>,
     /// The first device error; later calls fail at once with it.
@@ -286,6 +321,100 @@ impl TopKSelector for CudaSelector {
         Ok(Admitted::All)
     }
 
+    fn push_columns(&self, input: ColumnsInput<'_>) -> Result<FusedAdmitted> {
+        let Some(fused) = &self.program else {
+            return datafusion::common::internal_err!("this CUDA selector has no program");
+        };
+        let n = input.columns.first().map_or(0, |c| c.len());
+        if n == 0 || self.k == 0 {
+            return Ok(FusedAdmitted {
+                passed: 0,
+                rows: vec![],
+            });
+        }
+        if fault_injected() {
+            return Err(gpu_error(GpuError(
+                "fault injected by GPU_TOPK_INJECT_FAULT".into(),
+            )));
+        }
+        let inputs = &fused.program.inputs;
+        if input.columns.len() != inputs.len() || input.columns.iter().any(|c| c.len() != n) {
+            return datafusion::common::internal_err!(
+                "the generated program takes {} columns of equal length",
+                inputs.len()
+            );
+        }
+        let buffers = input
+            .columns
+            .iter()
+            .map(|c| {
+                let width = match c.data_type() {
+                    DataType::Boolean => None,
+                    t => Some(t.primitive_width().ok_or_else(|| {
+                        exec_error(format!("the generated program cannot read {t} columns"))
+                    })?),
+                };
+                ColumnBuffers::of(c.as_ref(), width)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (k, algorithm, min_capacity) = (self.k, self.algorithm, self.min_capacity);
+        let mut state = self.state()?;
+        let report = state.run(|state| {
+            state.ensure_room(n, k, algorithm, min_capacity)?;
+            let mut parts = Vec::with_capacity(2 * buffers.len());
+            for b in &buffers {
+                b.parts(&mut parts);
+            }
+            let addresses = state.engine.stage(&parts)?;
+            let mut next = addresses.into_iter();
+            let args: Vec<u64> = buffers
+                .iter()
+                .flat_map(|b| b.addresses(&mut next))
+                .collect();
+            let out_bytes = 16 + 4 * n.div_ceil(32);
+            if state
+                .fused_out
+                .as_ref()
+                .is_none_or(|b| b.bytes() < out_bytes)
+            {
+                let device = Arc::clone(state.engine.device());
+                state.fused_out = Some(device.pool.alloc(out_bytes, state.engine.stream())?);
+            }
+            let out = state.fused_out.as_ref().expect("allocated above").ptr();
+            state.engine.zero(out, 16)?;
+            let candidates = state.candidates.as_ref().expect("ensure_room allocates");
+            state
+                .engine
+                .fused_append(&fused.kernel, &args, n, input.first_id, candidates, out)?;
+            let report = state.engine.read_bytes(out, out_bytes)?;
+            let kept: usize = report[16..]
+                .chunks_exact(4)
+                .map(|w| u32::from_le_bytes(w.try_into().expect("4 bytes")).count_ones() as usize)
+                .sum();
+            state.upper += kept;
+            Ok(report)
+        })?;
+        if let Some(id) = state.threshold {
+            self.threshold.store(id, Ordering::Relaxed);
+        }
+        drop(state);
+        let passed = u64::from_le_bytes(report[0..8].try_into().expect("8 bytes")) as usize;
+        if u32::from_le_bytes(report[8..12].try_into().expect("4 bytes")) != 0 {
+            return Err(exec_error(
+                "a sort key declared not nullable evaluated to NULL".to_string(),
+            ));
+        }
+        let mut rows = Vec::new();
+        for (w, word) in report[16..].chunks_exact(4).enumerate() {
+            let mut bits = u32::from_le_bytes(word.try_into().expect("4 bytes"));
+            while bits != 0 {
+                rows.push((w * 32) as u32 + bits.trailing_zeros());
+                bits &= bits - 1;
+            }
+        }
+        Ok(FusedAdmitted { passed, rows })
+    }
+
     fn preferred_push_rows(&self) -> usize {
         // Per-push staging, launches and the host wait dominate small batches.
         1 << 20
@@ -322,13 +451,97 @@ impl TopKSelector for CudaSelector {
 
 // ---- Arrow columns → device -----------------------------------------------------------------
 
-/// One key column, ready to stage: its raw Arrow buffers and its field in the composite.
-struct ColumnPlan {
+/// The raw Arrow buffers of one column, as the kernels read them.
+struct ColumnBuffers {
     values: Buffer,
     values_range: std::ops::Range<usize>,
+    /// Bit offset of the first value (bit-packed booleans).
     value_bit_offset: u64,
     /// Validity bytes, their range and bit offset, when the column holds NULLs.
     validity: Option<(Buffer, std::ops::Range<usize>, u64)>,
+}
+
+impl ColumnBuffers {
+    /// `byte_width` is the value width, `None` for bit-packed booleans.
+    fn of(column: &dyn Array, byte_width: Option<usize>) -> Result<Self> {
+        let n = column.len();
+        let (values, values_range, value_bit_offset) = match byte_width {
+            None => {
+                let bits = column
+                    .as_boolean_opt()
+                    .ok_or_else(|| {
+                        exec_error(format!(
+                            "expected a boolean column, got {}",
+                            column.data_type()
+                        ))
+                    })?
+                    .values();
+                let offset = bits.offset();
+                (
+                    bits.inner().clone(),
+                    offset / 8..(offset + n).div_ceil(8),
+                    (offset % 8) as u64,
+                )
+            }
+            Some(width) => {
+                let data: ArrayData = column.to_data();
+                let offset = data.offset();
+                let buffer = data.buffers().first().cloned().ok_or_else(|| {
+                    exec_error(format!("a {} column without values", column.data_type()))
+                })?;
+                let range = offset * width..(offset + n) * width;
+                if buffer.len() < range.end {
+                    return Err(exec_error(format!(
+                        "a {} column's buffer is shorter than its rows",
+                        column.data_type()
+                    )));
+                }
+                (buffer, range, 0)
+            }
+        };
+        let validity = column
+            .logical_nulls()
+            .filter(|nulls| nulls.null_count() > 0)
+            .map(|nulls| {
+                let bits = nulls.inner();
+                let offset = bits.offset();
+                (
+                    bits.inner().clone(),
+                    offset / 8..(offset + n).div_ceil(8),
+                    (offset % 8) as u64,
+                )
+            });
+        Ok(Self {
+            values,
+            values_range,
+            value_bit_offset,
+            validity,
+        })
+    }
+
+    /// Adds the byte slices to stage (values, then validity when present).
+    fn parts<'a>(&'a self, parts: &mut Vec<&'a [u8]>) {
+        parts.push(&self.values.as_slice()[self.values_range.clone()]);
+        if let Some((bits, range, _)) = &self.validity {
+            parts.push(&bits.as_slice()[range.clone()]);
+        }
+    }
+
+    /// (values, value bit offset, validity or 0, validity bit offset) from the staged
+    /// addresses, consuming them in the order of [`parts`](Self::parts).
+    fn addresses(&self, next: &mut impl Iterator<Item = u64>) -> [u64; 4] {
+        let values = next.next().expect("one address per part");
+        let (validity, validity_bit_offset) = match &self.validity {
+            Some((_, _, bit_offset)) => (next.next().expect("one address per part"), *bit_offset),
+            None => (0, 0),
+        };
+        [values, self.value_bit_offset, validity, validity_bit_offset]
+    }
+}
+
+/// One key column, ready to stage: its raw Arrow buffers and its field in the composite.
+struct ColumnPlan {
+    buffers: ColumnBuffers,
     native: NativeCode,
     shift: u32,
     xor: u128,
@@ -389,35 +602,7 @@ fn plan_columns(layout: &KeyLayout, columns: &[ArrayRef]) -> Result<Vec<ColumnPl
                 nulls.null_count()
             )));
         }
-        let (values, values_range, value_bit_offset) = match native.byte_width() {
-            None => {
-                let bits = column.as_boolean().values();
-                let offset = bits.offset();
-                (
-                    bits.inner().clone(),
-                    offset / 8..(offset + n).div_ceil(8),
-                    (offset % 8) as u64,
-                )
-            }
-            Some(width) => {
-                let data: ArrayData = column.to_data();
-                let offset = data.offset();
-                (
-                    data.buffers()[0].clone(),
-                    offset * width..(offset + n) * width,
-                    0,
-                )
-            }
-        };
-        let validity = nulls.map(|nulls| {
-            let bits = nulls.inner();
-            let offset = bits.offset();
-            (
-                bits.inner().clone(),
-                offset / 8..(offset + n).div_ceil(8),
-                (offset % 8) as u64,
-            )
-        });
+        let buffers = ColumnBuffers::of(column.as_ref(), native.byte_width())?;
         let value_bits = native.bits();
         let value_mask = if value_bits == 128 {
             u128::MAX
@@ -432,10 +617,7 @@ fn plan_columns(layout: &KeyLayout, columns: &[ArrayRef]) -> Result<Vec<ColumnPl
             flags |= ENCODE_NULLS_FIRST;
         }
         plans.push(ColumnPlan {
-            values,
-            values_range,
-            value_bit_offset,
-            validity,
+            buffers,
             native,
             shift: layout.field_shift(i),
             xor: if spec.descending { value_mask } else { 0 },
@@ -462,10 +644,7 @@ fn encode_batch(
 ) -> GpuResult<EncodedBatch> {
     let mut parts: Vec<&[u8]> = Vec::with_capacity(2 * columns.len() + 1);
     for column in columns {
-        parts.push(&column.values.as_slice()[column.values_range.clone()]);
-        if let Some((bits, range, _)) = &column.validity {
-            parts.push(&bits.as_slice()[range.clone()]);
-        }
+        column.buffers.parts(&mut parts);
     }
     if let RowIds::Explicit(ids) = row_ids {
         if ids.len() < n {
@@ -484,15 +663,12 @@ fn encode_batch(
     let keys = keys_buffer.as_ref().expect("allocated above").ptr();
     let mut next = addresses.iter().copied();
     for column in columns {
-        let values = next.next().expect("one address per part");
-        let (validity, validity_bit_offset) = match &column.validity {
-            Some((_, _, bit_offset)) => (next.next().expect("one address per part"), *bit_offset),
-            None => (0, 0),
-        };
+        let [values, value_bit_offset, validity, validity_bit_offset] =
+            column.buffers.addresses(&mut next);
         engine.encode_column(
             &EncodeColumn {
                 values,
-                value_bit_offset: column.value_bit_offset,
+                value_bit_offset,
                 validity,
                 validity_bit_offset,
                 rows: n,

@@ -20,6 +20,7 @@ use datafusion::arrow::array::ArrayRef;
 use datafusion::error::{DataFusionError, Result};
 
 use crate::cost::SelectionChoice;
+use crate::fusion::FusedProgram;
 use crate::keys::KeyLayout;
 
 /// Marks errors raised by a device selector, so the operator can tell a GPU fault (which falls
@@ -69,6 +70,24 @@ impl SelectInput<'_> {
     }
 }
 
+/// One batch of raw input columns for a selector running a generated program
+/// ([`crate::fusion`]): one column per kernel input, in the program's order.
+#[derive(Debug, Clone, Copy)]
+pub struct ColumnsInput<'a> {
+    pub columns: &'a [ArrayRef],
+    /// Row id of the first row; the rows' ids are consecutive.
+    pub first_id: u64,
+}
+
+/// What a program-evaluating push kept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FusedAdmitted {
+    /// Rows that passed the predicate.
+    pub passed: usize,
+    /// Positions (ascending) of the rows that may still be winners.
+    pub rows: Vec<u32>,
+}
+
 /// Which rows of an input may still be among the winners (the caller keeps only those rows).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Admitted {
@@ -85,6 +104,12 @@ pub trait TopKSelector: Send + Sync + Debug {
 
     /// Offers one batch.
     fn push(&self, input: SelectInput<'_>) -> Result<Admitted>;
+
+    /// Offers raw input columns, evaluated by the selection's generated program (predicate,
+    /// keys, selection in one pass). Only selectors built with a program support it.
+    fn push_columns(&self, _input: ColumnsInput<'_>) -> Result<FusedAdmitted> {
+        datafusion::common::internal_err!("{} does not run generated programs", self.describe())
+    }
 
     /// Rows per push this selector works best with: the operator concatenates batches up to
     /// this size when the selector admits every row ([`Admitted::All`]); 0 pushes each batch.
@@ -104,11 +129,13 @@ pub trait TopKSelector: Send + Sync + Debug {
     fn finish(&self) -> Result<Vec<u64>>;
 }
 
-/// What to select: the key layout and `k` (the query's fetch plus its offset).
+/// What to select: the key layout and `k` (the query's fetch plus its offset), and the
+/// generated program when the device evaluates the predicate and keys itself.
 #[derive(Debug, Clone)]
 pub struct SelectionSpec {
     pub layout: KeyLayout,
     pub k: usize,
+    pub program: Option<Arc<FusedProgram>>,
 }
 
 /// The single entry point: builds the selector the cost model chose.

@@ -25,7 +25,7 @@ const KEY_COLUMNS: &[&str] = &[
     "ts_s", "ts_ms", "ts_us", "ts_ns", "dec", "b", "g", "nn", "allnull", "nan_only",
 ];
 
-fn schema() -> SchemaRef {
+pub fn schema() -> SchemaRef {
     let ts = |unit, tz: Option<&str>| DataType::Timestamp(unit, tz.map(Arc::from));
     Arc::new(Schema::new(vec![
         Field::new("rid", DataType::Int64, false),
@@ -233,7 +233,7 @@ fn batch(rng: &mut Rng, first_rid: i64, n: usize) -> RecordBatch {
 
 /// Partitions of uneven sizes (one empty), in batches of uneven sizes; `rid` counts rows in
 /// partition order.
-fn table(seed: u64, sizes: &[&[usize]]) -> Vec<Vec<RecordBatch>> {
+pub fn table(seed: u64, sizes: &[&[usize]]) -> Vec<Vec<RecordBatch>> {
     let mut rng = Rng::new(seed);
     let mut rid = 0i64;
     sizes
@@ -351,6 +351,50 @@ fn cases() -> Vec<Case> {
             "LIMIT 15",
         ),
         ("SELECT rid, g + 1 AS h", "", "h DESC", "LIMIT 9"),
+        // expressions the GPU evaluates (src/fusion): wrapping, NaN bits, total order, 3VL
+        ("SELECT rid, i8", "", "i8 + i8 DESC, u8 - u8", "LIMIT 40"),
+        (
+            "SELECT rid",
+            "",
+            "f32 / f32, CAST(f32 AS DOUBLE) * f64 DESC",
+            "LIMIT 60",
+        ),
+        (
+            "SELECT rid",
+            "WHERE i32 > 0 OR b",
+            "f64 * 2.0 - CAST(i16 AS DOUBLE) DESC NULLS LAST, i64",
+            "LIMIT 30",
+        ),
+        (
+            "SELECT rid, f64",
+            "WHERE nan_only = nan_only AND f64 <> -0.0",
+            "-f64, ts_ns",
+            "LIMIT 25",
+        ),
+        (
+            "SELECT rid",
+            "WHERE NOT (i16 >= -3) AND i8 IS NOT NULL",
+            "i64 / 7, i64 % 5 DESC",
+            "LIMIT 20",
+        ),
+        (
+            "SELECT rid, ts_ns",
+            "WHERE ts_ns < TIMESTAMP '2000-01-01 00:00:00'",
+            "ts_ns DESC",
+            "LIMIT 12",
+        ),
+        (
+            "SELECT rid, d32",
+            "WHERE d32 >= DATE '1970-01-10' AND (b AND i32 > 0) IS NULL",
+            "d32",
+            "LIMIT 12",
+        ),
+        (
+            "SELECT rid",
+            "WHERE s = 'a' OR s = 'ab'",
+            "u64 * u64 DESC, -i32",
+            "LIMIT 17",
+        ),
         // k vs n
         ("SELECT rid, g", "", "g", "LIMIT 100000"),
         ("SELECT rid, g", "", "g DESC", "LIMIT 0"),

@@ -768,7 +768,11 @@ fn check_selector(
     seed: u64,
 ) {
     let layout = KeyLayout::try_new(specs.clone()).unwrap();
-    let spec = SelectionSpec { layout, k };
+    let spec = SelectionSpec {
+        layout,
+        k,
+        program: None,
+    };
     let cpu = cpu::new_selector(&spec);
     let gpu = new_cuda_selector_with_capacity(&spec, Arc::clone(device), algorithm, capacity)
         .unwrap_or_else(|e| panic!("{e}"));
@@ -881,6 +885,7 @@ fn gpu_selector_without_rows_or_with_k_zero() {
         let spec = SelectionSpec {
             layout: layout.clone(),
             k,
+            program: None,
         };
         let gpu = new_cuda_selector_with_capacity(&spec, Arc::clone(&device), Algorithm::Auto, 1)
             .unwrap();
@@ -893,7 +898,11 @@ fn gpu_selector_without_rows_or_with_k_zero() {
         assert_eq!(gpu.finish().unwrap(), Vec::<u64>::new());
     }
     // All NULL: ties broken by row id.
-    let spec1 = SelectionSpec { layout, k: 3 };
+    let spec1 = SelectionSpec {
+        layout,
+        k: 3,
+        program: None,
+    };
     let gpu =
         new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), Algorithm::Radix, 1).unwrap();
     let nulls: ArrayRef = Arc::new(Int64Array::from(vec![None::<i64>; 10]));
@@ -914,6 +923,7 @@ fn gpu_selector_rejects_mismatched_input_and_algorithms() {
     let spec1 = SelectionSpec {
         layout: layout.clone(),
         k: 5,
+        program: None,
     };
     let gpu =
         new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), Algorithm::Auto, 1).unwrap();
@@ -941,6 +951,7 @@ fn gpu_selector_rejects_mismatched_input_and_algorithms() {
     let big = SelectionSpec {
         layout: layout.clone(),
         k: bitonic_max_k(&device, &layout) + 1,
+        program: None,
     };
     assert!(
         new_cuda_selector_with_capacity(&big, Arc::clone(&device), Algorithm::Bitonic, 1).is_err()
@@ -1016,6 +1027,7 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
         let spec1 = SelectionSpec {
             layout: layout.clone(),
             k,
+            program: None,
         };
         let Ok(gpu) =
             new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), algorithm, capacity)
@@ -1130,6 +1142,160 @@ fn gpu_timing_of_select_sorted() {
                 times.len(),
                 times[times.len() / 2] / floor
             );
+        }
+    }
+}
+
+// ---- generated programs (src/fusion) ------------------------------------------------------------
+
+/// The generated program of a query (planned with the CPU backend, which plans fusion too)
+/// run by the CUDA selector with a tiny candidate buffer (many reductions and threshold
+/// updates), against the CPU selector fed by DataFusion's own evaluation of the same
+/// predicate and keys. Random batches with NULLs, NaNs and edge values (the differential
+/// tests' table), explicit consecutive ids.
+#[tokio::test]
+async fn generated_programs_match_datafusion_evaluation_across_reductions() {
+    use datafusion::arrow::array::{AsArray, RecordBatch};
+    use datafusion::arrow::compute::{filter_record_batch, prep_null_mask_filter};
+    use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
+
+    let data = crate::differential::table(11, &[&[700, 1, 333, 2048, 999, 64, 1500, 5]]);
+    let ctx = {
+        let state = datafusion::execution::SessionStateBuilder::new()
+            .with_default_features()
+            .with_gpu_topk(GpuTopKConfig::default().with_backend(Backend::Cpu))
+            .build();
+        datafusion::prelude::SessionContext::new_with_state(state)
+    };
+    crate::common::register(&ctx, "t", vec![data[0][..1].to_vec()]);
+    let queries = [
+        (
+            "WHERE i32 > 0 OR b",
+            "f64 * 2.0 - CAST(i16 AS DOUBLE) DESC NULLS LAST, i64",
+            10,
+        ),
+        ("", "f32 / f32, CAST(f32 AS DOUBLE) * f64 DESC", 37),
+        (
+            "WHERE NOT (i16 >= -3) AND i8 IS NOT NULL",
+            "i8 + i8 DESC, u64 * u64",
+            100,
+        ),
+        (
+            "WHERE nan_only = nan_only AND f64 <> -0.0",
+            "-f64, ts_ns",
+            5,
+        ),
+        ("WHERE s LIKE 'a%'", "g DESC, u8 - u8", 64),
+        (
+            "WHERE ts_ns < TIMESTAMP '2000-01-01 00:00:00'",
+            "i64 / 7, i64 % 5 DESC",
+            1,
+        ),
+        ("", "b NULLS FIRST, d32 DESC", 300),
+    ];
+    fn find(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> Option<&GpuTopKExec> {
+        plan.downcast_ref::<GpuTopKExec>()
+            .or_else(|| plan.children().into_iter().find_map(|c| find(c)))
+    }
+    // Planned first (also without a GPU): every query must get a program.
+    let mut planned = Vec::new();
+    for (filter, order, k) in queries {
+        let sql = format!("SELECT rid FROM t {filter} ORDER BY {order} LIMIT {k}");
+        let plan = crate::common::physical_plan(&ctx, &sql).await.unwrap();
+        let spec = find(&plan)
+            .unwrap_or_else(|| panic!("{sql}: no operator"))
+            .spec()
+            .clone();
+        let program = spec
+            .fusion
+            .program
+            .clone()
+            .unwrap_or_else(|| panic!("{sql}: no program: {}", spec.fusion.describe(true)));
+        planned.push((sql, spec, program, k));
+    }
+    let Some(device) =
+        gpu_or_skip("generated_programs_match_datafusion_evaluation_across_reductions")
+    else {
+        return;
+    };
+    for (sql, spec, program, k) in planned {
+        for algorithm in [Algorithm::Radix, Algorithm::Auto] {
+            let selection = SelectionSpec {
+                layout: spec.layout.clone(),
+                k,
+                program: Some(Arc::clone(&program)),
+            };
+            let gpu =
+                new_cuda_selector_with_capacity(&selection, Arc::clone(&device), algorithm, 256)
+                    .unwrap_or_else(|e| panic!("{sql}: {e}"));
+            let cpu = cpu::new_selector(&selection);
+            let (mut first_id, mut passed_gpu, mut passed_cpu) = (0u64, 0usize, 0usize);
+            for batch in &data[0] {
+                let n = batch.num_rows();
+                // Reference: DataFusion evaluates the predicate, then the keys on the survivors.
+                let (filtered, ids): (RecordBatch, Vec<u64>) = match &spec.filter {
+                    Some(predicate) => {
+                        let mask = predicate.evaluate(batch).unwrap().into_array(n).unwrap();
+                        let mask = prep_null_mask_filter(mask.as_boolean());
+                        let ids = mask
+                            .values()
+                            .set_indices()
+                            .map(|i| first_id + i as u64)
+                            .collect();
+                        (filter_record_batch(batch, &mask).unwrap(), ids)
+                    }
+                    None => (batch.clone(), (first_id..first_id + n as u64).collect()),
+                };
+                passed_cpu += ids.len();
+                let keys: Vec<ArrayRef> = spec
+                    .sort_exprs
+                    .iter()
+                    .map(|s| {
+                        s.expr
+                            .evaluate(&filtered)
+                            .unwrap()
+                            .into_array(ids.len())
+                            .unwrap()
+                    })
+                    .collect();
+                cpu.push(SelectInput {
+                    keys: &keys,
+                    row_ids: RowIds::Explicit(&ids),
+                })
+                .unwrap();
+                // The program reads the raw columns (and the host predicate, when it has one).
+                let columns: Vec<ArrayRef> = program
+                    .inputs
+                    .iter()
+                    .map(|input| match input {
+                        datafusion_gpu_topk::fusion::KernelInput::Column(c) => {
+                            Arc::clone(batch.column(*c))
+                        }
+                        datafusion_gpu_topk::fusion::KernelInput::HostPredicate => {
+                            let predicate = spec.filter.as_ref().unwrap();
+                            let mask = predicate.evaluate(batch).unwrap().into_array(n).unwrap();
+                            Arc::new(prep_null_mask_filter(mask.as_boolean())) as ArrayRef
+                        }
+                    })
+                    .collect();
+                let admitted = gpu
+                    .push_columns(datafusion_gpu_topk::select::ColumnsInput {
+                        columns: &columns,
+                        first_id,
+                    })
+                    .unwrap_or_else(|e| panic!("{sql}: {e}"));
+                passed_gpu += admitted.passed;
+                assert!(
+                    admitted.rows.windows(2).all(|w| w[0] < w[1])
+                        && admitted.rows.iter().all(|&r| (r as usize) < n)
+                );
+                first_id += n as u64;
+            }
+            assert_eq!(passed_gpu, passed_cpu, "{sql}: rows passing the predicate");
+            let expected = cpu.finish().unwrap();
+            let got = gpu.finish().unwrap_or_else(|e| panic!("{sql}: {e}"));
+            assert_eq!(got, expected, "{sql} ({algorithm}): winners differ");
+            assert_eq!(got.len(), k.min(passed_cpu), "{sql}");
         }
     }
 }

@@ -5,5 +5,6 @@
 
 mod common;
 mod differential;
+mod fusion;
 mod gpu;
 mod plan;

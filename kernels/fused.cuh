@@ -1,0 +1,90 @@
+// fused.cuh: what the generated kernels of src/fusion are made of.
+//
+// A generated kernel evaluates the query's predicate and ranking expressions per row, straight
+// from the Arrow buffers of the input columns, encodes the keys (bit for bit encode.cu's
+// encoding) and appends the rows that pass the predicate and beat the threshold to the
+// candidate buffer (candidates.cu's `append`). The helpers below give every operation
+// DataFusion's exact semantics:
+//   - integer + - * and negation wrap (DataFusion's default, `add_wrapping` & co.);
+//   - float arithmetic is IEEE 754 with round-to-nearest and no contraction into FMAs (the
+//     explicit `_rn` intrinsics), and NaN results carry the *host's* bits: an operand NaN
+//     propagates quieted (first operand first, as x86 and ARM do), an invalid operation gives
+//     the host's default NaN (HOST_NAN_F32 / HOST_NAN_F64, defined by the generated source:
+//     `0.0 / 0.0` on the host). NaN bits matter: DataFusion orders NaNs by their bits;
+//   - float comparisons are IEEE totalOrder (arrow's `total_cmp`): −0.0 < 0.0, NaN = NaN;
+//   - f32 → f64 keeps a NaN's sign and payload, as the host's conversion does.
+#pragma once
+
+#include "common.cuh"
+
+// ---- float arithmetic ------------------------------------------------------------------------
+
+__device__ __forceinline__ float quiet_f32(float a) { return __uint_as_float(__float_as_uint(a) | 0x00400000u); }
+__device__ __forceinline__ double quiet_f64(double a) {
+    return __longlong_as_double(__double_as_longlong(a) | 0x0008000000000000ll);
+}
+__device__ __forceinline__ float host_nan_f32() { return __uint_as_float(HOST_NAN_F32); }
+__device__ __forceinline__ double host_nan_f64() { return __longlong_as_double((i64)HOST_NAN_F64); }
+
+#define FLOAT_BINARY(NAME, T, QUIET, HOST_NAN, EXPR)                                               \
+    __device__ __forceinline__ T NAME(T a, T b) {                                                  \
+        if (isnan(a)) return QUIET(a);                                                             \
+        if (isnan(b)) return QUIET(b);                                                             \
+        const T r = EXPR;                                                                          \
+        return isnan(r) ? HOST_NAN() : r;                                                          \
+    }
+FLOAT_BINARY(add_f32, float, quiet_f32, host_nan_f32, __fadd_rn(a, b))
+FLOAT_BINARY(sub_f32, float, quiet_f32, host_nan_f32, __fsub_rn(a, b))
+FLOAT_BINARY(mul_f32, float, quiet_f32, host_nan_f32, __fmul_rn(a, b))
+FLOAT_BINARY(div_f32, float, quiet_f32, host_nan_f32, __fdiv_rn(a, b))
+FLOAT_BINARY(add_f64, double, quiet_f64, host_nan_f64, __dadd_rn(a, b))
+FLOAT_BINARY(sub_f64, double, quiet_f64, host_nan_f64, __dsub_rn(a, b))
+FLOAT_BINARY(mul_f64, double, quiet_f64, host_nan_f64, __dmul_rn(a, b))
+FLOAT_BINARY(div_f64, double, quiet_f64, host_nan_f64, __ddiv_rn(a, b))
+#undef FLOAT_BINARY
+
+// Negation flips the sign bit, NaNs included (as the host's `-x`).
+__device__ __forceinline__ float neg_f32(float a) { return __uint_as_float(__float_as_uint(a) ^ 0x80000000u); }
+__device__ __forceinline__ double neg_f64(double a) {
+    return __longlong_as_double(__double_as_longlong(a) ^ (i64)0x8000000000000000ull);
+}
+
+__device__ __forceinline__ double f32_to_f64(float a) {
+    if (!isnan(a)) return (double)a;
+    const u64 b = __float_as_uint(a);
+    // Sign, all-ones exponent, quiet bit, and the 22 payload bits moved to the top.
+    return __longlong_as_double((i64)(((b >> 31) << 63) | 0x7ff8000000000000ull | ((b & 0x003fffffull) << 29)));
+}
+
+// ---- ascending value bits (encode.cu's `ordered`, from typed values) ---------------------------
+
+__device__ __forceinline__ u64 ord_bool(bool v) { return v ? 1ull : 0ull; }
+__device__ __forceinline__ u64 ord_u8(u8 v) { return v; }
+__device__ __forceinline__ u64 ord_u16(u16 v) { return v; }
+__device__ __forceinline__ u64 ord_u32(u32 v) { return v; }
+__device__ __forceinline__ u64 ord_u64(u64 v) { return v; }
+__device__ __forceinline__ u64 ord_i8(i8 v) { return (u8)((u8)v ^ 0x80u); }
+__device__ __forceinline__ u64 ord_i16(i16 v) { return (u16)((u16)v ^ 0x8000u); }
+__device__ __forceinline__ u64 ord_i32(i32 v) { return (u32)v ^ 0x80000000u; }
+__device__ __forceinline__ u64 ord_i64(i64 v) { return (u64)v ^ 0x8000000000000000ull; }
+__device__ __forceinline__ u64 ord_f32(float v) {
+    const u32 b = __float_as_uint(v);
+    return b ^ ((b & 0x80000000u) ? 0xffffffffu : 0x80000000u);
+}
+__device__ __forceinline__ u64 ord_f64(double v) {
+    const u64 b = (u64)__double_as_longlong(v);
+    return b ^ ((b >> 63) ? ~0ull : 0x8000000000000000ull);
+}
+
+// ---- key fields ------------------------------------------------------------------------------
+
+// ORs one field into a key held in registers: `value` (≤ 64 bits) at `shift`, and, when `bit`,
+// the single bit at `bit_pos` (the null bit).
+template <class K> __device__ __forceinline__ void or_field(K &k, u64 value, int shift, bool bit, int bit_pos) {
+    const U128 v = {value, 0};
+    const U128 one = {1, 0};
+#pragma unroll
+    for (int j = 0; j < K::N; ++j) {
+        k.w[j] |= (typename K::Word)(shifted_word(v, shift, j) | (bit ? shifted_word(one, bit_pos, j) : 0ull));
+    }
+}

@@ -1,0 +1,259 @@
+//! Fusion: the query's `WHERE` predicate and `ORDER BY` expressions as one generated CUDA
+//! kernel, so that the GPU reads the raw input columns once and only candidate rows leave it.
+//!
+//! [`plan`] decides, per part of the query, where it is evaluated:
+//! - the **ranking keys** run on the GPU when every sort expression translates
+//!   ([`translate`]); otherwise the whole query keeps the host path (DataFusion evaluates the
+//!   keys on the filtered rows and the key columns are shipped, see [`crate::exec`]);
+//! - the **predicate** runs on the GPU when it translates; otherwise DataFusion evaluates it on
+//!   the host and its result is shipped as one boolean column. (Keys are then evaluated on
+//!   every row, which is safe: translated expressions cannot fail.)
+//!
+//! The generated kernel (one per distinct program text; NVRTC-compiled and cached like the
+//! static kernels, see [`crate::device`]) takes each input column's Arrow buffers as they are
+//! (values, validity bitmap, bit offsets), and for each row: evaluates the predicate; if it
+//! holds, builds the composite key field by field (bit for bit [`crate::keys`]); appends the
+//! (key, row id) pair to the candidate buffer when it beats the threshold; and records in a
+//! bitmap which rows it appended, so the host keeps only those rows' output columns.
+
+pub mod translate;
+
+use std::fmt;
+use std::fmt::Write;
+use std::sync::Arc;
+
+use datafusion::arrow::datatypes::Schema;
+use datafusion::physical_expr::{LexOrdering, PhysicalExpr};
+
+use crate::device::KeyKind;
+use crate::keys::KeyLayout;
+pub use translate::KernelInput;
+use translate::{Declined, Emitter, emit_key_field};
+
+/// Name of the generated kernel's entry point.
+pub const ENTRY: &str = "fused_append";
+
+/// Where one part of the query is evaluated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Part {
+    Gpu,
+    /// On the host, by DataFusion, for this reason.
+    Host(String),
+}
+
+impl fmt::Display for Part {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Part::Gpu => write!(f, "gpu"),
+            Part::Host(_) => write!(f, "host"),
+        }
+    }
+}
+
+/// The fusion decision for one query.
+#[derive(Debug, Clone)]
+pub struct FusionPlan {
+    /// The predicate's placement (`None`: the query has none).
+    pub filter: Option<Part>,
+    pub keys: Part,
+    /// The generated program, when the keys run on the GPU.
+    pub program: Option<Arc<FusedProgram>>,
+}
+
+impl FusionPlan {
+    /// Everything on the host, for `why`.
+    pub fn host(why: &str, has_filter: bool) -> Self {
+        Self {
+            filter: has_filter.then(|| Part::Host(why.to_string())),
+            keys: Part::Host(why.to_string()),
+            program: None,
+        }
+    }
+
+    /// For EXPLAIN: `filter=gpu, keys=gpu`, with the reasons for host parts when `verbose`.
+    pub fn describe(&self, verbose: bool) -> String {
+        let part = |name: &str, part: &Part| match part {
+            Part::Host(why) if verbose => format!("{name}=host ({why})"),
+            other => format!("{name}={other}"),
+        };
+        let mut parts = Vec::new();
+        if let Some(filter) = &self.filter {
+            parts.push(part("filter", filter));
+        }
+        parts.push(part("keys", &self.keys));
+        parts.join(", ")
+    }
+}
+
+/// A generated kernel and what to hand it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FusedProgram {
+    /// CUDA C source (includes fused.cuh); its text is the cache key.
+    pub source: String,
+    /// The kernel's inputs, in parameter order.
+    pub inputs: Vec<KernelInput>,
+    /// The composite key type the kernel writes.
+    pub key_kind: KeyKind,
+}
+
+impl FusedProgram {
+    /// Whether the predicate is evaluated on the host and shipped.
+    pub fn host_predicate(&self) -> bool {
+        self.inputs.contains(&KernelInput::HostPredicate)
+    }
+}
+
+/// Decides what runs where and generates the program (see the module documentation).
+/// Expressions are over `schema`; `layout` is the sort keys' layout.
+pub fn plan(
+    filter: Option<&Arc<dyn PhysicalExpr>>,
+    sort_exprs: &LexOrdering,
+    layout: &KeyLayout,
+    schema: &Schema,
+) -> FusionPlan {
+    let mut emitter = Emitter::new(schema);
+    // The predicate first: its statements come first in the kernel.
+    let predicate = filter.map(|f| emitter.emit(f));
+    let filter_code = std::mem::take(&mut emitter.code);
+    let (filter_part, pass) = match &predicate {
+        None => (None, "true".to_string()),
+        Some(Ok(v)) => (Some(Part::Gpu), format!("{} && {}", v.valid, v.value)),
+        Some(Err(why)) => {
+            let p = emitter.input(KernelInput::HostPredicate);
+            let (value, _) = emitter.read_input(p, translate::CType::Bool);
+            (Some(Part::Host(why.clone())), value)
+        }
+    };
+    let host_filter_code = std::mem::take(&mut emitter.code);
+
+    let keys = translate_keys(&mut emitter, sort_exprs, layout);
+    let (keys_part, program) = match keys {
+        Err(why) => (Part::Host(why), None),
+        Ok(key_code) => {
+            let kind = KeyKind::for_total_bits(layout.total_bits());
+            let source = kernel_source(
+                &emitter.inputs,
+                kind,
+                &format!("{filter_code}{host_filter_code}"),
+                &pass,
+                &key_code,
+            );
+            let program = FusedProgram {
+                source,
+                inputs: emitter.inputs.clone(),
+                key_kind: kind,
+            };
+            (Part::Gpu, Some(Arc::new(program)))
+        }
+    };
+    FusionPlan {
+        filter: filter_part,
+        keys: keys_part,
+        program,
+    }
+}
+
+/// Statements that evaluate every sort expression and OR its field into `key`.
+fn translate_keys(
+    emitter: &mut Emitter<'_>,
+    sort_exprs: &LexOrdering,
+    layout: &KeyLayout,
+) -> Result<String, Declined> {
+    let mut fields = String::new();
+    for (i, (sort, spec)) in sort_exprs.iter().zip(layout.specs()).enumerate() {
+        let value = emitter.emit(&sort.expr)?;
+        let value_bits = spec
+            .value_bits()
+            .ok_or_else(|| format!("sort key {} has type {}", i + 1, spec.data_type))?;
+        if value.data_type != spec.data_type || value_bits > 64 {
+            return Err(format!("sort key {} has type {}", i + 1, spec.data_type));
+        }
+        let code = std::mem::take(&mut emitter.code);
+        fields.push_str(&code);
+        emit_key_field(
+            &mut fields,
+            &value,
+            layout.field_shift(i),
+            value_bits,
+            spec.descending,
+            spec.nullable,
+            spec.nulls_first,
+        );
+    }
+    Ok(fields)
+}
+
+/// The host's NaN bits for `0.0 / 0.0` (x86: sign set; ARM: sign clear), which the device must
+/// produce for invalid operations to match DataFusion's results bit for bit.
+#[allow(clippy::eq_op)] // 0/0 is the point: the host's invalid-operation NaN
+pub fn host_default_nan() -> (u32, u64) {
+    let zero32 = std::hint::black_box(0.0f32);
+    let zero64 = std::hint::black_box(0.0f64);
+    ((zero32 / zero32).to_bits(), (zero64 / zero64).to_bits())
+}
+
+fn kernel_source(
+    inputs: &[KernelInput],
+    kind: KeyKind,
+    filter_code: &str,
+    pass: &str,
+    key_code: &str,
+) -> String {
+    let (nan32, nan64) = host_default_nan();
+    let key = match kind {
+        KeyKind::K32 => "K32",
+        KeyKind::K64 => "K64",
+        KeyKind::K128 => "K128",
+        KeyKind::K256 => "K256",
+    };
+    let mut params = String::new();
+    for (p, input) in inputs.iter().enumerate() {
+        let what = match input {
+            KernelInput::Column(c) => format!("input column {c}"),
+            KernelInput::HostPredicate => "the host-evaluated predicate".to_string(),
+        };
+        let _ = writeln!(
+            params,
+            "    const u8 *c{p}, u64 c{p}_bit, const u8 *c{p}_valid, u64 c{p}_valid_bit, // {what}"
+        );
+    }
+    format!(
+        r#"// Generated by datafusion-gpu-topk (src/fusion): predicate, keys and candidate append.
+#define HOST_NAN_F32 0x{nan32:08x}u
+#define HOST_NAN_F64 0x{nan64:016x}ull
+#include "fused.cuh"
+
+typedef {key} Key;
+
+extern "C" __global__ void __launch_bounds__(256) {ENTRY}(
+{params}    u64 n, u64 id_start, const Threshold<Key> *thr, Key *cand_keys, u64 *cand_ids, u64 *count,
+    u64 *passed, u32 *error, u32 *kept) {{
+    const bool have_thr = thr->valid != 0;
+    const Key tk = thr->key;
+    const u64 tid = thr->id;
+    FOR_BLOCK_ROUNDS(i0, n) {{
+        const u64 i = i0 + threadIdx.x;
+        const u64 id = id_start + i;
+        bool pass = false, keep = false, bad = false;
+        Key key = key_zero<Key>();
+        if (i < n) {{
+{filter_code}        pass = {pass};
+        if (pass) {{
+{key_code}        keep = !bad && (!have_thr || pair_less(key, id, tk, tid));
+        }}
+        }}
+        const u32 keep_mask = __ballot_sync(FULL_MASK, keep);
+        if (lane_id() == 0 && i < n) kept[i >> 5] = keep_mask;
+        const int block_passed = __syncthreads_count(pass);
+        if (threadIdx.x == 0 && block_passed) atomicAdd(passed, (u64)block_passed);
+        if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(error, 1u);
+        const u64 pos = warp_append(keep, count);
+        if (keep) {{
+            cand_keys[pos] = key;
+            cand_ids[pos] = id;
+        }}
+    }}
+}}
+"#
+    )
+}

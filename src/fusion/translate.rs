@@ -1,0 +1,566 @@
+//! `PhysicalExpr` → CUDA C: one expression tree becomes straight-line device code, one
+//! `const` value and one `const bool` validity per node (SQL NULL propagation and three-valued
+//! logic spelled out), over typed reads of the input columns' Arrow buffers.
+//!
+//! Only what the device reproduces *exactly* is translated (see kernels/fused.cuh for the
+//! arithmetic): columns and literals of boolean, integer, float and temporal types;
+//! `+ − *` on integers (wrapping, as DataFusion's default) and floats, `/` on floats, integer
+//! `/` and `%` by a literal that cannot fail (not 0, not −1); comparisons of equal types (floats
+//! in total order); `AND`, `OR`, `NOT`, `IS [NOT] NULL`; negation; lossless casts (integer
+//! widening, integer → float, f32 → f64, timestamp time zone changes). Anything else is
+//! declined with the reason, and the part of the query it belongs to runs on the host.
+
+use std::fmt::Write;
+use std::sync::Arc;
+
+use datafusion::arrow::datatypes::{DataType, Schema};
+use datafusion::common::ScalarValue;
+use datafusion::logical_expr::Operator;
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_expr::expressions::{
+    BinaryExpr, CastExpr, Column, IsNotNullExpr, IsNullExpr, Literal, NegativeExpr, NotExpr,
+    TryCastExpr,
+};
+
+/// Why an expression is not translated (shown in EXPLAIN).
+pub type Declined = String;
+
+/// The device type of a value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CType {
+    Bool,
+    I8,
+    I16,
+    I32,
+    I64,
+    U8,
+    U16,
+    U32,
+    U64,
+    F32,
+    F64,
+}
+
+impl CType {
+    /// The device representation of an Arrow type, when the device evaluates it.
+    pub fn for_data_type(data_type: &DataType) -> Option<Self> {
+        use DataType::*;
+        Some(match data_type {
+            Boolean => CType::Bool,
+            Int8 => CType::I8,
+            Int16 => CType::I16,
+            Int32 | Date32 | Time32(_) => CType::I32,
+            Int64 | Date64 | Time64(_) | Timestamp(_, _) | Duration(_) => CType::I64,
+            UInt8 => CType::U8,
+            UInt16 => CType::U16,
+            UInt32 => CType::U32,
+            UInt64 => CType::U64,
+            Float32 => CType::F32,
+            Float64 => CType::F64,
+            _ => return None,
+        })
+    }
+
+    /// The C type (typedefs of common.cuh).
+    pub fn name(self) -> &'static str {
+        match self {
+            CType::Bool => "bool",
+            CType::I8 => "i8",
+            CType::I16 => "i16",
+            CType::I32 => "i32",
+            CType::I64 => "i64",
+            CType::U8 => "u8",
+            CType::U16 => "u16",
+            CType::U32 => "u32",
+            CType::U64 => "u64",
+            CType::F32 => "float",
+            CType::F64 => "double",
+        }
+    }
+
+    /// Suffix of the fused.cuh helpers (`ord_i32`, `add_f64`, …).
+    fn suffix(self) -> &'static str {
+        match self {
+            CType::Bool => "bool",
+            CType::F32 => "f32",
+            CType::F64 => "f64",
+            other => other.name(),
+        }
+    }
+
+    /// The ascending value bits, as fused.cuh's `ord_*` (the key encoding's order).
+    pub fn ordered(self, value: &str) -> String {
+        format!("ord_{}({value})", self.suffix())
+    }
+
+    fn is_float(self) -> bool {
+        matches!(self, CType::F32 | CType::F64)
+    }
+
+    fn is_signed(self) -> bool {
+        matches!(self, CType::I8 | CType::I16 | CType::I32 | CType::I64)
+    }
+
+    fn is_unsigned(self) -> bool {
+        matches!(self, CType::U8 | CType::U16 | CType::U32 | CType::U64)
+    }
+
+    fn bits(self) -> u32 {
+        match self {
+            CType::Bool => 1,
+            CType::I8 | CType::U8 => 8,
+            CType::I16 | CType::U16 => 16,
+            CType::I32 | CType::U32 | CType::F32 => 32,
+            CType::I64 | CType::U64 | CType::F64 => 64,
+        }
+    }
+
+    /// The unsigned type wrapping arithmetic is done in (no C promotion to signed `int`).
+    fn wrapping(self) -> &'static str {
+        if self.bits() <= 32 { "u32" } else { "u64" }
+    }
+}
+
+/// A translated node: C names of its value and validity, and its Arrow type.
+#[derive(Debug, Clone)]
+pub struct Value {
+    pub data_type: DataType,
+    pub ctype: CType,
+    pub value: String,
+    pub valid: String,
+}
+
+/// An input of a generated kernel: four parameters each (values, their bit offset for
+/// booleans, validity bitmap or null, its bit offset).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KernelInput {
+    /// A column of the operator's input, by index.
+    Column(usize),
+    /// The predicate, evaluated on the host by DataFusion (NULL as false, no validity).
+    HostPredicate,
+}
+
+/// Emits device code for expressions over one input schema. Columns are read where first
+/// used; statements go to `code`, which the caller places in the kernel body.
+pub struct Emitter<'a> {
+    schema: &'a Schema,
+    pub inputs: Vec<KernelInput>,
+    loaded: Vec<usize>,
+    pub code: String,
+    next: usize,
+}
+
+impl<'a> Emitter<'a> {
+    pub fn new(schema: &'a Schema) -> Self {
+        Self {
+            schema,
+            inputs: Vec::new(),
+            loaded: Vec::new(),
+            code: String::new(),
+            next: 0,
+        }
+    }
+
+    /// The kernel parameter index of an input, registering it on first use.
+    pub fn input(&mut self, input: KernelInput) -> usize {
+        match self.inputs.iter().position(|i| *i == input) {
+            Some(p) => p,
+            None => {
+                self.inputs.push(input);
+                self.inputs.len() - 1
+            }
+        }
+    }
+
+    fn fresh(&mut self) -> (String, String) {
+        let n = self.next;
+        self.next += 1;
+        (format!("e{n}"), format!("e{n}v"))
+    }
+
+    fn line(&mut self, text: String) {
+        self.code.push_str("        ");
+        self.code.push_str(&text);
+        self.code.push('\n');
+    }
+
+    /// Reads kernel input `p` of type `ctype` at row `i`.
+    pub fn read_input(&mut self, p: usize, ctype: CType) -> (String, String) {
+        let (value, valid) = (format!("x{p}"), format!("x{p}v"));
+        if !self.loaded.contains(&p) {
+            self.loaded.push(p);
+            let read = match ctype {
+                CType::Bool => format!("get_bit(c{p}, c{p}_bit + i)"),
+                t => format!("((const {} *)c{p})[i]", t.name()),
+            };
+            self.line(format!("const {} {value} = {read};", ctype.name()));
+            self.line(format!(
+                "const bool {valid} = c{p}_valid == nullptr || get_bit(c{p}_valid, c{p}_valid_bit + i);"
+            ));
+        }
+        (value, valid)
+    }
+
+    fn define(&mut self, data_type: DataType, ctype: CType, value: String, valid: String) -> Value {
+        let (v, nv) = self.fresh();
+        self.line(format!("const {} {v} = {value};", ctype.name()));
+        self.line(format!("const bool {nv} = {valid};"));
+        Value {
+            data_type,
+            ctype,
+            value: v,
+            valid: nv,
+        }
+    }
+
+    /// Translates `expr`, or says why it cannot be.
+    pub fn emit(&mut self, expr: &Arc<dyn PhysicalExpr>) -> Result<Value, Declined> {
+        let value = self.emit_node(expr)?;
+        // The node must have the type DataFusion gives it (a safety net for coercions).
+        match expr.data_type(self.schema) {
+            Ok(t) if t == value.data_type => Ok(value),
+            Ok(t) => Err(format!(
+                "{expr}: DataFusion types it {t}, the translation {}",
+                value.data_type
+            )),
+            Err(e) => Err(format!("{expr}: {e}")),
+        }
+    }
+
+    fn emit_node(&mut self, expr: &Arc<dyn PhysicalExpr>) -> Result<Value, Declined> {
+        let any = expr.as_ref();
+        if let Some(column) = any.downcast_ref::<Column>() {
+            let field = self
+                .schema
+                .fields()
+                .get(column.index())
+                .ok_or_else(|| format!("column {column} is out of the schema"))?;
+            let data_type = field.data_type().clone();
+            let ctype = CType::for_data_type(&data_type)
+                .ok_or_else(|| format!("column {} has type {data_type}", field.name()))?;
+            let p = self.input(KernelInput::Column(column.index()));
+            let (value, valid) = self.read_input(p, ctype);
+            return Ok(Value {
+                data_type,
+                ctype,
+                value,
+                valid,
+            });
+        }
+        if let Some(literal) = any.downcast_ref::<Literal>() {
+            return self.literal(literal.value());
+        }
+        if let Some(binary) = any.downcast_ref::<BinaryExpr>() {
+            return self.binary(expr, binary);
+        }
+        if let Some(not) = any.downcast_ref::<NotExpr>() {
+            let a = self.emit(not.arg())?;
+            if a.ctype != CType::Bool {
+                return Err(format!("NOT of {}", a.data_type));
+            }
+            return Ok(self.define(
+                DataType::Boolean,
+                CType::Bool,
+                format!("!{}", a.value),
+                a.valid,
+            ));
+        }
+        if let Some(is_null) = any.downcast_ref::<IsNullExpr>() {
+            let a = self.emit(is_null.arg())?;
+            return Ok(self.define(
+                DataType::Boolean,
+                CType::Bool,
+                format!("!{}", a.valid),
+                "true".into(),
+            ));
+        }
+        if let Some(is_not_null) = any.downcast_ref::<IsNotNullExpr>() {
+            let a = self.emit(is_not_null.arg())?;
+            return Ok(self.define(
+                DataType::Boolean,
+                CType::Bool,
+                a.valid.clone(),
+                "true".into(),
+            ));
+        }
+        if let Some(negative) = any.downcast_ref::<NegativeExpr>() {
+            let a = self.emit(negative.arg())?;
+            let value = match a.ctype {
+                CType::F32 | CType::F64 => format!("neg_{}({})", a.ctype.suffix(), a.value),
+                t if t.is_signed() => {
+                    format!("({})(0u - ({}){})", t.name(), t.wrapping(), a.value)
+                }
+                _ => return Err(format!("negation of {}", a.data_type)),
+            };
+            return Ok(self.define(a.data_type, a.ctype, value, a.valid));
+        }
+        if let Some(cast) = any.downcast_ref::<CastExpr>() {
+            return self.cast(cast.expr(), cast.cast_type());
+        }
+        if let Some(cast) = any.downcast_ref::<TryCastExpr>() {
+            return self.cast(cast.expr(), cast.cast_type());
+        }
+        Err(format!("{expr} has no device translation"))
+    }
+
+    fn literal(&mut self, scalar: &ScalarValue) -> Result<Value, Declined> {
+        let data_type = scalar.data_type();
+        let ctype = CType::for_data_type(&data_type)
+            .ok_or_else(|| format!("literal {scalar} has type {data_type}"))?;
+        let bits = literal_bits(scalar).ok_or_else(|| format!("literal {scalar}"))?;
+        let (value, valid) = match bits {
+            None => (format!("({})0", ctype.name()), "false"),
+            Some(bits) => {
+                let value = match ctype {
+                    CType::Bool => (if bits != 0 { "true" } else { "false" }).to_string(),
+                    CType::F32 => format!("__uint_as_float(0x{:08x}u)", bits as u32),
+                    CType::F64 => format!("__longlong_as_double((i64)0x{bits:016x}ull)"),
+                    t => format!("({})0x{bits:x}ull", t.name()),
+                };
+                (value, "true")
+            }
+        };
+        Ok(self.define(data_type, ctype, value, valid.into()))
+    }
+
+    fn binary(
+        &mut self,
+        expr: &Arc<dyn PhysicalExpr>,
+        binary: &BinaryExpr,
+    ) -> Result<Value, Declined> {
+        // `fail_on_overflow` has no getter; a plain rebuild compares unequal when it is set.
+        let plain = BinaryExpr::new(
+            Arc::clone(binary.left()),
+            *binary.op(),
+            Arc::clone(binary.right()),
+        );
+        if *binary != plain {
+            return Err(format!("{expr} fails on overflow"));
+        }
+        let op = *binary.op();
+        let l = self.emit(binary.left())?;
+        let r = self.emit(binary.right())?;
+        let both_valid = format!("{} && {}", l.valid, r.valid);
+        match op {
+            Operator::And | Operator::Or => {
+                if l.ctype != CType::Bool || r.ctype != CType::Bool {
+                    return Err(format!("{op} of {} and {}", l.data_type, r.data_type));
+                }
+                // Three-valued logic: FALSE AND NULL = FALSE, TRUE OR NULL = TRUE.
+                let (lt, rt) = (
+                    format!("({} && {})", l.valid, l.value),
+                    format!("({} && {})", r.valid, r.value),
+                );
+                let (value, valid) = if op == Operator::And {
+                    let lf = format!("({} && !{})", l.valid, l.value);
+                    let rf = format!("({} && !{})", r.valid, r.value);
+                    (
+                        format!("{lt} && {rt}"),
+                        format!("({lt} && {rt}) || {lf} || {rf}"),
+                    )
+                } else {
+                    (
+                        format!("{lt} || {rt}"),
+                        format!("{lt} || {rt} || ({both_valid})"),
+                    )
+                };
+                Ok(self.define(DataType::Boolean, CType::Bool, value, valid))
+            }
+            Operator::Eq
+            | Operator::NotEq
+            | Operator::Lt
+            | Operator::LtEq
+            | Operator::Gt
+            | Operator::GtEq => {
+                if l.data_type != r.data_type {
+                    return Err(format!("{op} of {} and {}", l.data_type, r.data_type));
+                }
+                let c = match op {
+                    Operator::Eq => "==",
+                    Operator::NotEq => "!=",
+                    Operator::Lt => "<",
+                    Operator::LtEq => "<=",
+                    Operator::Gt => ">",
+                    _ => ">=",
+                };
+                let value = if l.ctype.is_float() {
+                    format!(
+                        "{} {c} {}",
+                        l.ctype.ordered(&l.value),
+                        r.ctype.ordered(&r.value)
+                    )
+                } else {
+                    format!("{} {c} {}", l.value, r.value)
+                };
+                Ok(self.define(DataType::Boolean, CType::Bool, value, both_valid))
+            }
+            Operator::Plus
+            | Operator::Minus
+            | Operator::Multiply
+            | Operator::Divide
+            | Operator::Modulo => {
+                let t = l.ctype;
+                let numeric = t.is_float() || t.is_signed() || t.is_unsigned();
+                let plain_number = matches!(
+                    l.data_type,
+                    DataType::Int8
+                        | DataType::Int16
+                        | DataType::Int32
+                        | DataType::Int64
+                        | DataType::UInt8
+                        | DataType::UInt16
+                        | DataType::UInt32
+                        | DataType::UInt64
+                        | DataType::Float32
+                        | DataType::Float64
+                );
+                if l.data_type != r.data_type || !numeric || !plain_number {
+                    return Err(format!("{op} of {} and {}", l.data_type, r.data_type));
+                }
+                let value = if t.is_float() {
+                    let f = match op {
+                        Operator::Plus => "add",
+                        Operator::Minus => "sub",
+                        Operator::Multiply => "mul",
+                        Operator::Divide => "div",
+                        _ => return Err(format!("{op} of {}", l.data_type)),
+                    };
+                    format!("{f}_{}({}, {})", t.suffix(), l.value, r.value)
+                } else {
+                    match op {
+                        Operator::Plus | Operator::Minus | Operator::Multiply => {
+                            let c = match op {
+                                Operator::Plus => "+",
+                                Operator::Minus => "-",
+                                _ => "*",
+                            };
+                            let w = t.wrapping();
+                            format!("({})(({w}){} {c} ({w}){})", t.name(), l.value, r.value)
+                        }
+                        _ => {
+                            // DataFusion errors on a zero divisor (and on MIN / −1): only a
+                            // literal divisor that can do neither is translated.
+                            let divisor = literal_divisor(binary.right());
+                            let safe = match divisor {
+                                Some(d) => d != 0 && !(t.is_signed() && d == -1),
+                                None => false,
+                            };
+                            if !safe {
+                                return Err(format!(
+                                    "{expr}: integer {op} by anything but a literal other than 0 and -1"
+                                ));
+                            }
+                            let c = if op == Operator::Divide { "/" } else { "%" };
+                            format!("({})({} {c} {})", t.name(), l.value, r.value)
+                        }
+                    }
+                };
+                Ok(self.define(l.data_type.clone(), t, value, both_valid))
+            }
+            _ => Err(format!("operator {op}")),
+        }
+    }
+
+    fn cast(&mut self, input: &Arc<dyn PhysicalExpr>, to: &DataType) -> Result<Value, Declined> {
+        let a = self.emit(input)?;
+        let from = &a.data_type;
+        let to_c = CType::for_data_type(to).ok_or_else(|| format!("CAST to {to}"))?;
+        let (f, t) = (a.ctype, to_c);
+        let lossless_int = (f.is_signed() && t.is_signed() && t.bits() > f.bits())
+            || (f.is_unsigned() && (t.is_signed() || t.is_unsigned()) && t.bits() > f.bits());
+        let int_type = |d: &DataType| d.is_integer();
+        let value = match (from, to) {
+            _ if from == to => a.value.clone(),
+            (DataType::Timestamp(u1, _), DataType::Timestamp(u2, _)) if u1 == u2 => a.value.clone(),
+            _ if int_type(from) && int_type(to) && lossless_int => {
+                format!("({})({})", t.name(), a.value)
+            }
+            _ if int_type(from) && t.is_float() => format!("({})({})", t.name(), a.value),
+            (DataType::Float32, DataType::Float64) => format!("f32_to_f64({})", a.value),
+            _ => return Err(format!("CAST from {from} to {to}")),
+        };
+        Ok(self.define(to.clone(), t, value, a.valid))
+    }
+}
+
+/// The raw bits of a literal (`Some(None)`: NULL); `None` when the type is not handled.
+fn literal_bits(scalar: &ScalarValue) -> Option<Option<u64>> {
+    use ScalarValue::*;
+    Some(match scalar {
+        Boolean(v) => v.map(u64::from),
+        Int8(v) => v.map(|x| x as u64),
+        Int16(v) => v.map(|x| x as u64),
+        Int32(v) | Date32(v) | Time32Second(v) | Time32Millisecond(v) => v.map(|x| x as u64),
+        Int64(v)
+        | Date64(v)
+        | Time64Microsecond(v)
+        | Time64Nanosecond(v)
+        | TimestampSecond(v, _)
+        | TimestampMillisecond(v, _)
+        | TimestampMicrosecond(v, _)
+        | TimestampNanosecond(v, _)
+        | DurationSecond(v)
+        | DurationMillisecond(v)
+        | DurationMicrosecond(v)
+        | DurationNanosecond(v) => v.map(|x| x as u64),
+        UInt8(v) => v.map(u64::from),
+        UInt16(v) => v.map(u64::from),
+        UInt32(v) => v.map(u64::from),
+        UInt64(v) => *v,
+        Float32(v) => v.map(|x| u64::from(x.to_bits())),
+        Float64(v) => v.map(f64::to_bits),
+        _ => return None,
+    })
+}
+
+/// The value of an integer literal divisor.
+fn literal_divisor(expr: &Arc<dyn PhysicalExpr>) -> Option<i128> {
+    use ScalarValue::*;
+    let literal = expr.downcast_ref::<Literal>()?;
+    match *literal.value() {
+        Int8(Some(v)) => Some(i128::from(v)),
+        Int16(Some(v)) => Some(i128::from(v)),
+        Int32(Some(v)) => Some(i128::from(v)),
+        Int64(Some(v)) => Some(i128::from(v)),
+        UInt8(Some(v)) => Some(i128::from(v)),
+        UInt16(Some(v)) => Some(i128::from(v)),
+        UInt32(Some(v)) => Some(i128::from(v)),
+        UInt64(Some(v)) => Some(i128::from(v)),
+        _ => None,
+    }
+}
+
+/// C source text of a key field: ORs the encoded `value` into `key` (see the keys module and
+/// encode.cu: DESC flips the value bits, NULL rows get zero value bits and the null bit per
+/// NULLS FIRST/LAST); a NULL in a key declared not nullable sets `bad`.
+pub fn emit_key_field(
+    out: &mut String,
+    value: &Value,
+    shift: u32,
+    value_bits: u32,
+    descending: bool,
+    nullable: bool,
+    nulls_first: bool,
+) {
+    let mask: u64 = if value_bits >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << value_bits) - 1
+    };
+    let xor = if descending { mask } else { 0 };
+    let ordered = value.ctype.ordered(&value.value);
+    let v = &value.valid;
+    let _ = writeln!(
+        out,
+        "        or_field(key, {v} ? ({ordered} ^ 0x{xor:x}ull) : 0ull, {shift}, {}, {});",
+        if nullable {
+            format!("{v} == {nulls_first}")
+        } else {
+            "false".into()
+        },
+        shift + value_bits
+    );
+    if !nullable {
+        let _ = writeln!(out, "        bad = bad || !{v};");
+    }
+}

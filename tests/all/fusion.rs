@@ -1,0 +1,153 @@
+//! Fusion planning: which parts of a query the generated GPU program evaluates, and that every
+//! generated program compiles (NVRTC for sm_90, no GPU needed; skipped without NVRTC). The
+//! programs' *results* are checked by the differential tests, which run them on the GPU
+//! machine with the CUDA backend forced.
+
+use std::sync::Arc;
+
+use datafusion::execution::SessionStateBuilder;
+use datafusion::physical_plan::ExecutionPlan;
+use datafusion::prelude::{SessionConfig, SessionContext};
+use datafusion_gpu_topk::datasets::{QUERIES, TABLE_NAME, TweetsSpec, tweets_mem_table};
+use datafusion_gpu_topk::device::kernels::{
+    GENERATED_OPTIONS, KernelSources, compile_program, nvrtc_available,
+};
+use datafusion_gpu_topk::fusion::Part;
+use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
+
+use crate::common::{physical_plan, register};
+use crate::differential::{schema, table};
+
+/// A session that always plans the operator (CPU backend): fusion is planned regardless.
+fn planning_session() -> SessionContext {
+    let state = SessionStateBuilder::new()
+        .with_config(SessionConfig::new().with_target_partitions(2))
+        .with_default_features()
+        .with_gpu_topk(GpuTopKConfig::default().with_backend(Backend::Cpu))
+        .build();
+    SessionContext::new_with_state(state)
+}
+
+fn find_exec(plan: &Arc<dyn ExecutionPlan>) -> Option<&GpuTopKExec> {
+    plan.downcast_ref::<GpuTopKExec>()
+        .or_else(|| plan.children().into_iter().find_map(|c| find_exec(c)))
+}
+
+/// (filter part, keys part) as "gpu" / "host" / "-" (no filter).
+async fn placement(ctx: &SessionContext, sql: &str) -> (String, String, Option<String>) {
+    let plan = physical_plan(ctx, sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    let exec = find_exec(&plan).unwrap_or_else(|| panic!("{sql}: no GpuTopKExec"));
+    let fusion = &exec.spec().fusion;
+    let name = |p: &Part| p.to_string();
+    let filter = fusion.filter.as_ref().map_or("-".to_string(), name);
+    assert_eq!(
+        fusion.program.is_some(),
+        fusion.keys == Part::Gpu,
+        "{sql}: a program exactly when the keys run on the GPU"
+    );
+    (
+        filter,
+        name(&fusion.keys),
+        fusion.program.as_ref().map(|p| p.source.clone()),
+    )
+}
+
+fn compile_or_skip(sql: &str, source: &str) {
+    if !nvrtc_available() {
+        eprintln!("SKIP: compiling the generated program of {sql}: no NVRTC library");
+        return;
+    }
+    if std::env::var_os("GPU_TOPK_TEST_PRINT_SOURCE").is_some() {
+        eprintln!("=== {sql}\n{source}");
+    }
+    let sources = KernelSources::load().expect("kernel sources");
+    if let Err(e) = compile_program(
+        "generated.cu",
+        source,
+        &sources.headers(),
+        "sm_90",
+        GENERATED_OPTIONS,
+    ) {
+        panic!("{sql}: the generated program does not compile:\n{e}\n{source}");
+    }
+}
+
+#[tokio::test]
+async fn each_part_runs_where_it_translates_and_every_program_compiles() {
+    let ctx = planning_session();
+    register(&ctx, "t", table(7, &[&[10]]));
+    assert!(schema().fields().len() > 20);
+    let cases = [
+        // (where, order by, filter part, keys part)
+        ("", "i32 DESC", "-", "gpu"),
+        ("", "b, u8 DESC NULLS LAST, ts_us", "-", "gpu"),
+        ("WHERE i32 > 0 AND b", "i32 DESC", "gpu", "gpu"),
+        ("WHERE f64 < 0.5 OR g = 3", "f64", "gpu", "gpu"),
+        ("WHERE i8 IS NULL", "u32 DESC", "gpu", "gpu"),
+        (
+            "WHERE NOT (i16 >= -3) OR i8 IS NOT NULL",
+            "-f64, g",
+            "gpu",
+            "gpu",
+        ),
+        (
+            "WHERE ts_ns < TIMESTAMP '2000-01-01 00:00:00'",
+            "ts_ns DESC",
+            "gpu",
+            "gpu",
+        ),
+        ("WHERE d32 >= DATE '1970-01-10'", "d32", "gpu", "gpu"),
+        ("WHERE nan_only = nan_only", "f32 * 0.5 + g", "gpu", "gpu"),
+        ("", "i16 + g * 2 DESC", "-", "gpu"),
+        ("", "CAST(i16 AS DOUBLE) / 3.0 DESC", "-", "gpu"),
+        ("", "CAST(f32 AS DOUBLE) * f64", "-", "gpu"),
+        ("", "i64 / 7, i64 % 5 DESC", "-", "gpu"),
+        ("", "u8 - u8 DESC, i8 * i8", "-", "gpu"),
+        ("WHERE rid % 3 = 0", "g", "gpu", "gpu"),
+        // host parts
+        ("WHERE s LIKE 'a%'", "g DESC", "host", "gpu"),
+        ("WHERE s = 'a' OR s = 'b'", "i64", "host", "gpu"),
+        ("", "abs(i16) DESC, g", "-", "host"),
+        ("", "CASE WHEN b THEN g ELSE -g END", "-", "host"),
+        ("", "i64 / g", "-", "host"),
+        ("", "dec DESC", "-", "host"),
+        ("", "f16", "-", "host"),
+        ("WHERE i32 > 0", "abs(i32)", "gpu", "host"),
+    ];
+    for (filter, order, want_filter, want_keys) in cases {
+        let sql = format!("SELECT rid FROM t {filter} ORDER BY {order} LIMIT 10");
+        let (f, k, source) = placement(&ctx, &sql).await;
+        assert_eq!((f.as_str(), k.as_str()), (want_filter, want_keys), "{sql}");
+        if let Some(source) = source {
+            compile_or_skip(&sql, &source);
+        }
+    }
+}
+
+#[tokio::test]
+async fn tweet_queries_run_their_predicates_and_keys_on_the_gpu() {
+    let ctx = planning_session();
+    let table = tweets_mem_table(&TweetsSpec::new(1000), 2).unwrap();
+    ctx.register_table(TABLE_NAME, table).unwrap();
+    // Q3's string predicate has no translation yet: DataFusion evaluates it, the GPU the rest.
+    let want = [("gpu", "gpu"), ("-", "gpu"), ("host", "gpu"), ("-", "gpu")];
+    for ((name, sql), (want_filter, want_keys)) in QUERIES.iter().zip(want) {
+        let (f, k, source) = placement(&ctx, sql).await;
+        assert_eq!(
+            (f.as_str(), k.as_str()),
+            (want_filter, want_keys),
+            "{name}: {sql}"
+        );
+        compile_or_skip(name, &source.expect("keys on the GPU"));
+    }
+}
+
+#[test]
+fn the_generated_nan_is_the_hosts() {
+    let (f32_nan, f64_nan) = datafusion_gpu_topk::fusion::host_default_nan();
+    let zero = std::hint::black_box(0.0f64);
+    assert_eq!(f64_nan, (zero / zero).to_bits());
+    assert!(f32::from_bits(f32_nan).is_nan() && f64::from_bits(f64_nan).is_nan());
+}
