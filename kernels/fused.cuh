@@ -10,7 +10,9 @@
 //     explicit `_rn` intrinsics), and NaN results carry the *host's* bits: an operand NaN
 //     propagates quieted (first operand first, as x86 and ARM do), an invalid operation gives
 //     the host's default NaN (HOST_NAN_F32 / HOST_NAN_F64, defined by the generated source:
-//     `0.0 / 0.0` on the host). NaN bits matter: DataFusion orders NaNs by their bits;
+//     `0.0 / 0.0` on the host). NaN bits matter: DataFusion orders NaNs by their bits. One
+//     case is not reproducible (two different NaNs added or multiplied, see below): the kernel
+//     flags it and the query reruns on the host;
 //   - float comparisons are IEEE totalOrder (arrow's `total_cmp`): −0.0 < 0.0, NaN = NaN;
 //   - f32 → f64 keeps a NaN's sign and payload, as the host's conversion does.
 #pragma once
@@ -26,6 +28,8 @@ __device__ __forceinline__ double quiet_f64(double a) {
 __device__ __forceinline__ float host_nan_f32() { return __uint_as_float(HOST_NAN_F32); }
 __device__ __forceinline__ double host_nan_f64() { return __longlong_as_double((i64)HOST_NAN_F64); }
 
+// Subtraction and division: a NaN operand propagates, the first one first (the host does the
+// same in scalar and vector code).
 #define FLOAT_BINARY(NAME, T, QUIET, HOST_NAN, EXPR)                                               \
     __device__ __forceinline__ T NAME(T a, T b) {                                                  \
         if (isnan(a)) return QUIET(a);                                                             \
@@ -33,15 +37,30 @@ __device__ __forceinline__ double host_nan_f64() { return __longlong_as_double((
         const T r = EXPR;                                                                          \
         return isnan(r) ? HOST_NAN() : r;                                                          \
     }
-FLOAT_BINARY(add_f32, float, quiet_f32, host_nan_f32, __fadd_rn(a, b))
+// Addition and multiplication are commutative, and the host's compiler swaps their operands in
+// vectorised loops: with two NaN operands of different bits, which one the host returns depends
+// on the row's position in its batch. That case sets `ambiguous` (the query then reruns on the
+// host); every other case is exact.
+#define FLOAT_COMMUTATIVE(NAME, T, QUIET, BITS, HOST_NAN, EXPR)                                    \
+    __device__ __forceinline__ T NAME(T a, T b, bool &ambiguous) {                                 \
+        if (isnan(a)) {                                                                            \
+            if (isnan(b) && BITS(QUIET(a)) != BITS(QUIET(b))) ambiguous = true;                    \
+            return QUIET(a);                                                                       \
+        }                                                                                          \
+        if (isnan(b)) return QUIET(b);                                                             \
+        const T r = EXPR;                                                                          \
+        return isnan(r) ? HOST_NAN() : r;                                                          \
+    }
+FLOAT_COMMUTATIVE(add_f32, float, quiet_f32, __float_as_uint, host_nan_f32, __fadd_rn(a, b))
 FLOAT_BINARY(sub_f32, float, quiet_f32, host_nan_f32, __fsub_rn(a, b))
-FLOAT_BINARY(mul_f32, float, quiet_f32, host_nan_f32, __fmul_rn(a, b))
+FLOAT_COMMUTATIVE(mul_f32, float, quiet_f32, __float_as_uint, host_nan_f32, __fmul_rn(a, b))
 FLOAT_BINARY(div_f32, float, quiet_f32, host_nan_f32, __fdiv_rn(a, b))
-FLOAT_BINARY(add_f64, double, quiet_f64, host_nan_f64, __dadd_rn(a, b))
+FLOAT_COMMUTATIVE(add_f64, double, quiet_f64, __double_as_longlong, host_nan_f64, __dadd_rn(a, b))
 FLOAT_BINARY(sub_f64, double, quiet_f64, host_nan_f64, __dsub_rn(a, b))
-FLOAT_BINARY(mul_f64, double, quiet_f64, host_nan_f64, __dmul_rn(a, b))
+FLOAT_COMMUTATIVE(mul_f64, double, quiet_f64, __double_as_longlong, host_nan_f64, __dmul_rn(a, b))
 FLOAT_BINARY(div_f64, double, quiet_f64, host_nan_f64, __ddiv_rn(a, b))
 #undef FLOAT_BINARY
+#undef FLOAT_COMMUTATIVE
 
 // Negation flips the sign bit, NaNs included (as the host's `-x`).
 __device__ __forceinline__ float neg_f32(float a) { return __uint_as_float(__float_as_uint(a) ^ 0x80000000u); }

@@ -19,6 +19,7 @@ use datafusion::execution::SessionStateBuilder;
 use datafusion::physical_plan::{ExecutionPlan, collect, displayable};
 use datafusion::prelude::{CsvReadOptions, ParquetReadOptions, SessionConfig, SessionContext};
 
+use datafusion_gpu_topk::cost::SelectionChoice;
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
 use datafusion_gpu_topk::device::{GpuStatus, gpu_status};
 use datafusion_gpu_topk::{
@@ -323,8 +324,12 @@ fn report_operators(ctx: &SessionContext, plan: &Arc<dyn ExecutionPlan>) {
                 .and_then(|m| m.sum_by_name("gpu_fallbacks"))
                 .map(|v| v.as_usize())
                 .unwrap_or(0);
+            let eval = match spec.choice {
+                SelectionChoice::Cpu => String::new(),
+                SelectionChoice::Cuda(_) => format!(", eval=[{}]", spec.fusion.describe(true)),
+            };
             println!(
-                "top-k: GpuTopKExec, backend={}, algorithm={} ({}){}",
+                "top-k: GpuTopKExec, backend={}, algorithm={}{eval} ({}){}",
                 spec.choice.backend(),
                 spec.choice.algorithm(),
                 spec.reason,

@@ -202,6 +202,37 @@ const COUNT_OFFSET: u64 = 2112;
 const COUNTER_OFFSET: u64 = 2120;
 const SCALAR_BYTES: usize = 4096;
 
+/// Host byte slices copied into one pinned (write-combined) buffer at aligned offsets, ready for
+/// [`TopKEngine::upload_staged`]. Filling needs no engine, so callers fill theirs in parallel
+/// and hold the engine only for the copy and the kernels.
+#[derive(Debug)]
+pub struct StagedHost {
+    lease: PinnedLease,
+    offsets: Vec<usize>,
+    total: usize,
+}
+
+/// Copies `parts` into a pinned buffer from the device's pool.
+pub fn fill_staging(device: &Arc<GpuDevice>, parts: &[&[u8]]) -> GpuResult<StagedHost> {
+    let mut offsets = Vec::with_capacity(parts.len());
+    let mut total = 0usize;
+    for part in parts {
+        offsets.push(total);
+        total += part.len().div_ceil(STAGE_ALIGN) * STAGE_ALIGN;
+    }
+    let total = total.max(STAGE_ALIGN);
+    let mut lease = device.pinned.take(total, true)?;
+    let host = lease.as_mut_slice()?;
+    for (&offset, part) in offsets.iter().zip(parts) {
+        host[offset..offset + part.len()].copy_from_slice(part);
+    }
+    Ok(StagedHost {
+        lease,
+        offsets,
+        total,
+    })
+}
+
 /// Threads per block of the grid-stride kernels and of the bitonic kernels.
 const THREADS: u32 = 256;
 const BITONIC_THREADS: u32 = 512;
@@ -444,6 +475,27 @@ impl TopKEngine {
             offsets.iter().copied().zip(parts.iter().copied()).collect();
         self.upload_image(&image, total, base)?;
         Ok(offsets.iter().map(|&o| base + o as u64).collect())
+    }
+
+    /// Copies a staging image filled by [`fill_staging`] to the device (asynchronously) and
+    /// returns its parts' device addresses, valid until the next stage. The image's pinned
+    /// buffer must outlive the copy: keep it until the stream is synchronised (its event also
+    /// makes host writes wait).
+    pub fn upload_staged(&mut self, staged: &mut StagedHost) -> GpuResult<Vec<u64>> {
+        if self
+            .staging
+            .as_ref()
+            .is_none_or(|s| s.bytes() < staged.total)
+        {
+            self.staging = Some(
+                self.device
+                    .pool
+                    .alloc(staged.total.max(1 << 20), &self.stream)?,
+            );
+        }
+        let base = self.staging.as_ref().expect("set above").ptr();
+        staged.lease.upload(staged.total, base, &self.stream)?;
+        Ok(staged.offsets.iter().map(|&o| base + o as u64).collect())
     }
 
     /// Reads `len` bytes at device address `src` (waits for all work enqueued so far).

@@ -442,7 +442,10 @@ impl Shared {
                 let mask: &BooleanArray = mask.as_boolean_opt().ok_or_else(|| {
                     DataFusionError::Internal("filter predicate is not boolean".into())
                 })?;
-                let mask = prep_null_mask_filter(mask);
+                let mask = match mask.null_count() {
+                    0 => mask.clone(),
+                    _ => prep_null_mask_filter(mask),
+                };
                 if mask.true_count() == 0 {
                     return Ok(());
                 }

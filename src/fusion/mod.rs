@@ -33,6 +33,12 @@ use translate::{Declined, Emitter, emit_key_field};
 /// Name of the generated kernel's entry point.
 pub const ENTRY: &str = "fused_append";
 
+/// Error flags the generated kernel reports: a NULL in a sort key declared not nullable …
+pub const ERROR_NULL_KEY: u32 = 1;
+/// … and two different NaNs added or multiplied, whose result the host makes depend on the
+/// row's position in its batch (see kernels/fused.cuh): only the host can reproduce it.
+pub const ERROR_AMBIGUOUS_NAN: u32 = 2;
+
 /// Where one part of the query is evaluated.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Part {
@@ -200,6 +206,7 @@ fn kernel_source(
     key_code: &str,
 ) -> String {
     let (nan32, nan64) = host_default_nan();
+    let (null_key, ambiguous) = (ERROR_NULL_KEY, ERROR_AMBIGUOUS_NAN);
     let key = match kind {
         KeyKind::K32 => "K32",
         KeyKind::K64 => "K64",
@@ -224,6 +231,8 @@ fn kernel_source(
 #include "fused.cuh"
 
 typedef {key} Key;
+#define ERROR_NULL_KEY {null_key}u
+#define ERROR_AMBIGUOUS_NAN {ambiguous}u
 
 extern "C" __global__ void __launch_bounds__(256) {ENTRY}(
 {params}    u64 n, u64 id_start, const Threshold<Key> *thr, Key *cand_keys, u64 *cand_ids, u64 *count,
@@ -234,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(256) {ENTRY}(
     FOR_BLOCK_ROUNDS(i0, n) {{
         const u64 i = i0 + threadIdx.x;
         const u64 id = id_start + i;
-        bool pass = false, keep = false, bad = false;
+        bool pass = false, keep = false, bad = false, ambiguous = false;
         Key key = key_zero<Key>();
         if (i < n) {{
 {filter_code}        pass = {pass};
@@ -246,7 +255,8 @@ extern "C" __global__ void __launch_bounds__(256) {ENTRY}(
         if (lane_id() == 0 && i < n) kept[i >> 5] = keep_mask;
         const int block_passed = __syncthreads_count(pass);
         if (threadIdx.x == 0 && block_passed) atomicAdd(passed, (u64)block_passed);
-        if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(error, 1u);
+        if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(error, ERROR_NULL_KEY);
+        if (__syncthreads_or(ambiguous) && threadIdx.x == 0) atomicOr(error, ERROR_AMBIGUOUS_NAN);
         const u64 pos = warp_append(keep, count);
         if (keep) {{
             cand_keys[pos] = key;

@@ -425,7 +425,12 @@ impl<'a> Emitter<'a> {
                         Operator::Divide => "div",
                         _ => return Err(format!("{op} of {}", l.data_type)),
                     };
-                    format!("{f}_{}({}, {})", t.suffix(), l.value, r.value)
+                    let flag = if matches!(op, Operator::Plus | Operator::Multiply) {
+                        ", ambiguous"
+                    } else {
+                        ""
+                    };
+                    format!("{f}_{}({}, {}{flag})", t.suffix(), l.value, r.value)
                 } else {
                     match op {
                         Operator::Plus | Operator::Minus | Operator::Multiply => {

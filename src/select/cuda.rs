@@ -30,7 +30,7 @@ use super::{
 };
 use crate::config::Algorithm;
 use crate::device::algorithms::{
-    ENCODE_FIRST, ENCODE_NULLABLE, ENCODE_NULLS_FIRST, EncodeColumn, NativeCode,
+    ENCODE_FIRST, ENCODE_NULLABLE, ENCODE_NULLS_FIRST, EncodeColumn, NativeCode, fill_staging,
 };
 use crate::device::{
     DeviceAlgorithm, DevicePairs, GeneratedKernel, GpuDevice, GpuError, GpuResult, KeyKind,
@@ -114,6 +114,7 @@ pub fn new_cuda_selector_with_capacity(
         None => None,
     };
     Ok(Arc::new(CudaSelector {
+        device: Arc::clone(&device),
         program,
         layout: spec.layout.clone(),
         k: spec.k,
@@ -155,6 +156,7 @@ struct FusedKernel {
 
 /// See the module documentation.
 pub struct CudaSelector {
+    device: Arc<GpuDevice>,
     /// The generated program, when the device evaluates predicate and keys itself.
     program: Option<FusedKernel>,
     layout: KeyLayout,
@@ -357,15 +359,18 @@ impl TopKSelector for CudaSelector {
                 ColumnBuffers::of(c.as_ref(), width)
             })
             .collect::<Result<Vec<_>>>()?;
+        // The host copy into pinned memory happens before taking the device lock, so the
+        // partitions' copies run in parallel; the lock covers the upload and the kernels.
+        let mut parts = Vec::with_capacity(2 * buffers.len());
+        for b in &buffers {
+            b.parts(&mut parts);
+        }
+        let mut staged = fill_staging(&self.device, &parts).map_err(gpu_error)?;
         let (k, algorithm, min_capacity) = (self.k, self.algorithm, self.min_capacity);
         let mut state = self.state()?;
         let report = state.run(|state| {
             state.ensure_room(n, k, algorithm, min_capacity)?;
-            let mut parts = Vec::with_capacity(2 * buffers.len());
-            for b in &buffers {
-                b.parts(&mut parts);
-            }
-            let addresses = state.engine.stage(&parts)?;
+            let addresses = state.engine.upload_staged(&mut staged)?;
             let mut next = addresses.into_iter();
             let args: Vec<u64> = buffers
                 .iter()
@@ -399,7 +404,16 @@ impl TopKSelector for CudaSelector {
         }
         drop(state);
         let passed = u64::from_le_bytes(report[0..8].try_into().expect("8 bytes")) as usize;
-        if u32::from_le_bytes(report[8..12].try_into().expect("4 bytes")) != 0 {
+        let error = u32::from_le_bytes(report[8..12].try_into().expect("4 bytes"));
+        if error & crate::fusion::ERROR_AMBIGUOUS_NAN != 0 {
+            // Not a query error: the host path reproduces DataFusion's result, so rerun there.
+            return Err(gpu_error(GpuError(
+                "the generated program added or multiplied two different NaNs, whose result \
+                 only the host reproduces"
+                    .into(),
+            )));
+        }
+        if error & crate::fusion::ERROR_NULL_KEY != 0 {
             return Err(exec_error(
                 "a sort key declared not nullable evaluated to NULL".to_string(),
             ));

@@ -1157,6 +1157,14 @@ fn gpu_timing_of_select_sorted() {
 async fn generated_programs_match_datafusion_evaluation_across_reductions() {
     use datafusion::arrow::array::{AsArray, RecordBatch};
     use datafusion::arrow::compute::{filter_record_batch, prep_null_mask_filter};
+    fn null_as_false(
+        mask: &datafusion::arrow::array::BooleanArray,
+    ) -> datafusion::arrow::array::BooleanArray {
+        match mask.null_count() {
+            0 => mask.clone(),
+            _ => prep_null_mask_filter(mask),
+        }
+    }
     use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
 
     let data = crate::differential::table(11, &[&[700, 1, 333, 2048, 999, 64, 1500, 5]]);
@@ -1211,14 +1219,22 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
             .program
             .clone()
             .unwrap_or_else(|| panic!("{sql}: no program: {}", spec.fusion.describe(true)));
-        planned.push((sql, spec, program, k));
+        // The operator's input is a projection of the table: its columns, by name.
+        let input = find(&plan).unwrap().input().schema();
+        let columns: Vec<usize> = input
+            .fields()
+            .iter()
+            .map(|f| data[0][0].schema().index_of(f.name()).unwrap())
+            .collect();
+        planned.push((sql, spec, program, k, columns));
     }
     let Some(device) =
         gpu_or_skip("generated_programs_match_datafusion_evaluation_across_reductions")
     else {
         return;
     };
-    for (sql, spec, program, k) in planned {
+    let mut compared = 0;
+    'queries: for (sql, spec, program, k, projection) in planned {
         for algorithm in [Algorithm::Radix, Algorithm::Auto] {
             let selection = SelectionSpec {
                 layout: spec.layout.clone(),
@@ -1231,12 +1247,13 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
             let cpu = cpu::new_selector(&selection);
             let (mut first_id, mut passed_gpu, mut passed_cpu) = (0u64, 0usize, 0usize);
             for batch in &data[0] {
+                let batch = &batch.project(&projection).unwrap();
                 let n = batch.num_rows();
                 // Reference: DataFusion evaluates the predicate, then the keys on the survivors.
                 let (filtered, ids): (RecordBatch, Vec<u64>) = match &spec.filter {
                     Some(predicate) => {
                         let mask = predicate.evaluate(batch).unwrap().into_array(n).unwrap();
-                        let mask = prep_null_mask_filter(mask.as_boolean());
+                        let mask = null_as_false(mask.as_boolean());
                         let ids = mask
                             .values()
                             .set_indices()
@@ -1274,16 +1291,23 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
                         datafusion_gpu_topk::fusion::KernelInput::HostPredicate => {
                             let predicate = spec.filter.as_ref().unwrap();
                             let mask = predicate.evaluate(batch).unwrap().into_array(n).unwrap();
-                            Arc::new(prep_null_mask_filter(mask.as_boolean())) as ArrayRef
+                            Arc::new(null_as_false(mask.as_boolean())) as ArrayRef
                         }
                     })
                     .collect();
-                let admitted = gpu
-                    .push_columns(datafusion_gpu_topk::select::ColumnsInput {
-                        columns: &columns,
-                        first_id,
-                    })
-                    .unwrap_or_else(|e| panic!("{sql}: {e}"));
+                let admitted = match gpu.push_columns(datafusion_gpu_topk::select::ColumnsInput {
+                    columns: &columns,
+                    first_id,
+                }) {
+                    Ok(admitted) => admitted,
+                    // Two different NaNs added or multiplied: the operator reruns such a query
+                    // on the host (the differential tests check that end to end).
+                    Err(e) if e.to_string().contains("two different NaNs") => {
+                        eprintln!("{sql}: rerun on the host: {e}");
+                        continue 'queries;
+                    }
+                    Err(e) => panic!("{sql}: {e}"),
+                };
                 passed_gpu += admitted.passed;
                 assert!(
                     admitted.rows.windows(2).all(|w| w[0] < w[1])
@@ -1296,6 +1320,8 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
             let got = gpu.finish().unwrap_or_else(|e| panic!("{sql}: {e}"));
             assert_eq!(got, expected, "{sql} ({algorithm}): winners differ");
             assert_eq!(got.len(), k.min(passed_cpu), "{sql}");
+            compared += 1;
         }
     }
+    assert!(compared >= 10, "only {compared} of 14 selections compared");
 }

@@ -96,6 +96,43 @@ async fn collapses_merge_sort_limit_filter_and_projection() {
     assert_eq!(exec.spec().skip, 2);
 }
 
+/// On the GPU, EXPLAIN says where the filter and keys are evaluated (and, verbose, why a part
+/// stays on the host); the CPU path evaluates everything with DataFusion and says nothing.
+#[tokio::test]
+async fn explain_shows_where_the_filter_and_keys_are_evaluated() {
+    let ctx = session(true, 2, 1024);
+    register(&ctx, "t", numbers(2, 3000));
+    let explain = |sql: &'static str| {
+        let ctx = ctx.clone();
+        async move {
+            let batches = run(&ctx, sql).await.unwrap();
+            datafusion::arrow::util::pretty::pretty_format_batches(&batches)
+                .unwrap()
+                .to_string()
+        }
+    };
+    let fused = explain("EXPLAIN SELECT id FROM t WHERE w < 3 ORDER BY v * 2 DESC LIMIT 3").await;
+    let host_keys = explain("EXPLAIN VERBOSE SELECT id FROM t ORDER BY abs(v) LIMIT 3").await;
+    if expected_backend() == "cuda" {
+        assert!(fused.contains("eval=[filter=gpu, keys=gpu]"), "{fused}");
+        assert!(
+            host_keys.contains("eval=[keys=host (abs(v@1) has no device translation)]"),
+            "{host_keys}"
+        );
+        run(&ctx, "SET gpu_topk.fuse_expressions = false")
+            .await
+            .unwrap();
+        let unfused = explain("EXPLAIN SELECT id FROM t WHERE w < 3 ORDER BY v LIMIT 3").await;
+        assert!(
+            unfused.contains("eval=[filter=host, keys=host]"),
+            "{unfused}"
+        );
+    } else {
+        assert!(!fused.contains("eval="), "{fused}");
+        assert!(!host_keys.contains("eval="), "{host_keys}");
+    }
+}
+
 #[tokio::test]
 async fn explain_and_explain_analyze_show_the_operator_and_its_metrics() {
     let ctx = session(true, 2, 1024);

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# gpu-run.sh: one full GPU-machine run over the bundle of benches/gpu-bundle.sh.
+#
+#   run (device tool), carry [".gpu"]:  bash benches/gpu-run.sh
+#
+# 1. the integration tests and the sqllogictests with the CUDA backend forced, then the
+#    integration tests on the CPU path;
+# 2. `gpu-topk` Q1–Q4 with --backend cuda and --backend cpu: result rows must be identical;
+# 3. the end-to-end benchmark (DataFusion, CPU path, CUDA with generated expression code, CUDA
+#    with host-evaluated expressions), ROWS rows (default 100M).
+# Logs go to $OUT; the summary is printed last. Set SKIP_BENCH=1 to stop after step 2.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-run}
+ROWS=${ROWS:-100000000}
+mkdir -p "$OUT" .b
+tar xJf .gpu/bundle.tar.xz -C .b || exit 1
+export GPU_TOPK_CACHE_DIR=$PWD/.kernel-cache
+summary=()
+result() { grep -h "test result" "$1" | tr '\n' ' '; }
+
+GPU_TOPK_TEST_BACKEND=cuda .b/all > "$OUT/tests-cuda.log" 2>&1
+summary+=("integration tests, backend cuda (rc $?): $(result "$OUT/tests-cuda.log")")
+GPU_TOPK_TEST_BACKEND=cuda .b/sqllogictests > "$OUT/slt-cuda.log" 2>&1
+summary+=("sqllogictests, backend cuda (rc $?): $(tail -n 3 "$OUT/slt-cuda.log" | tr '\n' ' ')")
+.b/all > "$OUT/tests-cpu.log" 2>&1
+summary+=("integration tests, backend cpu (rc $?): $(result "$OUT/tests-cpu.log")")
+
+for backend in cuda cpu; do
+    .b/gpu-topk --rows "$ROWS" --show 100 --backend "$backend" > "$OUT/queries-$backend.log" 2>&1
+done
+if diff <(grep '^|' "$OUT/queries-cuda.log") <(grep '^|' "$OUT/queries-cpu.log") > /dev/null; then
+    same="identical"
+else
+    same="DIFFERENT"
+fi
+rows=$(grep -c '^| [0-9]' "$OUT/queries-cuda.log")
+summary+=("gpu-topk Q1-Q4, $ROWS rows, cuda vs cpu: $same ($rows result rows)")
+summary+=("$(grep -E '^(time|top-k):' "$OUT/queries-cuda.log" | paste -sd' ' -)")
+
+if [ -z "${SKIP_BENCH:-}" ]; then
+    .b/cpu_vs_datafusion --rows "$ROWS" --runs 3 --csv "$OUT/end-to-end.csv" > "$OUT/end-to-end.log" 2>&1
+    summary+=("end to end (rc $?):")
+    summary+=("$(cat "$OUT/end-to-end.log")")
+fi
+printf '%s\n' "${summary[@]}"
