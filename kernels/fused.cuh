@@ -13,7 +13,8 @@
 //     `0.0 / 0.0` on the host). NaN bits matter: DataFusion orders NaNs by their bits. One
 //     case is not reproducible (two different NaNs added or multiplied, see below): the kernel
 //     flags it and the query reruns on the host;
-//   - float comparisons are IEEE totalOrder (arrow's `total_cmp`): −0.0 < 0.0, NaN = NaN;
+//   - float comparisons are IEEE totalOrder (arrow's `total_cmp`) after DataFusion's
+//     normalisation of −0.0 to +0.0: −0.0 = 0.0, NaN = NaN, −NaN < −inf;
 //   - f32 → f64 keeps a NaN's sign and payload, as the host's conversion does.
 #pragma once
 
@@ -93,6 +94,13 @@ __device__ __forceinline__ u64 ord_f32(float v) {
 __device__ __forceinline__ u64 ord_f64(double v) {
     const u64 b = (u64)__double_as_longlong(v);
     return b ^ ((b >> 63) ? ~0ull : 0x8000000000000000ull);
+}
+
+// Comparison order of floats (DataFusion's `apply_cmp`): totalOrder after −0.0 is normalised
+// to +0.0, so −0.0 = 0.0 while NaN = NaN and −NaN < −inf.
+__device__ __forceinline__ u64 cmp_f32(float v) { return ord_f32(__float_as_uint(v) << 1 == 0 ? 0.0f : v); }
+__device__ __forceinline__ u64 cmp_f64(double v) {
+    return ord_f64(((u64)__double_as_longlong(v) << 1) == 0 ? 0.0 : v);
 }
 
 // ---- key fields ------------------------------------------------------------------------------

@@ -6,7 +6,7 @@
 //! arithmetic): columns and literals of boolean, integer, float and temporal types;
 //! `+ − *` on integers (wrapping, as DataFusion's default) and floats, `/` on floats, integer
 //! `/` and `%` by a literal that cannot fail (not 0, not −1); comparisons of equal types (floats
-//! in total order); `AND`, `OR`, `NOT`, `IS [NOT] NULL`; negation; lossless casts (integer
+//! in total order with −0.0 = 0.0, as DataFusion's `apply_cmp`); `AND`, `OR`, `NOT`, `IS [NOT] NULL`; negation; lossless casts (integer
 //! widening, integer → float, f32 → f64, timestamp time zone changes). Anything else is
 //! declined with the reason, and the part of the query it belongs to runs on the host.
 
@@ -384,11 +384,9 @@ impl<'a> Emitter<'a> {
                     _ => ">=",
                 };
                 let value = if l.ctype.is_float() {
-                    format!(
-                        "{} {c} {}",
-                        l.ctype.ordered(&l.value),
-                        r.ctype.ordered(&r.value)
-                    )
+                    // DataFusion compares floats in total order with −0.0 normalised to +0.0.
+                    let s = l.ctype.suffix();
+                    format!("cmp_{s}({}) {c} cmp_{s}({})", l.value, r.value)
                 } else {
                     format!("{} {c} {}", l.value, r.value)
                 };

@@ -395,6 +395,12 @@ fn cases() -> Vec<Case> {
             "u64 * u64 DESC, -i32",
             "LIMIT 17",
         ),
+        (
+            "SELECT rid, f64, f32",
+            "WHERE f64 = -0.0 OR f32 < 0.0 OR f64 > f64 - 1.0",
+            "g DESC",
+            "LIMIT 400",
+        ),
         // k vs n
         ("SELECT rid, g", "", "g", "LIMIT 100000"),
         ("SELECT rid, g", "", "g DESC", "LIMIT 0"),

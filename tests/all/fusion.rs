@@ -100,6 +100,12 @@ async fn each_part_runs_where_it_translates_and_every_program_compiles() {
         ),
         ("WHERE d32 >= DATE '1970-01-10'", "d32", "gpu", "gpu"),
         ("WHERE nan_only = nan_only", "f32 * 0.5 + g", "gpu", "gpu"),
+        (
+            "WHERE nan_only = nan_only AND f64 <> -0.0",
+            "-f64, ts_ns",
+            "gpu",
+            "gpu",
+        ),
         ("", "i16 + g * 2 DESC", "-", "gpu"),
         ("", "CAST(i16 AS DOUBLE) / 3.0 DESC", "-", "gpu"),
         ("", "CAST(f32 AS DOUBLE) * f64", "-", "gpu"),
