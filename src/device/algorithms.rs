@@ -212,19 +212,25 @@ pub struct StagedHost {
     total: usize,
 }
 
-/// Copies `parts` into a pinned buffer from the device's pool.
-pub fn fill_staging(device: &Arc<GpuDevice>, parts: &[&[u8]]) -> GpuResult<StagedHost> {
-    let mut offsets = Vec::with_capacity(parts.len());
+/// Copies `groups` into a pinned buffer from the device's pool: each group at an aligned
+/// offset, its slices back to back (one device array from several host chunks).
+pub fn fill_staging(device: &Arc<GpuDevice>, groups: &[Vec<&[u8]>]) -> GpuResult<StagedHost> {
+    let mut offsets = Vec::with_capacity(groups.len());
     let mut total = 0usize;
-    for part in parts {
+    for group in groups {
         offsets.push(total);
-        total += part.len().div_ceil(STAGE_ALIGN) * STAGE_ALIGN;
+        let bytes: usize = group.iter().map(|p| p.len()).sum();
+        total += bytes.div_ceil(STAGE_ALIGN) * STAGE_ALIGN;
     }
     let total = total.max(STAGE_ALIGN);
     let mut lease = device.pinned.take(total, true)?;
     let host = lease.as_mut_slice()?;
-    for (&offset, part) in offsets.iter().zip(parts) {
-        host[offset..offset + part.len()].copy_from_slice(part);
+    for (&offset, group) in offsets.iter().zip(groups) {
+        let mut at = offset;
+        for part in group {
+            host[at..at + part.len()].copy_from_slice(part);
+            at += part.len();
+        }
     }
     Ok(StagedHost {
         lease,

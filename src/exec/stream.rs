@@ -2,7 +2,6 @@
 
 use std::sync::{Arc, Mutex};
 
-use datafusion::arrow::array::make_array;
 use datafusion::arrow::array::{Array, ArrayRef, AsArray, BooleanArray, RecordBatch, UInt32Array};
 use datafusion::arrow::compute::kernels::take::take;
 use datafusion::arrow::compute::{
@@ -478,26 +477,18 @@ impl Shared {
         let program = self.program.as_ref().expect("the fused path has a program");
         let admitted = {
             let _timer = self.metrics.select_time.timer();
-            let columns = program
+            let columns: Vec<Vec<ArrayRef>> = program
                 .inputs
                 .iter()
-                .map(|input| {
-                    let parts: Vec<&dyn Array> = match input {
-                        KernelInput::Column(c) => pending
-                            .batches
-                            .iter()
-                            .map(|b| b.column(*c).as_ref())
-                            .collect(),
-                        KernelInput::HostPredicate => {
-                            pending.predicates.iter().map(|p| p.as_ref()).collect()
-                        }
-                    };
-                    match parts.as_slice() {
-                        [one] => Ok(make_array(one.to_data())),
-                        parts => Ok(concat(parts)?),
-                    }
+                .map(|input| match input {
+                    KernelInput::Column(c) => pending
+                        .batches
+                        .iter()
+                        .map(|b| Arc::clone(b.column(*c)))
+                        .collect(),
+                    KernelInput::HostPredicate => pending.predicates.clone(),
                 })
-                .collect::<Result<Vec<ArrayRef>>>()?;
+                .collect();
             self.selector.push_columns(ColumnsInput {
                 columns: &columns,
                 first_id: pending.first_id,

@@ -327,7 +327,8 @@ impl TopKSelector for CudaSelector {
         let Some(fused) = &self.program else {
             return datafusion::common::internal_err!("this CUDA selector has no program");
         };
-        let n = input.columns.first().map_or(0, |c| c.len());
+        let len = |chunks: &Vec<ArrayRef>| chunks.iter().map(|c| c.len()).sum::<usize>();
+        let n = input.columns.first().map_or(0, len);
         if n == 0 || self.k == 0 {
             return Ok(FusedAdmitted {
                 passed: 0,
@@ -340,7 +341,7 @@ impl TopKSelector for CudaSelector {
             )));
         }
         let inputs = &fused.program.inputs;
-        if input.columns.len() != inputs.len() || input.columns.iter().any(|c| c.len() != n) {
+        if input.columns.len() != inputs.len() || input.columns.iter().any(|c| len(c) != n) {
             return datafusion::common::internal_err!(
                 "the generated program takes {} columns of equal length",
                 inputs.len()
@@ -349,14 +350,15 @@ impl TopKSelector for CudaSelector {
         let buffers = input
             .columns
             .iter()
-            .map(|c| {
-                let width = match c.data_type() {
+            .map(|chunks| {
+                let t = chunks.first().map_or(&DataType::Null, |c| c.data_type());
+                let width = match t {
                     DataType::Boolean => None,
                     t => Some(t.primitive_width().ok_or_else(|| {
                         exec_error(format!("the generated program cannot read {t} columns"))
                     })?),
                 };
-                ColumnBuffers::of(c.as_ref(), width)
+                ColumnBuffers::of_chunks(chunks, width)
             })
             .collect::<Result<Vec<_>>>()?;
         // The host copy into pinned memory happens before taking the device lock, so the
@@ -467,8 +469,8 @@ impl TopKSelector for CudaSelector {
 
 /// The raw Arrow buffers of one column, as the kernels read them.
 struct ColumnBuffers {
-    values: Buffer,
-    values_range: std::ops::Range<usize>,
+    /// The values: one slice, or the slices of several chunks staged back to back.
+    values: Vec<(Buffer, std::ops::Range<usize>)>,
     /// Bit offset of the first value (bit-packed booleans).
     value_bit_offset: u64,
     /// Validity bytes, their range and bit offset, when the column holds NULLs.
@@ -526,18 +528,51 @@ impl ColumnBuffers {
                 )
             });
         Ok(Self {
-            values,
-            values_range,
+            values: vec![(values, values_range)],
             value_bit_offset,
             validity,
         })
     }
 
-    /// Adds the byte slices to stage (values, then validity when present).
-    fn parts<'a>(&'a self, parts: &mut Vec<&'a [u8]>) {
-        parts.push(&self.values.as_slice()[self.values_range.clone()]);
+    /// One column given as consecutive chunks. Fixed-width chunks without NULLs are staged
+    /// back to back straight from their buffers; others are concatenated first.
+    fn of_chunks(chunks: &[ArrayRef], byte_width: Option<usize>) -> Result<Self> {
+        let plain = byte_width.is_some()
+            && chunks
+                .iter()
+                .all(|c| c.logical_nulls().is_none_or(|n| n.null_count() == 0));
+        match chunks {
+            [one] => Self::of(one.as_ref(), byte_width),
+            _ if plain => {
+                let mut values = Vec::with_capacity(chunks.len());
+                for chunk in chunks {
+                    values.extend(Self::of(chunk.as_ref(), byte_width)?.values);
+                }
+                Ok(Self {
+                    values,
+                    value_bit_offset: 0,
+                    validity: None,
+                })
+            }
+            _ => {
+                let parts: Vec<&dyn Array> = chunks.iter().map(|c| c.as_ref()).collect();
+                let whole = datafusion::arrow::compute::concat(&parts)?;
+                Self::of(whole.as_ref(), byte_width)
+            }
+        }
+    }
+
+    /// Adds the byte slices to stage, one group per device array (values, then validity when
+    /// present); a group's slices are staged back to back.
+    fn parts<'a>(&'a self, parts: &mut Vec<Vec<&'a [u8]>>) {
+        parts.push(
+            self.values
+                .iter()
+                .map(|(buffer, range)| &buffer.as_slice()[range.clone()])
+                .collect(),
+        );
         if let Some((bits, range, _)) = &self.validity {
-            parts.push(&bits.as_slice()[range.clone()]);
+            parts.push(vec![&bits.as_slice()[range.clone()]]);
         }
     }
 
@@ -658,7 +693,9 @@ fn encode_batch(
 ) -> GpuResult<EncodedBatch> {
     let mut parts: Vec<&[u8]> = Vec::with_capacity(2 * columns.len() + 1);
     for column in columns {
-        column.buffers.parts(&mut parts);
+        let mut groups = Vec::new();
+        column.buffers.parts(&mut groups);
+        parts.extend(groups.into_iter().flatten());
     }
     if let RowIds::Explicit(ids) = row_ids {
         if ids.len() < n {

@@ -74,7 +74,9 @@ impl SelectInput<'_> {
 /// ([`crate::fusion`]): one column per kernel input, in the program's order.
 #[derive(Debug, Clone, Copy)]
 pub struct ColumnsInput<'a> {
-    pub columns: &'a [ArrayRef],
+    /// Each input as consecutive chunks (e.g. the batches of one push), all inputs with the
+    /// same number of rows.
+    pub columns: &'a [Vec<ArrayRef>],
     /// Row id of the first row; the rows' ids are consecutive.
     pub first_id: u64,
 }

@@ -1281,7 +1281,7 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
                 })
                 .unwrap();
                 // The program reads the raw columns (and the host predicate, when it has one).
-                let columns: Vec<ArrayRef> = program
+                let whole: Vec<ArrayRef> = program
                     .inputs
                     .iter()
                     .map(|input| match input {
@@ -1294,6 +1294,12 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
                             Arc::new(null_as_false(mask.as_boolean())) as ArrayRef
                         }
                     })
+                    .collect();
+                // Two chunks per input (the operator pushes several batches at once).
+                let h = n / 3;
+                let columns: Vec<Vec<ArrayRef>> = whole
+                    .iter()
+                    .map(|c| vec![c.slice(0, h), c.slice(h, n - h)])
                     .collect();
                 let admitted = match gpu.push_columns(datafusion_gpu_topk::select::ColumnsInput {
                     columns: &columns,
