@@ -138,7 +138,11 @@ impl Dist {
     }
 }
 
-const ALGORITHMS: [DeviceAlgorithm; 2] = [DeviceAlgorithm::Bitonic, DeviceAlgorithm::Radix];
+const ALGORITHMS: [DeviceAlgorithm; 3] = [
+    DeviceAlgorithm::Bitonic,
+    DeviceAlgorithm::Radix,
+    DeviceAlgorithm::Sample,
+];
 
 #[derive(Debug)]
 struct Options {
@@ -903,7 +907,9 @@ impl Sweep {
                 None => {
                     // Row ids 0..n, uploaded once per (n, key type).
                     let ids: Vec<u64> = (0..n as u64).collect();
-                    pairs = Some(engine.upload_pairs(as_bytes(&keys), &ids)?);
+                    let mut uploaded = engine.upload_pairs(as_bytes(&keys), &ids)?;
+                    uploaded.set_positional(true);
+                    pairs = Some(uploaded);
                 }
                 Some(p) => engine.upload_bytes(as_bytes(&keys), p.key_at(0))?,
             }

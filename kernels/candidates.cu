@@ -12,10 +12,11 @@
 #include "common.cuh"
 
 // Appends rows [0, n) of (keys, ids) below the threshold at `*count`. `ids` null means
-// consecutive row ids starting at `id_start`. The host guarantees room for all n rows.
+// consecutive row ids starting at `id_start`. Rows past `cap` are counted but not written (the
+// host reads the count and treats count > cap as an overflow).
 template <class K>
 __device__ void append(const K *keys, const u64 *ids, u64 id_start, u64 n, const Threshold<K> *thr, K *cand_keys,
-                       u64 *cand_ids, u64 *count) {
+                       u64 *cand_ids, u64 *count, u64 cap) {
     const bool filter = thr->valid != 0;
     const K tk = thr->key;
     const u64 tid = thr->id;
@@ -30,10 +31,26 @@ __device__ void append(const K *keys, const u64 *ids, u64 id_start, u64 n, const
             keep = !filter || pair_less(k, id, tk, tid);
         }
         const u64 pos = warp_append(keep, count);
-        if (keep) {
+        if (keep && pos < cap) {
             cand_keys[pos] = k;
             cand_ids[pos] = id;
         }
+    }
+}
+
+// A stratified sample of `s` pairs (SampleSelect): pair j is drawn from stratum
+// [j·n/s, (j+1)·n/s) at a hashed offset, so sorted or clustered inputs are sampled evenly.
+template <class K>
+__device__ void sample_pairs(const K *keys, const u64 *ids, u64 n, u64 s, u64 seed, K *out_keys, u64 *out_ids) {
+    for (u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x; j < s; j += (u64)gridDim.x * blockDim.x) {
+        const u64 lo = j * n / s, hi = (j + 1) * n / s;
+        u64 h = (j + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+        h ^= h >> 31;
+        h *= 0xBF58476D1CE4E5B9ull;
+        h ^= h >> 29;
+        const u64 pos = lo + (hi > lo ? h % (hi - lo) : 0);
+        out_keys[j] = keys[pos];
+        out_ids[j] = ids ? ids[pos] : pos;
     }
 }
 
@@ -127,8 +144,12 @@ template <class K> __device__ void fill_max(K *keys, u64 *ids, u64 from, u64 to)
 #define CANDIDATE_ENTRIES(K, S)                                                                                   \
     extern "C" __global__ void                                                                                    \
         append_##S(const K *keys, const u64 *ids, u64 id_start, u64 n, const Threshold<K> *thr, K *cand_keys,     \
-                   u64 *cand_ids, u64 *count) {                                                                   \
-        append<K>(keys, ids, id_start, n, thr, cand_keys, cand_ids, count);                                       \
+                   u64 *cand_ids, u64 *count, u64 cap) {                                                          \
+        append<K>(keys, ids, id_start, n, thr, cand_keys, cand_ids, count, cap);                                  \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256)                                                             \
+        sample_pairs_##S(const K *keys, const u64 *ids, u64 n, u64 s, u64 seed, K *out_keys, u64 *out_ids) {      \
+        sample_pairs<K>(keys, ids, n, s, seed, out_keys, out_ids);                                                \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256)                                                             \
         pair_max_##S(const K *keys, const u64 *ids, u64 n, K *partial_keys, u64 *partial_ids, u32 *counter,      \

@@ -46,6 +46,7 @@ impl SelectionChoice {
             SelectionChoice::Cpu => Algorithm::Cpu,
             SelectionChoice::Cuda(DeviceAlgorithm::Bitonic) => Algorithm::Bitonic,
             SelectionChoice::Cuda(DeviceAlgorithm::Radix) => Algorithm::Radix,
+            SelectionChoice::Cuda(DeviceAlgorithm::Sample) => Algorithm::Sample,
         }
     }
 }

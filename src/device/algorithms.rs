@@ -87,6 +87,10 @@ pub enum DeviceAlgorithm {
     Bitonic,
     /// Radix select (any k), then a bitonic sort of the winners.
     Radix,
+    /// Sampled threshold (SampleSelect): a sorted sample estimates the k-th pair, one filtering
+    /// pass keeps the pairs below the estimate, and the k are selected among those; radix
+    /// select when the estimate misses.
+    Sample,
 }
 
 impl DeviceAlgorithm {
@@ -94,6 +98,7 @@ impl DeviceAlgorithm {
         match self {
             DeviceAlgorithm::Bitonic => "bitonic",
             DeviceAlgorithm::Radix => "radix",
+            DeviceAlgorithm::Sample => "sample",
         }
     }
 }
@@ -134,11 +139,18 @@ pub struct DevicePairs {
     ids: PooledBuffer,
     capacity: usize,
     kind: KeyKind,
+    /// Row id i is i: passes that only filter may skip reading the ids.
+    positional: bool,
 }
 
 impl DevicePairs {
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// Declares that row id i is i (e.g. ids uploaded as 0..n).
+    pub fn set_positional(&mut self, positional: bool) {
+        self.positional = positional;
     }
 
     pub fn kind(&self) -> KeyKind {
@@ -238,6 +250,10 @@ pub fn fill_staging(device: &Arc<GpuDevice>, groups: &[Vec<&[u8]>]) -> GpuResult
         total,
     })
 }
+
+/// Pairs in SampleSelect's sample, and its hash seed.
+pub const SAMPLE_SIZE: usize = 1 << 16;
+const SAMPLE_SEED: u64 = 0x5eed_5a3b_1e00_0001;
 
 /// Threads per block of the grid-stride kernels and of the bitonic kernels.
 const THREADS: u32 = 256;
@@ -402,6 +418,7 @@ impl TopKEngine {
             ids: self.device.pool.alloc(capacity * 8, &self.stream)?,
             capacity,
             kind: self.kind,
+            positional: false,
         })
     }
 
@@ -612,6 +629,7 @@ impl TopKEngine {
                 candidates.key_at(0),
                 candidates.id_at(0),
                 base + COUNT_OFFSET,
+                candidates.capacity(),
             ],
         )
     }
@@ -920,6 +938,74 @@ impl TopKEngine {
         Ok(buf)
     }
 
+    /// SampleSelect's sampled threshold: sorts a stratified sample of [`SAMPLE_SIZE`] pairs,
+    /// takes the pair at a rank safely above the k-th's expected rank as the threshold, keeps
+    /// the pairs below it in one filtering pass (row ids are not read when the input is
+    /// positional), and selects the k among those. `None` when it does not apply (k too large
+    /// for the sample to bound) or the estimate missed (fewer than k pairs below it, or more
+    /// than the buffer sized for the expected count): the caller then runs radix select.
+    pub fn sample_select(
+        &mut self,
+        input: &DevicePairs,
+        n: usize,
+        k: usize,
+    ) -> GpuResult<Option<DevicePairs>> {
+        let s = SAMPLE_SIZE;
+        if n < 8 * s || k == 0 {
+            return Ok(None);
+        }
+        // Expected sample rank of the k-th pair, plus five standard deviations and a margin.
+        let expected = k as f64 * s as f64 / n as f64;
+        let rank = (expected + 5.0 * expected.sqrt() + 8.0).ceil() as usize;
+        if rank >= s / 4 {
+            return Ok(None);
+        }
+        let sample = self.alloc_pairs(s)?;
+        let ids = if input.positional { 0 } else { input.id_at(0) };
+        self.launch(
+            &self.kernel("sample_pairs"),
+            self.grid_for(s, 1),
+            THREADS,
+            0,
+            args![
+                input.key_at(0),
+                ids,
+                n,
+                s,
+                SAMPLE_SEED,
+                sample.key_at(0),
+                sample.id_at(0)
+            ],
+        )?;
+        let sorted_sample = self.sort(&sample, s)?;
+        self.threshold_from_index(&sorted_sample, rank)?;
+        // Pairs below the sample's rank-th: about (rank + 1) · n / s of them.
+        let capacity = ((rank + 1) as f64 * n as f64 / s as f64 * 1.5) as usize + 2 * k + 1024;
+        let candidates = self.alloc_pairs(capacity.min(n))?;
+        self.set_candidate_count(0)?;
+        self.append(
+            input.key_at(0),
+            (ids != 0).then_some(ids),
+            0,
+            n,
+            &candidates,
+        )?;
+        let count = self.candidate_count()?;
+        // The threshold is the engine's: clear it for whatever runs next.
+        self.reset_candidates()?;
+        if count < k || count > candidates.capacity() {
+            return Ok(None);
+        }
+        let algorithm = if k <= self.bitonic_max_k() {
+            DeviceAlgorithm::Bitonic
+        } else {
+            DeviceAlgorithm::Radix
+        };
+        Ok(Some(
+            self.select_sorted(&candidates, count, k, algorithm)?.0,
+        ))
+    }
+
     /// The min(n, k) smallest of pairs `[0, n)`, sorted, at the start of the returned buffer.
     pub fn select_sorted(
         &mut self,
@@ -934,6 +1020,10 @@ impl TopKEngine {
         }
         let sorted = match algorithm {
             DeviceAlgorithm::Bitonic => self.bitonic_select(input, n, k)?,
+            DeviceAlgorithm::Sample => match self.sample_select(input, n, k)? {
+                Some(sorted) => sorted,
+                None => return self.select_sorted(input, n, k, DeviceAlgorithm::Radix),
+            },
             DeviceAlgorithm::Radix if n > k => {
                 let winners = self.radix_select(input, n, k, k)?;
                 self.sort(&winners, k)?

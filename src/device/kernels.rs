@@ -46,7 +46,13 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
     ("encode.cu", &["encode_column"]),
     (
         "candidates.cu",
-        &["append", "pair_max", "threshold_from", "fill_max"],
+        &[
+            "append",
+            "pair_max",
+            "threshold_from",
+            "fill_max",
+            "sample_pairs",
+        ],
     ),
     ("radix.cu", &["radix_masks", "radix_hist", "radix_filter"]),
     (

@@ -68,7 +68,8 @@ pub fn device_algorithm(
         Algorithm::Bitonic => Err(DataFusionError::Plan(format!(
             "the CUDA bitonic top-k supports k up to {limit} for these keys, not {k}"
         ))),
-        Algorithm::Delegate | Algorithm::Sample => Err(DataFusionError::NotImplemented(format!(
+        Algorithm::Sample => Ok(DeviceAlgorithm::Sample),
+        Algorithm::Delegate => Err(DataFusionError::NotImplemented(format!(
             "the CUDA {algorithm} algorithm is not implemented yet"
         ))),
         Algorithm::Cpu => Err(DataFusionError::Plan(
@@ -254,7 +255,8 @@ impl State {
         }
         let candidates = self.candidates.take().expect("reduce needs candidates");
         let reduced = match algorithm {
-            DeviceAlgorithm::Radix => {
+            // Streaming reductions cut a buffer the threshold already filtered: radix select.
+            DeviceAlgorithm::Radix | DeviceAlgorithm::Sample => {
                 let winners = self
                     .engine
                     .radix_select(&candidates, count, k, self.capacity)?;

@@ -318,7 +318,7 @@ fn generate(dist: Dist, n: usize, wide: bool, seed: u64) -> (Vec<u64>, Vec<u64>)
     (keys, ids)
 }
 
-/// Checks both algorithms (bitonic where k allows) for one input of every key width against
+/// Checks every algorithm (bitonic where k allows) for one input of every key width against
 /// the oracle.
 fn check_select(device: &Arc<GpuDevice>, dist: Dist, n: usize, k: usize, seed: u64) {
     let (p32, ids) = generate(dist, n, false, seed);
@@ -345,7 +345,7 @@ fn check_select(device: &Arc<GpuDevice>, dist: Dist, n: usize, k: usize, seed: u
     ];
     for (keys, expected) in cases {
         let kind = keys.kind();
-        let mut algorithms = vec![DeviceAlgorithm::Radix];
+        let mut algorithms = vec![DeviceAlgorithm::Radix, DeviceAlgorithm::Sample];
         let chunk = datafusion_gpu_topk::device::algorithms::bitonic_chunk(
             device.max_shared_per_block,
             kind,
@@ -421,6 +421,9 @@ fn gpu_selection_large_inputs() {
             (50, DeviceAlgorithm::Bitonic),
             (50, DeviceAlgorithm::Radix),
             (300_000, DeviceAlgorithm::Radix),
+            (50, DeviceAlgorithm::Sample),
+            (5000, DeviceAlgorithm::Sample),
+            (300_000, DeviceAlgorithm::Sample),
         ] {
             let got =
                 select_topk_device(&device, HostKeys::U64(&keys), &ids, k, algorithm).unwrap();
@@ -435,6 +438,8 @@ fn gpu_selection_large_inputs() {
     for (k, algorithm) in [
         (100, DeviceAlgorithm::Bitonic),
         (1000, DeviceAlgorithm::Radix),
+        (1000, DeviceAlgorithm::Sample),
+        (100_000, DeviceAlgorithm::Sample),
     ] {
         let got = select_topk_device(&device, HostKeys::U64(&keys), &ids, k, algorithm).unwrap();
         assert!(got == oracle(&keys, &ids, k), "2^27 k={k} {algorithm:?}");
@@ -1018,8 +1023,12 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
             .collect();
         let layout = KeyLayout::try_new(specs.clone()).unwrap();
         let k = [1, 2, 10, 100, 3000][rng0.below(5) as usize];
-        let algorithm =
-            [Algorithm::Auto, Algorithm::Radix, Algorithm::Bitonic][rng0.below(3) as usize];
+        let algorithm = [
+            Algorithm::Auto,
+            Algorithm::Radix,
+            Algorithm::Bitonic,
+            Algorithm::Sample,
+        ][rng0.below(4) as usize];
         let capacity = [1, 100, 5000, 1 << 22][rng0.below(4) as usize];
         let (threads, batches) = (1 + rng0.below(8) as usize, 1 + rng0.below(8) as usize);
         let rows = [10, 500, 3000][rng0.below(3) as usize];
