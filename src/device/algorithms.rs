@@ -983,13 +983,27 @@ impl TopKEngine {
         let capacity = ((rank + 1) as f64 * n as f64 / s as f64 * 1.5) as usize + 2 * k + 1024;
         let candidates = self.alloc_pairs(capacity.min(n))?;
         self.set_candidate_count(0)?;
-        self.append(
-            input.key_at(0),
-            (ids != 0).then_some(ids),
-            0,
-            n,
-            &candidates,
-        )?;
+        if input.positional {
+            // Keys only, vector loads: the pass that should run at the read floor.
+            let base = self.scalars.ptr();
+            self.launch(
+                &self.kernel("filter_below"),
+                (self.device.sm_count * 8) as u32,
+                THREADS,
+                0,
+                args![
+                    input.key_at(0),
+                    n,
+                    base + THRESHOLD_OFFSET,
+                    candidates.key_at(0),
+                    candidates.id_at(0),
+                    base + COUNT_OFFSET,
+                    candidates.capacity(),
+                ],
+            )?;
+        } else {
+            self.append(input.key_at(0), Some(ids), 0, n, &candidates)?;
+        }
         let count = self.candidate_count()?;
         // The threshold is the engine's: clear it for whatever runs next.
         self.reset_candidates()?;

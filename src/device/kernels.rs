@@ -52,6 +52,7 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
             "threshold_from",
             "fill_max",
             "sample_pairs",
+            "filter_below",
         ],
     ),
     ("radix.cu", &["radix_masks", "radix_hist", "radix_filter"]),

@@ -811,7 +811,9 @@ pub fn select_topk_device(
     }
     let mut engine = TopKEngine::new(device, keys.kind())?;
     let n = ids.len();
-    let pairs = engine.upload_pairs(&keys.device_bytes(), ids)?;
+    let mut pairs = engine.upload_pairs(&keys.device_bytes(), ids)?;
+    // Ids 0..n: passes that only filter may skip reading them.
+    pairs.set_positional(ids.iter().enumerate().all(|(i, &id)| id == i as u64));
     let (sorted, m) = engine.select_sorted(&pairs, n, k, algorithm)?;
     engine.download_ids(&sorted, m)
 }

@@ -444,6 +444,41 @@ fn gpu_selection_large_inputs() {
         let got = select_topk_device(&device, HostKeys::U64(&keys), &ids, k, algorithm).unwrap();
         assert!(got == oracle(&keys, &ids, k), "2^27 k={k} {algorithm:?}");
     }
+    // Row ids 0..n (positional: the sampled threshold's filter reads keys only), every width
+    // and an odd length (a partial last vector).
+    for dist in DISTS {
+        let n = (1 << 21) + 3;
+        let (p64, _) = generate(dist, n, true, 5);
+        let ids: Vec<u64> = (0..n as u64).collect();
+        let k32: Vec<u32> = p64.iter().map(|&v| v as u32).collect();
+        let k128: Vec<u128> = p64
+            .iter()
+            .map(|&v| (u128::from(v) << 64) | u128::from(!v))
+            .collect();
+        let k256: Vec<U256> = k128
+            .iter()
+            .map(|&v| U256 {
+                hi: v,
+                lo: v.rotate_left(9),
+            })
+            .collect();
+        for k in [1, 100, 4000] {
+            for (keys, expected) in [
+                (HostKeys::U32(&k32), oracle(&k32, &ids, k)),
+                (HostKeys::U64(&p64), oracle(&p64, &ids, k)),
+                (HostKeys::U128(&k128), oracle(&k128, &ids, k)),
+                (HostKeys::U256(&k256), oracle(&k256, &ids, k)),
+            ] {
+                let got =
+                    select_topk_device(&device, keys, &ids, k, DeviceAlgorithm::Sample).unwrap();
+                assert!(
+                    got == expected,
+                    "positional {dist:?} {:?} k={k}",
+                    keys.kind()
+                );
+            }
+        }
+    }
 }
 
 // ---- device encoding vs KeyLayout::encode --------------------------------------------------------
@@ -948,7 +983,7 @@ fn gpu_selector_rejects_mismatched_input_and_algorithms() {
         })
         .is_err()
     );
-    for algorithm in [Algorithm::Delegate, Algorithm::Sample, Algorithm::Cpu] {
+    for algorithm in [Algorithm::Delegate, Algorithm::Cpu] {
         assert!(
             new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), algorithm, 1).is_err()
         );
