@@ -114,6 +114,18 @@ impl TopKRun {
     }
 }
 
+/// The predicate over a batch as a filter mask: NULL counts as false, as in `WHERE`.
+fn predicate_mask(predicate: &Arc<dyn PhysicalExpr>, batch: &RecordBatch) -> Result<BooleanArray> {
+    let mask = predicate.evaluate(batch)?.into_array(batch.num_rows())?;
+    let mask: &BooleanArray = mask
+        .as_boolean_opt()
+        .ok_or_else(|| DataFusionError::Internal("filter predicate is not boolean".into()))?;
+    Ok(match mask.null_count() {
+        0 => mask.clone(),
+        _ => prep_null_mask_filter(mask),
+    })
+}
+
 /// Errors raised by the device path (as opposed to errors of the query itself, such as an
 /// overflow in a sort expression, which the CPU path would raise too).
 fn is_device_error(e: &DataFusionError) -> bool {
@@ -313,14 +325,7 @@ impl Shared {
             None => batch.clone(),
             Some(predicate) => {
                 let _timer = metrics.filter_time.timer();
-                let mask = predicate.evaluate(batch)?.into_array(n)?;
-                let mask: &BooleanArray = mask.as_boolean_opt().ok_or_else(|| {
-                    DataFusionError::Internal("filter predicate is not boolean".into())
-                })?;
-                let mask = match mask.null_count() {
-                    0 => mask.clone(),
-                    _ => prep_null_mask_filter(mask),
-                };
+                let mask = predicate_mask(predicate, batch)?;
                 let passed = mask.true_count();
                 if passed == 0 {
                     return Ok(());
@@ -437,14 +442,7 @@ impl Shared {
         let predicate = match (&self.spec.filter, program.host_predicate()) {
             (Some(predicate), true) => {
                 let _timer = self.metrics.filter_time.timer();
-                let mask = predicate.evaluate(batch)?.into_array(n)?;
-                let mask: &BooleanArray = mask.as_boolean_opt().ok_or_else(|| {
-                    DataFusionError::Internal("filter predicate is not boolean".into())
-                })?;
-                let mask = match mask.null_count() {
-                    0 => mask.clone(),
-                    _ => prep_null_mask_filter(mask),
-                };
+                let mask = predicate_mask(predicate, batch)?;
                 if mask.true_count() == 0 {
                     return Ok(());
                 }
