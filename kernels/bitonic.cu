@@ -15,10 +15,11 @@
 // step needs more than one barrier. Padding is harmless: a padding pair equal to a real pair
 // (all-ones key and row id) is indistinguishable from it in the output.
 //
-// Sort (the ≤ k winners of a radix select): the classic bitonic sorting network on a
-// power-of-two padded array, with the steps of stride < C fused into shared-memory kernels
-// (`sort_local` for all sizes ≤ C, `merge_local` for the tail of each larger size) and the
-// steps of stride ≥ C one global kernel each (`sort_step`).
+// Sort (the ≤ k winners of a radix select, the survivors of a sampled one): the classic
+// bitonic sorting network on a power-of-two padded array, with the steps of stride < T (a
+// tile of 4096 pairs) fused into kernels that keep the tile in registers (`sort_local` for all
+// sizes ≤ T, `merge_local` for the tail of each larger size; `sort_small` sorts one tile read
+// from a device count) and the steps of stride ≥ T one global kernel each (`sort_step`).
 
 #include "common.cuh"
 
@@ -118,19 +119,6 @@ __device__ void topk(const K *keys, const u64 *ids, u64 n, K *out_keys, u64 *out
     }
 }
 
-// Sort, sizes 2..min(c, m): each block sorts its chunk of c = min(c, m) pairs in place, in the
-// direction the full network gives it. m is a power of two.
-template <class K> __device__ void sort_local(K *keys, u64 *ids, u64 m, u32 c) {
-    Smem<K> s = smem_of<K>(c);
-    const u64 base = (u64)blockIdx.x * c;
-    load_chunk(s, keys, ids, m, base, c);
-    network(s, c, base, c);
-    for (u32 t = threadIdx.x; t < c; t += blockDim.x) {
-        keys[base + t] = s.keys[t];
-        ids[base + t] = s.ids[t];
-    }
-}
-
 // Sort, one step of size `size` and stride `stride` >= c, in global memory: one thread per
 // compare-exchange.
 template <class K> __device__ void sort_step(K *keys, u64 *ids, u64 m, u64 size, u64 stride) {
@@ -148,22 +136,166 @@ template <class K> __device__ void sort_step(K *keys, u64 *ids, u64 m, u64 size,
     }
 }
 
-// Sort, the steps of stride c/2 .. 1 of size `size` (> c), in shared memory.
-template <class K> __device__ void merge_local(K *keys, u64 *ids, u64 m, u64 size, u32 c) {
-    Smem<K> s = smem_of<K>(c);
-    const u64 base = (u64)blockIdx.x * c;
-    load_chunk(s, keys, ids, m, base, c);
-    for (u32 stride = c / 2; stride > 0; stride >>= 1) {
-        for (u32 t = threadIdx.x; t < c / 2; t += blockDim.x) {
-            const u32 i = pair_index(t, stride);
-            s.cmp_swap(i, i + stride, ((base + i) & size) == 0);
+// ---- the sort, with the SIGMOD'18 register layout --------------------------------------------
+//
+// A block of SORT_THREADS threads holds a tile of SORT_TILE = SORT_PER · SORT_THREADS pairs
+// (4096; 2048 for 256-bit keys):
+// thread t holds pairs [SORT_PER·t, SORT_PER·(t+1)) of the tile in registers. A step of stride
+// < SORT_PER stays in the thread, strides below 32·SORT_PER go through warp shuffles, and only
+// the larger ones through shared memory (two barriers each). Pair i of the whole array is
+// sorted ascending in a step of size `size` iff i & size is zero, as in the plain network.
+#define SORT_THREADS 1024
+// Pairs per thread: 4, or 2 for 256-bit keys (four would spill at 64 registers).
+template <class K> struct SortPer {
+    enum { V = K::BITS == 256 ? 2 : 4 };
+};
+#define SORT_PER SortPer<K>::V
+#define SORT_TILE (SORT_PER * SORT_THREADS)
+
+template <class K> __device__ __forceinline__ K shfl_key(const K &k, int lane_mask) {
+    K r;
+#pragma unroll
+    for (int w = 0; w < K::N; ++w) r.w[w] = __shfl_xor_sync(FULL_MASK, k.w[w], lane_mask);
+    return r;
+}
+
+// A step of stride STRIDE < SORT_PER, inside each thread (compile-time indices keep the pairs
+// in registers).
+template <class K, int STRIDE>
+__device__ __forceinline__ void reg_step(K (&key)[SORT_PER], u64 (&id)[SORT_PER], u64 first, u64 size) {
+#pragma unroll
+    for (int e = 0; e < SORT_PER; ++e) {
+        if ((e & STRIDE) == 0) {
+            const int f = e | STRIDE;
+            const bool ascending = ((first + e) & size) == 0;
+            if (ascending == pair_less(key[f], id[f], key[e], id[e])) {
+                const K tk = key[e];
+                const u64 ti = id[e];
+                key[e] = key[f];
+                id[e] = id[f];
+                key[f] = tk;
+                id[f] = ti;
+            }
         }
-        __syncthreads();
     }
-    for (u32 t = threadIdx.x; t < c; t += blockDim.x) {
-        keys[base + t] = s.keys[t];
-        ids[base + t] = s.ids[t];
+}
+
+// Steps of sizes [size_lo, size_hi] over the block's tile (global index of its pair 0:
+// `tile_base`), each from stride min(size / 2, SORT_TILE / 2) down to 1.
+template <class K>
+__device__ void tile_network(K (&key)[SORT_PER], u64 (&id)[SORT_PER], u64 tile_base, u64 size_lo, u64 size_hi,
+                             Smem<K> s) {
+    const u32 base = threadIdx.x * SORT_PER;
+    const u64 first = tile_base + base; // global index of this thread's pair 0
+    for (u64 size = size_lo; size <= size_hi; size <<= 1) {
+        for (u32 stride = (u32)min(size / 2, (u64)SORT_TILE / 2); stride > 0; stride >>= 1) {
+            if (stride == 1) {
+                reg_step<K, 1>(key, id, first, size);
+            } else if (SORT_PER > 2 && stride == 2) {
+                reg_step<K, (SORT_PER > 2 ? 2 : 1)>(key, id, first, size);
+            } else if (stride < 32 * SORT_PER) {
+                const int lanes = stride / SORT_PER;
+                const bool lower = (threadIdx.x & lanes) == 0; // this thread holds the lower index
+#pragma unroll
+                for (int e = 0; e < SORT_PER; ++e) {
+                    const K ok = shfl_key(key[e], lanes);
+                    const u64 oi = __shfl_xor_sync(FULL_MASK, id[e], lanes);
+                    const bool ascending = ((first + e) & size) == 0;
+                    // The lower index keeps the smaller pair when ascending.
+                    if (pair_less(ok, oi, key[e], id[e]) == (lower == ascending)) {
+                        key[e] = ok;
+                        id[e] = oi;
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < SORT_PER; ++e) {
+                    s.keys[base + e] = key[e];
+                    s.ids[base + e] = id[e];
+                }
+                __syncthreads();
+#pragma unroll
+                for (int e = 0; e < SORT_PER; ++e) {
+                    const u32 i = base + e, j = i ^ stride;
+                    const K ok = s.keys[j];
+                    const u64 oi = s.ids[j];
+                    const bool ascending = ((tile_base + i) & size) == 0;
+                    if (pair_less(ok, oi, key[e], id[e]) == ((i < j) == ascending)) {
+                        key[e] = ok;
+                        id[e] = oi;
+                    }
+                }
+                __syncthreads();
+            }
+        }
     }
+}
+
+// Loads the block's tile [tile_base, tile_base + SORT_TILE) of pairs [0, n) into registers,
+// padding past n with the largest pair (which sorts last).
+template <class K>
+__device__ __forceinline__ void load_tile(const K *keys, const u64 *ids, u64 n, u64 tile_base, K (&key)[SORT_PER],
+                                          u64 (&id)[SORT_PER]) {
+#pragma unroll
+    for (int e = 0; e < SORT_PER; ++e) {
+        const u64 i = tile_base + threadIdx.x * SORT_PER + e;
+        key[e] = i < n ? keys[i] : key_max<K>();
+        id[e] = i < n ? ids[i] : ~0ull;
+    }
+}
+
+template <class K>
+__device__ __forceinline__ void store_tile(K *keys, u64 *ids, u64 n, u64 tile_base, const K (&key)[SORT_PER],
+                                           const u64 (&id)[SORT_PER]) {
+#pragma unroll
+    for (int e = 0; e < SORT_PER; ++e) {
+        const u64 i = tile_base + threadIdx.x * SORT_PER + e;
+        if (i < n) {
+            keys[i] = key[e];
+            ids[i] = id[e];
+        }
+    }
+}
+
+// Sort, sizes 2 .. min(SORT_TILE, m) of the network over m (a power of two) pairs: each
+// block sorts its tile of pairs [0, n) (padded past n) in the direction the full network gives
+// it, into out[0, m).
+template <class K>
+__device__ void sort_local(const K *keys, const u64 *ids, u64 n, K *out_keys, u64 *out_ids, u64 m) {
+    K key[SORT_PER];
+    u64 id[SORT_PER];
+    const u64 tile_base = (u64)blockIdx.x * SORT_TILE;
+    load_tile(keys, ids, n, tile_base, key, id);
+    tile_network(key, id, tile_base, 2, min(m, (u64)SORT_TILE), smem_of<K>(SORT_TILE));
+    store_tile(out_keys, out_ids, m, tile_base, key, id);
+}
+
+// Sort, the steps of stride SORT_TILE/2 .. 1 of size `size` (> SORT_TILE), per tile.
+template <class K> __device__ void merge_local(K *keys, u64 *ids, u64 m, u64 size) {
+    K key[SORT_PER];
+    u64 id[SORT_PER];
+    const u64 tile_base = (u64)blockIdx.x * SORT_TILE;
+    load_tile(keys, ids, m, tile_base, key, id);
+    tile_network(key, id, tile_base, size, size, smem_of<K>(SORT_TILE));
+    store_tile(keys, ids, m, tile_base, key, id);
+}
+
+// Sort of a small set by one block: the m = *n_ptr pairs (m ≤ SORT_TILE) sorted ascending into
+// out, the last step of a sampled selection (sample.cu). Does nothing once `status` is set;
+// sets bit 4 when m > SORT_TILE (the host then sorts with the kernels above).
+template <class K>
+__device__ void sort_small(const K *keys, const u64 *ids, const u64 *n_ptr, K *out_keys, u64 *out_ids, u32 *status) {
+    if (__ldcg(status) != 0) return;
+    const u64 m = __ldcg(n_ptr);
+    if (m > SORT_TILE) {
+        if (threadIdx.x == 0) atomicOr(status, 4u);
+        return;
+    }
+    K key[SORT_PER];
+    u64 id[SORT_PER];
+    load_tile(keys, ids, m, 0, key, id);
+    tile_network(key, id, 0, 2, SORT_TILE, smem_of<K>(SORT_TILE));
+    store_tile(out_keys, out_ids, m, 0, key, id);
 }
 
 #define BITONIC_ENTRIES(K, S)                                                                                     \
@@ -171,16 +303,21 @@ template <class K> __device__ void merge_local(K *keys, u64 *ids, u64 m, u64 siz
         bitonic_topk_##S(const K *keys, const u64 *ids, u64 n, K *out_keys, u64 *out_ids, u32 k2, u32 c) {        \
         topk<K>(keys, ids, n, out_keys, out_ids, k2, c);                                                          \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(BITONIC_THREADS)                                                 \
-        bitonic_sort_local_##S(K *keys, u64 *ids, u64 m, u32 c) {                                                 \
-        sort_local<K>(keys, ids, m, c);                                                                           \
+    extern "C" __global__ void __launch_bounds__(SORT_THREADS)                                                    \
+        bitonic_sort_local_##S(const K *keys, const u64 *ids, u64 n, K *out_keys, u64 *out_ids, u64 m) {          \
+        sort_local<K>(keys, ids, n, out_keys, out_ids, m);                                                        \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256)                                                             \
         bitonic_sort_step_##S(K *keys, u64 *ids, u64 m, u64 size, u64 stride) {                                   \
         sort_step<K>(keys, ids, m, size, stride);                                                                 \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(BITONIC_THREADS)                                                 \
-        bitonic_merge_local_##S(K *keys, u64 *ids, u64 m, u64 size, u32 c) {                                      \
-        merge_local<K>(keys, ids, m, size, c);                                                                    \
+    extern "C" __global__ void __launch_bounds__(SORT_THREADS)                                                    \
+        bitonic_merge_local_##S(K *keys, u64 *ids, u64 m, u64 size) {                                             \
+        merge_local<K>(keys, ids, m, size);                                                                       \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(SORT_THREADS)                                                    \
+        bitonic_sort_small_##S(const K *keys, const u64 *ids, const u64 *n_ptr, K *out_keys, u64 *out_ids,        \
+                               u32 *status) {                                                                     \
+        sort_small<K>(keys, ids, n_ptr, out_keys, out_ids, status);                                               \
     }
 INSTANTIATE_KEYS(BITONIC_ENTRIES)

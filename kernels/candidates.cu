@@ -38,12 +38,13 @@ __device__ void append(const K *keys, const u64 *ids, u64 id_start, u64 n, const
     }
 }
 
-// `append` for positional inputs (row id i is i) and a valid threshold: reads the keys only,
+// `append` for positional inputs (row id i is i): reads the keys only,
 // with 16-byte vector loads, four in flight per thread (the loop of read_floor.cu); the rare
 // keys below the threshold are appended warp by warp. 256-bit keys take the scalar loop.
 template <class K>
 __device__ void filter_below(const K *keys, u64 n, const Threshold<K> *thr, K *cand_keys, u64 *cand_ids,
                              u64 *count, u64 cap) {
+    const bool filter = thr->valid != 0; // not valid: keep every pair
     const K tk = thr->key;
     const u64 tid = thr->id;
     const u64 stride = (u64)gridDim.x * blockDim.x;
@@ -69,7 +70,7 @@ __device__ void filter_below(const K *keys, u64 n, const Threshold<K> *thr, K *c
                 bool any = false;
 #pragma unroll
                 for (int j = 0; j < PER; ++j) {
-                    keep[j] = i < nvec && pair_less(kv[j], i * PER + j, tk, tid);
+                    keep[j] = i < nvec && (!filter || pair_less(kv[j], i * PER + j, tk, tid));
                     any |= keep[j];
                 }
                 if (__any_sync(FULL_MASK, any)) {
@@ -89,28 +90,12 @@ __device__ void filter_below(const K *keys, u64 n, const Threshold<K> *thr, K *c
     // The keys after the last whole vector (all of them for 256-bit keys), grid-stride.
     for (u64 i0 = done + (u64)blockIdx.x * blockDim.x; i0 < n; i0 += stride) {
         const u64 i = i0 + threadIdx.x;
-        const bool keep = i < n && pair_less(keys[i], i, tk, tid);
+        const bool keep = i < n && (!filter || pair_less(keys[i], i, tk, tid));
         const u64 pos = warp_append(keep, count);
         if (keep && pos < cap) {
             cand_keys[pos] = keys[i];
             cand_ids[pos] = i;
         }
-    }
-}
-
-// A stratified sample of `s` pairs (SampleSelect): pair j is drawn from stratum
-// [j·n/s, (j+1)·n/s) at a hashed offset, so sorted or clustered inputs are sampled evenly.
-template <class K>
-__device__ void sample_pairs(const K *keys, const u64 *ids, u64 n, u64 s, u64 seed, K *out_keys, u64 *out_ids) {
-    for (u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x; j < s; j += (u64)gridDim.x * blockDim.x) {
-        const u64 lo = j * n / s, hi = (j + 1) * n / s;
-        u64 h = (j + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-        h ^= h >> 31;
-        h *= 0xBF58476D1CE4E5B9ull;
-        h ^= h >> 29;
-        const u64 pos = lo + (hi > lo ? h % (hi - lo) : 0);
-        out_keys[j] = keys[pos];
-        out_ids[j] = ids ? ids[pos] : pos;
     }
 }
 
@@ -192,15 +177,6 @@ template <class K> __device__ void threshold_from(const K *keys, const u64 *ids,
     }
 }
 
-// Fills [from, to) with the largest pair (all-ones key and row id): padding that sorts last.
-template <class K> __device__ void fill_max(K *keys, u64 *ids, u64 from, u64 to) {
-    const K m = key_max<K>();
-    for (u64 i = from + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < to; i += (u64)gridDim.x * blockDim.x) {
-        keys[i] = m;
-        ids[i] = ~0ull;
-    }
-}
-
 #define CANDIDATE_ENTRIES(K, S)                                                                                   \
     extern "C" __global__ void                                                                                    \
         append_##S(const K *keys, const u64 *ids, u64 id_start, u64 n, const Threshold<K> *thr, K *cand_keys,     \
@@ -213,18 +189,11 @@ template <class K> __device__ void fill_max(K *keys, u64 *ids, u64 from, u64 to)
         filter_below<K>(keys, n, thr, cand_keys, cand_ids, count, cap);                                           \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256)                                                             \
-        sample_pairs_##S(const K *keys, const u64 *ids, u64 n, u64 s, u64 seed, K *out_keys, u64 *out_ids) {      \
-        sample_pairs<K>(keys, ids, n, s, seed, out_keys, out_ids);                                                \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256)                                                             \
         pair_max_##S(const K *keys, const u64 *ids, u64 n, K *partial_keys, u64 *partial_ids, u32 *counter,      \
                      Threshold<K> *thr) {                                                                         \
         pair_max<K>(keys, ids, n, partial_keys, partial_ids, counter, thr);                                       \
     }                                                                                                             \
     extern "C" __global__ void threshold_from_##S(const K *keys, const u64 *ids, u64 index, Threshold<K> *thr) {  \
         threshold_from<K>(keys, ids, index, thr);                                                                 \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256) fill_max_##S(K *keys, u64 *ids, u64 from, u64 to) {         \
-        fill_max<K>(keys, ids, from, to);                                                                         \
     }
 INSTANTIATE_KEYS(CANDIDATE_ENTRIES)

@@ -258,9 +258,84 @@ fn trace_enabled() -> bool {
     *TRACE.get_or_init(|| std::env::var_os("GPU_TOPK_TRACE").is_some())
 }
 
-/// Pairs in SampleSelect's sample, and its hash seed.
-pub const SAMPLE_SIZE: usize = 1 << 16;
+/// The sampled threshold's hash seed; its block size (sample.cu `SAMPLE_THREADS`).
 const SAMPLE_SEED: u64 = 0x5eed_5a3b_1e00_0001;
+const SAMPLE_THREADS: u32 = 1024;
+/// The sampled selection's device scalars: a survivor count per level, then the status word
+/// (sample.cu `STATUS_*`).
+const SAMPLE_CTL_BYTES: usize = 256;
+const SAMPLE_STATUS_OFFSET: u64 = 248;
+const SAMPLE_STATUS_FINAL_LARGE: u32 = 4;
+/// Threads of the sort kernels' blocks (bitonic.cu `SORT_THREADS`).
+const SORT_THREADS: u32 = 1024;
+
+/// The tile of the sort kernels (bitonic.cu `SORT_TILE`): 1024 threads holding 4 pairs each in
+/// registers (2 for 256-bit keys). A 16384-pair shared-memory chunk sorted by one block of 512
+/// threads took 0.3 ms (measured in session 2). One tile also ends a sampled selection.
+pub fn sort_tile(kind: KeyKind) -> usize {
+    if kind == KeyKind::K256 { 2048 } else { 4096 }
+}
+
+/// Pairs in one level's sample: as many as one block holds in registers (sample.cu
+/// `SamplePer` × 1024 threads).
+pub fn sample_size(kind: KeyKind) -> usize {
+    match kind {
+        KeyKind::K32 => 12 << 10,
+        KeyKind::K64 => 8 << 10,
+        KeyKind::K128 => 4 << 10,
+        KeyKind::K256 => 2 << 10,
+    }
+}
+
+/// The sample rank of a level's threshold (sample.cu computes the same on the device, from
+/// the actual count): five standard deviations above the k-th pair's expected rank.
+fn sample_rank(k: usize, s: usize, m: usize) -> usize {
+    if s >= m {
+        return k;
+    }
+    let e = k as f64 * s as f64 / m as f64;
+    (e + 5.0 * e.sqrt() + 3.0).ceil() as usize
+}
+
+/// The levels of a sampled selection of k among n, as the survivor capacity of each: levels
+/// are added while the expected survivors exceed what one block sorts and a level shrinks them
+/// at least by a quarter. Capacities hold the expected count plus six of its standard
+/// deviations. Empty: sampling cannot shrink this input.
+pub fn plan_sample_levels(n: usize, k: usize, s: usize, small: usize) -> Vec<usize> {
+    let mut plan = Vec::new();
+    let mut m = n;
+    // A level needs room for its sampled levels (s < m) or an exact one; the cap on levels
+    // only guards against a runaway plan (each level shrinks m by a quarter or more).
+    while m > small && k < m && plan.len() < SAMPLE_MAX_LEVELS {
+        let s_eff = s.min(m);
+        let r = sample_rank(k, s_eff, m);
+        if r >= s_eff {
+            break;
+        }
+        let (expected, cap) = if s_eff == m {
+            // Exact when the count is as planned; room for a sampled level if it came out
+            // above the sample size (r ≈ k + 5√k + 3 then).
+            (k, (2 * k + 1024).min(plan.last().copied().unwrap_or(n)))
+        } else {
+            let per = m as f64 / s_eff as f64;
+            let below = r as f64 + 1.0;
+            let spread = 6.0 * below.sqrt() + 8.0;
+            (
+                (below * per) as usize,
+                (((below + spread) * per) as usize + 1024).min(m),
+            )
+        };
+        if expected * 4 > m * 3 {
+            break;
+        }
+        plan.push(cap);
+        m = expected;
+    }
+    plan
+}
+
+/// The most levels a sampled selection plans (sample counts live in `SAMPLE_CTL_BYTES`).
+const SAMPLE_MAX_LEVELS: usize = 8;
 
 /// Threads per block of the grid-stride kernels and of the bitonic kernels.
 const THREADS: u32 = 256;
@@ -386,6 +461,18 @@ impl TopKEngine {
     fn grid_for(&self, n: usize, items_per_thread: usize) -> u32 {
         let blocks = n.div_ceil(THREADS as usize * items_per_thread).max(1);
         blocks.min(self.device.sm_count * 8) as u32
+    }
+
+    /// Blocks of `block` threads of kernel `name` that are resident on the whole device at
+    /// once: the grid of a grid-stride pass that should run in one wave (a second, partial
+    /// wave of a bandwidth-bound pass leaves SMs idle at its end).
+    fn resident_grid(&self, name: &str, block: u32) -> GpuResult<u32> {
+        let per_sm = self
+            .kernels
+            .get(name)?
+            .occupancy_max_active_blocks_per_multiprocessor(block, 0, None)
+            .map_err(|e| GpuError(format!("occupancy of {name}: {e}")))?;
+        Ok((per_sm.max(1) as usize * self.device.sm_count) as u32)
     }
 
     fn memset_zero(&self, dst: u64, bytes: usize) -> GpuResult<()> {
@@ -890,40 +977,28 @@ impl TopKEngine {
     }
 
     /// Pairs `[0, m)` sorted ascending, at the start of a new buffer (bitonic sort, padded to
-    /// a power of two with the largest pair).
+    /// a power of two with the largest pair): tiles of [`sort_tile`] pairs sorted in registers,
+    /// then per larger size its global steps and one tile kernel for the strides below a tile.
     pub fn sort(&self, input: &DevicePairs, m: usize) -> GpuResult<DevicePairs> {
         let m2 = m.max(1).next_power_of_two();
         let buf = self.alloc_pairs(m2)?;
-        self.copy_pairs(input, 0, &buf, 0, m)?;
-        if m2 > m {
-            self.launch(
-                &self.kernel("fill_max"),
-                self.grid_for(m2 - m, 4),
-                THREADS,
-                0,
-                args![buf.key_at(0), buf.id_at(0), m, m2],
-            )?;
-        }
-        if m2 == 1 {
-            return Ok(buf);
-        }
-        let chunk = self.bitonic_chunk().min(m2);
-        let shared = chunk * self.kind.pair_bytes();
-        let blocks = (m2 / chunk) as u32;
+        let tile = sort_tile(self.kind);
+        let tiles = m2.div_ceil(tile) as u32;
+        let shared = tile * self.kind.pair_bytes();
         let (keys, ids) = (buf.key_at(0), buf.id_at(0));
         self.launch(
             &self.kernel("bitonic_sort_local"),
-            blocks,
-            BITONIC_THREADS,
+            tiles,
+            SORT_THREADS,
             shared,
-            args![keys, ids, m2, chunk as u32],
+            args![input.key_at(0), input.id_at(0), m, keys, ids, m2],
         )?;
         let step = self.kernel("bitonic_sort_step");
         let merge = self.kernel("bitonic_merge_local");
-        let mut size = 2 * chunk;
+        let mut size = 2 * tile;
         while size <= m2 {
             let mut stride = size / 2;
-            while stride >= chunk {
+            while stride >= tile {
                 self.launch(
                     &step,
                     self.grid_for(m2 / 2, 4),
@@ -935,117 +1010,192 @@ impl TopKEngine {
             }
             self.launch(
                 &merge,
-                blocks,
-                BITONIC_THREADS,
+                tiles,
+                SORT_THREADS,
                 shared,
-                args![keys, ids, m2, size, chunk as u32],
+                args![keys, ids, m2, size],
             )?;
             size *= 2;
         }
         Ok(buf)
     }
 
-    /// SampleSelect's sampled threshold: sorts a stratified sample of [`SAMPLE_SIZE`] pairs,
-    /// takes the pair at a rank safely above the k-th's expected rank as the threshold, keeps
-    /// the pairs below it in one filtering pass (row ids are not read when the input is
-    /// positional), and selects the k among those. `None` when it does not apply (k too large
-    /// for the sample to bound) or the estimate missed (fewer than k pairs below it, or more
-    /// than the buffer sized for the expected count): the caller then runs radix select.
+    /// SampleSelect's sampled threshold (sample.cu): a chain of levels, each a one-block radix
+    /// select of a threshold from a stratified sample and one filtering pass that keeps the
+    /// pairs below it, shrinks the n pairs to a few that still hold the k smallest; a one-block
+    /// sort finishes small k, the usual selection larger k. The first level reads keys only
+    /// when the input is positional. The host plans the chain from expected sizes and enqueues
+    /// it without waiting; it reads the status and the counts back once. `None` when the
+    /// sample cannot shrink the input, or the estimate missed (a buffer overflowed, or fewer
+    /// than k pairs survived): the caller then runs radix select.
     pub fn sample_select(
         &mut self,
         input: &DevicePairs,
         n: usize,
         k: usize,
     ) -> GpuResult<Option<DevicePairs>> {
-        // 2^16 pairs: sorting them takes ~0.3 ms on the H100, about what sorting a single
-        // bitonic chunk in one block takes too (measured), and the larger sample leaves 4–8×
-        // fewer survivors to select from.
-        let s = SAMPLE_SIZE;
-        if n < 8 * s || k == 0 {
-            return Ok(None);
-        }
-        // Expected sample rank of the k-th pair, plus five standard deviations and a margin.
-        let expected = k as f64 * s as f64 / n as f64;
-        let rank = (expected + 5.0 * expected.sqrt() + 8.0).ceil() as usize;
-        if rank >= s / 4 {
+        let s = sample_size(self.kind);
+        let small = self.small_sort_capacity();
+        let plan = plan_sample_levels(n, k, s, small);
+        if plan.is_empty() {
             return Ok(None);
         }
         // GPU_TOPK_TRACE: time each phase (synchronising after each) and print them.
-        let mut phases: Vec<(&str, f32)> = Vec::new();
+        let mut phases: Vec<(String, f32)> = Vec::new();
         let mut timer = trace_enabled()
             .then(|| GpuTimer::start(&self.stream))
             .transpose()?;
-        let mut lap = |name: &'static str, stream: &Arc<CudaStream>| -> GpuResult<()> {
+        let mut lap = |name: String, stream: &Arc<CudaStream>| -> GpuResult<()> {
             if let Some(t) = timer.take() {
                 phases.push((name, t.stop()?));
                 timer = Some(GpuTimer::start(stream)?);
             }
             Ok(())
         };
-        let sample = self.alloc_pairs(s)?;
-        let ids = if input.positional { 0 } else { input.id_at(0) };
-        self.launch(
-            &self.kernel("sample_pairs"),
-            self.grid_for(s, 1),
-            THREADS,
-            0,
-            args![
-                input.key_at(0),
-                ids,
-                n,
-                s,
-                SAMPLE_SEED,
-                sample.key_at(0),
-                sample.id_at(0)
-            ],
-        )?;
-        lap("sample", &self.stream)?;
-        let sorted_sample = self.sort(&sample, s)?;
-        lap("sort sample", &self.stream)?;
-        self.threshold_from_index(&sorted_sample, rank)?;
-        // Pairs below the sample's rank-th: about (rank + 1) · n / s of them.
-        let capacity = ((rank + 1) as f64 * n as f64 / s as f64 * 1.5) as usize + 2 * k + 1024;
-        let candidates = self.alloc_pairs(capacity.min(n))?;
-        self.set_candidate_count(0)?;
-        if input.positional {
-            // Keys only, vector loads: the pass that should run at the read floor.
-            let base = self.scalars.ptr();
+        // Per level: its survivor count (u64); then the status word (u32).
+        let ctl = self.device.pool.alloc(SAMPLE_CTL_BYTES, &self.stream)?;
+        self.memset_zero(ctl.ptr(), SAMPLE_CTL_BYTES)?;
+        let status = ctl.ptr() + SAMPLE_STATUS_OFFSET;
+        let thr = self.scalars.ptr() + THRESHOLD_OFFSET;
+        let mut levels: Vec<DevicePairs> = Vec::with_capacity(plan.len());
+        for (level, &cap) in plan.iter().enumerate() {
+            let out = self.alloc_pairs(cap)?;
+            let count = ctl.ptr() + 8 * level as u64;
+            let (src, src_ids, src_n, src_count, src_cap) = match levels.last() {
+                None => (
+                    input,
+                    if input.positional { 0 } else { input.id_at(0) },
+                    n,
+                    0,
+                    n,
+                ),
+                Some(prev) => (prev, prev.id_at(0), 0, count - 8, prev.capacity()),
+            };
             self.launch(
-                &self.kernel("filter_below"),
-                (self.device.sm_count * 8) as u32,
-                THREADS,
+                &self.kernel("sample_threshold"),
+                1,
+                SAMPLE_THREADS,
                 0,
                 args![
-                    input.key_at(0),
-                    n,
-                    base + THRESHOLD_OFFSET,
-                    candidates.key_at(0),
-                    candidates.id_at(0),
-                    base + COUNT_OFFSET,
-                    candidates.capacity(),
+                    src.key_at(0),
+                    src_ids,
+                    src_n,
+                    src_count,
+                    src_cap,
+                    k,
+                    s as u32,
+                    SAMPLE_SEED ^ level as u64,
+                    thr,
+                    status
                 ],
             )?;
-        } else {
-            self.append(input.key_at(0), Some(ids), 0, n, &candidates)?;
+            lap(format!("threshold {level}"), &self.stream)?;
+            if level == 0 && input.positional {
+                // Keys only, vector loads: the pass that should run at the read floor.
+                let name = self.kernel("filter_below");
+                self.launch(
+                    &name,
+                    self.resident_grid(&name, THREADS)?,
+                    THREADS,
+                    0,
+                    args![
+                        input.key_at(0),
+                        n,
+                        thr,
+                        out.key_at(0),
+                        out.id_at(0),
+                        count,
+                        out.capacity(),
+                    ],
+                )?;
+            } else {
+                self.launch(
+                    &self.kernel("filter_pairs"),
+                    self.grid_for(src_cap, 4),
+                    THREADS,
+                    0,
+                    args![
+                        src.key_at(0),
+                        src_ids,
+                        src_n,
+                        src_count,
+                        thr,
+                        out.key_at(0),
+                        out.id_at(0),
+                        count,
+                        out.capacity(),
+                        status
+                    ],
+                )?;
+            }
+            lap(format!("filter {level}"), &self.stream)?;
+            levels.push(out);
         }
-        let count = self.candidate_count()?;
-        lap("filter + count", &self.stream)?;
-        // The threshold is the engine's: clear it for whatever runs next.
-        self.reset_candidates()?;
-        if count < k || count > candidates.capacity() {
+        let last = levels.last().expect("a planned level");
+        let last_count = ctl.ptr() + 8 * (levels.len() - 1) as u64;
+        // Small k: the one-block sort of the last level, enqueued before looking at the counts.
+        let sorted_small = if k <= small {
+            let out = self.alloc_pairs(small)?;
+            self.launch(
+                &self.kernel("bitonic_sort_small"),
+                1,
+                SORT_THREADS,
+                small * self.kind.pair_bytes(),
+                args![
+                    last.key_at(0),
+                    last.id_at(0),
+                    last_count,
+                    out.key_at(0),
+                    out.id_at(0),
+                    status
+                ],
+            )?;
+            Some(out)
+        } else {
+            None
+        };
+        let bytes = self.read_bytes(ctl.ptr(), SAMPLE_CTL_BYTES)?;
+        lap("sort + read back".into(), &self.stream)?;
+        let word = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
+        let counts: Vec<u64> = (0..levels.len()).map(|l| word(8 * l)).collect();
+        let status = u32::from_le_bytes(
+            bytes[SAMPLE_STATUS_OFFSET as usize..SAMPLE_STATUS_OFFSET as usize + 4]
+                .try_into()
+                .expect("4 bytes"),
+        );
+        let survivors = *counts.last().expect("a level") as usize;
+        let trace = |what: &str, phases: &[(String, f32)]| {
+            if !phases.is_empty() {
+                eprintln!(
+                    "sample_select n={n} k={k} plan={plan:?} counts={counts:?} status={status} \
+                     {what}: {phases:?} ms"
+                );
+            }
+        };
+        if status & !SAMPLE_STATUS_FINAL_LARGE != 0 || survivors < k.min(n) {
+            trace("missed", &phases);
             return Ok(None);
         }
-        let algorithm = if k <= self.bitonic_max_k() {
-            DeviceAlgorithm::Bitonic
-        } else {
-            DeviceAlgorithm::Radix
-        };
-        let sorted = self.select_sorted(&candidates, count, k, algorithm)?.0;
-        lap("select survivors", &self.stream)?;
-        if !phases.is_empty() {
-            eprintln!("sample_select n={n} k={k} rank={rank} survivors={count}: {phases:?} ms");
+        if let Some(out) = sorted_small.filter(|_| status & SAMPLE_STATUS_FINAL_LARGE == 0) {
+            trace("done", &phases);
+            return Ok(Some(out));
         }
+        // Larger k (or more survivors than one tile): sort the survivors when that sorts no
+        // more (padded) pairs than sorting k would, else radix-select k of them first.
+        let sorted = if survivors.next_power_of_two() <= k.next_power_of_two() {
+            self.sort(last, survivors)?
+        } else {
+            self.select_sorted(last, survivors, k, DeviceAlgorithm::Radix)?
+                .0
+        };
+        lap("select survivors".into(), &self.stream)?;
+        trace("done", &phases);
         Ok(Some(sorted))
+    }
+
+    /// The most pairs [`sample_select`](Self::sample_select) sorts in one block at the end.
+    fn small_sort_capacity(&self) -> usize {
+        sort_tile(self.kind)
     }
 
     /// The min(n, k) smallest of pairs `[0, n)`, sorted, at the start of the returned buffer.
@@ -1092,4 +1242,45 @@ pub fn bitonic_chunk(max_shared: usize, kind: KeyKind) -> usize {
         chunk *= 2;
     }
     chunk
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sample_plans_shrink_to_one_block_sort_or_stop_where_sampling_stops_paying() {
+        for kind in KeyKind::ALL {
+            let small = sort_tile(kind);
+            let s = sample_size(kind);
+            for log_n in [14u32, 20, 24, 27, 29] {
+                let n = 1usize << log_n;
+                for k in [1usize, 8, 32, 256, 1024, 4096, 1 << 16, 1 << 20] {
+                    let plan = plan_sample_levels(n, k, s, small);
+                    let mut m = n;
+                    for (i, &cap) in plan.iter().enumerate() {
+                        assert!(
+                            cap >= k && cap <= m,
+                            "{kind:?} n={n} k={k} level {i}: {plan:?}"
+                        );
+                        m = cap;
+                    }
+                    if k <= 1024 && n >= 1 << 20 {
+                        // Small k always reaches the one-block sort (or an exact level).
+                        assert!(!plan.is_empty(), "{kind:?} n={n} k={k}");
+                        assert!(plan.len() <= 4, "{kind:?} n={n} k={k}: {plan:?}");
+                    }
+                    if n <= small || k >= n {
+                        assert!(plan.is_empty());
+                    }
+                }
+            }
+        }
+        // The first level of k = 1 over 2^29 32-bit keys keeps about 5 · 2^29 / 12288 pairs.
+        let plan = plan_sample_levels(1 << 29, 1, sample_size(KeyKind::K32), 4096);
+        let expected = 5 * (1usize << 29) / (12 << 10);
+        assert!(plan[0] > expected && plan[0] < 8 * expected, "{plan:?}");
+        assert_eq!(sample_rank(10, 100, 100), 10);
+        assert_eq!(sample_rank(0, 100, 1000), 3);
+    }
 }

@@ -39,6 +39,7 @@ pub const EMBEDDED: &[(&str, &str)] = &[
     ("radix.cu", include_str!("../../kernels/radix.cu")),
     ("bitonic.cu", include_str!("../../kernels/bitonic.cu")),
     ("read_floor.cu", include_str!("../../kernels/read_floor.cu")),
+    ("sample.cu", include_str!("../../kernels/sample.cu")),
 ];
 
 /// Entry points instantiated once per key type (`NAME_k32` … `NAME_k256`), per file.
@@ -46,14 +47,7 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
     ("encode.cu", &["encode_column"]),
     (
         "candidates.cu",
-        &[
-            "append",
-            "pair_max",
-            "threshold_from",
-            "fill_max",
-            "sample_pairs",
-            "filter_below",
-        ],
+        &["append", "pair_max", "threshold_from", "filter_below"],
     ),
     ("radix.cu", &["radix_masks", "radix_hist", "radix_filter"]),
     (
@@ -63,8 +57,10 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
             "bitonic_sort_local",
             "bitonic_sort_step",
             "bitonic_merge_local",
+            "bitonic_sort_small",
         ],
     ),
+    ("sample.cu", &["sample_threshold", "filter_pairs"]),
 ];
 
 /// Entry points without a key type.
@@ -74,7 +70,12 @@ const PLAIN_ENTRIES: &[(&str, &[&str])] = &[
 ];
 
 /// Entry points that take more than 48 KiB of dynamic shared memory.
-const LARGE_SHARED: &[&str] = &["bitonic_topk", "bitonic_sort_local", "bitonic_merge_local"];
+const LARGE_SHARED: &[&str] = &[
+    "bitonic_topk",
+    "bitonic_sort_local",
+    "bitonic_merge_local",
+    "bitonic_sort_small",
+];
 
 /// Suffixes of the key types, see `INSTANTIATE_KEYS` in common.cuh.
 pub const KEY_SUFFIXES: &[&str] = &["k32", "k64", "k128", "k256"];

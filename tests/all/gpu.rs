@@ -99,8 +99,8 @@ fn tmp_dir(name: &str) -> std::path::PathBuf {
 // ---- NVRTC (no GPU needed) --------------------------------------------------------------------
 
 #[test]
-fn every_kernel_compiles_for_sm_90_without_spills() {
-    if !nvrtc_or_skip("every_kernel_compiles_for_sm_90_without_spills") {
+fn every_kernel_compiles_for_sm_90_without_spills_or_stack() {
+    if !nvrtc_or_skip("every_kernel_compiles_for_sm_90_without_spills_or_stack") {
         return;
     }
     let sources = KernelSources::embedded();
@@ -123,6 +123,11 @@ fn every_kernel_compiles_for_sm_90_without_spills() {
                     "{name}: {current} spills: {line}"
                 );
             }
+            // Register arrays indexed at run time land in local memory (a stack frame).
+            assert!(
+                !line.contains("cumulative stack size"),
+                "{name}: {current} uses a stack: {line}"
+            );
             if line.contains("Used") && line.contains("registers") {
                 eprintln!("{name:14} {current:28} {}", line.trim());
                 reported += 1;
