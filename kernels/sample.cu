@@ -6,8 +6,7 @@
 //              (pair j from stratum [j·m/s, (j+1)·m/s), at a hashed offset, so sorted or clustered
 //              inputs are sampled evenly; every pair when s = m) and radix-selects the sample's
 //              pair of rank r in shared memory: 8-bit digits of the (key, row id) integer from
-//              the top, one shared histogram per digit, stopping as soon as the chosen bucket
-//              holds one pair. r sits five standard deviations above the expected sample rank
+//              its highest differing bit down, one shared histogram per digit, stopping as soon as the chosen bucket holds one pair. r sits five standard deviations above the expected sample rank
 //              of the k-th smallest pair, e = k·s/m: r = ⌈e + 5√e + 3⌉, so that fewer than k
 //              pairs fall below the threshold with probability < 1e-6; when s = m, r = k and the
 //              threshold is exact.
@@ -27,12 +26,12 @@
 // status bits
 #define STATUS_OVERFLOW 1u    // a level's survivors exceeded its buffer
 #define STATUS_DUPLICATE 2u   // two sampled pairs were equal (an invariant; never expected)
-#define STATUS_FINAL_LARGE 4u // the final one-block sort got more pairs than it holds
+#define STATUS_FINAL_LARGE 4u // the final rank sort got more pairs than it takes (bitonic.cu)
 
 // Sample pairs per thread, as many as fit the 64 registers of a 1024-thread block without
-// spilling: 12 for 32-bit keys (s ≤ 12288), 8 for 64-bit, 4 for 128-bit, 2 for 256-bit.
+// spilling: 10 for 32-bit keys (s ≤ 10240), 8 for 64-bit, 4 for 128-bit, 2 for 256-bit.
 template <class K> struct SamplePer {
-    enum { V = K::BITS == 32 ? 12 : 512 / K::BITS };
+    enum { V = K::BITS == 32 ? 10 : 512 / K::BITS };
 };
 
 // Position of sample pair j: stratum [j·m/s, (j+1)·m/s) at a hashed offset (strata bounds in
@@ -58,7 +57,6 @@ template <class K>
 __device__ void sample_threshold(const K *keys, const u64 *ids, u64 n, const u64 *n_ptr, u64 cap, u64 k, u32 s_max,
                                  u64 seed, Threshold<K> *thr, u32 *status) {
     constexpr int PER = SamplePer<K>::V;
-    constexpr int TOTAL = 64 + K::BITS;
     __shared__ u32 hist[1 << SAMPLE_DIGIT];
     __shared__ u32 s_bucket, s_rank, s_count;
     if (__ldcg(status) != 0) return;
@@ -94,18 +92,63 @@ __device__ void sample_threshold(const K *keys, const u64 *ids, u64 n, const u64
             id[t] = 0;
         }
     }
+    // Bits where every sampled pair agrees decide nothing: the first digit ends at the highest
+    // bit that differs (all-equal keys start in the row ids, narrow ranges below their common
+    // prefix), as radix.cu's masks pass does.
+    constexpr int NV = VWords<K>::N;
+    __shared__ u64 s_or[NV], s_and[NV];
+    if (threadIdx.x < NV) {
+        s_or[threadIdx.x] = 0;
+        s_and[threadIdx.x] = ~0ull;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < NV; ++q) {
+        u64 o = 0, a = ~0ull;
+#pragma unroll
+        for (int t = 0; t < PER; ++t) {
+            if ((active >> t) & 1u) {
+                const u64 w = vword(key[t], id[t], q);
+                o |= w;
+                a &= w;
+            }
+        }
+        o = warp_or(o);
+        a = warp_and(a);
+        if (lane_id() == 0) {
+            atomicOr(&s_or[q], o);
+            atomicAnd(&s_and[q], a);
+        }
+    }
+    __syncthreads();
+    int top = 0; // bits [0, top) are undecided
+    for (int q = NV - 1; q >= 0; --q) {
+        const u64 differ = s_or[q] ^ s_and[q];
+        if (differ != 0) {
+            top = 64 * q + 64 - __clzll(differ);
+            break;
+        }
+    }
     u32 rank = (u32)r; // rank among the candidates still active
-    for (int lo = TOTAL - SAMPLE_DIGIT; lo >= 0; lo -= SAMPLE_DIGIT) {
+    for (int hi = top; hi > 0;) {
+        const int lo = max(hi - SAMPLE_DIGIT, 0), bits = hi - lo;
         for (u32 b = threadIdx.x; b < (1u << SAMPLE_DIGIT); b += blockDim.x) hist[b] = 0;
         __syncthreads();
-        // One shared atomic per distinct digit and warp: heavy ties (all-equal keys) would
-        // otherwise serialise 32 same-address atomics per instruction.
+        // A warp whose active pairs share one digit (heavy ties) adds them with one atomic;
+        // otherwise each active lane adds its own (the digits are then spread, and a match-any
+        // per pair would cost more than the conflicts it saves).
 #pragma unroll
         for (int t = 0; t < PER; ++t) {
             const bool a = (active >> t) & 1u;
-            const u32 d = a ? vbits(key[t], id[t], lo, SAMPLE_DIGIT) : (1u << SAMPLE_DIGIT);
-            const u32 peers = __match_any_sync(FULL_MASK, d);
-            if (a && lane_id() == (u32)(__ffs(peers) - 1)) atomicAdd(&hist[d], (u32)__popc(peers));
+            const u32 d = a ? vbits(key[t], id[t], lo, bits) : 0u;
+            const u32 want = __ballot_sync(FULL_MASK, a);
+            if (want == 0) continue;
+            const u32 first = __shfl_sync(FULL_MASK, d, __ffs(want) - 1);
+            if (__all_sync(FULL_MASK, !a || d == first)) {
+                if (lane_id() == 0) atomicAdd(&hist[first], (u32)__popc(want));
+            } else if (a) {
+                atomicAdd(&hist[d], 1u);
+            }
         }
         __syncthreads();
         if (threadIdx.x < 32) {
@@ -141,11 +184,19 @@ __device__ void sample_threshold(const K *keys, const u64 *ids, u64 n, const u64
         rank = s_rank;
 #pragma unroll
         for (int t = 0; t < PER; ++t) {
-            if ((active & (1u << t)) && vbits(key[t], id[t], lo, SAMPLE_DIGIT) != bucket) active &= ~(1u << t);
+            if ((active & (1u << t)) && vbits(key[t], id[t], lo, bits) != bucket) active &= ~(1u << t);
         }
         if (count == 1) break; // uniform: every thread read the same count
-        if (lo == 0) {
+        hi = lo;
+        if (hi == 0) {
             // Every bit is decided and more than one pair is left: equal pairs were sampled.
+            if (threadIdx.x == 0) atomicOr(status, STATUS_DUPLICATE);
+            return;
+        }
+    }
+    if (top == 0) {
+        // All sampled pairs are equal (an invariant violation unless s = 1).
+        if (s > 1) {
             if (threadIdx.x == 0) atomicOr(status, STATUS_DUPLICATE);
             return;
         }

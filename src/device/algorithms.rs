@@ -266,12 +266,21 @@ const SAMPLE_THREADS: u32 = 1024;
 const SAMPLE_CTL_BYTES: usize = 256;
 const SAMPLE_STATUS_OFFSET: u64 = 248;
 const SAMPLE_STATUS_FINAL_LARGE: u32 = 4;
+/// Survivors of a sampled selection up to this many are sorted whole rather than radix-selected
+/// first.
+const DIRECT_SORT_MAX: usize = 1 << 18;
+
+/// The rank sort that ends a sampled selection (bitonic.cu `rank_sort`): up to this many
+/// pairs (O(m²) comparisons), in blocks of `RANK_THREADS`.
+const RANK_SORT_MAX: usize = 4096;
+const RANK_THREADS: u32 = 256;
+
 /// Threads of the sort kernels' blocks (bitonic.cu `SORT_THREADS`).
 const SORT_THREADS: u32 = 1024;
 
 /// The tile of the sort kernels (bitonic.cu `SORT_TILE`): 1024 threads holding 4 pairs each in
 /// registers (2 for 256-bit keys). A 16384-pair shared-memory chunk sorted by one block of 512
-/// threads took 0.3 ms (measured in session 2). One tile also ends a sampled selection.
+/// threads took 0.3 ms (measured in session 2).
 pub fn sort_tile(kind: KeyKind) -> usize {
     if kind == KeyKind::K256 { 2048 } else { 4096 }
 }
@@ -280,7 +289,7 @@ pub fn sort_tile(kind: KeyKind) -> usize {
 /// `SamplePer` × 1024 threads).
 pub fn sample_size(kind: KeyKind) -> usize {
     match kind {
-        KeyKind::K32 => 12 << 10,
+        KeyKind::K32 => 10 << 10,
         KeyKind::K64 => 8 << 10,
         KeyKind::K128 => 4 << 10,
         KeyKind::K256 => 2 << 10,
@@ -298,7 +307,7 @@ fn sample_rank(k: usize, s: usize, m: usize) -> usize {
 }
 
 /// The levels of a sampled selection of k among n, as the survivor capacity of each: levels
-/// are added while the expected survivors exceed what one block sorts and a level shrinks them
+/// are added while the expected survivors exceed what the final rank sort takes and a level shrinks them
 /// at least by a quarter. Capacities hold the expected count plus six of its standard
 /// deviations. Empty: sampling cannot shrink this input.
 pub fn plan_sample_levels(n: usize, k: usize, s: usize, small: usize) -> Vec<usize> {
@@ -1023,7 +1032,7 @@ impl TopKEngine {
     /// SampleSelect's sampled threshold (sample.cu): a chain of levels, each a one-block radix
     /// select of a threshold from a stratified sample and one filtering pass that keeps the
     /// pairs below it, shrinks the n pairs to a few that still hold the k smallest; a one-block
-    /// sort finishes small k, the usual selection larger k. The first level reads keys only
+    /// sort finishes small k, a sort (or radix select) of the survivors larger k. The first level reads keys only
     /// when the input is positional. The host plans the chain from expected sizes and enqueues
     /// it without waiting; it reads the status and the counts back once. `None` when the
     /// sample cannot shrink the input, or the estimate missed (a buffer overflowed, or fewer
@@ -1133,18 +1142,19 @@ impl TopKEngine {
         }
         let last = levels.last().expect("a planned level");
         let last_count = ctl.ptr() + 8 * (levels.len() - 1) as u64;
-        // Small k: the one-block sort of the last level, enqueued before looking at the counts.
+        // Small k: the rank sort of the last level, enqueued before looking at the counts.
         let sorted_small = if k <= small {
             let out = self.alloc_pairs(small)?;
             self.launch(
-                &self.kernel("bitonic_sort_small"),
-                1,
-                SORT_THREADS,
-                small * self.kind.pair_bytes(),
+                &self.kernel("bitonic_rank_sort"),
+                small.div_ceil(RANK_THREADS as usize) as u32,
+                RANK_THREADS,
+                0,
                 args![
                     last.key_at(0),
                     last.id_at(0),
                     last_count,
+                    small,
                     out.key_at(0),
                     out.id_at(0),
                     status
@@ -1181,8 +1191,12 @@ impl TopKEngine {
             return Ok(Some(out));
         }
         // Larger k (or more survivors than one tile): sort the survivors when that sorts no
-        // more (padded) pairs than sorting k would, else radix-select k of them first.
-        let sorted = if survivors.next_power_of_two() <= k.next_power_of_two() {
+        // more (padded) pairs than sorting k would, or when they are few enough that the
+        // ~26 launches of a radix select cost more than a larger sort; else radix-select k of
+        // them first.
+        let sorted = if survivors.next_power_of_two() <= k.next_power_of_two()
+            || survivors <= DIRECT_SORT_MAX
+        {
             self.sort(last, survivors)?
         } else {
             self.select_sorted(last, survivors, k, DeviceAlgorithm::Radix)?
@@ -1193,9 +1207,9 @@ impl TopKEngine {
         Ok(Some(sorted))
     }
 
-    /// The most pairs [`sample_select`](Self::sample_select) sorts in one block at the end.
+    /// The most pairs [`sample_select`](Self::sample_select) rank-sorts at the end.
     fn small_sort_capacity(&self) -> usize {
-        sort_tile(self.kind)
+        RANK_SORT_MAX
     }
 
     /// The min(n, k) smallest of pairs `[0, n)`, sorted, at the start of the returned buffer.
@@ -1250,8 +1264,8 @@ mod tests {
 
     #[test]
     fn sample_plans_shrink_to_one_block_sort_or_stop_where_sampling_stops_paying() {
+        let small = RANK_SORT_MAX;
         for kind in KeyKind::ALL {
-            let small = sort_tile(kind);
             let s = sample_size(kind);
             for log_n in [14u32, 20, 24, 27, 29] {
                 let n = 1usize << log_n;
@@ -1266,7 +1280,7 @@ mod tests {
                         m = cap;
                     }
                     if k <= 1024 && n >= 1 << 20 {
-                        // Small k always reaches the one-block sort (or an exact level).
+                        // Small k always reaches the rank sort (or an exact level).
                         assert!(!plan.is_empty(), "{kind:?} n={n} k={k}");
                         assert!(plan.len() <= 4, "{kind:?} n={n} k={k}: {plan:?}");
                     }
@@ -1276,9 +1290,9 @@ mod tests {
                 }
             }
         }
-        // The first level of k = 1 over 2^29 32-bit keys keeps about 5 · 2^29 / 12288 pairs.
+        // The first level of k = 1 over 2^29 32-bit keys keeps about 5 · 2^29 / 10240 pairs.
         let plan = plan_sample_levels(1 << 29, 1, sample_size(KeyKind::K32), 4096);
-        let expected = 5 * (1usize << 29) / (12 << 10);
+        let expected = 5 * (1usize << 29) / (10 << 10);
         assert!(plan[0] > expected && plan[0] < 8 * expected, "{plan:?}");
         assert_eq!(sample_rank(10, 100, 100), 10);
         assert_eq!(sample_rank(0, 100, 1000), 3);

@@ -57,7 +57,7 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
             "bitonic_sort_local",
             "bitonic_sort_step",
             "bitonic_merge_local",
-            "bitonic_sort_small",
+            "bitonic_rank_sort",
         ],
     ),
     ("sample.cu", &["sample_threshold", "filter_pairs"]),
@@ -70,12 +70,7 @@ const PLAIN_ENTRIES: &[(&str, &[&str])] = &[
 ];
 
 /// Entry points that take more than 48 KiB of dynamic shared memory.
-const LARGE_SHARED: &[&str] = &[
-    "bitonic_topk",
-    "bitonic_sort_local",
-    "bitonic_merge_local",
-    "bitonic_sort_small",
-];
+const LARGE_SHARED: &[&str] = &["bitonic_topk", "bitonic_sort_local", "bitonic_merge_local"];
 
 /// Suffixes of the key types, see `INSTANTIATE_KEYS` in common.cuh.
 pub const KEY_SUFFIXES: &[&str] = &["k32", "k64", "k128", "k256"];
