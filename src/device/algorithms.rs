@@ -16,7 +16,10 @@
 //!   (radix.cu);
 //! - [`bitonic_select`](TopKEngine::bitonic_select): the k smallest, sorted, for
 //!   k ≤ [`bitonic_max_k`](TopKEngine::bitonic_max_k) (bitonic.cu);
-//! - [`sort`](TopKEngine::sort): bitonic sort of any number of pairs (bitonic.cu);
+//! - [`sample_select`](TopKEngine::sample_select): SampleSelect, the k smallest through sampled
+//!   thresholds and filtering passes chained on the device, then a rank sort (sample.cu);
+//! - [`sort`](TopKEngine::sort): bitonic sort of any number of pairs, in register tiles
+//!   (bitonic.cu);
 //! - [`select_sorted`](TopKEngine::select_sorted): one of the two selections, then sorted.
 
 use std::sync::Arc;
