@@ -11,33 +11,6 @@
 
 #include "common.cuh"
 
-// Appends rows [0, n) of (keys, ids) below the threshold at `*count`. `ids` null means
-// consecutive row ids starting at `id_start`. Rows past `cap` are counted but not written (the
-// host reads the count and treats count > cap as an overflow).
-template <class K>
-__device__ void append(const K *keys, const u64 *ids, u64 id_start, u64 n, const Threshold<K> *thr, K *cand_keys,
-                       u64 *cand_ids, u64 *count, u64 cap) {
-    const bool filter = thr->valid != 0;
-    const K tk = thr->key;
-    const u64 tid = thr->id;
-    FOR_BLOCK_ROUNDS(i0, n) {
-        const u64 i = i0 + threadIdx.x;
-        bool keep = false;
-        K k;
-        u64 id = 0;
-        if (i < n) {
-            k = keys[i];
-            id = ids ? ids[i] : id_start + i;
-            keep = !filter || pair_less(k, id, tk, tid);
-        }
-        const u64 pos = warp_append(keep, count);
-        if (keep && pos < cap) {
-            cand_keys[pos] = k;
-            cand_ids[pos] = id;
-        }
-    }
-}
-
 // A per-warp buffer of survivors in shared memory (RadiK's write buffer): lanes append with a
 // ballot, and the warp flushes the buffer with one global atomic and coalesced writes when it
 // may not take another full ballot. With millions of survivors (k = 2^20) one atomic per warp

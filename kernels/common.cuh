@@ -186,3 +186,32 @@ __device__ __forceinline__ bool last_block_done(u32 *counter) {
     MACRO(K64, k64)                                                                            \
     MACRO(K128, k128)                                                                          \
     MACRO(K256, k256)
+
+// ---- appending below a threshold ----------------------------------------------------------
+
+// Appends rows [0, n) of (keys, ids) below the threshold at `*count`. `ids` null means
+// consecutive row ids starting at `id_start`. Rows past `cap` are counted but not written (the
+// host reads the count and treats count > cap as an overflow).
+template <class K>
+__device__ void append(const K *keys, const u64 *ids, u64 id_start, u64 n, const Threshold<K> *thr, K *cand_keys,
+                       u64 *cand_ids, u64 *count, u64 cap) {
+    const bool filter = thr->valid != 0;
+    const K tk = thr->key;
+    const u64 tid = thr->id;
+    FOR_BLOCK_ROUNDS(i0, n) {
+        const u64 i = i0 + threadIdx.x;
+        bool keep = false;
+        K k;
+        u64 id = 0;
+        if (i < n) {
+            k = keys[i];
+            id = ids ? ids[i] : id_start + i;
+            keep = !filter || pair_less(k, id, tk, tid);
+        }
+        const u64 pos = warp_append(keep, count);
+        if (keep && pos < cap) {
+            cand_keys[pos] = k;
+            cand_ids[pos] = id;
+        }
+    }
+}

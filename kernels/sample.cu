@@ -217,26 +217,7 @@ template <class K>
 __device__ void filter_pairs(const K *keys, const u64 *ids, u64 n, const u64 *n_ptr, const Threshold<K> *thr,
                              K *out_keys, u64 *out_ids, u64 *count, u64 cap, const u32 *status) {
     if (__ldcg(status) != 0) return;
-    const u64 m = level_count(n, n_ptr);
-    const bool filter = thr->valid != 0;
-    const K tk = thr->key;
-    const u64 tid = thr->id;
-    FOR_BLOCK_ROUNDS(i0, m) {
-        const u64 i = i0 + threadIdx.x;
-        bool keep = false;
-        K k;
-        u64 id = 0;
-        if (i < m) {
-            k = keys[i];
-            id = ids ? ids[i] : i;
-            keep = !filter || pair_less(k, id, tk, tid);
-        }
-        const u64 pos = warp_append(keep, count);
-        if (keep && pos < cap) {
-            out_keys[pos] = k;
-            out_ids[pos] = id;
-        }
-    }
+    append(keys, ids, 0, level_count(n, n_ptr), thr, out_keys, out_ids, count, cap);
 }
 
 #define SAMPLE_ENTRIES(K, S)                                                                                      \
