@@ -281,44 +281,52 @@ template <class K> __device__ void merge_local(K *keys, u64 *ids, u64 m, u64 siz
 }
 
 // Sort of a small set, the last step of a sampled selection (sample.cu): the m = *n_ptr pairs
-// (m ≤ cap) by rank: the thread of pair i counts the pairs below it (all m, staged through
-// shared memory a block at a time) and writes pair i to out[rank]. Pairs are distinct, so the
-// ranks are a permutation. O(m²) comparisons, but spread over m threads in m/256 blocks, with
-// no barrier per network step: a one-block bitonic sort of a 4096-pair tile took 52 µs
-// (ncu, H100), latency-bound on one SM. Does nothing once `status` is set; sets bit 4 when
-// m > cap (the host then sorts with the kernels above). Blocks of RANK_THREADS threads.
+// (m ≤ cap) by rank. Block (b, c) of a (cap/256)² grid counts, for each of the 256 pairs of
+// row block b, the pairs of column block c below it and adds that to the pair's rank; the
+// last block to finish writes pair i to out[rank_i]. Pairs are distinct, so the ranks are a
+// permutation. O(m²) comparisons, but each thread makes at most 256 of them, in one launch
+// with no barrier per network step: a one-block bitonic sort of a 4096-pair tile took 52 µs
+// (ncu, H100), and one thread per pair counting all m pairs ~100 µs at m = 3000 (serial
+// latency). `ranks` (cap words) and `done` must be zero. Does nothing once `status` is set;
+// sets bit 4 when m > cap (the host then sorts with the kernels above). Blocks of
+// RANK_THREADS threads.
 #define RANK_THREADS 256
 template <class K>
 __device__ void rank_sort(const K *keys, const u64 *ids, const u64 *n_ptr, u64 cap, K *out_keys, u64 *out_ids,
-                          u32 *status) {
+                          u32 *status, u32 *ranks, u32 *done) {
     __shared__ K s_keys[RANK_THREADS];
     __shared__ u64 s_ids[RANK_THREADS];
-    if (__ldcg(status) != 0) return;
+    const bool skip = __ldcg(status) != 0;
     const u64 m = __ldcg(n_ptr);
-    if (m > cap) {
-        if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, 4u);
-        return;
-    }
-    const u64 i = (u64)blockIdx.x * RANK_THREADS + threadIdx.x;
-    if ((u64)blockIdx.x * RANK_THREADS >= m) return; // uniform per block
-    const bool mine = i < m;
-    const K k = mine ? keys[i] : key_zero<K>();
-    const u64 id = mine ? ids[i] : 0;
-    u32 rank = 0;
-    for (u64 base = 0; base < m; base += RANK_THREADS) {
-        const u64 j = base + threadIdx.x;
+    const bool too_many = m > cap;
+    const u64 blocks = cap / RANK_THREADS;
+    const u64 row = (u64)blockIdx.x % blocks * RANK_THREADS, col = (u64)blockIdx.x / blocks * RANK_THREADS;
+    if (!skip && !too_many && row < m && col < m) { // uniform per block
+        const u64 i = row + threadIdx.x;
+        const bool mine = i < m;
+        const K k = mine ? keys[i] : key_zero<K>();
+        const u64 id = mine ? ids[i] : 0;
+        const u64 j = col + threadIdx.x;
         if (j < m) {
             s_keys[threadIdx.x] = keys[j];
             s_ids[threadIdx.x] = ids[j];
         }
         __syncthreads();
-        const u32 len = (u32)min((u64)RANK_THREADS, m - base);
+        const u32 len = (u32)min((u64)RANK_THREADS, m - col);
+        u32 rank = 0;
         for (u32 t = 0; t < len; ++t) rank += pair_less(s_keys[t], s_ids[t], k, id) ? 1u : 0u;
-        __syncthreads();
+        if (mine && rank != 0) atomicAdd(&ranks[i], rank);
     }
-    if (mine) {
-        out_keys[rank] = k;
-        out_ids[rank] = id;
+    if (!last_block_done(done)) return;
+    if (skip) return;
+    if (too_many) {
+        if (threadIdx.x == 0) atomicOr(status, 4u);
+        return;
+    }
+    for (u64 i = threadIdx.x; i < m; i += RANK_THREADS) {
+        const u32 r = __ldcg(&ranks[i]);
+        out_keys[r] = keys[i];
+        out_ids[r] = ids[i];
     }
 }
 
@@ -341,7 +349,7 @@ __device__ void rank_sort(const K *keys, const u64 *ids, const u64 *n_ptr, u64 c
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RANK_THREADS)                                                    \
         bitonic_rank_sort_##S(const K *keys, const u64 *ids, const u64 *n_ptr, u64 cap, K *out_keys, u64 *out_ids, \
-                              u32 *status) {                                                                      \
-        rank_sort<K>(keys, ids, n_ptr, cap, out_keys, out_ids, status);                                           \
+                              u32 *status, u32 *ranks, u32 *done) {                                               \
+        rank_sort<K>(keys, ids, n_ptr, cap, out_keys, out_ids, status, ranks, done);                              \
     }
 INSTANTIATE_KEYS(BITONIC_ENTRIES)

@@ -265,18 +265,29 @@ fn trace_enabled() -> bool {
 const SAMPLE_SEED: u64 = 0x5eed_5a3b_1e00_0001;
 const SAMPLE_THREADS: u32 = 1024;
 /// The sampled selection's device scalars: a survivor count per level, then the status word
-/// (sample.cu `STATUS_*`).
+/// (sample.cu `STATUS_*`) and the rank sort's block counter; read back at the end. The rank
+/// sort's rank words follow (zeroed with them, not read back).
 const SAMPLE_CTL_BYTES: usize = 256;
 const SAMPLE_STATUS_OFFSET: u64 = 248;
+const SAMPLE_RANK_DONE_OFFSET: u64 = 252;
+const SAMPLE_RANKS_OFFSET: u64 = 256;
+const SAMPLE_SCRATCH_BYTES: usize = SAMPLE_CTL_BYTES + 4 * RANK_SORT_MAX;
 const SAMPLE_STATUS_FINAL_LARGE: u32 = 4;
-/// Survivors of a sampled selection up to this many are sorted whole rather than radix-selected
-/// first.
-const DIRECT_SORT_MAX: usize = 1 << 18;
+/// Survivors of a sampled selection are sorted whole (rather than radix-selected first) up to
+/// this many times k (or times `DIRECT_SORT_MIN`): the radix sort costs about as much as the
+/// radix select's ~26 launches at a few times k.
+const DIRECT_SORT_FACTOR: usize = 4;
+const DIRECT_SORT_MIN: usize = 1 << 16;
 
 /// The rank sort that ends a sampled selection (bitonic.cu `rank_sort`): up to this many
-/// pairs (O(m²) comparisons), in blocks of `RANK_THREADS`.
+/// pairs (O(m²) comparisons), in a grid of (m / `RANK_THREADS`)² blocks.
 const RANK_SORT_MAX: usize = 4096;
 const RANK_THREADS: u32 = 256;
+
+/// The radix sort's block size (radix_sort.cu `RSORT_THREADS`); it sorts fewer pairs than
+/// this (its look-back words hold counts below 2^30).
+const RSORT_THREADS: u32 = 256;
+const RADIX_SORT_MAX: usize = 1 << 30;
 
 /// Threads of the sort kernels' blocks (bitonic.cu `SORT_THREADS`).
 const SORT_THREADS: u32 = 1024;
@@ -988,6 +999,95 @@ impl TopKEngine {
         Ok(current.expect("at least one round"))
     }
 
+    /// Pairs `[0, m)` sorted ascending, at the start of a new buffer: one register tile's
+    /// bitonic sort when they fit one, else the LSD radix sort (radix_sort.cu). `id_bound`
+    /// bounds the row ids (every id < it; `u64::MAX` when unknown): the sort skips the
+    /// row id's bytes above it.
+    pub fn sort_pairs(
+        &self,
+        input: &DevicePairs,
+        m: usize,
+        id_bound: u64,
+    ) -> GpuResult<DevicePairs> {
+        if m <= sort_tile(self.kind) || m >= RADIX_SORT_MAX {
+            return self.sort(input, m);
+        }
+        self.radix_sort(input, m, id_bound)
+    }
+
+    /// LSD radix sort of pairs `[0, m)` (radix_sort.cu): one histogram kernel, then one pass
+    /// kernel per digit position of the (key, row id) integer; the device skips the positions
+    /// in which every pair has the same digit. The input is left as it was.
+    pub fn radix_sort(
+        &self,
+        input: &DevicePairs,
+        m: usize,
+        id_bound: u64,
+    ) -> GpuResult<DevicePairs> {
+        let id_bits = 64 - id_bound.saturating_sub(1).leading_zeros();
+        let id_digits = id_bits.div_ceil(8).max(1) as usize;
+        let positions = id_digits + self.kind.bits() as usize / 8;
+        let tile = RSORT_THREADS as usize * if self.kind.bits() <= 64 { 8 } else { 4 };
+        let tiles = m.div_ceil(tile);
+        // Control block: per position 256 bucket offsets, a plan word and a tile ticket; the
+        // histogram kernel's block counter.
+        let hist_bytes = positions * 256 * 4;
+        let plan_off = hist_bytes as u64;
+        let tickets_off = plan_off + 4 * positions as u64;
+        let done_off = tickets_off + 4 * positions as u64;
+        let ctl_bytes = done_off as usize + 4;
+        let ctl = self.device.pool.alloc(ctl_bytes, &self.stream)?;
+        self.memset_zero(ctl.ptr(), ctl_bytes)?;
+        let lookback_words = positions * tiles * 256;
+        let lookback = self.device.pool.alloc(4 * lookback_words, &self.stream)?;
+        let tmp = self.alloc_pairs(m)?;
+        let out = self.alloc_pairs(m)?;
+        let hist = self.kernel("rsort_hist");
+        let grid = self.resident_grid(&hist, RSORT_THREADS)?.min(tiles as u32);
+        self.launch(
+            &hist,
+            grid,
+            RSORT_THREADS,
+            0,
+            args![
+                input.key_at(0),
+                input.id_at(0),
+                m,
+                id_digits as u32,
+                ctl.ptr(),
+                ctl.ptr() + plan_off,
+                lookback.ptr(),
+                lookback_words,
+                ctl.ptr() + done_off
+            ],
+        )?;
+        let pass = self.kernel("rsort_pass");
+        for p in 0..positions {
+            self.launch(
+                &pass,
+                tiles as u32,
+                RSORT_THREADS,
+                0,
+                args![
+                    p as u32,
+                    id_digits as u32,
+                    input.key_at(0),
+                    input.id_at(0),
+                    tmp.key_at(0),
+                    tmp.id_at(0),
+                    out.key_at(0),
+                    out.id_at(0),
+                    m,
+                    ctl.ptr(),
+                    ctl.ptr() + plan_off,
+                    lookback.ptr(),
+                    ctl.ptr() + tickets_off
+                ],
+            )?;
+        }
+        Ok(out)
+    }
+
     /// Pairs `[0, m)` sorted ascending, at the start of a new buffer (bitonic sort, padded to
     /// a power of two with the largest pair): tiles of [`sort_tile`] pairs sorted in registers,
     /// then per larger size its global steps and one tile kernel for the strides below a tile.
@@ -1065,8 +1165,8 @@ impl TopKEngine {
             Ok(())
         };
         // Per level: its survivor count (u64); then the status word (u32).
-        let ctl = self.device.pool.alloc(SAMPLE_CTL_BYTES, &self.stream)?;
-        self.memset_zero(ctl.ptr(), SAMPLE_CTL_BYTES)?;
+        let ctl = self.device.pool.alloc(SAMPLE_SCRATCH_BYTES, &self.stream)?;
+        self.memset_zero(ctl.ptr(), SAMPLE_SCRATCH_BYTES)?;
         let status = ctl.ptr() + SAMPLE_STATUS_OFFSET;
         let thr = self.scalars.ptr() + THRESHOLD_OFFSET;
         let mut levels: Vec<DevicePairs> = Vec::with_capacity(plan.len());
@@ -1150,7 +1250,7 @@ impl TopKEngine {
             let out = self.alloc_pairs(small)?;
             self.launch(
                 &self.kernel("bitonic_rank_sort"),
-                small.div_ceil(RANK_THREADS as usize) as u32,
+                (small / RANK_THREADS as usize).pow(2) as u32,
                 RANK_THREADS,
                 0,
                 args![
@@ -1160,7 +1260,9 @@ impl TopKEngine {
                     small,
                     out.key_at(0),
                     out.id_at(0),
-                    status
+                    status,
+                    ctl.ptr() + SAMPLE_RANKS_OFFSET,
+                    ctl.ptr() + SAMPLE_RANK_DONE_OFFSET
                 ],
             )?;
             Some(out)
@@ -1197,10 +1299,9 @@ impl TopKEngine {
         // more (padded) pairs than sorting k would, or when they are few enough that the
         // ~26 launches of a radix select cost more than a larger sort; else radix-select k of
         // them first.
-        let sorted = if survivors.next_power_of_two() <= k.next_power_of_two()
-            || survivors <= DIRECT_SORT_MAX
-        {
-            self.sort(last, survivors)?
+        let id_bound = if input.positional { n as u64 } else { u64::MAX };
+        let sorted = if survivors <= DIRECT_SORT_FACTOR * k.max(DIRECT_SORT_MIN) {
+            self.sort_pairs(last, survivors, id_bound)?
         } else {
             self.select_sorted(last, survivors, k, DeviceAlgorithm::Radix)?
                 .0
@@ -1227,6 +1328,7 @@ impl TopKEngine {
         if m == 0 {
             return Ok((self.alloc_pairs(1)?, 0));
         }
+        let id_bound = if input.positional { n as u64 } else { u64::MAX };
         let sorted = match algorithm {
             DeviceAlgorithm::Bitonic => self.bitonic_select(input, n, k)?,
             DeviceAlgorithm::Sample => match self.sample_select(input, n, k)? {
@@ -1235,9 +1337,9 @@ impl TopKEngine {
             },
             DeviceAlgorithm::Radix if n > k => {
                 let winners = self.radix_select(input, n, k, k)?;
-                self.sort(&winners, k)?
+                self.sort_pairs(&winners, k, id_bound)?
             }
-            DeviceAlgorithm::Radix => self.sort(input, n)?,
+            DeviceAlgorithm::Radix => self.sort_pairs(input, n, id_bound)?,
         };
         Ok((sorted, m))
     }

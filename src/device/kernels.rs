@@ -40,6 +40,7 @@ pub const EMBEDDED: &[(&str, &str)] = &[
     ("bitonic.cu", include_str!("../../kernels/bitonic.cu")),
     ("read_floor.cu", include_str!("../../kernels/read_floor.cu")),
     ("sample.cu", include_str!("../../kernels/sample.cu")),
+    ("radix_sort.cu", include_str!("../../kernels/radix_sort.cu")),
 ];
 
 /// Entry points instantiated once per key type (`NAME_k32` … `NAME_k256`), per file.
@@ -61,6 +62,7 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
         ],
     ),
     ("sample.cu", &["sample_threshold", "filter_pairs"]),
+    ("radix_sort.cu", &["rsort_hist", "rsort_pass"]),
 ];
 
 /// Entry points without a key type.
