@@ -138,10 +138,11 @@ impl Dist {
     }
 }
 
-const ALGORITHMS: [DeviceAlgorithm; 3] = [
+const ALGORITHMS: [DeviceAlgorithm; 4] = [
     DeviceAlgorithm::Bitonic,
     DeviceAlgorithm::Radix,
     DeviceAlgorithm::Sample,
+    DeviceAlgorithm::Delegate,
 ];
 
 #[derive(Debug)]

@@ -15,8 +15,10 @@
 //          that every earlier tile's block is already running), ranks its pairs by digit
 //          stably (warp by warp with match-any, then across warps in shared memory), publishes
 //          its bucket counts and looks back over the earlier tiles' (decoupled look-back: a
-//          tile's word says "my count" or "my inclusive prefix"), and scatters its pairs to
-//          bucket offset + earlier tiles + earlier warps + rank.
+//          tile's word says "my count" or "my inclusive prefix"), reorders the tile by digit
+//          in shared memory and writes each bucket's run to bucket offset + earlier tiles'
+//          count (coalesced: scattering pair by pair made a pass L2-bound, 60 µs for 1.1M
+//          pairs on the H100).
 // The input is never written: passes alternate between a scratch buffer and the output, with
 // the last pass landing in the output. Counts must stay below 2^30 (the look-back words keep
 // two flag bits).
@@ -29,10 +31,12 @@
 #define LOOKBACK_AGGREGATE (1u << 30)
 #define LOOKBACK_INCLUSIVE (1u << 31)
 #define LOOKBACK_VALUE ((1u << 30) - 1u)
+#define LOOKBACK_WINDOW 32
+#define HIST_UNROLL 4
 
 // Pairs per thread in a pass: the tile is RSORT_THREADS × this.
 template <class K> struct SortItems {
-    enum { V = K::BITS <= 64 ? 8 : 4 };
+    enum { V = K::BITS <= 64 ? 8 : K::BITS == 128 ? 4 : 2 };
 };
 
 // Digit positions of the virtual integer: 8 row id bytes, then the key's.
@@ -55,6 +59,19 @@ __device__ __forceinline__ u32 ld_relaxed(const u32 *p) {
 
 __device__ __forceinline__ void st_relaxed(u32 *p, u32 v) {
     asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// The lanes of the warp whose digit (0..256) equals this lane's: one ballot per bit. (Cheaper
+// than __match_any_sync, whose cost made the sampled threshold 1.5× slower in session 3.)
+__device__ __forceinline__ u32 match_digit(u32 d) {
+    u32 peers = FULL_MASK;
+#pragma unroll
+    for (int b = 0; b < 9; ++b) {
+        const bool bit = (d >> b) & 1u;
+        const u32 vote = __ballot_sync(FULL_MASK, bit);
+        peers &= bit ? vote : ~vote;
+    }
+    return peers;
 }
 
 // Exclusive prefix sum over a block of RSORT_THREADS threads, one value each.
@@ -88,28 +105,38 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
     const u64 stride = (u64)gridDim.x * RSORT_THREADS;
     for (u64 i = (u64)blockIdx.x * RSORT_THREADS + threadIdx.x; i < lookback_words; i += stride) lookback[i] = 0;
     __syncthreads();
-    FOR_BLOCK_ROUNDS(i0, m) {
-        const u64 i = i0 + threadIdx.x;
-        const bool valid = i < m;
-        K k = key_zero<K>();
-        u64 id = 0;
-        if (valid) {
-            k = keys[i];
-            id = ids[i];
-        }
-        const u32 n_valid = __popc(__ballot_sync(FULL_MASK, valid));
+    // HIST_UNROLL pairs per thread and round, their loads issued together (a grid of a few
+    // blocks per SM is otherwise bound by one load's latency per round).
+    for (u64 i0 = (u64)blockIdx.x * RSORT_THREADS * HIST_UNROLL; i0 < m; i0 += stride * HIST_UNROLL) {
+        K ks[HIST_UNROLL];
+        u64 is[HIST_UNROLL];
 #pragma unroll
-        for (int p = 0; p < D; ++p) {
-            if (p >= nd) break;
-            // One atomic per warp when its digits agree (ties, shared high bits: one bucket
-            // would otherwise serialise 32 atomics), else one per pair. Lane 0 is valid
-            // whenever any lane is.
-            const u32 dg = vbits(k, id, digit_lo(p, id_digits), 8);
-            const u32 d0 = __shfl_sync(FULL_MASK, dg, 0);
-            if (__all_sync(FULL_MASK, !valid || dg == d0)) {
-                if (lane_id() == 0 && n_valid != 0) atomicAdd(&sh[p * RSORT_RADIX + d0], n_valid);
-            } else if (valid) {
-                atomicAdd(&sh[p * RSORT_RADIX + dg], 1u);
+        for (int u = 0; u < HIST_UNROLL; ++u) {
+            const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
+            ks[u] = i < m ? keys[i] : key_zero<K>();
+            is[u] = i < m ? ids[i] : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < HIST_UNROLL; ++u) {
+            const bool valid = i0 + (u64)u * RSORT_THREADS + threadIdx.x < m;
+            const K k = ks[u];
+            const u64 id = is[u];
+            const u32 n_valid = __popc(__ballot_sync(FULL_MASK, valid));
+            // Constant bit offsets (the row id's bytes, then the key's), so each digit is a shift.
+#pragma unroll
+            for (int q = 0; q < D; ++q) {
+                const int p = q < 8 ? q : (int)id_digits + (q - 8);
+                if (q < 8 && q >= (int)id_digits) continue;
+                const u32 dg = vbits(k, id, q < 8 ? 8 * q : 64 + 8 * (q - 8), 8);
+                // One atomic per warp when its digits agree (ties, shared high bits: one
+                // bucket would otherwise serialise 32 atomics), else one per pair. Lane 0 is
+                // valid whenever any lane is.
+                const u32 d0 = __shfl_sync(FULL_MASK, dg, 0);
+                if (__all_sync(FULL_MASK, !valid || dg == d0)) {
+                    if (lane_id() == 0 && n_valid != 0) atomicAdd(&sh[p * RSORT_RADIX + d0], n_valid);
+                } else if (valid) {
+                    atomicAdd(&sh[p * RSORT_RADIX + dg], 1u);
+                }
             }
         }
     }
@@ -156,12 +183,17 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 template <class K>
 __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, K *tmp_keys, u64 *tmp_ids,
                            K *out_keys, u64 *out_ids, u64 m, const u32 *offsets, const u32 *plan, u32 *lookback,
-                           u32 *tickets) {
+                           u32 *tickets, const u32 *tile_offsets) {
     constexpr int ITEMS = SortItems<K>::V;
     constexpr u32 TILE = RSORT_THREADS * ITEMS;
     // Per warp: the running count of each digit, then its exclusive prefix over earlier warps.
     __shared__ u32 warp_hist[RSORT_WARPS][RSORT_RADIX + 1];
-    __shared__ u32 base[RSORT_RADIX];
+    // Per digit: its first slot in the tile, and the global position of that slot's pair.
+    __shared__ u32 tile_start[RSORT_RADIX];
+    __shared__ u32 global_start[RSORT_RADIX];
+    // The tile reordered by digit, so that the write-out is coalesced within each bucket.
+    __shared__ K s_keys[TILE];
+    __shared__ u64 s_ids[TILE];
     __shared__ u32 s_tile;
     const u32 pw = plan[p];
     if (!(pw & PLAN_RUN)) return;
@@ -171,7 +203,7 @@ __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in
     K *dk = dst == 1 ? tmp_keys : out_keys;
     u64 *di = dst == 1 ? tmp_ids : out_ids;
 
-    if (threadIdx.x == 0) s_tile = atomicAdd(&tickets[p], 1u);
+    if (threadIdx.x == 0) s_tile = tile_offsets ? blockIdx.x : atomicAdd(&tickets[p], 1u);
     for (u32 i = threadIdx.x; i < RSORT_WARPS * (RSORT_RADIX + 1); i += RSORT_THREADS) (&warp_hist[0][0])[i] = 0;
     __syncthreads();
     const u32 tile = s_tile;
@@ -197,7 +229,7 @@ __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in
     }
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
-        const u32 peers = __match_any_sync(FULL_MASK, digit[i]);
+        const u32 peers = match_digit(digit[i]);
         const u32 before = warp_hist[warp][digit[i]];
         rank[i] = before + __popc(peers & lanes_below);
         __syncwarp();
@@ -213,32 +245,137 @@ __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in
         warp_hist[w][d] = count;
         count += c;
     }
-    u32 *mine = lookback + (u64)tile * RSORT_RADIX + d;
-    u32 before = 0;
-    if (tile == 0) {
-        st_relaxed(mine, LOOKBACK_INCLUSIVE | count);
-    } else {
-        st_relaxed(mine, LOOKBACK_AGGREGATE | count);
-        const u32 *w = mine - RSORT_RADIX;
-        while (true) {
-            const u32 v = ld_relaxed(w);
-            if ((v & (LOOKBACK_AGGREGATE | LOOKBACK_INCLUSIVE)) == 0) continue; // not yet published
-            before += v & LOOKBACK_VALUE;
-            if (v & LOOKBACK_INCLUSIVE) break;
-            w -= RSORT_RADIX;
-        }
-        st_relaxed(mine, LOOKBACK_INCLUSIVE | (before + count));
-    }
-    base[d] = offsets[p * RSORT_RADIX + d] + before;
+    // Reorder the tile by digit in shared memory first: the pairs leave the registers before
+    // the look-back, which then runs with few registers live (more resident blocks).
+    tile_start[d] = block_exclusive_sum(count);
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
         if (digit[i] < RSORT_RADIX) {
-            const u32 pos = base[digit[i]] + warp_hist[warp][digit[i]] + rank[i];
-            dk[pos] = k[i];
-            di[pos] = id[i];
+            const u32 slot = tile_start[digit[i]] + warp_hist[warp][digit[i]] + rank[i];
+            s_keys[slot] = k[i];
+            s_ids[slot] = id[i];
         }
     }
+    u32 *mine = lookback + (u64)tile * RSORT_RADIX + d;
+    u32 before = 0;
+    if (tile_offsets) { // reduce-then-scan: rsort_scan gave this tile's bucket starts
+        global_start[d] = tile_offsets[(u64)d * gridDim.x + tile];
+    } else if (tile == 0) {
+        st_relaxed(mine, LOOKBACK_INCLUSIVE | count);
+    } else {
+        st_relaxed(mine, LOOKBACK_AGGREGATE | count);
+        // Look back LOOKBACK_WINDOW tiles per round trip: the tiles of a pass run in about one
+        // wave and publish their counts together, so a one-tile walk would cost a round trip
+        // per tile between this one and the nearest inclusive prefix.
+        i64 j = (i64)tile - 1; // tile 0 is inclusive, so the walk stops at j ≥ 0
+        while (true) {
+            u32 v[LOOKBACK_WINDOW];
+#pragma unroll
+            for (int w = 0; w < LOOKBACK_WINDOW; ++w) v[w] = j - w >= 0 ? ld_relaxed(mine - (tile - (j - w)) * RSORT_RADIX) : 0u;
+            bool found = false, waiting = false;
+            i64 used = 0;
+#pragma unroll
+            for (int w = 0; w < LOOKBACK_WINDOW; ++w) {
+                if (found || waiting) continue;
+                if ((v[w] & (LOOKBACK_AGGREGATE | LOOKBACK_INCLUSIVE)) == 0) { // not yet published
+                    waiting = true;
+                    continue;
+                }
+                before += v[w] & LOOKBACK_VALUE;
+                ++used;
+                found = (v[w] & LOOKBACK_INCLUSIVE) != 0;
+            }
+            if (found) break;
+            if (used == 0) __nanosleep(64); // spin politely: the L2 is busy with the scatter
+            j -= used;
+        }
+        st_relaxed(mine, LOOKBACK_INCLUSIVE | (before + count));
+    }
+    if (!tile_offsets) global_start[d] = offsets[p * RSORT_RADIX + d] + before;
+    __syncthreads();
+    // Slot t holds the tile's pair of rank t by digit: its bucket's global start plus its
+    // offset in the bucket; consecutive threads write consecutive positions of a bucket.
+    const u32 valid = (u32)min((u64)TILE, m - (u64)tile * TILE);
+    for (u32 t = threadIdx.x; t < valid; t += RSORT_THREADS) {
+        const K kk = s_keys[t];
+        const u64 ii = s_ids[t];
+        const u32 dd = vbits(kk, ii, lo, 8);
+        const u32 pos = global_start[dd] + (t - tile_start[dd]);
+        dk[pos] = kk;
+        di[pos] = ii;
+    }
+}
+
+// Reduce-then-scan, for passes over many tiles: there every tile of the one wave would spin
+// in the look-back at once, and the look-back's loads (256 digits × a window of tiles, per
+// tile and round trip) saturated the L2: 35–45 µs per pass over 1.1M pairs (ncu, H100).
+// rsort_count writes each tile's bucket counts, digit-major (counts[d · tiles + tile]);
+// rsort_scan turns each digit's row into the global position of the tile's first pair of that
+// digit; rsort_pass then scatters without looking back.
+template <class K>
+__device__ void rsort_count(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, const K *tmp_keys,
+                            const u64 *tmp_ids, const K *out_keys, const u64 *out_ids, u64 m, const u32 *plan,
+                            u32 *counts) {
+    constexpr int ITEMS = SortItems<K>::V;
+    constexpr u32 TILE = RSORT_THREADS * ITEMS;
+    __shared__ u32 hist[RSORT_RADIX];
+    const u32 pw = plan[p];
+    if (!(pw & PLAN_RUN)) return;
+    const u32 src = (pw >> 1) & 3u;
+    const K *sk = src == 0 ? in_keys : src == 1 ? tmp_keys : out_keys;
+    const u64 *si = src == 0 ? in_ids : src == 1 ? tmp_ids : out_ids;
+    const int lo = digit_lo((int)p, (int)id_digits);
+    const bool key_digit = lo >= 64;
+    hist[threadIdx.x] = 0;
+    __syncthreads();
+    const u64 base = (u64)blockIdx.x * TILE;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const u64 g = base + (u64)i * RSORT_THREADS + threadIdx.x;
+        const bool valid = g < m;
+        u32 dg = 0;
+        if (valid) {
+            // Only the word that holds the digit is read.
+            const K k = key_digit ? sk[g] : key_zero<K>();
+            const u64 id = key_digit ? 0 : si[g];
+            dg = vbits(k, id, lo, 8);
+        }
+        const u32 d0 = __shfl_sync(FULL_MASK, dg, 0);
+        const u32 n_valid = __popc(__ballot_sync(FULL_MASK, valid));
+        if (__all_sync(FULL_MASK, !valid || dg == d0)) {
+            if (lane_id() == 0 && n_valid != 0) atomicAdd(&hist[d0], n_valid);
+        } else if (valid) {
+            atomicAdd(&hist[dg], 1u);
+        }
+    }
+    __syncthreads();
+    counts[(u64)threadIdx.x * gridDim.x + blockIdx.x] = hist[threadIdx.x];
+}
+
+// One block per digit: counts[d · tiles + t] := offsets[d] + Σ_{t' < t} counts[d · tiles + t'].
+__device__ void scan_tile_counts(u32 p, const u32 *plan, u32 *counts, u32 tiles, const u32 *offsets) {
+    __shared__ u32 carry;
+    const u32 pw = plan[p];
+    if (!(pw & PLAN_RUN)) return;
+    u32 *row = counts + (u64)blockIdx.x * tiles;
+    if (threadIdx.x == 0) carry = offsets[p * RSORT_RADIX + blockIdx.x];
+    __syncthreads();
+    for (u32 t0 = 0; t0 < tiles; t0 += RSORT_THREADS) {
+        const u32 t = t0 + threadIdx.x;
+        const u32 v = t < tiles ? row[t] : 0u;
+        const u32 ex = block_exclusive_sum(v);
+        const u32 c = carry;
+        if (t < tiles) row[t] = c + ex;
+        __syncthreads();
+        if (threadIdx.x == RSORT_THREADS - 1) carry = c + ex + v;
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
+    rsort_scan(u32 p, const u32 *plan, u32 *counts, u32 tiles, const u32 *offsets) {
+    scan_tile_counts(p, plan, counts, tiles, offsets);
 }
 
 #define RADIX_SORT_ENTRIES(K, S)                                                                                  \
@@ -250,10 +387,16 @@ __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
         rsort_pass_##S(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, K *tmp_keys, u64 *tmp_ids,      \
                        K *out_keys, u64 *out_ids, u64 m, const u32 *offsets, const u32 *plan, u32 *lookback,      \
-                       u32 *tickets) {                                                                            \
+                       u32 *tickets, const u32 *tile_offsets) {                                                   \
         rsort_pass<K>(p, id_digits, in_keys, in_ids, tmp_keys, tmp_ids, out_keys, out_ids, m, offsets, plan,      \
                       lookback + (u64)p * (((m + SortItems<K>::V * RSORT_THREADS - 1) /                           \
                                             (SortItems<K>::V * RSORT_THREADS)) * RSORT_RADIX),                    \
-                      tickets);                                                                                   \
+                      tickets, tile_offsets);                                                                     \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
+        rsort_count_##S(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, const K *tmp_keys,             \
+                        const u64 *tmp_ids, const K *out_keys, const u64 *out_ids, u64 m, const u32 *plan,        \
+                        u32 *counts) {                                                                            \
+        rsort_count<K>(p, id_digits, in_keys, in_ids, tmp_keys, tmp_ids, out_keys, out_ids, m, plan, counts);     \
     }
 INSTANTIATE_KEYS(RADIX_SORT_ENTRIES)

@@ -47,6 +47,7 @@ impl SelectionChoice {
             SelectionChoice::Cuda(DeviceAlgorithm::Bitonic) => Algorithm::Bitonic,
             SelectionChoice::Cuda(DeviceAlgorithm::Radix) => Algorithm::Radix,
             SelectionChoice::Cuda(DeviceAlgorithm::Sample) => Algorithm::Sample,
+            SelectionChoice::Cuda(DeviceAlgorithm::Delegate) => Algorithm::Delegate,
         }
     }
 }

@@ -95,6 +95,10 @@ pub enum DeviceAlgorithm {
     /// pass keeps the pairs below the estimate, and the k are selected among those; radix
     /// select when the estimate misses.
     Sample,
+    /// Dr. Top-k's delegates: the smallest pair of each subrange of 2^α, the k-th smallest
+    /// delegate as a threshold, and the pairs below it gathered from the ≥ k subranges whose
+    /// delegates pass; then a sort of those.
+    Delegate,
 }
 
 impl DeviceAlgorithm {
@@ -103,6 +107,7 @@ impl DeviceAlgorithm {
             DeviceAlgorithm::Bitonic => "bitonic",
             DeviceAlgorithm::Radix => "radix",
             DeviceAlgorithm::Sample => "sample",
+            DeviceAlgorithm::Delegate => "delegate",
         }
     }
 }
@@ -288,6 +293,10 @@ const RANK_THREADS: u32 = 256;
 /// this (its look-back words hold counts below 2^30).
 const RSORT_THREADS: u32 = 256;
 const RADIX_SORT_MAX: usize = 1 << 30;
+/// Radix sort passes over at most this many tiles use Onesweep's single kernel with a
+/// look-back; larger ones reduce-then-scan (three kernels, no spinning: the look-back of a
+/// 555-tile pass saturated the L2, radix_sort.cu).
+const ONESWEEP_MAX_TILES: usize = 64;
 
 /// Threads of the sort kernels' blocks (bitonic.cu `SORT_THREADS`).
 const SORT_THREADS: u32 = 1024;
@@ -355,6 +364,32 @@ pub fn plan_sample_levels(n: usize, k: usize, s: usize, small: usize) -> Vec<usi
         m = expected;
     }
     plan
+}
+
+/// Dr. Top-k's α rule: subranges of S = 2^α pairs with S ≈ √(n/k), which balances the
+/// delegates written and re-read (n/S) against the pairs gathered (≤ k·S); S is at least a
+/// warp's 32 (one coalesced load per lane) and at most 4096, and leaves at least k subranges.
+/// `None` when n/k < 32: too few subranges for the delegates to filter anything.
+pub fn delegate_subrange(n: usize, k: usize) -> Option<usize> {
+    const MIN: usize = 32;
+    const MAX: usize = 4096;
+    let k = k.max(1);
+    if n / k < MIN {
+        return None;
+    }
+    let ideal = ((n as f64 / k as f64).sqrt() as usize).max(1);
+    // The power of two nearest √(n/k) (geometrically), within the bounds and n/k.
+    let lower = 1usize << (usize::BITS - 1 - ideal.leading_zeros());
+    let s = if ideal * ideal > 2 * lower * lower {
+        lower * 2
+    } else {
+        lower
+    };
+    Some(s.clamp(MIN, MAX).min(prev_power_of_two(n / k)))
+}
+
+fn prev_power_of_two(x: usize) -> usize {
+    1usize << (usize::BITS - 1 - x.max(1).leading_zeros())
 }
 
 /// The most levels a sampled selection plans (sample counts live in `SAMPLE_CTL_BYTES`).
@@ -1015,9 +1050,10 @@ impl TopKEngine {
         self.radix_sort(input, m, id_bound)
     }
 
-    /// LSD radix sort of pairs `[0, m)` (radix_sort.cu): one histogram kernel, then one pass
-    /// kernel per digit position of the (key, row id) integer; the device skips the positions
-    /// in which every pair has the same digit. The input is left as it was.
+    /// LSD radix sort of pairs `[0, m)` (radix_sort.cu): one histogram kernel, then per digit
+    /// position of the (key, row id) integer one Onesweep pass kernel (few tiles) or a count,
+    /// scan and scatter kernel (many); the device skips the positions in which every pair has
+    /// the same digit. The input is left as it was.
     pub fn radix_sort(
         &self,
         input: &DevicePairs,
@@ -1027,7 +1063,13 @@ impl TopKEngine {
         let id_bits = 64 - id_bound.saturating_sub(1).leading_zeros();
         let id_digits = id_bits.div_ceil(8).max(1) as usize;
         let positions = id_digits + self.kind.bits() as usize / 8;
-        let tile = RSORT_THREADS as usize * if self.kind.bits() <= 64 { 8 } else { 4 };
+        // radix_sort.cu `SortItems`.
+        let items = match self.kind {
+            KeyKind::K32 | KeyKind::K64 => 8,
+            KeyKind::K128 => 4,
+            KeyKind::K256 => 2,
+        };
+        let tile = RSORT_THREADS as usize * items;
         let tiles = m.div_ceil(tile);
         // Control block: per position 256 bucket offsets, a plan word and a tile ticket; the
         // histogram kernel's block counter.
@@ -1038,12 +1080,24 @@ impl TopKEngine {
         let ctl_bytes = done_off as usize + 4;
         let ctl = self.device.pool.alloc(ctl_bytes, &self.stream)?;
         self.memset_zero(ctl.ptr(), ctl_bytes)?;
-        let lookback_words = positions * tiles * 256;
-        let lookback = self.device.pool.alloc(4 * lookback_words, &self.stream)?;
+        // Few tiles: one Onesweep kernel per pass (look-back); many: reduce-then-scan, three.
+        let onesweep = tiles <= ONESWEEP_MAX_TILES;
+        let lookback_words = if onesweep { positions * tiles * 256 } else { 0 };
+        let lookback = self
+            .device
+            .pool
+            .alloc(4 * lookback_words.max(1), &self.stream)?;
+        let counts = if onesweep {
+            None
+        } else {
+            Some(self.device.pool.alloc(4 * 256 * tiles, &self.stream)?)
+        };
         let tmp = self.alloc_pairs(m)?;
         let out = self.alloc_pairs(m)?;
         let hist = self.kernel("rsort_hist");
-        let grid = self.resident_grid(&hist, RSORT_THREADS)?.min(tiles as u32);
+        // Two blocks per SM: each block flushes up to 256 counters per digit position with
+        // global atomics, which serialise per counter across blocks.
+        let grid = (2 * self.device.sm_count).min(tiles) as u32;
         self.launch(
             &hist,
             grid,
@@ -1062,7 +1116,43 @@ impl TopKEngine {
             ],
         )?;
         let pass = self.kernel("rsort_pass");
+        let count = self.kernel("rsort_count");
+        let tile_offsets = counts.as_ref().map_or(0, |c| c.ptr());
         for p in 0..positions {
+            if let Some(counts) = &counts {
+                self.launch(
+                    &count,
+                    tiles as u32,
+                    RSORT_THREADS,
+                    0,
+                    args![
+                        p as u32,
+                        id_digits as u32,
+                        input.key_at(0),
+                        input.id_at(0),
+                        tmp.key_at(0),
+                        tmp.id_at(0),
+                        out.key_at(0),
+                        out.id_at(0),
+                        m,
+                        ctl.ptr() + plan_off,
+                        counts.ptr()
+                    ],
+                )?;
+                self.launch(
+                    "rsort_scan",
+                    256,
+                    RSORT_THREADS,
+                    0,
+                    args![
+                        p as u32,
+                        ctl.ptr() + plan_off,
+                        counts.ptr(),
+                        tiles as u32,
+                        ctl.ptr()
+                    ],
+                )?;
+            }
             self.launch(
                 &pass,
                 tiles as u32,
@@ -1081,7 +1171,8 @@ impl TopKEngine {
                     ctl.ptr(),
                     ctl.ptr() + plan_off,
                     lookback.ptr(),
-                    ctl.ptr() + tickets_off
+                    ctl.ptr() + tickets_off,
+                    tile_offsets
                 ],
             )?;
         }
@@ -1311,6 +1402,82 @@ impl TopKEngine {
         Ok(Some(sorted))
     }
 
+    /// Dr. Top-k (delegate.cu): the delegates (each subrange's smallest pair) in one read, the
+    /// k smallest of them by a sampled selection, and the pairs ≤ the k-th gathered from the
+    /// subranges whose delegates are ≤ it; one read-back of the candidate count, then a sort
+    /// (or, when ties left more than a few times k candidates, a sampled selection) of the
+    /// candidates. `None` when there are fewer than k subranges of the smallest size (the
+    /// caller then runs the sampled selection).
+    pub fn delegate_select(
+        &mut self,
+        input: &DevicePairs,
+        n: usize,
+        k: usize,
+    ) -> GpuResult<Option<DevicePairs>> {
+        let Some(s) = delegate_subrange(n, k) else {
+            return Ok(None);
+        };
+        let subranges = n.div_ceil(s);
+        let ids = if input.positional { 0 } else { input.id_at(0) };
+        let delegates = self.alloc_pairs(subranges)?;
+        let name = self.kernel("delegate_min");
+        self.launch(
+            &name,
+            self.resident_grid(&name, THREADS)?,
+            THREADS,
+            0,
+            args![
+                input.key_at(0),
+                ids,
+                n,
+                s as u32,
+                delegates.key_at(0),
+                delegates.id_at(0)
+            ],
+        )?;
+        let (best, _) = self.select_sorted(&delegates, subranges, k, DeviceAlgorithm::Sample)?;
+        self.threshold_from_index(&best, k - 1)?;
+        let cap = (k * s).min(n);
+        let candidates = self.alloc_pairs(cap)?;
+        let base = self.scalars.ptr();
+        self.write_u64(base + COUNT_OFFSET, 0)?;
+        let name = self.kernel("delegate_gather");
+        self.launch(
+            &name,
+            self.resident_grid(&name, THREADS)?,
+            THREADS,
+            0,
+            args![
+                input.key_at(0),
+                ids,
+                n,
+                s as u32,
+                delegates.key_at(0),
+                delegates.id_at(0),
+                base + THRESHOLD_OFFSET,
+                candidates.key_at(0),
+                candidates.id_at(0),
+                base + COUNT_OFFSET,
+                cap
+            ],
+        )?;
+        let count = self.read_u64(base + COUNT_OFFSET)? as usize;
+        if count < k || count > cap {
+            // Impossible by construction (k delegates pass, each subrange holds ≤ s pairs).
+            return Err(GpuError(format!(
+                "delegate top-k gathered {count} candidates for k = {k} (capacity {cap})"
+            )));
+        }
+        let id_bound = if input.positional { n as u64 } else { u64::MAX };
+        let sorted = if count <= DIRECT_SORT_FACTOR * k.max(DIRECT_SORT_MIN) {
+            self.sort_pairs(&candidates, count, id_bound)?
+        } else {
+            self.select_sorted(&candidates, count, k, DeviceAlgorithm::Sample)?
+                .0
+        };
+        Ok(Some(sorted))
+    }
+
     /// The most pairs [`sample_select`](Self::sample_select) rank-sorts at the end.
     fn small_sort_capacity(&self) -> usize {
         RANK_SORT_MAX
@@ -1334,6 +1501,10 @@ impl TopKEngine {
             DeviceAlgorithm::Sample => match self.sample_select(input, n, k)? {
                 Some(sorted) => sorted,
                 None => return self.select_sorted(input, n, k, DeviceAlgorithm::Radix),
+            },
+            DeviceAlgorithm::Delegate => match self.delegate_select(input, n, k)? {
+                Some(sorted) => sorted,
+                None => return self.select_sorted(input, n, k, DeviceAlgorithm::Sample),
             },
             DeviceAlgorithm::Radix if n > k => {
                 let winners = self.radix_select(input, n, k, k)?;
@@ -1401,5 +1572,30 @@ mod tests {
         assert!(plan[0] > expected && plan[0] < 8 * expected, "{plan:?}");
         assert_eq!(sample_rank(10, 100, 100), 10);
         assert_eq!(sample_rank(0, 100, 1000), 3);
+    }
+
+    #[test]
+    fn delegate_subranges_follow_the_alpha_rule_within_bounds() {
+        // √(n/k) rounded to a power of two, at least a warp, at most 4096, ≥ k subranges.
+        assert_eq!(delegate_subrange(1 << 29, 1), Some(4096));
+        assert_eq!(delegate_subrange(1 << 29, 1 << 10), Some(512));
+        assert_eq!(delegate_subrange(1 << 29, 1 << 16), Some(64));
+        assert_eq!(delegate_subrange(1 << 29, 1 << 20), Some(32));
+        assert_eq!(delegate_subrange(1 << 20, 1 << 14), Some(32));
+        assert_eq!(delegate_subrange(1000, 10), Some(32));
+        assert_eq!(delegate_subrange(1000, 40), None);
+        for (n, k) in [
+            (1usize << 29, 3usize),
+            (1 << 24, 100),
+            (100_003, 777),
+            (64, 2),
+        ] {
+            let s = delegate_subrange(n, k).unwrap();
+            assert!(
+                s.is_power_of_two() && (32..=4096).contains(&s),
+                "{n} {k} {s}"
+            );
+            assert!(n.div_ceil(s) >= k, "{n} {k} {s}");
+        }
     }
 }

@@ -41,6 +41,7 @@ pub const EMBEDDED: &[(&str, &str)] = &[
     ("read_floor.cu", include_str!("../../kernels/read_floor.cu")),
     ("sample.cu", include_str!("../../kernels/sample.cu")),
     ("radix_sort.cu", include_str!("../../kernels/radix_sort.cu")),
+    ("delegate.cu", include_str!("../../kernels/delegate.cu")),
 ];
 
 /// Entry points instantiated once per key type (`NAME_k32` … `NAME_k256`), per file.
@@ -62,12 +63,17 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
         ],
     ),
     ("sample.cu", &["sample_threshold", "filter_pairs"]),
-    ("radix_sort.cu", &["rsort_hist", "rsort_pass"]),
+    (
+        "radix_sort.cu",
+        &["rsort_hist", "rsort_pass", "rsort_count"],
+    ),
+    ("delegate.cu", &["delegate_min", "delegate_gather"]),
 ];
 
 /// Entry points without a key type.
 const PLAIN_ENTRIES: &[(&str, &[&str])] = &[
     ("radix.cu", &["radix_init"]),
+    ("radix_sort.cu", &["rsort_scan"]),
     ("read_floor.cu", &["read_floor_w32", "read_floor_w64"]),
 ];
 

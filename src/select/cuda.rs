@@ -69,9 +69,7 @@ pub fn device_algorithm(
             "the CUDA bitonic top-k supports k up to {limit} for these keys, not {k}"
         ))),
         Algorithm::Sample => Ok(DeviceAlgorithm::Sample),
-        Algorithm::Delegate => Err(DataFusionError::NotImplemented(format!(
-            "the CUDA {algorithm} algorithm is not implemented yet"
-        ))),
+        Algorithm::Delegate => Ok(DeviceAlgorithm::Delegate),
         Algorithm::Cpu => Err(DataFusionError::Plan(
             "algorithm 'cpu' does not run on the GPU".into(),
         )),
@@ -256,7 +254,7 @@ impl State {
         let candidates = self.candidates.take().expect("reduce needs candidates");
         let reduced = match algorithm {
             // Streaming reductions cut a buffer the threshold already filtered: radix select.
-            DeviceAlgorithm::Radix | DeviceAlgorithm::Sample => {
+            DeviceAlgorithm::Radix | DeviceAlgorithm::Sample | DeviceAlgorithm::Delegate => {
                 let winners = self
                     .engine
                     .radix_select(&candidates, count, k, self.capacity)?;

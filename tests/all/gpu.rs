@@ -350,7 +350,11 @@ fn check_select(device: &Arc<GpuDevice>, dist: Dist, n: usize, k: usize, seed: u
     ];
     for (keys, expected) in cases {
         let kind = keys.kind();
-        let mut algorithms = vec![DeviceAlgorithm::Radix, DeviceAlgorithm::Sample];
+        let mut algorithms = vec![
+            DeviceAlgorithm::Radix,
+            DeviceAlgorithm::Sample,
+            DeviceAlgorithm::Delegate,
+        ];
         let chunk = datafusion_gpu_topk::device::algorithms::bitonic_chunk(
             device.max_shared_per_block,
             kind,
@@ -429,6 +433,8 @@ fn gpu_selection_large_inputs() {
             (50, DeviceAlgorithm::Sample),
             (5000, DeviceAlgorithm::Sample),
             (300_000, DeviceAlgorithm::Sample),
+            (50, DeviceAlgorithm::Delegate),
+            (5000, DeviceAlgorithm::Delegate),
         ] {
             let got =
                 select_topk_device(&device, HostKeys::U64(&keys), &ids, k, algorithm).unwrap();
@@ -445,6 +451,8 @@ fn gpu_selection_large_inputs() {
         (1000, DeviceAlgorithm::Radix),
         (1000, DeviceAlgorithm::Sample),
         (100_000, DeviceAlgorithm::Sample),
+        (1000, DeviceAlgorithm::Delegate),
+        (100_000, DeviceAlgorithm::Delegate),
     ] {
         let got = select_topk_device(&device, HostKeys::U64(&keys), &ids, k, algorithm).unwrap();
         assert!(got == oracle(&keys, &ids, k), "2^27 k={k} {algorithm:?}");
@@ -475,13 +483,14 @@ fn gpu_selection_large_inputs() {
                 (HostKeys::U128(&k128), oracle(&k128, &ids, k)),
                 (HostKeys::U256(&k256), oracle(&k256, &ids, k)),
             ] {
-                let got =
-                    select_topk_device(&device, keys, &ids, k, DeviceAlgorithm::Sample).unwrap();
-                assert!(
-                    got == expected,
-                    "positional {dist:?} {:?} k={k}",
-                    keys.kind()
-                );
+                for algorithm in [DeviceAlgorithm::Sample, DeviceAlgorithm::Delegate] {
+                    let got = select_topk_device(&device, keys, &ids, k, algorithm).unwrap();
+                    assert!(
+                        got == expected,
+                        "positional {dist:?} {:?} k={k} {algorithm:?}",
+                        keys.kind()
+                    );
+                }
             }
         }
     }
@@ -989,7 +998,7 @@ fn gpu_selector_rejects_mismatched_input_and_algorithms() {
         })
         .is_err()
     );
-    for algorithm in [Algorithm::Delegate, Algorithm::Cpu] {
+    for algorithm in [Algorithm::Cpu] {
         assert!(
             new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), algorithm, 1).is_err()
         );
