@@ -157,6 +157,22 @@ __device__ __forceinline__ u64 warp_append(bool want, u64 *counter) {
     return base + __popc(mask & ((1u << lane_id()) - 1u));
 }
 
+// Warp-aggregated histogram add: every lane of the warp calls this (all 32 lanes active);
+// lanes with `valid` add one to bin `digit`. When the valid lanes' digits agree (ties, shared
+// high bits: one bin would otherwise serialise 32 shared atomics) one lane adds them all; else
+// each adds its own (the digits are then spread, and a match per pair would cost more than
+// the conflicts it saves).
+__device__ __forceinline__ void warp_hist_add(u32 *hist, u32 digit, bool valid) {
+    const u32 want = __ballot_sync(FULL_MASK, valid);
+    if (want == 0) return;
+    const u32 first = __shfl_sync(FULL_MASK, digit, __ffs(want) - 1);
+    if (__all_sync(FULL_MASK, !valid || digit == first)) {
+        if (lane_id() == 0) atomicAdd(&hist[first], (u32)__popc(want));
+    } else if (valid) {
+        atomicAdd(&hist[digit], 1u);
+    }
+}
+
 // "Last block" pattern: every thread calls this after its global writes; returns true in the
 // one block that finished last (all other blocks' writes are then visible to it). The counter
 // must be zero at launch; the last block resets it.

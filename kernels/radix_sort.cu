@@ -121,22 +121,12 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
             const bool valid = i0 + (u64)u * RSORT_THREADS + threadIdx.x < m;
             const K k = ks[u];
             const u64 id = is[u];
-            const u32 n_valid = __popc(__ballot_sync(FULL_MASK, valid));
             // Constant bit offsets (the row id's bytes, then the key's), so each digit is a shift.
 #pragma unroll
             for (int q = 0; q < D; ++q) {
                 const int p = q < 8 ? q : (int)id_digits + (q - 8);
                 if (q < 8 && q >= (int)id_digits) continue;
-                const u32 dg = vbits(k, id, q < 8 ? 8 * q : 64 + 8 * (q - 8), 8);
-                // One atomic per warp when its digits agree (ties, shared high bits: one
-                // bucket would otherwise serialise 32 atomics), else one per pair. Lane 0 is
-                // valid whenever any lane is.
-                const u32 d0 = __shfl_sync(FULL_MASK, dg, 0);
-                if (__all_sync(FULL_MASK, !valid || dg == d0)) {
-                    if (lane_id() == 0 && n_valid != 0) atomicAdd(&sh[p * RSORT_RADIX + d0], n_valid);
-                } else if (valid) {
-                    atomicAdd(&sh[p * RSORT_RADIX + dg], 1u);
-                }
+                warp_hist_add(&sh[p * RSORT_RADIX], vbits(k, id, q < 8 ? 8 * q : 64 + 8 * (q - 8), 8), valid);
             }
         }
     }
@@ -341,13 +331,7 @@ __device__ void rsort_count(u32 p, u32 id_digits, const K *in_keys, const u64 *i
             const u64 id = key_digit ? 0 : si[g];
             dg = vbits(k, id, lo, 8);
         }
-        const u32 d0 = __shfl_sync(FULL_MASK, dg, 0);
-        const u32 n_valid = __popc(__ballot_sync(FULL_MASK, valid));
-        if (__all_sync(FULL_MASK, !valid || dg == d0)) {
-            if (lane_id() == 0 && n_valid != 0) atomicAdd(&hist[d0], n_valid);
-        } else if (valid) {
-            atomicAdd(&hist[dg], 1u);
-        }
+        warp_hist_add(hist, dg, valid);
     }
     __syncthreads();
     counts[(u64)threadIdx.x * gridDim.x + blockIdx.x] = hist[threadIdx.x];

@@ -141,14 +141,7 @@ __device__ void sample_threshold(const K *keys, const u64 *ids, u64 n, const u64
         for (int t = 0; t < PER; ++t) {
             const bool a = (active >> t) & 1u;
             const u32 d = a ? vbits(key[t], id[t], lo, bits) : 0u;
-            const u32 want = __ballot_sync(FULL_MASK, a);
-            if (want == 0) continue;
-            const u32 first = __shfl_sync(FULL_MASK, d, __ffs(want) - 1);
-            if (__all_sync(FULL_MASK, !a || d == first)) {
-                if (lane_id() == 0) atomicAdd(&hist[first], (u32)__popc(want));
-            } else if (a) {
-                atomicAdd(&hist[d], 1u);
-            }
+            warp_hist_add(hist, d, a);
         }
         __syncthreads();
         if (threadIdx.x < 32) {
