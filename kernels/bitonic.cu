@@ -287,46 +287,47 @@ template <class K> __device__ void merge_local(K *keys, u64 *ids, u64 m, u64 siz
 // permutation. O(m²) comparisons, but each thread makes at most 256 of them, in one launch
 // with no barrier per network step: a one-block bitonic sort of a 4096-pair tile took 52 µs
 // (ncu, H100), and one thread per pair counting all m pairs ~100 µs at m = 3000 (serial
-// latency). `ranks` (cap words) and `done` must be zero. Does nothing once `status` is set;
-// sets bit 4 when m > cap (the host then sorts with the kernels above). Blocks of
-// RANK_THREADS threads.
+// latency). Only the ⌈m/256⌉² blocks that hold pairs take part (the grid is sized for cap,
+// since m lives on the device): the others return at once, so the last-block count, the
+// fences and the scatter cost what m needs, not what cap would (the launch of 256 blocks
+// with a fence each took 10 µs for m = 197). `ranks` (cap words) and `done` must be zero.
+// Does nothing once `status` is set; sets bit 4 when m > cap (the host then sorts with the
+// kernels above). Blocks of RANK_THREADS threads.
 #define RANK_THREADS 256
 template <class K>
 __device__ void rank_sort(const K *keys, const u64 *ids, const u64 *n_ptr, u64 cap, K *out_keys, u64 *out_ids,
                           u32 *status, u32 *ranks, u32 *done) {
     __shared__ K s_keys[RANK_THREADS];
     __shared__ u64 s_ids[RANK_THREADS];
-    const bool skip = __ldcg(status) != 0;
+    if (__ldcg(status) != 0) return;
     const u64 m = __ldcg(n_ptr);
-    const bool too_many = m > cap;
-    const u64 blocks = cap / RANK_THREADS;
-    const u64 row = (u64)blockIdx.x % blocks * RANK_THREADS, col = (u64)blockIdx.x / blocks * RANK_THREADS;
-    if (!skip && !too_many && row < m && col < m) { // uniform per block
-        const u64 i = row + threadIdx.x;
-        const bool mine = i < m;
-        const K k = mine ? keys[i] : key_zero<K>();
-        const u64 id = mine ? ids[i] : 0;
-        const u64 j = col + threadIdx.x;
-        if (j < m) {
-            s_keys[threadIdx.x] = keys[j];
-            s_ids[threadIdx.x] = ids[j];
-        }
-        __syncthreads();
-        const u32 len = (u32)min((u64)RANK_THREADS, m - col);
-        u32 rank = 0;
-        for (u32 t = 0; t < len; ++t) rank += pair_less(s_keys[t], s_ids[t], k, id) ? 1u : 0u;
-        if (mine && rank != 0) atomicAdd(&ranks[i], rank);
-    }
-    if (!last_block_done(done)) return;
-    if (skip) return;
-    if (too_many) {
-        if (threadIdx.x == 0) atomicOr(status, 4u);
+    if (m > cap) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, 4u);
         return;
     }
-    for (u64 i = threadIdx.x; i < m; i += RANK_THREADS) {
-        const u32 r = __ldcg(&ranks[i]);
-        out_keys[r] = keys[i];
-        out_ids[r] = ids[i];
+    const u64 blocks = cap / RANK_THREADS;
+    const u64 row = (u64)blockIdx.x % blocks * RANK_THREADS, col = (u64)blockIdx.x / blocks * RANK_THREADS;
+    if (row >= m || col >= m) return; // uniform per block
+    const u64 i = row + threadIdx.x;
+    const bool mine = i < m;
+    const K k = mine ? keys[i] : key_zero<K>();
+    const u64 id = mine ? ids[i] : 0;
+    const u64 j = col + threadIdx.x;
+    if (j < m) {
+        s_keys[threadIdx.x] = keys[j];
+        s_ids[threadIdx.x] = ids[j];
+    }
+    __syncthreads();
+    const u32 len = (u32)min((u64)RANK_THREADS, m - col);
+    u32 rank = 0;
+    for (u32 t = 0; t < len; ++t) rank += pair_less(s_keys[t], s_ids[t], k, id) ? 1u : 0u;
+    if (mine && rank != 0) atomicAdd(&ranks[i], rank);
+    const u32 taking_part = (u32)((m + RANK_THREADS - 1) / RANK_THREADS);
+    if (!last_block_of(done, taking_part * taking_part)) return;
+    for (u64 p = threadIdx.x; p < m; p += RANK_THREADS) {
+        const u32 r = __ldcg(&ranks[p]);
+        out_keys[r] = keys[p];
+        out_ids[r] = ids[p];
     }
 }
 

@@ -173,22 +173,25 @@ __device__ __forceinline__ void warp_hist_add(u32 *hist, u32 digit, bool valid) 
     }
 }
 
-// "Last block" pattern: every thread calls this after its global writes; returns true in the
-// one block that finished last (all other blocks' writes are then visible to it). The counter
-// must be zero at launch; the last block resets it.
-__device__ __forceinline__ bool last_block_done(u32 *counter) {
+// "Last block" pattern: every thread of the `blocks` blocks taking part calls this after its
+// global writes; returns true in the one block that finished last (all other blocks' writes
+// are then visible to it). The counter must be zero at launch; the last block resets it.
+__device__ __forceinline__ bool last_block_of(u32 *counter, u32 blocks) {
     __shared__ bool am_last;
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
         const u32 ticket = atomicAdd(counter, 1u);
-        am_last = (ticket == gridDim.x - 1);
+        am_last = (ticket == blocks - 1);
         if (am_last) *counter = 0;
     }
     __syncthreads();
     if (am_last) __threadfence();
     return am_last;
 }
+
+// `last_block_of` with every block of the grid taking part.
+__device__ __forceinline__ bool last_block_done(u32 *counter) { return last_block_of(counter, gridDim.x); }
 
 // Grid-stride iteration whose trip count is uniform across each block (so that warp-wide
 // ballots see all 32 lanes): `i0` is the block's first index of each round.

@@ -66,6 +66,10 @@ __device__ void sample_threshold(const K *keys, const u64 *ids, u64 n, const u64
         return;
     }
     const u64 s = min((u64)min(s_max, (u32)(PER * SAMPLE_THREADS)), m);
+    // Register slots in use (block-uniform): the host shrinks the sample of a last level
+    // (fewer survivors are needed than PER · 1024 samples give), and the loops below skip
+    // the empty slots' instructions, the kernel's cost on its one SM.
+    const int per = (int)((s + SAMPLE_THREADS - 1) / SAMPLE_THREADS);
     u64 r = k;
     if (s < m) {
         const double e = (double)k * (double)s / (double)m;
@@ -82,7 +86,7 @@ __device__ void sample_threshold(const K *keys, const u64 *ids, u64 n, const u64
 #pragma unroll
     for (int t = 0; t < PER; ++t) {
         const u64 j = threadIdx.x + (u64)t * SAMPLE_THREADS;
-        if (j < s) {
+        if (t < per && j < s) {
             const u64 pos = stratified(j, m, s, step, seed);
             key[t] = keys[pos];
             id[t] = ids ? ids[pos] : pos;
@@ -107,7 +111,7 @@ __device__ void sample_threshold(const K *keys, const u64 *ids, u64 n, const u64
         u64 o = 0, a = ~0ull;
 #pragma unroll
         for (int t = 0; t < PER; ++t) {
-            if ((active >> t) & 1u) {
+            if (t < per && ((active >> t) & 1u)) {
                 const u64 w = vword(key[t], id[t], q);
                 o |= w;
                 a &= w;
@@ -139,6 +143,7 @@ __device__ void sample_threshold(const K *keys, const u64 *ids, u64 n, const u64
         // per pair would cost more than the conflicts it saves).
 #pragma unroll
         for (int t = 0; t < PER; ++t) {
+            if (t >= per) break;
             const bool a = (active >> t) & 1u;
             const u32 d = a ? vbits(key[t], id[t], lo, bits) : 0u;
             warp_hist_add(hist, d, a);
@@ -177,7 +182,7 @@ __device__ void sample_threshold(const K *keys, const u64 *ids, u64 n, const u64
         rank = s_rank;
 #pragma unroll
         for (int t = 0; t < PER; ++t) {
-            if ((active & (1u << t)) && vbits(key[t], id[t], lo, bits) != bucket) active &= ~(1u << t);
+            if (t < per && (active & (1u << t)) && vbits(key[t], id[t], lo, bits) != bucket) active &= ~(1u << t);
         }
         if (count == 1) break; // uniform: every thread read the same count
         hi = lo;
@@ -196,7 +201,7 @@ __device__ void sample_threshold(const K *keys, const u64 *ids, u64 n, const u64
     }
 #pragma unroll
     for (int t = 0; t < PER; ++t) {
-        if (active & (1u << t)) {
+        if (t < per && (active & (1u << t))) {
             thr->key = key[t];
             thr->id = id[t];
             thr->valid = 1;

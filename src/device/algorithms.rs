@@ -286,7 +286,7 @@ const DIRECT_SORT_MIN: usize = 1 << 16;
 
 /// The rank sort that ends a sampled selection (bitonic.cu `rank_sort`): up to this many
 /// pairs (O(m²) comparisons), in a grid of (m / `RANK_THREADS`)² blocks.
-const RANK_SORT_MAX: usize = 4096;
+const RANK_SORT_MAX: usize = 8192;
 const RANK_THREADS: u32 = 256;
 
 /// The radix sort's block size (radix_sort.cu `RSORT_THREADS`); it sorts fewer pairs than
@@ -329,38 +329,70 @@ fn sample_rank(k: usize, s: usize, m: usize) -> usize {
     (e + 5.0 * e.sqrt() + 3.0).ceil() as usize
 }
 
-/// The levels of a sampled selection of k among n, as the survivor capacity of each: levels
-/// are added while the expected survivors exceed what the final rank sort takes and a level shrinks them
-/// at least by a quarter. Capacities hold the expected count plus six of its standard
-/// deviations. Empty: sampling cannot shrink this input.
-pub fn plan_sample_levels(n: usize, k: usize, s: usize, small: usize) -> Vec<usize> {
-    let mut plan = Vec::new();
+/// One level of a sampled selection: the capacity of its survivor buffer and the pairs its
+/// threshold samples.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SampleLevel {
+    pub cap: usize,
+    pub s: usize,
+}
+
+/// A level's expected survivors and its buffer capacity (the expected count plus six of its
+/// standard deviations), for a sample of s among m; `None` when the sample rank reaches s.
+fn sample_level_bounds(m: usize, k: usize, s: usize) -> Option<(usize, usize)> {
+    let r = sample_rank(k, s, m);
+    if r >= s {
+        return None;
+    }
+    Some(if s == m {
+        // Exact when the count is as planned; room for a sampled level if it came out
+        // above the sample size (r ≈ k + 5√k + 3 then).
+        (k, (2 * k + 1024).min(m))
+    } else {
+        let per = m as f64 / s as f64;
+        let below = r as f64 + 1.0;
+        let spread = 6.0 * below.sqrt() + 8.0;
+        (
+            (below * per) as usize,
+            (((below + spread) * per) as usize + 1024).min(m),
+        )
+    })
+}
+
+/// The levels of a sampled selection of k among n (`s_max` pairs sampled at most, `small`
+/// pairs rank-sorted at the end): levels are added while the expected survivors exceed what
+/// the final rank sort takes and a level shrinks them at least by a quarter. The last level,
+/// whose survivors the rank sort takes, samples only as many pairs (in steps of 1024, one per
+/// thread) as keep its survivors below `small` with four standard deviations to spare: the
+/// one-block threshold costs in proportion to its sample (16.5 µs for 10240 pairs, ncu), and
+/// the rank sort takes the extra survivors in a few µs. Empty: sampling cannot shrink this
+/// input.
+pub fn plan_sample_levels(n: usize, k: usize, s_max: usize, small: usize) -> Vec<SampleLevel> {
+    const STEP: usize = 1024;
+    let mut plan: Vec<SampleLevel> = Vec::new();
     let mut m = n;
-    // A level needs room for its sampled levels (s < m) or an exact one; the cap on levels
-    // only guards against a runaway plan (each level shrinks m by a quarter or more).
+    // The cap on levels only guards against a runaway plan (each level shrinks m by a quarter
+    // or more).
     while m > small && k < m && plan.len() < SAMPLE_MAX_LEVELS {
-        let s_eff = s.min(m);
-        let r = sample_rank(k, s_eff, m);
-        if r >= s_eff {
+        let s = s_max.min(m);
+        let Some((expected, cap)) = sample_level_bounds(m, k, s) else {
             break;
-        }
-        let (expected, cap) = if s_eff == m {
-            // Exact when the count is as planned; room for a sampled level if it came out
-            // above the sample size (r ≈ k + 5√k + 3 then).
-            (k, (2 * k + 1024).min(plan.last().copied().unwrap_or(n)))
-        } else {
-            let per = m as f64 / s_eff as f64;
-            let below = r as f64 + 1.0;
-            let spread = 6.0 * below.sqrt() + 8.0;
-            (
-                (below * per) as usize,
-                (((below + spread) * per) as usize + 1024).min(m),
-            )
         };
         if expected * 4 > m * 3 {
             break;
         }
-        plan.push(cap);
+        let mut level = SampleLevel { cap, s };
+        if expected <= small && s < m {
+            let fits = |s: usize| {
+                let below = sample_rank(k, s, m) as f64 + 1.0;
+                (below + 4.0 * below.sqrt() + 4.0) * (m as f64 / s as f64) <= small as f64
+            };
+            if let Some(smaller) = (1..s / STEP).map(|i| i * STEP).find(|&s| fits(s)) {
+                let (_, cap) = sample_level_bounds(m, k, smaller).expect("a smaller sample");
+                level = SampleLevel { cap, s: smaller };
+            }
+        }
+        plan.push(level);
         m = expected;
     }
     plan
@@ -1223,56 +1255,58 @@ impl TopKEngine {
         Ok(buf)
     }
 
-    /// SampleSelect's sampled threshold (sample.cu): a chain of levels, each a one-block radix
-    /// select of a threshold from a stratified sample and one filtering pass that keeps the
-    /// pairs below it, shrinks the n pairs to a few that still hold the k smallest; a one-block
-    /// sort finishes small k, a sort (or radix select) of the survivors larger k. The first level reads keys only
-    /// when the input is positional. The host plans the chain from expected sizes and enqueues
-    /// it without waiting; it reads the status and the counts back once. `None` when the
-    /// sample cannot shrink the input, or the estimate missed (a buffer overflowed, or fewer
-    /// than k pairs survived): the caller then runs radix select.
-    pub fn sample_select(
+    /// SampleSelect (sample.cu): levels of a sampled threshold and a filtering pass, each
+    /// shrinking the pairs that hold the k smallest, then a sort of the survivors: the rank sort
+    /// when they are few, else a radix sort (after a radix select when they are many times k).
+    /// The first level's filter reads only the keys when the input is positional. The host
+    /// plans the chain from expected sizes and enqueues it without waiting. For k ≤ the rank
+    /// sort's capacity the whole selection is enqueued and the returned run is pending: its
+    /// status and counts are read once, by [`finish`](Self::finish), after the kernels. Larger
+    /// k needs the survivor count to plan the sort, so the run is completed here. `None` when
+    /// the sample cannot shrink the input.
+    fn sample_enqueue(
         &mut self,
         input: &DevicePairs,
         n: usize,
         k: usize,
-    ) -> GpuResult<Option<DevicePairs>> {
-        let s = sample_size(self.kind);
+    ) -> GpuResult<Option<SampleRun>> {
+        let s_max = sample_size(self.kind);
         let small = self.small_sort_capacity();
-        let plan = plan_sample_levels(n, k, s, small);
+        let plan = plan_sample_levels(n, k, s_max, small);
         if plan.is_empty() {
             return Ok(None);
         }
-        // GPU_TOPK_TRACE: time each phase (synchronising after each) and print them.
-        let mut phases: Vec<(String, f32)> = Vec::new();
-        let mut timer = trace_enabled()
-            .then(|| GpuTimer::start(&self.stream))
-            .transpose()?;
-        let mut lap = |name: String, stream: &Arc<CudaStream>| -> GpuResult<()> {
-            if let Some(t) = timer.take() {
-                phases.push((name, t.stop()?));
-                timer = Some(GpuTimer::start(stream)?);
-            }
-            Ok(())
-        };
         // Per level: its survivor count (u64); then the status word (u32).
         let ctl = self.device.pool.alloc(SAMPLE_SCRATCH_BYTES, &self.stream)?;
-        self.memset_zero(ctl.ptr(), SAMPLE_SCRATCH_BYTES)?;
-        let status = ctl.ptr() + SAMPLE_STATUS_OFFSET;
+        let mut run = SampleRun {
+            n,
+            k,
+            positional: input.positional,
+            plan,
+            ctl,
+            levels: Vec::new(),
+            sorted_small: None,
+            phases: Vec::new(),
+            timer: trace_enabled()
+                .then(|| GpuTimer::start(&self.stream))
+                .transpose()?,
+        };
+        self.memset_zero(run.ctl.ptr(), SAMPLE_SCRATCH_BYTES)?;
+        let status = run.ctl.ptr() + SAMPLE_STATUS_OFFSET;
         let thr = self.scalars.ptr() + THRESHOLD_OFFSET;
-        let mut levels: Vec<DevicePairs> = Vec::with_capacity(plan.len());
-        for (level, &cap) in plan.iter().enumerate() {
+        for level in 0..run.plan.len() {
+            let SampleLevel { cap, s } = run.plan[level];
             let out = self.alloc_pairs(cap)?;
-            let count = ctl.ptr() + 8 * level as u64;
-            let (src, src_ids, src_n, src_count, src_cap) = match levels.last() {
+            let count = run.ctl.ptr() + 8 * level as u64;
+            let (src_keys, src_ids, src_n, src_count, src_cap) = match run.levels.last() {
                 None => (
-                    input,
+                    input.key_at(0),
                     if input.positional { 0 } else { input.id_at(0) },
                     n,
                     0,
                     n,
                 ),
-                Some(prev) => (prev, prev.id_at(0), 0, count - 8, prev.capacity()),
+                Some(prev) => (prev.key_at(0), prev.id_at(0), 0, count - 8, prev.capacity()),
             };
             self.launch(
                 &self.kernel("sample_threshold"),
@@ -1280,7 +1314,7 @@ impl TopKEngine {
                 SAMPLE_THREADS,
                 0,
                 args![
-                    src.key_at(0),
+                    src_keys,
                     src_ids,
                     src_n,
                     src_count,
@@ -1292,7 +1326,7 @@ impl TopKEngine {
                     status
                 ],
             )?;
-            lap(format!("threshold {level}"), &self.stream)?;
+            run.lap(format!("threshold {level} (s={s})"), &self.stream)?;
             if level == 0 && input.positional {
                 // Keys only, vector loads: the pass that should run at the read floor.
                 let name = self.kernel("filter_below");
@@ -1318,7 +1352,7 @@ impl TopKEngine {
                     THREADS,
                     0,
                     args![
-                        src.key_at(0),
+                        src_keys,
                         src_ids,
                         src_n,
                         src_count,
@@ -1331,75 +1365,106 @@ impl TopKEngine {
                     ],
                 )?;
             }
-            lap(format!("filter {level}"), &self.stream)?;
-            levels.push(out);
+            run.lap(format!("filter {level}"), &self.stream)?;
+            run.levels.push(out);
         }
-        let last = levels.last().expect("a planned level");
-        let last_count = ctl.ptr() + 8 * (levels.len() - 1) as u64;
+        if k > small {
+            return Ok(Some(run));
+        }
         // Small k: the rank sort of the last level, enqueued before looking at the counts.
-        let sorted_small = if k <= small {
-            let out = self.alloc_pairs(small)?;
-            self.launch(
-                &self.kernel("bitonic_rank_sort"),
-                (small / RANK_THREADS as usize).pow(2) as u32,
-                RANK_THREADS,
-                0,
-                args![
-                    last.key_at(0),
-                    last.id_at(0),
-                    last_count,
-                    small,
-                    out.key_at(0),
-                    out.id_at(0),
-                    status,
-                    ctl.ptr() + SAMPLE_RANKS_OFFSET,
-                    ctl.ptr() + SAMPLE_RANK_DONE_OFFSET
-                ],
-            )?;
-            Some(out)
-        } else {
-            None
-        };
-        let bytes = self.read_bytes(ctl.ptr(), SAMPLE_CTL_BYTES)?;
-        lap("sort + read back".into(), &self.stream)?;
+        let last = run.levels.last().expect("a planned level");
+        let last_count = run.ctl.ptr() + 8 * (run.levels.len() - 1) as u64;
+        let out = self.alloc_pairs(small)?;
+        self.launch(
+            &self.kernel("bitonic_rank_sort"),
+            (small / RANK_THREADS as usize).pow(2) as u32,
+            RANK_THREADS,
+            0,
+            args![
+                last.key_at(0),
+                last.id_at(0),
+                last_count,
+                small,
+                out.key_at(0),
+                out.id_at(0),
+                status,
+                run.ctl.ptr() + SAMPLE_RANKS_OFFSET,
+                run.ctl.ptr() + SAMPLE_RANK_DONE_OFFSET
+            ],
+        )?;
+        run.lap("rank sort".into(), &self.stream)?;
+        run.sorted_small = Some(out);
+        Ok(Some(run))
+    }
+
+    /// Reads an enqueued sampled selection's counts and status back (one round trip) and
+    /// completes it: the rank-sorted pairs, or the sort of the survivors when the rank sort did
+    /// not take them (large k, or more survivors than it holds), with whether that sort ran
+    /// after the read-back. `None` when the estimate missed (a buffer overflowed, or fewer than
+    /// k pairs survived): the caller then runs radix select.
+    fn sample_complete(&mut self, mut run: SampleRun) -> GpuResult<Option<(DevicePairs, bool)>> {
+        let (n, k) = (run.n, run.k);
+        let bytes = self.read_bytes(run.ctl.ptr(), SAMPLE_CTL_BYTES)?;
+        run.lap("read back".into(), &self.stream)?;
         let word = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
-        let counts: Vec<u64> = (0..levels.len()).map(|l| word(8 * l)).collect();
+        let counts: Vec<u64> = (0..run.levels.len()).map(|l| word(8 * l)).collect();
         let status = u32::from_le_bytes(
             bytes[SAMPLE_STATUS_OFFSET as usize..SAMPLE_STATUS_OFFSET as usize + 4]
                 .try_into()
                 .expect("4 bytes"),
         );
         let survivors = *counts.last().expect("a level") as usize;
-        let trace = |what: &str, phases: &[(String, f32)]| {
-            if !phases.is_empty() {
+        let trace = |what: &str, run: &SampleRun| {
+            if !run.phases.is_empty() {
                 eprintln!(
-                    "sample_select n={n} k={k} plan={plan:?} counts={counts:?} status={status} \
-                     {what}: {phases:?} ms"
+                    "sample_select n={n} k={k} plan={:?} counts={counts:?} status={status} \
+                     {what}: {:?} ms",
+                    run.plan, run.phases
                 );
             }
         };
         if status & !SAMPLE_STATUS_FINAL_LARGE != 0 || survivors < k.min(n) {
-            trace("missed", &phases);
+            trace("missed", &run);
             return Ok(None);
         }
-        if let Some(out) = sorted_small.filter(|_| status & SAMPLE_STATUS_FINAL_LARGE == 0) {
-            trace("done", &phases);
-            return Ok(Some(out));
+        if let Some(out) = run
+            .sorted_small
+            .take()
+            .filter(|_| status & SAMPLE_STATUS_FINAL_LARGE == 0)
+        {
+            trace("done", &run);
+            return Ok(Some((out, false)));
         }
-        // Larger k (or more survivors than one tile): sort the survivors when that sorts no
-        // more (padded) pairs than sorting k would, or when they are few enough that the
-        // ~26 launches of a radix select cost more than a larger sort; else radix-select k of
-        // them first.
-        let id_bound = if input.positional { n as u64 } else { u64::MAX };
+        // Larger k (or more survivors than the rank sort takes): sort the survivors when that
+        // sorts no more (padded) pairs than sorting k would, or when they are few enough that
+        // the ~26 launches of a radix select cost more than a larger sort; else radix-select k
+        // of them first.
+        let last = run.levels.last().expect("a planned level");
+        let id_bound = if run.positional { n as u64 } else { u64::MAX };
         let sorted = if survivors <= DIRECT_SORT_FACTOR * k.max(DIRECT_SORT_MIN) {
             self.sort_pairs(last, survivors, id_bound)?
         } else {
             self.select_sorted(last, survivors, k, DeviceAlgorithm::Radix)?
                 .0
         };
-        lap("select survivors".into(), &self.stream)?;
-        trace("done", &phases);
-        Ok(Some(sorted))
+        run.lap("select survivors".into(), &self.stream)?;
+        trace("done", &run);
+        Ok(Some((sorted, true)))
+    }
+
+    /// SampleSelect ([`sample_enqueue`](Self::sample_enqueue), then
+    /// [`sample_complete`](Self::sample_complete)): the k smallest pairs, sorted; `None` when
+    /// the sample cannot shrink the input or its estimate missed.
+    pub fn sample_select(
+        &mut self,
+        input: &DevicePairs,
+        n: usize,
+        k: usize,
+    ) -> GpuResult<Option<DevicePairs>> {
+        match self.sample_enqueue(input, n, k)? {
+            Some(run) => Ok(self.sample_complete(run)?.map(|(sorted, _)| sorted)),
+            None => Ok(None),
+        }
     }
 
     /// Dr. Top-k (delegate.cu): the delegates (each subrange's smallest pair) in one read, the
@@ -1491,20 +1556,52 @@ impl TopKEngine {
         k: usize,
         algorithm: DeviceAlgorithm,
     ) -> GpuResult<(DevicePairs, usize)> {
+        let selection = self.enqueue_select(input, n, k, algorithm)?;
+        self.finish(selection)
+    }
+
+    /// [`select_sorted`](Self::select_sorted) without waiting where the algorithm allows: a
+    /// sampled selection of k ≤ the rank sort's capacity is enqueued whole (no host round trip
+    /// inside it) and checked by [`finish`](Self::finish); every other selection is complete
+    /// when this returns.
+    pub fn enqueue_select<'a>(
+        &mut self,
+        input: &'a DevicePairs,
+        n: usize,
+        k: usize,
+        algorithm: DeviceAlgorithm,
+    ) -> GpuResult<Selection<'a>> {
         let m = n.min(k);
+        let ready = |pairs| Selection {
+            input,
+            n,
+            k,
+            state: SelectionState::Ready(pairs, m),
+        };
         if m == 0 {
-            return Ok((self.alloc_pairs(1)?, 0));
+            return Ok(ready(self.alloc_pairs(1)?));
         }
         let id_bound = if input.positional { n as u64 } else { u64::MAX };
         let sorted = match algorithm {
             DeviceAlgorithm::Bitonic => self.bitonic_select(input, n, k)?,
-            DeviceAlgorithm::Sample => match self.sample_select(input, n, k)? {
-                Some(sorted) => sorted,
-                None => return self.select_sorted(input, n, k, DeviceAlgorithm::Radix),
+            DeviceAlgorithm::Sample => match self.sample_enqueue(input, n, k)? {
+                Some(run) if run.sorted_small.is_some() => {
+                    return Ok(Selection {
+                        input,
+                        n,
+                        k,
+                        state: SelectionState::Pending(run),
+                    });
+                }
+                Some(run) => match self.sample_complete(run)? {
+                    Some((sorted, _)) => sorted,
+                    None => return self.enqueue_select(input, n, k, DeviceAlgorithm::Radix),
+                },
+                None => return self.enqueue_select(input, n, k, DeviceAlgorithm::Radix),
             },
             DeviceAlgorithm::Delegate => match self.delegate_select(input, n, k)? {
                 Some(sorted) => sorted,
-                None => return self.select_sorted(input, n, k, DeviceAlgorithm::Sample),
+                None => return self.enqueue_select(input, n, k, DeviceAlgorithm::Sample),
             },
             DeviceAlgorithm::Radix if n > k => {
                 let winners = self.radix_select(input, n, k, k)?;
@@ -1512,7 +1609,85 @@ impl TopKEngine {
             }
             DeviceAlgorithm::Radix => self.sort_pairs(input, n, id_bound)?,
         };
-        Ok((sorted, m))
+        Ok(ready(sorted))
+    }
+
+    /// Completes an [`enqueue_select`](Self::enqueue_select): a pending sampled selection reads
+    /// its status back (one round trip) and, in the rare case where its estimate missed, the
+    /// selection runs again by radix select.
+    pub fn finish(&mut self, selection: Selection<'_>) -> GpuResult<(DevicePairs, usize)> {
+        self.finish_reporting(selection)
+            .map(|(sorted, m, _)| (sorted, m))
+    }
+
+    /// [`finish`](Self::finish), also saying whether device work ran after the read-back (a
+    /// missed estimate, or survivors the rank sort did not take): benchmarks then count the
+    /// round trip and that work in the selection's time.
+    pub fn finish_reporting(
+        &mut self,
+        selection: Selection<'_>,
+    ) -> GpuResult<(DevicePairs, usize, bool)> {
+        let Selection { input, n, k, state } = selection;
+        match state {
+            SelectionState::Ready(pairs, m) => Ok((pairs, m, false)),
+            SelectionState::Pending(run) => match self.sample_complete(run)? {
+                Some((sorted, more)) => Ok((sorted, n.min(k), more)),
+                None => {
+                    let (sorted, m) = self.select_sorted(input, n, k, DeviceAlgorithm::Radix)?;
+                    Ok((sorted, m, true))
+                }
+            },
+        }
+    }
+}
+
+/// A selection enqueued by [`TopKEngine::enqueue_select`]; [`TopKEngine::finish`] completes
+/// it.
+#[derive(Debug)]
+pub struct Selection<'a> {
+    input: &'a DevicePairs,
+    n: usize,
+    k: usize,
+    state: SelectionState,
+}
+
+impl Selection<'_> {
+    /// Whether [`TopKEngine::finish`] still has to read a status back (and may run more work).
+    pub fn is_pending(&self) -> bool {
+        matches!(self.state, SelectionState::Pending(_))
+    }
+}
+
+#[derive(Debug)]
+enum SelectionState {
+    Ready(DevicePairs, usize),
+    Pending(SampleRun),
+}
+
+/// A sampled selection enqueued on the device (`sample_enqueue`): its plan, its control block
+/// (counts, status, rank-sort scratch) and its buffers, kept until it is read back.
+#[derive(Debug)]
+struct SampleRun {
+    n: usize,
+    k: usize,
+    positional: bool,
+    plan: Vec<SampleLevel>,
+    ctl: PooledBuffer,
+    levels: Vec<DevicePairs>,
+    /// The rank sort's output, when k is small enough for it.
+    sorted_small: Option<DevicePairs>,
+    /// `GPU_TOPK_TRACE`: each phase's device time (synchronising after each).
+    phases: Vec<(String, f32)>,
+    timer: Option<GpuTimer>,
+}
+
+impl SampleRun {
+    fn lap(&mut self, name: String, stream: &Arc<CudaStream>) -> GpuResult<()> {
+        if let Some(t) = self.timer.take() {
+            self.phases.push((name, t.stop()?));
+            self.timer = Some(GpuTimer::start(stream)?);
+        }
+        Ok(())
     }
 }
 
@@ -1548,12 +1723,20 @@ mod tests {
                 for k in [1usize, 8, 32, 256, 1024, 4096, 1 << 16, 1 << 20] {
                     let plan = plan_sample_levels(n, k, s, small);
                     let mut m = n;
-                    for (i, &cap) in plan.iter().enumerate() {
+                    for (i, level) in plan.iter().enumerate() {
                         assert!(
-                            cap >= k && cap <= m,
+                            level.cap >= k && level.cap <= m,
                             "{kind:?} n={n} k={k} level {i}: {plan:?}"
                         );
-                        m = cap;
+                        assert!(
+                            level.s <= s && level.s % 1024 == 0 || level.s == m,
+                            "{kind:?} n={n} k={k} level {i}: {plan:?}"
+                        );
+                        // Only the last level samples fewer pairs than the most.
+                        if i + 1 < plan.len() {
+                            assert_eq!(level.s, s.min(m), "{kind:?} n={n} k={k}: {plan:?}");
+                        }
+                        m = level.cap;
                     }
                     if k <= 1024 && n >= 1 << 20 {
                         // Small k always reaches the rank sort (or an exact level).
@@ -1569,7 +1752,26 @@ mod tests {
         // The first level of k = 1 over 2^29 32-bit keys keeps about 5 · 2^29 / 10240 pairs.
         let plan = plan_sample_levels(1 << 29, 1, sample_size(KeyKind::K32), 4096);
         let expected = 5 * (1usize << 29) / (10 << 10);
-        assert!(plan[0] > expected && plan[0] < 8 * expected, "{plan:?}");
+        assert!(
+            plan[0].cap > expected && plan[0].cap < 8 * expected,
+            "{plan:?}"
+        );
+        assert_eq!(plan[0].s, 10 << 10);
+        // One level over 2^20 keys: k = 1 needs 3072 samples to leave ≤ 8192 survivors with
+        // four standard deviations to spare, k = 1024 6144.
+        let s = sample_size(KeyKind::K32);
+        let one = plan_sample_levels(1 << 20, 1, s, 8192);
+        assert_eq!(
+            one.iter().map(|l| l.s).collect::<Vec<_>>(),
+            [3072],
+            "{one:?}"
+        );
+        let many = plan_sample_levels(1 << 20, 1024, s, 8192);
+        assert_eq!(
+            many.iter().map(|l| l.s).collect::<Vec<_>>(),
+            [6144],
+            "{many:?}"
+        );
         assert_eq!(sample_rank(10, 100, 100), 10);
         assert_eq!(sample_rank(0, 100, 1000), 3);
     }

@@ -28,6 +28,11 @@ impl GpuTimer {
     /// Records the end after the work enqueued since the start, waits for it, and returns the
     /// elapsed device time in milliseconds.
     pub fn stop(self) -> GpuResult<f32> {
+        self.elapsed()
+    }
+
+    /// [`stop`](Self::stop) that keeps the start, for a later, longer reading.
+    pub fn elapsed(&self) -> GpuResult<f32> {
         let end = self
             .stream
             .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;

@@ -1144,6 +1144,52 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// `enqueue_select` leaves a sampled selection of small k pending (its status unread, no host
+/// round trip inside it) and `finish` completes it; other selections are complete at once.
+/// 2^20 positional 64-bit keys at k = 1024 leave ~4000–6000 survivors, past what the rank sort
+/// took before it grew to 8192 pairs.
+#[test]
+fn gpu_enqueued_selections_finish_with_the_oracle_result() {
+    use datafusion_gpu_topk::device::{KeyKind, TopKEngine};
+    let Some(device) = gpu_or_skip("gpu_enqueued_selections_finish_with_the_oracle_result") else {
+        return;
+    };
+    let n = 1 << 20;
+    for dist in DISTS {
+        let (p, _) = generate(dist, n, true, 17);
+        let ids: Vec<u64> = (0..n as u64).collect();
+        for kind in [KeyKind::K32, KeyKind::K64] {
+            let k32: Vec<u32> = p.iter().map(|&v| v as u32).collect();
+            let bytes: Vec<u8> = match kind {
+                KeyKind::K32 => k32.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                _ => p.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            };
+            let expected_of = |k| match kind {
+                KeyKind::K32 => oracle(&k32, &ids, k),
+                _ => oracle(&p, &ids, k),
+            };
+            let mut engine = TopKEngine::new(&device, kind).unwrap();
+            let mut pairs = engine.upload_pairs(&bytes, &ids).unwrap();
+            pairs.set_positional(true);
+            for (k, algorithm, pending) in [
+                (1, DeviceAlgorithm::Sample, true),
+                (1024, DeviceAlgorithm::Sample, true),
+                (6000, DeviceAlgorithm::Sample, true),
+                (1024, DeviceAlgorithm::Radix, false),
+                (100_000, DeviceAlgorithm::Sample, false),
+            ] {
+                let what = format!("{dist:?} {kind:?} k={k} {algorithm:?}");
+                let selection = engine.enqueue_select(&pairs, n, k, algorithm).unwrap();
+                assert_eq!(selection.is_pending(), pending, "{what}");
+                let (sorted, m) = engine.finish(selection).unwrap();
+                assert_eq!(m, k, "{what}");
+                let got = engine.download_ids(&sorted, m).unwrap();
+                assert!(got == expected_of(k), "{what}");
+            }
+        }
+    }
+}
+
 /// Device times of the selection kernels on resident data (`cargo test -- --ignored
 /// gpu_timing`): a first look, not the benchmark.
 #[test]
