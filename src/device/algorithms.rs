@@ -269,13 +269,18 @@ fn trace_enabled() -> bool {
 /// The sampled threshold's hash seed; its block size (sample.cu `SAMPLE_THREADS`).
 const SAMPLE_SEED: u64 = 0x5eed_5a3b_1e00_0001;
 const SAMPLE_THREADS: u32 = 1024;
-/// The sampled selection's device scalars: a survivor count per level, then the status word
-/// (sample.cu `STATUS_*`) and the rank sort's block counter; read back at the end. The rank
-/// sort's rank words follow (zeroed with them, not read back).
+/// The sampled selection's device scalars: a survivor count per level (`SAMPLE_MAX_LEVELS`
+/// u64), the rank sort's per-row block counters, then the status word (sample.cu `STATUS_*`);
+/// read back at the end. The rank sort's rank words follow (zeroed with them, not read back).
 const SAMPLE_CTL_BYTES: usize = 256;
+const SAMPLE_ROW_DONE_OFFSET: u64 = 64;
 const SAMPLE_STATUS_OFFSET: u64 = 248;
-const SAMPLE_RANK_DONE_OFFSET: u64 = 252;
 const SAMPLE_RANKS_OFFSET: u64 = 256;
+const _: () = assert!(
+    8 * SAMPLE_MAX_LEVELS as u64 <= SAMPLE_ROW_DONE_OFFSET
+        && SAMPLE_ROW_DONE_OFFSET + 4 * (RANK_SORT_MAX / RANK_THREADS as usize) as u64
+            <= SAMPLE_STATUS_OFFSET
+);
 const SAMPLE_SCRATCH_BYTES: usize = SAMPLE_CTL_BYTES + 4 * RANK_SORT_MAX;
 const SAMPLE_STATUS_FINAL_LARGE: u32 = 4;
 /// Survivors of a sampled selection are sorted whole (rather than radix-selected first) up to
@@ -284,8 +289,9 @@ const SAMPLE_STATUS_FINAL_LARGE: u32 = 4;
 const DIRECT_SORT_FACTOR: usize = 4;
 const DIRECT_SORT_MIN: usize = 1 << 16;
 
-/// The rank sort that ends a sampled selection (bitonic.cu `rank_sort`): up to this many
-/// pairs (O(m²) comparisons), in a grid of (m / `RANK_THREADS`)² blocks.
+/// The rank sort that ends a sampled selection (bitonic.cu `rank_chunks` + `rank_merge`): up
+/// to this many pairs, sorted in chunks of `RANK_THREADS`, each pair then ranked by a binary
+/// search in every other chunk, in a grid of (m / `RANK_THREADS`)² blocks.
 const RANK_SORT_MAX: usize = 8192;
 const RANK_THREADS: u32 = 256;
 
@@ -1069,7 +1075,8 @@ impl TopKEngine {
     /// Pairs `[0, m)` sorted ascending, at the start of a new buffer: one register tile's
     /// bitonic sort when they fit one, else the LSD radix sort (radix_sort.cu). `id_bound`
     /// bounds the row ids (every id < it; `u64::MAX` when unknown): the sort skips the
-    /// row id's bytes above it.
+    /// row id's bytes above it. A bound of 1 says the ids already ascend in input order: the
+    /// radix sort's stable passes then take the key's digits only.
     pub fn sort_pairs(
         &self,
         input: &DevicePairs,
@@ -1093,7 +1100,7 @@ impl TopKEngine {
         id_bound: u64,
     ) -> GpuResult<DevicePairs> {
         let id_bits = 64 - id_bound.saturating_sub(1).leading_zeros();
-        let id_digits = id_bits.div_ceil(8).max(1) as usize;
+        let id_digits = id_bits.div_ceil(8) as usize;
         let positions = id_digits + self.kind.bits() as usize / 8;
         // radix_sort.cu `SortItems`.
         let items = match self.kind {
@@ -1374,10 +1381,12 @@ impl TopKEngine {
         // Small k: the rank sort of the last level, enqueued before looking at the counts.
         let last = run.levels.last().expect("a planned level");
         let last_count = run.ctl.ptr() + 8 * (run.levels.len() - 1) as u64;
+        let chunks = self.alloc_pairs(small)?;
         let out = self.alloc_pairs(small)?;
+        let rows = small / RANK_THREADS as usize;
         self.launch(
-            &self.kernel("bitonic_rank_sort"),
-            (small / RANK_THREADS as usize).pow(2) as u32,
+            &self.kernel("bitonic_rank_chunks"),
+            rows as u32,
             RANK_THREADS,
             0,
             args![
@@ -1385,11 +1394,26 @@ impl TopKEngine {
                 last.id_at(0),
                 last_count,
                 small,
+                chunks.key_at(0),
+                chunks.id_at(0),
+                status
+            ],
+        )?;
+        self.launch(
+            &self.kernel("bitonic_rank_merge"),
+            (rows * rows) as u32,
+            RANK_THREADS,
+            0,
+            args![
+                chunks.key_at(0),
+                chunks.id_at(0),
+                last_count,
+                small,
                 out.key_at(0),
                 out.id_at(0),
                 status,
                 run.ctl.ptr() + SAMPLE_RANKS_OFFSET,
-                run.ctl.ptr() + SAMPLE_RANK_DONE_OFFSET
+                run.ctl.ptr() + SAMPLE_ROW_DONE_OFFSET
             ],
         )?;
         run.lap("rank sort".into(), &self.stream)?;
@@ -1607,7 +1631,12 @@ impl TopKEngine {
                 let winners = self.radix_select(input, n, k, k)?;
                 self.sort_pairs(&winners, k, id_bound)?
             }
-            DeviceAlgorithm::Radix => self.sort_pairs(input, n, id_bound)?,
+            // All of them, sorted. Positional ids ascend in input order, and each LSD pass is
+            // stable, so the key's digits alone leave ties in row id order (bound 1: no row
+            // id digit; 4 passes instead of 7 for 32-bit keys and 2^20 rows).
+            DeviceAlgorithm::Radix => {
+                self.sort_pairs(input, n, if input.positional { 1 } else { id_bound })?
+            }
         };
         Ok(ready(sorted))
     }

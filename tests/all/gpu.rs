@@ -1147,7 +1147,7 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
 /// `enqueue_select` leaves a sampled selection of small k pending (its status unread, no host
 /// round trip inside it) and `finish` completes it; other selections are complete at once.
 /// 2^20 positional 64-bit keys at k = 1024 leave ~4000–6000 survivors, past what the rank sort
-/// took before it grew to 8192 pairs.
+/// took before it grew to 8192 pairs; k = n sorts the positional input by its keys alone.
 #[test]
 fn gpu_enqueued_selections_finish_with_the_oracle_result() {
     use datafusion_gpu_topk::device::{KeyKind, TopKEngine};
@@ -1177,6 +1177,9 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
                 (6000, DeviceAlgorithm::Sample, true),
                 (1024, DeviceAlgorithm::Radix, false),
                 (100_000, DeviceAlgorithm::Sample, false),
+                // All of them: positional ids let the radix sort skip the id digits.
+                (n, DeviceAlgorithm::Radix, false),
+                (n, DeviceAlgorithm::Sample, false),
             ] {
                 let what = format!("{dist:?} {kind:?} k={k} {algorithm:?}");
                 let selection = engine.enqueue_select(&pairs, n, k, algorithm).unwrap();
