@@ -366,20 +366,29 @@ fn sample_level_bounds(m: usize, k: usize, s: usize) -> Option<(usize, usize)> {
 }
 
 /// The levels of a sampled selection of k among n (`s_max` pairs sampled at most, `small`
-/// pairs rank-sorted at the end): levels are added while the expected survivors exceed what
-/// the final rank sort takes and a level shrinks them at least by a quarter. The last level,
-/// whose survivors the rank sort takes, samples only as many pairs (in steps of 1024, one per
-/// thread) as keep its survivors below `small` with four standard deviations to spare: the
-/// one-block threshold costs in proportion to its sample (16.5 µs for 10240 pairs, ncu), and
-/// the rank sort takes the extra survivors in a few µs. Empty: sampling cannot shrink this
-/// input.
+/// pairs rank-sorted at the end): levels are added while a level's survivors could exceed
+/// (by four standard deviations) what the final rank sort takes, and a level shrinks them at
+/// least by a quarter. The last level, whose survivors the rank sort takes, samples only as many
+/// pairs (in steps of 1024, one per thread) as keep its survivors below `small` with that
+/// margin: the one-block threshold costs in proportion to its sample (16.5 µs for 10240
+/// pairs, ncu), the rank sort takes the extra survivors in a few µs. An exact level (the
+/// sample is the whole level) records `s_max`, so that the device takes all of an actual
+/// count that came out above the plan. Empty: sampling cannot shrink this input.
 pub fn plan_sample_levels(n: usize, k: usize, s_max: usize, small: usize) -> Vec<SampleLevel> {
     const STEP: usize = 1024;
+    // Survivors of a sampled level of s among m, four standard deviations above expected.
+    let high = |m: usize, s: usize| {
+        if s >= m {
+            return k;
+        }
+        let below = sample_rank(k, s, m) as f64 + 1.0;
+        ((below + 4.0 * below.sqrt() + 4.0) * (m as f64 / s as f64)) as usize
+    };
     let mut plan: Vec<SampleLevel> = Vec::new();
-    let mut m = n;
+    let (mut m, mut m_high) = (n, n);
     // The cap on levels only guards against a runaway plan (each level shrinks m by a quarter
     // or more).
-    while m > small && k < m && plan.len() < SAMPLE_MAX_LEVELS {
+    while m_high > small && k < m && plan.len() < SAMPLE_MAX_LEVELS {
         let s = s_max.min(m);
         let Some((expected, cap)) = sample_level_bounds(m, k, s) else {
             break;
@@ -388,16 +397,17 @@ pub fn plan_sample_levels(n: usize, k: usize, s_max: usize, small: usize) -> Vec
             break;
         }
         let mut level = SampleLevel { cap, s };
-        if expected <= small && s < m {
-            let fits = |s: usize| {
-                let below = sample_rank(k, s, m) as f64 + 1.0;
-                (below + 4.0 * below.sqrt() + 4.0) * (m as f64 / s as f64) <= small as f64
-            };
-            if let Some(smaller) = (1..s / STEP).map(|i| i * STEP).find(|&s| fits(s)) {
-                let (_, cap) = sample_level_bounds(m, k, smaller).expect("a smaller sample");
-                level = SampleLevel { cap, s: smaller };
-            }
+        if s == m {
+            level.s = s_max;
+        } else if high(m, s) <= small
+            && let Some(smaller) = (1..s / STEP)
+                .map(|i| i * STEP)
+                .find(|&s| high(m, s) <= small)
+        {
+            let (_, cap) = sample_level_bounds(m, k, smaller).expect("a smaller sample");
+            level = SampleLevel { cap, s: smaller };
         }
+        m_high = high(m, level.s.min(m));
         plan.push(level);
         m = expected;
     }
@@ -1801,6 +1811,11 @@ mod tests {
             [6144],
             "{many:?}"
         );
+        // k = 4096: ~7800 survivors expected from 10240 samples, too close to 8192: an exact
+        // second level keeps 4096.
+        let close = plan_sample_levels(1 << 20, 4096, s, 8192);
+        assert_eq!(close.len(), 2, "{close:?}");
+        assert_eq!(close[1].s, s, "{close:?}");
         assert_eq!(sample_rank(10, 100, 100), 10);
         assert_eq!(sample_rank(0, 100, 1000), 3);
     }
