@@ -19,7 +19,7 @@
 // bitonic sorting network on a power-of-two padded array, with the steps of stride < T (a
 // tile of 4096 pairs) fused into kernels that keep the tile in registers (`sort_local` for all
 // sizes ≤ T, `merge_local` for the tail of each larger size) and the steps of stride ≥ T one
-// global kernel each (`sort_step`). `rank_chunks` + `rank_merge` sort the few survivors of a sampled selection.
+// global kernel each (`sort_step`). `rank_sort` sorts the few survivors of a sampled selection.
 
 #include "common.cuh"
 
@@ -281,46 +281,60 @@ template <class K> __device__ void merge_local(K *keys, u64 *ids, u64 m, u64 siz
 }
 
 // Sort of a small set, the last step of a sampled selection (sample.cu): the m = *n_ptr pairs
-// (m ≤ cap), in two launches.
-//   rank_chunks  block b sorts pairs [256b, 256b + 256) in shared memory (the network above)
-//                into tmp.
-//   rank_merge   block (b, c) of a (cap/256)² grid finds, for each pair of sorted chunk b, how
-//                many pairs of sorted chunk c are below it (a binary search in shared memory;
-//                its position, for c = b) and adds that to the pair's rank; the last of the
-//                ⌈m/256⌉ blocks of row b to finish writes the row's pairs to out[rank]. Pairs
-//                are distinct, so the ranks are a permutation.
-// Only the blocks that hold pairs take part (the grids are sized for cap, since m lives on the
-// device): the others return at once. Measured on the H100 (n = 2^20): comparing every pair
-// with every other (the previous version of rank_merge, 256 comparisons per thread and one
-// block scattering all m pairs) cost ~30 µs at m = 4700; a one-block bitonic sort of a
-// 4096-pair tile 52 µs. `ranks` (cap words) and `row_done` (cap/256 words) must be zero. Does
-// nothing once `status` is set; rank_merge sets bit 4 when m > cap (the host then sorts with
-// the kernels above). Blocks of RANK_THREADS threads.
+// (m ≤ cap), by rank, in one launch. Block (b, c) of a (cap/256)² grid sorts the 256 pairs of
+// chunk c (`block_sort_pairs`, one pair per thread), and finds for each pair of chunk b how
+// many pairs of chunk c are below it (a binary search in shared memory) and adds that to the
+// pair's rank; the last of the ⌈m/256⌉ blocks of row b to finish writes the row's pairs to
+// out[rank]. Pairs are distinct, so the ranks are a permutation. Only the blocks that hold
+// pairs take part (the grid is sized for cap, since m lives on the device): the others return
+// at once. Measured on the H100 (n = 2^20, ncu): comparing every pair with every other, 256
+// comparisons per thread with one block scattering all m pairs, cost ~30 µs at m = 4700;
+// chunks sorted by a shared-memory network in a launch of their own, then the searches,
+// 10 + 8.5 µs at m = 5200; a one-block bitonic sort of a 4096-pair tile 52 µs. `ranks` (cap
+// words) and `row_done` (cap/256 words) must be zero. Does nothing once `status` is set; sets
+// bit 4 when m > cap (the host then sorts with the kernels above). Blocks of RANK_THREADS.
 #define RANK_THREADS 256
-template <class K>
-__device__ void rank_chunks(const K *keys, const u64 *ids, const u64 *n_ptr, u64 cap, K *tmp_keys, u64 *tmp_ids,
-                            const u32 *status) {
-    __shared__ K s_keys[RANK_THREADS];
-    __shared__ u64 s_ids[RANK_THREADS];
-    if (__ldcg(status) != 0) return;
-    const u64 m = __ldcg(n_ptr);
-    const u64 base = (u64)blockIdx.x * RANK_THREADS;
-    if (m > cap || base >= m) return; // uniform per block
-    const u64 i = base + threadIdx.x;
-    // Padding: the largest pair, above every real one (row ids are below 2^64 - 1).
-    s_keys[threadIdx.x] = i < m ? keys[i] : key_max<K>();
-    s_ids[threadIdx.x] = i < m ? ids[i] : ~0ull;
-    __syncthreads();
-    network(Smem<K>{s_keys, s_ids}, RANK_THREADS, 0, RANK_THREADS);
-    if (i < m) {
-        tmp_keys[i] = s_keys[threadIdx.x];
-        tmp_ids[i] = s_ids[threadIdx.x];
+
+template <class K> __device__ __forceinline__ K shfl_xor_key(const K &k, int lane_mask) {
+    K r;
+#pragma unroll
+    for (int j = 0; j < K::N; ++j) r.w[j] = __shfl_xor_sync(FULL_MASK, k.w[j], lane_mask);
+    return r;
+}
+
+// Sorts the block's RANK_THREADS pairs, one per thread, ascending by thread index: a bitonic
+// network whose steps of stride < 32 exchange through warp shuffles (no barrier) and the six
+// others through shared memory (`sk`, `sid`).
+template <class K> __device__ __forceinline__ void block_sort_pairs(K &k, u64 &id, K *sk, u64 *sid) {
+    const u32 t = threadIdx.x;
+    for (u32 size = 2; size <= RANK_THREADS; size <<= 1) {
+        for (u32 stride = size >> 1; stride > 0; stride >>= 1) {
+            K pk;
+            u64 pid;
+            if (stride >= 32) {
+                sk[t] = k;
+                sid[t] = id;
+                __syncthreads();
+                pk = sk[t ^ stride];
+                pid = sid[t ^ stride];
+                __syncthreads();
+            } else {
+                pk = shfl_xor_key(k, (int)stride);
+                pid = __shfl_xor_sync(FULL_MASK, id, (int)stride);
+            }
+            // The lower position of an ascending pair of positions keeps the smaller pair.
+            const bool want_smaller = ((t & stride) == 0) == ((t & size) == 0);
+            if (pair_less(pk, pid, k, id) == want_smaller) {
+                k = pk;
+                id = pid;
+            }
+        }
     }
 }
 
 template <class K>
-__device__ void rank_merge(const K *tmp_keys, const u64 *tmp_ids, const u64 *n_ptr, u64 cap, K *out_keys,
-                           u64 *out_ids, u32 *status, u32 *ranks, u32 *row_done) {
+__device__ void rank_sort(const K *keys, const u64 *ids, const u64 *n_ptr, u64 cap, K *out_keys, u64 *out_ids,
+                          u32 *status, u32 *ranks, u32 *row_done) {
     __shared__ K s_keys[RANK_THREADS];
     __shared__ u64 s_ids[RANK_THREADS];
     if (__ldcg(status) != 0) return;
@@ -333,31 +347,26 @@ __device__ void rank_merge(const K *tmp_keys, const u64 *tmp_ids, const u64 *n_p
     const u64 rb = (u64)blockIdx.x % blocks, cb = (u64)blockIdx.x / blocks;
     const u64 row = rb * RANK_THREADS, col = cb * RANK_THREADS;
     if (row >= m || col >= m) return; // uniform per block
-    const u64 i = row + threadIdx.x;
+    const u64 i = row + threadIdx.x, j = col + threadIdx.x;
     const bool mine = i < m;
-    const K k = mine ? tmp_keys[i] : key_zero<K>();
-    const u64 id = mine ? tmp_ids[i] : 0;
-    u32 below = threadIdx.x; // in its own chunk (c = b), a pair's position
-    if (cb != rb) {          // uniform per block
-        const u64 j = col + threadIdx.x;
-        if (j < m) {
-            s_keys[threadIdx.x] = tmp_keys[j];
-            s_ids[threadIdx.x] = tmp_ids[j];
-        }
-        __syncthreads();
-        // Lower bound of (k, id) in the sorted chunk of len pairs.
-        u32 lo = 0, len = (u32)min((u64)RANK_THREADS, m - col);
-        while (len > 0) {
-            const u32 half = len / 2;
-            if (pair_less(s_keys[lo + half], s_ids[lo + half], k, id)) {
-                lo += half + 1;
-                len -= half + 1;
-            } else {
-                len = half;
-            }
-        }
-        below = lo;
+    const K k = mine ? keys[i] : key_zero<K>();
+    const u64 id = mine ? ids[i] : 0;
+    // Chunk c, sorted; padded with the largest pair, above every real one (row ids are below
+    // 2^64 - 1), so the search below never counts the padding.
+    K ck = j < m ? keys[j] : key_max<K>();
+    u64 cid = j < m ? ids[j] : ~0ull;
+    block_sort_pairs(ck, cid, s_keys, s_ids);
+    s_keys[threadIdx.x] = ck;
+    s_ids[threadIdx.x] = cid;
+    __syncthreads();
+    // Pairs of chunk c below (k, id): binary lifting over positions [0, 255], then the last.
+    u32 below = 0;
+#pragma unroll
+    for (u32 step = RANK_THREADS / 2; step > 0; step >>= 1) {
+        const u32 q = below + step - 1;
+        if (pair_less(s_keys[q], s_ids[q], k, id)) below += step;
     }
+    if (below == RANK_THREADS - 1 && pair_less(s_keys[below], s_ids[below], k, id)) below = RANK_THREADS;
     if (mine && below != 0) atomicAdd(&ranks[i], below);
     const u32 taking_part = (u32)((m + RANK_THREADS - 1) / RANK_THREADS);
     if (!last_block_of(&row_done[rb], taking_part)) return;
@@ -386,13 +395,8 @@ __device__ void rank_merge(const K *tmp_keys, const u64 *tmp_ids, const u64 *n_p
         merge_local<K>(keys, ids, m, size);                                                                       \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RANK_THREADS)                                                    \
-        bitonic_rank_chunks_##S(const K *keys, const u64 *ids, const u64 *n_ptr, u64 cap, K *tmp_keys,             \
-                                u64 *tmp_ids, const u32 *status) {                                                \
-        rank_chunks<K>(keys, ids, n_ptr, cap, tmp_keys, tmp_ids, status);                                         \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(RANK_THREADS)                                                    \
-        bitonic_rank_merge_##S(const K *tmp_keys, const u64 *tmp_ids, const u64 *n_ptr, u64 cap, K *out_keys,      \
-                               u64 *out_ids, u32 *status, u32 *ranks, u32 *row_done) {                            \
-        rank_merge<K>(tmp_keys, tmp_ids, n_ptr, cap, out_keys, out_ids, status, ranks, row_done);                 \
+        bitonic_rank_sort_##S(const K *keys, const u64 *ids, const u64 *n_ptr, u64 cap, K *out_keys, u64 *out_ids, \
+                              u32 *status, u32 *ranks, u32 *row_done) {                                           \
+        rank_sort<K>(keys, ids, n_ptr, cap, out_keys, out_ids, status, ranks, row_done);                          \
     }
 INSTANTIATE_KEYS(BITONIC_ENTRIES)

@@ -272,10 +272,10 @@ const SAMPLE_THREADS: u32 = 1024;
 /// The sampled selection's device scalars: a survivor count per level (`SAMPLE_MAX_LEVELS`
 /// u64), the rank sort's per-row block counters, then the status word (sample.cu `STATUS_*`);
 /// read back at the end. The rank sort's rank words follow (zeroed with them, not read back).
-const SAMPLE_CTL_BYTES: usize = 256;
+const SAMPLE_CTL_BYTES: usize = 512;
 const SAMPLE_ROW_DONE_OFFSET: u64 = 64;
-const SAMPLE_STATUS_OFFSET: u64 = 248;
-const SAMPLE_RANKS_OFFSET: u64 = 256;
+const SAMPLE_STATUS_OFFSET: u64 = 504;
+const SAMPLE_RANKS_OFFSET: u64 = 512;
 const _: () = assert!(
     8 * SAMPLE_MAX_LEVELS as u64 <= SAMPLE_ROW_DONE_OFFSET
         && SAMPLE_ROW_DONE_OFFSET + 4 * (RANK_SORT_MAX / RANK_THREADS as usize) as u64
@@ -289,10 +289,10 @@ const SAMPLE_STATUS_FINAL_LARGE: u32 = 4;
 const DIRECT_SORT_FACTOR: usize = 4;
 const DIRECT_SORT_MIN: usize = 1 << 16;
 
-/// The rank sort that ends a sampled selection (bitonic.cu `rank_chunks` + `rank_merge`): up
-/// to this many pairs, sorted in chunks of `RANK_THREADS`, each pair then ranked by a binary
-/// search in every other chunk, in a grid of (m / `RANK_THREADS`)² blocks.
-const RANK_SORT_MAX: usize = 8192;
+/// The rank sort that ends a sampled selection (bitonic.cu `rank_sort`): up to this many
+/// pairs, each ranked by a binary search in every sorted chunk of `RANK_THREADS`, in one
+/// launch of (m / `RANK_THREADS`)² blocks (the unused ones return at once).
+const RANK_SORT_MAX: usize = 16384;
 const RANK_THREADS: u32 = 256;
 
 /// The radix sort's block size (radix_sort.cu `RSORT_THREADS`); it sorts fewer pairs than
@@ -1391,32 +1391,16 @@ impl TopKEngine {
         // Small k: the rank sort of the last level, enqueued before looking at the counts.
         let last = run.levels.last().expect("a planned level");
         let last_count = run.ctl.ptr() + 8 * (run.levels.len() - 1) as u64;
-        let chunks = self.alloc_pairs(small)?;
         let out = self.alloc_pairs(small)?;
         let rows = small / RANK_THREADS as usize;
         self.launch(
-            &self.kernel("bitonic_rank_chunks"),
-            rows as u32,
+            &self.kernel("bitonic_rank_sort"),
+            (rows * rows) as u32,
             RANK_THREADS,
             0,
             args![
                 last.key_at(0),
                 last.id_at(0),
-                last_count,
-                small,
-                chunks.key_at(0),
-                chunks.id_at(0),
-                status
-            ],
-        )?;
-        self.launch(
-            &self.kernel("bitonic_rank_merge"),
-            (rows * rows) as u32,
-            RANK_THREADS,
-            0,
-            args![
-                chunks.key_at(0),
-                chunks.id_at(0),
                 last_count,
                 small,
                 out.key_at(0),
@@ -1816,6 +1800,15 @@ mod tests {
         let close = plan_sample_levels(1 << 20, 4096, s, 8192);
         assert_eq!(close.len(), 2, "{close:?}");
         assert_eq!(close[1].s, s, "{close:?}");
+        // The rank sort of 16384 pairs: one level each, smaller samples.
+        for (k, want) in [(1, 2048), (1024, 3072), (4096, 5120)] {
+            let plan = plan_sample_levels(1 << 20, k, s, 16384);
+            assert_eq!(
+                plan.iter().map(|l| l.s).collect::<Vec<_>>(),
+                [want],
+                "k={k}: {plan:?}"
+            );
+        }
         assert_eq!(sample_rank(10, 100, 100), 10);
         assert_eq!(sample_rank(0, 100, 1000), 3);
     }

@@ -1147,7 +1147,7 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
 /// `enqueue_select` leaves a sampled selection of small k pending (its status unread, no host
 /// round trip inside it) and `finish` completes it; other selections are complete at once.
 /// 2^20 positional 64-bit keys at k = 1024 leave ~4000–6000 survivors, past what the rank sort
-/// took before it grew to 8192 pairs; k = n sorts the positional input by its keys alone.
+/// took before it grew to 16384 pairs; k = n sorts the positional input by its keys alone.
 #[test]
 fn gpu_enqueued_selections_finish_with_the_oracle_result() {
     use datafusion_gpu_topk::device::{KeyKind, TopKEngine};
