@@ -6,9 +6,14 @@
 //! arithmetic): columns and literals of boolean, integer, float and temporal types;
 //! `+ − *` on integers (wrapping, as DataFusion's default) and floats, `/` on floats, integer
 //! `/` and `%` by a literal that cannot fail (not 0, not −1); comparisons of equal types (floats
-//! in total order with −0.0 = 0.0, as DataFusion's `apply_cmp`); `AND`, `OR`, `NOT`, `IS [NOT] NULL`; negation; lossless casts (integer
-//! widening, integer → float, f32 → f64, timestamp time zone changes). Anything else is
-//! declined with the reason, and the part of the query it belongs to runs on the host.
+//! in total order with −0.0 = 0.0, as DataFusion's `apply_cmp`); `AND`, `OR`, `NOT`,
+//! `IS [NOT] NULL`; negation; `[NOT] IN` literal lists (floats by bit pattern, as DataFusion's
+//! static filter); `CASE` (searched, or simple on a non-float value); `floor`, `ceil`, `round`
+//! and `abs` of floats, `abs` of unsigned integers; lossless casts (integer widening,
+//! integer → float, f32 → f64, timestamp time zone changes). `BETWEEN` arrives as two
+//! comparisons. Anything else is declined with the reason (e.g. `sqrt` and signed `abs`, which
+//! DataFusion fails on some inputs, or `ln`, whose last bit CUDA's libm does not promise), and
+//! the part of the query it belongs to runs on the host.
 
 use std::fmt::Write;
 use std::sync::Arc;
@@ -17,9 +22,10 @@ use datafusion::arrow::datatypes::{DataType, Schema};
 use datafusion::common::ScalarValue;
 use datafusion::logical_expr::Operator;
 use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_expr::ScalarFunctionExpr;
 use datafusion::physical_expr::expressions::{
-    BinaryExpr, CastExpr, Column, IsNotNullExpr, IsNullExpr, Literal, NegativeExpr, NotExpr,
-    TryCastExpr,
+    BinaryExpr, CaseExpr, CastExpr, Column, InListExpr, IsNotNullExpr, IsNullExpr, Literal,
+    NegativeExpr, NotExpr, TryCastExpr,
 };
 
 /// Why an expression is not translated (shown in EXPLAIN).
@@ -300,7 +306,215 @@ impl<'a> Emitter<'a> {
         if let Some(cast) = any.downcast_ref::<TryCastExpr>() {
             return self.cast(cast.expr(), cast.cast_type());
         }
+        if let Some(in_list) = any.downcast_ref::<InListExpr>() {
+            return self.in_list(in_list);
+        }
+        if let Some(case) = any.downcast_ref::<CaseExpr>() {
+            return self.case(case);
+        }
+        if let Some(function) = any.downcast_ref::<ScalarFunctionExpr>() {
+            return self.function(expr, function);
+        }
         Err(format!("{expr} has no device translation"))
+    }
+
+    /// `x [NOT] IN (literals)`, as DataFusion's static filter: NULL when x is NULL, or when x
+    /// is not found and the list holds a NULL; floats match by bit pattern (its hash set's
+    /// equality: −0.0 ≠ 0.0, a NaN matches only its own bits).
+    fn in_list(&mut self, in_list: &InListExpr) -> Result<Value, Declined> {
+        let a = self.emit(in_list.expr())?;
+        let mut found = Vec::new();
+        let mut list_has_null = false;
+        for item in in_list.list() {
+            let literal = item
+                .downcast_ref::<Literal>()
+                .ok_or_else(|| format!("IN list item {item} is not a literal"))?;
+            if literal.value().data_type() != a.data_type {
+                return Err(format!(
+                    "IN list item {item} of type {} for {}",
+                    literal.value().data_type(),
+                    a.data_type
+                ));
+            }
+            match literal_bits(literal.value()) {
+                None => return Err(format!("IN list of {}", a.data_type)),
+                Some(None) => list_has_null = true,
+                Some(Some(bits)) => found.push(match a.ctype {
+                    CType::F32 => format!("__float_as_uint({}) == 0x{:08x}u", a.value, bits as u32),
+                    CType::F64 => {
+                        format!("(u64)__double_as_longlong({}) == 0x{bits:016x}ull", a.value)
+                    }
+                    CType::Bool => format!("{} == {}", a.value, bits != 0),
+                    t => format!("{} == ({})0x{bits:x}ull", a.value, t.name()),
+                }),
+            }
+        }
+        let found = if found.is_empty() {
+            "false".to_string()
+        } else {
+            format!("({})", found.join(" || "))
+        };
+        let found = self.define(DataType::Boolean, CType::Bool, found, "true".into());
+        let value = if in_list.negated() {
+            format!("!{}", found.value)
+        } else {
+            found.value.clone()
+        };
+        let valid = if list_has_null {
+            format!("{} && {}", a.valid, found.value)
+        } else {
+            a.valid.clone()
+        };
+        Ok(self.define(DataType::Boolean, CType::Bool, value, valid))
+    }
+
+    /// `CASE [x] WHEN … THEN … [ELSE …] END`: the first branch whose condition is TRUE (or
+    /// whose value equals x, neither NULL), else the ELSE value, else NULL. Every branch is
+    /// evaluated on every row, which is exact because no translated operation can fail.
+    fn case(&mut self, case: &CaseExpr) -> Result<Value, Declined> {
+        let base = case.expr().map(|e| self.emit(e)).transpose()?;
+        if let Some(base) = &base
+            && base.ctype.is_float()
+        {
+            return Err(format!(
+                "CASE on a {} value (compared by arrow's float equality)",
+                base.data_type
+            ));
+        }
+        let mut branches = Vec::new();
+        for (when, then) in case.when_then_expr() {
+            let w = self.emit(when)?;
+            let condition = match &base {
+                None if w.ctype == CType::Bool => format!("({} && {})", w.valid, w.value),
+                None => return Err(format!("CASE WHEN of type {}", w.data_type)),
+                Some(b) if b.data_type == w.data_type => {
+                    format!("({} && {} && {} == {})", b.valid, w.valid, b.value, w.value)
+                }
+                Some(b) => {
+                    return Err(format!("CASE of {} WHEN {}", b.data_type, w.data_type));
+                }
+            };
+            branches.push((condition, self.emit(then)?));
+        }
+        let otherwise = case.else_expr().map(|e| self.emit(e)).transpose()?;
+        let result_type = branches
+            .first()
+            .map(|(_, t)| t.data_type.clone())
+            .ok_or_else(|| "CASE without branches".to_string())?;
+        let ctype = branches[0].1.ctype;
+        if branches.iter().any(|(_, t)| t.data_type != result_type)
+            || otherwise
+                .as_ref()
+                .is_some_and(|e| e.data_type != result_type)
+        {
+            return Err("CASE branches of different types".into());
+        }
+        let (mut value, mut valid) = match &otherwise {
+            Some(e) => (e.value.clone(), e.valid.clone()),
+            None => (format!("({})0", ctype.name()), "false".to_string()),
+        };
+        for (condition, then) in branches.iter().rev() {
+            value = format!("({condition} ? {} : {value})", then.value);
+            valid = format!("({condition} ? {} : {valid})", then.valid);
+        }
+        Ok(self.define(result_type, ctype, value, valid))
+    }
+
+    /// The math functions the device computes bit for bit as DataFusion does: `floor`,
+    /// `ceil`, `round` (to a literal number of places) and `abs` of floats (NaN operands
+    /// propagate quieted, as the host's libm; `abs` clears the sign bit, NaN or not), and
+    /// `abs` of unsigned integers. The others are declined with the reason.
+    fn function(
+        &mut self,
+        expr: &Arc<dyn PhysicalExpr>,
+        function: &ScalarFunctionExpr,
+    ) -> Result<Value, Declined> {
+        let name = function.name();
+        let args = function.args();
+        let declined = |why: &str| Err(format!("{expr}: {why}"));
+        match name {
+            "sqrt" => return declined("DataFusion errors on a negative argument"),
+            "ln" | "log" | "log2" | "log10" | "exp" | "power" | "pow" | "cbrt" | "sin" | "cos"
+            | "tan" => {
+                return declined(
+                    "CUDA's libm may differ from the host's in the last place, and DataFusion \
+                     orders by exact bits",
+                );
+            }
+            "abs" | "floor" | "ceil" | "round" => {}
+            _ => return declined("no device translation of this function"),
+        }
+        let a = match args {
+            [x] | [x, _] => self.emit(x)?,
+            _ => return declined("unexpected arguments"),
+        };
+        let t = a.ctype;
+        let value = match (name, t) {
+            ("abs", CType::F32) => format!(
+                "__uint_as_float(__float_as_uint({}) & 0x7fffffffu)",
+                a.value
+            ),
+            ("abs", CType::F64) => format!(
+                "__longlong_as_double(__double_as_longlong({}) & 0x7fffffffffffffffll)",
+                a.value
+            ),
+            ("abs", t) if t.is_unsigned() => a.value.clone(),
+            ("abs", t) if t.is_signed() => {
+                return declined("DataFusion errors on the minimum value of a signed integer");
+            }
+            ("floor" | "ceil", CType::F32 | CType::F64) if args.len() == 1 => {
+                let f = if t == CType::F32 {
+                    format!("{name}f")
+                } else {
+                    name.to_string()
+                };
+                let s = t.suffix();
+                format!("(isnan({v}) ? quiet_{s}({v}) : {f}({v}))", v = a.value)
+            }
+            ("round", CType::F32 | CType::F64) => {
+                let s = t.suffix();
+                let f = if t == CType::F32 { "roundf" } else { "round" };
+                let rounded = |v: &str| format!("(isnan({v}) ? quiet_{s}({v}) : {f}({v}))");
+                match args.get(1) {
+                    None => rounded(&a.value),
+                    Some(places) => {
+                        // (x · 10^d).round() / 10^d, with DataFusion's factor (10f64.powi(d)).
+                        let places = match places.downcast_ref::<Literal>() {
+                            Some(l) => match l.value() {
+                                &ScalarValue::Int32(Some(d)) if d.abs() <= 15 => d,
+                                _ => {
+                                    return declined(
+                                        "decimal places other than a literal within ±15",
+                                    );
+                                }
+                            },
+                            None => return declined("decimal places other than a literal"),
+                        };
+                        let factor = 10_f64.powi(places);
+                        let factor = if t == CType::F32 {
+                            format!("__uint_as_float(0x{:08x}u)", (factor as f32).to_bits())
+                        } else {
+                            format!("__longlong_as_double((i64)0x{:016x}ull)", factor.to_bits())
+                        };
+                        let scaled = self.define(
+                            a.data_type.clone(),
+                            t,
+                            format!("mul_{s}({}, {factor}, ambiguous)", a.value),
+                            "true".into(),
+                        );
+                        let rounded = self.define(
+                            a.data_type.clone(),
+                            t,
+                            rounded(&scaled.value),
+                            "true".into(),
+                        );
+                        format!("div_{s}({}, {factor})", rounded.value)
+                    }
+                }
+            }
+            _ => return declined(&format!("{name} of {}", a.data_type)),
+        };
+        Ok(self.define(a.data_type.clone(), t, value, a.valid.clone()))
     }
 
     fn literal(&mut self, scalar: &ScalarValue) -> Result<Value, Declined> {

@@ -401,6 +401,50 @@ fn cases() -> Vec<Case> {
             "g DESC",
             "LIMIT 400",
         ),
+        // IN lists (NULL in the list, NOT IN, floats by bits), CASE, exact math functions
+        (
+            "SELECT rid, i8, g",
+            "WHERE i8 IN (1, NULL, -128, 127) OR g NOT IN (2, 3)",
+            "g DESC, i8",
+            "LIMIT 40",
+        ),
+        (
+            "SELECT rid, f64",
+            "WHERE f64 NOT IN (0.0, 1.5, -0.0) AND f32 IN (-0.0, 1.0, 0.5)",
+            "f64 DESC",
+            "LIMIT 40",
+        ),
+        (
+            "SELECT rid, i32",
+            "WHERE i32 BETWEEN -5 AND 70000 OR f64 NOT BETWEEN 0.0 AND 1.0",
+            "i32 DESC",
+            "LIMIT 30",
+        ),
+        (
+            "SELECT rid",
+            "WHERE i8 NOT IN (1, NULL)",
+            "i64 DESC",
+            "LIMIT 20",
+        ),
+        (
+            "SELECT rid",
+            "WHERE CASE WHEN i8 IS NULL THEN b ELSE i8 > 0 END",
+            "CASE g WHEN 1 THEN f64 WHEN 2 THEN -f64 END DESC, \
+             CASE WHEN b THEN i32 WHEN i16 > 0 THEN i16 END",
+            "LIMIT 50",
+        ),
+        (
+            "SELECT rid",
+            "",
+            "floor(f64) DESC, ceil(f32), round(f64 * 3.0), abs(f32) DESC, g",
+            "LIMIT 60",
+        ),
+        (
+            "SELECT rid",
+            "WHERE floor(i16 / 3.0) > 1.0 OR abs(u8) < 3",
+            "round(f64, 2) DESC, round(f32, -1), abs(f64)",
+            "LIMIT 60",
+        ),
         // k vs n
         ("SELECT rid, g", "", "g", "LIMIT 100000"),
         ("SELECT rid, g", "", "g DESC", "LIMIT 0"),

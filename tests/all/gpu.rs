@@ -1306,6 +1306,16 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
             1,
         ),
         ("", "b NULLS FIRST, d32 DESC", 300),
+        (
+            "WHERE i8 IN (1, NULL, -128) OR f64 NOT IN (0.0, -0.0, 1.5)",
+            "CASE g WHEN 1 THEN f64 WHEN 2 THEN -f64 END DESC, round(f32, 1)",
+            40,
+        ),
+        (
+            "WHERE CASE WHEN i8 IS NULL THEN b ELSE i8 > 0 END",
+            "floor(f64) DESC, ceil(f32), abs(f64), round(f64)",
+            70,
+        ),
     ];
     fn find(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> Option<&GpuTopKExec> {
         plan.downcast_ref::<GpuTopKExec>()
