@@ -25,7 +25,7 @@ use super::TopKSpec;
 use super::dynamic_filter::threshold_predicate;
 use super::row_store::{RowStore, StoredBatch};
 use crate::cost::SelectionChoice;
-use crate::fusion::{FusedProgram, KernelInput};
+use crate::fusion::{self, FusedProgram, KernelInput};
 use crate::select::{
     self, Admitted, ColumnsInput, RowIds, SelectInput, SelectionSpec, TopKSelector,
 };
@@ -450,8 +450,11 @@ impl Shared {
             }
             _ => None,
         };
-        if pending.rows > 0 && pending.first_id + pending.rows as u64 != first_id {
-            self.flush_fused(pending)?; // ids must stay consecutive
+        if pending.rows > 0
+            && (pending.first_id + pending.rows as u64 != first_id // ids must stay consecutive
+                || !program.same_dictionaries(&pending.batches[0], batch))
+        {
+            self.flush_fused(pending)?;
         }
         if pending.rows == 0 {
             pending.first_id = first_id;
@@ -478,15 +481,29 @@ impl Shared {
             let columns: Vec<Vec<ArrayRef>> = program
                 .inputs
                 .iter()
-                .map(|input| match input {
-                    KernelInput::Column(c) => pending
-                        .batches
-                        .iter()
-                        .map(|b| Arc::clone(b.column(*c)))
-                        .collect(),
-                    KernelInput::HostPredicate => pending.predicates.clone(),
+                .map(|input| {
+                    Ok(match input {
+                        KernelInput::Column(c) => pending
+                            .batches
+                            .iter()
+                            .map(|b| Arc::clone(b.column(*c)))
+                            .collect(),
+                        KernelInput::HostPredicate => pending.predicates.clone(),
+                        KernelInput::DictionaryCodes(c) => pending
+                            .batches
+                            .iter()
+                            .map(|b| fusion::dictionary_codes(b.column(*c)))
+                            .collect::<Result<_>>()?,
+                        // The push's batches share one dictionary (`process_batch_fused`).
+                        KernelInput::DictionaryMatch { column, values } => {
+                            vec![fusion::dictionary_match(
+                                pending.batches[0].column(*column),
+                                values,
+                            )?]
+                        }
+                    })
                 })
-                .collect();
+                .collect::<Result<_>>()?;
             self.selector.push_columns(ColumnsInput {
                 columns: &columns,
                 first_id: pending.first_id,

@@ -22,7 +22,9 @@ use std::fmt;
 use std::fmt::Write;
 use std::sync::Arc;
 
+use datafusion::arrow::array::{Array, ArrayRef, AsArray, BooleanArray, RecordBatch, make_array};
 use datafusion::arrow::datatypes::Schema;
+use datafusion::error::{DataFusionError, Result};
 use datafusion::physical_expr::{LexOrdering, PhysicalExpr};
 
 use crate::device::KeyKind;
@@ -107,6 +109,62 @@ impl FusedProgram {
     pub fn host_predicate(&self) -> bool {
         self.inputs.contains(&KernelInput::HostPredicate)
     }
+
+    /// Whether two batches have the same dictionaries in the columns whose entries the
+    /// program looks up (the same array, or equal contents): only such batches share a push.
+    pub fn same_dictionaries(&self, a: &RecordBatch, b: &RecordBatch) -> bool {
+        self.inputs.iter().all(|input| match input {
+            KernelInput::DictionaryMatch { column, .. } => {
+                match (
+                    a.column(*column).as_any_dictionary_opt(),
+                    b.column(*column).as_any_dictionary_opt(),
+                ) {
+                    (Some(x), Some(y)) => {
+                        Arc::ptr_eq(x.values(), y.values())
+                            || x.values().to_data() == y.values().to_data()
+                    }
+                    _ => false,
+                }
+            }
+            _ => true,
+        })
+    }
+}
+
+/// The codes of a dictionary-encoded column (a [`KernelInput::DictionaryCodes`] input), as a
+/// plain integer array.
+pub fn dictionary_codes(column: &ArrayRef) -> Result<ArrayRef> {
+    let dictionary = column.as_any_dictionary_opt().ok_or_else(|| {
+        DataFusionError::Internal(format!(
+            "expected a dictionary column, got {}",
+            column.data_type()
+        ))
+    })?;
+    Ok(make_array(dictionary.keys().to_data()))
+}
+
+/// Per entry of a string column's dictionary: whether it is one of `values` (NULL where the
+/// entry is NULL); the lookup table of a [`KernelInput::DictionaryMatch`] input.
+pub fn dictionary_match(column: &ArrayRef, values: &[String]) -> Result<ArrayRef> {
+    let dictionary = column.as_any_dictionary_opt().ok_or_else(|| {
+        DataFusionError::Internal(format!(
+            "expected a dictionary column, got {}",
+            column.data_type()
+        ))
+    })?;
+    let entries = dictionary.values();
+    let matches = |s: Option<&str>| s.map(|s| values.iter().any(|v| v == s));
+    let mask: BooleanArray = if let Some(strings) = entries.as_string_opt::<i32>() {
+        strings.iter().map(matches).collect()
+    } else if let Some(strings) = entries.as_string_opt::<i64>() {
+        strings.iter().map(matches).collect()
+    } else {
+        return Err(DataFusionError::Internal(format!(
+            "dictionary values of type {}",
+            entries.data_type()
+        )));
+    };
+    Ok(Arc::new(mask))
 }
 
 /// Decides what runs where and generates the program (see the module documentation).
@@ -218,6 +276,10 @@ fn kernel_source(
         let what = match input {
             KernelInput::Column(c) => format!("input column {c}"),
             KernelInput::HostPredicate => "the host-evaluated predicate".to_string(),
+            KernelInput::DictionaryCodes(c) => format!("codes of dictionary column {c}"),
+            KernelInput::DictionaryMatch { column, values } => {
+                format!("entries of column {column}'s dictionary in {values:?}")
+            }
         };
         let _ = writeln!(
             params,

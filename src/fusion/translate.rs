@@ -144,6 +144,19 @@ pub enum KernelInput {
     Column(usize),
     /// The predicate, evaluated on the host by DataFusion (NULL as false, no validity).
     HostPredicate,
+    /// The codes (keys array) of a dictionary-encoded string column, by index.
+    DictionaryCodes(usize),
+    /// Per dictionary entry of a string column (one dictionary per push: batches with another
+    /// dictionary start a new push), whether it is one of `values`, NULL where the entry is
+    /// NULL: the host maps the literals to codes, the kernel looks each row's code up.
+    DictionaryMatch { column: usize, values: Vec<String> },
+}
+
+impl KernelInput {
+    /// Whether the input has one value per dictionary entry rather than one per row.
+    pub fn per_dictionary_entry(&self) -> bool {
+        matches!(self, KernelInput::DictionaryMatch { .. })
+    }
 }
 
 /// Emits device code for expressions over one input schema. Columns are read where first
@@ -322,6 +335,15 @@ impl<'a> Emitter<'a> {
     /// is not found and the list holds a NULL; floats match by bit pattern (its hash set's
     /// equality: −0.0 ≠ 0.0, a NaN matches only its own bits).
     fn in_list(&mut self, in_list: &InListExpr) -> Result<Value, Declined> {
+        if let Some((c, codes)) = self.dictionary_column(in_list.expr())
+            && let Some(values) = in_list
+                .list()
+                .iter()
+                .map(string_literal)
+                .collect::<Option<Vec<_>>>()
+        {
+            return Ok(self.dictionary_in(c, codes, values, in_list.negated()));
+        }
         let a = self.emit(in_list.expr())?;
         let mut found = Vec::new();
         let mut list_has_null = false;
@@ -366,6 +388,65 @@ impl<'a> Emitter<'a> {
             a.valid.clone()
         };
         Ok(self.define(DataType::Boolean, CType::Bool, value, valid))
+    }
+
+    /// A dictionary-encoded string column (or its cast to the value type): its index and the
+    /// type of its codes.
+    fn dictionary_column(&self, expr: &Arc<dyn PhysicalExpr>) -> Option<(usize, CType)> {
+        let expr = match expr.downcast_ref::<CastExpr>() {
+            Some(cast) if matches!(cast.cast_type(), DataType::Utf8 | DataType::LargeUtf8) => {
+                cast.expr()
+            }
+            _ => expr,
+        };
+        let column = expr.downcast_ref::<Column>()?;
+        match self.schema.fields().get(column.index())?.data_type() {
+            DataType::Dictionary(key, value)
+                if matches!(value.as_ref(), DataType::Utf8 | DataType::LargeUtf8)
+                    && key.is_integer() =>
+            {
+                Some((column.index(), CType::for_data_type(key)?))
+            }
+            _ => None,
+        }
+    }
+
+    /// `column [NOT] IN (values)` (also `=` and `<>` with one value) on a dictionary-encoded
+    /// string column: the row's code looked up in the host's per-entry match mask. NULL when
+    /// the code or its entry is NULL, or when nothing matched and a value is NULL (SQL's IN).
+    fn dictionary_in(
+        &mut self,
+        column: usize,
+        codes: CType,
+        values: Vec<Option<String>>,
+        negated: bool,
+    ) -> Value {
+        let has_null = values.iter().any(Option::is_none);
+        let mut values: Vec<String> = values.into_iter().flatten().collect();
+        values.sort_unstable();
+        values.dedup();
+        let p = self.input(KernelInput::DictionaryCodes(column));
+        let (code, code_valid) = self.read_input(p, codes);
+        let q = self.input(KernelInput::DictionaryMatch { column, values });
+        let found = self.define(
+            DataType::Boolean,
+            CType::Bool,
+            format!("{code_valid} && get_bit(c{q}, c{q}_bit + (u64){code})"),
+            format!(
+                "{code_valid} && (c{q}_valid == nullptr || get_bit(c{q}_valid, c{q}_valid_bit + (u64){code}))"
+            ),
+        );
+        let value = if negated {
+            format!("!{}", found.value)
+        } else {
+            found.value.clone()
+        };
+        let valid = if has_null {
+            format!("{} && {}", found.valid, found.value)
+        } else {
+            found.valid.clone()
+        };
+        self.define(DataType::Boolean, CType::Bool, value, valid)
     }
 
     /// `CASE [x] WHEN … THEN … [ELSE …] END`: the first branch whose condition is TRUE (or
@@ -552,6 +633,18 @@ impl<'a> Emitter<'a> {
             return Err(format!("{expr} fails on overflow"));
         }
         let op = *binary.op();
+        if matches!(op, Operator::Eq | Operator::NotEq) {
+            for (column, literal) in [
+                (binary.left(), binary.right()),
+                (binary.right(), binary.left()),
+            ] {
+                if let (Some((c, codes)), Some(value)) =
+                    (self.dictionary_column(column), string_literal(literal))
+                {
+                    return Ok(self.dictionary_in(c, codes, vec![value], op == Operator::NotEq));
+                }
+            }
+        }
         let l = self.emit(binary.left())?;
         let r = self.emit(binary.right())?;
         let both_valid = format!("{} && {}", l.valid, r.valid);
@@ -731,6 +824,20 @@ fn literal_bits(scalar: &ScalarValue) -> Option<Option<u64>> {
 }
 
 /// The value of an integer literal divisor.
+/// A string literal (plain or dictionary-typed): `Some(None)` for a NULL string.
+fn string_literal(expr: &Arc<dyn PhysicalExpr>) -> Option<Option<String>> {
+    fn of(scalar: &ScalarValue) -> Option<Option<String>> {
+        match scalar {
+            ScalarValue::Utf8(v) | ScalarValue::LargeUtf8(v) | ScalarValue::Utf8View(v) => {
+                Some(v.clone())
+            }
+            ScalarValue::Dictionary(_, inner) => of(inner),
+            _ => None,
+        }
+    }
+    of(expr.downcast_ref::<Literal>()?.value())
+}
+
 fn literal_divisor(expr: &Arc<dyn PhysicalExpr>) -> Option<i128> {
     use ScalarValue::*;
     let literal = expr.downcast_ref::<Literal>()?;

@@ -36,7 +36,7 @@ use crate::device::{
     DeviceAlgorithm, DevicePairs, GeneratedKernel, GpuDevice, GpuError, GpuResult, KeyKind,
     PooledBuffer, TopKEngine,
 };
-use crate::fusion::FusedProgram;
+use crate::fusion::{FusedProgram, KernelInput};
 use crate::keys::{EncodedKeys, KeyLayout, KeyWidth, U256};
 
 /// Candidates kept on the device before a reduction to k: at least this many pairs.
@@ -328,7 +328,17 @@ impl TopKSelector for CudaSelector {
             return datafusion::common::internal_err!("this CUDA selector has no program");
         };
         let len = |chunks: &Vec<ArrayRef>| chunks.iter().map(|c| c.len()).sum::<usize>();
-        let n = input.columns.first().map_or(0, len);
+        let inputs = &fused.program.inputs;
+        // Rows: the length of the per-row inputs (a dictionary lookup has one per entry).
+        let per_row = |(chunks, input): (&Vec<ArrayRef>, &KernelInput)| {
+            (!input.per_dictionary_entry()).then(|| len(chunks))
+        };
+        let n = input
+            .columns
+            .iter()
+            .zip(inputs)
+            .find_map(per_row)
+            .unwrap_or(0);
         if n == 0 || self.k == 0 {
             return Ok(FusedAdmitted {
                 passed: 0,
@@ -340,8 +350,13 @@ impl TopKSelector for CudaSelector {
                 "fault injected by GPU_TOPK_INJECT_FAULT".into(),
             )));
         }
-        let inputs = &fused.program.inputs;
-        if input.columns.len() != inputs.len() || input.columns.iter().any(|c| len(c) != n) {
+        if input.columns.len() != inputs.len()
+            || input
+                .columns
+                .iter()
+                .zip(inputs)
+                .any(|c| per_row(c).is_some_and(|rows| rows != n))
+        {
             return datafusion::common::internal_err!(
                 "the generated program takes {} columns of equal length",
                 inputs.len()

@@ -8,12 +8,13 @@
 use std::sync::Arc;
 
 use datafusion::arrow::array::{
-    ArrayRef, BooleanArray, Date32Array, Date64Array, Decimal128Array, Float16Array, Float32Array,
-    Float64Array, Int8Array, Int16Array, Int32Array, Int64Array, RecordBatch, StringArray,
-    TimestampMicrosecondArray, TimestampMillisecondArray, TimestampNanosecondArray,
-    TimestampSecondArray, UInt8Array, UInt16Array, UInt32Array, UInt64Array,
+    ArrayRef, BooleanArray, Date32Array, Date64Array, Decimal128Array, DictionaryArray,
+    Float16Array, Float32Array, Float64Array, Int8Array, Int16Array, Int32Array, Int64Array,
+    RecordBatch, StringArray, TimestampMicrosecondArray, TimestampMillisecondArray,
+    TimestampNanosecondArray, TimestampSecondArray, UInt8Array, UInt16Array, UInt32Array,
+    UInt64Array,
 };
-use datafusion::arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
+use datafusion::arrow::datatypes::{DataType, Field, Int32Type, Schema, SchemaRef, TimeUnit};
 use half::f16;
 
 use crate::common::{
@@ -53,7 +54,30 @@ pub fn schema() -> SchemaRef {
         Field::new("allnull", DataType::Int32, true),
         Field::new("nan_only", DataType::Float64, true),
         Field::new("s", DataType::Utf8, true),
+        Field::new(
+            "ds",
+            DataType::Dictionary(Box::new(DataType::Int32), Box::new(DataType::Utf8)),
+            true,
+        ),
     ]))
+}
+
+/// The `ds` column's dictionary: one shared by about half the batches (the same array, as a
+/// reader that keeps a dictionary would give), else one of each batch's own, with a NULL entry.
+fn dictionary_values(rng: &mut Rng) -> ArrayRef {
+    static SHARED: std::sync::OnceLock<ArrayRef> = std::sync::OnceLock::new();
+    if rng.chance(0.5) {
+        Arc::clone(SHARED.get_or_init(|| {
+            Arc::new(StringArray::from(vec!["en", "es", "ja", "", "pt"])) as ArrayRef
+        }))
+    } else {
+        Arc::new(StringArray::from(vec![
+            Some("es"),
+            None,
+            Some("en"),
+            Some("zz"),
+        ]))
+    }
 }
 
 /// Picks an edge value half the time, else a random one; NULL 1 time in 10.
@@ -227,6 +251,14 @@ fn batch(rng: &mut Rng, first_rid: i64, n: usize) -> RecordBatch {
                 })
                 .collect::<Vec<_>>(),
         )),
+        {
+            let values = dictionary_values(rng);
+            let entries = values.len() as u64;
+            let codes: Int32Array = (0..n)
+                .map(|_| (!rng.chance(0.1)).then(|| rng.below(entries) as i32))
+                .collect();
+            Arc::new(DictionaryArray::<Int32Type>::try_new(codes, values).expect("codes in range"))
+        },
     ];
     RecordBatch::try_new(schema(), columns).expect("test batch")
 }
@@ -413,6 +445,25 @@ fn cases() -> Vec<Case> {
             "WHERE f64 NOT IN (0.0, 1.5, -0.0) AND f32 IN (-0.0, 1.0, 0.5)",
             "f64 DESC",
             "LIMIT 40",
+        ),
+        // Dictionary strings: codes looked up in the host's per-dictionary match mask
+        (
+            "SELECT rid, ds",
+            "WHERE ds = 'en' OR ds IN ('es', 'zz')",
+            "g DESC",
+            "LIMIT 60",
+        ),
+        (
+            "SELECT rid, ds",
+            "WHERE ds <> 'es' AND ds NOT IN ('ja', NULL) IS NULL",
+            "i32",
+            "LIMIT 60",
+        ),
+        (
+            "SELECT rid",
+            "WHERE ds NOT IN ('en', '') OR ds = 'missing'",
+            "f64 DESC",
+            "LIMIT 60",
         ),
         (
             "SELECT rid, i32",

@@ -156,8 +156,16 @@ async fn each_part_runs_where_it_translates_and_every_program_compiles() {
             "gpu",
             "gpu",
         ),
+        ("WHERE ds = 'en' OR ds IN ('es', NULL)", "g", "gpu", "gpu"),
+        (
+            "WHERE ds <> 'x' AND ds NOT IN ('a', 'b')",
+            "g",
+            "gpu",
+            "gpu",
+        ),
         // host parts
         ("WHERE s LIKE 'a%'", "g DESC", "host", "gpu"),
+        ("WHERE ds LIKE 'e%'", "g", "host", "gpu"),
         ("WHERE s = 'a' OR s = 'b'", "i64", "host", "gpu"),
         ("", "abs(i16) DESC, g", "-", "host"),
         ("", "sqrt(f64)", "-", "host"),
@@ -184,8 +192,8 @@ async fn tweet_queries_run_their_predicates_and_keys_on_the_gpu() {
     let ctx = planning_session();
     let table = tweets_mem_table(&TweetsSpec::new(1000), 2).unwrap();
     ctx.register_table(TABLE_NAME, table).unwrap();
-    // Q3's string predicate has no translation yet: DataFusion evaluates it, the GPU the rest.
-    let want = [("gpu", "gpu"), ("-", "gpu"), ("host", "gpu"), ("-", "gpu")];
+    // Q3's `lang = 'en' OR lang = 'es'` on a dictionary column: codes looked up on the GPU.
+    let want = [("gpu", "gpu"), ("-", "gpu"), ("gpu", "gpu"), ("-", "gpu")];
     for ((name, sql), (want_filter, want_keys)) in QUERIES.iter().zip(want) {
         let (f, k, source) = placement(&ctx, sql).await;
         assert_eq!(

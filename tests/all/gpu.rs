@@ -1316,6 +1316,11 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
             "floor(f64) DESC, ceil(f32), abs(f64), round(f64)",
             70,
         ),
+        (
+            "WHERE ds IN ('en', 'zz', NULL) OR ds <> 'es'",
+            "i16 DESC",
+            90,
+        ),
     ];
     fn find(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> Option<&GpuTopKExec> {
         plan.downcast_ref::<GpuTopKExec>()
@@ -1397,25 +1402,34 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
                 })
                 .unwrap();
                 // The program reads the raw columns (and the host predicate, when it has one).
-                let whole: Vec<ArrayRef> = program
+                use datafusion_gpu_topk::fusion::{self, KernelInput};
+                // Two chunks per row input (the operator pushes several batches at once); one
+                // lookup table per dictionary input.
+                let h = n / 3;
+                let columns: Vec<Vec<ArrayRef>> = program
                     .inputs
                     .iter()
-                    .map(|input| match input {
-                        datafusion_gpu_topk::fusion::KernelInput::Column(c) => {
-                            Arc::clone(batch.column(*c))
-                        }
-                        datafusion_gpu_topk::fusion::KernelInput::HostPredicate => {
-                            let predicate = spec.filter.as_ref().unwrap();
-                            let mask = predicate.evaluate(batch).unwrap().into_array(n).unwrap();
-                            Arc::new(null_as_false(mask.as_boolean())) as ArrayRef
-                        }
+                    .map(|input| {
+                        let whole = match input {
+                            KernelInput::Column(c) => Arc::clone(batch.column(*c)),
+                            KernelInput::HostPredicate => {
+                                let predicate = spec.filter.as_ref().unwrap();
+                                let mask =
+                                    predicate.evaluate(batch).unwrap().into_array(n).unwrap();
+                                Arc::new(null_as_false(mask.as_boolean())) as ArrayRef
+                            }
+                            KernelInput::DictionaryCodes(c) => {
+                                fusion::dictionary_codes(batch.column(*c)).unwrap()
+                            }
+                            KernelInput::DictionaryMatch { column, values } => {
+                                return vec![
+                                    fusion::dictionary_match(batch.column(*column), values)
+                                        .unwrap(),
+                                ];
+                            }
+                        };
+                        vec![whole.slice(0, h), whole.slice(h, n - h)]
                     })
-                    .collect();
-                // Two chunks per input (the operator pushes several batches at once).
-                let h = n / 3;
-                let columns: Vec<Vec<ArrayRef>> = whole
-                    .iter()
-                    .map(|c| vec![c.slice(0, h), c.slice(h, n - h)])
                     .collect();
                 let admitted = match gpu.push_columns(datafusion_gpu_topk::select::ColumnsInput {
                     columns: &columns,
