@@ -40,6 +40,11 @@ pub const ERROR_NULL_KEY: u32 = 1;
 /// … and two different NaNs added or multiplied, whose result the host makes depend on the
 /// row's position in its batch (see kernels/fused.cuh): only the host can reproduce it.
 pub const ERROR_AMBIGUOUS_NAN: u32 = 2;
+/// … and a row on which DataFusion's evaluation fails (`sqrt` of a negative number, `abs` of
+/// a signed minimum, an integer division by zero or of the minimum by −1): the query reruns on
+/// the host, where DataFusion reports its own error (or, where it never evaluates that row, its
+/// result).
+pub const ERROR_HOST_ONLY: u32 = 4;
 
 /// Where one part of the query is evaluated.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -264,7 +269,7 @@ fn kernel_source(
     key_code: &str,
 ) -> String {
     let (nan32, nan64) = host_default_nan();
-    let (null_key, ambiguous) = (ERROR_NULL_KEY, ERROR_AMBIGUOUS_NAN);
+    let (null_key, ambiguous, host_only) = (ERROR_NULL_KEY, ERROR_AMBIGUOUS_NAN, ERROR_HOST_ONLY);
     let key = match kind {
         KeyKind::K32 => "K32",
         KeyKind::K64 => "K64",
@@ -295,6 +300,7 @@ fn kernel_source(
 typedef {key} Key;
 #define ERROR_NULL_KEY {null_key}u
 #define ERROR_AMBIGUOUS_NAN {ambiguous}u
+#define ERROR_HOST_ONLY {host_only}u
 
 extern "C" __global__ void __launch_bounds__(256) {ENTRY}(
 {params}    u64 n, u64 id_start, const Threshold<Key> *thr, Key *cand_keys, u64 *cand_ids, u64 *count,
@@ -305,7 +311,7 @@ extern "C" __global__ void __launch_bounds__(256) {ENTRY}(
     FOR_BLOCK_ROUNDS(i0, n) {{
         const u64 i = i0 + threadIdx.x;
         const u64 id = id_start + i;
-        bool pass = false, keep = false, bad = false, ambiguous = false;
+        bool pass = false, keep = false, bad = false, ambiguous = false, host_only = false;
         Key key = key_zero<Key>();
         if (i < n) {{
 {filter_code}        pass = {pass};
@@ -319,6 +325,7 @@ extern "C" __global__ void __launch_bounds__(256) {ENTRY}(
         if (threadIdx.x == 0 && block_passed) atomicAdd(passed, (u64)block_passed);
         if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(error, ERROR_NULL_KEY);
         if (__syncthreads_or(ambiguous) && threadIdx.x == 0) atomicOr(error, ERROR_AMBIGUOUS_NAN);
+        if (__syncthreads_or(host_only) && threadIdx.x == 0) atomicOr(error, ERROR_HOST_ONLY);
         const u64 pos = warp_append(keep, count);
         if (keep) {{
             cand_keys[pos] = key;

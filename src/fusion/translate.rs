@@ -5,15 +5,17 @@
 //! Only what the device reproduces *exactly* is translated (see kernels/fused.cuh for the
 //! arithmetic): columns and literals of boolean, integer, float and temporal types;
 //! `+ − *` on integers (wrapping, as DataFusion's default) and floats, `/` on floats, integer
-//! `/` and `%` by a literal that cannot fail (not 0, not −1); comparisons of equal types (floats
+//! `/` and `%`; comparisons of equal types (floats
 //! in total order with −0.0 = 0.0, as DataFusion's `apply_cmp`); `AND`, `OR`, `NOT`,
 //! `IS [NOT] NULL`; negation; `[NOT] IN` literal lists (floats by bit pattern, as DataFusion's
-//! static filter); `CASE` (searched, or simple on a non-float value); `floor`, `ceil`, `round`
-//! and `abs` of floats, `abs` of unsigned integers; lossless casts (integer widening,
+//! static filter); `CASE` (searched, or simple on a non-float value); `floor`, `ceil`, `round`,
+//! `sqrt` and `abs` of floats, `abs` of integers; lossless casts (integer widening,
 //! integer → float, f32 → f64, timestamp time zone changes). `BETWEEN` arrives as two
-//! comparisons. Anything else is declined with the reason (e.g. `sqrt` and signed `abs`, which
-//! DataFusion fails on some inputs, or `ln`, whose last bit CUDA's libm does not promise), and
-//! the part of the query it belongs to runs on the host.
+//! comparisons. Operations DataFusion fails on for some inputs (integer `/` and `%`, `sqrt`,
+//! signed `abs`) are translated with a guard: a row that would fail sets `host_only`, and the
+//! query reruns on the host, where DataFusion reports its own error. Anything else is declined
+//! with the reason (e.g. `ln`, whose last bit CUDA's libm does not promise), and the part of
+//! the query it belongs to runs on the host.
 
 use std::fmt::Write;
 use std::sync::Arc;
@@ -502,9 +504,10 @@ impl<'a> Emitter<'a> {
     }
 
     /// The math functions the device computes bit for bit as DataFusion does: `floor`,
-    /// `ceil`, `round` (to a literal number of places) and `abs` of floats (NaN operands
-    /// propagate quieted, as the host's libm; `abs` clears the sign bit, NaN or not), and
-    /// `abs` of unsigned integers. The others are declined with the reason.
+    /// `ceil`, `round` (to a literal number of places), `sqrt` and `abs` of floats (NaN
+    /// operands propagate quieted, as the host's libm; `abs` clears the sign bit, NaN or not),
+    /// and `abs` of integers. Rows DataFusion fails on (`sqrt` of a negative number, `abs` of a
+    /// signed minimum) set `host_only`. The others are declined with the reason.
     fn function(
         &mut self,
         expr: &Arc<dyn PhysicalExpr>,
@@ -514,7 +517,6 @@ impl<'a> Emitter<'a> {
         let args = function.args();
         let declined = |why: &str| Err(format!("{expr}: {why}"));
         match name {
-            "sqrt" => return declined("DataFusion errors on a negative argument"),
             "ln" | "log" | "log2" | "log10" | "exp" | "power" | "pow" | "cbrt" | "sin" | "cos"
             | "tan" => {
                 return declined(
@@ -522,7 +524,7 @@ impl<'a> Emitter<'a> {
                      orders by exact bits",
                 );
             }
-            "abs" | "floor" | "ceil" | "round" => {}
+            "abs" | "floor" | "ceil" | "round" | "sqrt" => {}
             _ => return declined("no device translation of this function"),
         }
         let a = match args {
@@ -541,7 +543,26 @@ impl<'a> Emitter<'a> {
             ),
             ("abs", t) if t.is_unsigned() => a.value.clone(),
             ("abs", t) if t.is_signed() => {
-                return declined("DataFusion errors on the minimum value of a signed integer");
+                // DataFusion fails on the minimum: that row sends the query to the host.
+                let name = t.name();
+                let min = format!("(({name})((u64)1 << {}))", t.bits() - 1);
+                self.line(format!("host_only |= {} && {} == {min};", a.valid, a.value));
+                format!(
+                    "({name})({v} < 0 ? ({name})(0u - ({w}){v}) : {v})",
+                    v = a.value,
+                    w = t.wrapping()
+                )
+            }
+            ("sqrt", CType::F32 | CType::F64) => {
+                // DataFusion fails on a negative argument (not on −0.0 or NaN): that row sends
+                // the query to the host. The square root is IEEE's, correctly rounded.
+                let (s, f) = if t == CType::F32 {
+                    ("f32", "__fsqrt_rn")
+                } else {
+                    ("f64", "__dsqrt_rn")
+                };
+                self.line(format!("host_only |= {} && {} < 0;", a.valid, a.value));
+                format!("(isnan({v}) ? quiet_{s}({v}) : {f}({v}))", v = a.value)
             }
             ("floor" | "ceil", CType::F32 | CType::F64) if args.len() == 1 => {
                 let f = if t == CType::F32 {
@@ -748,20 +769,23 @@ impl<'a> Emitter<'a> {
                             format!("({})(({w}){} {c} ({w}){})", t.name(), l.value, r.value)
                         }
                         _ => {
-                            // DataFusion errors on a zero divisor (and on MIN / −1): only a
-                            // literal divisor that can do neither is translated.
-                            let divisor = literal_divisor(binary.right());
-                            let safe = match divisor {
-                                Some(d) => d != 0 && !(t.is_signed() && d == -1),
-                                None => false,
-                            };
-                            if !safe {
-                                return Err(format!(
-                                    "{expr}: integer {op} by anything but a literal other than 0 and -1"
-                                ));
-                            }
+                            // DataFusion errors on a zero divisor and on MIN / −1 (MIN % −1):
+                            // such a row sends the query to the host (ERROR_HOST_ONLY), and
+                            // the division itself is guarded so the device never traps.
                             let c = if op == Operator::Divide { "/" } else { "%" };
-                            format!("({})({} {c} {})", t.name(), l.value, r.value)
+                            let name = t.name();
+                            let overflow = if t.is_signed() {
+                                let min = format!("(({name})((u64)1 << {}))", t.bits() - 1);
+                                format!(" || ({} == ({name})-1 && {} == {min})", r.value, l.value)
+                            } else {
+                                String::new()
+                            };
+                            let failing = format!("({} == 0{overflow})", r.value);
+                            self.line(format!("host_only |= {both_valid} && {failing};"));
+                            format!(
+                                "({name})({failing} ? ({name})0 : ({name})({} {c} {}))",
+                                l.value, r.value
+                            )
                         }
                     }
                 };
@@ -836,22 +860,6 @@ fn string_literal(expr: &Arc<dyn PhysicalExpr>) -> Option<Option<String>> {
         }
     }
     of(expr.downcast_ref::<Literal>()?.value())
-}
-
-fn literal_divisor(expr: &Arc<dyn PhysicalExpr>) -> Option<i128> {
-    use ScalarValue::*;
-    let literal = expr.downcast_ref::<Literal>()?;
-    match *literal.value() {
-        Int8(Some(v)) => Some(i128::from(v)),
-        Int16(Some(v)) => Some(i128::from(v)),
-        Int32(Some(v)) => Some(i128::from(v)),
-        Int64(Some(v)) => Some(i128::from(v)),
-        UInt8(Some(v)) => Some(i128::from(v)),
-        UInt16(Some(v)) => Some(i128::from(v)),
-        UInt32(Some(v)) => Some(i128::from(v)),
-        UInt64(Some(v)) => Some(i128::from(v)),
-        _ => None,
-    }
 }
 
 /// C source text of a key field: ORs the encoded `value` into `key` (see the keys module and

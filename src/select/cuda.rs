@@ -430,6 +430,16 @@ impl TopKSelector for CudaSelector {
                     .into(),
             )));
         }
+        if error & crate::fusion::ERROR_HOST_ONLY != 0 {
+            // DataFusion fails on a row, or would where it evaluates it: the host reruns the
+            // query and reports exactly what DataFusion does.
+            return Err(gpu_error(GpuError(
+                "the generated program met a row DataFusion's evaluation fails on (sqrt of a \
+                 negative number, abs of a signed minimum, an integer division by zero or of \
+                 the minimum by -1), whose outcome only the host reproduces"
+                    .into(),
+            )));
+        }
         if error & crate::fusion::ERROR_NULL_KEY != 0 {
             return Err(exec_error(
                 "a sort key declared not nullable evaluated to NULL".to_string(),

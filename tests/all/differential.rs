@@ -446,6 +446,19 @@ fn cases() -> Vec<Case> {
             "f64 DESC",
             "LIMIT 40",
         ),
+        // Guarded operations: a row DataFusion fails on sends the query to the host, which
+        // reports DataFusion's error (or its result, where it never evaluates that row); sqrt
+        // in `guarded_sqrt_matches_datafusion`
+        ("SELECT rid", "", "abs(i8) DESC, abs(i64)", "LIMIT 10"),
+        ("SELECT rid", "WHERE i8 > -128", "abs(i8) DESC", "LIMIT 10"),
+        (
+            "SELECT rid",
+            "WHERE g <> 0",
+            "i32 / g, i16 % g DESC",
+            "LIMIT 20",
+        ),
+        ("SELECT rid", "", "i32 / g", "LIMIT 20"),
+        ("SELECT rid", "WHERE i64 / nn > 3", "g", "LIMIT 20"),
         // Dictionary strings: codes looked up in the host's per-dictionary match mask
         (
             "SELECT rid, ds",
@@ -527,8 +540,10 @@ fn cases() -> Vec<Case> {
 async fn check_all(partitions: usize, data: Vec<Vec<RecordBatch>>) {
     let ours = session(true, partitions, 100);
     let plain = session(false, partitions, 100);
+    let plain_one = session(false, 1, 100);
     register(&ours, "t", data.clone());
-    register(&plain, "t", data);
+    register(&plain, "t", data.clone());
+    register(&plain_one, "t", data);
     let mut checked = 0;
     for c in cases() {
         let from = format!("{} FROM t {}", c.select, c.filter);
@@ -549,7 +564,16 @@ async fn check_all(partitions: usize, data: Vec<Vec<RecordBatch>>) {
             c.expect_operator,
             plan_text(&plan)
         );
-        let (got, want) = match (run(&ours, &sql).await, run(&plain, &oracle).await) {
+        let mut want = run(&plain, &oracle).await;
+        if let Err(e) = &want
+            && e.to_string().contains("SanityCheckPlan")
+        {
+            // DataFusion's sanity check rejects some plans of `ORDER BY f(x), rid` over
+            // several partitions (an ordering it wrongly believes f preserves); one partition
+            // plans without the merge it trips on.
+            want = run(&plain_one, &oracle).await;
+        }
+        let (got, want) = match (run(&ours, &sql).await, want) {
             (Ok(got), Ok(want)) => (got, want),
             // DataFusion's errors (e.g. overflow in a ranking expression) must be ours too.
             (Err(ours), Err(theirs)) => {
@@ -649,7 +673,11 @@ impl ExprGen {
             1 => format!("({} - {})", self.int(d), self.int(d)),
             2 => format!("({} * {})", self.int(d), self.int(d)),
             3 => format!("(- {})", self.int(d)),
-            4 => format!("({} % {})", self.int(d), self.pick(&["3", "7", "100"])),
+            4 => format!(
+                "({} % {})",
+                self.int(d),
+                self.pick(&["3", "7", "100", "g", "nn"])
+            ),
             _ => format!(
                 "CASE WHEN {} THEN {} ELSE {} END",
                 self.pred(d),
@@ -678,7 +706,7 @@ impl ExprGen {
             5 => format!("CAST({} AS DOUBLE)", self.int(d)),
             6 => format!(
                 "{}({})",
-                self.pick(&["floor", "ceil", "abs"]),
+                self.pick(&["floor", "ceil", "abs", "sqrt"]),
                 self.float(d)
             ),
             7 => format!(
@@ -747,6 +775,60 @@ impl ExprGen {
     }
 }
 
+/// The oracle of a single-key query: DataFusion's full sort of the key, projected, with rid
+/// breaking ties (the caller keeps the first k rows). Not a LIMIT: DataFusion's own TopK
+/// disagrees with its sort on −0.0 (it can rank 0.0 rows of a later batch before −0.0 ones,
+/// found by these tests: DataFusion 55), and its sanity check rejects some plans of
+/// `ORDER BY f(x), rid` with a filter.
+fn full_sort_oracle(key: &str, dir: &str, filter: &str) -> String {
+    format!("SELECT rid FROM (SELECT rid, {key} AS key FROM t {filter}) ORDER BY key {dir}, rid")
+}
+
+/// The header and the first k rows of `exact_rows`.
+fn first_rows(batches: &[RecordBatch], k: usize) -> Vec<String> {
+    let mut rows = exact_rows(batches);
+    rows.truncate(1 + k);
+    rows
+}
+
+/// `sqrt`, whose plans `ORDER BY sqrt(x), rid` DataFusion's sanity check rejects over several
+/// partitions, checked with the key projected (as the random queries are): a negative argument
+/// on a row DataFusion evaluates sends the query to the host, which reports DataFusion's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarded_sqrt_matches_datafusion() {
+    let data = table(23, &[&[400, 77], &[300]]);
+    let ours = session(true, 2, 100);
+    let plain = session(false, 2, 100);
+    register(&ours, "t", data.clone());
+    register(&plain, "t", data);
+    let (mut results, mut errors) = (0, 0);
+    for (filter, key, dir) in [
+        ("", "sqrt(f64)", "DESC"),
+        ("WHERE f64 >= 0.0", "sqrt(f64)", "DESC"),
+        ("WHERE f32 >= 0.0 OR f32 IS NULL", "sqrt(f32)", ""),
+        ("WHERE f64 > 1.0", "sqrt(f64 - 1.0)", "NULLS FIRST"),
+        ("WHERE nn > 2", "sqrt(CAST(i16 AS DOUBLE))", "DESC"),
+    ] {
+        let sql = format!("SELECT rid FROM t {filter} ORDER BY {key} {dir} LIMIT 25");
+        let oracle = full_sort_oracle(key, dir, filter);
+        match (run(&ours, &sql).await, run(&plain, &oracle).await) {
+            (Ok(got), Ok(want)) => {
+                assert_eq!(exact_rows(&got), first_rows(&want, 25), "{sql}");
+                results += 1;
+            }
+            (Err(a), Err(b)) => {
+                assert_eq!(a.to_string(), b.to_string(), "{sql}");
+                errors += 1;
+            }
+            (a, b) => panic!("{sql}: ours {a:?}\nDataFusion {b:?}"),
+        }
+    }
+    assert!(
+        results >= 2 && errors >= 1,
+        "{results} results, {errors} errors"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_expressions_match_datafusion() {
     let data = table(17, &[&[500, 33, 300], &[250, 1]]);
@@ -776,12 +858,7 @@ async fn random_expressions_match_datafusion() {
         let dir = generator.pick(&["", " DESC", " NULLS FIRST", " DESC NULLS LAST"]);
         let k = generator.pick(&["1", "7", "50", "400"]);
         let sql = format!("SELECT rid FROM t {filter} ORDER BY {key}{dir} LIMIT {k}");
-        // The key as a projected column (DataFusion's sanity check rejects some plans of
-        // `ORDER BY <CASE …>, rid` with a filter); rid breaks ties in input order.
-        let oracle = format!(
-            "SELECT rid FROM (SELECT rid, {key} AS key FROM t {filter}) \
-             ORDER BY key{dir}, rid LIMIT {k}"
-        );
+        let oracle = full_sort_oracle(&key, dir, &filter);
         if let Ok(plan) = physical_plan(&ours, &sql).await
             && count_gpu_topk(&plan) > 0
         {
@@ -789,7 +866,11 @@ async fn random_expressions_match_datafusion() {
         }
         match (run(&ours, &sql).await, run(&plain, &oracle).await) {
             (Ok(got), Ok(want)) => {
-                assert_eq!(exact_rows(&got), exact_rows(&want), "{sql}");
+                assert_eq!(
+                    exact_rows(&got),
+                    first_rows(&want, k.parse().unwrap()),
+                    "{sql}"
+                );
                 compared += 1;
             }
             (Err(a), Err(b)) => {

@@ -167,15 +167,16 @@ async fn each_part_runs_where_it_translates_and_every_program_compiles() {
         ("WHERE s LIKE 'a%'", "g DESC", "host", "gpu"),
         ("WHERE ds LIKE 'e%'", "g", "host", "gpu"),
         ("WHERE s = 'a' OR s = 'b'", "i64", "host", "gpu"),
-        ("", "abs(i16) DESC, g", "-", "host"),
-        ("", "sqrt(f64)", "-", "host"),
+        ("", "abs(i16) DESC, g", "-", "gpu"),
+        ("", "sqrt(f64), sqrt(f32) DESC", "-", "gpu"),
+        ("WHERE i32 / g > 1 OR i8 % i8 = 0", "i64 / g", "gpu", "gpu"),
         ("", "ln(f64) DESC", "-", "host"),
         ("", "CASE f64 WHEN 1.0 THEN g END", "-", "host"),
         ("WHERE i32 IN (g, 3)", "g", "host", "gpu"),
-        ("", "i64 / g", "-", "host"),
         ("", "dec DESC", "-", "host"),
         ("", "f16", "-", "host"),
-        ("WHERE i32 > 0", "abs(i32)", "gpu", "host"),
+        ("WHERE i32 > 0", "abs(i32)", "gpu", "gpu"),
+        ("WHERE i32 > 0", "ln(f64)", "gpu", "host"),
     ];
     for (filter, order, want_filter, want_keys) in cases {
         let sql = format!("SELECT rid FROM t {filter} ORDER BY {order} LIMIT 10");

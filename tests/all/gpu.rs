@@ -1321,6 +1321,13 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
             "i16 DESC",
             90,
         ),
+        // Guarded operations; the table's edge values make some batches rerun on the host.
+        (
+            "WHERE i32 / 7 > 1 OR u8 % 3 = 0",
+            "sqrt(abs(f64)) DESC, i64 / 3",
+            30,
+        ),
+        ("WHERE i16 > 0", "sqrt(f64), abs(i8) DESC", 30),
     ];
     fn find(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> Option<&GpuTopKExec> {
         plan.downcast_ref::<GpuTopKExec>()
@@ -1436,9 +1443,10 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
                     first_id,
                 }) {
                     Ok(admitted) => admitted,
-                    // Two different NaNs added or multiplied: the operator reruns such a query
-                    // on the host (the differential tests check that end to end).
-                    Err(e) if e.to_string().contains("two different NaNs") => {
+                    // Two different NaNs added or multiplied, or a row DataFusion fails on: the
+                    // operator reruns such a query on the host (the differential tests check
+                    // that end to end).
+                    Err(e) if e.to_string().contains("only the host reproduces") => {
                         eprintln!("{sql}: rerun on the host: {e}");
                         continue 'queries;
                     }

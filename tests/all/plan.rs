@@ -112,14 +112,12 @@ async fn explain_shows_where_the_filter_and_keys_are_evaluated() {
         }
     };
     let fused = explain("EXPLAIN SELECT id FROM t WHERE w < 3 ORDER BY v * 2 DESC LIMIT 3").await;
-    let host_keys = explain("EXPLAIN VERBOSE SELECT id FROM t ORDER BY abs(v) LIMIT 3").await;
+    let host_keys = explain("EXPLAIN VERBOSE SELECT id FROM t ORDER BY ln(v) LIMIT 3").await;
     if expected_backend() == "cuda" {
         assert!(fused.contains("eval=[filter=gpu, keys=gpu]"), "{fused}");
         assert!(
-            host_keys.contains(
-                "eval=[keys=host (abs(v@1): DataFusion errors on the minimum value of a signed \
-                 integer)]"
-            ),
+            host_keys.contains("eval=[keys=host (ln(")
+                && host_keys.contains("CUDA's libm may differ from the host's in the last place"),
             "{host_keys}"
         );
         run(&ctx, "SET gpu_topk.fuse_expressions = false")
