@@ -12,7 +12,7 @@
 //! `sqrt` and `abs` of floats, `abs` of integers; lossless casts (integer widening,
 //! integer → float, f32 → f64, timestamp time zone changes). `BETWEEN` arrives as two
 //! comparisons. Operations DataFusion fails on for some inputs (integer `/` and `%`, `sqrt`,
-//! signed `abs`) are translated with a guard: a row that would fail sets `host_only`, and the
+//! signed `abs`, timestamp ± interval) are translated with a guard: a row that would fail sets `host_only`, and the
 //! query reruns on the host, where DataFusion reports its own error. Anything else is declined
 //! with the reason (e.g. `ln`, whose last bit CUDA's libm does not promise), and the part of
 //! the query it belongs to runs on the host.
@@ -392,6 +392,93 @@ impl<'a> Emitter<'a> {
         Ok(self.define(DataType::Boolean, CType::Bool, value, valid))
     }
 
+    /// `timestamp ± interval literal` (`interval + timestamp` too), as arrow's
+    /// `add_month_day_nano`: for intervals without months, and days only in UTC or a fixed
+    /// offset (a named zone's days follow its daylight-saving rules), the shift is a constant
+    /// number of the timestamp's units. Arrow fails (and DataFusion with it) where the
+    /// timestamp or the result is outside chrono's range (about ±262 000 years) or i64: such a
+    /// row sets `host_only`. `None`: not this shape (the caller goes on); declined: this shape,
+    /// but not translatable.
+    fn timestamp_interval(
+        &mut self,
+        expr: &Arc<dyn PhysicalExpr>,
+        binary: &BinaryExpr,
+    ) -> Result<Option<Value>, Declined> {
+        let op = *binary.op();
+        let interval_of = |e: &Arc<dyn PhysicalExpr>| -> Option<ScalarValue> {
+            let value = e.downcast_ref::<Literal>()?.value();
+            matches!(value.data_type(), DataType::Interval(_)).then(|| value.clone())
+        };
+        let is_timestamp = |e: &Arc<dyn PhysicalExpr>| {
+            matches!(e.data_type(self.schema), Ok(DataType::Timestamp(_, _)))
+        };
+        let (timestamp, interval) = match (interval_of(binary.left()), interval_of(binary.right()))
+        {
+            (None, Some(i)) if is_timestamp(binary.left()) => (binary.left(), i),
+            (Some(i), None) if op == Operator::Plus && is_timestamp(binary.right()) => {
+                (binary.right(), i)
+            }
+            _ => return Ok(None),
+        };
+        let declined = |why: &str| Err(format!("{expr}: {why}"));
+        let (months, days, nanos): (i64, i64, i128) = match interval {
+            ScalarValue::IntervalMonthDayNano(Some(v)) => (
+                i64::from(v.months),
+                i64::from(v.days),
+                i128::from(v.nanoseconds),
+            ),
+            ScalarValue::IntervalDayTime(Some(v)) => {
+                (0, i64::from(v.days), i128::from(v.milliseconds) * 1_000_000)
+            }
+            _ => return declined("an interval other than days and time"),
+        };
+        if months != 0 {
+            return declined("an interval of months (calendar arithmetic)");
+        }
+        let t = self.emit(timestamp)?;
+        let DataType::Timestamp(unit, tz) = &t.data_type else {
+            return declined("not a timestamp");
+        };
+        let fixed_offset = tz.as_deref().is_none_or(|tz| {
+            matches!(tz, "UTC" | "Z" | "utc") || tz.starts_with('+') || tz.starts_with('-')
+        });
+        if days != 0 && !fixed_offset {
+            return declined("days in a named time zone (daylight saving)");
+        }
+        use datafusion::arrow::datatypes::TimeUnit;
+        let per_unit: i128 = match unit {
+            TimeUnit::Second => 1_000_000_000,
+            TimeUnit::Millisecond => 1_000_000,
+            TimeUnit::Microsecond => 1_000,
+            TimeUnit::Nanosecond => 1,
+        };
+        let mut delta_ns = i128::from(days) * 86_400_000_000_000 + nanos;
+        if op == Operator::Minus {
+            delta_ns = -delta_ns;
+        }
+        if delta_ns % per_unit != 0 {
+            return declined("an interval finer than the timestamp's unit (arrow truncates)");
+        }
+        let Ok(delta) = i64::try_from(delta_ns / per_unit) else {
+            return declined("an interval beyond the timestamp's range");
+        };
+        // chrono's range, conservatively: ±8·10^12 s (about year ±253 000).
+        let bound = (8_000_000_000_000_000_000_000i128 / per_unit).min(i128::from(i64::MAX));
+        let (x, xv) = (t.value.clone(), t.valid.clone());
+        let shifted = self.define(
+            t.data_type.clone(),
+            CType::I64,
+            format!("(i64)((u64){x} + (u64)({delta}ll))"),
+            xv.clone(),
+        );
+        let r = &shifted.value;
+        self.line(format!(
+            "host_only |= {xv} && ((({x} ^ {r}) & (({delta}ll) ^ {r})) < 0 \
+             || {x} < -{bound}ll || {x} > {bound}ll || {r} < -{bound}ll || {r} > {bound}ll);"
+        ));
+        Ok(Some(shifted))
+    }
+
     /// A dictionary-encoded string column (or its cast to the value type): its index and the
     /// type of its codes.
     fn dictionary_column(&self, expr: &Arc<dyn PhysicalExpr>) -> Option<(usize, CType)> {
@@ -665,6 +752,11 @@ impl<'a> Emitter<'a> {
                     return Ok(self.dictionary_in(c, codes, vec![value], op == Operator::NotEq));
                 }
             }
+        }
+        if matches!(op, Operator::Plus | Operator::Minus)
+            && let Some(shifted) = self.timestamp_interval(expr, binary)?
+        {
+            return Ok(shifted);
         }
         let l = self.emit(binary.left())?;
         let r = self.emit(binary.right())?;

@@ -459,6 +459,25 @@ fn cases() -> Vec<Case> {
         ),
         ("SELECT rid", "", "i32 / g", "LIMIT 20"),
         ("SELECT rid", "WHERE i64 / nn > 3", "g", "LIMIT 20"),
+        // Timestamps ± intervals (fixed offsets; rows past chrono's range rerun on the host)
+        (
+            "SELECT rid, ts_ns",
+            "WHERE ts_ns + INTERVAL '1 day' < TIMESTAMP '2000-01-01 00:00:00'",
+            "ts_ns - INTERVAL '3 hours' DESC",
+            "LIMIT 30",
+        ),
+        (
+            "SELECT rid",
+            "WHERE ts_ms - INTERVAL '90 minutes' > TIMESTAMP '1970-01-01 00:00:00Z'",
+            "ts_us + INTERVAL '2 days 3 hours', ts_ms - INTERVAL '1 second' DESC",
+            "LIMIT 30",
+        ),
+        (
+            "SELECT rid",
+            "",
+            "ts_s + INTERVAL '10 days' DESC NULLS LAST",
+            "LIMIT 30",
+        ),
         // Dictionary strings: codes looked up in the host's per-dictionary match mask
         (
             "SELECT rid, ds",

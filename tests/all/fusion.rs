@@ -163,7 +163,21 @@ async fn each_part_runs_where_it_translates_and_every_program_compiles() {
             "gpu",
             "gpu",
         ),
+        (
+            "WHERE ts_ns + INTERVAL '1 day' < TIMESTAMP '2000-01-01 00:00:00'",
+            "ts_ms - INTERVAL '90 minutes' DESC, ts_us + INTERVAL '2 days 3 hours'",
+            "gpu",
+            "gpu",
+        ),
+        ("WHERE ts_s - INTERVAL '1 second' > ts_s", "g", "gpu", "gpu"),
         // host parts
+        (
+            "WHERE ts_ns + INTERVAL '1 month' > ts_ns",
+            "g",
+            "host",
+            "gpu",
+        ),
+        ("", "ts_s + INTERVAL '1 millisecond'", "-", "host"),
         ("WHERE s LIKE 'a%'", "g DESC", "host", "gpu"),
         ("WHERE ds LIKE 'e%'", "g", "host", "gpu"),
         ("WHERE s = 'a' OR s = 'b'", "i64", "host", "gpu"),

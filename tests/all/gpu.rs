@@ -1328,6 +1328,11 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
             30,
         ),
         ("WHERE i16 > 0", "sqrt(f64), abs(i8) DESC", 30),
+        (
+            "WHERE ts_ns + INTERVAL '1 day' < TIMESTAMP '2000-01-01 00:00:00'",
+            "ts_us - INTERVAL '2 days 3 hours' DESC, ts_s + INTERVAL '1 minute'",
+            45,
+        ),
     ];
     fn find(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> Option<&GpuTopKExec> {
         plan.downcast_ref::<GpuTopKExec>()
