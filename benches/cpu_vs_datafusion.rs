@@ -3,7 +3,7 @@
 //! tweet queries (DESIGN §9): same machine, same run, same in-memory table, end to end.
 //!
 //! ```text
-//! cargo bench --bench cpu_vs_datafusion -- [--rows N] [--runs R] [--csv FILE]
+//! cargo bench --bench cpu_vs_datafusion -- [--rows N] [--runs R] [--csv FILE] [--sweep]
 //! ```
 //!
 //! Each query runs R times per engine (after one warm-up), alternating engines; the table shows
@@ -34,9 +34,21 @@ fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
-fn queries() -> Vec<(String, String)> {
+/// The tweet queries: Q1 at a few selectivities, Q2 at a few k, Q3, Q4; with `sweep`, Q1 at
+/// selectivities 0 to 1 in steps of 0.1 and Q2 over more k (the fusion issue's sweep).
+fn queries(sweep: bool) -> Vec<(String, String)> {
     let mut q = Vec::new();
-    for sel in [0.1, 0.5, 1.0] {
+    let selectivities: Vec<f64> = if sweep {
+        (0..=10).map(|i| f64::from(i) / 10.0).collect()
+    } else {
+        vec![0.1, 0.5, 1.0]
+    };
+    let ks: &[usize] = if sweep {
+        &[1, 50, 1000, 10_000, 100_000]
+    } else {
+        &[50, 1000, 100_000]
+    };
+    for sel in selectivities {
         q.push((
             format!("Q1 sel={sel}"),
             format!(
@@ -45,7 +57,7 @@ fn queries() -> Vec<(String, String)> {
             ),
         ));
     }
-    for k in [50, 1000, 100_000] {
+    for &k in ks {
         q.push((
             format!("Q2 k={k}"),
             format!("SELECT id, retweet_count + 0.5 * likes_count AS score FROM tweets ORDER BY retweet_count + 0.5 * likes_count DESC LIMIT {k}"),
@@ -103,6 +115,7 @@ async fn main() -> Result<()> {
     let rows: u64 = arg("--rows", 20_000_000);
     let runs: usize = arg("--runs", 5);
     let csv: String = arg("--csv", String::new());
+    let sweep = std::env::args().any(|a| a == "--sweep");
     let plain = session(false, Backend::Cpu, true);
     // Our operator on the CPU path, and on the GPU when there is one: predicate and keys in
     // generated GPU code ("cuda"), and evaluated on the host with the columns shipped
@@ -129,7 +142,7 @@ async fn main() -> Result<()> {
         header += &format!(" {:>9} {:>7}", format!("{name} ms"), format!("{name}/DF"));
     }
     println!("{header}  same rows");
-    for (name, sql) in queries() {
+    for (name, sql) in queries(sweep) {
         let (_, want) = time(&plain, &sql).await?;
         let want = key_multiset(&want);
         let mut same = true;

@@ -8,7 +8,8 @@
 # 2. `gpu-topk` Q1–Q4 with --backend cuda and --backend cpu: result rows must be identical;
 # 3. the end-to-end benchmark (DataFusion, CPU path, CUDA with generated expression code, CUDA
 #    with host-evaluated expressions), ROWS rows (default 100M).
-# Logs go to $OUT; the summary is printed last. Set SKIP_BENCH=1 to stop after step 2.
+# Logs go to $OUT; the summary is printed last. Set SKIP_BENCH=1 to stop after step 2, SKIP_TESTS=1
+# to skip step 1, SWEEP=1 for the benchmark's sweep (Q1 selectivity 0 to 1 by 0.1, Q2 k 1 to 10^5).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-run}
 ROWS=${ROWS:-100000000}
@@ -18,12 +19,14 @@ export GPU_TOPK_CACHE_DIR=$PWD/.kernel-cache
 summary=()
 result() { grep -h "test result" "$1" | tr '\n' ' '; }
 
-GPU_TOPK_TEST_BACKEND=cuda .b/all > "$OUT/tests-cuda.log" 2>&1
-summary+=("integration tests, backend cuda (rc $?): $(result "$OUT/tests-cuda.log")")
-GPU_TOPK_TEST_BACKEND=cuda .b/sqllogictests > "$OUT/slt-cuda.log" 2>&1
-summary+=("sqllogictests, backend cuda (rc $?): $(tail -n 3 "$OUT/slt-cuda.log" | tr '\n' ' ')")
-.b/all > "$OUT/tests-cpu.log" 2>&1
-summary+=("integration tests, backend cpu (rc $?): $(result "$OUT/tests-cpu.log")")
+if [ -z "${SKIP_TESTS:-}" ]; then
+    GPU_TOPK_TEST_BACKEND=cuda .b/all > "$OUT/tests-cuda.log" 2>&1
+    summary+=("integration tests, backend cuda (rc $?): $(result "$OUT/tests-cuda.log")")
+    GPU_TOPK_TEST_BACKEND=cuda .b/sqllogictests > "$OUT/slt-cuda.log" 2>&1
+    summary+=("sqllogictests, backend cuda (rc $?): $(tail -n 3 "$OUT/slt-cuda.log" | tr '\n' ' ')")
+    .b/all > "$OUT/tests-cpu.log" 2>&1
+    summary+=("integration tests, backend cpu (rc $?): $(result "$OUT/tests-cpu.log")")
+fi
 
 for backend in cuda cpu; do
     .b/gpu-topk --rows "$ROWS" --show 100 --backend "$backend" > "$OUT/queries-$backend.log" 2>&1
@@ -38,7 +41,7 @@ summary+=("gpu-topk Q1-Q4, $ROWS rows, cuda vs cpu: $same ($rows result rows)")
 summary+=("$(grep -E '^(time|top-k):' "$OUT/queries-cuda.log" | paste -sd' ' -)")
 
 if [ -z "${SKIP_BENCH:-}" ]; then
-    .b/cpu_vs_datafusion --rows "$ROWS" --runs 3 --csv "$OUT/end-to-end.csv" > "$OUT/end-to-end.log" 2>&1
+    .b/cpu_vs_datafusion --rows "$ROWS" --runs 3 --csv "$OUT/end-to-end.csv" ${SWEEP:+--sweep} > "$OUT/end-to-end.log" 2>&1
     summary+=("end to end (rc $?):")
     summary+=("$(cat "$OUT/end-to-end.log")")
 fi
