@@ -379,17 +379,7 @@ impl<'a> Emitter<'a> {
             format!("({})", found.join(" || "))
         };
         let found = self.define(DataType::Boolean, CType::Bool, found, "true".into());
-        let value = if in_list.negated() {
-            format!("!{}", found.value)
-        } else {
-            found.value.clone()
-        };
-        let valid = if list_has_null {
-            format!("{} && {}", a.valid, found.value)
-        } else {
-            a.valid.clone()
-        };
-        Ok(self.define(DataType::Boolean, CType::Bool, value, valid))
+        Ok(self.in_result(&found.value, &a.valid, in_list.negated(), list_has_null))
     }
 
     /// `timestamp ± interval literal` (`interval + timestamp` too), as arrow's
@@ -525,15 +515,21 @@ impl<'a> Emitter<'a> {
                 "{code_valid} && (c{q}_valid == nullptr || get_bit(c{q}_valid, c{q}_valid_bit + (u64){code}))"
             ),
         );
+        self.in_result(&found.value, &found.valid, negated, has_null)
+    }
+
+    /// SQL's `[NOT] IN` from whether the value was found: NULL where `valid` is false (a NULL
+    /// value), or where nothing was found and the list holds a NULL.
+    fn in_result(&mut self, found: &str, valid: &str, negated: bool, list_has_null: bool) -> Value {
         let value = if negated {
-            format!("!{}", found.value)
+            format!("!{found}")
         } else {
-            found.value.clone()
+            found.to_string()
         };
-        let valid = if has_null {
-            format!("{} && {}", found.valid, found.value)
+        let valid = if list_has_null {
+            format!("{valid} && {found}")
         } else {
-            found.valid.clone()
+            valid.to_string()
         };
         self.define(DataType::Boolean, CType::Bool, value, valid)
     }

@@ -803,11 +803,30 @@ fn full_sort_oracle(key: &str, dir: &str, filter: &str) -> String {
     format!("SELECT rid FROM (SELECT rid, {key} AS key FROM t {filter}) ORDER BY key {dir}, rid")
 }
 
-/// The header and the first k rows of `exact_rows`.
-fn first_rows(batches: &[RecordBatch], k: usize) -> Vec<String> {
-    let mut rows = exact_rows(batches);
-    rows.truncate(1 + k);
-    rows
+/// Runs `sql` (a single-key top-k query) with our operator and the full-sort oracle of its
+/// (key, direction, filter) in plain DataFusion: the same first k rows (true), or the same
+/// error (false).
+async fn same_as_full_sort(
+    ours: &datafusion::prelude::SessionContext,
+    plain: &datafusion::prelude::SessionContext,
+    sql: &str,
+    (key, dir, filter): (&str, &str, &str),
+    k: usize,
+) -> bool {
+    let oracle = full_sort_oracle(key, dir, filter);
+    match (run(ours, sql).await, run(plain, &oracle).await) {
+        (Ok(got), Ok(want)) => {
+            let mut want = exact_rows(&want);
+            want.truncate(1 + k); // the header and k rows
+            assert_eq!(exact_rows(&got), want, "{sql}");
+            true
+        }
+        (Err(a), Err(b)) => {
+            assert_eq!(a.to_string(), b.to_string(), "{sql}");
+            false
+        }
+        (a, b) => panic!("{sql}: ours {a:?}\nDataFusion {b:?}"),
+    }
 }
 
 /// `sqrt`, whose plans `ORDER BY sqrt(x), rid` DataFusion's sanity check rejects over several
@@ -829,17 +848,10 @@ async fn guarded_sqrt_matches_datafusion() {
         ("WHERE nn > 2", "sqrt(CAST(i16 AS DOUBLE))", "DESC"),
     ] {
         let sql = format!("SELECT rid FROM t {filter} ORDER BY {key} {dir} LIMIT 25");
-        let oracle = full_sort_oracle(key, dir, filter);
-        match (run(&ours, &sql).await, run(&plain, &oracle).await) {
-            (Ok(got), Ok(want)) => {
-                assert_eq!(exact_rows(&got), first_rows(&want, 25), "{sql}");
-                results += 1;
-            }
-            (Err(a), Err(b)) => {
-                assert_eq!(a.to_string(), b.to_string(), "{sql}");
-                errors += 1;
-            }
-            (a, b) => panic!("{sql}: ours {a:?}\nDataFusion {b:?}"),
+        if same_as_full_sort(&ours, &plain, &sql, (key, dir, filter), 25).await {
+            results += 1;
+        } else {
+            errors += 1;
         }
     }
     assert!(
@@ -877,26 +889,16 @@ async fn random_expressions_match_datafusion() {
         let dir = generator.pick(&["", " DESC", " NULLS FIRST", " DESC NULLS LAST"]);
         let k = generator.pick(&["1", "7", "50", "400"]);
         let sql = format!("SELECT rid FROM t {filter} ORDER BY {key}{dir} LIMIT {k}");
-        let oracle = full_sort_oracle(&key, dir, &filter);
         if let Ok(plan) = physical_plan(&ours, &sql).await
             && count_gpu_topk(&plan) > 0
         {
             taken += 1;
         }
-        match (run(&ours, &sql).await, run(&plain, &oracle).await) {
-            (Ok(got), Ok(want)) => {
-                assert_eq!(
-                    exact_rows(&got),
-                    first_rows(&want, k.parse().unwrap()),
-                    "{sql}"
-                );
-                compared += 1;
-            }
-            (Err(a), Err(b)) => {
-                assert_eq!(a.to_string(), b.to_string(), "{sql}");
-                errors += 1;
-            }
-            (a, b) => panic!("{sql}: ours {a:?}\nDataFusion {b:?}"),
+        let k = k.parse().unwrap();
+        if same_as_full_sort(&ours, &plain, &sql, (&key, dir, &filter), k).await {
+            compared += 1;
+        } else {
+            errors += 1;
         }
     }
     eprintln!(
