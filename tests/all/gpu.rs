@@ -1383,32 +1383,37 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
                 let batch = &batch.project(&projection).unwrap();
                 let n = batch.num_rows();
                 // Reference: DataFusion evaluates the predicate, then the keys on the survivors.
-                let (filtered, ids): (RecordBatch, Vec<u64>) = match &spec.filter {
-                    Some(predicate) => {
-                        let mask = predicate.evaluate(batch).unwrap().into_array(n).unwrap();
-                        let mask = null_as_false(mask.as_boolean());
-                        let ids = mask
-                            .values()
-                            .set_indices()
-                            .map(|i| first_id + i as u64)
-                            .collect();
-                        (filter_record_batch(batch, &mask).unwrap(), ids)
-                    }
-                    None => (batch.clone(), (first_id..first_id + n as u64).collect()),
+                // Its evaluation may fail on a row (sqrt of a negative number, a timestamp out
+                // of range): the generated program must then send the query to the host
+                // (checked below).
+                let reference = || -> datafusion::error::Result<(Vec<ArrayRef>, Vec<u64>)> {
+                    let (filtered, ids): (RecordBatch, Vec<u64>) = match &spec.filter {
+                        Some(predicate) => {
+                            let mask = predicate.evaluate(batch)?.into_array(n)?;
+                            let mask = null_as_false(mask.as_boolean());
+                            let ids = mask
+                                .values()
+                                .set_indices()
+                                .map(|i| first_id + i as u64)
+                                .collect();
+                            (filter_record_batch(batch, &mask)?, ids)
+                        }
+                        None => (batch.clone(), (first_id..first_id + n as u64).collect()),
+                    };
+                    let keys = spec
+                        .sort_exprs
+                        .iter()
+                        .map(|s| s.expr.evaluate(&filtered)?.into_array(ids.len()))
+                        .collect::<datafusion::error::Result<_>>()?;
+                    Ok((keys, ids))
                 };
-                passed_cpu += ids.len();
-                // DataFusion's evaluation may fail on a row (sqrt of a negative number): the
-                // generated program must then send the query to the host (checked below).
-                let keys: datafusion::error::Result<Vec<ArrayRef>> = spec
-                    .sort_exprs
-                    .iter()
-                    .map(|s| s.expr.evaluate(&filtered)?.into_array(ids.len()))
-                    .collect();
-                let datafusion_fails = keys.is_err();
-                if let Ok(keys) = &keys {
+                let reference = reference();
+                let datafusion_fails = reference.is_err();
+                if let Ok((keys, ids)) = &reference {
+                    passed_cpu += ids.len();
                     cpu.push(SelectInput {
                         keys,
-                        row_ids: RowIds::Explicit(&ids),
+                        row_ids: RowIds::Explicit(ids),
                     })
                     .unwrap();
                 }
