@@ -145,12 +145,18 @@ impl GpuDevice {
     }
 
     /// A generated program ([`crate::fusion`]), compiled on first use (or read from the disk
-    /// cache) and then kept in memory. Compile errors are not remembered.
-    pub fn generated_kernel(&self, source: &str, entry: &str) -> GpuResult<Arc<GeneratedKernel>> {
+    /// cache) and then kept in memory, with the time this call spent compiling or loading it
+    /// (zero when it was in memory). Compile errors are not remembered.
+    pub fn generated_kernel(
+        &self,
+        source: &str,
+        entry: &str,
+    ) -> GpuResult<(Arc<GeneratedKernel>, std::time::Duration)> {
         let mut loaded = self.generated.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(kernel) = loaded.get(source) {
-            return Ok(Arc::clone(kernel));
+            return Ok((Arc::clone(kernel), std::time::Duration::ZERO));
         }
+        let started = std::time::Instant::now();
         self.kernels()?;
         let cache_dir = self.cache_dir.get().cloned().flatten();
         let kernel = Arc::new(kernels::load_generated(
@@ -162,7 +168,7 @@ impl GpuDevice {
             cache_dir.as_deref(),
         )?);
         loaded.insert(source.to_string(), Arc::clone(&kernel));
-        Ok(kernel)
+        Ok((kernel, started.elapsed()))
     }
 
     /// A new non-blocking stream on this device.

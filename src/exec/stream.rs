@@ -42,6 +42,9 @@ struct TopKMetrics {
     select_time: Time,
     retain_time: Time,
     gather_time: Time,
+    /// Time this execution spent compiling (NVRTC) or loading its generated kernel: zero when
+    /// the kernel was already in memory, as on a query's second run.
+    compile_time: Time,
 }
 
 impl TopKMetrics {
@@ -57,6 +60,7 @@ impl TopKMetrics {
             select_time: time("select_time"),
             retain_time: time("retain_time"),
             gather_time: time("gather_time"),
+            compile_time: time("compile_time"),
         }
     }
 }
@@ -168,6 +172,11 @@ impl TopKRun {
             program: program.clone(),
         };
         let selector = select::create_selector(&selection, &choice)?;
+        // (A zero duration would still count as 1 ns: DataFusion's timers never add nothing.)
+        let compile_time = selector.compile_time();
+        if !compile_time.is_zero() {
+            self.metrics.compile_time.add_duration(compile_time);
+        }
         let input_schema = self.input.schema();
         let first_key_type = self.spec.sort_exprs.first().expr.data_type(&input_schema)?;
         let mut fields: Vec<Field> = self

@@ -97,6 +97,7 @@ pub fn new_cuda_selector_with_capacity(
     let kind = key_kind(&spec.layout);
     let algorithm = device_algorithm(&device, &spec.layout, spec.k, algorithm)?;
     let engine = TopKEngine::new(&device, kind).map_err(gpu_error)?;
+    let mut compile_time = std::time::Duration::ZERO;
     let program = match &spec.program {
         Some(program) if program.key_kind != kind => {
             return datafusion::common::internal_err!(
@@ -104,17 +105,22 @@ pub fn new_cuda_selector_with_capacity(
                 program.key_kind
             );
         }
-        Some(program) => Some(FusedKernel {
-            kernel: device
+        Some(program) => {
+            let (kernel, time) = device
                 .generated_kernel(&program.source, crate::fusion::ENTRY)
-                .map_err(gpu_error)?,
-            program: Arc::clone(program),
-        }),
+                .map_err(gpu_error)?;
+            compile_time = time;
+            Some(FusedKernel {
+                kernel,
+                program: Arc::clone(program),
+            })
+        }
         None => None,
     };
     Ok(Arc::new(CudaSelector {
         device: Arc::clone(&device),
         program,
+        compile_time,
         layout: spec.layout.clone(),
         k: spec.k,
         algorithm,
@@ -158,6 +164,8 @@ pub struct CudaSelector {
     device: Arc<GpuDevice>,
     /// The generated program, when the device evaluates predicate and keys itself.
     program: Option<FusedKernel>,
+    /// Time spent compiling or loading it when this selector was built.
+    compile_time: std::time::Duration,
     layout: KeyLayout,
     k: usize,
     algorithm: DeviceAlgorithm,
@@ -279,6 +287,10 @@ impl State {
 impl TopKSelector for CudaSelector {
     fn describe(&self) -> String {
         format!("cuda {} ({})", self.algorithm.name(), self.arch)
+    }
+
+    fn compile_time(&self) -> std::time::Duration {
+        self.compile_time
     }
 
     fn push(&self, input: SelectInput<'_>) -> Result<Admitted> {

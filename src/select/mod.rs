@@ -107,6 +107,12 @@ pub trait TopKSelector: Send + Sync + Debug {
     /// Offers one batch.
     fn push(&self, input: SelectInput<'_>) -> Result<Admitted>;
 
+    /// Time spent compiling (NVRTC) or loading the generated program when this selector was
+    /// built: zero when it was already in memory, and for selectors without one.
+    fn compile_time(&self) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
+
     /// Offers raw input columns, evaluated by the selection's generated program (predicate,
     /// keys, selection in one pass). Only selectors built with a program support it.
     fn push_columns(&self, _input: ColumnsInput<'_>) -> Result<FusedAdmitted> {

@@ -165,8 +165,41 @@ async fn explain_and_explain_analyze_show_the_operator_and_its_metrics() {
         "output_rows=3",
         "select_time",
         "filter_time",
+        "compile_time",
     ] {
         assert!(text.contains(metric), "{metric} missing:\n{text}");
+    }
+}
+
+/// The generated kernel's compile (or disk-cache load) time is a metric; a query's second run
+/// finds the kernel in memory and compiles nothing.
+#[tokio::test]
+async fn the_second_run_of_a_query_compiles_nothing() {
+    let ctx = session(true, 2, 1024);
+    register(&ctx, "t", numbers(2, 3000));
+    // A query text no other test uses, so that its kernel is not in memory yet.
+    let sql = "SELECT id FROM t WHERE w = 2 AND v > -17 ORDER BY v * 3 + 11 DESC LIMIT 4";
+    let compile_time = || async {
+        let plan = physical_plan(&ctx, sql).await.unwrap();
+        collect(Arc::clone(&plan), ctx.task_ctx()).await.unwrap();
+        find_exec(&plan)
+            .unwrap()
+            .metrics()
+            .and_then(|m| m.sum_by_name("compile_time"))
+            .map(|v| v.as_usize())
+            .expect("a compile_time metric")
+    };
+    // DataFusion sums time metrics with at least 1 ns per part: "nothing" reads as ≤ 1 µs.
+    let first = compile_time().await;
+    let second = compile_time().await;
+    assert!(second <= 1000, "the second run compiled for {second} ns");
+    if expected_backend() == "cuda" {
+        assert!(
+            first > 1000,
+            "the first run on the GPU compiled or loaded nothing"
+        );
+    } else {
+        assert!(first <= 1000, "the CPU path compiled for {first} ns");
     }
 }
 
