@@ -20,7 +20,10 @@
 //!   thresholds and filtering passes chained on the device, then a rank sort (sample.cu);
 //! - [`sort`](TopKEngine::sort): bitonic sort of any number of pairs, in register tiles
 //!   (bitonic.cu);
-//! - [`select_sorted`](TopKEngine::select_sorted): one of the two selections, then sorted.
+//! - [`select_sorted`](TopKEngine::select_sorted): one of the selections, then sorted; or in
+//!   two steps, [`enqueue_select`](TopKEngine::enqueue_select) (a small-k sampled selection is
+//!   enqueued whole, no host round trip inside) and [`finish`](TopKEngine::finish) (reads its
+//!   status back with the result).
 
 use std::sync::Arc;
 
