@@ -1473,9 +1473,8 @@ impl TopKEngine {
         Ok(Some((sorted, true)))
     }
 
-    /// SampleSelect ([`sample_enqueue`](Self::sample_enqueue), then
-    /// [`sample_complete`](Self::sample_complete)): the k smallest pairs, sorted; `None` when
-    /// the sample cannot shrink the input or its estimate missed.
+    /// SampleSelect (`sample_enqueue`, then `sample_complete`): the k smallest pairs, sorted;
+    /// `None` when the sample cannot shrink the input or its estimate missed.
     pub fn sample_select(
         &mut self,
         input: &DevicePairs,
