@@ -40,13 +40,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg, result};
+use cudarc::driver::result;
 use datafusion::arrow::array::{ArrayRef, Float32Array, Float64Array, Int32Array, Int64Array};
 use datafusion::arrow::compute::SortOptions;
 use datafusion::arrow::datatypes::DataType;
+use datafusion_gpu_topk::cost::calibration::calibration;
+use datafusion_gpu_topk::cost::{Case, CostModel};
+use datafusion_gpu_topk::device::GpuTimer;
+use datafusion_gpu_topk::device::measure::{
+    FLUSH_BYTES, ReadFloor, fraction_cut, fraction_hash, median, time_selection,
+};
 use datafusion_gpu_topk::device::{
-    DeviceAlgorithm, DevicePairs, GpuDevice, GpuError, GpuResult, GpuStatus, GpuTimer, KeyKind,
-    PooledBuffer, TopKEngine, gpu_status,
+    DeviceAlgorithm, DevicePairs, GpuDevice, GpuError, GpuResult, GpuStatus, KeyKind, TopKEngine,
+    gpu_status,
 };
 use datafusion_gpu_topk::keys::{EncodedKeys, KeyLayout, KeySpec};
 
@@ -156,13 +162,21 @@ struct Options {
     dists: Vec<Dist>,
     algos: Vec<DeviceAlgorithm>,
     reps: usize,
+    /// Filter selectivities: below 1, a filter pass keeps that fraction of the rows (a hash of
+    /// the row id) and the selection runs over the kept pairs; both are timed.
+    sels: Vec<f64>,
+    /// Predict every case with the calibrated cost model and report its choices.
+    cost_model: bool,
+    /// Measure the calibration again rather than reading the cached one.
+    recalibrate: bool,
     csv: Option<String>,
     /// Start no new (n, key type, distribution) after this many seconds.
     budget: Option<f64>,
 }
 
 const USAGE: &str = "usage: kernels [--n LIST] [--k LIST] [--keys LIST] [--dist LIST] \
-                     [--algo LIST] [--reps R] [--csv FILE] [--quick] [--budget SECONDS] [--host-check]";
+                     [--algo LIST] [--sel LIST] [--reps R] [--csv FILE] [--quick] [--budget SECONDS] \
+                     [--cost-model] [--recalibrate] [--host-check]";
 
 fn parse_size(s: &str) -> Result<usize, String> {
     let s = s.trim();
@@ -212,6 +226,9 @@ fn parse_options(args: &[String]) -> Result<Options, String> {
             dists: vec![Dist::Uniform, Dist::AllEqual],
             algos: ALGORITHMS.to_vec(),
             reps: 5,
+            sels: vec![1.0],
+            cost_model: false,
+            recalibrate: false,
             csv: None,
             budget: None,
         }
@@ -223,6 +240,9 @@ fn parse_options(args: &[String]) -> Result<Options, String> {
             dists: Dist::ALL.to_vec(),
             algos: ALGORITHMS.to_vec(),
             reps: 5,
+            sels: vec![1.0],
+            cost_model: false,
+            recalibrate: false,
             csv: None,
             budget: None,
         }
@@ -231,6 +251,12 @@ fn parse_options(args: &[String]) -> Result<Options, String> {
     while i < args.len() {
         let flag = args[i].as_str();
         if flag == "--quick" {
+            i += 1;
+            continue;
+        }
+        if flag == "--cost-model" || flag == "--recalibrate" {
+            o.cost_model = true;
+            o.recalibrate |= flag == "--recalibrate";
             i += 1;
             continue;
         }
@@ -259,6 +285,14 @@ fn parse_options(args: &[String]) -> Result<Options, String> {
                     .ok()
                     .filter(|&r| r > 0)
                     .ok_or_else(|| format!("bad --reps '{value}'"))?
+            }
+            "--sel" => {
+                o.sels = parse_list(value, |s| {
+                    s.parse::<f64>()
+                        .ok()
+                        .filter(|&f| f > 0.0 && f <= 1.0)
+                        .ok_or_else(|| format!("bad selectivity '{s}' (0 < sel <= 1)"))
+                })?
             }
             "--csv" => o.csv = Some(value.clone()),
             "--budget" => {
@@ -543,6 +577,11 @@ fn oracle<W: Word>(keys: &[W], kmax: usize) -> Vec<u32> {
 
 /// How many input pairs (keys[i], i) are below (key, id); in parallel.
 fn count_below<W: Word>(keys: &[W], key: W, id: u64) -> usize {
+    count_kept_below(keys, key, id, None)
+}
+
+/// Pairs below (key, id) among the rows a fraction filter with this cut keeps (all: `None`).
+fn count_kept_below<W: Word>(keys: &[W], key: W, id: u64, cut: Option<u32>) -> usize {
     let part = keys.len().div_ceil(threads()).max(1 << 16);
     std::thread::scope(|s| {
         let handles: Vec<_> = keys
@@ -554,7 +593,11 @@ fn count_below<W: Word>(keys: &[W], key: W, id: u64) -> usize {
                     chunk
                         .iter()
                         .enumerate()
-                        .filter(|&(i, &k)| k < key || (k == key && base + (i as u64) < id))
+                        .filter(|&(i, &k)| {
+                            let row = base + i as u64;
+                            (k < key || (k == key && row < id))
+                                && cut.is_none_or(|c| fraction_hash(row) < c)
+                        })
                         .count()
                 })
             })
@@ -574,8 +617,21 @@ fn check<W: Word>(
     ids: &[u64],
     out_keys: &[W],
 ) -> Result<(), String> {
+    check_kept(keys, oracle, None, k, ids, out_keys)
+}
+
+/// [`check`] of a selection among the rows a fraction filter kept: `kept` is (cut, rows
+/// kept); every output row must be a kept one, and the counting check counts kept rows only.
+fn check_kept<W: Word>(
+    keys: &[W],
+    oracle: Option<&[u32]>,
+    kept: Option<(u32, usize)>,
+    k: usize,
+    ids: &[u64],
+    out_keys: &[W],
+) -> Result<(), String> {
     let n = keys.len();
-    let m = n.min(k);
+    let m = kept.map_or(n, |(_, rows)| rows).min(k);
     if ids.len() != m || out_keys.len() != m {
         return Err(format!(
             "{} ids and {} keys, expected {m}",
@@ -586,6 +642,11 @@ fn check<W: Word>(
     for (j, (&id, &key)) in ids.iter().zip(out_keys).enumerate() {
         if id >= n as u64 {
             return Err(format!("output {j}: row id {id} out of range (n = {n})"));
+        }
+        if let Some((cut, _)) = kept
+            && fraction_hash(id) >= cut
+        {
+            return Err(format!("output {j}: row {id} did not pass the filter"));
         }
         if keys[id as usize] != key {
             return Err(format!(
@@ -604,7 +665,7 @@ fn check<W: Word>(
     if m == 0 {
         return Ok(());
     }
-    match oracle {
+    match oracle.filter(|_| kept.is_none()) {
         Some(expected) => {
             if let Some(j) = (0..m).find(|&j| u64::from(expected[j]) != ids[j]) {
                 return Err(format!(
@@ -616,7 +677,7 @@ fn check<W: Word>(
         None => {
             // m distinct real pairs, ascending; exactly m − 1 input pairs below the last one
             // means they are the m smallest.
-            let below = count_below(keys, out_keys[m - 1], ids[m - 1]);
+            let below = count_kept_below(keys, out_keys[m - 1], ids[m - 1], kept.map(|k| k.0));
             if below != m - 1 {
                 return Err(format!(
                     "{below} input pairs are below the last output pair, expected {}",
@@ -630,135 +691,95 @@ fn check<W: Word>(
 
 // ---- device helpers -----------------------------------------------------------------------------
 
-const FLOOR_THREADS: u32 = 256;
-/// Bytes read before every timed repetition to evict the L2 cache (50 MB on the H100).
-const FLUSH_BYTES: usize = 256 << 20;
 /// Host sort oracle up to this n; beyond, the counting check.
 const ORACLE_MAX_N: usize = 1 << 24;
 
-/// The read-floor kernels (read_floor.cu, compiled, cached and loaded by the crate's loader
-/// like every kernel).
-struct Floor {
-    w32: CudaFunction,
-    w64: CudaFunction,
-    sm_count: usize,
-    /// 8 bytes the kernels reduce into.
-    out: PooledBuffer,
-    flush: PooledBuffer,
-}
-
-impl Floor {
-    fn new(device: &Arc<GpuDevice>, engine: &TopKEngine) -> GpuResult<Self> {
-        let kernels = device.kernels()?;
-        let load = |name: &str| kernels.get(name).cloned();
-        let out = device.pool.alloc(4096, engine.stream())?;
-        let flush = device.pool.alloc(FLUSH_BYTES, engine.stream())?;
-        device.context.bind_to_thread()?;
-        // SAFETY: the whole buffer, on the stream that uses it.
-        unsafe {
-            result::memset_d8_async(flush.ptr(), 0x5A, FLUSH_BYTES, engine.stream().cu_stream())
-        }?;
-        Ok(Self {
-            w32: load("read_floor_w32")?,
-            w64: load("read_floor_w64")?,
-            sm_count: device.sm_count,
-            out,
-            flush,
-        })
-    }
-
-    /// Enqueues a max over `words` words of `width` bytes at `ptr` into `out` (zeroed first).
-    fn launch(&self, engine: &TopKEngine, ptr: u64, words: usize, width: usize) -> GpuResult<()> {
-        let vectors = words * width / 16;
-        let grid = vectors
-            .div_ceil(FLOOR_THREADS as usize * 4)
-            .clamp(1, self.sm_count * 8) as u32;
-        let function = if width == 4 { &self.w32 } else { &self.w64 };
-        let (out, n) = (self.out.ptr(), words as u64);
-        let mut builder = engine.stream().launch_builder(function);
-        builder.arg(&ptr).arg(&n).arg(&out);
-        let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (FLOOR_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: read_floor_wNN(const W *words, u64 n, W *out): `ptr` holds `words` live words
-        // of that width, `out` 8 live bytes; both buffers outlive the stream's work (we
-        // synchronise before dropping them).
-        unsafe { builder.launch(cfg) }
-            .map_err(|e| GpuError(format!("launching read_floor failed: {e}")))?;
-        Ok(())
-    }
-
-    fn zero_out(&self, engine: &TopKEngine) -> GpuResult<()> {
-        engine.device().context.bind_to_thread()?;
-        // SAFETY: 8 bytes of a live buffer, on its stream.
-        unsafe { result::memset_d8_async(self.out.ptr(), 0, 8, engine.stream().cu_stream()) }?;
-        Ok(())
-    }
-
-    /// Reads the whole flush buffer, evicting L2 (before each timed repetition).
-    fn flush_l2(&self, engine: &TopKEngine) -> GpuResult<()> {
-        self.launch(engine, self.flush.ptr(), FLUSH_BYTES / 8, 8)
-    }
-
-    /// Median read-floor time over the keys of `pairs`, and the maximum word the kernel saw.
-    fn measure(
-        &self,
-        engine: &mut TopKEngine,
-        pairs: &DevicePairs,
-        n: usize,
-        reps: usize,
-    ) -> GpuResult<(f64, u64)> {
-        let width = pairs.kind().key_bytes();
-        let mut times = Vec::with_capacity(reps);
-        let mut seen = 0;
-        for rep in 0..=reps {
-            self.flush_l2(engine)?;
-            self.zero_out(engine)?;
-            let timer = GpuTimer::start(engine.stream())?;
-            self.launch(engine, pairs.key_at(0), n, width)?;
-            let ms = timer.stop()?;
-            if rep > 0 {
-                times.push(f64::from(ms));
-            }
-            let bytes = engine.read_bytes(self.out.ptr(), 8)?;
-            let value = if width == 4 {
-                u64::from(<u32 as Word>::from_le_slice(&bytes[..4]))
-            } else {
-                <u64 as Word>::from_le_slice(&bytes[..8])
-            };
-            if rep > 0 && value != seen {
-                return Err(GpuError(format!(
-                    "read floor gave {value:#x}, then {seen:#x} before"
-                )));
-            }
-            seen = value;
+/// Median read-floor time over the keys of `pairs`, and the maximum word the kernel saw.
+fn measure_floor(
+    floor: &ReadFloor,
+    engine: &mut TopKEngine,
+    pairs: &DevicePairs,
+    n: usize,
+    reps: usize,
+) -> GpuResult<(f64, u64)> {
+    let width = pairs.kind().key_bytes();
+    let mut times = Vec::with_capacity(reps);
+    let mut seen = 0;
+    for rep in 0..=reps {
+        let ms = floor.time_read(engine, pairs.key_at(0), n, width)?;
+        if rep > 0 {
+            times.push(ms);
         }
-        Ok((median(&mut times), seen))
+        let value = floor.result(engine, width)?;
+        if rep > 0 && value != seen {
+            return Err(GpuError(format!(
+                "read floor gave {value:#x}, then {seen:#x} before"
+            )));
+        }
+        seen = value;
     }
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let h = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[h]
-    } else {
-        (v[h - 1] + v[h]) / 2.0
-    }
+    Ok((median(&mut times), seen))
 }
 
 /// Device bytes one (n, key width) needs: the input pairs, the radix scratch (2 × n pairs),
 /// bitonic's first-round output (≤ n/4 pairs), the sort of ≤ 2 k pairs (twice), the flush
 /// buffer, and 1 GiB of slack.
-fn device_bytes_needed(n: usize, kind: KeyKind, kmax: usize) -> usize {
+fn device_bytes_needed(n: usize, kind: KeyKind, kmax: usize, sel: f64) -> usize {
     let pair = kind.key_bytes() + 8;
     let kmax = kmax.min(n).next_power_of_two();
-    n * pair * 3 + (n / 4) * pair + 4 * kmax * pair + FLUSH_BYTES + (1 << 30)
+    // A filter's kept pairs (below selectivity 1) and their selection's scratch.
+    let kept = if sel < 1.0 { 3.2 * sel * n as f64 } else { 0.0 } as usize;
+    (n + kept) * pair * 3 + (n / 4) * pair + 4 * kmax * pair + FLUSH_BYTES + (1 << 30)
+}
+
+/// Completes a measured row: times, or the error that stopped the case, and the verdict.
+fn finish_row(
+    row: &mut Row,
+    outcome: GpuResult<()>,
+    mut times: Vec<f64>,
+    verdict: Result<(), String>,
+) {
+    match outcome {
+        Err(e) => row.ok = format!("ERROR {e}"),
+        Ok(()) => {
+            let lo = times.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = times.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            row.times = Some((median(&mut times), lo, hi));
+            row.ok = match verdict {
+                Ok(()) => "ok".into(),
+                Err(e) => format!("WRONG {e}"),
+            };
+        }
+    }
+}
+
+/// Share of a sorted key sample equal to its element at `rank` (0 when unique there).
+fn tie_share<W: Word>(sample: &[W], rank: usize) -> f64 {
+    let Some(&key) = sample.get(rank.min(sample.len().saturating_sub(1))) else {
+        return 0.0;
+    };
+    let equal = sample.partition_point(|&w| w <= key) - sample.partition_point(|&w| w < key);
+    if equal <= 1 {
+        0.0
+    } else {
+        equal as f64 / sample.len() as f64
+    }
+}
+
+/// The model's prediction of a row, in ms: a filter over n rows keeping `rows` (when sel < 1),
+/// then the selection over those.
+fn predict_ms(model: &CostModel, row: &Row, rows: usize, ties: f64) -> Option<f64> {
+    let kind = row.key.kind();
+    let (case, filter) = if row.sel < 1.0 {
+        (
+            Case::pairs(rows, row.k, kind, row.n),
+            model.filter_time(row.n, rows, kind),
+        )
+    } else {
+        (Case::positional(row.n, row.k, kind), 0.0)
+    };
+    let case = Case { ties, ..case };
+    model.predict(row.algo, &case).map(|t| (t + filter) * 1e3)
 }
 
 // ---- the sweep ----------------------------------------------------------------------------------
@@ -769,8 +790,12 @@ struct Row {
     key: KeyType,
     dist: Dist,
     algo: DeviceAlgorithm,
+    /// Filter selectivity (1: no filter).
+    sel: f64,
     /// (median, min, max) ms; `None`: n/a.
     times: Option<(f64, f64, f64)>,
+    /// The cost model's prediction, ms (with `--cost-model`).
+    predicted_ms: Option<f64>,
     floor_ms: f64,
     ok: String,
 }
@@ -784,6 +809,8 @@ struct Sweep {
     rows: Vec<Row>,
     wrong: usize,
     csv: Option<std::fs::File>,
+    /// The calibrated cost model (with `--cost-model`).
+    model: Option<CostModel>,
 }
 
 impl Sweep {
@@ -791,7 +818,7 @@ impl Sweep {
         let (median, min, max) = row.times.unwrap_or((f64::NAN, f64::NAN, f64::NAN));
         let key_bytes = row.n * row.key.kind().key_bytes();
         let line = format!(
-            "{},{},{},{},{},{},{:.5},{:.5},{:.5},{:.5},{:.3},{:.1},{}",
+            "{},{},{},{},{},{},{:.5},{:.5},{:.5},{:.5},{:.3},{:.1},{},{},{}",
             row.n,
             row.k,
             row.key.name(),
@@ -804,23 +831,34 @@ impl Sweep {
             row.floor_ms,
             median / row.floor_ms,
             key_bytes as f64 / (row.floor_ms * 1e6),
-            row.ok.replace(',', ";")
+            row.ok.replace(',', ";"),
+            row.sel,
+            row.predicted_ms
+                .map_or(String::new(), |p| format!("{p:.5}"))
         );
         if let Some(f) = &mut self.csv
             && let Err(e) = writeln!(f, "{line}").and_then(|_| f.flush())
         {
             eprintln!("cannot write the CSV: {e}");
         }
-        let shown = match row.times {
+        let mut shown = match row.times {
             Some((m, _, _)) => format!("{m:.3} ms ({:.1}x floor)", m / row.floor_ms),
             None => "n/a".into(),
         };
+        if let (Some(p), Some(_)) = (row.predicted_ms, row.times) {
+            shown.push_str(&format!(", predicted {p:.3} ms"));
+        }
         println!(
-            "  n={} k={} {} {} {}: {shown} {}",
+            "  n={} k={} {} {}{} {}: {shown} {}",
             size_name(row.n),
             size_name(row.k),
             row.key.name(),
             row.dist.name(),
+            if row.sel < 1.0 {
+                format!(" sel={}", row.sel)
+            } else {
+                String::new()
+            },
             row.algo.name(),
             row.ok
         );
@@ -837,7 +875,7 @@ impl Sweep {
         let ns = self.opts.ns.clone();
         let keys = self.opts.keys.clone();
         let mut engines: Vec<(KeyKind, TopKEngine)> = Vec::new();
-        let mut floor: Option<Floor> = None;
+        let mut floor: Option<ReadFloor> = None;
         for &n in &ns {
             for &key in &keys {
                 let kind = key.kind();
@@ -850,7 +888,7 @@ impl Sweep {
                 };
                 let engine = &mut engines[engine_at].1;
                 if floor.is_none() {
-                    floor = Some(Floor::new(&device, engine)?);
+                    floor = Some(ReadFloor::new(&device, engine)?);
                 }
                 let floor = floor.as_ref().expect("set above");
                 // Free what earlier sizes left cached, then see whether this one fits.
@@ -859,7 +897,14 @@ impl Sweep {
                 device.context.bind_to_thread()?;
                 let (free, _) = result::mem_get_info()?;
                 let kmax = self.opts.ks.iter().copied().filter(|&k| k <= n).max();
-                let need = device_bytes_needed(n, kind, kmax.unwrap_or(1));
+                let sel = self
+                    .opts
+                    .sels
+                    .iter()
+                    .copied()
+                    .filter(|&s| s < 1.0)
+                    .fold(0.0, f64::max);
+                let need = device_bytes_needed(n, kind, kmax.unwrap_or(1), sel);
                 if need > free {
                     println!(
                         "skipping n={} {}: needs about {:.1} GiB of device memory, {:.1} GiB free",
@@ -890,7 +935,7 @@ impl Sweep {
     fn run_key<W: Word>(
         &mut self,
         engine: &mut TopKEngine,
-        floor: &Floor,
+        floor: &ReadFloor,
         n: usize,
         key: KeyType,
     ) -> GpuResult<()> {
@@ -922,7 +967,7 @@ impl Sweep {
             let uploaded = started.elapsed().as_secs_f64() - generated;
             let what = format!("n={} {} {}", size_name(n), key.name(), dist.name());
 
-            let (floor_ms, seen) = floor.measure(engine, pairs, n, self.opts.reps)?;
+            let (floor_ms, seen) = measure_floor(floor, engine, pairs, n, self.opts.reps)?;
             let host_max = keys.iter().max().map_or(0, |w| w.to_u64());
             if seen != host_max {
                 self.fail(
@@ -943,35 +988,129 @@ impl Sweep {
                     ""
                 }
             );
-            for algo in self.opts.algos.clone() {
-                for &k in &ks {
-                    let row = self.run_case(
-                        engine,
-                        floor,
-                        pairs,
-                        &keys,
-                        expected.as_deref(),
-                        (n, k, key, dist, algo),
-                    );
-                    let row = Row { floor_ms, ..row };
-                    if row.ok != "ok" && row.ok != "n/a" {
-                        self.fail(
-                            &format!("{what} k={} {}", size_name(k), algo.name()),
-                            &row.ok,
-                        );
+            // What a planner's statistics would say of ties: from a sorted sample of the
+            // keys, the share of the sample equal to the k-th key's estimate.
+            let sample: Vec<W> = {
+                let step = (n / 65536).max(1);
+                let mut v: Vec<W> = keys.iter().step_by(step).copied().collect();
+                v.sort_unstable();
+                v
+            };
+            for sel in self.opts.sels.clone() {
+                // Below 1: the kept rows, as (key, row id) pairs, fill this buffer per run.
+                let filtered = if sel < 1.0 {
+                    let cap = ((n as f64 * sel * 1.05) as usize + 65536).min(n);
+                    let out = engine.alloc_pairs(cap)?;
+                    let kept = engine.filter_fraction(pairs, n, sel, &out)?;
+                    Some((out, kept, fraction_cut(sel)))
+                } else {
+                    None
+                };
+                for algo in self.opts.algos.clone() {
+                    for &k in &ks {
+                        let mut row = match &filtered {
+                            None => self.run_case(
+                                engine,
+                                floor,
+                                pairs,
+                                &keys,
+                                expected.as_deref(),
+                                (n, k, key, dist, algo),
+                            ),
+                            Some((out, kept, cut)) => self.run_filtered_case(
+                                engine,
+                                floor,
+                                (pairs, out, *kept, *cut, sel),
+                                &keys,
+                                (n, k, key, dist, algo),
+                            ),
+                        };
+                        row.floor_ms = floor_ms;
+                        if let Some(model) = &self.model {
+                            let rows = filtered.as_ref().map_or(n, |f| f.1);
+                            let ties = tie_share(&sample, k * sample.len() / rows.max(1));
+                            row.predicted_ms = predict_ms(model, &row, rows, ties);
+                        }
+                        if row.ok != "ok" && row.ok != "n/a" {
+                            self.fail(
+                                &format!("{what} sel={sel} k={} {}", size_name(k), algo.name()),
+                                &row.ok,
+                            );
+                        }
+                        self.record(row);
                     }
-                    self.record(row);
                 }
             }
         }
         Ok(())
     }
 
+    /// One case behind a fraction filter: each repetition runs the filter (its count read
+    /// back, as the operator does before selecting) and the selection over the kept pairs;
+    /// both count.
+    fn run_filtered_case<W: Word>(
+        &self,
+        engine: &mut TopKEngine,
+        floor: &ReadFloor,
+        (input, out, kept, cut, sel): (&DevicePairs, &DevicePairs, usize, u32, f64),
+        keys: &[W],
+        (n, k, key, dist, algo): (usize, usize, KeyType, Dist, DeviceAlgorithm),
+    ) -> Row {
+        let mut row = Row {
+            n,
+            k,
+            key,
+            dist,
+            algo,
+            sel,
+            times: None,
+            predicted_ms: None,
+            floor_ms: f64::NAN,
+            ok: "n/a".into(),
+        };
+        if algo == DeviceAlgorithm::Bitonic && k > engine.bitonic_max_k() {
+            return row;
+        }
+        let mut times = Vec::with_capacity(self.opts.reps);
+        let mut verdict = Ok(());
+        let mut timed = || -> GpuResult<()> {
+            for rep in 0..=self.opts.reps {
+                floor.flush_l2(engine)?;
+                let timer = GpuTimer::start(engine.stream())?;
+                let count = engine.filter_fraction(input, n, sel, out)?;
+                let filter_ms = f64::from(timer.stop()?);
+                if count != kept {
+                    return Err(GpuError(format!(
+                        "the filter kept {count} rows, then {kept} before"
+                    )));
+                }
+                let (ms, sorted, m) = time_selection(engine, out, kept, k, algo)?;
+                if rep == 0 {
+                    continue;
+                }
+                times.push(filter_ms + ms);
+                if rep == 1 {
+                    let ids = engine.download_ids(&sorted, m)?;
+                    let out_keys: Vec<W> = engine
+                        .download_keys(&sorted, m)?
+                        .chunks_exact(W::BYTES)
+                        .map(W::from_le_slice)
+                        .collect();
+                    verdict = check_kept(keys, None, Some((cut, kept)), k, &ids, &out_keys);
+                }
+            }
+            Ok(())
+        };
+        let outcome = timed();
+        finish_row(&mut row, outcome, times, verdict);
+        row
+    }
+
     /// One case: warm-up, R timed repetitions, the first one checked.
     fn run_case<W: Word>(
         &self,
         engine: &mut TopKEngine,
-        floor: &Floor,
+        floor: &ReadFloor,
         pairs: &DevicePairs,
         keys: &[W],
         expected: Option<&[u32]>,
@@ -983,7 +1122,9 @@ impl Sweep {
             key,
             dist,
             algo,
+            sel: 1.0,
             times: None,
+            predicted_ms: None,
             floor_ms: f64::NAN,
             ok: "n/a".into(),
         };
@@ -998,15 +1139,11 @@ impl Sweep {
                 // The selection's device time: from its first kernel to its last. A pending
                 // sampled selection's status read-back comes after (callers read it with the
                 // result); when work ran after it, the round trip and that work count too.
-                let timer = GpuTimer::start(engine.stream())?;
-                let selection = engine.enqueue_select(pairs, n, k, algo)?;
-                let enqueued = timer.elapsed()?;
-                let (sorted, m, more) = engine.finish_reporting(selection)?;
-                let ms = if more { timer.stop()? } else { enqueued };
+                let (ms, sorted, m) = time_selection(engine, pairs, n, k, algo)?;
                 if rep == 0 {
                     continue; // warm-up (fills the buffer pool)
                 }
-                times.push(f64::from(ms));
+                times.push(ms);
                 if rep == 1 {
                     let ids = engine.download_ids(&sorted, m)?;
                     let out_keys: Vec<W> = engine
@@ -1019,27 +1156,100 @@ impl Sweep {
             }
             Ok(())
         };
-        match timed() {
-            Err(e) => row.ok = format!("ERROR {e}"),
-            Ok(()) => {
-                let lo = times.iter().copied().fold(f64::INFINITY, f64::min);
-                let hi = times.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                row.times = Some((median(&mut times), lo, hi));
-                row.ok = match verdict {
-                    Ok(()) => "ok".into(),
-                    Err(e) => format!("WRONG {e}"),
-                };
+        let outcome = timed();
+        finish_row(&mut row, outcome, times, verdict);
+        row
+    }
+
+    /// The cost model's report: per case (n, k, key, distribution, selectivity) the
+    /// algorithm it predicts fastest against the fastest measured, and its prediction errors.
+    fn model_report(&self) -> Option<String> {
+        self.model.as_ref()?;
+        let mut cases: Vec<Vec<&Row>> = Vec::new();
+        for r in self.rows.iter().filter(|r| r.ok == "ok") {
+            let same = |c: &Vec<&Row>| {
+                let f = c[0];
+                (f.n, f.k, f.key, f.dist) == (r.n, r.k, r.key, r.dist) && f.sel == r.sel
+            };
+            match cases.iter_mut().find(|c| same(c)) {
+                Some(c) => c.push(r),
+                None => cases.push(vec![r]),
             }
         }
-        row
+        let measured = |r: &Row| r.times.map(|t| t.0);
+        let mut errors: Vec<f64> = Vec::new();
+        let mut chosen_errors: Vec<f64> = Vec::new();
+        let (mut within, mut total) = (0, 0);
+        let mut worst: Option<(f64, String)> = None;
+        let mut t = String::new();
+        for case in cases.iter().filter(|c| c.len() > 1) {
+            let best = case
+                .iter()
+                .filter_map(|r| measured(r).map(|m| (m, *r)))
+                .min_by(|a, b| a.0.total_cmp(&b.0));
+            let choice = case
+                .iter()
+                .filter_map(|r| r.predicted_ms.map(|p| (p, *r)))
+                .min_by(|a, b| a.0.total_cmp(&b.0));
+            let (Some((best_ms, best)), Some((_, choice))) = (best, choice) else {
+                continue;
+            };
+            let chosen_ms = measured(choice).unwrap_or(f64::NAN);
+            let regret = chosen_ms / best_ms - 1.0;
+            total += 1;
+            if regret <= 0.10 {
+                within += 1;
+            }
+            let what = format!(
+                "n={} k={} {} {} sel={}: chose {} {chosen_ms:.3} ms, best {} {best_ms:.3} ms",
+                size_name(case[0].n),
+                size_name(case[0].k),
+                case[0].key.name(),
+                case[0].dist.name(),
+                case[0].sel,
+                choice.algo.name(),
+                best.algo.name()
+            );
+            if regret > 0.10 {
+                let _ = writeln!(t, "  off by {:.0}%: {what}", 100.0 * regret);
+            }
+            if worst.as_ref().is_none_or(|w| regret > w.0) {
+                worst = Some((regret, what));
+            }
+            for r in case {
+                if let (Some(m), Some(p)) = (measured(r), r.predicted_ms) {
+                    errors.push((p - m).abs() / m);
+                    if std::ptr::eq(*r, choice) {
+                        chosen_errors.push((p - m).abs() / m);
+                    }
+                }
+            }
+        }
+        let (worst_regret, worst_case) = worst.unwrap_or((f64::NAN, String::new()));
+        let _ = writeln!(
+            t,
+            "cost model: choice within 10% of the fastest measured in {within}/{total} cases \
+             ({:.1}%); worst regret {:.1}% ({worst_case})",
+            100.0 * within as f64 / total.max(1) as f64,
+            100.0 * worst_regret
+        );
+        let _ = writeln!(
+            t,
+            "cost model: median |predicted - measured| / measured {:.1}% over {} (case, \
+             algorithm) pairs, {:.1}% over the chosen ones",
+            100.0 * median(&mut errors),
+            errors.len(),
+            100.0 * median(&mut chosen_errors)
+        );
+        Some(t)
     }
 
     fn table(&self) -> String {
         let mut t = String::new();
         let _ = writeln!(
             t,
-            "{:>6} {:>6} {:>4} {:>11} {:>7} {:>10} {:>9} {:>8} ok",
-            "n", "k", "key", "dist", "algo", "median_ms", "floor_ms", "x_floor"
+            "{:>6} {:>6} {:>4} {:>11} {:>5} {:>7} {:>10} {:>9} {:>8} {:>9} ok",
+            "n", "k", "key", "dist", "sel", "algo", "median_ms", "floor_ms", "x_floor", "predicted"
         );
         for r in &self.rows {
             let (median, x) = match r.times {
@@ -1051,13 +1261,15 @@ impl Sweep {
             } else {
                 r.ok.as_str()
             };
+            let predicted = r.predicted_ms.map_or("-".into(), |p| format!("{p:.4}"));
             let _ = writeln!(
                 t,
-                "{:>6} {:>6} {:>4} {:>11} {:>7} {median:>10} {:>9.4} {x:>8} {ok}",
+                "{:>6} {:>6} {:>4} {:>11} {:>5} {:>7} {median:>10} {:>9.4} {x:>8} {predicted:>9} {ok}",
                 size_name(r.n),
                 size_name(r.k),
                 r.key.name(),
                 r.dist.name(),
+                r.sel,
                 r.algo.name(),
                 r.floor_ms
             );
@@ -1204,7 +1416,8 @@ fn main() {
             match std::fs::File::create(path).and_then(|mut f| {
                 writeln!(
                     f,
-                    "n,k,key,dist,algo,reps,median_ms,min_ms,max_ms,floor_ms,x_floor,floor_gbps,ok"
+                    "n,k,key,dist,algo,reps,median_ms,min_ms,max_ms,floor_ms,x_floor,floor_gbps,ok,\
+                     sel,predicted_ms"
                 )?;
                 Ok(f)
             }) {
@@ -1230,6 +1443,28 @@ fn main() {
         algos,
         opts.reps
     );
+    let model = if opts.cost_model {
+        match calibration(&device, None, opts.recalibrate) {
+            Ok(c) => {
+                println!("{}", c.describe());
+                for r in &c.references {
+                    println!(
+                        "  reference {}: measured {:.4} ms, fitted {:.4} ms",
+                        r.what,
+                        r.measured_s * 1e3,
+                        r.predicted_s * 1e3
+                    );
+                }
+                Some(c.model)
+            }
+            Err(e) => {
+                println!("ERROR: the calibration failed: {e}");
+                std::process::exit(1);
+            }
+        }
+    } else {
+        None
+    };
     let started = Instant::now();
     let mut sweep = Sweep {
         opts,
@@ -1239,6 +1474,7 @@ fn main() {
         rows: Vec::new(),
         wrong: 0,
         csv,
+        model,
     };
     let outcome = sweep.run();
     println!(
@@ -1253,6 +1489,9 @@ fn main() {
             sweep.over_budget,
             sweep.opts.budget.unwrap_or(0.0)
         );
+    }
+    if let Some(report) = sweep.model_report() {
+        println!("\n{report}");
     }
     if let Err(e) = outcome {
         println!("ERROR: the sweep stopped: {e}");

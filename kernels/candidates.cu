@@ -51,20 +51,40 @@ template <class K> struct WarpBuffer {
     }
 };
 
-// `append` for positional inputs (row id i is i): reads the keys only,
-// with 16-byte vector loads, four in flight per thread (the loop of read_floor.cu); the rare
-// keys below the threshold go through the warp's write buffer. 256-bit keys take the scalar
+// Keeps the pairs below the threshold (all of them when it is not valid yet).
+template <class K> struct BelowThreshold {
+    bool filter;
+    K key;
+    u64 id;
+    __device__ __forceinline__ bool operator()(const K &k, u64 i) const { return !filter || pair_less(k, i, key, id); }
+};
+
+// Keeps a fixed pseudo-random fraction of the rows, cut / 2^32, by a hash of the row id: the
+// filter of the benchmarks' selectivity sweep and of the cost model's calibration (a `WHERE`
+// uncorrelated with the keys).
+struct HashedFraction {
+    u32 cut;
+    __device__ __forceinline__ u32 hash(u64 i) const {
+        u64 x = i * 0x9E3779B97F4A7C15ull;
+        x ^= x >> 32;
+        x *= 0xD6E8FEB86659FD93ull;
+        return (u32)(x >> 32);
+    }
+    template <class K> __device__ __forceinline__ bool operator()(const K &, u64 i) const { return hash(i) < cut; }
+};
+
+// `filter_keys`: the pass over positional inputs (row id i is i) that keeps what `Keep`
+// accepts (`filter_below`: the pairs below a threshold; `filter_fraction`: a hashed fraction).
+// Reads the keys only, with 16-byte vector loads, four in flight per thread (the loop of
+// read_floor.cu); kept pairs go through the warp's write buffer. 256-bit keys take the scalar
 // loop. Blocks of 256 threads.
-template <class K>
-__device__ void filter_below(const K *keys, u64 n, const Threshold<K> *thr, K *cand_keys, u64 *cand_ids,
-                             u64 *count, u64 cap) {
+template <class K, class Keep>
+__device__ void filter_keys(const K *keys, u64 n, Keep keep_pair, K *cand_keys, u64 *cand_ids, u64 *count,
+                            u64 cap) {
     __shared__ K s_keys[8][WARP_BUFFER];
     __shared__ u64 s_ids[8][WARP_BUFFER];
     const u32 warp = threadIdx.x / 32;
     WarpBuffer<K> buf{s_keys[warp], s_ids[warp], 0};
-    const bool filter = thr->valid != 0; // not valid: keep every pair
-    const K tk = thr->key;
-    const u64 tid = thr->id;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     u64 done = 0; // keys [0, done) are handled by the vector loop
     if constexpr (sizeof(K) <= 16) {
@@ -88,7 +108,7 @@ __device__ void filter_below(const K *keys, u64 n, const Threshold<K> *thr, K *c
                 bool any = false;
 #pragma unroll
                 for (int j = 0; j < PER; ++j) {
-                    keep[j] = i < nvec && (!filter || pair_less(kv[j], i * PER + j, tk, tid));
+                    keep[j] = i < nvec && keep_pair(kv[j], i * PER + j);
                     any |= keep[j];
                 }
                 if (__any_sync(FULL_MASK, any)) {
@@ -103,7 +123,7 @@ __device__ void filter_below(const K *keys, u64 n, const Threshold<K> *thr, K *c
     // per block.
     for (u64 i0 = done + (u64)blockIdx.x * blockDim.x; i0 < n; i0 += stride) {
         const u64 i = i0 + threadIdx.x;
-        const bool keep = i < n && (!filter || pair_less(keys[i], i, tk, tid));
+        const bool keep = i < n && keep_pair(keys[i], i);
         const K k = i < n ? keys[i] : key_zero<K>();
         buf.push(keep, k, i, cand_keys, cand_ids, count, cap);
     }
@@ -197,7 +217,12 @@ template <class K> __device__ void threshold_from(const K *keys, const u64 *ids,
     extern "C" __global__ void __launch_bounds__(256)                                                             \
         filter_below_##S(const K *keys, u64 n, const Threshold<K> *thr, K *cand_keys, u64 *cand_ids, u64 *count, \
                          u64 cap) {                                                                               \
-        filter_below<K>(keys, n, thr, cand_keys, cand_ids, count, cap);                                           \
+        filter_keys<K>(keys, n, BelowThreshold<K>{thr->valid != 0, thr->key, thr->id}, cand_keys, cand_ids, count, \
+                       cap);                                                                                      \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256)                                                             \
+        filter_fraction_##S(const K *keys, u64 n, u32 cut, K *cand_keys, u64 *cand_ids, u64 *count, u64 cap) {   \
+        filter_keys<K>(keys, n, HashedFraction{cut}, cand_keys, cand_ids, count, cap);                            \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256)                                                             \
         pair_max_##S(const K *keys, const u64 *ids, u64 n, K *partial_keys, u64 *partial_ids, u32 *counter,      \

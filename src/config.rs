@@ -84,6 +84,9 @@ extensions_options! {
         /// Evaluate the predicate and ranking expressions on the GPU, in generated code, where
         /// they translate; `false` evaluates them on the host (DataFusion) and ships columns.
         pub fuse_expressions: bool, default = true
+        /// Measure the device for the cost model again (once per process while set), instead
+        /// of reading the cached calibration.
+        pub recalibrate: bool, default = false
     }
 }
 
@@ -110,6 +113,10 @@ impl GpuTopKConfig {
     }
     pub fn with_fuse_expressions(mut self, fuse: bool) -> Self {
         self.fuse_expressions = fuse;
+        self
+    }
+    pub fn with_recalibrate(mut self, recalibrate: bool) -> Self {
+        self.recalibrate = recalibrate;
         self
     }
 }

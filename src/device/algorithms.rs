@@ -105,6 +105,14 @@ pub enum DeviceAlgorithm {
 }
 
 impl DeviceAlgorithm {
+    /// Every algorithm, in the order the cost model lists them.
+    pub const ALL: [DeviceAlgorithm; 4] = [
+        DeviceAlgorithm::Bitonic,
+        DeviceAlgorithm::Radix,
+        DeviceAlgorithm::Sample,
+        DeviceAlgorithm::Delegate,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             DeviceAlgorithm::Bitonic => "bitonic",
@@ -289,23 +297,33 @@ const SAMPLE_STATUS_FINAL_LARGE: u32 = 4;
 /// Survivors of a sampled selection are sorted whole (rather than radix-selected first) up to
 /// this many times k (or times `DIRECT_SORT_MIN`): the radix sort costs about as much as the
 /// radix select's ~26 launches at a few times k.
-const DIRECT_SORT_FACTOR: usize = 4;
-const DIRECT_SORT_MIN: usize = 1 << 16;
+pub const DIRECT_SORT_FACTOR: usize = 4;
+pub const DIRECT_SORT_MIN: usize = 1 << 16;
 
 /// The rank sort that ends a sampled selection (bitonic.cu `rank_sort`): up to this many
 /// pairs, each ranked by a binary search in every sorted chunk of `RANK_THREADS`, in one
 /// launch of (m / `RANK_THREADS`)² blocks (the unused ones return at once).
-const RANK_SORT_MAX: usize = 16384;
+pub const RANK_SORT_MAX: usize = 16384;
 const RANK_THREADS: u32 = 256;
 
 /// The radix sort's block size (radix_sort.cu `RSORT_THREADS`); it sorts fewer pairs than
 /// this (its look-back words hold counts below 2^30).
 const RSORT_THREADS: u32 = 256;
-const RADIX_SORT_MAX: usize = 1 << 30;
+pub const RADIX_SORT_MAX: usize = 1 << 30;
 /// Radix sort passes over at most this many tiles use Onesweep's single kernel with a
 /// look-back; larger ones reduce-then-scan (three kernels, no spinning: the look-back of a
 /// 555-tile pass saturated the L2, radix_sort.cu).
-const ONESWEEP_MAX_TILES: usize = 64;
+pub const ONESWEEP_MAX_TILES: usize = 64;
+
+/// Pairs per tile of a radix sort pass (radix_sort.cu: `RSORT_THREADS` × `SortItems`).
+pub fn radix_sort_tile(kind: KeyKind) -> usize {
+    let items = match kind {
+        KeyKind::K32 | KeyKind::K64 => 8,
+        KeyKind::K128 => 4,
+        KeyKind::K256 => 2,
+    };
+    RSORT_THREADS as usize * items
+}
 
 /// Threads of the sort kernels' blocks (bitonic.cu `SORT_THREADS`).
 const SORT_THREADS: u32 = 1024;
@@ -348,7 +366,7 @@ pub struct SampleLevel {
 
 /// A level's expected survivors and its buffer capacity (the expected count plus six of its
 /// standard deviations), for a sample of s among m; `None` when the sample rank reaches s.
-fn sample_level_bounds(m: usize, k: usize, s: usize) -> Option<(usize, usize)> {
+pub fn sample_level_bounds(m: usize, k: usize, s: usize) -> Option<(usize, usize)> {
     let r = sample_rank(k, s, m);
     if r >= s {
         return None;
@@ -803,6 +821,46 @@ impl TopKEngine {
         )
     }
 
+    /// Keeps a pseudo-random `fraction` of the n positional keys of `input` (by a hash of the
+    /// row id, uncorrelated with the keys: a `WHERE` of that selectivity) as (key, row id)
+    /// pairs in `out`, and returns how many (one read-back). The benchmarks' selectivity sweep
+    /// and the cost model's calibration of a filter pass.
+    pub fn filter_fraction(
+        &mut self,
+        input: &DevicePairs,
+        n: usize,
+        fraction: f64,
+        out: &DevicePairs,
+    ) -> GpuResult<usize> {
+        let cut = super::measure::fraction_cut(fraction);
+        let base = self.scalars.ptr();
+        self.write_u64(base + COUNT_OFFSET, 0)?;
+        let name = self.kernel("filter_fraction");
+        self.launch(
+            &name,
+            self.resident_grid(&name, THREADS)?,
+            THREADS,
+            0,
+            args![
+                input.key_at(0),
+                n,
+                cut,
+                out.key_at(0),
+                out.id_at(0),
+                base + COUNT_OFFSET,
+                out.capacity()
+            ],
+        )?;
+        let count = self.read_u64(base + COUNT_OFFSET)? as usize;
+        if count > out.capacity() {
+            return Err(GpuError(format!(
+                "the fraction filter kept {count} pairs for a buffer of {}",
+                out.capacity()
+            )));
+        }
+        Ok(count)
+    }
+
     /// Appends the `n` pairs (keys at `keys`, row ids at `ids` or `id_start + i` when `ids` is
     /// `None`) that beat the threshold to `candidates` at the device-side candidate count. The
     /// caller guarantees room for all n.
@@ -1115,13 +1173,7 @@ impl TopKEngine {
         let id_bits = 64 - id_bound.saturating_sub(1).leading_zeros();
         let id_digits = id_bits.div_ceil(8) as usize;
         let positions = id_digits + self.kind.bits() as usize / 8;
-        // radix_sort.cu `SortItems`.
-        let items = match self.kind {
-            KeyKind::K32 | KeyKind::K64 => 8,
-            KeyKind::K128 => 4,
-            KeyKind::K256 => 2,
-        };
-        let tile = RSORT_THREADS as usize * items;
+        let tile = radix_sort_tile(self.kind);
         let tiles = m.div_ceil(tile);
         // Control block: per position 256 bucket offsets, a plan word and a tile ticket; the
         // histogram kernel's block counter.

@@ -49,7 +49,13 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
     ("encode.cu", &["encode_column"]),
     (
         "candidates.cu",
-        &["append", "pair_max", "threshold_from", "filter_below"],
+        &[
+            "append",
+            "pair_max",
+            "threshold_from",
+            "filter_below",
+            "filter_fraction",
+        ],
     ),
     ("radix.cu", &["radix_masks", "radix_hist", "radix_filter"]),
     (

@@ -13,6 +13,7 @@
 
 pub mod algorithms;
 pub mod kernels;
+pub mod measure;
 pub mod memory;
 pub mod timer;
 
@@ -89,6 +90,8 @@ pub struct GpuDevice {
     /// Generated programs loaded so far, by source text: the second run of a query compiles
     /// nothing.
     generated: Mutex<HashMap<String, Arc<GeneratedKernel>>>,
+    /// How long the last compile (or disk-cache load) of a generated program took.
+    last_compile: Mutex<Option<std::time::Duration>>,
 }
 
 impl fmt::Debug for GpuDevice {
@@ -168,7 +171,20 @@ impl GpuDevice {
             cache_dir.as_deref(),
         )?);
         loaded.insert(source.to_string(), Arc::clone(&kernel));
-        Ok((kernel, started.elapsed()))
+        let took = started.elapsed();
+        *self.last_compile.lock().unwrap_or_else(|e| e.into_inner()) = Some(took);
+        Ok((kernel, took))
+    }
+
+    /// Whether the generated program with this source is loaded in this process.
+    pub fn has_generated_kernel(&self, source: &str) -> bool {
+        let loaded = self.generated.lock().unwrap_or_else(|e| e.into_inner());
+        loaded.contains_key(source)
+    }
+
+    /// How long this process's last compile (or cache load) of a generated program took.
+    pub fn last_compile_time(&self) -> Option<std::time::Duration> {
+        *self.last_compile.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// A new non-blocking stream on this device.
@@ -242,5 +258,6 @@ fn detect() -> Result<GpuDevice, String> {
         kernels: OnceLock::new(),
         cache_dir: OnceLock::new(),
         generated: Mutex::new(HashMap::new()),
+        last_compile: Mutex::new(None),
     })
 }

@@ -49,7 +49,7 @@ use datafusion::physical_plan::{
     SendableRecordBatchStream,
 };
 
-use crate::cost::SelectionChoice;
+use crate::cost::{Prediction, SelectionChoice};
 use crate::fusion::FusionPlan;
 use crate::keys::KeyLayout;
 
@@ -71,6 +71,8 @@ pub struct TopKSpec {
     pub choice: SelectionChoice,
     /// Why this backend, for EXPLAIN.
     pub reason: String,
+    /// The cost model's prediction (with the GPU's calibration at hand).
+    pub prediction: Option<Prediction>,
     /// Where the predicate and keys are evaluated when the selection runs on the GPU.
     pub fusion: FusionPlan,
 }
@@ -171,6 +173,9 @@ impl DisplayAs for GpuTopKExec {
                     spec.choice.algorithm()
                 )?;
                 let verbose = matches!(t, DisplayFormatType::Verbose);
+                if let Some(prediction) = &spec.prediction {
+                    write!(f, ", {}", prediction.describe(verbose))?;
+                }
                 if spec.choice != SelectionChoice::Cpu {
                     write!(f, ", eval=[{}]", spec.fusion.describe(verbose))?;
                 }
@@ -192,7 +197,11 @@ impl DisplayAs for GpuTopKExec {
                     spec.k - spec.skip.min(spec.k),
                     spec.skip
                 )?;
-                writeln!(f, "backend={}", spec.choice)
+                writeln!(f, "backend={}", spec.choice)?;
+                if let Some(prediction) = &spec.prediction {
+                    writeln!(f, "{}", prediction.describe(false))?;
+                }
+                Ok(())
             }
         }
     }

@@ -45,6 +45,8 @@ struct TopKMetrics {
     /// Time this execution spent compiling (NVRTC) or loading its generated kernel: zero when
     /// the kernel was already in memory, as on a query's second run.
     compile_time: Time,
+    /// The cost model's prediction of `select_time` (EXPLAIN ANALYZE shows both).
+    predicted_time: Time,
 }
 
 impl TopKMetrics {
@@ -61,6 +63,7 @@ impl TopKMetrics {
             retain_time: time("retain_time"),
             gather_time: time("gather_time"),
             compile_time: time("compile_time"),
+            predicted_time: time("predicted_time"),
         }
     }
 }
@@ -170,8 +173,17 @@ impl TopKRun {
             layout: self.spec.layout.clone(),
             k: self.spec.k,
             program: program.clone(),
+            final_model: self.spec.prediction.as_ref().and_then(|p| p.model),
         };
         let selector = select::create_selector(&selection, &choice)?;
+        if choice == self.spec.choice
+            && let Some(prediction) = &self.spec.prediction
+            && prediction.seconds.is_finite()
+        {
+            self.metrics
+                .predicted_time
+                .add_duration(std::time::Duration::from_secs_f64(prediction.seconds));
+        }
         // (A zero duration would still count as 1 ns: DataFusion's timers never add nothing.)
         let compile_time = selector.compile_time();
         if !compile_time.is_zero() {

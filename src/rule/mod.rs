@@ -198,11 +198,6 @@ fn match_top_k(
 
     let cache_dir = (!config.kernel_cache_dir.is_empty())
         .then(|| std::path::Path::new(config.kernel_cache_dir.as_str()));
-    let (choice, reason) =
-        match cost::choose(config.backend, config.algorithm, &layout, k, cache_dir) {
-            Placement::Run { choice, reason } => (choice, reason),
-            Placement::Decline(why) => return because(why),
-        };
     let fusion = if config.fuse_expressions {
         fusion::plan(
             absorbed.filter.as_ref(),
@@ -216,6 +211,26 @@ fn match_top_k(
             absorbed.filter.is_some(),
         )
     };
+    let estimate = estimate(
+        absorbed.input.as_ref(),
+        &layout,
+        &fusion,
+        absorbed.filter.is_some(),
+    );
+    let settings = cost::Settings {
+        backend: config.backend,
+        algorithm: config.algorithm,
+        kernel_cache_dir: cache_dir,
+        recalibrate: config.recalibrate,
+    };
+    let (choice, reason, prediction) = match cost::choose(settings, &layout, k, estimate) {
+        Placement::Run {
+            choice,
+            reason,
+            prediction,
+        } => (choice, reason, prediction.map(|p| *p)),
+        Placement::Decline(why) => return because(why),
+    };
     let spec = TopKSpec {
         fusion,
         sort_exprs: absorbed.sort_exprs,
@@ -226,6 +241,7 @@ fn match_top_k(
         layout,
         choice,
         reason,
+        prediction,
     };
     let exec = GpuTopKExec::try_new(absorbed.input, spec, node.as_ref())
         .or_else(|e| because(format!("cannot build the operator: {e}")))?;
@@ -357,5 +373,30 @@ impl Absorbed {
             .map(&rewrite)
             .collect::<std::result::Result<_, _>>()?;
         Ok(())
+    }
+}
+
+/// What the cost model is told of the input: its rows (from the statistics, when they say),
+/// the bytes per row the operator moves to the device (the key columns' width, plus 8 for the
+/// filter's columns), and whether a generated program still has to be compiled.
+fn estimate(
+    input: &dyn ExecutionPlan,
+    layout: &KeyLayout,
+    fusion: &fusion::FusionPlan,
+    filtered: bool,
+) -> cost::Estimate {
+    use datafusion::physical_plan::{StatisticsArgs, StatisticsContext};
+    let rows = StatisticsContext::default()
+        .compute(input, &StatisticsArgs::new())
+        .ok()
+        .and_then(|s| s.num_rows.get_value().copied());
+    let compile = fusion
+        .program
+        .as_ref()
+        .is_some_and(|p| crate::device::gpu().is_none_or(|d| !d.has_generated_kernel(&p.source)));
+    cost::Estimate {
+        rows,
+        bytes_per_row: (layout.total_bits() as usize).div_ceil(8) + if filtered { 8 } else { 0 },
+        compile,
     }
 }

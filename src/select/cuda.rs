@@ -29,6 +29,7 @@ use super::{
     TopKSelector,
 };
 use crate::config::Algorithm;
+use crate::cost::{CostModel, final_algorithm};
 use crate::device::algorithms::{
     ENCODE_FIRST, ENCODE_NULLABLE, ENCODE_NULLS_FIRST, EncodeColumn, NativeCode, fill_staging,
 };
@@ -40,7 +41,7 @@ use crate::fusion::{FusedProgram, KernelInput};
 use crate::keys::{EncodedKeys, KeyLayout, KeyWidth, U256};
 
 /// Candidates kept on the device before a reduction to k: at least this many pairs.
-const MIN_CAPACITY: usize = 1 << 22;
+pub const MIN_CAPACITY: usize = 1 << 22;
 
 /// The device layout of a key layout's composites.
 pub fn key_kind(layout: &KeyLayout) -> KeyKind {
@@ -124,6 +125,7 @@ pub fn new_cuda_selector_with_capacity(
         layout: spec.layout.clone(),
         k: spec.k,
         algorithm,
+        final_model: spec.final_model,
         arch: device.arch(),
         min_capacity: min_capacity.max(1),
         threshold: AtomicU64::new(u64::MAX),
@@ -169,6 +171,8 @@ pub struct CudaSelector {
     layout: KeyLayout,
     k: usize,
     algorithm: DeviceAlgorithm,
+    /// Picks the final selection's algorithm (`auto`); else `algorithm` runs it.
+    final_model: Option<CostModel>,
     arch: String,
     min_capacity: usize,
     /// Row id of the device threshold read back after the last reduction (`u64::MAX`: none).
@@ -490,6 +494,11 @@ impl TopKSelector for CudaSelector {
                 return Ok(vec![]);
             };
             let count = state.engine.candidate_count()?;
+            let algorithm = match &self.final_model {
+                Some(model) => final_algorithm(model, count, k, state.engine.kind()),
+                None => algorithm,
+            };
+            log::debug!("final selection of k = {k} among {count} candidates: {algorithm:?}");
             let (sorted, m) = state
                 .engine
                 .select_sorted(&candidates, count, k, algorithm)?;

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use datafusion::arrow::array::ArrayRef;
 use datafusion::error::{DataFusionError, Result};
 
-use crate::cost::SelectionChoice;
+use crate::cost::{CostModel, SelectionChoice};
 use crate::fusion::FusedProgram;
 use crate::keys::KeyLayout;
 
@@ -144,6 +144,9 @@ pub struct SelectionSpec {
     pub layout: KeyLayout,
     pub k: usize,
     pub program: Option<Arc<FusedProgram>>,
+    /// With `gpu_topk.algorithm = 'auto'`: the cost model, which picks the device algorithm of
+    /// the final selection once the number of candidates is known.
+    pub final_model: Option<CostModel>,
 }
 
 /// The single entry point: builds the selector the cost model chose.

@@ -827,6 +827,7 @@ fn check_selector(
         layout,
         k,
         program: None,
+        final_model: None,
     };
     let cpu = cpu::new_selector(&spec);
     let gpu = new_cuda_selector_with_capacity(&spec, Arc::clone(device), algorithm, capacity)
@@ -941,6 +942,7 @@ fn gpu_selector_without_rows_or_with_k_zero() {
             layout: layout.clone(),
             k,
             program: None,
+            final_model: None,
         };
         let gpu = new_cuda_selector_with_capacity(&spec, Arc::clone(&device), Algorithm::Auto, 1)
             .unwrap();
@@ -957,6 +959,7 @@ fn gpu_selector_without_rows_or_with_k_zero() {
         layout,
         k: 3,
         program: None,
+        final_model: None,
     };
     let gpu =
         new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), Algorithm::Radix, 1).unwrap();
@@ -979,6 +982,7 @@ fn gpu_selector_rejects_mismatched_input_and_algorithms() {
         layout: layout.clone(),
         k: 5,
         program: None,
+        final_model: None,
     };
     let gpu =
         new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), Algorithm::Auto, 1).unwrap();
@@ -1005,6 +1009,7 @@ fn gpu_selector_rejects_mismatched_input_and_algorithms() {
         layout: layout.clone(),
         k: bitonic_max_k(&device, &layout) + 1,
         program: None,
+        final_model: None,
     };
     assert!(
         new_cuda_selector_with_capacity(&big, Arc::clone(&device), Algorithm::Bitonic, 1).is_err()
@@ -1085,6 +1090,7 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
             layout: layout.clone(),
             k,
             program: None,
+            final_model: None,
         };
         let Ok(gpu) =
             new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), algorithm, capacity)
@@ -1373,6 +1379,7 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
                 layout: spec.layout.clone(),
                 k,
                 program: Some(Arc::clone(&program)),
+                final_model: None,
             };
             let gpu =
                 new_cuda_selector_with_capacity(&selection, Arc::clone(&device), algorithm, 256)

@@ -453,3 +453,109 @@ async fn retained_rows_are_reserved_from_the_memory_pool() {
         .unwrap();
     assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 10);
 }
+
+/// A session with the rule and this backend (algorithm `auto`: the cost model chooses).
+fn model_session(backend: Backend) -> SessionContext {
+    let state = SessionStateBuilder::new()
+        .with_config(SessionConfig::new().with_target_partitions(2))
+        .with_default_features()
+        .with_gpu_topk(GpuTopKConfig::default().with_backend(backend))
+        .build();
+    SessionContext::new_with_state(state)
+}
+
+async fn explained(ctx: &SessionContext, sql: &str) -> String {
+    let batches = run(ctx, sql).await.unwrap();
+    datafusion::arrow::util::pretty::pretty_format_batches(&batches)
+        .unwrap()
+        .to_string()
+}
+
+/// The cost model in the planner (GPU machine): EXPLAIN shows its choice and prediction,
+/// VERBOSE every alternative's, EXPLAIN ANALYZE the prediction beside the measured
+/// `select_time`; under `backend=auto` a tiny input goes to the CPU path, under `backend=cuda`
+/// the CPU is no alternative; the results are DataFusion's.
+#[tokio::test]
+async fn the_cost_model_chooses_and_explains() {
+    if gpu().is_none() {
+        eprintln!("SKIP the_cost_model_chooses_and_explains: no GPU");
+        return;
+    }
+    let ctx = model_session(Backend::Auto);
+    register(&ctx, "small", numbers(1, 200));
+    let text = explained(&ctx, "EXPLAIN SELECT id FROM small ORDER BY v LIMIT 3").await;
+    assert!(
+        text.contains("backend=cpu") && text.contains("predicted=") && text.contains("(n=200)"),
+        "{text}"
+    );
+
+    let ctx = model_session(Backend::Cuda);
+    register(&ctx, "big", numbers(2, 1 << 21));
+    let sql = "SELECT id FROM big WHERE w <> 3 ORDER BY v DESC, id LIMIT 1000";
+    let text = explained(&ctx, &format!("EXPLAIN VERBOSE {sql}")).await;
+    for part in [
+        "backend=cuda",
+        "predicted=",
+        "(n=2097152)",
+        "alternatives=[",
+        "cuda sample",
+        "cuda radix",
+        "cost model (calibrated",
+    ] {
+        assert!(text.contains(part), "{part} missing:\n{text}");
+    }
+    assert!(!text.contains("cpu select-nth"), "{text}");
+    let text = explained(&ctx, &format!("EXPLAIN ANALYZE {sql}")).await;
+    assert!(
+        text.contains("predicted_time=") && text.contains("select_time="),
+        "{text}"
+    );
+    let ours = run(&ctx, sql).await.unwrap();
+    let plain = session(false, 2, 8192);
+    register(&plain, "big", numbers(2, 1 << 21));
+    let theirs = run(&plain, sql).await.unwrap();
+    assert_eq!(first_column_i64(&ours), first_column_i64(&theirs));
+}
+
+/// The calibration (GPU machine): forcing it measures again (once per process) and writes the
+/// cache file; the fitted model reproduces its own reference runs.
+#[test]
+fn the_calibration_is_cached_and_can_be_forced() {
+    use datafusion_gpu_topk::cost::calibration::calibration;
+    let Some(device) = gpu() else {
+        eprintln!("SKIP the_calibration_is_cached_and_can_be_forced: no GPU");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("gpu-topk-calibration-{}", std::process::id()));
+    let forced = calibration(&device, Some(&dir), true).unwrap();
+    let again = calibration(&device, Some(&dir), true).unwrap();
+    assert!(
+        Arc::ptr_eq(&forced, &again),
+        "recalibrated twice in one process"
+    );
+    let remembered = calibration(&device, Some(&dir), false).unwrap();
+    assert!(Arc::ptr_eq(&forced, &remembered));
+    eprintln!("{}", forced.describe());
+    let m = &forced.model.machine;
+    assert!(m.read_bw > 1e11 && m.launch_s > 0.0 && m.readback_s > 0.0 && m.pcie_bw > 1e8);
+    assert_eq!(forced.references.len(), 12);
+    for r in &forced.references {
+        eprintln!(
+            "  {}: measured {:.4} ms, fitted {:.4} ms",
+            r.what,
+            r.measured_s * 1e3,
+            r.predicted_s * 1e3
+        );
+        let error = (r.predicted_s - r.measured_s).abs() / r.measured_s;
+        assert!(error < 0.5, "{}: off by {:.0}%", r.what, 100.0 * error);
+    }
+    if forced.took.is_some() {
+        let file = forced.file.as_ref().expect("the calibration was written");
+        let text = std::fs::read_to_string(file).unwrap();
+        assert!(
+            text.starts_with("datafusion-gpu-topk calibration 1"),
+            "{text}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
