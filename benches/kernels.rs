@@ -44,7 +44,7 @@ use cudarc::driver::result;
 use datafusion::arrow::array::{ArrayRef, Float32Array, Float64Array, Int32Array, Int64Array};
 use datafusion::arrow::compute::SortOptions;
 use datafusion::arrow::datatypes::DataType;
-use datafusion_gpu_topk::cost::calibration::calibration;
+use datafusion_gpu_topk::cost::calibration::{calibration, model_from_file as calibration_model};
 use datafusion_gpu_topk::cost::{Case, CostModel};
 use datafusion_gpu_topk::device::GpuTimer;
 use datafusion_gpu_topk::device::measure::{
@@ -753,12 +753,14 @@ fn finish_row(
     }
 }
 
-/// Share of a sorted key sample equal to its element at `rank` (0 when unique there).
+/// Share of a sorted key sample that agrees with its element at `rank` above the lowest byte
+/// ([`Case::ties`]; 0 when that element is alone there).
 fn tie_share<W: Word>(sample: &[W], rank: usize) -> f64 {
     let Some(&key) = sample.get(rank.min(sample.len().saturating_sub(1))) else {
         return 0.0;
     };
-    let equal = sample.partition_point(|&w| w <= key) - sample.partition_point(|&w| w < key);
+    let high = key.to_u64() >> 8;
+    let equal = sample.iter().filter(|w| w.to_u64() >> 8 == high).count();
     if equal <= 1 {
         0.0
     } else {
@@ -768,7 +770,7 @@ fn tie_share<W: Word>(sample: &[W], rank: usize) -> f64 {
 
 /// The model's prediction of a row, in ms: a filter over n rows keeping `rows` (when sel < 1),
 /// then the selection over those.
-fn predict_ms(model: &CostModel, row: &Row, rows: usize, ties: f64) -> Option<f64> {
+fn predict_ms(model: &CostModel, row: &Row, rows: usize) -> Option<f64> {
     let kind = row.key.kind();
     let (case, filter) = if row.sel < 1.0 {
         (
@@ -778,7 +780,10 @@ fn predict_ms(model: &CostModel, row: &Row, rows: usize, ties: f64) -> Option<f6
     } else {
         (Case::positional(row.n, row.k, kind), 0.0)
     };
-    let case = Case { ties, ..case };
+    let case = Case {
+        ties: row.ties,
+        ..case
+    };
     model.predict(row.algo, &case).map(|t| (t + filter) * 1e3)
 }
 
@@ -794,8 +799,9 @@ struct Row {
     sel: f64,
     /// (median, min, max) ms; `None`: n/a.
     times: Option<(f64, f64, f64)>,
-    /// The cost model's prediction, ms (with `--cost-model`).
+    /// The cost model's prediction, ms (with `--cost-model`), and the tie share it was told.
     predicted_ms: Option<f64>,
+    ties: f64,
     floor_ms: f64,
     ok: String,
 }
@@ -818,7 +824,7 @@ impl Sweep {
         let (median, min, max) = row.times.unwrap_or((f64::NAN, f64::NAN, f64::NAN));
         let key_bytes = row.n * row.key.kind().key_bytes();
         let line = format!(
-            "{},{},{},{},{},{},{:.5},{:.5},{:.5},{:.5},{:.3},{:.1},{},{},{}",
+            "{},{},{},{},{},{},{:.5},{:.5},{:.5},{:.5},{:.3},{:.1},{},{},{},{}",
             row.n,
             row.k,
             row.key.name(),
@@ -834,7 +840,8 @@ impl Sweep {
             row.ok.replace(',', ";"),
             row.sel,
             row.predicted_ms
-                .map_or(String::new(), |p| format!("{p:.5}"))
+                .map_or(String::new(), |p| format!("{p:.5}")),
+            row.ties
         );
         if let Some(f) = &mut self.csv
             && let Err(e) = writeln!(f, "{line}").and_then(|_| f.flush())
@@ -1028,8 +1035,8 @@ impl Sweep {
                         row.floor_ms = floor_ms;
                         if let Some(model) = &self.model {
                             let rows = filtered.as_ref().map_or(n, |f| f.1);
-                            let ties = tie_share(&sample, k * sample.len() / rows.max(1));
-                            row.predicted_ms = predict_ms(model, &row, rows, ties);
+                            row.ties = tie_share(&sample, k * sample.len() / rows.max(1));
+                            row.predicted_ms = predict_ms(model, &row, rows);
                         }
                         if row.ok != "ok" && row.ok != "n/a" {
                             self.fail(
@@ -1065,6 +1072,7 @@ impl Sweep {
             sel,
             times: None,
             predicted_ms: None,
+            ties: 0.0,
             floor_ms: f64::NAN,
             ok: "n/a".into(),
         };
@@ -1125,6 +1133,7 @@ impl Sweep {
             sel: 1.0,
             times: None,
             predicted_ms: None,
+            ties: 0.0,
             floor_ms: f64::NAN,
             ok: "n/a".into(),
         };
@@ -1165,83 +1174,7 @@ impl Sweep {
     /// algorithm it predicts fastest against the fastest measured, and its prediction errors.
     fn model_report(&self) -> Option<String> {
         self.model.as_ref()?;
-        let mut cases: Vec<Vec<&Row>> = Vec::new();
-        for r in self.rows.iter().filter(|r| r.ok == "ok") {
-            let same = |c: &Vec<&Row>| {
-                let f = c[0];
-                (f.n, f.k, f.key, f.dist) == (r.n, r.k, r.key, r.dist) && f.sel == r.sel
-            };
-            match cases.iter_mut().find(|c| same(c)) {
-                Some(c) => c.push(r),
-                None => cases.push(vec![r]),
-            }
-        }
-        let measured = |r: &Row| r.times.map(|t| t.0);
-        let mut errors: Vec<f64> = Vec::new();
-        let mut chosen_errors: Vec<f64> = Vec::new();
-        let (mut within, mut total) = (0, 0);
-        let mut worst: Option<(f64, String)> = None;
-        let mut t = String::new();
-        for case in cases.iter().filter(|c| c.len() > 1) {
-            let best = case
-                .iter()
-                .filter_map(|r| measured(r).map(|m| (m, *r)))
-                .min_by(|a, b| a.0.total_cmp(&b.0));
-            let choice = case
-                .iter()
-                .filter_map(|r| r.predicted_ms.map(|p| (p, *r)))
-                .min_by(|a, b| a.0.total_cmp(&b.0));
-            let (Some((best_ms, best)), Some((_, choice))) = (best, choice) else {
-                continue;
-            };
-            let chosen_ms = measured(choice).unwrap_or(f64::NAN);
-            let regret = chosen_ms / best_ms - 1.0;
-            total += 1;
-            if regret <= 0.10 {
-                within += 1;
-            }
-            let what = format!(
-                "n={} k={} {} {} sel={}: chose {} {chosen_ms:.3} ms, best {} {best_ms:.3} ms",
-                size_name(case[0].n),
-                size_name(case[0].k),
-                case[0].key.name(),
-                case[0].dist.name(),
-                case[0].sel,
-                choice.algo.name(),
-                best.algo.name()
-            );
-            if regret > 0.10 {
-                let _ = writeln!(t, "  off by {:.0}%: {what}", 100.0 * regret);
-            }
-            if worst.as_ref().is_none_or(|w| regret > w.0) {
-                worst = Some((regret, what));
-            }
-            for r in case {
-                if let (Some(m), Some(p)) = (measured(r), r.predicted_ms) {
-                    errors.push((p - m).abs() / m);
-                    if std::ptr::eq(*r, choice) {
-                        chosen_errors.push((p - m).abs() / m);
-                    }
-                }
-            }
-        }
-        let (worst_regret, worst_case) = worst.unwrap_or((f64::NAN, String::new()));
-        let _ = writeln!(
-            t,
-            "cost model: choice within 10% of the fastest measured in {within}/{total} cases \
-             ({:.1}%); worst regret {:.1}% ({worst_case})",
-            100.0 * within as f64 / total.max(1) as f64,
-            100.0 * worst_regret
-        );
-        let _ = writeln!(
-            t,
-            "cost model: median |predicted - measured| / measured {:.1}% over {} (case, \
-             algorithm) pairs, {:.1}% over the chosen ones",
-            100.0 * median(&mut errors),
-            errors.len(),
-            100.0 * median(&mut chosen_errors)
-        );
-        Some(t)
+        model_report(&self.rows)
     }
 
     fn table(&self) -> String {
@@ -1276,6 +1209,87 @@ impl Sweep {
         }
         t
     }
+}
+
+/// The cost model's report over measured rows with predictions (see [`Sweep::model_report`]).
+fn model_report(rows: &[Row]) -> Option<String> {
+    let mut cases: Vec<Vec<&Row>> = Vec::new();
+    for r in rows.iter().filter(|r| r.ok == "ok") {
+        let same = |c: &Vec<&Row>| {
+            let f = c[0];
+            (f.n, f.k, f.key, f.dist) == (r.n, r.k, r.key, r.dist) && f.sel == r.sel
+        };
+        match cases.iter_mut().find(|c| same(c)) {
+            Some(c) => c.push(r),
+            None => cases.push(vec![r]),
+        }
+    }
+    let measured = |r: &Row| r.times.map(|t| t.0);
+    let mut errors: Vec<f64> = Vec::new();
+    let mut chosen_errors: Vec<f64> = Vec::new();
+    let (mut within, mut total) = (0, 0);
+    let mut worst: Option<(f64, String)> = None;
+    let mut t = String::new();
+    for case in cases.iter().filter(|c| c.len() > 1) {
+        let best = case
+            .iter()
+            .filter_map(|r| measured(r).map(|m| (m, *r)))
+            .min_by(|a, b| a.0.total_cmp(&b.0));
+        let choice = case
+            .iter()
+            .filter_map(|r| r.predicted_ms.map(|p| (p, *r)))
+            .min_by(|a, b| a.0.total_cmp(&b.0));
+        let (Some((best_ms, best)), Some((_, choice))) = (best, choice) else {
+            continue;
+        };
+        let chosen_ms = measured(choice).unwrap_or(f64::NAN);
+        let regret = chosen_ms / best_ms - 1.0;
+        total += 1;
+        if regret <= 0.10 {
+            within += 1;
+        }
+        let what = format!(
+            "n={} k={} {} {} sel={}: chose {} {chosen_ms:.3} ms, best {} {best_ms:.3} ms",
+            size_name(case[0].n),
+            size_name(case[0].k),
+            case[0].key.name(),
+            case[0].dist.name(),
+            case[0].sel,
+            choice.algo.name(),
+            best.algo.name()
+        );
+        if regret > 0.10 {
+            let _ = writeln!(t, "  off by {:.0}%: {what}", 100.0 * regret);
+        }
+        if worst.as_ref().is_none_or(|w| regret > w.0) {
+            worst = Some((regret, what));
+        }
+        for r in case {
+            if let (Some(m), Some(p)) = (measured(r), r.predicted_ms) {
+                errors.push((p - m).abs() / m);
+                if std::ptr::eq(*r, choice) {
+                    chosen_errors.push((p - m).abs() / m);
+                }
+            }
+        }
+    }
+    let (worst_regret, worst_case) = worst.unwrap_or((f64::NAN, String::new()));
+    let _ = writeln!(
+        t,
+        "cost model: choice within 10% of the fastest measured in {within}/{total} cases \
+             ({:.1}%); worst regret {:.1}% ({worst_case})",
+        100.0 * within as f64 / total.max(1) as f64,
+        100.0 * worst_regret
+    );
+    let _ = writeln!(
+        t,
+        "cost model: median |predicted - measured| / measured {:.1}% over {} (case, \
+             algorithm) pairs, {:.1}% over the chosen ones",
+        100.0 * median(&mut errors),
+        errors.len(),
+        100.0 * median(&mut chosen_errors)
+    );
+    Some(t)
 }
 
 // ---- host self-check (no GPU) -------------------------------------------------------------------
@@ -1388,8 +1402,108 @@ fn host_check() -> usize {
     failures + usize::from(below != expected.len() - 1)
 }
 
+/// `--replay CSV --calibration FILE`: the cost model's report over the measurements of an
+/// earlier run (its CSV), predicted anew with a calibration file; no GPU needed. The kept
+/// rows of a filtered case are taken as sel × n.
+fn replay(args: &[String]) -> Result<String, String> {
+    let value = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
+            .ok_or_else(|| format!("--replay needs {flag} FILE"))
+    };
+    let csv_path = value("--replay")?;
+    let model_path = value("--calibration")?;
+    let model = calibration_model(std::path::Path::new(model_path))
+        .ok_or_else(|| format!("{model_path}: not a calibration file"))?;
+    let text = std::fs::read_to_string(csv_path).map_err(|e| format!("{csv_path}: {e}"))?;
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().ok_or("empty CSV")?.split(',').collect();
+    let column = |name: &str| {
+        header
+            .iter()
+            .position(|h| *h == name)
+            .ok_or_else(|| format!("{csv_path}: no column {name}"))
+    };
+    let [n, k, key, dist, algo, med, lo, hi, floor, ok, sel] = [
+        "n",
+        "k",
+        "key",
+        "dist",
+        "algo",
+        "median_ms",
+        "min_ms",
+        "max_ms",
+        "floor_ms",
+        "ok",
+        "sel",
+    ]
+    .map(column);
+    let ties = header.iter().position(|h| *h == "ties");
+    let mut rows = Vec::new();
+    for line in lines {
+        let f: Vec<&str> = line.split(',').collect();
+        let get = |c: &Result<usize, String>| -> Result<&str, String> {
+            let c = c.as_ref().map_err(Clone::clone)?;
+            f.get(*c)
+                .copied()
+                .ok_or_else(|| format!("short line: {line}"))
+        };
+        let num = |c: &Result<usize, String>| -> Result<f64, String> {
+            get(c)?.parse::<f64>().map_err(|e| format!("{line}: {e}"))
+        };
+        let mut row = Row {
+            n: num(&n)? as usize,
+            k: num(&k)? as usize,
+            key: by_name(&KeyType::ALL, KeyType::name, get(&key)?)?,
+            dist: by_name(&Dist::ALL, Dist::name, get(&dist)?)?,
+            algo: by_name(&ALGORITHMS, DeviceAlgorithm::name, get(&algo)?)?,
+            sel: num(&sel)?,
+            times: Some((num(&med)?, num(&lo)?, num(&hi)?)).filter(|t| t.0.is_finite()),
+            predicted_ms: None,
+            ties: ties
+                .and_then(|c| f.get(c))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0.0),
+            floor_ms: num(&floor)?,
+            ok: get(&ok)?.to_string(),
+        };
+        let kept = ((row.n as f64 * row.sel) as usize).max(1);
+        row.predicted_ms = predict_ms(&model, &row, if row.sel < 1.0 { kept } else { row.n });
+        rows.push(row);
+    }
+    let mut out = String::from("n,k,key,dist,sel,algo,measured_ms,predicted_ms\n");
+    for r in rows.iter().filter(|r| r.ok == "ok") {
+        let _ = writeln!(
+            out,
+            "{},{},{},{},{},{},{:.5},{:.5}",
+            r.n,
+            r.k,
+            r.key.name(),
+            r.dist.name(),
+            r.sel,
+            r.algo.name(),
+            r.times.map_or(f64::NAN, |t| t.0),
+            r.predicted_ms.unwrap_or(f64::NAN)
+        );
+    }
+    out.push('\n');
+    out.push_str(&model_report(&rows).unwrap_or_default());
+    Ok(out)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "--replay") {
+        match replay(&args) {
+            Ok(report) => print!("{report}"),
+            Err(e) => {
+                eprintln!("{e}");
+                std::process::exit(2);
+            }
+        }
+        return;
+    }
     if args.iter().any(|a| a == "--host-check") {
         let failures = host_check();
         println!("host check: {failures} failure(s)");
@@ -1417,7 +1531,7 @@ fn main() {
                 writeln!(
                     f,
                     "n,k,key,dist,algo,reps,median_ms,min_ms,max_ms,floor_ms,x_floor,floor_gbps,ok,\
-                     sel,predicted_ms"
+                     sel,predicted_ms,ties"
                 )?;
                 Ok(f)
             }) {

@@ -58,8 +58,9 @@ pub struct Case {
     pub positional: bool,
     /// Rows the row ids index (a filter's input): bounds the ids' digits.
     pub rows: usize,
-    /// Fraction of the pairs that share the k-th key (0: distinct keys). Radix select cannot
-    /// shrink them on key digits.
+    /// Fraction of the pairs that share the k-th key's bits above its lowest byte (0: spread
+    /// keys; 1: all equal), as a sample or histogram would estimate it. Radix select cannot
+    /// shrink them on the key's upper digits.
     pub ties: f64,
 }
 
@@ -162,6 +163,8 @@ pub struct Machine {
     pub shared_bw: f64,
     /// Shared memory one block may use (bounds the bitonic chunk).
     pub max_shared_per_block: usize,
+    /// Streaming multiprocessors: a round of fewer blocks uses that share of the bandwidths.
+    pub sm_count: usize,
     /// Rows per second one core of the CPU selector takes.
     pub cpu_rows_per_s: f64,
     /// Cores the CPU path uses.
@@ -277,11 +280,8 @@ impl CostModel {
         if k == 0 || n == 0 {
             return Some((Work::default(), self.fits.sample));
         }
-        // k ≥ n: every pair, sorted (bitonic still needs its k limit).
-        if k >= n {
-            if algorithm == DeviceAlgorithm::Bitonic && k > self.bitonic_max_k(case.kind) {
-                return None;
-            }
+        // k ≥ n: every pair, sorted by the radix sort (bitonic top-k still runs its rounds).
+        if k >= n && algorithm != DeviceAlgorithm::Bitonic {
             let rows = if case.positional { 1 } else { case.rows };
             let work = Work {
                 nested_s: self.sort_time(n, case.kind, rows, n),
@@ -338,25 +338,24 @@ impl CostModel {
                 let k2 = k.next_power_of_two();
                 let chunk = bitonic_chunk(m.max_shared_per_block, case.kind);
                 let lk = (k2 as f64).log2();
-                let exchanges = lk * (lk + 1.0) / 2.0 + 2.0 * (lk + 1.0);
+                // Plus a fixed part per pair (loading the chunk, the runs' first steps, the
+                // write-out): about 9 exchanges' worth (H100 grid, k = 1 against k = 1024).
+                let exchanges = lk * (lk + 1.0) / 2.0 + 2.0 * (lk + 1.0) + 9.0;
                 let mut w = Work::default();
                 let mut len = n;
-                let mut first = true;
                 loop {
                     let blocks = len.div_ceil(chunk).max(1);
-                    let read = if first {
-                        case.input_bytes()
-                    } else {
-                        case.pair_bytes()
-                    };
-                    let global = len as f64 * read + (blocks * k2) as f64 * case.pair_bytes();
+                    // The rounds read (key, row id) pairs, positional input too.
+                    let global =
+                        len as f64 * case.pair_bytes() + (blocks * k2) as f64 * case.pair_bytes();
                     // Each compare-exchange step reads and writes every pair in shared memory.
                     let shared = len as f64 * exchanges * 2.0 * case.pair_bytes();
-                    w.bytes += global.max(shared * m.read_bw / m.shared_bw);
+                    // One block per chunk: fewer blocks than SMs leave the rest idle.
+                    let occupancy = (blocks as f64 / m.sm_count.max(1) as f64).min(1.0);
+                    w.bytes += global.max(shared * m.read_bw / m.shared_bw) / occupancy;
                     w.launches += 1.0;
                     w.steps += 1.0;
                     len = blocks * k2;
-                    first = false;
                     if blocks == 1 {
                         break;
                     }
@@ -427,18 +426,15 @@ impl CostModel {
             readbacks: 1.0,
             ..Work::default()
         };
-        w.bytes += n * case.input_bytes();
+        // Every radix pass reads (key, row id) pairs, positional input too.
+        let read = case.pair_bytes();
+        w.bytes += n * read;
         let tied = case.ties * n;
         let mut m = n;
         for digit in 0..passes {
             if m <= 1.0 {
                 break;
             }
-            let read = if digit == 0 {
-                case.input_bytes()
-            } else {
-                case.pair_bytes()
-            };
             // Candidates sharing the k-th pair's digits so far: 256-fold fewer per digit, but
             // ties on the key only shrink once the row id's digits start.
             let next = if digit < key_digits {
@@ -559,6 +555,7 @@ mod tests {
                 pcie_bw: 25e9,
                 shared_bw: 132.0 * 128.0 * 1.75e9,
                 max_shared_per_block: 227 * 1024,
+                sm_count: 132,
                 cpu_rows_per_s: 200e6,
                 cpu_cores: 16,
             },

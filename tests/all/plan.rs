@@ -553,7 +553,7 @@ fn the_calibration_is_cached_and_can_be_forced() {
         let file = forced.file.as_ref().expect("the calibration was written");
         let text = std::fs::read_to_string(file).unwrap();
         assert!(
-            text.starts_with("datafusion-gpu-topk calibration 1"),
+            text.starts_with("datafusion-gpu-topk calibration 2"),
             "{text}"
         );
     }
