@@ -328,8 +328,23 @@ fn report_operators(ctx: &SessionContext, plan: &Arc<dyn ExecutionPlan>) {
                 SelectionChoice::Cpu => String::new(),
                 SelectionChoice::Cuda(_) => format!(", eval=[{}]", spec.fusion.describe(true)),
             };
+            // The model's prediction beside the measured selection time.
+            let timing = match &spec.prediction {
+                Some(p) => {
+                    let measured = exec
+                        .metrics()
+                        .and_then(|m| m.sum_by_name("select_time"))
+                        .map_or(f64::NAN, |v| v.as_usize() as f64 / 1e9);
+                    format!(
+                        ", {}, select_time={}",
+                        p.describe(false),
+                        datafusion_gpu_topk::cost::format_seconds(measured)
+                    )
+                }
+                None => String::new(),
+            };
             println!(
-                "top-k: GpuTopKExec, backend={}, algorithm={}{eval} ({}){}",
+                "top-k: GpuTopKExec, backend={}, algorithm={}{eval}{timing} ({}){}",
                 spec.choice.backend(),
                 spec.choice.algorithm(),
                 spec.reason,

@@ -436,7 +436,11 @@ impl CostModel {
                 break;
             }
             // Candidates sharing the k-th pair's digits so far: 256-fold fewer per digit, but
-            // ties on the key only shrink once the row id's digits start.
+            // ties on the key only shrink once the row id's digits start. Digits every key
+            // shares are skipped (the masks pass finds them).
+            if digit < key_digits && case.ties >= 0.999 {
+                continue;
+            }
             let next = if digit < key_digits {
                 (m / 256.0).max(tied)
             } else {
