@@ -27,7 +27,9 @@ use cudarc::driver::sys::CUdevice_attribute;
 use super::model::{Case, CostModel, Fit, Fits, Machine, Part, solve_fit};
 use crate::device::kernels::{KernelSources, cache_key, default_cache_dir};
 use crate::device::measure::{ReadFloor, time_selection};
-use crate::device::{DeviceAlgorithm, GpuDevice, GpuResult, GpuTimer, KeyKind, TopKEngine};
+use crate::device::{
+    DeviceAlgorithm, GpuDevice, GpuError, GpuResult, GpuTimer, KeyKind, TopKEngine,
+};
 
 /// What the device reports about itself.
 #[derive(Debug, Clone, PartialEq)]
@@ -128,7 +130,9 @@ const FORMAT: &str = "datafusion-gpu-topk calibration 2";
 struct Cached {
     /// Whether this process measured it because recalibration was asked for.
     recalibrated: bool,
-    calibration: Arc<Calibration>,
+    /// The calibration, or why it failed (not retried in this process unless forced: every
+    /// query would pay for another attempt).
+    calibration: Result<Arc<Calibration>, GpuError>,
 }
 
 static CALIBRATION: Mutex<Option<Cached>> = Mutex::new(None);
@@ -145,7 +149,7 @@ pub fn calibration(
     if let Some(cached) = held.as_ref()
         && (!recalibrate || cached.recalibrated)
     {
-        return Ok(Arc::clone(&cached.calibration));
+        return cached.calibration.clone();
     }
     let params = DeviceParams::read(device);
     let file = dir
@@ -159,12 +163,22 @@ pub fn calibration(
         let calibration = Arc::new(calibration);
         *held = Some(Cached {
             recalibrated: false,
-            calibration: Arc::clone(&calibration),
+            calibration: Ok(Arc::clone(&calibration)),
         });
         return Ok(calibration);
     }
     let started = Instant::now();
-    let (model, references) = measure(device, &params)?;
+    let (model, references) = match measure(device, &params) {
+        Ok(measured) => measured,
+        Err(e) => {
+            let e = GpuError(format!("the calibration failed: {e}"));
+            *held = Some(Cached {
+                recalibrated: recalibrate,
+                calibration: Err(e.clone()),
+            });
+            return Err(e);
+        }
+    };
     let mut calibration = Calibration {
         params,
         model,
@@ -194,7 +208,7 @@ pub fn calibration(
     let calibration = Arc::new(calibration);
     *held = Some(Cached {
         recalibrated: recalibrate,
-        calibration: Arc::clone(&calibration),
+        calibration: Ok(Arc::clone(&calibration)),
     });
     Ok(calibration)
 }
@@ -309,7 +323,8 @@ fn measure(
         "radix sort of pairs",
     );
 
-    let scratch = engine.alloc_pairs(LARGE / 2 + 4096)?;
+    // Half the rows kept, with room for the hash's spread (σ ≈ 4100 at 2^26 rows).
+    let scratch = engine.alloc_pairs(LARGE / 2 + LARGE / 64)?;
     let filter_ms = |e: &mut TopKEngine, n: usize| -> GpuResult<f64> {
         floor.flush_l2(e)?;
         let timer = GpuTimer::start(e.stream())?;
