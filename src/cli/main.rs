@@ -333,10 +333,10 @@ fn report_operators(ctx: &SessionContext, plan: &Arc<dyn ExecutionPlan>) {
                 Some(p) => {
                     let measured = exec
                         .metrics()
-                        .and_then(|m| m.sum_by_name("select_time"))
+                        .and_then(|m| m.sum_by_name("operator_time"))
                         .map_or(f64::NAN, |v| v.as_usize() as f64 / 1e9);
                     format!(
-                        ", {}, select_time={}",
+                        ", {}, operator_time={}",
                         p.describe(false),
                         datafusion_gpu_topk::cost::format_seconds(measured)
                     )

@@ -7,7 +7,7 @@
 //!
 //! - the read bandwidth (the read floor over 256 MiB of keys, L2 flushed);
 //! - the launch gap (64 dependent tiny kernels on one stream) and a read-back's round trip;
-//! - the host-to-device bandwidth through the pinned staging buffers;
+//! - the host-to-device bandwidth from a filled pinned staging buffer (the DMA alone);
 //! - the CPU selector's rows per second on one core;
 //! - two reference runs per modelled part (sort, filter, then each algorithm at k = 32 over
 //!   2^16 and 2^26 uniform 32-bit keys), from which [`solve_fit`] takes its two constants.
@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys::CUdevice_attribute;
 
 use super::model::{Case, CostModel, Fit, Fits, Machine, Part, solve_fit};
+use crate::device::algorithms::fill_staging;
 use crate::device::kernels::{KernelSources, cache_key, default_cache_dir};
 use crate::device::measure::{ReadFloor, time_selection};
 use crate::device::{
@@ -125,7 +126,7 @@ impl Calibration {
     }
 }
 
-const FORMAT: &str = "datafusion-gpu-topk calibration 2";
+const FORMAT: &str = "datafusion-gpu-topk calibration 3";
 
 struct Cached {
     /// Whether this process measured it because recalibration was asked for.
@@ -279,19 +280,24 @@ fn measure(
         e.read_bytes(input.key_at(0), 8)?;
         Ok(started.elapsed().as_secs_f64() * 1e3)
     })?;
+    // The DMA from pinned memory alone: the operator's partitions fill their staging
+    // buffers in parallel, off the device lock.
+    let upload_bytes = 64 << 20;
+    let mut staged = fill_staging(device, &[vec![&keys[..upload_bytes]]])?;
     let upload_s = times(&mut engine, |e| {
         e.synchronize()?;
         let started = Instant::now();
-        e.upload_bytes(&keys, input.key_at(0))?;
+        e.upload_staged(&mut staged)?;
         e.synchronize()?;
         Ok(started.elapsed().as_secs_f64() * 1e3)
     })?;
+    drop(staged);
     let mut model = CostModel {
         machine: Machine {
             read_bw: (4 * LARGE) as f64 / read_s,
             launch_s,
             readback_s,
-            pcie_bw: keys.len() as f64 / upload_s,
+            pcie_bw: upload_bytes as f64 / upload_s,
             shared_bw: params.shared_bandwidth(),
             max_shared_per_block: params.shared_per_block,
             sm_count: params.sm_count,
@@ -333,14 +339,45 @@ fn measure(
     };
     let t_small = times(&mut engine, |e| filter_ms(e, SMALL))?;
     let t_large = times(&mut engine, |e| filter_ms(e, LARGE))?;
-    let filter_case = |rows: usize| Case::pairs(rows / 2, REFERENCE_K, KeyKind::K32, rows);
+    // A filter keeping a 32nd (reads dominate) fits the fixed part and the read efficiency;
+    // one keeping half, the weight of the written bytes.
+    let t_few = times(&mut engine, |e| {
+        floor.flush_l2(e)?;
+        let timer = GpuTimer::start(e.stream())?;
+        e.filter_fraction(&input, LARGE, 1.0 / 32.0, &scratch)?;
+        Ok(f64::from(timer.stop()?))
+    })?;
+    let filter_case = |rows: usize, kept: usize| Case::pairs(kept, REFERENCE_K, KeyKind::K32, rows);
     model.fits.filter = fit(
         &model,
         Part::Filter,
-        [(filter_case(SMALL), t_small), (filter_case(LARGE), t_large)],
+        [
+            (filter_case(SMALL, SMALL / 2), t_small),
+            (filter_case(LARGE, LARGE / 32), t_few),
+        ],
         &mut references,
-        "filter keeping half of 2n rows",
+        "filter (n = kept pairs)",
     );
+    // The written bytes' weight, from the filter keeping half: what the fit leaves of its
+    // time over what its written bytes would cost at the read efficiency.
+    let half = filter_case(LARGE, LARGE / 2);
+    let (c, a, b) = model
+        .linear_terms(Part::Filter, &half)
+        .unwrap_or((0.0, 0.0, 0.0));
+    let filter = model.fits.filter;
+    let read_s = filter.efficiency * (4 * LARGE) as f64 / model.machine.read_bw;
+    let written_s = filter.efficiency * b - read_s;
+    let measured_written_s = t_large - c - filter.fixed_s * a - read_s;
+    model.fits.filter_write = if written_s > 0.0 {
+        (measured_written_s / written_s).clamp(0.5, 20.0)
+    } else {
+        1.0
+    };
+    references.push(Reference {
+        what: format!("filter (n = kept pairs), n = {}", LARGE / 2),
+        measured_s: t_large,
+        predicted_s: model.filter_time(LARGE, LARGE / 2, KeyKind::K32),
+    });
 
     // Sample before delegate: the delegates' selection is a sampled one.
     for algorithm in [
@@ -487,6 +524,7 @@ fn write_file(path: &Path, c: &Calibration) -> std::io::Result<()> {
     ] {
         let _ = writeln!(text, "fit {name} {:e} {:e}", fit.fixed_s, fit.efficiency);
     }
+    let _ = writeln!(text, "filter_write {:e}", f.filter_write);
     for r in &c.references {
         let _ = writeln!(
             text,
@@ -590,6 +628,7 @@ fn read_file(path: &Path, params: &DeviceParams) -> Option<Calibration> {
                 delegate: fit("delegate")?,
                 sort: fit("sort")?,
                 filter: fit("filter")?,
+                filter_write: get("filter_write")?,
             },
         },
         references,

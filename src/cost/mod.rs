@@ -10,7 +10,7 @@
 //! one device pass that evaluates (filters) and appends them to the candidate buffer, a
 //! reduction of that buffer when the input outgrows it, and the final selection over the
 //! candidates. EXPLAIN shows the choice and the prediction, EXPLAIN VERBOSE every
-//! alternative's, and EXPLAIN ANALYZE the measured `select_time` beside `predicted_time`.
+//! alternative's, and EXPLAIN ANALYZE the measured `operator_time` beside `predicted_time`.
 //! At run time an `auto` selector re-asks the model for the final selection, with the actual
 //! number of candidates.
 

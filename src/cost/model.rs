@@ -32,8 +32,8 @@
 //! - **sort** (the LSD radix sort the others end with): a histogram read, then per digit that
 //!   varies a pass that reads and writes every pair (a step each; one launch per pass with a
 //!   look-back, three without).
-//! - **filter** (a `WHERE` pass before the selection): reads the keys, writes the survivors,
-//!   reads their count back.
+//! - **filter** (a `WHERE` pass before the selection): reads the keys, writes the survivors
+//!   (each written byte weighted by a fitted factor), reads their count back.
 //! - **cpu**: rows / (rows per second per core × cores).
 //!
 //! The two constants per algorithm (`fixed`, `efficiency`) come from the calibration's two
@@ -133,6 +133,9 @@ pub struct Fits {
     pub delegate: Fit,
     pub sort: Fit,
     pub filter: Fit,
+    /// A filter's written bytes cost this many times its read bytes (warp buffers, one atomic
+    /// per flush, scattered stores): fitted to a third filter reference.
+    pub filter_write: f64,
 }
 
 impl Default for Fits {
@@ -144,6 +147,7 @@ impl Default for Fits {
             delegate: Fit::DEFAULT,
             sort: Fit::DEFAULT,
             filter: Fit::DEFAULT,
+            filter_write: 1.0,
         }
     }
 }
@@ -505,7 +509,8 @@ impl CostModel {
             launches: 2.0, // the count reset and the filter
             steps: 1.0,
             readbacks: 1.0, // the count, before the selection sizes its work
-            bytes: n as f64 * kind.key_bytes() as f64 + kept as f64 * (kind.key_bytes() + 8) as f64,
+            bytes: n as f64 * kind.key_bytes() as f64
+                + self.fits.filter_write * kept as f64 * (kind.key_bytes() + 8) as f64,
             ..Work::default()
         }
     }

@@ -473,7 +473,7 @@ async fn explained(ctx: &SessionContext, sql: &str) -> String {
 
 /// The cost model in the planner (GPU machine): EXPLAIN shows its choice and prediction,
 /// VERBOSE every alternative's, EXPLAIN ANALYZE the prediction beside the measured
-/// `select_time`; under `backend=auto` a tiny input goes to the CPU path, under `backend=cuda`
+/// `operator_time`; under `backend=auto` a tiny input goes to the CPU path, under `backend=cuda`
 /// the CPU is no alternative; the results are DataFusion's.
 #[tokio::test]
 async fn the_cost_model_chooses_and_explains() {
@@ -507,7 +507,7 @@ async fn the_cost_model_chooses_and_explains() {
     assert!(!text.contains("cpu select-nth"), "{text}");
     let text = explained(&ctx, &format!("EXPLAIN ANALYZE {sql}")).await;
     assert!(
-        text.contains("predicted_time=") && text.contains("select_time="),
+        text.contains("predicted_time=") && text.contains("operator_time="),
         "{text}"
     );
     let ours = run(&ctx, sql).await.unwrap();
@@ -538,7 +538,7 @@ fn the_calibration_is_cached_and_can_be_forced() {
     eprintln!("{}", forced.describe());
     let m = &forced.model.machine;
     assert!(m.read_bw > 1e11 && m.launch_s > 0.0 && m.readback_s > 0.0 && m.pcie_bw > 1e8);
-    assert_eq!(forced.references.len(), 12);
+    assert_eq!(forced.references.len(), 13);
     for r in &forced.references {
         eprintln!(
             "  {}: measured {:.4} ms, fitted {:.4} ms",
@@ -553,7 +553,7 @@ fn the_calibration_is_cached_and_can_be_forced() {
         let file = forced.file.as_ref().expect("the calibration was written");
         let text = std::fs::read_to_string(file).unwrap();
         assert!(
-            text.starts_with("datafusion-gpu-topk calibration 2"),
+            text.starts_with("datafusion-gpu-topk calibration 3"),
             "{text}"
         );
     }
