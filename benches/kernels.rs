@@ -15,6 +15,15 @@
 //! `--budget S`: start no new data set after S seconds (the table still comes last).
 //! `--host-check`: no GPU needed; checks the generators, the oracle and the result checks
 //! (which must reject corrupted outputs) on the host, and prints host costs at n = 2^24.
+//! `--sel LIST` (default 1): below 1, each case first runs a filter that keeps that fraction of
+//! the rows (a hash of the row id, `TopKEngine::filter_fraction`) and selects among the kept
+//! (key, row id) pairs; both are timed, and the check counts kept rows only.
+//! `--cost-model` (`--recalibrate` to measure the calibration again): predicts every case with
+//! the calibrated cost model (CSV columns `predicted_ms`, `ties`) and ends with its report: how
+//! often the predicted-fastest algorithm is within 10% of the fastest measured, the worst
+//! regret, and the median |predicted − measured| / measured.
+//! `--replay CSV --calibration FILE`: that report for an earlier run's CSV, predicted anew with
+//! a calibration file; no GPU needed.
 //!
 //! Per (n, key type, distribution) the keys are generated on the host (xorshift, deterministic),
 //! encoded with [`KeyLayout::encode`] (ascending, not nullable: f32/i32 are 32-bit composites,
