@@ -53,8 +53,9 @@ use cudarc::driver::result;
 use datafusion::arrow::array::{ArrayRef, Float32Array, Float64Array, Int32Array, Int64Array};
 use datafusion::arrow::compute::SortOptions;
 use datafusion::arrow::datatypes::DataType;
+use datafusion_gpu_topk::cost::CostModel;
 use datafusion_gpu_topk::cost::calibration::{calibration, model_from_file as calibration_model};
-use datafusion_gpu_topk::cost::{Case, CostModel};
+use datafusion_gpu_topk::cost::validation::{Assessment, GridPoint, assess, parse_grid_csv};
 use datafusion_gpu_topk::device::GpuTimer;
 use datafusion_gpu_topk::device::measure::{
     FLUSH_BYTES, ReadFloor, fraction_cut, fraction_hash, median, time_selection,
@@ -777,23 +778,46 @@ fn tie_share<W: Word>(sample: &[W], rank: usize) -> f64 {
     }
 }
 
-/// The model's prediction of a row, in ms: a filter over n rows keeping `rows` (when sel < 1),
-/// then the selection over those.
-fn predict_ms(model: &CostModel, row: &Row, rows: usize) -> Option<f64> {
-    let kind = row.key.kind();
-    let (case, filter) = if row.sel < 1.0 {
-        (
-            Case::pairs(rows, row.k, kind, row.n),
-            model.filter_time(row.n, rows, kind),
-        )
-    } else {
-        (Case::positional(row.n, row.k, kind), 0.0)
-    };
-    let case = Case {
+/// The grid point of a measured row (`kept`: the rows its filter kept).
+fn grid_point(row: &Row, kept: usize) -> GridPoint {
+    GridPoint {
+        n: row.n,
+        k: row.k,
+        kind: row.key.kind(),
+        dist: row.dist.name().to_string(),
+        sel: row.sel,
+        kept,
         ties: row.ties,
-        ..case
-    };
-    model.predict(row.algo, &case).map(|t| (t + filter) * 1e3)
+        algorithm: row.algo,
+        measured_s: row.times.map_or(f64::NAN, |t| t.0 / 1e3),
+    }
+}
+
+/// The cost model's report (see [`assess`]).
+fn model_report(a: &Assessment) -> String {
+    let mut t = String::new();
+    for miss in &a.misses {
+        let _ = writeln!(t, "  {miss}");
+    }
+    let _ = writeln!(
+        t,
+        "cost model: choice within 10% of the fastest measured in {}/{} cases ({:.1}%); worst \
+         regret {:.1}% ({})",
+        a.within_10,
+        a.cases,
+        100.0 * a.within_share(),
+        100.0 * a.worst_regret,
+        a.worst
+    );
+    let _ = writeln!(
+        t,
+        "cost model: median |predicted - measured| / measured {:.1}% over {} (case, algorithm) \
+         pairs, {:.1}% over the chosen ones",
+        100.0 * a.median_error,
+        a.points,
+        100.0 * a.median_chosen_error
+    );
+    t
 }
 
 // ---- the sweep ----------------------------------------------------------------------------------
@@ -1024,28 +1048,21 @@ impl Sweep {
                 };
                 for algo in self.opts.algos.clone() {
                     for &k in &ks {
-                        let mut row = match &filtered {
-                            None => self.run_case(
-                                engine,
-                                floor,
-                                pairs,
-                                &keys,
-                                expected.as_deref(),
-                                (n, k, key, dist, algo),
-                            ),
-                            Some((out, kept, cut)) => self.run_filtered_case(
-                                engine,
-                                floor,
-                                (pairs, out, *kept, *cut, sel),
-                                &keys,
-                                (n, k, key, dist, algo),
-                            ),
-                        };
+                        let filter = filtered.as_ref().map(|(out, kept, cut)| (out, *kept, *cut));
+                        let mut row = self.run_case(
+                            engine,
+                            floor,
+                            (pairs, filter, sel),
+                            &keys,
+                            expected.as_deref(),
+                            (n, k, key, dist, algo),
+                        );
                         row.floor_ms = floor_ms;
                         if let Some(model) = &self.model {
                             let rows = filtered.as_ref().map_or(n, |f| f.1);
                             row.ties = tie_share(&sample, k * sample.len() / rows.max(1));
-                            row.predicted_ms = predict_ms(model, &row, rows);
+                            row.predicted_ms =
+                                grid_point(&row, rows).predict(model).map(|t| t * 1e3);
                         }
                         if row.ok != "ok" && row.ok != "n/a" {
                             self.fail(
@@ -1061,15 +1078,17 @@ impl Sweep {
         Ok(())
     }
 
-    /// One case behind a fraction filter: each repetition runs the filter (its count read
-    /// back, as the operator does before selecting) and the selection over the kept pairs;
-    /// both count.
-    fn run_filtered_case<W: Word>(
+    /// One case: warm-up, R timed repetitions, the first one checked. With `filter` (the
+    /// kept pairs' buffer, their count and the filter's cut, at selectivity `sel`) each
+    /// repetition first runs the fraction filter (its count read back, as the operator does
+    /// before selecting) and selects among the kept pairs; both are timed.
+    fn run_case<W: Word>(
         &self,
         engine: &mut TopKEngine,
         floor: &ReadFloor,
-        (input, out, kept, cut, sel): (&DevicePairs, &DevicePairs, usize, u32, f64),
+        (pairs, filter, sel): (&DevicePairs, Option<(&DevicePairs, usize, u32)>, f64),
         keys: &[W],
+        expected: Option<&[u32]>,
         (n, k, key, dist, algo): (usize, usize, KeyType, Dist, DeviceAlgorithm),
     ) -> Row {
         let mut row = Row {
@@ -1093,17 +1112,26 @@ impl Sweep {
         let mut timed = || -> GpuResult<()> {
             for rep in 0..=self.opts.reps {
                 floor.flush_l2(engine)?;
-                let timer = GpuTimer::start(engine.stream())?;
-                let count = engine.filter_fraction(input, n, sel, out)?;
-                let filter_ms = f64::from(timer.stop()?);
-                if count != kept {
-                    return Err(GpuError(format!(
-                        "the filter kept {count} rows, then {kept} before"
-                    )));
-                }
-                let (ms, sorted, m) = time_selection(engine, out, kept, k, algo)?;
+                let (source, rows, filter_ms) = match filter {
+                    None => (pairs, n, 0.0),
+                    Some((out, kept, _)) => {
+                        let timer = GpuTimer::start(engine.stream())?;
+                        let count = engine.filter_fraction(pairs, n, sel, out)?;
+                        let filter_ms = f64::from(timer.stop()?);
+                        if count != kept {
+                            return Err(GpuError(format!(
+                                "the filter kept {count} rows, then {kept} before"
+                            )));
+                        }
+                        (out, kept, filter_ms)
+                    }
+                };
+                // The selection's device time: from its first kernel to its last. A pending
+                // sampled selection's status read-back comes after (callers read it with the
+                // result); when work ran after it, the round trip and that work count too.
+                let (ms, sorted, m) = time_selection(engine, source, rows, k, algo)?;
                 if rep == 0 {
-                    continue;
+                    continue; // warm-up (fills the buffer pool)
                 }
                 times.push(filter_ms + ms);
                 if rep == 1 {
@@ -1113,63 +1141,8 @@ impl Sweep {
                         .chunks_exact(W::BYTES)
                         .map(W::from_le_slice)
                         .collect();
-                    verdict = check_kept(keys, None, Some((cut, kept)), k, &ids, &out_keys);
-                }
-            }
-            Ok(())
-        };
-        let outcome = timed();
-        finish_row(&mut row, outcome, times, verdict);
-        row
-    }
-
-    /// One case: warm-up, R timed repetitions, the first one checked.
-    fn run_case<W: Word>(
-        &self,
-        engine: &mut TopKEngine,
-        floor: &ReadFloor,
-        pairs: &DevicePairs,
-        keys: &[W],
-        expected: Option<&[u32]>,
-        (n, k, key, dist, algo): (usize, usize, KeyType, Dist, DeviceAlgorithm),
-    ) -> Row {
-        let mut row = Row {
-            n,
-            k,
-            key,
-            dist,
-            algo,
-            sel: 1.0,
-            times: None,
-            predicted_ms: None,
-            ties: 0.0,
-            floor_ms: f64::NAN,
-            ok: "n/a".into(),
-        };
-        if algo == DeviceAlgorithm::Bitonic && k > engine.bitonic_max_k() {
-            return row;
-        }
-        let mut times = Vec::with_capacity(self.opts.reps);
-        let mut verdict = Ok(());
-        let mut timed = || -> GpuResult<()> {
-            for rep in 0..=self.opts.reps {
-                floor.flush_l2(engine)?;
-                // The selection's device time: from its first kernel to its last. A pending
-                // sampled selection's status read-back comes after (callers read it with the
-                // result); when work ran after it, the round trip and that work count too.
-                let (ms, sorted, m) = time_selection(engine, pairs, n, k, algo)?;
-                if rep == 0 {
-                    continue; // warm-up (fills the buffer pool)
-                }
-                times.push(ms);
-                if rep == 1 {
-                    let ids = engine.download_ids(&sorted, m)?;
-                    let out_keys: Vec<W> = engine
-                        .download_keys(&sorted, m)?
-                        .chunks_exact(W::BYTES)
-                        .map(W::from_le_slice)
-                        .collect();
-                    verdict = check(keys, expected, k, &ids, &out_keys);
+                    let kept = filter.map(|(_, kept, cut)| (cut, kept));
+                    verdict = check_kept(keys, expected, kept, k, &ids, &out_keys);
                 }
             }
             Ok(())
@@ -1183,7 +1156,13 @@ impl Sweep {
     /// algorithm it predicts fastest against the fastest measured, and its prediction errors.
     fn model_report(&self) -> Option<String> {
         self.model.as_ref()?;
-        model_report(&self.rows)
+        let rows: Vec<&Row> = self.rows.iter().filter(|r| r.ok == "ok").collect();
+        let points: Vec<GridPoint> = rows.iter().map(|r| grid_point(r, r.n)).collect();
+        let predicted: Vec<Option<f64>> = rows
+            .iter()
+            .map(|r| r.predicted_ms.map(|p| p / 1e3))
+            .collect();
+        Some(model_report(&assess(&points, &predicted)))
     }
 
     fn table(&self) -> String {
@@ -1218,87 +1197,6 @@ impl Sweep {
         }
         t
     }
-}
-
-/// The cost model's report over measured rows with predictions (see [`Sweep::model_report`]).
-fn model_report(rows: &[Row]) -> Option<String> {
-    let mut cases: Vec<Vec<&Row>> = Vec::new();
-    for r in rows.iter().filter(|r| r.ok == "ok") {
-        let same = |c: &Vec<&Row>| {
-            let f = c[0];
-            (f.n, f.k, f.key, f.dist) == (r.n, r.k, r.key, r.dist) && f.sel == r.sel
-        };
-        match cases.iter_mut().find(|c| same(c)) {
-            Some(c) => c.push(r),
-            None => cases.push(vec![r]),
-        }
-    }
-    let measured = |r: &Row| r.times.map(|t| t.0);
-    let mut errors: Vec<f64> = Vec::new();
-    let mut chosen_errors: Vec<f64> = Vec::new();
-    let (mut within, mut total) = (0, 0);
-    let mut worst: Option<(f64, String)> = None;
-    let mut t = String::new();
-    for case in cases.iter().filter(|c| c.len() > 1) {
-        let best = case
-            .iter()
-            .filter_map(|r| measured(r).map(|m| (m, *r)))
-            .min_by(|a, b| a.0.total_cmp(&b.0));
-        let choice = case
-            .iter()
-            .filter_map(|r| r.predicted_ms.map(|p| (p, *r)))
-            .min_by(|a, b| a.0.total_cmp(&b.0));
-        let (Some((best_ms, best)), Some((_, choice))) = (best, choice) else {
-            continue;
-        };
-        let chosen_ms = measured(choice).unwrap_or(f64::NAN);
-        let regret = chosen_ms / best_ms - 1.0;
-        total += 1;
-        if regret <= 0.10 {
-            within += 1;
-        }
-        let what = format!(
-            "n={} k={} {} {} sel={}: chose {} {chosen_ms:.3} ms, best {} {best_ms:.3} ms",
-            size_name(case[0].n),
-            size_name(case[0].k),
-            case[0].key.name(),
-            case[0].dist.name(),
-            case[0].sel,
-            choice.algo.name(),
-            best.algo.name()
-        );
-        if regret > 0.10 {
-            let _ = writeln!(t, "  off by {:.0}%: {what}", 100.0 * regret);
-        }
-        if worst.as_ref().is_none_or(|w| regret > w.0) {
-            worst = Some((regret, what));
-        }
-        for r in case {
-            if let (Some(m), Some(p)) = (measured(r), r.predicted_ms) {
-                errors.push((p - m).abs() / m);
-                if std::ptr::eq(*r, choice) {
-                    chosen_errors.push((p - m).abs() / m);
-                }
-            }
-        }
-    }
-    let (worst_regret, worst_case) = worst.unwrap_or((f64::NAN, String::new()));
-    let _ = writeln!(
-        t,
-        "cost model: choice within 10% of the fastest measured in {within}/{total} cases \
-             ({:.1}%); worst regret {:.1}% ({worst_case})",
-        100.0 * within as f64 / total.max(1) as f64,
-        100.0 * worst_regret
-    );
-    let _ = writeln!(
-        t,
-        "cost model: median |predicted - measured| / measured {:.1}% over {} (case, \
-             algorithm) pairs, {:.1}% over the chosen ones",
-        100.0 * median(&mut errors),
-        errors.len(),
-        100.0 * median(&mut chosen_errors)
-    );
-    Some(t)
 }
 
 // ---- host self-check (no GPU) -------------------------------------------------------------------
@@ -1426,78 +1324,25 @@ fn replay(args: &[String]) -> Result<String, String> {
     let model = calibration_model(std::path::Path::new(model_path))
         .ok_or_else(|| format!("{model_path}: not a calibration file"))?;
     let text = std::fs::read_to_string(csv_path).map_err(|e| format!("{csv_path}: {e}"))?;
-    let mut lines = text.lines();
-    let header: Vec<&str> = lines.next().ok_or("empty CSV")?.split(',').collect();
-    let column = |name: &str| {
-        header
-            .iter()
-            .position(|h| *h == name)
-            .ok_or_else(|| format!("{csv_path}: no column {name}"))
-    };
-    let [n, k, key, dist, algo, med, lo, hi, floor, ok, sel] = [
-        "n",
-        "k",
-        "key",
-        "dist",
-        "algo",
-        "median_ms",
-        "min_ms",
-        "max_ms",
-        "floor_ms",
-        "ok",
-        "sel",
-    ]
-    .map(column);
-    let ties = header.iter().position(|h| *h == "ties");
-    let mut rows = Vec::new();
-    for line in lines {
-        let f: Vec<&str> = line.split(',').collect();
-        let get = |c: &Result<usize, String>| -> Result<&str, String> {
-            let c = c.as_ref().map_err(Clone::clone)?;
-            f.get(*c)
-                .copied()
-                .ok_or_else(|| format!("short line: {line}"))
-        };
-        let num = |c: &Result<usize, String>| -> Result<f64, String> {
-            get(c)?.parse::<f64>().map_err(|e| format!("{line}: {e}"))
-        };
-        let mut row = Row {
-            n: num(&n)? as usize,
-            k: num(&k)? as usize,
-            key: by_name(&KeyType::ALL, KeyType::name, get(&key)?)?,
-            dist: by_name(&Dist::ALL, Dist::name, get(&dist)?)?,
-            algo: by_name(&ALGORITHMS, DeviceAlgorithm::name, get(&algo)?)?,
-            sel: num(&sel)?,
-            times: Some((num(&med)?, num(&lo)?, num(&hi)?)).filter(|t| t.0.is_finite()),
-            predicted_ms: None,
-            ties: ties
-                .and_then(|c| f.get(c))
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0.0),
-            floor_ms: num(&floor)?,
-            ok: get(&ok)?.to_string(),
-        };
-        let kept = ((row.n as f64 * row.sel) as usize).max(1);
-        row.predicted_ms = predict_ms(&model, &row, if row.sel < 1.0 { kept } else { row.n });
-        rows.push(row);
-    }
-    let mut out = String::from("n,k,key,dist,sel,algo,measured_ms,predicted_ms\n");
-    for r in rows.iter().filter(|r| r.ok == "ok") {
+    let points = parse_grid_csv(&text).map_err(|e| format!("{csv_path}: {e}"))?;
+    let predicted: Vec<Option<f64>> = points.iter().map(|p| p.predict(&model)).collect();
+    let mut out = String::from("n,k,key_bits,dist,sel,algo,measured_ms,predicted_ms\n");
+    for (p, t) in points.iter().zip(&predicted) {
         let _ = writeln!(
             out,
             "{},{},{},{},{},{},{:.5},{:.5}",
-            r.n,
-            r.k,
-            r.key.name(),
-            r.dist.name(),
-            r.sel,
-            r.algo.name(),
-            r.times.map_or(f64::NAN, |t| t.0),
-            r.predicted_ms.unwrap_or(f64::NAN)
+            p.n,
+            p.k,
+            p.kind.bits(),
+            p.dist,
+            p.sel,
+            p.algorithm.name(),
+            p.measured_s * 1e3,
+            t.map_or(f64::NAN, |t| t * 1e3)
         );
     }
     out.push('\n');
-    out.push_str(&model_report(&rows).unwrap_or_default());
+    out.push_str(&model_report(&assess(&points, &predicted)));
     Ok(out)
 }
 

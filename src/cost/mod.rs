@@ -16,6 +16,7 @@
 
 pub mod calibration;
 pub mod model;
+pub mod validation;
 
 use std::fmt;
 use std::path::Path;
