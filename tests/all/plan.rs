@@ -518,7 +518,7 @@ async fn the_cost_model_chooses_and_explains() {
 }
 
 /// The calibration (GPU machine): forcing it measures again (once per process) and writes the
-/// cache file; the fitted model reproduces its own reference runs.
+/// cache file when the GPU was quiet; the fitted model reproduces its own reference runs.
 #[test]
 fn the_calibration_is_cached_and_can_be_forced() {
     use datafusion_gpu_topk::cost::calibration::calibration;
@@ -549,8 +549,8 @@ fn the_calibration_is_cached_and_can_be_forced() {
         let error = (r.predicted_s - r.measured_s).abs() / r.measured_s;
         assert!(error < 0.5, "{}: off by {:.0}%", r.what, 100.0 * error);
     }
-    if forced.took.is_some() {
-        let file = forced.file.as_ref().expect("the calibration was written");
+    // Written unless the GPU looked busy (the tests beside this one may make it so).
+    if let Some(file) = &forced.file {
         let text = std::fs::read_to_string(file).unwrap();
         assert!(
             text.starts_with("datafusion-gpu-topk calibration 3"),
