@@ -3,6 +3,7 @@
 //! the algorithm the model predicts fastest is within 10% of the fastest measured, the worst
 //! regret, and the median |predicted − measured| / measured.
 
+use crate::device::measure::median;
 use crate::device::{DeviceAlgorithm, KeyKind};
 
 use super::model::{Case, CostModel};
@@ -155,19 +156,6 @@ pub fn assess(points: &[GridPoint], predicted: &[Option<f64>]) -> Assessment {
     a.median_error = median(&mut errors);
     a.median_chosen_error = median(&mut chosen_errors);
     a
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let h = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[h]
-    } else {
-        (v[h - 1] + v[h]) / 2.0
-    }
 }
 
 /// The measured points of a kernel-benchmark CSV (its rows marked `ok`). Filtered rows keep
