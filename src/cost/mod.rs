@@ -79,7 +79,8 @@ pub struct Estimate {
     pub rows: Option<usize>,
     /// Bytes per row the operator moves to the device (the columns it reads).
     pub bytes_per_row: usize,
-    /// Whether a generated program must be compiled (not loaded in this process yet).
+    /// Whether a generated program must be compiled (neither loaded in this process nor in
+    /// the disk cache).
     pub compile: bool,
 }
 

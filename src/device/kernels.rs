@@ -456,6 +456,38 @@ pub fn cubin_cached_source(
     cache_dir: Option<&Path>,
 ) -> Result<Vec<u8>, String> {
     let headers = sources.headers();
+    let (path, key) = source_cache_file(
+        name,
+        source,
+        sources,
+        arch,
+        extra,
+        driver_version,
+        cache_dir,
+    )?;
+    if let Some(cubin) = path.as_deref().and_then(|p| read_cache_file(p, key)) {
+        return Ok(cubin);
+    }
+    let compiled = compile_program(name, source, &headers, arch, extra)?;
+    if let Some(path) = &path
+        && let Err(e) = write_cache_file(path, key, &compiled.cubin)
+    {
+        log::warn!("cannot write the kernel cache file {}: {e}", path.display());
+    }
+    Ok(compiled.cubin)
+}
+
+/// The cache file (when there is a cache directory) and key of a program text.
+fn source_cache_file(
+    name: &str,
+    source: &str,
+    sources: &KernelSources,
+    arch: &str,
+    extra: &[&str],
+    driver_version: i32,
+    cache_dir: Option<&Path>,
+) -> Result<(Option<PathBuf>, u128), String> {
+    let headers = sources.headers();
     let (major, minor) = nvrtc_version()?;
     let opts = options(arch, extra)?;
     let versions = format!("nvrtc {major}.{minor} driver {driver_version}");
@@ -473,16 +505,31 @@ pub fn cubin_cached_source(
     let dir = cache_dir.map(Path::to_path_buf).or_else(default_cache_dir);
     let stem = name.trim_end_matches(".cu");
     let path = dir.map(|d| d.join(format!("{stem}-{arch}-{key:032x}.cubin")));
-    if let Some(cubin) = path.as_deref().and_then(|p| read_cache_file(p, key)) {
-        return Ok(cubin);
-    }
-    let compiled = compile_program(name, source, &headers, arch, extra)?;
-    if let Some(path) = &path
-        && let Err(e) = write_cache_file(path, key, &compiled.cubin)
-    {
-        log::warn!("cannot write the kernel cache file {}: {e}", path.display());
-    }
-    Ok(compiled.cubin)
+    Ok((path, key))
+}
+
+/// Whether a generated program's CUBIN is in the disk cache (a load, not a compile, away).
+pub fn generated_on_disk(
+    arch: &str,
+    driver_version: i32,
+    source: &str,
+    cache_dir: Option<&Path>,
+) -> bool {
+    let Ok(sources) = KernelSources::load() else {
+        return false;
+    };
+    source_cache_file(
+        "generated.cu",
+        source,
+        &sources,
+        arch,
+        GENERATED_OPTIONS,
+        driver_version,
+        cache_dir,
+    )
+    .ok()
+    .and_then(|(path, key)| path.and_then(|p| read_cache_file(&p, key)))
+    .is_some()
 }
 
 // ---- loaded modules --------------------------------------------------------------------------

@@ -176,10 +176,19 @@ impl GpuDevice {
         Ok((kernel, took))
     }
 
-    /// Whether the generated program with this source is loaded in this process.
+    /// Whether the generated program with this source is loaded in this process, or its
+    /// CUBIN is in the disk cache: running it then compiles nothing.
     pub fn has_generated_kernel(&self, source: &str) -> bool {
         let loaded = self.generated.lock().unwrap_or_else(|e| e.into_inner());
-        loaded.contains_key(source)
+        loaded.contains_key(source) || {
+            let cache_dir = self.cache_dir.get().cloned().flatten();
+            kernels::generated_on_disk(
+                &self.arch(),
+                self.driver_version,
+                source,
+                cache_dir.as_deref(),
+            )
+        }
     }
 
     /// How long this process's last compile (or cache load) of a generated program took.
