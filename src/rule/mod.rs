@@ -378,7 +378,8 @@ impl Absorbed {
 
 /// What the cost model is told of the input: its rows (from the statistics, when they say),
 /// the bytes per row the operator moves to the device (the key columns' width, plus 8 for the
-/// filter's columns), and whether a generated program still has to be compiled.
+/// filter's columns), and whether a generated program still has to be compiled (it is neither
+/// loaded nor in the disk cache).
 fn estimate(
     input: &dyn ExecutionPlan,
     layout: &KeyLayout,
