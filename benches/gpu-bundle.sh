@@ -6,8 +6,8 @@
 # dictionary larger than a binary compresses the set about as well as one binary (≈ 50 MB for
 # four), where per-file xz -6 would exceed the 64 MiB carry limit.
 #
-# KERNELS_ONLY=1: only the kernel benchmark and the integration tests (≈ 22 MB, a minute to
-# pack), for runs of the selection kernels.
+# KERNELS_ONLY=1: only the kernel and fusion benchmarks and the integration tests (a few
+# minutes to pack), for runs of the device work.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -17,10 +17,10 @@ json=$(mktemp)
 stage=$(mktemp -d)
 trap 'rm -rf "$stage" "$json"' EXIT
 if [ -n "${KERNELS_ONLY:-}" ]; then
-    cargo build --release --bench kernels --message-format=json > "$json"
+    cargo build --release --bench kernels --bench fused --message-format=json > "$json"
     cargo test --release --no-run --test all --message-format=json >> "$json"
 else
-    cargo build --release --bin gpu-topk --bench cpu_vs_datafusion --bench kernels --message-format=json > "$json"
+    cargo build --release --bin gpu-topk --bench cpu_vs_datafusion --bench kernels --bench fused --message-format=json > "$json"
     cargo test --release --no-run --test all --test sqllogictests --message-format=json >> "$json"
 fi
 python3 - "$json" "$stage" <<'PY'
@@ -35,9 +35,5 @@ for line in open(src):
     print(f"  {name:24s} {os.path.getsize(m['executable']) / 2**20:8.1f} MiB")
 PY
 for f in "$stage"/*; do strip "$f" 2>/dev/null || true; done
-if [ -n "${KERNELS_ONLY:-}" ]; then
-    tar -C "$stage" -cf - . | xz -T2 -6 > .gpu/bundle.tar.xz
-else
-    tar -C "$stage" -cf - . | xz -T1 --lzma2=preset=6,dict=768MiB > .gpu/bundle.tar.xz
-fi
+tar -C "$stage" -cf - . | xz -T1 --lzma2=preset=6,dict=768MiB > .gpu/bundle.tar.xz
 ls -la .gpu/bundle.tar.xz

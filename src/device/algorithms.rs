@@ -465,6 +465,25 @@ fn prev_power_of_two(x: usize) -> usize {
 const SAMPLE_MAX_LEVELS: usize = 8;
 
 /// Threads per block of the grid-stride kernels and of the bitonic kernels.
+/// Rows the fused selection's sample pass evaluates ([`TopKEngine::fused_select`]).
+pub const FUSED_SAMPLE_ROWS: usize = 1 << 18;
+
+/// How a [`TopKEngine::fused_select`] went.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FusedReport {
+    /// Rows that passed the predicate.
+    pub passed: u64,
+    /// The program's error flags ([`crate::fusion::ERROR_NULL_KEY`] and co.); when not 0 the
+    /// selection stopped and its result is empty.
+    pub error: u32,
+    /// Rows of the sample pass (0: no sample).
+    pub sampled: usize,
+    /// Rows the (last) full pass appended.
+    pub candidates: usize,
+    /// Full passes repeated because the sampled threshold missed.
+    pub reruns: usize,
+}
+
 const THREADS: u32 = 256;
 const BITONIC_THREADS: u32 = 512;
 /// Largest chunk one upload through pinned memory moves.
@@ -899,9 +918,10 @@ impl TopKEngine {
     /// described by `inputs` (four values per kernel input: values address, value bit offset,
     /// validity address or 0, validity bit offset; see the generated signature), with row ids
     /// `id_start + i`. Rows passing the predicate and beating the threshold are appended to
-    /// `candidates`. `out` receives the number of rows that passed (u64), an error flag (u32 at
-    /// byte 8) and, from byte 16, one bit per row appended; the caller zeroes its first 16
-    /// bytes.
+    /// `candidates` (the count keeps growing past its capacity: the caller checks). `out`
+    /// receives the number of rows that passed (u64) and an error flag (u32 at byte 8); the
+    /// caller zeroes its first 16 bytes. With `kept_bits`, also one bit per row appended from
+    /// byte 16.
     pub fn fused_append(
         &self,
         kernel: &GeneratedKernel,
@@ -910,7 +930,30 @@ impl TopKEngine {
         id_start: u64,
         candidates: &DevicePairs,
         out: u64,
+        kept_bits: bool,
     ) -> GpuResult<()> {
+        let count = self.scalars.ptr() + COUNT_OFFSET;
+        self.fused_pass(
+            kernel, inputs, n, 1, id_start, candidates, count, out, kept_bits,
+        )
+    }
+
+    /// [`fused_append`](Self::fused_append) over the rows `i · step` (`i < rows / step`
+    /// rounded up; step > 1: a strided sample), counting the appended rows at `count` (u64).
+    #[allow(clippy::too_many_arguments)]
+    fn fused_pass(
+        &self,
+        kernel: &GeneratedKernel,
+        inputs: &[u64],
+        rows: usize,
+        step: usize,
+        id_start: u64,
+        candidates: &DevicePairs,
+        count: u64,
+        out: u64,
+        kept_bits: bool,
+    ) -> GpuResult<()> {
+        let n = rows.div_ceil(step.max(1));
         if n == 0 {
             return Ok(());
         }
@@ -918,14 +961,16 @@ impl TopKEngine {
         let mut args: Vec<Arg> = inputs.iter().map(|&v| Arg::U64(v)).collect();
         args.extend_from_slice(args![
             n,
+            step.max(1),
             id_start,
             base + THRESHOLD_OFFSET,
             candidates.key_at(0),
             candidates.id_at(0),
-            base + COUNT_OFFSET,
+            count,
+            candidates.capacity(),
             out,
             out + 8,
-            out + 16,
+            if kept_bits { out + 16 } else { 0 },
         ]);
         self.launch_function(
             &kernel.function,
@@ -935,6 +980,103 @@ impl TopKEngine {
             0,
             &args,
         )
+    }
+
+    /// Top-k of a generated program over `rows` device-resident rows (ids 0..rows): the
+    /// min(k, rows passing) best (key, row id) pairs, sorted, at the start of the returned
+    /// buffer, and how the selection went.
+    ///
+    /// With `sampled_threshold` (the fused selection), the program's own pass is the first
+    /// pass of a sampled selection (SampleSelect): the program runs on a strided sample of
+    /// [`FUSED_SAMPLE_ROWS`] rows, the sample's r-th best passing pair becomes the threshold (r
+    /// chosen so that about k · (1 + 4/√(k/step)) rows of the whole input beat it), and the
+    /// full pass appends only the rows that beat it, so filtered rows and losing keys never
+    /// reach device memory. The estimate is checked, not trusted: fewer than k appended rows
+    /// while more passed, or more than the buffer holds, reruns the full pass (without the
+    /// threshold, or with room for all) — exact either way. Without it (the unfused
+    /// baseline), the pass appends every passing row, and the selection reads them back.
+    pub fn fused_select(
+        &mut self,
+        kernel: &GeneratedKernel,
+        inputs: &[u64],
+        rows: usize,
+        k: usize,
+        algorithm: DeviceAlgorithm,
+        sampled_threshold: bool,
+    ) -> GpuResult<(DevicePairs, usize, FusedReport)> {
+        let mut report = FusedReport::default();
+        // Rows passed (u64), error flags (u32), then rows appended (u64 at 16): one read-back.
+        let out = self.device.pool.alloc(24, &self.stream)?;
+        let (passed_at, count_at) = (out.ptr(), out.ptr() + 16);
+        let status = |engine: &mut Self| -> GpuResult<(u64, u32, usize)> {
+            let b = engine.read_bytes(out.ptr(), 24)?;
+            let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+            Ok((word(0), word(8) as u32, word(16) as usize))
+        };
+        self.reset_candidates()?;
+        let step = rows / FUSED_SAMPLE_ROWS;
+        let mut capacity = rows.max(1);
+        if sampled_threshold && k > 0 && step >= 8 {
+            let sampled = rows.div_ceil(step);
+            // Sample rank of the threshold: k's expected rank in the sample plus 4σ.
+            let expected = k as f64 / step as f64;
+            let r = (expected + 4.0 * expected.sqrt()).ceil() as usize + 1;
+            let sample = self.alloc_pairs(sampled)?;
+            self.zero(out.ptr(), 24)?;
+            self.fused_pass(
+                kernel, inputs, rows, step, 0, &sample, count_at, passed_at, false,
+            )?;
+            let (_, _, m) = status(self)?;
+            report.sampled = sampled;
+            if m >= r && r < sampled / 2 {
+                let (best, _) = self.select_sorted(&sample, m, r, algorithm)?;
+                self.threshold_from_index(&best, r - 1)?;
+                // About r · step rows beat it; the buffer holds twice that.
+                capacity = (2 * r * step).max(1 << 16).min(capacity);
+            } else {
+                // Few rows pass (m · step, about): room for 2× that many.
+                capacity = (2 * (m + 1) * step).max(1 << 16).min(capacity);
+            }
+        }
+        let mut candidates = self.alloc_pairs(capacity)?;
+        loop {
+            self.zero(out.ptr(), 24)?;
+            self.fused_pass(
+                kernel,
+                inputs,
+                rows,
+                1,
+                0,
+                &candidates,
+                count_at,
+                passed_at,
+                false,
+            )?;
+            let (passed, error, count) = status(self)?;
+            report.passed = passed;
+            report.error = error;
+            report.candidates = count;
+            if error != 0 {
+                return Ok((candidates, 0, report));
+            }
+            if count < k && (count as u64) < passed {
+                // The threshold was too tight: every passing row is a candidate.
+                report.reruns += 1;
+                self.reset_candidates()?;
+                if candidates.capacity() < passed as usize {
+                    candidates = self.alloc_pairs(passed as usize)?;
+                }
+                continue;
+            }
+            if count > candidates.capacity() {
+                // The estimate was too loose for the buffer: room for all, same threshold.
+                report.reruns += 1;
+                candidates = self.alloc_pairs(count)?;
+                continue;
+            }
+            let (sorted, m) = self.select_sorted(&candidates, count, k, algorithm)?;
+            return Ok((sorted, m, report));
+        }
     }
 
     /// Zeroes `bytes` bytes at device address `dst` (stream-ordered).

@@ -25,7 +25,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
-pub use algorithms::{DeviceAlgorithm, DevicePairs, KeyKind, TopKEngine};
+pub use algorithms::{
+    DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_ROWS, FusedReport, KeyKind, TopKEngine,
+};
 pub use kernels::{GeneratedKernel, Kernels};
 pub use memory::{BufferPool, PinnedBuffer, PinnedLease, PinnedPool, PooledBuffer};
 pub use timer::GpuTimer;

@@ -168,7 +168,22 @@ pub struct Emitter<'a> {
     pub inputs: Vec<KernelInput>,
     loaded: Vec<usize>,
     pub code: String,
+    /// The per-row input reads, apart from `code`: the kernel issues them all, for all its
+    /// rows of a round, before evaluating anything (no load waits on another row or on a
+    /// predicate's outcome).
+    pub loads: Vec<Load>,
     next: usize,
+}
+
+/// One per-row input read: `const {ctype} {value} = {read};` and its validity.
+#[derive(Debug, Clone)]
+pub struct Load {
+    pub ctype: String,
+    pub value: String,
+    pub valid: String,
+    /// The read of row `i`.
+    pub read: String,
+    pub valid_read: String,
 }
 
 impl<'a> Emitter<'a> {
@@ -178,6 +193,7 @@ impl<'a> Emitter<'a> {
             inputs: Vec::new(),
             loaded: Vec::new(),
             code: String::new(),
+            loads: Vec::new(),
             next: 0,
         }
     }
@@ -214,10 +230,15 @@ impl<'a> Emitter<'a> {
                 CType::Bool => format!("get_bit(c{p}, c{p}_bit + i)"),
                 t => format!("((const {} *)c{p})[i]", t.name()),
             };
-            self.line(format!("const {} {value} = {read};", ctype.name()));
-            self.line(format!(
-                "const bool {valid} = c{p}_valid == nullptr || get_bit(c{p}_valid, c{p}_valid_bit + i);"
-            ));
+            self.loads.push(Load {
+                ctype: ctype.name().to_string(),
+                value: value.clone(),
+                valid: valid.clone(),
+                read,
+                valid_read: format!(
+                    "c{p}_valid == nullptr || get_bit(c{p}_valid, c{p}_valid_bit + i)"
+                ),
+            });
         }
         (value, valid)
     }

@@ -149,7 +149,7 @@ fn fault_injected() -> bool {
     *INJECT.get_or_init(|| std::env::var_os("GPU_TOPK_INJECT_FAULT").is_some())
 }
 
-fn gpu_error(e: GpuError) -> DataFusionError {
+pub(super) fn gpu_error(e: GpuError) -> DataFusionError {
     DataFusionError::External(Box::new(GpuError(format!(
         "{DEVICE_ERROR_TAG} CUDA top-k selection failed: {e}"
     ))))
@@ -421,9 +421,15 @@ impl TopKSelector for CudaSelector {
             let out = state.fused_out.as_ref().expect("allocated above").ptr();
             state.engine.zero(out, 16)?;
             let candidates = state.candidates.as_ref().expect("ensure_room allocates");
-            state
-                .engine
-                .fused_append(&fused.kernel, &args, n, input.first_id, candidates, out)?;
+            state.engine.fused_append(
+                &fused.kernel,
+                &args,
+                n,
+                input.first_id,
+                candidates,
+                out,
+                true,
+            )?;
             let report = state.engine.read_bytes(out, out_bytes)?;
             let kept: usize = report[16..]
                 .chunks_exact(4)
@@ -438,29 +444,7 @@ impl TopKSelector for CudaSelector {
         drop(state);
         let passed = u64::from_le_bytes(report[0..8].try_into().expect("8 bytes")) as usize;
         let error = u32::from_le_bytes(report[8..12].try_into().expect("4 bytes"));
-        if error & crate::fusion::ERROR_AMBIGUOUS_NAN != 0 {
-            // Not a query error: the host path reproduces DataFusion's result, so rerun there.
-            return Err(gpu_error(GpuError(
-                "the generated program added or multiplied two different NaNs, whose result \
-                 only the host reproduces"
-                    .into(),
-            )));
-        }
-        if error & crate::fusion::ERROR_HOST_ONLY != 0 {
-            // DataFusion fails on a row, or would where it evaluates it: the host reruns the
-            // query and reports exactly what DataFusion does.
-            return Err(gpu_error(GpuError(
-                "the generated program met a row DataFusion's evaluation fails on (sqrt of a \
-                 negative number, abs of a signed minimum, an integer division by zero or of \
-                 the minimum by -1), whose outcome only the host reproduces"
-                    .into(),
-            )));
-        }
-        if error & crate::fusion::ERROR_NULL_KEY != 0 {
-            return Err(exec_error(
-                "a sort key declared not nullable evaluated to NULL".to_string(),
-            ));
-        }
+        program_error(error)?;
         let mut rows = Vec::new();
         for (w, word) in report[16..].chunks_exact(4).enumerate() {
             let mut bits = u32::from_le_bytes(word.try_into().expect("4 bytes"));
@@ -514,7 +498,7 @@ impl TopKSelector for CudaSelector {
 // ---- Arrow columns → device -----------------------------------------------------------------
 
 /// The raw Arrow buffers of one column, as the kernels read them.
-struct ColumnBuffers {
+pub(super) struct ColumnBuffers {
     /// The values: one slice, or the slices of several chunks staged back to back.
     values: Vec<(Buffer, std::ops::Range<usize>)>,
     /// Bit offset of the first value (bit-packed booleans).
@@ -525,7 +509,7 @@ struct ColumnBuffers {
 
 impl ColumnBuffers {
     /// `byte_width` is the value width, `None` for bit-packed booleans.
-    fn of(column: &dyn Array, byte_width: Option<usize>) -> Result<Self> {
+    pub(super) fn of(column: &dyn Array, byte_width: Option<usize>) -> Result<Self> {
         let n = column.len();
         let (values, values_range, value_bit_offset) = match byte_width {
             None => {
@@ -610,7 +594,7 @@ impl ColumnBuffers {
 
     /// Adds the byte slices to stage, one group per device array (values, then validity when
     /// present); a group's slices are staged back to back.
-    fn parts<'a>(&'a self, parts: &mut Vec<Vec<&'a [u8]>>) {
+    pub(super) fn parts<'a>(&'a self, parts: &mut Vec<Vec<&'a [u8]>>) {
         parts.push(
             self.values
                 .iter()
@@ -624,7 +608,7 @@ impl ColumnBuffers {
 
     /// (values, value bit offset, validity or 0, validity bit offset) from the staged
     /// addresses, consuming them in the order of [`parts`](Self::parts).
-    fn addresses(&self, next: &mut impl Iterator<Item = u64>) -> [u64; 4] {
+    pub(super) fn addresses(&self, next: &mut impl Iterator<Item = u64>) -> [u64; 4] {
         let values = next.next().expect("one address per part");
         let (validity, validity_bit_offset) = match &self.validity {
             Some((_, _, bit_offset)) => (next.next().expect("one address per part"), *bit_offset),
@@ -632,6 +616,36 @@ impl ColumnBuffers {
         };
         [values, self.value_bit_offset, validity, validity_bit_offset]
     }
+}
+
+/// The error a generated program's flags stand for ([`crate::fusion::ERROR_NULL_KEY`] and
+/// co.): a device error (the operator reruns the query on the host) where only the host
+/// reproduces DataFusion's outcome, a query error for a NULL in a key declared not nullable.
+pub(super) fn program_error(error: u32) -> Result<()> {
+    if error & crate::fusion::ERROR_AMBIGUOUS_NAN != 0 {
+        // Not a query error: the host path reproduces DataFusion's result, so rerun there.
+        return Err(gpu_error(GpuError(
+            "the generated program added or multiplied two different NaNs, whose result \
+             only the host reproduces"
+                .into(),
+        )));
+    }
+    if error & crate::fusion::ERROR_HOST_ONLY != 0 {
+        // DataFusion fails on a row, or would where it evaluates it: the host reruns the
+        // query and reports exactly what DataFusion does.
+        return Err(gpu_error(GpuError(
+            "the generated program met a row DataFusion's evaluation fails on (sqrt of a \
+             negative number, abs of a signed minimum, an integer division by zero or of \
+             the minimum by -1), whose outcome only the host reproduces"
+                .into(),
+        )));
+    }
+    if error & crate::fusion::ERROR_NULL_KEY != 0 {
+        return Err(exec_error(
+            "a sort key declared not nullable evaluated to NULL".to_string(),
+        ));
+    }
+    Ok(())
 }
 
 /// One key column, ready to stage: its raw Arrow buffers and its field in the composite.
@@ -643,7 +657,7 @@ struct ColumnPlan {
     flags: u32,
 }
 
-fn exec_error(message: String) -> DataFusionError {
+pub(super) fn exec_error(message: String) -> DataFusionError {
     DataFusionError::Execution(message)
 }
 

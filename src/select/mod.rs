@@ -12,6 +12,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod resident;
 
 use std::fmt::Debug;
 use std::sync::Arc;

@@ -8,3 +8,4 @@ mod differential;
 mod fusion;
 mod gpu;
 mod plan;
+mod resident;

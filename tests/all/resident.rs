@@ -1,0 +1,231 @@
+//! Top-k over device-resident columns (`select::resident`): the fused selection (the sampled
+//! threshold inside the generated program's pass) and the unfused one against DataFusion, on
+//! the tweet queries and on data built to make the sampled threshold miss both ways. Planning
+//! runs everywhere (every query must be fully fused); the device part skips without a GPU.
+
+use std::sync::Arc;
+
+use datafusion::arrow::array::{ArrayRef, AsArray, Int64Array, RecordBatch};
+use datafusion::arrow::compute::concat_batches;
+use datafusion::arrow::datatypes::{DataType, Field, Int64Type, Schema};
+use datafusion::physical_plan::ExecutionPlan;
+use datafusion::prelude::SessionContext;
+use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
+use datafusion_gpu_topk::device::{DeviceAlgorithm, FUSED_SAMPLE_ROWS, TopKEngine, gpu_status};
+use datafusion_gpu_topk::exec::TopKSpec;
+use datafusion_gpu_topk::fusion::{ENTRY, FusedProgram, Part};
+use datafusion_gpu_topk::select::resident::ResidentColumns;
+use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
+
+fn sessions() -> (SessionContext, SessionContext) {
+    let make = |enabled: bool| {
+        let state = datafusion::execution::SessionStateBuilder::new()
+            .with_default_features()
+            .with_gpu_topk(
+                GpuTopKConfig::default()
+                    .with_enabled(enabled)
+                    .with_backend(Backend::Cpu),
+            )
+            .build();
+        SessionContext::new_with_state(state)
+    };
+    (make(true), make(false))
+}
+
+fn find(plan: &Arc<dyn ExecutionPlan>) -> Option<&GpuTopKExec> {
+    plan.downcast_ref::<GpuTopKExec>()
+        .or_else(|| plan.children().into_iter().find_map(|c| find(c)))
+}
+
+/// One query, planned: its operator's spec, program and input columns (by table position).
+struct Planned {
+    sql: String,
+    spec: TopKSpec,
+    program: Arc<FusedProgram>,
+    projection: Vec<usize>,
+    /// DataFusion's answer with the ties in row order (`, id` appended).
+    want: Vec<i64>,
+}
+
+async fn plan(
+    ours: &SessionContext,
+    plain: &SessionContext,
+    table: &Schema,
+    sql: &str,
+    oracle: &str,
+) -> Planned {
+    let plan = ours
+        .sql(sql)
+        .await
+        .unwrap()
+        .create_physical_plan()
+        .await
+        .unwrap();
+    let exec = find(&plan).unwrap_or_else(|| panic!("{sql}: no operator"));
+    let spec = exec.spec().clone();
+    assert_eq!(spec.fusion.keys, Part::Gpu, "{sql}");
+    assert!(
+        spec.fusion.filter.as_ref().is_none_or(|f| *f == Part::Gpu),
+        "{sql}: {}",
+        spec.fusion.describe(true)
+    );
+    let program = spec.fusion.program.clone().expect("keys on the GPU");
+    let projection = exec
+        .input()
+        .schema()
+        .fields()
+        .iter()
+        .map(|f| table.index_of(f.name()).unwrap())
+        .collect();
+    let batches = plain.sql(oracle).await.unwrap().collect().await.unwrap();
+    let want = batches
+        .iter()
+        .flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
+        .collect();
+    Planned {
+        sql: sql.to_string(),
+        spec,
+        program,
+        projection,
+        want,
+    }
+}
+
+/// Runs every planned query fused and unfused on the device; returns the fused reports'
+/// rerun counts, in query order (None without a GPU).
+fn run_on_device(whole: &RecordBatch, ids: &Int64Array, planned: &[Planned]) -> Option<Vec<usize>> {
+    let device = match gpu_status() {
+        datafusion_gpu_topk::device::GpuStatus::Available(d) => Arc::clone(d),
+        datafusion_gpu_topk::device::GpuStatus::Unavailable(why) => {
+            eprintln!("SKIP: resident top-k on the device: no GPU ({why})");
+            return None;
+        }
+    };
+    let mut reruns = Vec::new();
+    for q in planned {
+        let input = whole.project(&q.projection).unwrap();
+        let mut engine = TopKEngine::new(&device, q.program.key_kind).unwrap();
+        let (kernel, _) = device.generated_kernel(&q.program.source, ENTRY).unwrap();
+        let arrays = ResidentColumns::program_inputs(&q.program, &input).unwrap();
+        let resident = ResidentColumns::upload(&mut engine, &q.program, &arrays).unwrap();
+        assert_eq!(resident.rows(), whole.num_rows());
+        for fused in [true, false] {
+            let (positions, report) = resident
+                .top_k(
+                    &mut engine,
+                    &kernel,
+                    q.spec.k,
+                    DeviceAlgorithm::Sample,
+                    fused,
+                )
+                .unwrap_or_else(|e| panic!("{}: {e}", q.sql));
+            let got: Vec<i64> = positions
+                .iter()
+                .skip(q.spec.skip)
+                .map(|&p| ids.value(p as usize))
+                .collect();
+            assert_eq!(got, q.want, "{} (fused: {fused}): {report:?}", q.sql);
+            if fused {
+                assert!(report.sampled > 0, "{}: the sample ran", q.sql);
+                reruns.push(report.reruns);
+            } else {
+                assert_eq!(report.candidates as u64, report.passed, "{}", q.sql);
+            }
+        }
+    }
+    Some(reruns)
+}
+
+#[tokio::test]
+async fn resident_top_k_matches_datafusion_on_the_tweet_queries() {
+    // Enough rows for the sampled threshold (a step of at least 8 rows).
+    let rows = 12 * FUSED_SAMPLE_ROWS as u64;
+    let parts = tweets::tweets_partitions(&TweetsSpec::new(rows), 4, 1 << 16).unwrap();
+    let (ours, plain) = sessions();
+    let table = Arc::new(
+        datafusion::datasource::MemTable::try_new(tweets::tweets_schema(), parts.clone()).unwrap(),
+    );
+    ours.register_table("tweets", table.clone()).unwrap();
+    plain.register_table("tweets", table).unwrap();
+    let schema = tweets::tweets_schema();
+    let whole = concat_batches(&schema, parts.iter().flatten()).unwrap();
+    let ids = whole.column(0).as_primitive::<Int64Type>().clone();
+    let q1 = |sel: f64, tie: &str| {
+        format!(
+            "SELECT id FROM tweets WHERE tweet_time < '{}' ORDER BY retweet_count DESC{tie} LIMIT 50",
+            tweets::time_bound_for_selectivity(sel)
+        )
+    };
+    let q2 = |k: usize, tie: &str| {
+        format!(
+            "SELECT id FROM tweets ORDER BY retweet_count + 0.5 * likes_count DESC{tie} LIMIT {k}"
+        )
+    };
+    let q3 = |tie: &str| {
+        format!(
+            "SELECT id FROM tweets WHERE lang = 'en' OR lang = 'es' ORDER BY retweet_count DESC{tie} LIMIT 40 OFFSET 10"
+        )
+    };
+    let mut planned = Vec::new();
+    for (sql, oracle) in [
+        (q1(0.3, ""), q1(0.3, ", id")),
+        (q1(0.0, ""), q1(0.0, ", id")),
+        (q1(1.0, ""), q1(1.0, ", id")),
+        (q2(1, ""), q2(1, ", id")),
+        (q2(1000, ""), q2(1000, ", id")),
+        (q2(200_000, ""), q2(200_000, ", id")),
+        (q3(""), q3(", id")),
+    ] {
+        planned.push(plan(&ours, &plain, &schema, &sql, &oracle).await);
+    }
+    assert!(planned[1].want.is_empty() && planned[5].want.len() == 200_000);
+    run_on_device(&whole, &ids, &planned);
+}
+
+#[tokio::test]
+async fn a_missed_sampled_threshold_reruns_the_pass_and_stays_exact() {
+    // 8 rows per sampled row: the sample sees only rows i ≡ 0 (mod 8).
+    let rows = 8 * FUSED_SAMPLE_ROWS;
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("best_sampled", DataType::Int64, false),
+        Field::new("worst_sampled", DataType::Int64, false),
+    ]));
+    let i = |r: usize| r as i64;
+    let columns: Vec<ArrayRef> = vec![
+        Arc::new(Int64Array::from_iter_values((0..rows).map(i))),
+        // The sampled rows beat every other row: the sample's threshold admits too few.
+        Arc::new(Int64Array::from_iter_values((0..rows).map(|r| {
+            if r % 8 == 0 {
+                1_000_000 + i(r)
+            } else {
+                i(r) % 1000
+            }
+        }))),
+        // The sampled rows lose to every other row: it admits more than the buffer holds.
+        Arc::new(Int64Array::from_iter_values(
+            (0..rows).map(|r| if r % 8 == 0 { -i(r) } else { i(r) % 5000 }),
+        )),
+    ];
+    let whole = RecordBatch::try_new(schema.clone(), columns).unwrap();
+    let ids = whole.column(0).as_primitive::<Int64Type>().clone();
+    let (ours, plain) = sessions();
+    for ctx in [&ours, &plain] {
+        let batches: Vec<RecordBatch> = (0..rows)
+            .step_by(1 << 16)
+            .map(|s| whole.slice(s, (1 << 16).min(rows - s)))
+            .collect();
+        let table =
+            datafusion::datasource::MemTable::try_new(schema.clone(), vec![batches]).unwrap();
+        ctx.register_table("t", Arc::new(table)).unwrap();
+    }
+    let mut planned = Vec::new();
+    for column in ["best_sampled", "worst_sampled"] {
+        let sql = format!("SELECT id FROM t ORDER BY {column} DESC LIMIT 1000");
+        let oracle = format!("SELECT id FROM t ORDER BY {column} DESC, id LIMIT 1000");
+        planned.push(plan(&ours, &plain, &schema, &sql, &oracle).await);
+    }
+    if let Some(reruns) = run_on_device(&whole, &ids, &planned) {
+        assert_eq!(reruns, vec![1, 1], "each miss reruns the full pass once");
+    }
+}
