@@ -39,7 +39,7 @@ use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
 use datafusion_gpu_topk::device::measure::{ReadFloor, median};
-use datafusion_gpu_topk::device::{DeviceAlgorithm, GpuTimer, TopKEngine, gpu};
+use datafusion_gpu_topk::device::{DeviceAlgorithm, FusedReport, GpuTimer, TopKEngine, gpu};
 use datafusion_gpu_topk::exec::GpuTopKExec;
 use datafusion_gpu_topk::fusion::{ENTRY, Part};
 use datafusion_gpu_topk::select::resident::ResidentColumns;
@@ -197,7 +197,7 @@ async fn main() -> Result<()> {
         device.name
     );
     println!(
-        "{:<13} {:>10} {:>8} {:>8} {:>12} {:>14} {:>9} {:>8} {:>11} {:>7}",
+        "{:<13} {:>10} {:>8} {:>8} {:>12} {:>14} {:>9} {:>8} {:>11} {:>7}  fused phases, host ms",
         "query",
         "passed",
         "read GB",
@@ -209,8 +209,10 @@ async fn main() -> Result<()> {
         "candidates",
         "reruns"
     );
+    println!("{:>124}", "sample pass/sample select/pass/select");
     let mut lines = vec![
-        "query,rows,passed,read_bytes,floor_ms,fused_ms,unfused_ms,datafusion_ms,candidates,reruns"
+        "query,rows,passed,read_bytes,floor_ms,fused_ms,unfused_ms,datafusion_ms,candidates,reruns,\
+         sample_pass_ms,sample_select_ms,pass_ms,select_ms"
             .to_string(),
     ];
     let mut engine_cache: Vec<(datafusion_gpu_topk::device::KeyKind, TopKEngine)> = Vec::new();
@@ -295,17 +297,17 @@ async fn main() -> Result<()> {
         let mut fused_ms = Vec::new();
         let mut unfused_ms = Vec::new();
         let mut df_ms = Vec::new();
+        let mut phase_ms: [Vec<f64>; 4] = Default::default();
         for rep in 0..=runs {
-            let timed = |engine: &mut TopKEngine, fused: bool| -> Result<f64> {
+            let timed = |engine: &mut TopKEngine, fused: bool| -> Result<(f64, FusedReport)> {
                 floor
                     .flush_l2(engine)
                     .map_err(|e| bench_error(e.to_string()))?;
                 let timer =
                     GpuTimer::start(engine.stream()).map_err(|e| bench_error(e.to_string()))?;
-                resident.run(engine, &kernel, k, algorithm, fused)?;
-                Ok(f64::from(
-                    timer.stop().map_err(|e| bench_error(e.to_string()))?,
-                ))
+                let report = resident.run(engine, &kernel, k, algorithm, fused)?;
+                let ms = f64::from(timer.stop().map_err(|e| bench_error(e.to_string()))?);
+                Ok((ms, report))
             };
             floor
                 .flush_l2(engine)
@@ -320,14 +322,17 @@ async fn main() -> Result<()> {
                     .map_err(|e| bench_error(e.to_string()))?;
             }
             let f = f64::from(timer.stop().map_err(|e| bench_error(e.to_string()))?);
-            let a = timed(engine, true)?;
-            let b = timed(engine, false)?;
+            let (a, phases) = timed(engine, true)?;
+            let (b, _) = timed(engine, false)?;
             let (d, _) = time_sql(&plain, &sql).await?;
             if rep > 0 {
                 floor_ms.push(f);
                 fused_ms.push(a);
                 unfused_ms.push(b);
                 df_ms.push(d);
+                for (p, t) in phase_ms.iter_mut().zip(phases.phases) {
+                    p.push(t.as_secs_f64() * 1e3);
+                }
             }
         }
         let (f, a, b, d) = (
@@ -337,8 +342,10 @@ async fn main() -> Result<()> {
             median(&mut df_ms),
         );
         let bytes = resident.row_bytes();
+        let phases: Vec<f64> = phase_ms.iter_mut().map(|p| median(p)).collect();
         println!(
-            "{:<13} {:>10} {:>8.2} {:>8.3} {:>7.3} ({:.2}) {:>8.3} ({:.2}) {:>9.1} {:>8.0} {:>11} {:>7}",
+            "{:<13} {:>10} {:>8.2} {:>8.3} {:>7.3} ({:.2}) {:>8.3} ({:.2}) {:>9.1} {:>8.0} {:>11} {:>7}  \
+             {:.3}/{:.3}/{:.3}/{:.3}",
             query.name,
             report.passed,
             bytes as f64 / 1e9,
@@ -350,11 +357,22 @@ async fn main() -> Result<()> {
             d,
             d / a,
             report.candidates,
-            report.reruns
+            report.reruns,
+            phases[0],
+            phases[1],
+            phases[2],
+            phases[3]
         );
         lines.push(format!(
-            "{},{rows},{},{bytes},{f:.4},{a:.4},{b:.4},{d:.2},{},{}",
-            query.name, report.passed, report.candidates, report.reruns
+            "{},{rows},{},{bytes},{f:.4},{a:.4},{b:.4},{d:.2},{},{},{:.4},{:.4},{:.4},{:.4}",
+            query.name,
+            report.passed,
+            report.candidates,
+            report.reruns,
+            phases[0],
+            phases[1],
+            phases[2],
+            phases[3]
         ));
     }
     if !csv.is_empty() {

@@ -482,6 +482,9 @@ pub struct FusedReport {
     pub candidates: usize,
     /// Full passes repeated because the sampled threshold missed.
     pub reruns: usize,
+    /// Host wall time of each phase, each ending in a read-back: the sample pass, the
+    /// sample's selection, the full pass(es), the final selection.
+    pub phases: [std::time::Duration; 4],
 }
 
 const THREADS: u32 = 256;
@@ -1013,6 +1016,12 @@ impl TopKEngine {
             let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
             Ok((word(0), word(8) as u32, word(16) as usize))
         };
+        let mut clock = std::time::Instant::now();
+        let mut lap = |phase: usize, report: &mut FusedReport| {
+            let now = std::time::Instant::now();
+            report.phases[phase] += now - clock;
+            clock = now;
+        };
         self.reset_candidates()?;
         let step = rows / FUSED_SAMPLE_ROWS;
         let mut capacity = rows.max(1);
@@ -1028,9 +1037,11 @@ impl TopKEngine {
             )?;
             let (_, _, m) = status(self)?;
             report.sampled = sampled;
+            lap(0, &mut report);
             if m >= r && r < sampled / 2 {
                 let (best, _) = self.select_sorted(&sample, m, r, algorithm)?;
                 self.threshold_from_index(&best, r - 1)?;
+                lap(1, &mut report);
                 // About r · step rows beat it; the buffer holds twice that.
                 capacity = (2 * r * step).max(1 << 16).min(capacity);
             } else {
@@ -1053,6 +1064,7 @@ impl TopKEngine {
                 false,
             )?;
             let (passed, error, count) = status(self)?;
+            lap(2, &mut report);
             report.passed = passed;
             report.error = error;
             report.candidates = count;
@@ -1075,6 +1087,7 @@ impl TopKEngine {
                 continue;
             }
             let (sorted, m) = self.select_sorted(&candidates, count, k, algorithm)?;
+            lap(3, &mut report);
             return Ok((sorted, m, report));
         }
     }
