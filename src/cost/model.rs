@@ -284,6 +284,17 @@ impl CostModel {
         if k == 0 || n == 0 {
             return Some((Work::default(), self.fits.sample));
         }
+        // Few pairs: the sampled selection is its rank sort alone (one launch after the
+        // control block's memset and count).
+        if algorithm == DeviceAlgorithm::Sample && n <= RANK_SORT_MAX {
+            let work = Work {
+                launches: 3.0,
+                steps: 1.0,
+                bytes: n as f64 * case.pair_bytes(),
+                ..Work::default()
+            };
+            return Some((work, self.fits.sample));
+        }
         // k ≥ n: every pair, sorted by the radix sort (bitonic top-k still runs its rounds).
         if k >= n && algorithm != DeviceAlgorithm::Bitonic {
             let rows = if case.positional { 1 } else { case.rows };

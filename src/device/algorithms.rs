@@ -466,7 +466,8 @@ const SAMPLE_MAX_LEVELS: usize = 8;
 
 /// Threads per block of the grid-stride kernels and of the bitonic kernels.
 /// Rows the fused selection's sample pass evaluates ([`TopKEngine::fused_select`]).
-pub const FUSED_SAMPLE_ROWS: usize = 1 << 18;
+/// As many as the rank sort takes: the sample's threshold then costs one launch.
+pub const FUSED_SAMPLE_ROWS: usize = RANK_SORT_MAX;
 
 /// How a [`TopKEngine::fused_select`] went.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -1625,6 +1626,37 @@ impl TopKEngine {
         Ok(Some(run))
     }
 
+    /// Pairs `[0, n)` (n ≤ [`RANK_SORT_MAX`]) sorted by the one-launch rank sort (bitonic.cu
+    /// `rank_sort`), at the start of a new buffer.
+    fn rank_sort(&self, input: &DevicePairs, n: usize) -> GpuResult<DevicePairs> {
+        debug_assert!(n <= RANK_SORT_MAX);
+        let ctl = self.device.pool.alloc(SAMPLE_SCRATCH_BYTES, &self.stream)?;
+        self.memset_zero(ctl.ptr(), SAMPLE_SCRATCH_BYTES)?;
+        // The kernel reads the count from the device (a level's survivor count, elsewhere).
+        self.write_u64(ctl.ptr(), n as u64)?;
+        let small = RANK_SORT_MAX;
+        let out = self.alloc_pairs(small)?;
+        let rows = small / RANK_THREADS as usize;
+        self.launch(
+            &self.kernel("bitonic_rank_sort"),
+            (rows * rows) as u32,
+            RANK_THREADS,
+            0,
+            args![
+                input.key_at(0),
+                input.id_at(0),
+                ctl.ptr(),
+                small,
+                out.key_at(0),
+                out.id_at(0),
+                ctl.ptr() + SAMPLE_STATUS_OFFSET,
+                ctl.ptr() + SAMPLE_RANKS_OFFSET,
+                ctl.ptr() + SAMPLE_ROW_DONE_OFFSET
+            ],
+        )?;
+        Ok(out)
+    }
+
     /// Reads an enqueued sampled selection's counts and status back (one round trip) and
     /// completes it: the rank-sorted pairs, or the sort of the survivors when the rank sort did
     /// not take them (large k, or more survivors than it holds), with whether that sort ran
@@ -1811,6 +1843,9 @@ impl TopKEngine {
         let id_bound = if input.positional { n as u64 } else { u64::MAX };
         let sorted = match algorithm {
             DeviceAlgorithm::Bitonic => self.bitonic_select(input, n, k)?,
+            // Few pairs: the sampled selection's last step alone, one launch for all of them
+            // (its levels and a radix fallback would take ~26 launches).
+            DeviceAlgorithm::Sample if n <= RANK_SORT_MAX => self.rank_sort(input, n)?,
             DeviceAlgorithm::Sample => match self.sample_enqueue(input, n, k)? {
                 Some(run) if run.sorted_small.is_some() => {
                     return Ok(Selection {

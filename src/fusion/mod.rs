@@ -294,7 +294,7 @@ fn kernel_source(
         );
         let _ = writeln!(
             fetch,
-            "                {v}_r[r] = {};\n                {nv}_r[r] = {};",
+            "                {v}_r[r] = {};\n                {nv}_r[r] = !NULLS || ({});",
             l.read, l.valid_read
         );
         let _ = writeln!(
@@ -302,6 +302,14 @@ fn kernel_source(
             "            const {t} {v} = {v}_r[r];\n            const bool {nv} = {nv}_r[r];"
         );
     }
+    let any_nulls = if loads.is_empty() {
+        "false".to_string()
+    } else {
+        (0..inputs.len())
+            .map(|p| format!("c{p}_valid != nullptr"))
+            .collect::<Vec<_>>()
+            .join(" || ")
+    };
     let mut params = String::new();
     let mut args = String::new();
     for (p, input) in inputs.iter().enumerate() {
@@ -331,11 +339,12 @@ typedef {key} Key;
 #define ERROR_HOST_ONLY {host_only}u
 #define ROWS {rows}
 
-// Evaluates rows i = j · step for j < n (STRIDED; else i = j: the full pass). Each thread
+// Evaluates rows i = j · step for j < n (STRIDED; else i = j: the full pass); NULLS: some
+// input has a validity bitmap. Each thread
 // takes ROWS rows per round and issues every input load of them before evaluating anything,
 // so that their loads are in flight together; counts and error flags stay in registers until
 // the end (no barrier per round).
-template <bool STRIDED>
+template <bool STRIDED, bool NULLS>
 __device__ __forceinline__ void fused_rows(
 {params}    u64 n, u64 step, u64 id_start, const Threshold<Key> *thr, Key *cand_keys, u64 *cand_ids, u64 *count,
     u64 capacity, u64 *passed, u32 *error, u32 *kept) {{
@@ -372,6 +381,11 @@ __device__ __forceinline__ void fused_rows(
             keeps[r] = keep;
             keys[r] = key;
         }}
+        // Most rounds append nothing once a threshold holds: one vote skips the appends.
+        bool any_keep = false;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) any_keep |= keeps[r];
+        if (kept == nullptr && !__any_sync(FULL_MASK, any_keep)) continue;
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {{
             const u64 j = j0 + (u64)r * 256 + threadIdx.x;
@@ -398,10 +412,13 @@ __device__ __forceinline__ void fused_rows(
 extern "C" __global__ void __launch_bounds__(256) {ENTRY}(
 {params}    u64 n, u64 step, u64 id_start, const Threshold<Key> *thr, Key *cand_keys, u64 *cand_ids, u64 *count,
     u64 capacity, u64 *passed, u32 *error, u32 *kept) {{
-    if (step == 1) {{
-        fused_rows<false>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept);
+    // The full pass over inputs without NULLs (the common case) skips every validity test.
+    if (step != 1) {{
+        fused_rows<true, true>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept);
+    }} else if ({any_nulls}) {{
+        fused_rows<false, true>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept);
     }} else {{
-        fused_rows<true>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept);
+        fused_rows<false, false>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept);
     }}
 }}
 "#

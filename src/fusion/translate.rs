@@ -136,6 +136,10 @@ pub struct Value {
     pub ctype: CType,
     pub value: String,
     pub valid: String,
+    /// For floats known to be finite: e with |value| ≤ 2^e (an integer cast to a float, a
+    /// finite literal, and + − * of such values while the bound stays far from overflow).
+    /// Arithmetic on two such values cannot meet a NaN, so it skips the NaN handling.
+    pub finite_bound: Option<i32>,
 }
 
 /// An input of a generated kernel: four parameters each (values, their bit offset for
@@ -252,6 +256,7 @@ impl<'a> Emitter<'a> {
             ctype,
             value: v,
             valid: nv,
+            finite_bound: None,
         }
     }
 
@@ -287,6 +292,7 @@ impl<'a> Emitter<'a> {
                 ctype,
                 value,
                 valid,
+                finite_bound: None,
             });
         }
         if let Some(literal) = any.downcast_ref::<Literal>() {
@@ -740,7 +746,16 @@ impl<'a> Emitter<'a> {
                 (value, "true")
             }
         };
-        Ok(self.define(data_type, ctype, value, valid.into()))
+        let finite_bound = match (scalar, ctype) {
+            (ScalarValue::Float32(Some(x)), _) if x.is_finite() => {
+                Some(exponent_bound(f64::from(*x)))
+            }
+            (ScalarValue::Float64(Some(x)), _) if x.is_finite() => Some(exponent_bound(*x)),
+            _ => None,
+        };
+        let mut v = self.define(data_type, ctype, value, valid.into());
+        v.finite_bound = finite_bound;
+        Ok(v)
     }
 
     fn binary(
@@ -852,7 +867,23 @@ impl<'a> Emitter<'a> {
                 if l.data_type != r.data_type || !numeric || !plain_number {
                     return Err(format!("{op} of {} and {}", l.data_type, r.data_type));
                 }
-                let value = if t.is_float() {
+                // Both operands finite and bounded: the result is too (no overflow below the
+                // limit), and no NaN can occur, so the plain IEEE operation is exact.
+                let bound = match (op, l.finite_bound, r.finite_bound) {
+                    (Operator::Plus | Operator::Minus, Some(a), Some(b)) => Some(a.max(b) + 1),
+                    (Operator::Multiply, Some(a), Some(b)) => Some(a + b),
+                    _ => None,
+                }
+                .filter(|&e| e < if t == CType::F32 { 120 } else { 1000 });
+                let value = if let (true, Some(_)) = (t.is_float(), bound) {
+                    let f = match op {
+                        Operator::Plus => "add",
+                        Operator::Minus => "sub",
+                        _ => "mul",
+                    };
+                    let p = if t == CType::F32 { "f" } else { "d" };
+                    format!("__{p}{f}_rn({}, {})", l.value, r.value)
+                } else if t.is_float() {
                     let f = match op {
                         Operator::Plus => "add",
                         Operator::Minus => "sub",
@@ -898,7 +929,9 @@ impl<'a> Emitter<'a> {
                         }
                     }
                 };
-                Ok(self.define(l.data_type.clone(), t, value, both_valid))
+                let mut v = self.define(l.data_type.clone(), t, value, both_valid);
+                v.finite_bound = bound.filter(|_| t.is_float());
+                Ok(v)
             }
             _ => Err(format!("operator {op}")),
         }
@@ -922,7 +955,25 @@ impl<'a> Emitter<'a> {
             (DataType::Float32, DataType::Float64) => format!("f32_to_f64({})", a.value),
             _ => return Err(format!("CAST from {from} to {to}")),
         };
-        Ok(self.define(to.clone(), t, value, a.valid))
+        let finite_bound = if int_type(from) && t.is_float() {
+            Some(f.bits() as i32)
+        } else if t.is_float() {
+            a.finite_bound // f32 → f64 keeps the value
+        } else {
+            None
+        };
+        let mut v = self.define(to.clone(), t, value, a.valid);
+        v.finite_bound = finite_bound;
+        Ok(v)
+    }
+}
+
+/// The smallest e with |x| ≤ 2^e, for a finite x.
+fn exponent_bound(x: f64) -> i32 {
+    if x == 0.0 {
+        0
+    } else {
+        x.abs().log2().ceil() as i32 + 1
     }
 }
 

@@ -63,14 +63,26 @@ fn compile_or_skip(sql: &str, source: &str) {
         eprintln!("=== {sql}\n{source}");
     }
     let sources = KernelSources::load().expect("kernel sources");
-    if let Err(e) = compile_program(
+    match compile_program(
         "generated.cu",
         source,
         &sources.headers(),
         "sm_90",
         GENERATED_OPTIONS,
     ) {
-        panic!("{sql}: the generated program does not compile:\n{e}\n{source}");
+        Err(e) => panic!("{sql}: the generated program does not compile:\n{e}\n{source}"),
+        // For reading its SASS (cuobjdump -sass): one file per query.
+        Ok(compiled) => {
+            if let Some(dir) = std::env::var_os("GPU_TOPK_TEST_DUMP_CUBIN") {
+                let name: String = sql
+                    .chars()
+                    .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+                    .take(40)
+                    .collect();
+                let path = std::path::Path::new(&dir).join(format!("{name}.cubin"));
+                std::fs::write(&path, compiled.cubin).expect("writing the CUBIN");
+            }
+        }
     }
 }
 
