@@ -644,6 +644,15 @@ impl TopKEngine {
 
     /// Enqueues a write of one u64 (from pageable memory: the driver copies it before
     /// returning, so the source may go away).
+    /// Sets the u32 at `dst` (stream-ordered; a memset, so no host buffer is involved).
+    fn set_u32(&self, dst: u64, value: u32) -> GpuResult<()> {
+        self.device.context.bind_to_thread()?;
+        // SAFETY: 4 live bytes of a buffer of this engine, used on this stream.
+        unsafe { cudarc::driver::sys::cuMemsetD32Async(dst, value, 1, self.stream.cu_stream()) }
+            .result()?;
+        Ok(())
+    }
+
     fn write_u64(&self, dst: u64, value: u64) -> GpuResult<()> {
         self.device.context.bind_to_thread()?;
         // SAFETY: dst is 8 live bytes of this engine's scalars; pageable source, see above.
@@ -1102,7 +1111,7 @@ impl TopKEngine {
     pub fn reset_candidates(&self) -> GpuResult<()> {
         let base = self.scalars.ptr();
         self.memset_zero(base + THRESHOLD_OFFSET, THRESHOLD_BYTES)?;
-        self.write_u64(base + COUNT_OFFSET, 0)
+        self.memset_zero(base + COUNT_OFFSET, 8)
     }
 
     /// The device-side candidate count (waits for the work enqueued so far).
@@ -1632,8 +1641,9 @@ impl TopKEngine {
         debug_assert!(n <= RANK_SORT_MAX);
         let ctl = self.device.pool.alloc(SAMPLE_SCRATCH_BYTES, &self.stream)?;
         self.memset_zero(ctl.ptr(), SAMPLE_SCRATCH_BYTES)?;
-        // The kernel reads the count from the device (a level's survivor count, elsewhere).
-        self.write_u64(ctl.ptr(), n as u64)?;
+        // The kernel reads the count from the device (a level's survivor count, elsewhere): a
+        // memset writes it, where a copy from host memory would cost the host tens of µs.
+        self.set_u32(ctl.ptr(), n as u32)?;
         let small = RANK_SORT_MAX;
         let out = self.alloc_pairs(small)?;
         let rows = small / RANK_THREADS as usize;
