@@ -932,9 +932,8 @@ impl TopKEngine {
     /// validity address or 0, validity bit offset; see the generated signature), with row ids
     /// `id_start + i`. Rows passing the predicate and beating the threshold are appended to
     /// `candidates` (the count keeps growing past its capacity: the caller checks). `out`
-    /// receives the number of rows that passed (u64) and an error flag (u32 at byte 8); the
-    /// caller zeroes its first 16 bytes. With `kept_bits`, also one bit per row appended from
-    /// byte 16.
+    /// receives the number of rows that passed (u64), an error flag (u32 at byte 8) and, from
+    /// byte 16, one bit per row appended; the caller zeroes its first 16 bytes.
     pub fn fused_append(
         &self,
         kernel: &GeneratedKernel,
@@ -943,12 +942,9 @@ impl TopKEngine {
         id_start: u64,
         candidates: &DevicePairs,
         out: u64,
-        kept_bits: bool,
     ) -> GpuResult<()> {
         let count = self.scalars.ptr() + COUNT_OFFSET;
-        self.fused_pass(
-            kernel, inputs, n, 1, id_start, candidates, count, out, kept_bits,
-        )
+        self.fused_pass(kernel, inputs, n, 1, id_start, candidates, count, out, true)
     }
 
     /// [`fused_append`](Self::fused_append) over the rows `i · step` (`i < rows / step`

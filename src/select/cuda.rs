@@ -421,15 +421,9 @@ impl TopKSelector for CudaSelector {
             let out = state.fused_out.as_ref().expect("allocated above").ptr();
             state.engine.zero(out, 16)?;
             let candidates = state.candidates.as_ref().expect("ensure_room allocates");
-            state.engine.fused_append(
-                &fused.kernel,
-                &args,
-                n,
-                input.first_id,
-                candidates,
-                out,
-                true,
-            )?;
+            state
+                .engine
+                .fused_append(&fused.kernel, &args, n, input.first_id, candidates, out)?;
             let report = state.engine.read_bytes(out, out_bytes)?;
             let kept: usize = report[16..]
                 .chunks_exact(4)
