@@ -3,10 +3,12 @@
 //!
 //! ```text
 //! cargo bench --bench fused -- [--rows N] [--runs R] [--csv FILE] [--quick] [--only PREFIX]
+//!     [--sample-rows N]
 //! ```
 //!
 //! Defaults: 20M rows, R = 5. `--quick`: Q1 at selectivity 0, 0.5, 1 and Q2 at k = 50 and 10^5.
 //! `--only`: the queries whose name starts with PREFIX (e.g. `"Q2 k=50"`), e.g. under a profiler.
+//! `--sample-rows N`: the fused selection's sample size (default `FUSED_SAMPLE_ROWS`).
 //!
 //! The tweets table (DESIGN §9) is generated once: as a DataFusion `MemTable` (one partition
 //! per core, 8192-row batches) and, concatenated, as one column per table column. Per query:
@@ -39,7 +41,9 @@ use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
 use datafusion_gpu_topk::device::measure::{ReadFloor, median};
-use datafusion_gpu_topk::device::{DeviceAlgorithm, FusedReport, GpuTimer, TopKEngine, gpu};
+use datafusion_gpu_topk::device::{
+    DeviceAlgorithm, FUSED_SAMPLE_ROWS, FusedReport, GpuTimer, TopKEngine, gpu,
+};
 use datafusion_gpu_topk::exec::GpuTopKExec;
 use datafusion_gpu_topk::fusion::{ENTRY, Part};
 use datafusion_gpu_topk::select::resident::ResidentColumns;
@@ -157,6 +161,7 @@ async fn main() -> Result<()> {
     let csv: String = arg("--csv", String::new());
     let quick = std::env::args().any(|a| a == "--quick");
     let only: String = arg("--only", String::new());
+    let sample_rows: usize = arg("--sample-rows", FUSED_SAMPLE_ROWS);
     let Some(device) = gpu() else {
         println!("no GPU: the fusion benchmark runs on device-resident columns");
         return Ok(());
@@ -197,7 +202,7 @@ async fn main() -> Result<()> {
         device.name
     );
     println!(
-        "{:<13} {:>10} {:>8} {:>8} {:>12} {:>14} {:>9} {:>8} {:>11} {:>7}  fused phases, host ms",
+        "{:<13} {:>10} {:>8} {:>8} {:>12} {:>14} {:>9} {:>8} {:>11} {:>7}  fused phases, device ms",
         "query",
         "passed",
         "read GB",
@@ -269,7 +274,8 @@ async fn main() -> Result<()> {
         let want = ids_of(&want);
         let mut report = None;
         for fused in [true, false] {
-            let (positions, r) = resident.top_k(engine, &kernel, k, algorithm, fused)?;
+            let sample = if fused { sample_rows } else { 0 };
+            let (positions, r) = resident.top_k(engine, &kernel, k, algorithm, sample)?;
             let got: Vec<i64> = positions
                 .iter()
                 .skip(topk.skip)
@@ -305,7 +311,8 @@ async fn main() -> Result<()> {
                     .map_err(|e| bench_error(e.to_string()))?;
                 let timer =
                     GpuTimer::start(engine.stream()).map_err(|e| bench_error(e.to_string()))?;
-                let report = resident.run(engine, &kernel, k, algorithm, fused)?;
+                let sample = if fused { sample_rows } else { 0 };
+                let report = resident.run(engine, &kernel, k, algorithm, sample)?;
                 let ms = f64::from(timer.stop().map_err(|e| bench_error(e.to_string()))?);
                 Ok((ms, report))
             };
@@ -330,8 +337,8 @@ async fn main() -> Result<()> {
                 fused_ms.push(a);
                 unfused_ms.push(b);
                 df_ms.push(d);
-                for (p, t) in phase_ms.iter_mut().zip(phases.phases) {
-                    p.push(t.as_secs_f64() * 1e3);
+                for (p, t) in phase_ms.iter_mut().zip(phases.phases_ms) {
+                    p.push(t);
                 }
             }
         }

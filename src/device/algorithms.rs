@@ -470,7 +470,7 @@ const SAMPLE_MAX_LEVELS: usize = 8;
 pub const FUSED_SAMPLE_ROWS: usize = RANK_SORT_MAX;
 
 /// How a [`TopKEngine::fused_select`] went.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct FusedReport {
     /// Rows that passed the predicate.
     pub passed: u64,
@@ -483,9 +483,10 @@ pub struct FusedReport {
     pub candidates: usize,
     /// Full passes repeated because the sampled threshold missed.
     pub reruns: usize,
-    /// Host wall time of each phase, each ending in a read-back: the sample pass, the
-    /// sample's selection, the full pass(es), the final selection.
-    pub phases: [std::time::Duration; 4],
+    /// Device time (ms, CUDA events; host waits in between included) of each phase: the
+    /// sample pass and its read-back, the sample's selection, the full pass(es) and their
+    /// read-backs, the final selection.
+    pub phases_ms: [f64; 4],
 }
 
 const THREADS: u32 = 256;
@@ -995,14 +996,14 @@ impl TopKEngine {
     /// min(k, rows passing) best (key, row id) pairs, sorted, at the start of the returned
     /// buffer, and how the selection went.
     ///
-    /// With `sampled_threshold` (the fused selection), the program's own pass is the first
-    /// pass of a sampled selection (SampleSelect): the program runs on a strided sample of
-    /// [`FUSED_SAMPLE_ROWS`] rows, the sample's r-th best passing pair becomes the threshold (r
+    /// With `sample_rows` > 0 (the fused selection; [`FUSED_SAMPLE_ROWS`] by default), the
+    /// program's own pass is the first pass of a sampled selection (SampleSelect): the program
+    /// runs on a strided sample of about that many rows, the sample's r-th best passing pair becomes the threshold (r
     /// chosen so that about k · (1 + 4/√(k/step)) rows of the whole input beat it), and the
     /// full pass appends only the rows that beat it, so filtered rows and losing keys never
     /// reach device memory. The estimate is checked, not trusted: fewer than k appended rows
     /// while more passed, or more than the buffer holds, reruns the full pass (without the
-    /// threshold, or with room for all) — exact either way. Without it (the unfused
+    /// threshold, or with room for all) — exact either way. With 0 (the unfused
     /// baseline), the pass appends every passing row, and the selection reads them back.
     pub fn fused_select(
         &mut self,
@@ -1011,7 +1012,7 @@ impl TopKEngine {
         rows: usize,
         k: usize,
         algorithm: DeviceAlgorithm,
-        sampled_threshold: bool,
+        sample_rows: usize,
     ) -> GpuResult<(DevicePairs, usize, FusedReport)> {
         let mut report = FusedReport::default();
         // Rows passed (u64), error flags (u32), then rows appended (u64 at 16): one read-back.
@@ -1022,16 +1023,12 @@ impl TopKEngine {
             let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
             Ok((word(0), word(8) as u32, word(16) as usize))
         };
-        let mut clock = std::time::Instant::now();
-        let mut lap = |phase: usize, report: &mut FusedReport| {
-            let now = std::time::Instant::now();
-            report.phases[phase] += now - clock;
-            clock = now;
-        };
+        let event = |engine: &Self| engine.stream.record_event(None);
+        let mut marks = vec![(0, event(self)?)];
         self.reset_candidates()?;
-        let step = rows / FUSED_SAMPLE_ROWS;
+        let step = rows.checked_div(sample_rows).unwrap_or(0);
         let mut capacity = rows.max(1);
-        if sampled_threshold && k > 0 && step >= 8 {
+        if sample_rows > 0 && k > 0 && step >= 8 {
             let sampled = rows.div_ceil(step);
             // Sample rank of the threshold: k's expected rank in the sample plus 4σ.
             let expected = k as f64 / step as f64;
@@ -1043,11 +1040,11 @@ impl TopKEngine {
             )?;
             let (_, _, m) = status(self)?;
             report.sampled = sampled;
-            lap(0, &mut report);
+            marks.push((0, event(self)?));
             if m >= r && r < sampled / 2 {
                 let (best, _) = self.select_sorted(&sample, m, r, algorithm)?;
                 self.threshold_from_index(&best, r - 1)?;
-                lap(1, &mut report);
+                marks.push((1, event(self)?));
                 // About r · step rows beat it; the buffer holds twice that.
                 capacity = (2 * r * step).max(1 << 16).min(capacity);
             } else {
@@ -1070,7 +1067,7 @@ impl TopKEngine {
                 false,
             )?;
             let (passed, error, count) = status(self)?;
-            lap(2, &mut report);
+            marks.push((2, event(self)?));
             report.passed = passed;
             report.error = error;
             report.candidates = count;
@@ -1093,7 +1090,11 @@ impl TopKEngine {
                 continue;
             }
             let (sorted, m) = self.select_sorted(&candidates, count, k, algorithm)?;
-            lap(3, &mut report);
+            marks.push((3, event(self)?));
+            self.stream.synchronize()?;
+            for pair in marks.windows(2) {
+                report.phases_ms[pair[1].0] += f64::from(pair[0].1.elapsed_ms(&pair[1].1)?);
+            }
             return Ok((sorted, m, report));
         }
     }

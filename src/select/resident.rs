@@ -12,6 +12,8 @@ use datafusion::arrow::datatypes::DataType;
 use datafusion::error::Result;
 
 use super::cuda::{ColumnBuffers, exec_error, gpu_error, program_error};
+#[cfg(doc)]
+use crate::device::FUSED_SAMPLE_ROWS;
 use crate::device::{DeviceAlgorithm, FusedReport, GeneratedKernel, PooledBuffer, TopKEngine};
 use crate::fusion::{self, FusedProgram, KernelInput};
 
@@ -138,20 +140,21 @@ impl ResidentColumns {
         &self.row_buffers
     }
 
-    /// The top `k` rows (positions, in output order) and how the selection went: `fused`
-    /// runs the sampled threshold inside the program's pass, otherwise the program writes
-    /// every passing row and the selection follows ([`TopKEngine::fused_select`]). An error
-    /// flag raised by the program becomes the error the streaming path reports.
+    /// The top `k` rows (positions, in output order) and how the selection went: with
+    /// `sample_rows` > 0 (the fused selection, [`FUSED_SAMPLE_ROWS`] by default) the sampled
+    /// threshold runs inside the program's pass, with 0 the program writes every passing row
+    /// and the selection follows ([`TopKEngine::fused_select`]). An error flag raised by the
+    /// program becomes the error the streaming path reports.
     pub fn top_k(
         &self,
         engine: &mut TopKEngine,
         kernel: &GeneratedKernel,
         k: usize,
         algorithm: DeviceAlgorithm,
-        fused: bool,
+        sample_rows: usize,
     ) -> Result<(Vec<u64>, FusedReport)> {
         let (sorted, m, report) = engine
-            .fused_select(kernel, &self.args, self.rows, k, algorithm, fused)
+            .fused_select(kernel, &self.args, self.rows, k, algorithm, sample_rows)
             .map_err(gpu_error)?;
         program_error(report.error)?;
         let ids = engine.download_ids(&sorted, m).map_err(gpu_error)?;
@@ -166,10 +169,10 @@ impl ResidentColumns {
         kernel: &GeneratedKernel,
         k: usize,
         algorithm: DeviceAlgorithm,
-        fused: bool,
+        sample_rows: usize,
     ) -> Result<FusedReport> {
         let (_, _, report) = engine
-            .fused_select(kernel, &self.args, self.rows, k, algorithm, fused)
+            .fused_select(kernel, &self.args, self.rows, k, algorithm, sample_rows)
             .map_err(gpu_error)?;
         program_error(report.error)?;
         Ok(report)

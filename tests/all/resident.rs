@@ -110,13 +110,14 @@ fn run_on_device(whole: &RecordBatch, ids: &Int64Array, planned: &[Planned]) -> 
         let resident = ResidentColumns::upload(&mut engine, &q.program, &arrays).unwrap();
         assert_eq!(resident.rows(), whole.num_rows());
         for fused in [true, false] {
+            let sample_rows = if fused { FUSED_SAMPLE_ROWS } else { 0 };
             let (positions, report) = resident
                 .top_k(
                     &mut engine,
                     &kernel,
                     q.spec.k,
                     DeviceAlgorithm::Sample,
-                    fused,
+                    sample_rows,
                 )
                 .unwrap_or_else(|e| panic!("{}: {e}", q.sql));
             let got: Vec<i64> = positions
