@@ -1023,7 +1023,11 @@ impl TopKEngine {
             let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
             Ok((word(0), word(8) as u32, word(16) as usize))
         };
-        let event = |engine: &Self| engine.stream.record_event(None);
+        let event = |engine: &Self| {
+            engine
+                .stream
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+        };
         let mut marks = vec![(0, event(self)?)];
         self.reset_candidates()?;
         let step = rows.checked_div(sample_rows).unwrap_or(0);
