@@ -466,8 +466,10 @@ const SAMPLE_MAX_LEVELS: usize = 8;
 
 /// Threads per block of the grid-stride kernels and of the bitonic kernels.
 /// Rows the fused selection's sample pass evaluates ([`TopKEngine::fused_select`]).
-/// As many as the rank sort takes: the sample's threshold then costs one launch.
-pub const FUSED_SAMPLE_ROWS: usize = RANK_SORT_MAX;
+/// Within the rank sort, so the sample's threshold costs one launch; half its capacity, which
+/// measured best on the H100 (the rank sort's time grows with the square of its pairs, the
+/// final selection's with the candidates a coarser sample admits).
+pub const FUSED_SAMPLE_ROWS: usize = RANK_SORT_MAX / 2;
 
 /// How a [`TopKEngine::fused_select`] went.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -1645,7 +1647,9 @@ impl TopKEngine {
         // The kernel reads the count from the device (a level's survivor count, elsewhere): a
         // memset writes it, where a copy from host memory would cost the host tens of µs.
         self.set_u32(ctl.ptr(), n as u32)?;
-        let small = RANK_SORT_MAX;
+        // A grid of (n / 256)² blocks, each ranking a 256-pair row against a column chunk it
+        // sorts: sized to n, not to the capacity (4096 blocks cost ~80 µs at any n).
+        let small = n.max(1).next_multiple_of(RANK_THREADS as usize);
         let out = self.alloc_pairs(small)?;
         let rows = small / RANK_THREADS as usize;
         self.launch(
