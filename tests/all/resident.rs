@@ -185,8 +185,10 @@ async fn resident_top_k_matches_datafusion_on_the_tweet_queries() {
 
 #[tokio::test]
 async fn a_missed_sampled_threshold_reruns_the_pass_and_stays_exact() {
-    // 8 rows per sampled row: the sample sees only rows i ≡ 0 (mod 8).
-    let rows = 8 * FUSED_SAMPLE_ROWS;
+    // 16 rows per sampled row: the sample sees only rows i ≡ 0 (mod 16); the other rows
+    // outnumber the smallest candidate buffer (2^16 pairs).
+    const STEP: usize = 16;
+    let rows = STEP * FUSED_SAMPLE_ROWS;
     let schema = Arc::new(Schema::new(vec![
         Field::new("id", DataType::Int64, false),
         Field::new("best_sampled", DataType::Int64, false),
@@ -197,7 +199,7 @@ async fn a_missed_sampled_threshold_reruns_the_pass_and_stays_exact() {
         Arc::new(Int64Array::from_iter_values((0..rows).map(i))),
         // The sampled rows beat every other row: the sample's threshold admits too few.
         Arc::new(Int64Array::from_iter_values((0..rows).map(|r| {
-            if r % 8 == 0 {
+            if r % STEP == 0 {
                 1_000_000 + i(r)
             } else {
                 i(r) % 1000
@@ -205,7 +207,7 @@ async fn a_missed_sampled_threshold_reruns_the_pass_and_stays_exact() {
         }))),
         // The sampled rows lose to every other row: it admits more than the buffer holds.
         Arc::new(Int64Array::from_iter_values(
-            (0..rows).map(|r| if r % 8 == 0 { -i(r) } else { i(r) % 5000 }),
+            (0..rows).map(|r| if r % STEP == 0 { -i(r) } else { i(r) % 5000 }),
         )),
     ];
     let whole = RecordBatch::try_new(schema.clone(), columns).unwrap();
