@@ -15,6 +15,10 @@
 //! holds, builds the composite key field by field (bit for bit [`crate::keys`]); appends the
 //! (key, row id) pair to the candidate buffer when it beats the threshold; and records in a
 //! bitmap which rows it appended, so the host keeps only those rows' output columns.
+//!
+//! On columns already in device memory ([`crate::select::resident`]) the same program is the
+//! first pass of a sampled selection: run on a strided sample it sets the threshold, then its
+//! full pass appends only the rows that beat it ([`crate::device::TopKEngine::fused_select`]).
 
 pub mod translate;
 

@@ -8,7 +8,8 @@
 //!
 //! *Which*: [`create_selector`] is the single entry point. The cost model ([`crate::cost`])
 //! resolves the backend and algorithm; every implementation of [`TopKSelector`] returns the
-//! same thing, the winners' row ids in output order.
+//! same thing, the winners' row ids in output order. [`resident`] runs a generated program's
+//! selection on columns already in device memory (the fusion benchmark, tests).
 
 pub mod cpu;
 pub mod cuda;
