@@ -1615,24 +1615,7 @@ impl TopKEngine {
         let last = run.levels.last().expect("a planned level");
         let last_count = run.ctl.ptr() + 8 * (run.levels.len() - 1) as u64;
         let out = self.alloc_pairs(small)?;
-        let rows = small / RANK_THREADS as usize;
-        self.launch(
-            &self.kernel("bitonic_rank_sort"),
-            (rows * rows) as u32,
-            RANK_THREADS,
-            0,
-            args![
-                last.key_at(0),
-                last.id_at(0),
-                last_count,
-                small,
-                out.key_at(0),
-                out.id_at(0),
-                status,
-                run.ctl.ptr() + SAMPLE_RANKS_OFFSET,
-                run.ctl.ptr() + SAMPLE_ROW_DONE_OFFSET
-            ],
-        )?;
+        self.launch_rank_sort(last, last_count, small, &out, run.ctl.ptr())?;
         run.lap("rank sort".into(), &self.stream)?;
         run.sorted_small = Some(out);
         Ok(Some(run))
@@ -1648,10 +1631,25 @@ impl TopKEngine {
         // memset writes it, where a copy from host memory would cost the host tens of µs.
         self.set_u32(ctl.ptr(), n as u32)?;
         // A grid of (n / 256)² blocks, each ranking a 256-pair row against a column chunk it
-        // sorts: sized to n, not to the capacity (4096 blocks cost ~80 µs at any n).
+        // sorts: sized to n rather than to the rank sort's capacity.
         let small = n.max(1).next_multiple_of(RANK_THREADS as usize);
         let out = self.alloc_pairs(small)?;
-        let rows = small / RANK_THREADS as usize;
+        self.launch_rank_sort(input, ctl.ptr(), small, &out, ctl.ptr())?;
+        Ok(out)
+    }
+
+    /// Launches bitonic.cu `rank_sort`: the pairs of `input` (their count, at most `cap`, a
+    /// u64 at device address `count`) sorted into `out`, over a grid of (cap / 256)² blocks;
+    /// `ctl` is a zeroed sample control block (status, ranks, row counters).
+    fn launch_rank_sort(
+        &self,
+        input: &DevicePairs,
+        count: u64,
+        cap: usize,
+        out: &DevicePairs,
+        ctl: u64,
+    ) -> GpuResult<()> {
+        let rows = cap / RANK_THREADS as usize;
         self.launch(
             &self.kernel("bitonic_rank_sort"),
             (rows * rows) as u32,
@@ -1660,16 +1658,15 @@ impl TopKEngine {
             args![
                 input.key_at(0),
                 input.id_at(0),
-                ctl.ptr(),
-                small,
+                count,
+                cap,
                 out.key_at(0),
                 out.id_at(0),
-                ctl.ptr() + SAMPLE_STATUS_OFFSET,
-                ctl.ptr() + SAMPLE_RANKS_OFFSET,
-                ctl.ptr() + SAMPLE_ROW_DONE_OFFSET
+                ctl + SAMPLE_STATUS_OFFSET,
+                ctl + SAMPLE_RANKS_OFFSET,
+                ctl + SAMPLE_ROW_DONE_OFFSET
             ],
-        )?;
-        Ok(out)
+        )
     }
 
     /// Reads an enqueued sampled selection's counts and status back (one round trip) and

@@ -14,7 +14,9 @@ use datafusion::error::Result;
 use super::cuda::{ColumnBuffers, exec_error, gpu_error, program_error};
 #[cfg(doc)]
 use crate::device::FUSED_SAMPLE_ROWS;
-use crate::device::{DeviceAlgorithm, FusedReport, GeneratedKernel, PooledBuffer, TopKEngine};
+use crate::device::{
+    DeviceAlgorithm, DevicePairs, FusedReport, GeneratedKernel, PooledBuffer, TopKEngine,
+};
 use crate::fusion::{self, FusedProgram, KernelInput};
 
 /// A program's inputs on the device, one buffer per Arrow buffer.
@@ -153,16 +155,13 @@ impl ResidentColumns {
         algorithm: DeviceAlgorithm,
         sample_rows: usize,
     ) -> Result<(Vec<u64>, FusedReport)> {
-        let (sorted, m, report) = engine
-            .fused_select(kernel, &self.args, self.rows, k, algorithm, sample_rows)
-            .map_err(gpu_error)?;
-        program_error(report.error)?;
+        let (sorted, m, report) = self.select(engine, kernel, k, algorithm, sample_rows)?;
         let ids = engine.download_ids(&sorted, m).map_err(gpu_error)?;
         Ok((ids, report))
     }
 
-    /// The selection of [`top_k`](Self::top_k) enqueued without reading its result back, for
-    /// timing: the host waits only where the selection itself does.
+    /// The selection of [`top_k`](Self::top_k) without reading its result back, for timing:
+    /// the host waits only where the selection itself does.
     pub fn run(
         &self,
         engine: &mut TopKEngine,
@@ -171,10 +170,21 @@ impl ResidentColumns {
         algorithm: DeviceAlgorithm,
         sample_rows: usize,
     ) -> Result<FusedReport> {
-        let (_, _, report) = engine
+        Ok(self.select(engine, kernel, k, algorithm, sample_rows)?.2)
+    }
+
+    fn select(
+        &self,
+        engine: &mut TopKEngine,
+        kernel: &GeneratedKernel,
+        k: usize,
+        algorithm: DeviceAlgorithm,
+        sample_rows: usize,
+    ) -> Result<(DevicePairs, usize, FusedReport)> {
+        let (sorted, m, report) = engine
             .fused_select(kernel, &self.args, self.rows, k, algorithm, sample_rows)
             .map_err(gpu_error)?;
         program_error(report.error)?;
-        Ok(report)
+        Ok((sorted, m, report))
     }
 }
