@@ -11,28 +11,18 @@
 //! rows as DataFusion's (as multisets of the sort-key values, since DataFusion orders ties
 //! arbitrarily).
 
+mod common;
+
 use std::time::Instant;
 
 use datafusion::arrow::array::RecordBatch;
 use datafusion::arrow::util::display::{ArrayFormatter, FormatOptions};
 use datafusion::error::Result;
-use datafusion::execution::SessionStateBuilder;
-use datafusion::prelude::{SessionConfig, SessionContext};
+use datafusion_gpu_topk::Backend;
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
 use datafusion_gpu_topk::device::gpu;
-use datafusion_gpu_topk::{Backend, GpuTopKConfig, SessionStateBuilderExt};
 
-fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map(|v| {
-            v.parse()
-                .unwrap_or_else(|_| panic!("bad value for {name}: {v}"))
-        })
-        .unwrap_or(default)
-}
+use common::{arg, session, time_sql};
 
 /// The tweet queries: Q1 at a few selectivities, Q2 at a few k, Q3, Q4; with `sweep`, Q1 at
 /// selectivities 0 to 1 in steps of 0.1 and Q2 over more k (the fusion issue's sweep).
@@ -73,19 +63,6 @@ fn queries(sweep: bool) -> Vec<(String, String)> {
     q
 }
 
-fn session(ours: bool, backend: Backend, fuse: bool) -> SessionContext {
-    let gpu = GpuTopKConfig::default()
-        .with_enabled(ours)
-        .with_backend(backend)
-        .with_fuse_expressions(fuse);
-    let state = SessionStateBuilder::new()
-        .with_config(SessionConfig::new())
-        .with_default_features()
-        .with_gpu_topk(gpu)
-        .build();
-    SessionContext::new_with_state(state)
-}
-
 /// The last column's values, sorted: equal for both engines whatever their tie order.
 fn key_multiset(batches: &[RecordBatch]) -> Vec<String> {
     let options = FormatOptions::default();
@@ -97,12 +74,6 @@ fn key_multiset(batches: &[RecordBatch]) -> Vec<String> {
     }
     values.sort();
     values
-}
-
-async fn time(ctx: &SessionContext, sql: &str) -> Result<(f64, Vec<RecordBatch>)> {
-    let started = Instant::now();
-    let batches = ctx.sql(sql).await?.collect().await?;
-    Ok((started.elapsed().as_secs_f64() * 1e3, batches))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -143,17 +114,17 @@ async fn main() -> Result<()> {
     }
     println!("{header}  same rows");
     for (name, sql) in queries(sweep) {
-        let (_, want) = time(&plain, &sql).await?;
+        let (_, want) = time_sql(&plain, &sql).await?;
         let want = key_multiset(&want);
         let mut same = true;
         for (_, ctx) in &engines {
-            same &= key_multiset(&time(ctx, &sql).await?.1) == want;
+            same &= key_multiset(&time_sql(ctx, &sql).await?.1) == want;
         }
         let mut times = vec![Vec::new(); engines.len() + 1];
         for _ in 0..runs {
-            times[0].push(time(&plain, &sql).await?.0);
+            times[0].push(time_sql(&plain, &sql).await?.0);
             for (e, (_, ctx)) in engines.iter().enumerate() {
-                times[e + 1].push(time(ctx, &sql).await?.0);
+                times[e + 1].push(time_sql(ctx, &sql).await?.0);
             }
         }
         let medians: Vec<f64> = times.into_iter().map(median).collect();

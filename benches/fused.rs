@@ -29,6 +29,8 @@
 //! the same order, or the run fails. Q1 sweeps the selectivity 0–1 in steps of 0.1 (k = 50), Q2
 //! sweeps k, Q3 runs at k = 50 and 1000. Without a GPU it says so and exits 0.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -36,9 +38,8 @@ use datafusion::arrow::array::{Array, ArrayRef, AsArray, RecordBatch};
 use datafusion::arrow::compute::concat;
 use datafusion::arrow::datatypes::Int64Type;
 use datafusion::error::{DataFusionError, Result};
-use datafusion::execution::SessionStateBuilder;
 use datafusion::physical_plan::ExecutionPlan;
-use datafusion::prelude::{SessionConfig, SessionContext};
+use datafusion_gpu_topk::Backend;
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
 use datafusion_gpu_topk::device::measure::{ReadFloor, median};
 use datafusion_gpu_topk::device::{
@@ -47,19 +48,8 @@ use datafusion_gpu_topk::device::{
 use datafusion_gpu_topk::exec::GpuTopKExec;
 use datafusion_gpu_topk::fusion::{ENTRY, Part};
 use datafusion_gpu_topk::select::resident::ResidentColumns;
-use datafusion_gpu_topk::{Backend, GpuTopKConfig, SessionStateBuilderExt};
 
-fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map(|v| {
-            v.parse()
-                .unwrap_or_else(|_| panic!("bad value for {name}: {v}"))
-        })
-        .unwrap_or(default)
-}
+use common::{arg, session, time_sql};
 
 /// One benchmark query: its name, selectivity or k, and the SQL with a tie-break slot.
 struct Query {
@@ -116,19 +106,6 @@ fn queries(quick: bool) -> Vec<Query> {
     q
 }
 
-fn session(ours: bool) -> SessionContext {
-    let gpu = GpuTopKConfig::default()
-        .with_enabled(ours)
-        .with_backend(Backend::Cuda)
-        .with_fuse_expressions(true);
-    let state = SessionStateBuilder::new()
-        .with_config(SessionConfig::new())
-        .with_default_features()
-        .with_gpu_topk(gpu)
-        .build();
-    SessionContext::new_with_state(state)
-}
-
 fn find_topk(plan: &Arc<dyn ExecutionPlan>) -> Option<&GpuTopKExec> {
     if let Some(exec) = plan.downcast_ref::<GpuTopKExec>() {
         return Some(exec);
@@ -148,12 +125,6 @@ fn ids_of(batches: &[RecordBatch]) -> Vec<i64> {
         .collect()
 }
 
-async fn time_sql(ctx: &SessionContext, sql: &str) -> Result<(f64, Vec<RecordBatch>)> {
-    let started = Instant::now();
-    let batches = ctx.sql(sql).await?.collect().await?;
-    Ok((started.elapsed().as_secs_f64() * 1e3, batches))
-}
-
 #[tokio::main]
 async fn main() -> Result<()> {
     let rows: u64 = arg("--rows", 20_000_000);
@@ -166,8 +137,8 @@ async fn main() -> Result<()> {
         println!("no GPU: the fusion benchmark runs on device-resident columns");
         return Ok(());
     };
-    let plain = session(false);
-    let ours = session(true);
+    let plain = session(false, Backend::Cuda, true);
+    let ours = session(true, Backend::Cuda, true);
     let partitions = plain.copied_config().target_partitions();
     let started = Instant::now();
     let spec = TweetsSpec::new(rows);
