@@ -19,7 +19,8 @@
 // bitonic sorting network on a power-of-two padded array, with the steps of stride < T (a
 // tile of 4096 pairs) fused into kernels that keep the tile in registers (`sort_local` for all
 // sizes ≤ T, `merge_local` for the tail of each larger size) and the steps of stride ≥ T one
-// global kernel each (`sort_step`). `rank_sort` sorts the few survivors of a sampled selection.
+// global kernel each (`sort_step`). `rank_sort` sorts the few survivors of a sampled selection,
+// `chunk_sort`, `chunk_rank` and `chunk_scatter` up to ~2·10^5 of them.
 
 #include "common.cuh"
 
@@ -181,14 +182,16 @@ __device__ __forceinline__ void reg_step(K (&key)[SORT_PER], u64 (&id)[SORT_PER]
 }
 
 // Steps of sizes [size_lo, size_hi] over the block's tile (global index of its pair 0:
-// `tile_base`), each from stride min(size / 2, SORT_TILE / 2) down to 1.
-template <class K>
+// `tile_base`), each from stride min(size / 2, tile / 2) down to 1; blocks of THREADS threads
+// (a tile of SORT_PER · THREADS pairs).
+template <class K, int THREADS = SORT_THREADS>
 __device__ void tile_network(K (&key)[SORT_PER], u64 (&id)[SORT_PER], u64 tile_base, u64 size_lo, u64 size_hi,
                              Smem<K> s) {
+    constexpr u32 TILE = SORT_PER * THREADS;
     const u32 base = threadIdx.x * SORT_PER;
     const u64 first = tile_base + base; // global index of this thread's pair 0
     for (u64 size = size_lo; size <= size_hi; size <<= 1) {
-        for (u32 stride = (u32)min(size / 2, (u64)SORT_TILE / 2); stride > 0; stride >>= 1) {
+        for (u32 stride = (u32)min(size / 2, (u64)TILE / 2); stride > 0; stride >>= 1) {
             if (stride == 1) {
                 reg_step<K, 1>(key, id, first, size);
             } else if (SORT_PER > 2 && stride == 2) {
@@ -208,17 +211,23 @@ __device__ void tile_network(K (&key)[SORT_PER], u64 (&id)[SORT_PER], u64 tile_b
                     }
                 }
             } else {
+                // Pair e of thread t sits at e · THREADS + t, so that a warp's stores and
+                // loads hit consecutive words (the tile's own order, t · SORT_PER + e, made
+                // them 4- to 8-way bank conflicts: 56 µs for a 4096-pair tile, ncu). Strides
+                // here are multiples of SORT_PER: the partner is pair e of thread
+                // t ^ (stride / SORT_PER).
 #pragma unroll
                 for (int e = 0; e < SORT_PER; ++e) {
-                    s.keys[base + e] = key[e];
-                    s.ids[base + e] = id[e];
+                    s.keys[e * THREADS + threadIdx.x] = key[e];
+                    s.ids[e * THREADS + threadIdx.x] = id[e];
                 }
                 __syncthreads();
+                const u32 partner = threadIdx.x ^ (stride / SORT_PER);
 #pragma unroll
                 for (int e = 0; e < SORT_PER; ++e) {
                     const u32 i = base + e, j = i ^ stride;
-                    const K ok = s.keys[j];
-                    const u64 oi = s.ids[j];
+                    const K ok = s.keys[e * THREADS + partner];
+                    const u64 oi = s.ids[e * THREADS + partner];
                     const bool ascending = ((tile_base + i) & size) == 0;
                     if (pair_less(ok, oi, key[e], id[e]) == ((i < j) == ascending)) {
                         key[e] = ok;
@@ -377,6 +386,105 @@ __device__ void rank_sort(const K *keys, const u64 *ids, const u64 *n_ptr, u64 c
     }
 }
 
+// Sort of up to ~2·10^5 pairs whose count lives on the device (the survivors of a sampled
+// selection at large k), in three launches, by ranks; tiles of CHUNK_TILE = SORT_PER ·
+// CHUNK_THREADS pairs (2048; 1024 for 256-bit keys), T of them for cap pairs:
+//   chunk_sort     block b sorts tile b of [0, m) (m = *n_ptr, padded past m with the
+//                  largest pair) ascending in registers (`tile_network` with local indices, so
+//                  every tile ascends) into `tiles`;
+//   chunk_rank     block (b, c) of a T × T grid loads sorted tile c into shared memory and
+//                  writes, for each pair of tile b, how many of tile c's pairs are below it (a
+//                  binary search; its own position when c = b) to below[c · T·CHUNK_TILE + i];
+//   chunk_scatter  pair i goes to out[Σ_c below[c][i]].
+// Pairs are distinct, so the ranks are a permutation of [0, m). Tiles of 4096 pairs sorted by
+// 1024-thread blocks kept 20 of the 132 SMs busy for 50 µs at m = 80K, and adding each rank
+// with an atomic cost 25–35 µs (ncu, H100): smaller tiles spread the sort, the count matrix
+// replaces the atomics. The rank work and its L2 traffic grow with T²: the host uses it up to
+// CHUNK_RANK_MAX pairs. The kernels do nothing once `status` (when not null) is set, and
+// chunk_sort sets bit 4 when m > cap.
+#define CHUNK_THREADS 512
+#define CHUNK_TILE (SORT_PER * CHUNK_THREADS)
+
+template <class K>
+__device__ void chunk_sort(const K *keys, const u64 *ids, const u64 *n_ptr, u64 cap, K *tile_keys, u64 *tile_ids,
+                           u32 *status) {
+    if (status && __ldcg(status) != 0) return;
+    const u64 m = __ldcg(n_ptr);
+    if (m > cap) {
+        if (status && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, 4u);
+        return;
+    }
+    const u64 tile_base = (u64)blockIdx.x * CHUNK_TILE;
+    if (tile_base >= m) return;
+    K key[SORT_PER];
+    u64 id[SORT_PER];
+    load_tile(keys, ids, m, tile_base, key, id);
+    // Local indices: size CHUNK_TILE sorts every tile ascending.
+    tile_network<K, CHUNK_THREADS>(key, id, 0, 2, (u64)CHUNK_TILE, smem_of<K>(CHUNK_TILE));
+    store_tile(tile_keys, tile_ids, tile_base + CHUNK_TILE, tile_base, key, id);
+}
+
+template <class K>
+__device__ void chunk_rank(const K *tile_keys, const u64 *tile_ids, const u64 *n_ptr, u64 cap, u32 *below,
+                           const u32 *status) {
+    if (status && __ldcg(status) != 0) return;
+    const u64 m = __ldcg(n_ptr);
+    if (m > cap) return;
+    const u64 grid_tiles = (cap + CHUNK_TILE - 1) / CHUNK_TILE;
+    const u64 b = (u64)blockIdx.x % grid_tiles, c = (u64)blockIdx.x / grid_tiles;
+    const u64 used = (m + CHUNK_TILE - 1) / CHUNK_TILE;
+    if (b >= used || c >= used) return; // uniform per block
+    Smem<K> s = smem_of<K>(CHUNK_TILE);
+    const u64 row = b * CHUNK_TILE, col = c * CHUNK_TILE;
+    if (c != b) {
+        for (u32 t = threadIdx.x; t < CHUNK_TILE; t += CHUNK_THREADS) {
+            s.keys[t] = tile_keys[col + t];
+            s.ids[t] = tile_ids[col + t];
+        }
+    }
+    __syncthreads();
+    u32 *out = below + c * grid_tiles * CHUNK_TILE + row;
+#pragma unroll
+    for (int e = 0; e < SORT_PER; ++e) {
+        const u32 p = threadIdx.x + e * CHUNK_THREADS;
+        if (row + p >= m) continue; // padding: never ranked
+        u32 count = p;
+        if (c != b) {
+            const K k = tile_keys[row + p];
+            const u64 id = tile_ids[row + p];
+            // Binary lifting over [0, CHUNK_TILE - 1], then the last (the padding, the largest
+            // pair, is never below a real one).
+            count = 0;
+#pragma unroll
+            for (u32 step = CHUNK_TILE / 2; step > 0; step >>= 1) {
+                const u32 q = count + step - 1;
+                if (pair_less(s.keys[q], s.ids[q], k, id)) count += step;
+            }
+            if (count == CHUNK_TILE - 1 && pair_less(s.keys[count], s.ids[count], k, id)) count = CHUNK_TILE;
+        }
+        out[p] = count;
+    }
+}
+
+template <class K>
+__device__ void chunk_scatter(const K *tile_keys, const u64 *tile_ids, const u64 *n_ptr, u64 cap, const u32 *below,
+                              K *out_keys, u64 *out_ids, const u32 *status) {
+    if (status && __ldcg(status) != 0) return;
+    const u64 m = __ldcg(n_ptr);
+    if (m > cap) return;
+    const u64 grid_tiles = (cap + CHUNK_TILE - 1) / CHUNK_TILE;
+    const u64 used = (m + CHUNK_TILE - 1) / CHUNK_TILE;
+    const u64 stride = grid_tiles * CHUNK_TILE;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < used * CHUNK_TILE; i += (u64)gridDim.x * blockDim.x) {
+        // Sorted tiles: the real pairs of each tile come first, then its padding.
+        if (i % CHUNK_TILE >= m - i / CHUNK_TILE * CHUNK_TILE) continue;
+        u32 rank = 0;
+        for (u64 c = 0; c < used; ++c) rank += __ldcg(&below[c * stride + i]);
+        out_keys[rank] = tile_keys[i];
+        out_ids[rank] = tile_ids[i];
+    }
+}
+
 #define BITONIC_ENTRIES(K, S)                                                                                     \
     extern "C" __global__ void __launch_bounds__(BITONIC_THREADS)                                                 \
         bitonic_topk_##S(const K *keys, const u64 *ids, u64 n, K *out_keys, u64 *out_ids, u32 k2, u32 c) {        \
@@ -398,5 +506,20 @@ __device__ void rank_sort(const K *keys, const u64 *ids, const u64 *n_ptr, u64 c
         bitonic_rank_sort_##S(const K *keys, const u64 *ids, const u64 *n_ptr, u64 cap, K *out_keys, u64 *out_ids, \
                               u32 *status, u32 *ranks, u32 *row_done) {                                           \
         rank_sort<K>(keys, ids, n_ptr, cap, out_keys, out_ids, status, ranks, row_done);                          \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)                                                   \
+        bitonic_chunk_sort_##S(const K *keys, const u64 *ids, const u64 *n_ptr, u64 cap, K *tile_keys,            \
+                               u64 *tile_ids, u32 *status) {                                                      \
+        chunk_sort<K>(keys, ids, n_ptr, cap, tile_keys, tile_ids, status);                                        \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)                                                   \
+        bitonic_chunk_rank_##S(const K *tile_keys, const u64 *tile_ids, const u64 *n_ptr, u64 cap, u32 *below,    \
+                               const u32 *status) {                                                               \
+        chunk_rank<K>(tile_keys, tile_ids, n_ptr, cap, below, status);                                            \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256)                                                             \
+        bitonic_chunk_scatter_##S(const K *tile_keys, const u64 *tile_ids, const u64 *n_ptr, u64 cap,             \
+                                  const u32 *below, K *out_keys, u64 *out_ids, const u32 *status) {               \
+        chunk_scatter<K>(tile_keys, tile_ids, n_ptr, cap, below, out_keys, out_ids, status);                      \
     }
 INSTANTIATE_KEYS(BITONIC_ENTRIES)

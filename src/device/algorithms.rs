@@ -287,11 +287,18 @@ const SAMPLE_CTL_BYTES: usize = 512;
 const SAMPLE_ROW_DONE_OFFSET: u64 = 64;
 const SAMPLE_STATUS_OFFSET: u64 = 504;
 const SAMPLE_RANKS_OFFSET: u64 = 512;
+/// 24 bytes the caller may copy into the control block before it is read back, to bring its
+/// own words back with it ([`TopKEngine::fused_select`]).
+const SAMPLE_CALLER_OFFSET: u64 = 320;
 const _: () = assert!(
     8 * SAMPLE_MAX_LEVELS as u64 <= SAMPLE_ROW_DONE_OFFSET
         && SAMPLE_ROW_DONE_OFFSET + 4 * (RANK_SORT_MAX / RANK_THREADS as usize) as u64
-            <= SAMPLE_STATUS_OFFSET
+            <= SAMPLE_CALLER_OFFSET
+        && SAMPLE_CALLER_OFFSET + 24 <= SAMPLE_STATUS_OFFSET
 );
+/// [`TopKEngine::fused_select`]'s device words: the full pass's (passed, errors, appended),
+/// the sample pass's, and the sample threshold's status.
+const FUSED_WORDS: usize = 56;
 const SAMPLE_SCRATCH_BYTES: usize = SAMPLE_CTL_BYTES + 4 * RANK_SORT_MAX;
 const SAMPLE_STATUS_FINAL_LARGE: u32 = 4;
 /// Survivors of a sampled selection are sorted whole (rather than radix-selected first) up to
@@ -304,6 +311,21 @@ pub const DIRECT_SORT_MIN: usize = 1 << 16;
 /// pairs, each ranked by a binary search in every sorted chunk of `RANK_THREADS`, in one
 /// launch of (m / `RANK_THREADS`)² blocks (the unused ones return at once).
 pub const RANK_SORT_MAX: usize = 16384;
+/// Threads of the chunk rank sort's tile blocks (bitonic.cu `CHUNK_THREADS`).
+const CHUNK_THREADS: u32 = 512;
+/// The most tiles [`TopKEngine::chunk_rank_sort`] takes: its rank kernel's blocks, L2 traffic
+/// and count matrix grow with their square.
+const CHUNK_RANK_TILES: usize = 96;
+
+/// Pairs per tile of the chunk rank sort (bitonic.cu `CHUNK_TILE`): half the sort tile.
+pub fn chunk_tile(kind: KeyKind) -> usize {
+    sort_tile(kind) / 2
+}
+
+/// The most pairs the chunk rank sort takes (196608; 98304 for 256-bit keys).
+pub fn chunk_rank_max(kind: KeyKind) -> usize {
+    CHUNK_RANK_TILES * chunk_tile(kind)
+}
 const RANK_THREADS: u32 = 256;
 
 /// The radix sort's block size (radix_sort.cu `RSORT_THREADS`); it sorts fewer pairs than
@@ -464,11 +486,11 @@ fn prev_power_of_two(x: usize) -> usize {
 /// The most levels a sampled selection plans (sample counts live in `SAMPLE_CTL_BYTES`).
 const SAMPLE_MAX_LEVELS: usize = 8;
 
-/// Threads per block of the grid-stride kernels and of the bitonic kernels.
-/// Rows the fused selection's sample pass evaluates ([`TopKEngine::fused_select`]).
-/// Within the rank sort, so the sample's threshold costs one launch; half its capacity, which
-/// measured best on the H100 (the rank sort's time grows with the square of its pairs, the
-/// final selection's with the candidates a coarser sample admits).
+/// Rows the fused selection's sample pass evaluates ([`TopKEngine::fused_select`]), at most:
+/// as many as sample.cu's one-block threshold holds for 64-bit keys ([`sample_size`]; wider
+/// keys sample fewer), so that the threshold is exact and costs one launch. 8192 measured best
+/// on the H100 in session 7, against 16384 and 4096 (the sample's selection grows with its
+/// pairs, the final selection with the candidates a coarser sample admits).
 pub const FUSED_SAMPLE_ROWS: usize = RANK_SORT_MAX / 2;
 
 /// How a [`TopKEngine::fused_select`] went.
@@ -486,11 +508,12 @@ pub struct FusedReport {
     /// Full passes repeated because the sampled threshold missed.
     pub reruns: usize,
     /// Device time (ms, CUDA events; host waits in between included) of each phase: the
-    /// sample pass and its read-back, the sample's selection, the full pass(es) and their
-    /// read-backs, the final selection.
+    /// sample pass, the sample's threshold, the full pass(es), the final selection (with the
+    /// read-back, and a rerun's).
     pub phases_ms: [f64; 4],
 }
 
+/// Threads per block of the grid-stride kernels; of the bitonic top-k's blocks.
 const THREADS: u32 = 256;
 const BITONIC_THREADS: u32 = 512;
 /// Largest chunk one upload through pinned memory moves.
@@ -645,8 +668,6 @@ impl TopKEngine {
         Ok(())
     }
 
-    /// Enqueues a write of one u64 (from pageable memory: the driver copies it before
-    /// returning, so the source may go away).
     /// Sets the u32 at `dst` (stream-ordered; a memset, so no host buffer is involved).
     fn set_u32(&self, dst: u64, value: u32) -> GpuResult<()> {
         self.device.context.bind_to_thread()?;
@@ -656,6 +677,8 @@ impl TopKEngine {
         Ok(())
     }
 
+    /// Enqueues a write of one u64 (from pageable memory: the driver copies it before
+    /// returning, so the source may go away).
     fn write_u64(&self, dst: u64, value: u64) -> GpuResult<()> {
         self.device.context.bind_to_thread()?;
         // SAFETY: dst is 8 live bytes of this engine's scalars; pageable source, see above.
@@ -1000,13 +1023,16 @@ impl TopKEngine {
     ///
     /// With `sample_rows` > 0 (the fused selection; [`FUSED_SAMPLE_ROWS`] by default), the
     /// program's own pass is the first pass of a sampled selection (SampleSelect): the program
-    /// runs on a strided sample of about that many rows, the sample's r-th best passing pair becomes the threshold (r
-    /// chosen so that about k · (1 + 4/√(k/step)) rows of the whole input beat it), and the
+    /// runs on a strided sample of about that many rows, the sample's r-th best passing pair
+    /// becomes the threshold (r chosen so that about k · (1 + 4/√(k/step)) rows of the whole
+    /// input beat it; selected on the device by sample.cu's one-block threshold), and the
     /// full pass appends only the rows that beat it, so filtered rows and losing keys never
-    /// reach device memory. The estimate is checked, not trusted: fewer than k appended rows
-    /// while more passed, or more than the buffer holds, reruns the full pass (without the
-    /// threshold, or with room for all) — exact either way. With 0 (the unfused
-    /// baseline), the pass appends every passing row, and the selection reads them back.
+    /// reach device memory. The final selection of the candidates is enqueued on their count
+    /// on the device (a sampled selection), so the whole chain runs with one read-back at its
+    /// end. The estimate is checked, not trusted: fewer than k appended rows while more passed,
+    /// or more than the buffer holds, reruns the full pass (without the threshold, or with
+    /// room for all) — exact either way. With 0 (the unfused baseline), the pass appends
+    /// every passing row, and the selection follows.
     pub fn fused_select(
         &mut self,
         kernel: &GeneratedKernel,
@@ -1017,13 +1043,14 @@ impl TopKEngine {
         sample_rows: usize,
     ) -> GpuResult<(DevicePairs, usize, FusedReport)> {
         let mut report = FusedReport::default();
-        // Rows passed (u64), error flags (u32), then rows appended (u64 at 16): one read-back.
-        let out = self.device.pool.alloc(24, &self.stream)?;
+        // The full pass's words: rows passed (u64), error flags (u32), rows appended (u64 at
+        // 16); then the sample pass's, and the sample threshold's status (u32 at 48).
+        let out = self.device.pool.alloc(FUSED_WORDS, &self.stream)?;
         let (passed_at, count_at) = (out.ptr(), out.ptr() + 16);
-        let status = |engine: &mut Self| -> GpuResult<(u64, u32, usize)> {
-            let b = engine.read_bytes(out.ptr(), 24)?;
+        let (sample_passed_at, sample_count_at) = (out.ptr() + 24, out.ptr() + 40);
+        let parse = |b: &[u8]| {
             let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
-            Ok((word(0), word(8) as u32, word(16) as usize))
+            (word(0), word(8) as u32, word(16) as usize)
         };
         let event = |engine: &Self| {
             engine
@@ -1032,35 +1059,65 @@ impl TopKEngine {
         };
         let mut marks = vec![(0, event(self)?)];
         self.reset_candidates()?;
-        let step = rows.checked_div(sample_rows).unwrap_or(0);
+        self.memset_zero(out.ptr(), FUSED_WORDS)?;
+        // At most what sample.cu's one-block threshold holds, so that it is exact.
+        let sample_rows = sample_rows.min(sample_size(self.kind));
+        let step = if sample_rows > 0 {
+            rows.div_ceil(sample_rows)
+        } else {
+            0
+        };
         let mut capacity = rows.max(1);
         if sample_rows > 0 && k > 0 && step >= 8 {
             let sampled = rows.div_ceil(step);
             // Sample rank of the threshold: k's expected rank in the sample plus 4σ.
             let expected = k as f64 / step as f64;
             let r = (expected + 4.0 * expected.sqrt()).ceil() as usize + 1;
-            let sample = self.alloc_pairs(sampled)?;
-            self.zero(out.ptr(), 24)?;
-            self.fused_pass(
-                kernel, inputs, rows, step, 0, &sample, count_at, passed_at, false,
-            )?;
-            let (_, _, m) = status(self)?;
-            report.sampled = sampled;
-            marks.push((0, event(self)?));
-            if m >= r && r < sampled / 2 {
-                let (best, _) = self.select_sorted(&sample, m, r, algorithm)?;
-                self.threshold_from_index(&best, r - 1)?;
+            if r < sampled / 2 {
+                let sample = self.alloc_pairs(sampled)?;
+                self.fused_pass(
+                    kernel,
+                    inputs,
+                    rows,
+                    step,
+                    0,
+                    &sample,
+                    sample_count_at,
+                    sample_passed_at,
+                    false,
+                )?;
+                report.sampled = sampled;
+                marks.push((0, event(self)?));
+                // Threshold := the r-th best passing sample pair (rank r - 1), selected on the
+                // device from the device's count by sample.cu's one-block threshold (exact: its
+                // sample is every pair); no threshold when fewer than r passed. No host round
+                // trip.
+                self.launch(
+                    &self.kernel("sample_threshold"),
+                    1,
+                    SAMPLE_THREADS,
+                    0,
+                    args![
+                        sample.key_at(0),
+                        sample.id_at(0),
+                        0usize,
+                        sample_count_at,
+                        sampled,
+                        r - 1,
+                        sampled as u32,
+                        SAMPLE_SEED,
+                        self.scalars.ptr() + THRESHOLD_OFFSET,
+                        out.ptr() + 48
+                    ],
+                )?;
                 marks.push((1, event(self)?));
-                // About r · step rows beat it; the buffer holds twice that.
+                // About r · step rows beat it (fewer pass, when fewer than r sample rows
+                // did); the buffer holds twice that.
                 capacity = (2 * r * step).max(1 << 16).min(capacity);
-            } else {
-                // Few rows pass (m · step, about): room for 2× that many.
-                capacity = (2 * (m + 1) * step).max(1 << 16).min(capacity);
             }
         }
         let mut candidates = self.alloc_pairs(capacity)?;
         loop {
-            self.zero(out.ptr(), 24)?;
             self.fused_pass(
                 kernel,
                 inputs,
@@ -1072,8 +1129,31 @@ impl TopKEngine {
                 passed_at,
                 false,
             )?;
-            let (passed, error, count) = status(self)?;
             marks.push((2, event(self)?));
+            // A sampled selection of few enough pairs is enqueued on the device's count before
+            // the host knows it; its control block then brings the pass's words back with its
+            // own, in one read-back.
+            let pending = if algorithm == DeviceAlgorithm::Sample
+                && self.sample_sorts_on_device(candidates.capacity(), k)
+            {
+                self.sample_enqueue(&candidates, candidates.capacity(), k, Some(count_at))?
+                    .filter(|run| run.sorted_small.is_some())
+            } else {
+                None
+            };
+            let (passed, error, count, ctl) = match &pending {
+                Some(run) => {
+                    self.copy_dtod(run.ctl.ptr() + SAMPLE_CALLER_OFFSET, out.ptr(), 24)?;
+                    let b = self.read_bytes(run.ctl.ptr(), SAMPLE_CTL_BYTES)?;
+                    let at = SAMPLE_CALLER_OFFSET as usize;
+                    let (passed, error, count) = parse(&b[at..at + 24]);
+                    (passed, error, count, Some(b))
+                }
+                None => {
+                    let (passed, error, count) = parse(&self.read_bytes(out.ptr(), 24)?);
+                    (passed, error, count, None)
+                }
+            };
             report.passed = passed;
             report.error = error;
             report.candidates = count;
@@ -1084,6 +1164,7 @@ impl TopKEngine {
                 // The threshold was too tight: every passing row is a candidate.
                 report.reruns += 1;
                 self.reset_candidates()?;
+                self.memset_zero(out.ptr(), 24)?;
                 if candidates.capacity() < passed as usize {
                     candidates = self.alloc_pairs(passed as usize)?;
                 }
@@ -1092,10 +1173,23 @@ impl TopKEngine {
             if count > candidates.capacity() {
                 // The estimate was too loose for the buffer: room for all, same threshold.
                 report.reruns += 1;
+                self.memset_zero(out.ptr(), 24)?;
                 candidates = self.alloc_pairs(count)?;
                 continue;
             }
-            let (sorted, m) = self.select_sorted(&candidates, count, k, algorithm)?;
+            let selected = match (pending, ctl) {
+                (Some(mut run), Some(bytes)) => {
+                    // Planned for the buffer's capacity; the count decides what is complete.
+                    run.n = count;
+                    self.sample_complete_read(run, &bytes)?
+                        .map(|(sorted, _)| (sorted, count.min(k)))
+                }
+                _ => None,
+            };
+            let (sorted, m) = match selected {
+                Some(done) => done,
+                None => self.select_sorted(&candidates, count, k, algorithm)?,
+            };
             marks.push((3, event(self)?));
             self.stream.synchronize()?;
             for pair in marks.windows(2) {
@@ -1325,7 +1419,85 @@ impl TopKEngine {
         if m <= sort_tile(self.kind) || m >= RADIX_SORT_MAX {
             return self.sort(input, m);
         }
+        if m <= chunk_rank_max(self.kind) {
+            let count = self.device.pool.alloc(8, &self.stream)?;
+            self.memset_zero(count.ptr(), 8)?;
+            self.set_u32(count.ptr(), m as u32)?;
+            return self.chunk_rank_sort(input, count.ptr(), m, 0);
+        }
         self.radix_sort(input, m, id_bound)
+    }
+
+    /// Pairs `[0, c)`, c the u64 at device address `count` (c ≤ `cap`), sorted ascending at
+    /// the start of a new buffer of `cap` pairs, in three launches and without a read-back
+    /// (bitonic.cu `chunk_sort`, `chunk_rank`, `chunk_scatter`: tiles sorted in registers,
+    /// each pair's count below it in every tile, the pair moved to their sum). `status`: a
+    /// sampled selection's status word, or 0; the sort does nothing once it is set, and sets
+    /// `SAMPLE_STATUS_FINAL_LARGE` when c > cap. For `cap` ≤ [`chunk_rank_max`].
+    fn chunk_rank_sort(
+        &self,
+        input: &DevicePairs,
+        count: u64,
+        cap: usize,
+        status: u64,
+    ) -> GpuResult<DevicePairs> {
+        let tile = chunk_tile(self.kind);
+        let tiles = cap.div_ceil(tile).max(1);
+        debug_assert!(tiles <= CHUNK_RANK_TILES);
+        let sorted_tiles = self.alloc_pairs(tiles * tile)?;
+        let out = self.alloc_pairs(cap.max(1))?;
+        // Per column tile, each pair's count of its pairs below it.
+        let below = self
+            .device
+            .pool
+            .alloc(4 * tiles * tiles * tile, &self.stream)?;
+        let shared = tile * self.kind.pair_bytes();
+        self.launch(
+            &self.kernel("bitonic_chunk_sort"),
+            tiles as u32,
+            CHUNK_THREADS,
+            shared,
+            args![
+                input.key_at(0),
+                input.id_at(0),
+                count,
+                cap,
+                sorted_tiles.key_at(0),
+                sorted_tiles.id_at(0),
+                status
+            ],
+        )?;
+        self.launch(
+            &self.kernel("bitonic_chunk_rank"),
+            (tiles * tiles) as u32,
+            CHUNK_THREADS,
+            shared,
+            args![
+                sorted_tiles.key_at(0),
+                sorted_tiles.id_at(0),
+                count,
+                cap,
+                below.ptr(),
+                status
+            ],
+        )?;
+        self.launch(
+            &self.kernel("bitonic_chunk_scatter"),
+            self.grid_for(tiles * tile, 1),
+            THREADS,
+            0,
+            args![
+                sorted_tiles.key_at(0),
+                sorted_tiles.id_at(0),
+                count,
+                cap,
+                below.ptr(),
+                out.key_at(0),
+                out.id_at(0),
+                status
+            ],
+        )?;
+        Ok(out)
     }
 
     /// LSD radix sort of pairs `[0, m)` (radix_sort.cu): one histogram kernel, then per digit
@@ -1500,15 +1672,22 @@ impl TopKEngine {
     /// when they are few, else a radix sort (after a radix select when they are many times k).
     /// The first level's filter reads only the keys when the input is positional. The host
     /// plans the chain from expected sizes and enqueues it without waiting. For k ≤ the rank
-    /// sort's capacity the whole selection is enqueued and the returned run is pending: its
-    /// status and counts are read once, by [`finish`](Self::finish), after the kernels. Larger
-    /// k needs the survivor count to plan the sort, so the run is completed here. `None` when
+    /// sort's capacity, or a last level of at most [`chunk_rank_max`] pairs (the chunk rank
+    /// sort), the whole selection is enqueued and the returned run is pending: its status and
+    /// counts are read once, by [`finish`](Self::finish), after the kernels. Otherwise the
+    /// survivor count plans their sort, after a read-back (`sample_complete`). `None` when
     /// the sample cannot shrink the input.
+    ///
+    /// With `input_count` (a device address), the input's size is the u64 there, known only to the
+    /// device, and `n` is its bound (the buffer's capacity): the levels are planned for `n`
+    /// pairs (their survivors only shrink with fewer) and read the actual count, and a count
+    /// above `n` sets the overflow status.
     fn sample_enqueue(
         &mut self,
         input: &DevicePairs,
         n: usize,
         k: usize,
+        input_count: Option<u64>,
     ) -> GpuResult<Option<SampleRun>> {
         let s_max = sample_size(self.kind);
         let small = self.small_sort_capacity();
@@ -1542,8 +1721,8 @@ impl TopKEngine {
                 None => (
                     input.key_at(0),
                     if input.positional { 0 } else { input.id_at(0) },
-                    n,
-                    0,
+                    if input_count.is_some() { 0 } else { n },
+                    input_count.unwrap_or(0),
                     n,
                 ),
                 Some(prev) => (prev.key_at(0), prev.id_at(0), 0, count - 8, prev.capacity()),
@@ -1567,7 +1746,7 @@ impl TopKEngine {
                 ],
             )?;
             run.lap(format!("threshold {level} (s={s})"), &self.stream)?;
-            if level == 0 && input.positional {
+            if level == 0 && input.positional && input_count.is_none() {
                 // Keys only, vector loads: the pass that should run at the read floor.
                 let name = self.kernel("filter_below");
                 self.launch(
@@ -1608,16 +1787,25 @@ impl TopKEngine {
             run.lap(format!("filter {level}"), &self.stream)?;
             run.levels.push(out);
         }
-        if k > small {
-            return Ok(Some(run));
-        }
-        // Small k: the rank sort of the last level, enqueued before looking at the counts.
         let last = run.levels.last().expect("a planned level");
         let last_count = run.ctl.ptr() + 8 * (run.levels.len() - 1) as u64;
-        let out = self.alloc_pairs(small)?;
-        self.launch_rank_sort(last, last_count, small, &out, run.ctl.ptr())?;
-        run.lap("rank sort".into(), &self.stream)?;
-        run.sorted_small = Some(out);
+        if k <= small {
+            // Small k: the rank sort of the last level, enqueued before looking at the counts.
+            let out = self.alloc_pairs(small)?;
+            self.launch_rank_sort(last, last_count, small, &out, run.ctl.ptr())?;
+            run.lap("rank sort".into(), &self.stream)?;
+            run.sorted_small = Some(out);
+        } else if last.capacity() <= chunk_rank_max(self.kind) {
+            // Larger k, survivors few enough for the chunk rank sort: also enqueued whole.
+            let out = self.chunk_rank_sort(
+                last,
+                last_count,
+                last.capacity(),
+                run.ctl.ptr() + SAMPLE_STATUS_OFFSET,
+            )?;
+            run.lap("chunk rank sort".into(), &self.stream)?;
+            run.sorted_small = Some(out);
+        }
         Ok(Some(run))
     }
 
@@ -1675,9 +1863,19 @@ impl TopKEngine {
     /// after the read-back. `None` when the estimate missed (a buffer overflowed, or fewer than
     /// k pairs survived): the caller then runs radix select.
     fn sample_complete(&mut self, mut run: SampleRun) -> GpuResult<Option<(DevicePairs, bool)>> {
-        let (n, k) = (run.n, run.k);
         let bytes = self.read_bytes(run.ctl.ptr(), SAMPLE_CTL_BYTES)?;
         run.lap("read back".into(), &self.stream)?;
+        self.sample_complete_read(run, &bytes)
+    }
+
+    /// [`sample_complete`](Self::sample_complete) with the control block already read back
+    /// (`bytes`, its first `SAMPLE_CTL_BYTES`).
+    fn sample_complete_read(
+        &mut self,
+        mut run: SampleRun,
+        bytes: &[u8],
+    ) -> GpuResult<Option<(DevicePairs, bool)>> {
+        let (n, k) = (run.n, run.k);
         let word = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
         let counts: Vec<u64> = (0..run.levels.len()).map(|l| word(8 * l)).collect();
         let status = u32::from_le_bytes(
@@ -1732,7 +1930,7 @@ impl TopKEngine {
         n: usize,
         k: usize,
     ) -> GpuResult<Option<DevicePairs>> {
-        match self.sample_enqueue(input, n, k)? {
+        match self.sample_enqueue(input, n, k, None)? {
             Some(run) => Ok(self.sample_complete(run)?.map(|(sorted, _)| sorted)),
             None => Ok(None),
         }
@@ -1819,6 +2017,15 @@ impl TopKEngine {
         RANK_SORT_MAX
     }
 
+    /// Whether a sampled selection of k among (at most) n pairs is enqueued whole, its
+    /// survivors sorted on the device's count (no read-back before [`finish`](Self::finish)).
+    fn sample_sorts_on_device(&self, n: usize, k: usize) -> bool {
+        let small = self.small_sort_capacity();
+        plan_sample_levels(n, k, sample_size(self.kind), small)
+            .last()
+            .is_some_and(|last| k <= small || last.cap <= chunk_rank_max(self.kind))
+    }
+
     /// The min(n, k) smallest of pairs `[0, n)`, sorted, at the start of the returned buffer.
     pub fn select_sorted(
         &mut self,
@@ -1858,7 +2065,7 @@ impl TopKEngine {
             // Few pairs: the sampled selection's last step alone, one launch for all of them
             // (its levels and a radix fallback would take ~26 launches).
             DeviceAlgorithm::Sample if n <= RANK_SORT_MAX => self.rank_sort(input, n)?,
-            DeviceAlgorithm::Sample => match self.sample_enqueue(input, n, k)? {
+            DeviceAlgorithm::Sample => match self.sample_enqueue(input, n, k, None)? {
                 Some(run) if run.sorted_small.is_some() => {
                     return Ok(Selection {
                         input,
@@ -1953,7 +2160,8 @@ struct SampleRun {
     plan: Vec<SampleLevel>,
     ctl: PooledBuffer,
     levels: Vec<DevicePairs>,
-    /// The rank sort's output, when k is small enough for it.
+    /// The sorted survivors, when a sort that reads their count on the device took them (the
+    /// rank sort for small k, the chunk rank sort for few survivors).
     sorted_small: Option<DevicePairs>,
     /// `GPU_TOPK_TRACE`: each phase's device time (synchronising after each).
     phases: Vec<(String, f32)>,

@@ -66,6 +66,9 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
             "bitonic_sort_step",
             "bitonic_merge_local",
             "bitonic_rank_sort",
+            "bitonic_chunk_sort",
+            "bitonic_chunk_rank",
+            "bitonic_chunk_scatter",
         ],
     ),
     ("sample.cu", &["sample_threshold", "filter_pairs"]),
@@ -84,7 +87,13 @@ const PLAIN_ENTRIES: &[(&str, &[&str])] = &[
 ];
 
 /// Entry points that take more than 48 KiB of dynamic shared memory.
-const LARGE_SHARED: &[&str] = &["bitonic_topk", "bitonic_sort_local", "bitonic_merge_local"];
+const LARGE_SHARED: &[&str] = &[
+    "bitonic_topk",
+    "bitonic_sort_local",
+    "bitonic_merge_local",
+    "bitonic_chunk_sort",
+    "bitonic_chunk_rank",
+];
 
 /// Suffixes of the key types, see `INSTANTIATE_KEYS` in common.cuh.
 pub const KEY_SUFFIXES: &[&str] = &["k32", "k64", "k128", "k256"];
@@ -573,9 +582,11 @@ impl Kernels {
                     .load_function(&entry)
                     .map_err(|e| GpuError(format!("kernel {entry} is missing from {name}: {e}")))?;
                 if LARGE_SHARED.iter().any(|p| entry.starts_with(p)) && max_shared > 48 * 1024 {
+                    // The block's static shared memory counts against the same limit.
+                    let fixed = function.shared_size_bytes()?.max(0) as usize;
                     function.set_attribute(
                         CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        max_shared as i32,
+                        max_shared.saturating_sub(fixed) as i32,
                     )?;
                 }
                 functions.insert(entry, function);

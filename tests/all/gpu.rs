@@ -1150,8 +1150,9 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// `enqueue_select` leaves a sampled selection of small k pending (its status unread, no host
-/// round trip inside it) and `finish` completes it; other selections are complete at once.
+/// `enqueue_select` leaves a sampled selection pending (its status unread, no host round trip
+/// inside it) when its survivors are sorted on the device's count (small k, or few enough for
+/// the chunk rank sort), and `finish` completes it; other selections are complete at once.
 /// 2^20 positional 64-bit keys at k = 1024 leave ~4000–6000 survivors, past what the rank sort
 /// took before it grew to 16384 pairs; k = n sorts the positional input by its keys alone.
 #[test]
@@ -1182,7 +1183,10 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
                 (1024, DeviceAlgorithm::Sample, true),
                 (6000, DeviceAlgorithm::Sample, true),
                 (1024, DeviceAlgorithm::Radix, false),
-                (100_000, DeviceAlgorithm::Sample, false),
+                // ~116K survivors: the chunk rank sort takes them on the device's count.
+                (100_000, DeviceAlgorithm::Sample, true),
+                // ~330K survivors: read back, then sorted.
+                (300_000, DeviceAlgorithm::Sample, false),
                 // All of them: positional ids let the radix sort skip the id digits.
                 (n, DeviceAlgorithm::Radix, false),
                 (n, DeviceAlgorithm::Sample, false),
