@@ -394,7 +394,8 @@ __device__ void rank_sort(const K *keys, const u64 *ids, const u64 *n_ptr, u64 c
 //                  every tile ascends) into `tiles`;
 //   chunk_rank     block (b, c) of a T × T grid loads sorted tile c into shared memory and
 //                  writes, for each pair of tile b, how many of tile c's pairs are below it (a
-//                  binary search; its own position when c = b) to below[c · T·CHUNK_TILE + i];
+//                  search; its own position when c = b) to below[c · T·CHUNK_TILE + i] (padding
+//                  pairs get counts too, never read);
 //   chunk_scatter  pair i goes to out[Σ_c below[c][i]].
 // Pairs are distinct, so the ranks are a permutation of [0, m). Tiles of 4096 pairs sorted by
 // 1024-thread blocks kept 20 of the 132 SMs busy for 50 µs at m = 80K, and adding each rank
@@ -443,26 +444,49 @@ __device__ void chunk_rank(const K *tile_keys, const u64 *tile_ids, const u64 *n
         }
     }
     __syncthreads();
-    u32 *out = below + c * grid_tiles * CHUNK_TILE + row;
+    // This thread's pairs: positions first .. first + SORT_PER - 1 of sorted tile b. Each one's
+    // count in tile c starts where the previous one's ended (a gallop after one binary
+    // search), and the counts go out in one vector store.
+    const u32 first = threadIdx.x * SORT_PER;
+    u32 count[SORT_PER];
 #pragma unroll
     for (int e = 0; e < SORT_PER; ++e) {
-        const u32 p = threadIdx.x + e * CHUNK_THREADS;
-        if (row + p >= m) continue; // padding: never ranked
-        u32 count = p;
-        if (c != b) {
-            const K k = tile_keys[row + p];
-            const u64 id = tile_ids[row + p];
+        if (c == b) {
+            count[e] = first + e;
+            continue;
+        }
+        const K k = tile_keys[row + first + e];
+        const u64 id = tile_ids[row + first + e];
+        u32 n = 0;
+        if (e == 0) {
             // Binary lifting over [0, CHUNK_TILE - 1], then the last (the padding, the largest
             // pair, is never below a real one).
-            count = 0;
 #pragma unroll
             for (u32 step = CHUNK_TILE / 2; step > 0; step >>= 1) {
-                const u32 q = count + step - 1;
-                if (pair_less(s.keys[q], s.ids[q], k, id)) count += step;
+                const u32 q = n + step - 1;
+                if (pair_less(s.keys[q], s.ids[q], k, id)) n += step;
             }
-            if (count == CHUNK_TILE - 1 && pair_less(s.keys[count], s.ids[count], k, id)) count = CHUNK_TILE;
+            if (n == CHUNK_TILE - 1 && pair_less(s.keys[n], s.ids[n], k, id)) n = CHUNK_TILE;
+        } else {
+            // Every pair of tile c below the previous pair is below this one.
+            n = count[e - 1];
+            u32 g = 1;
+            while (n + g <= CHUNK_TILE && pair_less(s.keys[n + g - 1], s.ids[n + g - 1], k, id)) {
+                n += g;
+                g <<= 1;
+            }
+            for (g >>= 1; g > 0; g >>= 1) {
+                if (n + g <= CHUNK_TILE && pair_less(s.keys[n + g - 1], s.ids[n + g - 1], k, id)) n += g;
+            }
         }
-        out[p] = count;
+        count[e] = n;
+    }
+    u32 *out = below + c * grid_tiles * CHUNK_TILE + row + first;
+    if (SORT_PER == 4) {
+        *reinterpret_cast<uint4 *>(out) = make_uint4(count[0], count[1], count[SORT_PER > 2 ? 2 : 0],
+                                                      count[SORT_PER > 3 ? 3 : 0]);
+    } else {
+        *reinterpret_cast<uint2 *>(out) = make_uint2(count[0], count[SORT_PER > 1 ? 1 : 0]);
     }
 }
 
@@ -479,6 +503,7 @@ __device__ void chunk_scatter(const K *tile_keys, const u64 *tile_ids, const u64
         // Sorted tiles: the real pairs of each tile come first, then its padding.
         if (i % CHUNK_TILE >= m - i / CHUNK_TILE * CHUNK_TILE) continue;
         u32 rank = 0;
+#pragma unroll 8
         for (u64 c = 0; c < used; ++c) rank += __ldcg(&below[c * stride + i]);
         out_keys[rank] = tile_keys[i];
         out_ids[rank] = tile_ids[i];

@@ -4,52 +4,13 @@
 // rows that cannot win any more: a row is kept only if its (key, row id) is smaller than the
 // *threshold*, the k-th best pair of an earlier reduction of the buffer to k (nothing at or
 // above it can be among the final k, since the k pairs below it already exist). Appends are
-// warp-aggregated (one atomic per warp); their order does not matter, as pairs are unique.
+// warp-aggregated (one atomic per warp; the filters go through common.cuh's per-warp write
+// buffer); their order does not matter, as pairs are unique.
 //
 // `pair_max` computes the threshold after a reduction (the largest of the k survivors): a
 // grid-stride maximum per block, then the last block to finish reduces the per-block maxima.
 
 #include "common.cuh"
-
-// A per-warp buffer of survivors in shared memory (RadiK's write buffer): lanes append with a
-// ballot, and the warp flushes the buffer with one global atomic and coalesced writes when it
-// may not take another full ballot. With millions of survivors (k = 2^20) one atomic per warp
-// and ballot serialised on the counter (3 ms for 3M survivors, measured); buffered, a flush
-// moves ≥ WARP_BUFFER − 32 pairs per atomic.
-#define WARP_BUFFER 128
-template <class K> struct WarpBuffer {
-    K *keys;
-    u64 *ids;
-    u32 fill; // warp-uniform
-
-    __device__ __forceinline__ void flush(K *out_keys, u64 *out_ids, u64 *count, u64 cap) {
-        __syncwarp();
-        u64 base = 0;
-        if (lane_id() == 0 && fill > 0) base = atomicAdd(count, (u64)fill);
-        base = __shfl_sync(FULL_MASK, base, 0);
-        for (u32 i = lane_id(); i < fill; i += 32) {
-            if (base + i < cap) {
-                out_keys[base + i] = keys[i];
-                out_ids[base + i] = ids[i];
-            }
-        }
-        __syncwarp();
-        fill = 0;
-    }
-
-    // Every lane calls this (all 32 active).
-    __device__ __forceinline__ void push(bool keep, const K &k, u64 id, K *out_keys, u64 *out_ids, u64 *count,
-                                         u64 cap) {
-        const u32 mask = __ballot_sync(FULL_MASK, keep);
-        if (keep) {
-            const u32 slot = fill + __popc(mask & ((1u << lane_id()) - 1u));
-            keys[slot] = k;
-            ids[slot] = id;
-        }
-        fill += __popc(mask);
-        if (fill > WARP_BUFFER - 32) flush(out_keys, out_ids, count, cap);
-    }
-};
 
 // Keeps the pairs below the threshold (all of them when it is not valid yet).
 template <class K> struct BelowThreshold {

@@ -103,53 +103,6 @@ __device__ __forceinline__ u64 cmp_f64(double v) {
     return ord_f64(((u64)__double_as_longlong(v) << 1) == 0 ? 0.0 : v);
 }
 
-// ---- appends ---------------------------------------------------------------------------------
-
-// A warp's write buffer for the rows it keeps (RadiK's flush-efficient write buffer): kept
-// pairs gather in shared memory, and a full buffer goes out with one atomic on the candidate
-// counter and coalesced stores. Appending straight away took one atomic per warp and round on
-// that one counter: at k = 10^6 (1.8M appends over 250M rows, nearly one per round) the
-// atomics serialised the pass (2.2 ms where the reads take 0.65). Every lane of the warp calls
-// `append` and `flush` (the warp's state, `fill`, is uniform). Past the capacity the count still
-// grows and nothing is written: the host sees the overflow and reruns.
-#define APPEND_BUFFER 64
-template <class K> struct AppendBuffer {
-    K *keys;
-    u64 *ids;
-    u32 fill;
-
-    __device__ __forceinline__ void flush(u64 *count, u64 capacity, K *cand_keys, u64 *cand_ids) {
-        if (fill == 0) return;
-        u64 base = 0;
-        if (lane_id() == 0) base = atomicAdd(count, (u64)fill);
-        base = __shfl_sync(FULL_MASK, base, 0);
-        for (u32 t = lane_id(); t < fill; t += 32) {
-            const u64 pos = base + t;
-            if (pos < capacity) {
-                cand_keys[pos] = keys[t];
-                cand_ids[pos] = ids[t];
-            }
-        }
-        fill = 0;
-        __syncwarp();
-    }
-
-    __device__ __forceinline__ void append(bool keep, const K &key, u64 id, u64 *count, u64 capacity, K *cand_keys,
-                                           u64 *cand_ids) {
-        const u32 mask = __ballot_sync(FULL_MASK, keep);
-        if (mask == 0) return;
-        const u32 c = __popc(mask);
-        if (fill + c > APPEND_BUFFER) flush(count, capacity, cand_keys, cand_ids);
-        if (keep) {
-            const u32 slot = fill + __popc(mask & ((1u << lane_id()) - 1u));
-            keys[slot] = key;
-            ids[slot] = id;
-        }
-        fill += c;
-        __syncwarp();
-    }
-};
-
 // ---- key fields ------------------------------------------------------------------------------
 
 // ORs one field into a key held in registers: `value` (≤ 64 bits) at `shift`, and, when `bit`,

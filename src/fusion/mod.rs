@@ -356,7 +356,7 @@ __device__ __forceinline__ void fused_rows(
     const Key tk = thr->key;
     const u64 tid = thr->id;
     u32 my_passed = 0, my_error = 0;
-    AppendBuffer<Key> buffer = {{buffer_keys, buffer_ids, 0}};
+    WarpBuffer<Key> buffer = {{buffer_keys, buffer_ids, 0}};
     for (u64 j0 = (u64)blockIdx.x * (256 * ROWS); j0 < n; j0 += (u64)gridDim.x * (256 * ROWS)) {{
         bool keeps[ROWS];
         Key keys[ROWS];
@@ -398,10 +398,10 @@ __device__ __forceinline__ void fused_rows(
                 const u32 keep_mask = __ballot_sync(FULL_MASK, keeps[r]);
                 if (lane_id() == 0 && j < n) kept[j >> 5] = keep_mask;
             }}
-            buffer.append(keeps[r], keys[r], id_start + (STRIDED ? j * step : j), count, capacity, cand_keys, cand_ids);
+            buffer.push(keeps[r], keys[r], id_start + (STRIDED ? j * step : j), cand_keys, cand_ids, count, capacity);
         }}
     }}
-    buffer.flush(count, capacity, cand_keys, cand_ids);
+    buffer.flush(cand_keys, cand_ids, count, capacity);
     const u32 warp_passed = __reduce_add_sync(FULL_MASK, my_passed);
     const u32 warp_error = __reduce_or_sync(FULL_MASK, my_error);
     if (lane_id() == 0) {{
@@ -413,9 +413,9 @@ __device__ __forceinline__ void fused_rows(
 extern "C" __global__ void __launch_bounds__(256) {ENTRY}(
 {params}    u64 n, u64 step, u64 id_start, const Threshold<Key> *thr, Key *cand_keys, u64 *cand_ids, u64 *count,
     u64 capacity, u64 *passed, u32 *error, u32 *kept) {{
-    // Each warp's write buffer (fused.cuh): one counter atomic per APPEND_BUFFER appends.
-    __shared__ Key buffer_keys[8][APPEND_BUFFER];
-    __shared__ u64 buffer_ids[8][APPEND_BUFFER];
+    // Each warp's write buffer (common.cuh): one counter atomic per ~WARP_BUFFER appends.
+    __shared__ Key buffer_keys[8][WARP_BUFFER];
+    __shared__ u64 buffer_ids[8][WARP_BUFFER];
     Key *bk = buffer_keys[threadIdx.x / 32];
     u64 *bi = buffer_ids[threadIdx.x / 32];
     // The full pass over inputs without NULLs (the common case) skips every validity test.
