@@ -1058,7 +1058,8 @@ impl TopKEngine {
                 .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
         };
         let mut marks = vec![(0, event(self)?)];
-        self.reset_candidates()?;
+        // No threshold yet (the passes count in `out`, not in the engine's count).
+        self.memset_zero(self.scalars.ptr() + THRESHOLD_OFFSET, THRESHOLD_BYTES)?;
         self.memset_zero(out.ptr(), FUSED_WORDS)?;
         // At most what sample.cu's one-block threshold holds, so that it is exact.
         let sample_rows = sample_rows.min(sample_size(self.kind));
@@ -1790,9 +1791,11 @@ impl TopKEngine {
         let last = run.levels.last().expect("a planned level");
         let last_count = run.ctl.ptr() + 8 * (run.levels.len() - 1) as u64;
         if k <= small {
-            // Small k: the rank sort of the last level, enqueued before looking at the counts.
-            let out = self.alloc_pairs(small)?;
-            self.launch_rank_sort(last, last_count, small, &out, run.ctl.ptr())?;
+            // Small k: the rank sort of the last level, enqueued before looking at the counts;
+            // its grid sized to the level's buffer (more survivors overflow the level).
+            let cap = small.min(last.capacity().next_multiple_of(RANK_THREADS as usize));
+            let out = self.alloc_pairs(cap)?;
+            self.launch_rank_sort(last, last_count, cap, &out, run.ctl.ptr())?;
             run.lap("rank sort".into(), &self.stream)?;
             run.sorted_small = Some(out);
         } else if last.capacity() <= chunk_rank_max(self.kind) {
