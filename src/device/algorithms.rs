@@ -17,9 +17,11 @@
 //! - [`bitonic_select`](TopKEngine::bitonic_select): the k smallest, sorted, for
 //!   k ≤ [`bitonic_max_k`](TopKEngine::bitonic_max_k) (bitonic.cu);
 //! - [`sample_select`](TopKEngine::sample_select): SampleSelect, the k smallest through sampled
-//!   thresholds and filtering passes chained on the device, then a rank sort (sample.cu);
+//!   thresholds and filtering passes chained on the device, then a rank sort or a chunk rank
+//!   sort of the survivors on their device count (sample.cu, bitonic.cu);
 //! - [`sort`](TopKEngine::sort): bitonic sort of any number of pairs, in register tiles
-//!   (bitonic.cu);
+//!   (bitonic.cu); [`sort_pairs`](TopKEngine::sort_pairs): the sort for m pairs (a register
+//!   tile, the chunk rank sort, or the LSD radix sort of radix_sort.cu);
 //! - [`select_sorted`](TopKEngine::select_sorted): one of the selections, then sorted; or in
 //!   two steps, [`enqueue_select`](TopKEngine::enqueue_select) (a small-k sampled selection is
 //!   enqueued whole, no host round trip inside) and [`finish`](TopKEngine::finish) (reads its
@@ -1407,10 +1409,11 @@ impl TopKEngine {
     }
 
     /// Pairs `[0, m)` sorted ascending, at the start of a new buffer: one register tile's
-    /// bitonic sort when they fit one, else the LSD radix sort (radix_sort.cu). `id_bound`
-    /// bounds the row ids (every id < it; `u64::MAX` when unknown): the sort skips the
-    /// row id's bytes above it. A bound of 1 says the ids already ascend in input order: the
-    /// radix sort's stable passes then take the key's digits only.
+    /// bitonic sort when they fit one, the chunk rank sort up to [`chunk_rank_max`] pairs, else
+    /// the LSD radix sort (radix_sort.cu). `id_bound` bounds the row ids (every id < it;
+    /// `u64::MAX` when unknown): the radix sort skips the row id's bytes above it. A bound of 1
+    /// says the ids already ascend in input order: its stable passes then take the key's
+    /// digits only.
     pub fn sort_pairs(
         &self,
         input: &DevicePairs,
