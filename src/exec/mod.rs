@@ -15,7 +15,7 @@
 //! 3. The key columns go to the selector ([`crate::select`]): CPU or GPU, chosen by
 //!    [`crate::cost`]. It keeps the best `k` `(key, row id)` pairs and a running threshold.
 //! 4. Late materialisation: only the output columns of rows the selector admitted are kept
-//!    ([`row_store::RowStore`]), and pruned as the selector evicts them.
+//!    (`row_store::RowStore`), and pruned as the selector evicts them.
 //! 5. When the input ends, the winners' rows are gathered in order, `OFFSET` applied.
 //!
 //! The running threshold is published through a [`DynamicFilterPhysicalExpr`] that DataFusion's
