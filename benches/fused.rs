@@ -283,7 +283,7 @@ async fn main() -> Result<()> {
                 let timer =
                     GpuTimer::start(engine.stream()).map_err(|e| bench_error(e.to_string()))?;
                 let sample = if fused { sample_rows } else { 0 };
-                let report = resident.run(engine, &kernel, k, algorithm, sample)?;
+                let (_, _, report) = resident.run(engine, &kernel, k, algorithm, sample)?;
                 let ms = f64::from(timer.stop().map_err(|e| bench_error(e.to_string()))?);
                 Ok((ms, report))
             };

@@ -155,25 +155,15 @@ impl ResidentColumns {
         algorithm: DeviceAlgorithm,
         sample_rows: usize,
     ) -> Result<(Vec<u64>, FusedReport)> {
-        let (sorted, m, report) = self.select(engine, kernel, k, algorithm, sample_rows)?;
+        let (sorted, m, report) = self.run(engine, kernel, k, algorithm, sample_rows)?;
         let ids = engine.download_ids(&sorted, m).map_err(gpu_error)?;
         Ok((ids, report))
     }
 
-    /// The selection of [`top_k`](Self::top_k) without reading its result back, for timing:
-    /// the host waits only where the selection itself does.
+    /// The selection of [`top_k`](Self::top_k) without reading its result back (for timing:
+    /// the host waits only where the selection itself does): the sorted pairs on the device,
+    /// how many of them are the result, and the report.
     pub fn run(
-        &self,
-        engine: &mut TopKEngine,
-        kernel: &GeneratedKernel,
-        k: usize,
-        algorithm: DeviceAlgorithm,
-        sample_rows: usize,
-    ) -> Result<FusedReport> {
-        Ok(self.select(engine, kernel, k, algorithm, sample_rows)?.2)
-    }
-
-    fn select(
         &self,
         engine: &mut TopKEngine,
         kernel: &GeneratedKernel,
