@@ -115,3 +115,45 @@ template <class K> __device__ __forceinline__ void or_field(K &k, u64 value, int
         k.w[j] |= (typename K::Word)(shifted_word(v, shift, j) | (bit ? shifted_word(one, bit_pos, j) : 0ull));
     }
 }
+
+// ---- row loads -------------------------------------------------------------------------------
+
+// N consecutive values of a column from p, in as few loads as the vector widths allow (one
+// 16-byte load for four 32-bit values, where four scalar loads took four load instructions and
+// four address computations: the pass over narrow columns was bound by instruction issue).
+// p is aligned to min(16, N · sizeof(T)) bytes; the generated entry kernel checks that.
+template <class T, int N> __device__ __forceinline__ void load_rows(const T *p, T (&out)[N]) {
+    constexpr int BYTES = N * (int)sizeof(T);
+    if constexpr (BYTES % 16 == 0) {
+        constexpr int PER = 16 / (int)sizeof(T);
+#pragma unroll
+        for (int v = 0; v < BYTES / 16; ++v) {
+            union {
+                uint4 w;
+                T t[PER];
+            } u;
+            u.w = reinterpret_cast<const uint4 *>(p)[v];
+#pragma unroll
+            for (int e = 0; e < PER; ++e) out[v * PER + e] = u.t[e];
+        }
+    } else if constexpr (BYTES == 8) {
+        union {
+            uint2 w;
+            T t[N];
+        } u;
+        u.w = *reinterpret_cast<const uint2 *>(p);
+#pragma unroll
+        for (int e = 0; e < N; ++e) out[e] = u.t[e];
+    } else if constexpr (BYTES == 4) {
+        union {
+            u32 w;
+            T t[N];
+        } u;
+        u.w = *reinterpret_cast<const u32 *>(p);
+#pragma unroll
+        for (int e = 0; e < N; ++e) out[e] = u.t[e];
+    } else {
+#pragma unroll
+        for (int e = 0; e < N; ++e) out[e] = p[e];
+    }
+}

@@ -289,7 +289,11 @@ fn kernel_source(
         KeyKind::K128 | KeyKind::K256 => 2,
     };
     // Per input: the rows' values fetched first (arrays over the round's rows), then taken.
+    // `fetch` reads row i; with consecutive rows per thread, `fetch_vector` loads a plain
+    // column's values for all of them at once and `fetch_rest` reads the rest per row.
     let (mut declare, mut fetch, mut take) = (String::new(), String::new(), String::new());
+    let (mut fetch_vector, mut fetch_rest) = (String::new(), String::new());
+    let mut aligned = Vec::new();
     for l in loads {
         let (t, v, nv) = (&l.ctype, &l.value, &l.valid);
         let _ = writeln!(
@@ -301,11 +305,33 @@ fn kernel_source(
             "                {v}_r[r] = {};\n                {nv}_r[r] = !NULLS || ({});",
             l.read, l.valid_read
         );
+        match l.vector {
+            Some((p, bytes)) => {
+                let _ = writeln!(
+                    fetch_vector,
+                    "            load_rows<{t}, ROWS>((const {t} *)c{p} + jb, {v}_r);"
+                );
+                aligned.push(format!("(u64)c{p} % {} == 0", (rows * bytes).min(16)));
+            }
+            None => {
+                let _ = writeln!(fetch_rest, "                {v}_r[r] = {};", l.read);
+            }
+        }
+        let _ = writeln!(
+            fetch_rest,
+            "                {nv}_r[r] = !NULLS || ({});",
+            l.valid_read
+        );
         let _ = writeln!(
             take,
             "            const {t} {v} = {v}_r[r];\n            const bool {nv} = {nv}_r[r];"
         );
     }
+    let aligned = if aligned.is_empty() {
+        "true".to_string()
+    } else {
+        aligned.join(" && ")
+    };
     let any_nulls = if loads.is_empty() {
         "false".to_string()
     } else {
@@ -347,8 +373,10 @@ typedef {key} Key;
 // input has a validity bitmap. Each thread
 // takes ROWS rows per round and issues every input load of them before evaluating anything,
 // so that their loads are in flight together; counts and error flags stay in registers until
-// the end (no barrier per round).
-template <bool STRIDED, bool NULLS>
+// the end (no barrier per round). A block's round covers 256 · ROWS rows: with VEC a thread's
+// ROWS rows are consecutive and each plain column's values come in one vector load
+// (`load_rows`), else row r of the round is r · 256 + the thread (coalesced scalar loads).
+template <bool STRIDED, bool NULLS, bool VEC>
 __device__ __forceinline__ void fused_rows(
 {params}    u64 n, u64 step, u64 id_start, const Threshold<Key> *thr, Key *cand_keys, u64 *cand_ids, u64 *count,
     u64 capacity, u64 *passed, u32 *error, u32 *kept, Key *buffer_keys, u64 *buffer_ids) {{
@@ -360,16 +388,24 @@ __device__ __forceinline__ void fused_rows(
     for (u64 j0 = (u64)blockIdx.x * (256 * ROWS); j0 < n; j0 += (u64)gridDim.x * (256 * ROWS)) {{
         bool keeps[ROWS];
         Key keys[ROWS];
-{declare}#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {{
-            const u64 j = j0 + (u64)r * 256 + threadIdx.x;
+{declare}        const u64 jb = j0 + (u64)threadIdx.x * ROWS; // VEC: the thread's first row
+        if (VEC && jb + ROWS <= n) {{
+{fetch_vector}#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {{
+                const u64 i = jb + r;
+{fetch_rest}            }}
+        }} else {{
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {{
+            const u64 j = VEC ? jb + r : j0 + (u64)r * 256 + threadIdx.x;
             const u64 i = STRIDED ? j * step : j;
             if (j < n) {{
 {fetch}            }}
+            }}
         }}
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {{
-            const u64 j = j0 + (u64)r * 256 + threadIdx.x;
+            const u64 j = VEC ? jb + r : j0 + (u64)r * 256 + threadIdx.x;
             const u64 i = STRIDED ? j * step : j;
             const u64 id = id_start + i;
             bool pass = false, keep = false, bad = false, ambiguous = false, host_only = false;
@@ -391,10 +427,21 @@ __device__ __forceinline__ void fused_rows(
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) any_keep |= keeps[r];
         if (kept == nullptr && !__any_sync(FULL_MASK, any_keep)) continue;
+        if (VEC && kept != nullptr) {{
+            // The warp's 32 · ROWS consecutive rows: 32 / ROWS lanes fill a word, ROWS bits each.
+            constexpr u32 PER = 32 / ROWS;
+            u32 word = 0;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) word |= (u32)keeps[r] << (ROWS * (lane_id() % PER) + r);
+#pragma unroll
+            for (u32 o = 1; o < PER; o <<= 1) word |= __shfl_xor_sync(FULL_MASK, word, o);
+            const u64 first = j0 + (u64)(threadIdx.x & ~31u) * ROWS + (u64)(lane_id() / PER) * 32;
+            if (lane_id() % PER == 0 && first < n) kept[first >> 5] = word;
+        }}
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {{
-            const u64 j = j0 + (u64)r * 256 + threadIdx.x;
-            if (kept != nullptr) {{
+            const u64 j = VEC ? jb + r : j0 + (u64)r * 256 + threadIdx.x;
+            if (!VEC && kept != nullptr) {{
                 const u32 keep_mask = __ballot_sync(FULL_MASK, keeps[r]);
                 if (lane_id() == 0 && j < n) kept[j >> 5] = keep_mask;
             }}
@@ -418,13 +465,16 @@ extern "C" __global__ void __launch_bounds__(256) {ENTRY}(
     __shared__ u64 buffer_ids[8][WARP_BUFFER];
     Key *bk = buffer_keys[threadIdx.x / 32];
     u64 *bi = buffer_ids[threadIdx.x / 32];
-    // The full pass over inputs without NULLs (the common case) skips every validity test.
+    // The full pass loads a thread's rows by vectors where the columns are aligned for them,
+    // and over inputs without NULLs (the common case) skips every validity test.
     if (step != 1) {{
-        fused_rows<true, true>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
+        fused_rows<true, true, false>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
+    }} else if (!({aligned})) {{
+        fused_rows<false, true, false>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
     }} else if ({any_nulls}) {{
-        fused_rows<false, true>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
+        fused_rows<false, true, true>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
     }} else {{
-        fused_rows<false, false>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
+        fused_rows<false, false, true>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
     }}
 }}
 "#

@@ -86,6 +86,17 @@ impl CType {
         }
     }
 
+    /// Bytes of one value in device memory (`Bool`: bit-packed, 0).
+    pub fn bytes(self) -> usize {
+        match self {
+            CType::Bool => 0,
+            CType::I8 | CType::U8 => 1,
+            CType::I16 | CType::U16 => 2,
+            CType::I32 | CType::U32 | CType::F32 => 4,
+            CType::I64 | CType::U64 | CType::F64 => 8,
+        }
+    }
+
     /// Suffix of the fused.cuh helpers (`ord_i32`, `add_f64`, …).
     fn suffix(self) -> &'static str {
         match self {
@@ -188,6 +199,9 @@ pub struct Load {
     /// The read of row `i`.
     pub read: String,
     pub valid_read: String,
+    /// For a plain column read: its kernel input and element bytes, so that a thread's
+    /// consecutive rows come in one vector load (fused.cuh `load_rows`).
+    pub vector: Option<(usize, usize)>,
 }
 
 impl<'a> Emitter<'a> {
@@ -230,9 +244,12 @@ impl<'a> Emitter<'a> {
         let (value, valid) = (format!("x{p}"), format!("x{p}v"));
         if !self.loaded.contains(&p) {
             self.loaded.push(p);
-            let read = match ctype {
-                CType::Bool => format!("get_bit(c{p}, c{p}_bit + i)"),
-                t => format!("((const {} *)c{p})[i]", t.name()),
+            let (read, vector) = match ctype {
+                CType::Bool => (format!("get_bit(c{p}, c{p}_bit + i)"), None),
+                t => (
+                    format!("((const {} *)c{p})[i]", t.name()),
+                    Some((p, t.bytes())),
+                ),
             };
             self.loads.push(Load {
                 ctype: ctype.name().to_string(),
@@ -242,6 +259,7 @@ impl<'a> Emitter<'a> {
                 valid_read: format!(
                     "c{p}_valid == nullptr || get_bit(c{p}_valid, c{p}_valid_bit + i)"
                 ),
+                vector,
             });
         }
         (value, valid)
