@@ -297,6 +297,176 @@ __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in
     }
 }
 
+// Pairs per thread of a wide-tile pass (rsort_pass_wide): four times SortItems, a tile of 8192
+// pairs for keys of up to 64 bits (4096 for 128-bit, 2048 for 256-bit keys).
+template <class K> struct WideItems {
+    enum { V = 4 * SortItems<K>::V };
+};
+
+// Digit (8 bits at lo) of the word that holds it: a key (lo ≥ 64) or a row id.
+template <class K> __device__ __forceinline__ u32 word_digit(const K &k, int lo) { return vbits(k, 0ull, lo, 8); }
+__device__ __forceinline__ u32 word_digit(u64 id, int lo) { return (u32)(id >> lo) & 0xffu; }
+
+// Loads the warp's ITEMS words of `src` (item i of lane l at first + 32·i + l) and ranks them
+// by digit, stably: each item's digit (RSORT_RADIX past the end) and its rank among the warp's
+// earlier items of that digit; `warp_hist` (this warp's row) counts them.
+template <class W, int ITEMS>
+__device__ __forceinline__ void rank_words(const W *src, u64 first, u64 m, int lo, u32 *warp_hist, W (&w)[ITEMS],
+                                           u32 (&digit)[ITEMS], u32 (&rank)[ITEMS]) {
+    const u32 lanes_below = (1u << lane_id()) - 1u;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const u64 g = first + 32ull * i;
+        if (g < m) w[i] = src[g];
+    }
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        digit[i] = first + 32ull * i < m ? word_digit(w[i], lo) : RSORT_RADIX;
+        const u32 peers = match_digit(digit[i]);
+        const u32 before = warp_hist[digit[i]];
+        rank[i] = before + __popc(peers & lanes_below);
+        __syncwarp();
+        if ((peers & lanes_below) == 0) warp_hist[digit[i]] = before + __popc(peers);
+        __syncwarp();
+    }
+}
+
+// Moves the warp's ITEMS words of `src` (as rank_words loaded them) to their slots of the
+// tile reordered by digit.
+template <class W, int ITEMS>
+__device__ __forceinline__ void place_words(const W *src, u64 first, u64 m, W *dst, const u32 (&slot)[ITEMS]) {
+    W w[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        if (first + 32ull * i < m) w[i] = src[first + 32ull * i];
+    }
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        if (first + 32ull * i < m) dst[slot[i]] = w[i];
+    }
+}
+
+// rsort_pass over tiles of RSORT_THREADS × WideItems pairs, for inputs of a few hundred
+// thousand pairs and more. With 2048-pair tiles, a pass over 1M pairs has 512 tiles in one
+// wave whose look-back saturated the L2 (35–45 µs a pass, H100); a quarter of the tiles cut
+// the look-back traffic by about 8× (fewer tiles, each finding an inclusive prefix in fewer
+// rounds). The tile lives in dynamic shared memory (96–128 KiB), so a block holds only the
+// word that carries the digit in registers: it ranks those, places them in shared memory, then
+// loads the other word of each pair straight into its slot. Its counts are published as soon
+// as they are known, before the placing, so that later tiles' look-backs wait less.
+template <class K>
+__device__ void rsort_pass_wide(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, K *tmp_keys,
+                                u64 *tmp_ids, K *out_keys, u64 *out_ids, u64 m, const u32 *offsets, const u32 *plan,
+                                u32 *lookback, u32 *tickets) {
+    constexpr int ITEMS = WideItems<K>::V;
+    constexpr u32 TILE = RSORT_THREADS * ITEMS;
+    __shared__ u32 warp_hist[RSORT_WARPS][RSORT_RADIX + 1];
+    __shared__ u32 tile_start[RSORT_RADIX];
+    __shared__ u32 global_start[RSORT_RADIX];
+    __shared__ u32 s_tile;
+    extern __shared__ __align__(16) u8 wide_tile[];
+    K *s_keys = reinterpret_cast<K *>(wide_tile);
+    u64 *s_ids = reinterpret_cast<u64 *>(wide_tile + (u64)TILE * sizeof(K));
+    const u32 pw = plan[p];
+    if (!(pw & PLAN_RUN)) return;
+    const u32 src = (pw >> 1) & 3u, dst = (pw >> 3) & 3u;
+    const K *sk = src == 0 ? in_keys : src == 1 ? tmp_keys : out_keys;
+    const u64 *si = src == 0 ? in_ids : src == 1 ? tmp_ids : out_ids;
+    K *dk = dst == 1 ? tmp_keys : out_keys;
+    u64 *di = dst == 1 ? tmp_ids : out_ids;
+
+    if (threadIdx.x == 0) s_tile = atomicAdd(&tickets[p], 1u);
+    for (u32 i = threadIdx.x; i < RSORT_WARPS * (RSORT_RADIX + 1); i += RSORT_THREADS) (&warp_hist[0][0])[i] = 0;
+    __syncthreads();
+    const u32 tile = s_tile;
+    const int lo = digit_lo((int)p, (int)id_digits);
+    const bool key_digit = lo >= 64;
+    const u32 warp = threadIdx.x / 32;
+    const u64 first = (u64)tile * TILE + (u64)warp * 32 * ITEMS + lane_id();
+    u32 digit[ITEMS], rank[ITEMS];
+    // The digit's word stays in registers until its slot is known.
+    K kw[ITEMS];
+    u64 iw[ITEMS];
+    if (key_digit) {
+        rank_words<K, ITEMS>(sk, first, m, lo, warp_hist[warp], kw, digit, rank);
+    } else {
+        rank_words<u64, ITEMS>(si, first, m, lo, warp_hist[warp], iw, digit, rank);
+    }
+    __syncthreads();
+    const u32 d = threadIdx.x; // one digit per thread
+    u32 count = 0;
+#pragma unroll
+    for (int w = 0; w < RSORT_WARPS; ++w) {
+        const u32 c = warp_hist[w][d];
+        warp_hist[w][d] = count;
+        count += c;
+    }
+    u32 *mine = lookback + (u64)tile * RSORT_RADIX + d;
+    st_relaxed(mine, (tile == 0 ? LOOKBACK_INCLUSIVE : LOOKBACK_AGGREGATE) | count);
+    tile_start[d] = block_exclusive_sum(count);
+    __syncthreads();
+    u32 slot[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        slot[i] = digit[i] < RSORT_RADIX ? tile_start[digit[i]] + warp_hist[warp][digit[i]] + rank[i] : 0u;
+    }
+    if (key_digit) {
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            if (digit[i] < RSORT_RADIX) s_keys[slot[i]] = kw[i];
+        }
+        place_words<u64, ITEMS>(si, first, m, s_ids, slot);
+    } else {
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            if (digit[i] < RSORT_RADIX) s_ids[slot[i]] = iw[i];
+        }
+        place_words<K, ITEMS>(sk, first, m, s_keys, slot);
+    }
+    u32 before = 0;
+    if (tile != 0) {
+        // As rsort_pass; a tile that meets a count not yet published waits on that word alone
+        // rather than reloading the window.
+        i64 j = (i64)tile - 1;
+        while (true) {
+            u32 v[LOOKBACK_WINDOW];
+#pragma unroll
+            for (int w = 0; w < LOOKBACK_WINDOW; ++w) v[w] = j - w >= 0 ? ld_relaxed(mine - (tile - (j - w)) * RSORT_RADIX) : 0u;
+            bool found = false, waiting = false;
+            i64 used = 0;
+#pragma unroll
+            for (int w = 0; w < LOOKBACK_WINDOW; ++w) {
+                if (found || waiting) continue;
+                if ((v[w] & (LOOKBACK_AGGREGATE | LOOKBACK_INCLUSIVE)) == 0) {
+                    waiting = true;
+                    continue;
+                }
+                before += v[w] & LOOKBACK_VALUE;
+                ++used;
+                found = (v[w] & LOOKBACK_INCLUSIVE) != 0;
+            }
+            if (found) break;
+            j -= used;
+            if (waiting) {
+                const u32 *word = mine - (tile - j) * RSORT_RADIX;
+                while ((ld_relaxed(word) & (LOOKBACK_AGGREGATE | LOOKBACK_INCLUSIVE)) == 0) __nanosleep(32);
+            }
+        }
+        st_relaxed(mine, LOOKBACK_INCLUSIVE | (before + count));
+    }
+    global_start[d] = offsets[p * RSORT_RADIX + d] + before;
+    __syncthreads();
+    const u32 valid = (u32)min((u64)TILE, m - (u64)tile * TILE);
+    for (u32 t = threadIdx.x; t < valid; t += RSORT_THREADS) {
+        const K kk = s_keys[t];
+        const u64 ii = s_ids[t];
+        const u32 dd = vbits(kk, ii, lo, 8);
+        const u32 pos = global_start[dd] + (t - tile_start[dd]);
+        dk[pos] = kk;
+        di[pos] = ii;
+    }
+}
+
 // Reduce-then-scan, for passes over many tiles: there every tile of the one wave would spin
 // in the look-back at once, and the look-back's loads (256 digits × a window of tiles, per
 // tile and round trip) saturated the L2: 35–45 µs per pass over 1.1M pairs (ncu, H100).
@@ -376,6 +546,15 @@ extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
                       lookback + (u64)p * (((m + SortItems<K>::V * RSORT_THREADS - 1) /                           \
                                             (SortItems<K>::V * RSORT_THREADS)) * RSORT_RADIX),                    \
                       tickets, tile_offsets);                                                                     \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
+        rsort_pass_wide_##S(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, K *tmp_keys, u64 *tmp_ids, \
+                            K *out_keys, u64 *out_ids, u64 m, const u32 *offsets, const u32 *plan, u32 *lookback, \
+                            u32 *tickets) {                                                                       \
+        rsort_pass_wide<K>(p, id_digits, in_keys, in_ids, tmp_keys, tmp_ids, out_keys, out_ids, m, offsets, plan, \
+                           lookback + (u64)p * (((m + WideItems<K>::V * RSORT_THREADS - 1) /                      \
+                                                 (WideItems<K>::V * RSORT_THREADS)) * RSORT_RADIX),               \
+                           tickets);                                                                              \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
         rsort_count_##S(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, const K *tmp_keys,             \

@@ -338,6 +338,10 @@ pub const RADIX_SORT_MAX: usize = 1 << 30;
 /// look-back; larger ones reduce-then-scan (three kernels, no spinning: the look-back of a
 /// 555-tile pass saturated the L2, radix_sort.cu).
 pub const ONESWEEP_MAX_TILES: usize = 64;
+/// Passes over more tiles than `ONESWEEP_MAX_TILES`, but at most this many wide tiles
+/// ([`radix_sort_wide_tile`]), run Onesweep's single kernel on wide tiles
+/// (radix_sort.cu `rsort_pass_wide`): up to 1.5M pairs of 64-bit keys.
+pub const ONESWEEP_WIDE_MAX_TILES: usize = 192;
 
 /// Pairs per tile of a radix sort pass (radix_sort.cu: `RSORT_THREADS` × `SortItems`).
 pub fn radix_sort_tile(kind: KeyKind) -> usize {
@@ -347,6 +351,12 @@ pub fn radix_sort_tile(kind: KeyKind) -> usize {
         KeyKind::K256 => 2,
     };
     RSORT_THREADS as usize * items
+}
+
+/// Pairs per tile of a wide radix sort pass (radix_sort.cu `WideItems`): four times
+/// [`radix_sort_tile`].
+pub fn radix_sort_wide_tile(kind: KeyKind) -> usize {
+    4 * radix_sort_tile(kind)
 }
 
 /// Threads of the sort kernels' blocks (bitonic.cu `SORT_THREADS`).
@@ -1505,9 +1515,10 @@ impl TopKEngine {
     }
 
     /// LSD radix sort of pairs `[0, m)` (radix_sort.cu): one histogram kernel, then per digit
-    /// position of the (key, row id) integer one Onesweep pass kernel (few tiles) or a count,
-    /// scan and scatter kernel (many); the device skips the positions in which every pair has
-    /// the same digit. The input is left as it was.
+    /// position of the (key, row id) integer one Onesweep pass kernel (up to
+    /// `ONESWEEP_MAX_TILES` tiles, or `ONESWEEP_WIDE_MAX_TILES` wide ones) or a count, scan
+    /// and scatter kernel (more); the device skips the positions in which every pair has the
+    /// same digit. The input is left as it was.
     pub fn radix_sort(
         &self,
         input: &DevicePairs,
@@ -1518,7 +1529,10 @@ impl TopKEngine {
         let id_digits = id_bits.div_ceil(8) as usize;
         let positions = id_digits + self.kind.bits() as usize / 8;
         let tile = radix_sort_tile(self.kind);
-        let tiles = m.div_ceil(tile);
+        let wide_tile = radix_sort_wide_tile(self.kind);
+        let wide = m.div_ceil(tile) > ONESWEEP_MAX_TILES
+            && m.div_ceil(wide_tile) <= ONESWEEP_WIDE_MAX_TILES;
+        let tiles = m.div_ceil(if wide { wide_tile } else { tile });
         // Control block: per position 256 bucket offsets, a plan word and a tile ticket; the
         // histogram kernel's block counter.
         let hist_bytes = positions * 256 * 4;
@@ -1529,7 +1543,7 @@ impl TopKEngine {
         let ctl = self.device.pool.alloc(ctl_bytes, &self.stream)?;
         self.memset_zero(ctl.ptr(), ctl_bytes)?;
         // Few tiles: one Onesweep kernel per pass (look-back); many: reduce-then-scan, three.
-        let onesweep = tiles <= ONESWEEP_MAX_TILES;
+        let onesweep = wide || tiles <= ONESWEEP_MAX_TILES;
         let lookback_words = if onesweep { positions * tiles * 256 } else { 0 };
         let lookback = self
             .device
@@ -1545,7 +1559,7 @@ impl TopKEngine {
         let hist = self.kernel("rsort_hist");
         // Two blocks per SM: each block flushes up to 256 counters per digit position with
         // global atomics, which serialise per counter across blocks.
-        let grid = (2 * self.device.sm_count).min(tiles) as u32;
+        let grid = (2 * self.device.sm_count).min(m.div_ceil(tile)) as u32;
         self.launch(
             &hist,
             grid,
@@ -1564,6 +1578,8 @@ impl TopKEngine {
             ],
         )?;
         let pass = self.kernel("rsort_pass");
+        let pass_wide = self.kernel("rsort_pass_wide");
+        let wide_shared = wide_tile * self.kind.pair_bytes();
         let count = self.kernel("rsort_count");
         let tile_offsets = counts.as_ref().map_or(0, |c| c.ptr());
         for p in 0..positions {
@@ -1600,6 +1616,30 @@ impl TopKEngine {
                         ctl.ptr()
                     ],
                 )?;
+            }
+            if wide {
+                self.launch(
+                    &pass_wide,
+                    tiles as u32,
+                    RSORT_THREADS,
+                    wide_shared,
+                    args![
+                        p as u32,
+                        id_digits as u32,
+                        input.key_at(0),
+                        input.id_at(0),
+                        tmp.key_at(0),
+                        tmp.id_at(0),
+                        out.key_at(0),
+                        out.id_at(0),
+                        m,
+                        ctl.ptr(),
+                        ctl.ptr() + plan_off,
+                        lookback.ptr(),
+                        ctl.ptr() + tickets_off
+                    ],
+                )?;
+                continue;
             }
             self.launch(
                 &pass,

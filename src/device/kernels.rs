@@ -74,7 +74,7 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
     ("sample.cu", &["sample_threshold", "filter_pairs"]),
     (
         "radix_sort.cu",
-        &["rsort_hist", "rsort_pass", "rsort_count"],
+        &["rsort_hist", "rsort_pass", "rsort_pass_wide", "rsort_count"],
     ),
     ("delegate.cu", &["delegate_min", "delegate_gather"]),
 ];
@@ -93,6 +93,7 @@ const LARGE_SHARED: &[&str] = &[
     "bitonic_merge_local",
     "bitonic_chunk_sort",
     "bitonic_chunk_rank",
+    "rsort_pass_wide",
 ];
 
 /// Suffixes of the key types, see `INSTANTIATE_KEYS` in common.cuh.
