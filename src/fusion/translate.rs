@@ -535,6 +535,49 @@ impl<'a> Emitter<'a> {
         }
     }
 
+    /// `column = 'literal'`, `column IN ('literals')` or an `OR` of these on one dictionary-encoded
+    /// string column: the column, its codes' type and the values. Such an `OR` is exactly
+    /// `column IN (all the values)` in SQL's three-valued logic: TRUE where the row's value is
+    /// one of them, else NULL where it or a listed value is NULL, else FALSE.
+    fn dictionary_membership(
+        &self,
+        expr: &Arc<dyn PhysicalExpr>,
+    ) -> Option<(usize, CType, Vec<Option<String>>)> {
+        if let Some(in_list) = expr.downcast_ref::<InListExpr>() {
+            if in_list.negated() {
+                return None;
+            }
+            let (c, codes) = self.dictionary_column(in_list.expr())?;
+            let values = in_list
+                .list()
+                .iter()
+                .map(string_literal)
+                .collect::<Option<Vec<_>>>()?;
+            return Some((c, codes, values));
+        }
+        let binary = expr.downcast_ref::<BinaryExpr>()?;
+        match *binary.op() {
+            Operator::Eq => [
+                (binary.left(), binary.right()),
+                (binary.right(), binary.left()),
+            ]
+            .into_iter()
+            .find_map(|(column, literal)| {
+                let (c, codes) = self.dictionary_column(column)?;
+                Some((c, codes, vec![string_literal(literal)?]))
+            }),
+            Operator::Or => {
+                let (c, codes, mut values) = self.dictionary_membership(binary.left())?;
+                let (c2, _, more) = self.dictionary_membership(binary.right())?;
+                (c == c2).then(|| {
+                    values.extend(more);
+                    (c, codes, values)
+                })
+            }
+            _ => None,
+        }
+    }
+
     /// `column [NOT] IN (values)` (also `=` and `<>` with one value) on a dictionary-encoded
     /// string column: the row's code looked up in the host's per-entry match mask. NULL when
     /// the code or its entry is NULL, or when nothing matched and a value is NULL (SQL's IN).
@@ -791,6 +834,12 @@ impl<'a> Emitter<'a> {
             return Err(format!("{expr} fails on overflow"));
         }
         let op = *binary.op();
+        if op == Operator::Or
+            && let Some((c, codes, values)) = self.dictionary_membership(expr)
+        {
+            // One lookup per row, where each side's own mask took one.
+            return Ok(self.dictionary_in(c, codes, values, false));
+        }
         if matches!(op, Operator::Eq | Operator::NotEq) {
             for (column, literal) in [
                 (binary.left(), binary.right()),
