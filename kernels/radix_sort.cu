@@ -297,10 +297,12 @@ __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in
     }
 }
 
-// Pairs per thread of a wide-tile pass (rsort_pass_wide): four times SortItems, a tile of 8192
-// pairs for keys of up to 64 bits (4096 for 128-bit, 2048 for 256-bit keys).
+// Pairs per thread of a wide-tile pass (rsort_pass_wide): twice SortItems, a tile of 4096 pairs
+// for keys of up to 64 bits (2048 for 128-bit, 1024 for 256-bit keys). Four times SortItems
+// took 206 registers (one block of 8 warps per SM) and code that missed the instruction cache
+// (43% of the stalls, ncu): 27 µs a pass over 1M pairs.
 template <class K> struct WideItems {
-    enum { V = 4 * SortItems<K>::V };
+    enum { V = 2 * SortItems<K>::V };
 };
 
 // Digit (8 bits at lo) of the word that holds it: a key (lo ≥ 64) or a row id.
@@ -348,9 +350,9 @@ __device__ __forceinline__ void place_words(const W *src, u64 first, u64 m, W *d
 
 // rsort_pass over tiles of RSORT_THREADS × WideItems pairs, for inputs of a few hundred
 // thousand pairs and more. With 2048-pair tiles, a pass over 1M pairs has 512 tiles in one
-// wave whose look-back saturated the L2 (35–45 µs a pass, H100); a quarter of the tiles cut
-// the look-back traffic by about 8× (fewer tiles, each finding an inclusive prefix in fewer
-// rounds). The tile lives in dynamic shared memory (96–128 KiB), so a block holds only the
+// wave whose look-back saturated the L2 (35–45 µs a pass, H100); half the tiles cut the
+// look-back traffic by about 3× (fewer tiles, each finding an inclusive prefix in fewer
+// rounds). The tile lives in dynamic shared memory (40–64 KiB), so a block holds only the
 // word that carries the digit in registers: it ranks those, places them in shared memory, then
 // loads the other word of each pair straight into its slot. Its counts are published as soon
 // as they are known, before the placing, so that later tiles' look-backs wait less.
@@ -547,7 +549,7 @@ extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
                                             (SortItems<K>::V * RSORT_THREADS)) * RSORT_RADIX),                    \
                       tickets, tile_offsets);                                                                     \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
+    extern "C" __global__ void __launch_bounds__(RSORT_THREADS, 2)                                                \
         rsort_pass_wide_##S(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, K *tmp_keys, u64 *tmp_ids, \
                             K *out_keys, u64 *out_ids, u64 m, const u32 *offsets, const u32 *plan, u32 *lookback, \
                             u32 *tickets) {                                                                       \

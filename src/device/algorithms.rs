@@ -341,7 +341,7 @@ pub const ONESWEEP_MAX_TILES: usize = 64;
 /// Passes over more tiles than `ONESWEEP_MAX_TILES`, but at most this many wide tiles
 /// ([`radix_sort_wide_tile`]), run Onesweep's single kernel on wide tiles
 /// (radix_sort.cu `rsort_pass_wide`): up to 1.5M pairs of 64-bit keys.
-pub const ONESWEEP_WIDE_MAX_TILES: usize = 192;
+pub const ONESWEEP_WIDE_MAX_TILES: usize = 384;
 
 /// Pairs per tile of a radix sort pass (radix_sort.cu: `RSORT_THREADS` × `SortItems`).
 pub fn radix_sort_tile(kind: KeyKind) -> usize {
@@ -353,10 +353,10 @@ pub fn radix_sort_tile(kind: KeyKind) -> usize {
     RSORT_THREADS as usize * items
 }
 
-/// Pairs per tile of a wide radix sort pass (radix_sort.cu `WideItems`): four times
+/// Pairs per tile of a wide radix sort pass (radix_sort.cu `WideItems`): twice
 /// [`radix_sort_tile`].
 pub fn radix_sort_wide_tile(kind: KeyKind) -> usize {
-    4 * radix_sort_tile(kind)
+    2 * radix_sort_tile(kind)
 }
 
 /// Threads of the sort kernels' blocks (bitonic.cu `SORT_THREADS`).
