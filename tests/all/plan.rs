@@ -562,7 +562,7 @@ fn the_calibration_is_cached_and_can_be_forced() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The model against the committed H100 grid (benches/results, session 8): replayed with the
+/// The model against the committed H100 grid (benches/results, session 9): replayed with the
 /// committed calibration, its choices and predictions meet the cost-model issue's targets. A
 /// change to the model's structure that loses accuracy fails here, without a GPU.
 #[test]
@@ -570,9 +570,9 @@ fn the_model_meets_its_targets_on_the_recorded_h100_grid() {
     use datafusion_gpu_topk::cost::calibration::model_from_file;
     use datafusion_gpu_topk::cost::validation::{assess, parse_grid_csv};
     let dir = std::path::Path::new("benches/results");
-    let model = model_from_file(&dir.join("2026-11-22-s8-calibration-h100.txt"))
+    let model = model_from_file(&dir.join("2026-11-22-s9-calibration-h100.txt"))
         .expect("the recorded calibration parses");
-    let text = std::fs::read_to_string(dir.join("2026-11-22-s8-cost-model-grid.csv")).unwrap();
+    let text = std::fs::read_to_string(dir.join("2026-11-22-s9-cost-model-grid.csv")).unwrap();
     let points = parse_grid_csv(&text).unwrap();
     assert_eq!(points.len(), 1566);
     let predicted: Vec<Option<f64>> = points.iter().map(|p| p.predict(&model)).collect();
