@@ -12,7 +12,7 @@ use datafusion_gpu_topk::datasets::{QUERIES, TABLE_NAME, TweetsSpec, tweets_mem_
 use datafusion_gpu_topk::device::kernels::{
     GENERATED_OPTIONS, KernelSources, compile_program, nvrtc_available,
 };
-use datafusion_gpu_topk::fusion::Part;
+use datafusion_gpu_topk::fusion::{FusedProgram, KernelInput, Part};
 use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
 
 use crate::common::{physical_plan, register};
@@ -229,6 +229,55 @@ async fn tweet_queries_run_their_predicates_and_keys_on_the_gpu() {
             "{name}: {sql}"
         );
         compile_or_skip(name, &source.expect("keys on the GPU"));
+    }
+}
+
+/// An OR of equalities and IN lists on one dictionary column becomes one mask of the entries
+/// (one lookup per row); a negated list or an operand that is not a membership test stays
+/// separate.
+#[tokio::test]
+async fn an_or_of_string_equalities_on_one_dictionary_column_is_one_lookup() {
+    let ctx = planning_session();
+    let table = tweets_mem_table(&TweetsSpec::new(1000), 2).unwrap();
+    ctx.register_table(TABLE_NAME, table).unwrap();
+    let masks = |program: &FusedProgram| -> Vec<Vec<String>> {
+        program
+            .inputs
+            .iter()
+            .filter_map(|i| match i {
+                KernelInput::DictionaryMatch { values, .. } => Some(values.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    for (predicate, want) in [
+        ("lang = 'en' OR lang = 'es'", vec![vec!["en", "es"]]),
+        (
+            "lang = 'ja' OR lang IN ('es', 'en') OR 'fr' = lang",
+            vec![vec!["en", "es", "fr", "ja"]],
+        ),
+        (
+            "lang = 'en' OR lang NOT IN ('es')",
+            vec![vec!["en"], vec!["es"]],
+        ),
+        (
+            "lang = 'en' OR (lang = 'es' AND retweet_count > 3)",
+            vec![vec!["en"], vec!["es"]],
+        ),
+    ] {
+        let sql = format!(
+            "SELECT id FROM {TABLE_NAME} WHERE {predicate} ORDER BY retweet_count DESC LIMIT 5"
+        );
+        let plan = physical_plan(&ctx, &sql).await.unwrap();
+        let exec = find_exec(&plan).unwrap_or_else(|| panic!("{sql}: no GpuTopKExec"));
+        let fusion = &exec.spec().fusion;
+        assert_eq!(fusion.filter, Some(Part::Gpu), "{sql}");
+        let program = fusion.program.as_ref().expect("keys on the GPU");
+        let want: Vec<Vec<String>> = want
+            .iter()
+            .map(|v| v.iter().map(|s| s.to_string()).collect())
+            .collect();
+        assert_eq!(masks(program), want, "{sql}");
     }
 }
 
