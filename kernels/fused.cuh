@@ -118,6 +118,21 @@ template <class K> __device__ __forceinline__ void or_field(K &k, u64 value, int
 
 // ---- row loads -------------------------------------------------------------------------------
 
+// The N values at p as words of type W (uint4, uint2 or u32), one load per word.
+template <class W, class T, int N> __device__ __forceinline__ void load_words(const T *p, T (&out)[N]) {
+    constexpr int PER = (int)(sizeof(W) / sizeof(T));
+#pragma unroll
+    for (int v = 0; v < N / PER; ++v) {
+        union {
+            W w;
+            T t[PER];
+        } u;
+        u.w = reinterpret_cast<const W *>(p)[v];
+#pragma unroll
+        for (int e = 0; e < PER; ++e) out[v * PER + e] = u.t[e];
+    }
+}
+
 // N consecutive values of a column from p, in as few loads as the vector widths allow (one
 // 16-byte load for four 32-bit values, where four scalar loads took four load instructions and
 // four address computations: the pass over narrow columns was bound by instruction issue).
@@ -125,33 +140,11 @@ template <class K> __device__ __forceinline__ void or_field(K &k, u64 value, int
 template <class T, int N> __device__ __forceinline__ void load_rows(const T *p, T (&out)[N]) {
     constexpr int BYTES = N * (int)sizeof(T);
     if constexpr (BYTES % 16 == 0) {
-        constexpr int PER = 16 / (int)sizeof(T);
-#pragma unroll
-        for (int v = 0; v < BYTES / 16; ++v) {
-            union {
-                uint4 w;
-                T t[PER];
-            } u;
-            u.w = reinterpret_cast<const uint4 *>(p)[v];
-#pragma unroll
-            for (int e = 0; e < PER; ++e) out[v * PER + e] = u.t[e];
-        }
+        load_words<uint4>(p, out);
     } else if constexpr (BYTES == 8) {
-        union {
-            uint2 w;
-            T t[N];
-        } u;
-        u.w = *reinterpret_cast<const uint2 *>(p);
-#pragma unroll
-        for (int e = 0; e < N; ++e) out[e] = u.t[e];
+        load_words<uint2>(p, out);
     } else if constexpr (BYTES == 4) {
-        union {
-            u32 w;
-            T t[N];
-        } u;
-        u.w = *reinterpret_cast<const u32 *>(p);
-#pragma unroll
-        for (int e = 0; e < N; ++e) out[e] = u.t[e];
+        load_words<u32>(p, out);
     } else {
 #pragma unroll
         for (int e = 0; e < N; ++e) out[e] = p[e];

@@ -168,6 +168,103 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
     }
 }
 
+// The rank of a lane's item among the warp's items of its digit so far (lower lanes first),
+// counted in `warp_hist` (the warp's row); RSORT_RADIX (past the end) ranks in a bucket of its own.
+__device__ __forceinline__ u32 rank_in_warp(u32 digit, u32 *warp_hist) {
+    const u32 lanes_below = (1u << lane_id()) - 1u;
+    const u32 peers = match_digit(digit);
+    const u32 before = warp_hist[digit];
+    __syncwarp();
+    if ((peers & lanes_below) == 0) warp_hist[digit] = before + __popc(peers);
+    __syncwarp();
+    return before + __popc(peers & lanes_below);
+}
+
+// The tile's count of digit d (one per thread) over its warps' rows; each warp's entry becomes
+// the count of the warps before it. After a barrier over the ranking.
+__device__ __forceinline__ u32 tile_digit_count(u32 (*warp_hist)[RSORT_RADIX + 1], u32 d) {
+    u32 count = 0;
+#pragma unroll
+    for (int w = 0; w < RSORT_WARPS; ++w) {
+        const u32 c = warp_hist[w][d];
+        warp_hist[w][d] = count;
+        count += c;
+    }
+    return count;
+}
+
+// The buffers a pass reads and writes, from its plan word.
+template <class K> struct PassBuffers {
+    const K *keys_in;
+    const u64 *ids_in;
+    K *keys_out;
+    u64 *ids_out;
+};
+
+template <class K>
+__device__ __forceinline__ PassBuffers<K> pass_buffers(u32 pw, const K *in_keys, const u64 *in_ids, K *tmp_keys,
+                                                       u64 *tmp_ids, K *out_keys, u64 *out_ids) {
+    const u32 src = (pw >> 1) & 3u, dst = (pw >> 3) & 3u;
+    return {src == 0 ? in_keys : src == 1 ? tmp_keys : out_keys, src == 0 ? in_ids : src == 1 ? tmp_ids : out_ids,
+            dst == 1 ? tmp_keys : out_keys, dst == 1 ? tmp_ids : out_ids};
+}
+
+// Decoupled look-back for one digit of `tile`, whose count the caller has published at `mine`
+// (inclusive for tile 0, else an aggregate): the count of the earlier tiles' pairs of that
+// digit; publishes this tile's inclusive prefix. LOOKBACK_WINDOW earlier tiles' words per round
+// trip: the tiles of a pass run in about one wave and publish their counts together, so a
+// one-tile walk would cost a round trip per tile between this one and the nearest inclusive
+// prefix. A word not yet published is waited on alone, not by reloading the window.
+__device__ __forceinline__ u32 look_back(u32 *mine, u32 tile, u32 count) {
+    if (tile == 0) return 0;
+    u32 before = 0;
+    i64 j = (i64)tile - 1; // tile 0 is inclusive, so the walk stops at j ≥ 0
+    while (true) {
+        u32 v[LOOKBACK_WINDOW];
+#pragma unroll
+        for (int w = 0; w < LOOKBACK_WINDOW; ++w) v[w] = j - w >= 0 ? ld_relaxed(mine - (tile - (j - w)) * RSORT_RADIX) : 0u;
+        bool found = false, waiting = false;
+        i64 used = 0;
+#pragma unroll
+        for (int w = 0; w < LOOKBACK_WINDOW; ++w) {
+            if (found || waiting) continue;
+            if ((v[w] & (LOOKBACK_AGGREGATE | LOOKBACK_INCLUSIVE)) == 0) { // not yet published
+                waiting = true;
+                continue;
+            }
+            before += v[w] & LOOKBACK_VALUE;
+            ++used;
+            found = (v[w] & LOOKBACK_INCLUSIVE) != 0;
+        }
+        if (found) break;
+        j -= used;
+        if (waiting) {
+            // Spin politely on the one word: the L2 is busy with the other tiles' scatters.
+            const u32 *word = mine - (tile - j) * RSORT_RADIX;
+            while ((ld_relaxed(word) & (LOOKBACK_AGGREGATE | LOOKBACK_INCLUSIVE)) == 0) __nanosleep(32);
+        }
+    }
+    st_relaxed(mine, LOOKBACK_INCLUSIVE | (before + count));
+    return before;
+}
+
+// Writes a tile reordered by digit in shared memory (slot t: the tile's pair of rank t by
+// digit) to its bucket's global start plus its offset in the bucket; consecutive threads write
+// consecutive positions of a bucket.
+template <class K>
+__device__ __forceinline__ void scatter_tile(const K *s_keys, const u64 *s_ids, u32 valid, int lo,
+                                             const u32 *tile_start, const u32 *global_start, K *keys_out,
+                                             u64 *ids_out) {
+    for (u32 t = threadIdx.x; t < valid; t += RSORT_THREADS) {
+        const K kk = s_keys[t];
+        const u64 ii = s_ids[t];
+        const u32 dd = vbits(kk, ii, lo, 8);
+        const u32 pos = global_start[dd] + (t - tile_start[dd]);
+        keys_out[pos] = kk;
+        ids_out[pos] = ii;
+    }
+}
+
 // One pass: digit position p, pairs of the buffer the plan names moved to the other, stably
 // by the digit. Grid: one block per tile of RSORT_THREADS × SortItems pairs.
 template <class K>
@@ -187,11 +284,7 @@ __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in
     __shared__ u32 s_tile;
     const u32 pw = plan[p];
     if (!(pw & PLAN_RUN)) return;
-    const u32 src = (pw >> 1) & 3u, dst = (pw >> 3) & 3u;
-    const K *sk = src == 0 ? in_keys : src == 1 ? tmp_keys : out_keys;
-    const u64 *si = src == 0 ? in_ids : src == 1 ? tmp_ids : out_ids;
-    K *dk = dst == 1 ? tmp_keys : out_keys;
-    u64 *di = dst == 1 ? tmp_ids : out_ids;
+    const PassBuffers<K> b = pass_buffers(pw, in_keys, in_ids, tmp_keys, tmp_ids, out_keys, out_ids);
 
     if (threadIdx.x == 0) s_tile = tile_offsets ? blockIdx.x : atomicAdd(&tickets[p], 1u);
     for (u32 i = threadIdx.x; i < RSORT_WARPS * (RSORT_RADIX + 1); i += RSORT_THREADS) (&warp_hist[0][0])[i] = 0;
@@ -199,7 +292,6 @@ __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in
     const u32 tile = s_tile;
     const int lo = digit_lo((int)p, (int)id_digits);
     const u32 warp = threadIdx.x / 32, lane = lane_id();
-    const u32 lanes_below = (1u << lane) - 1u;
     // Warp-striped: the warp's pairs are contiguous, item i of lane l at first + 32·i + l, so
     // processing items in order ranks them in input order.
     const u64 first = (u64)tile * TILE + (u64)warp * 32 * ITEMS + lane;
@@ -210,31 +302,18 @@ __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in
     for (int i = 0; i < ITEMS; ++i) {
         const u64 g = first + 32ull * i;
         if (g < m) {
-            k[i] = sk[g];
-            id[i] = si[g];
+            k[i] = b.keys_in[g];
+            id[i] = b.ids_in[g];
             digit[i] = vbits(k[i], id[i], lo, 8);
         } else {
             digit[i] = RSORT_RADIX; // past the end: a bucket of its own, never written
         }
     }
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        const u32 peers = match_digit(digit[i]);
-        const u32 before = warp_hist[warp][digit[i]];
-        rank[i] = before + __popc(peers & lanes_below);
-        __syncwarp();
-        if ((peers & lanes_below) == 0) warp_hist[warp][digit[i]] = before + __popc(peers);
-        __syncwarp();
-    }
+    for (int i = 0; i < ITEMS; ++i) rank[i] = rank_in_warp(digit[i], warp_hist[warp]);
     __syncthreads();
     const u32 d = threadIdx.x; // one digit per thread
-    u32 count = 0;
-#pragma unroll
-    for (int w = 0; w < RSORT_WARPS; ++w) {
-        const u32 c = warp_hist[w][d];
-        warp_hist[w][d] = count;
-        count += c;
-    }
+    const u32 count = tile_digit_count(warp_hist, d);
     // Reorder the tile by digit in shared memory first: the pairs leave the registers before
     // the look-back, which then runs with few registers live (more resident blocks).
     tile_start[d] = block_exclusive_sum(count);
@@ -247,54 +326,16 @@ __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in
             s_ids[slot] = id[i];
         }
     }
-    u32 *mine = lookback + (u64)tile * RSORT_RADIX + d;
-    u32 before = 0;
     if (tile_offsets) { // reduce-then-scan: rsort_scan gave this tile's bucket starts
         global_start[d] = tile_offsets[(u64)d * gridDim.x + tile];
-    } else if (tile == 0) {
-        st_relaxed(mine, LOOKBACK_INCLUSIVE | count);
     } else {
-        st_relaxed(mine, LOOKBACK_AGGREGATE | count);
-        // Look back LOOKBACK_WINDOW tiles per round trip: the tiles of a pass run in about one
-        // wave and publish their counts together, so a one-tile walk would cost a round trip
-        // per tile between this one and the nearest inclusive prefix.
-        i64 j = (i64)tile - 1; // tile 0 is inclusive, so the walk stops at j ≥ 0
-        while (true) {
-            u32 v[LOOKBACK_WINDOW];
-#pragma unroll
-            for (int w = 0; w < LOOKBACK_WINDOW; ++w) v[w] = j - w >= 0 ? ld_relaxed(mine - (tile - (j - w)) * RSORT_RADIX) : 0u;
-            bool found = false, waiting = false;
-            i64 used = 0;
-#pragma unroll
-            for (int w = 0; w < LOOKBACK_WINDOW; ++w) {
-                if (found || waiting) continue;
-                if ((v[w] & (LOOKBACK_AGGREGATE | LOOKBACK_INCLUSIVE)) == 0) { // not yet published
-                    waiting = true;
-                    continue;
-                }
-                before += v[w] & LOOKBACK_VALUE;
-                ++used;
-                found = (v[w] & LOOKBACK_INCLUSIVE) != 0;
-            }
-            if (found) break;
-            if (used == 0) __nanosleep(64); // spin politely: the L2 is busy with the scatter
-            j -= used;
-        }
-        st_relaxed(mine, LOOKBACK_INCLUSIVE | (before + count));
+        u32 *mine = lookback + (u64)tile * RSORT_RADIX + d;
+        st_relaxed(mine, (tile == 0 ? LOOKBACK_INCLUSIVE : LOOKBACK_AGGREGATE) | count);
+        global_start[d] = offsets[p * RSORT_RADIX + d] + look_back(mine, tile, count);
     }
-    if (!tile_offsets) global_start[d] = offsets[p * RSORT_RADIX + d] + before;
     __syncthreads();
-    // Slot t holds the tile's pair of rank t by digit: its bucket's global start plus its
-    // offset in the bucket; consecutive threads write consecutive positions of a bucket.
-    const u32 valid = (u32)min((u64)TILE, m - (u64)tile * TILE);
-    for (u32 t = threadIdx.x; t < valid; t += RSORT_THREADS) {
-        const K kk = s_keys[t];
-        const u64 ii = s_ids[t];
-        const u32 dd = vbits(kk, ii, lo, 8);
-        const u32 pos = global_start[dd] + (t - tile_start[dd]);
-        dk[pos] = kk;
-        di[pos] = ii;
-    }
+    scatter_tile(s_keys, s_ids, (u32)min((u64)TILE, m - (u64)tile * TILE), lo, tile_start, global_start, b.keys_out,
+                 b.ids_out);
 }
 
 // Pairs per thread of a wide-tile pass (rsort_pass_wide): twice SortItems, a tile of 4096 pairs
@@ -315,7 +356,6 @@ __device__ __forceinline__ u32 word_digit(u64 id, int lo) { return (u32)(id >> l
 template <class W, int ITEMS>
 __device__ __forceinline__ void rank_words(const W *src, u64 first, u64 m, int lo, u32 *warp_hist, W (&w)[ITEMS],
                                            u32 (&digit)[ITEMS], u32 (&rank)[ITEMS]) {
-    const u32 lanes_below = (1u << lane_id()) - 1u;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
         const u64 g = first + 32ull * i;
@@ -324,12 +364,7 @@ __device__ __forceinline__ void rank_words(const W *src, u64 first, u64 m, int l
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
         digit[i] = first + 32ull * i < m ? word_digit(w[i], lo) : RSORT_RADIX;
-        const u32 peers = match_digit(digit[i]);
-        const u32 before = warp_hist[digit[i]];
-        rank[i] = before + __popc(peers & lanes_below);
-        __syncwarp();
-        if ((peers & lanes_below) == 0) warp_hist[digit[i]] = before + __popc(peers);
-        __syncwarp();
+        rank[i] = rank_in_warp(digit[i], warp_hist);
     }
 }
 
@@ -371,11 +406,7 @@ __device__ void rsort_pass_wide(u32 p, u32 id_digits, const K *in_keys, const u6
     u64 *s_ids = reinterpret_cast<u64 *>(wide_tile + (u64)TILE * sizeof(K));
     const u32 pw = plan[p];
     if (!(pw & PLAN_RUN)) return;
-    const u32 src = (pw >> 1) & 3u, dst = (pw >> 3) & 3u;
-    const K *sk = src == 0 ? in_keys : src == 1 ? tmp_keys : out_keys;
-    const u64 *si = src == 0 ? in_ids : src == 1 ? tmp_ids : out_ids;
-    K *dk = dst == 1 ? tmp_keys : out_keys;
-    u64 *di = dst == 1 ? tmp_ids : out_ids;
+    const PassBuffers<K> b = pass_buffers(pw, in_keys, in_ids, tmp_keys, tmp_ids, out_keys, out_ids);
 
     if (threadIdx.x == 0) s_tile = atomicAdd(&tickets[p], 1u);
     for (u32 i = threadIdx.x; i < RSORT_WARPS * (RSORT_RADIX + 1); i += RSORT_THREADS) (&warp_hist[0][0])[i] = 0;
@@ -390,19 +421,13 @@ __device__ void rsort_pass_wide(u32 p, u32 id_digits, const K *in_keys, const u6
     K kw[ITEMS];
     u64 iw[ITEMS];
     if (key_digit) {
-        rank_words<K, ITEMS>(sk, first, m, lo, warp_hist[warp], kw, digit, rank);
+        rank_words<K, ITEMS>(b.keys_in, first, m, lo, warp_hist[warp], kw, digit, rank);
     } else {
-        rank_words<u64, ITEMS>(si, first, m, lo, warp_hist[warp], iw, digit, rank);
+        rank_words<u64, ITEMS>(b.ids_in, first, m, lo, warp_hist[warp], iw, digit, rank);
     }
     __syncthreads();
     const u32 d = threadIdx.x; // one digit per thread
-    u32 count = 0;
-#pragma unroll
-    for (int w = 0; w < RSORT_WARPS; ++w) {
-        const u32 c = warp_hist[w][d];
-        warp_hist[w][d] = count;
-        count += c;
-    }
+    const u32 count = tile_digit_count(warp_hist, d);
     u32 *mine = lookback + (u64)tile * RSORT_RADIX + d;
     st_relaxed(mine, (tile == 0 ? LOOKBACK_INCLUSIVE : LOOKBACK_AGGREGATE) | count);
     tile_start[d] = block_exclusive_sum(count);
@@ -417,56 +442,18 @@ __device__ void rsort_pass_wide(u32 p, u32 id_digits, const K *in_keys, const u6
         for (int i = 0; i < ITEMS; ++i) {
             if (digit[i] < RSORT_RADIX) s_keys[slot[i]] = kw[i];
         }
-        place_words<u64, ITEMS>(si, first, m, s_ids, slot);
+        place_words<u64, ITEMS>(b.ids_in, first, m, s_ids, slot);
     } else {
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
             if (digit[i] < RSORT_RADIX) s_ids[slot[i]] = iw[i];
         }
-        place_words<K, ITEMS>(sk, first, m, s_keys, slot);
+        place_words<K, ITEMS>(b.keys_in, first, m, s_keys, slot);
     }
-    u32 before = 0;
-    if (tile != 0) {
-        // As rsort_pass; a tile that meets a count not yet published waits on that word alone
-        // rather than reloading the window.
-        i64 j = (i64)tile - 1;
-        while (true) {
-            u32 v[LOOKBACK_WINDOW];
-#pragma unroll
-            for (int w = 0; w < LOOKBACK_WINDOW; ++w) v[w] = j - w >= 0 ? ld_relaxed(mine - (tile - (j - w)) * RSORT_RADIX) : 0u;
-            bool found = false, waiting = false;
-            i64 used = 0;
-#pragma unroll
-            for (int w = 0; w < LOOKBACK_WINDOW; ++w) {
-                if (found || waiting) continue;
-                if ((v[w] & (LOOKBACK_AGGREGATE | LOOKBACK_INCLUSIVE)) == 0) {
-                    waiting = true;
-                    continue;
-                }
-                before += v[w] & LOOKBACK_VALUE;
-                ++used;
-                found = (v[w] & LOOKBACK_INCLUSIVE) != 0;
-            }
-            if (found) break;
-            j -= used;
-            if (waiting) {
-                const u32 *word = mine - (tile - j) * RSORT_RADIX;
-                while ((ld_relaxed(word) & (LOOKBACK_AGGREGATE | LOOKBACK_INCLUSIVE)) == 0) __nanosleep(32);
-            }
-        }
-        st_relaxed(mine, LOOKBACK_INCLUSIVE | (before + count));
-    }
-    global_start[d] = offsets[p * RSORT_RADIX + d] + before;
+    global_start[d] = offsets[p * RSORT_RADIX + d] + look_back(mine, tile, count);
     __syncthreads();
-    const u32 valid = (u32)min((u64)TILE, m - (u64)tile * TILE);
-    for (u32 t = threadIdx.x; t < valid; t += RSORT_THREADS) {
-        const K kk = s_keys[t];
-        const u64 ii = s_ids[t];
-        const u32 dd = vbits(kk, ii, lo, 8);
-        const u32 pos = global_start[dd] + (t - tile_start[dd]);
-        dk[pos] = kk;
-        di[pos] = ii;
-    }
+    scatter_tile(s_keys, s_ids, (u32)min((u64)TILE, m - (u64)tile * TILE), lo, tile_start, global_start, b.keys_out,
+                 b.ids_out);
 }
 
 // Reduce-then-scan, for passes over many tiles: there every tile of the one wave would spin

@@ -1583,26 +1583,22 @@ impl TopKEngine {
         let count = self.kernel("rsort_count");
         let tile_offsets = counts.as_ref().map_or(0, |c| c.ptr());
         for p in 0..positions {
+            // The pass's digit position and the three buffers, which every pass kernel takes first.
+            let buffers = args![
+                p as u32,
+                id_digits as u32,
+                input.key_at(0),
+                input.id_at(0),
+                tmp.key_at(0),
+                tmp.id_at(0),
+                out.key_at(0),
+                out.id_at(0),
+                m
+            ];
             if let Some(counts) = &counts {
-                self.launch(
-                    &count,
-                    tiles as u32,
-                    RSORT_THREADS,
-                    0,
-                    args![
-                        p as u32,
-                        id_digits as u32,
-                        input.key_at(0),
-                        input.id_at(0),
-                        tmp.key_at(0),
-                        tmp.id_at(0),
-                        out.key_at(0),
-                        out.id_at(0),
-                        m,
-                        ctl.ptr() + plan_off,
-                        counts.ptr()
-                    ],
-                )?;
+                let mut args = buffers.to_vec();
+                args.extend_from_slice(args![ctl.ptr() + plan_off, counts.ptr()]);
+                self.launch(&count, tiles as u32, RSORT_THREADS, 0, &args)?;
                 self.launch(
                     "rsort_scan",
                     256,
@@ -1617,52 +1613,19 @@ impl TopKEngine {
                     ],
                 )?;
             }
+            let mut args = buffers.to_vec();
+            args.extend_from_slice(args![
+                ctl.ptr(),
+                ctl.ptr() + plan_off,
+                lookback.ptr(),
+                ctl.ptr() + tickets_off
+            ]);
             if wide {
-                self.launch(
-                    &pass_wide,
-                    tiles as u32,
-                    RSORT_THREADS,
-                    wide_shared,
-                    args![
-                        p as u32,
-                        id_digits as u32,
-                        input.key_at(0),
-                        input.id_at(0),
-                        tmp.key_at(0),
-                        tmp.id_at(0),
-                        out.key_at(0),
-                        out.id_at(0),
-                        m,
-                        ctl.ptr(),
-                        ctl.ptr() + plan_off,
-                        lookback.ptr(),
-                        ctl.ptr() + tickets_off
-                    ],
-                )?;
-                continue;
+                self.launch(&pass_wide, tiles as u32, RSORT_THREADS, wide_shared, &args)?;
+            } else {
+                args.push(Arg::from(tile_offsets));
+                self.launch(&pass, tiles as u32, RSORT_THREADS, 0, &args)?;
             }
-            self.launch(
-                &pass,
-                tiles as u32,
-                RSORT_THREADS,
-                0,
-                args![
-                    p as u32,
-                    id_digits as u32,
-                    input.key_at(0),
-                    input.id_at(0),
-                    tmp.key_at(0),
-                    tmp.id_at(0),
-                    out.key_at(0),
-                    out.id_at(0),
-                    m,
-                    ctl.ptr(),
-                    ctl.ptr() + plan_off,
-                    lookback.ptr(),
-                    ctl.ptr() + tickets_off,
-                    tile_offsets
-                ],
-            )?;
         }
         Ok(out)
     }
