@@ -18,7 +18,9 @@
 //          tile's word says "my count" or "my inclusive prefix"), reorders the tile by digit
 //          in shared memory and writes each bucket's run to bucket offset + earlier tiles'
 //          count (coalesced writes; with the windowed look-back this took a pass over 1.1M
-//          pairs from ~60 to 30–35 µs on the H100).
+//          pairs from ~60 to 30–35 µs on the H100). Tiles of 2048 pairs (keys up to 64 bits) up to
+//          64 tiles; `rsort_pass_wide`, tiles of twice that, up to 384 of them; beyond,
+//          reduce-then-scan (`rsort_count`, `rsort_scan`, then the pass without look-back).
 // The input is never written: passes alternate between a scratch buffer and the output, with
 // the last pass landing in the output. Counts must stay below 2^30 (the look-back words keep
 // two flag bits).

@@ -335,8 +335,9 @@ const RANK_THREADS: u32 = 256;
 const RSORT_THREADS: u32 = 256;
 pub const RADIX_SORT_MAX: usize = 1 << 30;
 /// Radix sort passes over at most this many tiles use Onesweep's single kernel with a
-/// look-back; larger ones reduce-then-scan (three kernels, no spinning: the look-back of a
-/// 555-tile pass saturated the L2, radix_sort.cu).
+/// look-back; larger ones take wide tiles (`ONESWEEP_WIDE_MAX_TILES`), and beyond those
+/// reduce-then-scan (three kernels, no spinning: the look-back of a 555-tile pass saturated the
+/// L2, radix_sort.cu).
 pub const ONESWEEP_MAX_TILES: usize = 64;
 /// Passes over more tiles than `ONESWEEP_MAX_TILES`, but at most this many wide tiles
 /// ([`radix_sort_wide_tile`]), run Onesweep's single kernel on wide tiles
