@@ -88,12 +88,10 @@ impl CType {
 
     /// Bytes of one value in device memory (`Bool`: bit-packed, 0).
     pub fn bytes(self) -> usize {
-        match self {
-            CType::Bool => 0,
-            CType::I8 | CType::U8 => 1,
-            CType::I16 | CType::U16 => 2,
-            CType::I32 | CType::U32 | CType::F32 => 4,
-            CType::I64 | CType::U64 | CType::F64 => 8,
+        if self == CType::Bool {
+            0
+        } else {
+            self.bits() as usize / 8
         }
     }
 
@@ -367,6 +365,9 @@ impl<'a> Emitter<'a> {
             return self.cast(cast.expr(), cast.cast_type());
         }
         if let Some(in_list) = any.downcast_ref::<InListExpr>() {
+            if let Some((c, codes, values, negated)) = self.dictionary_membership(expr) {
+                return Ok(self.dictionary_in(c, codes, values, negated));
+            }
             return self.in_list(in_list);
         }
         if let Some(case) = any.downcast_ref::<CaseExpr>() {
@@ -382,15 +383,6 @@ impl<'a> Emitter<'a> {
     /// is not found and the list holds a NULL; floats match by bit pattern (its hash set's
     /// equality: −0.0 ≠ 0.0, a NaN matches only its own bits).
     fn in_list(&mut self, in_list: &InListExpr) -> Result<Value, Declined> {
-        if let Some((c, codes)) = self.dictionary_column(in_list.expr())
-            && let Some(values) = in_list
-                .list()
-                .iter()
-                .map(string_literal)
-                .collect::<Option<Vec<_>>>()
-        {
-            return Ok(self.dictionary_in(c, codes, values, in_list.negated()));
-        }
         let a = self.emit(in_list.expr())?;
         let mut found = Vec::new();
         let mut list_has_null = false;
@@ -535,43 +527,46 @@ impl<'a> Emitter<'a> {
         }
     }
 
-    /// `column = 'literal'`, `column IN ('literals')` or an `OR` of these on one dictionary-encoded
-    /// string column: the column, its codes' type and the values. Such an `OR` is exactly
+    /// `column [NOT] IN ('literals')`, `column = 'literal'`, `column <> 'literal'`, or an `OR`
+    /// of the non-negated ones, on one dictionary-encoded string column: the column, its codes'
+    /// type, the values and whether the match is negated. Such an `OR` is exactly
     /// `column IN (all the values)` in SQL's three-valued logic: TRUE where the row's value is
     /// one of them, else NULL where it or a listed value is NULL, else FALSE.
     fn dictionary_membership(
         &self,
         expr: &Arc<dyn PhysicalExpr>,
-    ) -> Option<(usize, CType, Vec<Option<String>>)> {
+    ) -> Option<(usize, CType, Vec<Option<String>>, bool)> {
         if let Some(in_list) = expr.downcast_ref::<InListExpr>() {
-            if in_list.negated() {
-                return None;
-            }
             let (c, codes) = self.dictionary_column(in_list.expr())?;
             let values = in_list
                 .list()
                 .iter()
                 .map(string_literal)
                 .collect::<Option<Vec<_>>>()?;
-            return Some((c, codes, values));
+            return Some((c, codes, values, in_list.negated()));
         }
         let binary = expr.downcast_ref::<BinaryExpr>()?;
         match *binary.op() {
-            Operator::Eq => [
+            op @ (Operator::Eq | Operator::NotEq) => [
                 (binary.left(), binary.right()),
                 (binary.right(), binary.left()),
             ]
             .into_iter()
             .find_map(|(column, literal)| {
                 let (c, codes) = self.dictionary_column(column)?;
-                Some((c, codes, vec![string_literal(literal)?]))
+                Some((
+                    c,
+                    codes,
+                    vec![string_literal(literal)?],
+                    op == Operator::NotEq,
+                ))
             }),
             Operator::Or => {
-                let (c, codes, mut values) = self.dictionary_membership(binary.left())?;
-                let (c2, _, more) = self.dictionary_membership(binary.right())?;
-                (c == c2).then(|| {
+                let (c, codes, mut values, negated) = self.dictionary_membership(binary.left())?;
+                let (c2, _, more, negated2) = self.dictionary_membership(binary.right())?;
+                (c == c2 && !negated && !negated2).then(|| {
                     values.extend(more);
-                    (c, codes, values)
+                    (c, codes, values, false)
                 })
             }
             _ => None,
@@ -834,23 +829,12 @@ impl<'a> Emitter<'a> {
             return Err(format!("{expr} fails on overflow"));
         }
         let op = *binary.op();
-        if op == Operator::Or
-            && let Some((c, codes, values)) = self.dictionary_membership(expr)
+        // A string match on a dictionary column; an OR of them is one lookup per row, where
+        // each side's own mask took one.
+        if matches!(op, Operator::Eq | Operator::NotEq | Operator::Or)
+            && let Some((c, codes, values, negated)) = self.dictionary_membership(expr)
         {
-            // One lookup per row, where each side's own mask took one.
-            return Ok(self.dictionary_in(c, codes, values, false));
-        }
-        if matches!(op, Operator::Eq | Operator::NotEq) {
-            for (column, literal) in [
-                (binary.left(), binary.right()),
-                (binary.right(), binary.left()),
-            ] {
-                if let (Some((c, codes)), Some(value)) =
-                    (self.dictionary_column(column), string_literal(literal))
-                {
-                    return Ok(self.dictionary_in(c, codes, vec![value], op == Operator::NotEq));
-                }
-            }
+            return Ok(self.dictionary_in(c, codes, values, negated));
         }
         if matches!(op, Operator::Plus | Operator::Minus)
             && let Some(shifted) = self.timestamp_interval(expr, binary)?
