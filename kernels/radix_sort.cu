@@ -94,6 +94,20 @@ __device__ __forceinline__ u32 block_exclusive_sum(u32 v) {
     return before + x - v;
 }
 
+// Adds a pair's digit of every position to the positions' histograms in shared memory
+// (`sh`, positions × 256; every lane of the warp calls this).
+template <class K>
+__device__ __forceinline__ void hist_add_all(u32 *sh, const K &k, u64 id, u32 id_digits, bool valid) {
+    constexpr int D = SortDigits<K>::MAX;
+    // Constant bit offsets (the row id's bytes, then the key's), so each digit is a shift.
+#pragma unroll
+    for (int q = 0; q < D; ++q) {
+        const int p = q < 8 ? q : (int)id_digits + (q - 8);
+        if (q < 8 && q >= (int)id_digits) continue;
+        warp_hist_add(&sh[p * RSORT_RADIX], vbits(k, id, q < 8 ? 8 * q : 64 + 8 * (q - 8), 8), valid);
+    }
+}
+
 // Histograms of all digit positions (`hist`, positions × 256, zero at launch) in one read;
 // also zeroes the passes' look-back words. The last block converts the histograms to
 // exclusive offsets and writes the plan (`plan`, one word per position).
@@ -120,16 +134,7 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
         }
 #pragma unroll
         for (int u = 0; u < HIST_UNROLL; ++u) {
-            const bool valid = i0 + (u64)u * RSORT_THREADS + threadIdx.x < m;
-            const K k = ks[u];
-            const u64 id = is[u];
-            // Constant bit offsets (the row id's bytes, then the key's), so each digit is a shift.
-#pragma unroll
-            for (int q = 0; q < D; ++q) {
-                const int p = q < 8 ? q : (int)id_digits + (q - 8);
-                if (q < 8 && q >= (int)id_digits) continue;
-                warp_hist_add(&sh[p * RSORT_RADIX], vbits(k, id, q < 8 ? 8 * q : 64 + 8 * (q - 8), 8), valid);
-            }
+            hist_add_all(sh, ks[u], is[u], id_digits, i0 + (u64)u * RSORT_THREADS + threadIdx.x < m);
         }
     }
     __syncthreads();
@@ -523,6 +528,386 @@ extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
     scan_tile_counts(p, plan, counts, tiles, offsets);
 }
 
+// ---- the resident sort: every pass in one cooperative launch -----------------------------
+//
+// `rsort_resident` sorts pairs whose count only the device knows (a sampled selection's
+// survivors, up to a few million) without a host round trip: the histogram and every pass
+// run in one cooperative launch (all blocks resident; a block takes tiles b, b + grid, ...),
+// separated by grid barriers:
+//   histogram  as `rsort_hist`; a barrier; then each block derives the plan itself;
+//   count      each tile's digit counts (the digit's word only) to `counts`, and into the
+//              nodes of a tree over the tiles (radix 8; TREE_LEVELS − 1 global atomics per
+//              digit and tile); a barrier;
+//   scatter    a tile's bucket starts are the digit's offset plus at most 7 nodes per level of
+//              the tree (no look-back); the other word of each pair is staged in shared memory
+//              as it arrives; the tile is ranked, reordered and written out as in
+//              `rsort_pass_wide`; a barrier before the next pass reads it.
+// Data written inside the launch is read through the L2 (ld.cg): the L1 is not coherent.
+// Measured (H100, 1M pairs of 32-bit keys, 2 tiles a block): ~27 µs a pass (count 5, scatter
+// 13, barriers waiting 4–12), as the Onesweep kernels' ~25–30 µs: the look-back was not the
+// bottleneck. Both are latency-bound (ncu: 0.28 issued warps per scheduler and cycle, 14
+// cycles per issued instruction at 4 warps per scheduler; 46% of the shared-memory wavefronts
+// excessive, the bank conflicts of ranking and reordering). On ~80K pairs a pass took ~9 µs
+// (count 2, scatter 5, barriers ~1 each), which made it slower than the chunk rank sort there.
+
+// Grid-wide barrier (cooperative launch: every block resident). `bar` counts arrivals and
+// only grows; `target` (uniform) is the count that ends this barrier.
+__device__ __forceinline__ void grid_barrier(u32 *bar, u32 &target) {
+    target += gridDim.x;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(bar, 1u);
+        u32 seen;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(bar) : "memory");
+            if (seen < target) __nanosleep(20);
+        } while (seen < target);
+    }
+    __syncthreads();
+}
+
+// `GPU_TOPK_TRACE`: block 0 records the global timer (ns) at each phase's end in `stamps`.
+__device__ __forceinline__ void stamp(u64 *stamps, u32 &i) {
+    if (stamps != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+        u64 t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        stamps[i] = t;
+    }
+    ++i;
+}
+
+// Digit (8 bits at the byte-aligned lo) of the word that holds it, loaded through the L2.
+template <class K> __device__ __forceinline__ K load_word_cg(const K *p) { return load_cg(p); }
+__device__ __forceinline__ u64 load_word_cg(const u64 *p) { return __ldcg(p); }
+
+// Items of a lane left in [0, m) from pair `first` on (32-bit, so that the per-item bounds
+// checks and addresses need no 64-bit registers: one base pointer, immediate offsets).
+__device__ __forceinline__ u32 items_left(u64 first, u64 m) { return first < m ? (u32)min(m - first, 1ull << 20) : 0u; }
+
+// rank_words with loads through the L2.
+template <class W, int ITEMS>
+__device__ __forceinline__ void rank_words_cg(const W *src, u64 first, u64 m, int lo, u32 *warp_hist,
+                                              W (&w)[ITEMS], u32 (&digit)[ITEMS], u32 (&rank)[ITEMS]) {
+    const W *p = src + first;
+    const u32 left = items_left(first, m);
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        if (32u * i < left) w[i] = load_word_cg(p + 32 * i);
+    }
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        digit[i] = 32u * i < left ? word_digit(w[i], lo) : RSORT_RADIX;
+        rank[i] = rank_in_warp(digit[i], warp_hist);
+    }
+}
+
+// The per-pass tree of tile counts: level 0 is the tiles' counts (`counts`), node i of level
+// l ≥ 1 sums tiles [8^l · i, 8^l · (i + 1)), 256 digits each. A tile's count of pairs before it
+// is then the sum of at most 7 siblings per level (and TREE_LEVELS − 1 atomics to build).
+#define TREE_LEVELS 4 // up to 8^4 tiles
+// Word offset of level `level`'s first node in a tree over `tiles` tiles (level ≥ 1).
+__device__ __forceinline__ u64 tree_level(u64 tiles, int level) {
+    u64 at = 0;
+    for (int l = 1; l < level; ++l) at += ((tiles + (1ull << (3 * l)) - 1) >> (3 * l)) * RSORT_RADIX;
+    return at;
+}
+
+// Counts of the digits of the tile at pair `base` (the word that holds the digit, read
+// through the L2) into `hist` (zero on entry). (Two tiles' loads in flight together took the
+// kernel past 128 registers.)
+template <class W, int ITEMS>
+__device__ __forceinline__ void count_tile(const W *src, u64 base, u64 m, int lo, u32 *hist) {
+    const W *p = src + base + threadIdx.x;
+    const u32 left = items_left(base + threadIdx.x, m);
+    W w[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        if (RSORT_THREADS * i < left) w[i] = load_word_cg(p + RSORT_THREADS * i);
+    }
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const bool valid = RSORT_THREADS * i < left;
+        warp_hist_add(hist, valid ? word_digit(w[i], lo) : 0u, valid);
+    }
+}
+
+// Loads the warp's ITEMS words of `src` (item i of lane l at first + 32·i + l) into the
+// staging area (`stage`: this lane's item 0; item i 32 words on).
+template <class W, int ITEMS>
+__device__ __forceinline__ void stage_words(const W *src, u64 first, u64 m, W *stage) {
+    const W *p = src + first;
+    const u32 left = items_left(first, m);
+    W w[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        if (32u * i < left) w[i] = load_word_cg(p + 32 * i);
+    }
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        if (32u * i < left) stage[32 * i] = w[i];
+    }
+}
+
+// Moves the staged words to their slots of the tile reordered by digit.
+template <class W, int ITEMS>
+__device__ __forceinline__ void place_staged(const W *stage, const u32 (&digit)[ITEMS], W *dst,
+                                             const u32 (&slot)[ITEMS]) {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        if (digit[i] < RSORT_RADIX) dst[slot[i]] = stage[32 * i];
+    }
+}
+
+// Publishes tile t's count of digit d: to `counts`, and to the tree's nodes above the tile.
+__device__ __forceinline__ void publish_count(u32 *counts, u32 *tree, u64 tiles_cap, u64 t, u32 d, u32 c) {
+    __stcg(&counts[t * RSORT_RADIX + d], c);
+    if (c == 0) return;
+#pragma unroll
+    for (int l = 1; l < TREE_LEVELS; ++l) atomicAdd(&tree[tree_level(tiles_cap, l) + (t >> (3 * l)) * RSORT_RADIX + d], c);
+}
+
+// The count of digit d in the tiles before tile t: per level of the tree, the (≤ 7) earlier
+// siblings of the tile's ancestor; every load in flight at once.
+__device__ __forceinline__ u32 tiles_before(const u32 *counts, const u32 *tree, u64 tiles_cap, u64 t, u32 d) {
+    u32 sum = 0;
+#pragma unroll
+    for (int l = 0; l < TREE_LEVELS; ++l) {
+        const u32 node = (u32)(t >> (3 * l));
+        const u32 *sib = (l == 0 ? counts : tree + tree_level(tiles_cap, l)) + d + (u64)(node & ~7u) * RSORT_RADIX;
+#pragma unroll
+        for (u32 s = 0; s < 7; ++s) {
+            if (s < (node & 7u)) sum += __ldcg(sib + s * RSORT_RADIX);
+        }
+    }
+    return sum;
+}
+
+// tiles_before one level after the other (inside the scatter loop, the unrolled form took the
+// k64 instance past 128 registers): for blocks with more than RESIDENT_OWN tiles.
+__device__ __forceinline__ u32 tiles_before_serial(const u32 *counts, const u32 *tree, u64 tiles_cap, u64 t, u32 d) {
+    u32 sum = 0;
+#pragma unroll 1
+    for (int l = 0; l < TREE_LEVELS; ++l) {
+        const u32 node = (u32)(t >> (3 * l));
+        const u32 *sib = (l == 0 ? counts : tree + tree_level(tiles_cap, l)) + d + (u64)(node & ~7u) * RSORT_RADIX;
+#pragma unroll
+        for (u32 s = 0; s < 7; ++s) {
+            if (s < (node & 7u)) sum += __ldcg(sib + s * RSORT_RADIX);
+        }
+    }
+    return sum;
+}
+
+// Tiles per block whose bucket starts are computed together before the block's scatters.
+#define RESIDENT_OWN 8
+
+// Blocks per SM the resident sort is compiled for: two (≤ 128 registers), one for 128- and
+// 256-bit keys (which spilled at two).
+template <class K> struct ResidentBlocks {
+    enum { V = K::BITS >= 128 ? 1 : 2 };
+};
+
+#define RSORT_STATUS_LARGE 4u // sample.cu STATUS_FINAL_LARGE: more pairs than the sort's buffer
+
+// The whole sort of pairs [0, m) into `out` (m: `*m_dev` when given, else `m_host`; at most
+// `cap`, else the status bit and nothing sorted; cap / tile ≤ 8^TREE_LEVELS). `ctl` (zeroed):
+// histograms (positions × 256), the barrier word (32 words), then per position a tree over
+// cap's tiles (tree_level(tiles, TREE_LEVELS) words); `counts`: tiles × 256.
+// Dynamic shared memory: a tile (RSORT_THREADS × SortItems pairs: with wide tiles' 16 pairs a
+// thread, the scatter took 200–340 bytes of spills at 128 registers) and a staging area of
+// TILE words of the larger of K and u64, or the histograms of every position, whichever is
+// larger.
+template <class K>
+__device__ void rsort_resident(const K *in_keys, const u64 *in_ids, K *tmp_keys, u64 *tmp_ids, K *out_keys,
+                               u64 *out_ids, u64 m_host, const u64 *m_dev, u64 cap, u32 id_digits, u32 *ctl,
+                               u32 *counts, u32 *status, u64 *stamps) {
+    constexpr int ITEMS = SortItems<K>::V;
+    constexpr u32 TILE = RSORT_THREADS * ITEMS;
+    constexpr int D = SortDigits<K>::MAX;
+    __shared__ u32 warp_hist[RSORT_WARPS][RSORT_RADIX + 1];
+    __shared__ u32 tile_start[RSORT_RADIX];
+    __shared__ u32 global_start[RSORT_RADIX];
+    __shared__ u32 digit_base[RSORT_RADIX];
+    __shared__ u32 runs[D];
+    __shared__ u32 tile_starts[RESIDENT_OWN][RSORT_RADIX];
+    extern __shared__ __align__(16) u8 wide_tile[];
+    K *s_keys = reinterpret_cast<K *>(wide_tile);
+    u64 *s_ids = reinterpret_cast<u64 *>(wide_tile + (u64)TILE * sizeof(K));
+    u8 *stage = wide_tile + (u64)TILE * (sizeof(K) + 8); // TILE words of the larger of K, u64
+
+    // Every block takes the same early exits (the words are not written by this launch
+    // before they are read here), so none waits at a barrier for one that left.
+    if (status && __ldcg(status) != 0) return;
+    const u64 m = m_dev ? __ldcg(m_dev) : m_host;
+    if (m > cap) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, RSORT_STATUS_LARGE);
+        return;
+    }
+    if (m == 0) return;
+    const u64 tiles = (m + TILE - 1) / TILE, tiles_cap = (cap + TILE - 1) / TILE;
+    const int nd = (int)id_digits + K::BITS / 8;
+    u32 *hist = ctl;
+    u32 *bar = ctl + D * RSORT_RADIX;
+    u32 *tree_all = bar + 32;
+    const u64 tree_words = tree_level(tiles_cap, TREE_LEVELS);
+    u32 target = 0, stamp_at = 0;
+    stamp(stamps, stamp_at);
+    const u32 d = threadIdx.x; // one digit per thread
+
+    // Histograms of every position, in the tile's shared memory.
+    u32 *sh = reinterpret_cast<u32 *>(wide_tile);
+    for (int i = threadIdx.x; i < nd * RSORT_RADIX; i += RSORT_THREADS) sh[i] = 0;
+    __syncthreads();
+    for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
+#pragma unroll 1
+        for (int u0 = 0; u0 < ITEMS; u0 += HIST_UNROLL) {
+            K ks[HIST_UNROLL];
+            u64 is[HIST_UNROLL];
+#pragma unroll
+            for (int u = 0; u < HIST_UNROLL; ++u) {
+                // Items past the tile's (ITEMS < HIST_UNROLL for 256-bit keys) belong to the next.
+                const u64 g = t * TILE + (u64)(u0 + u) * RSORT_THREADS + threadIdx.x;
+                const bool valid = u0 + u < ITEMS && g < m;
+                ks[u] = valid ? in_keys[g] : key_zero<K>();
+                is[u] = valid && id_digits != 0 ? in_ids[g] : 0;
+            }
+#pragma unroll
+            for (int u = 0; u < HIST_UNROLL; ++u) {
+                const u64 g = t * TILE + (u64)(u0 + u) * RSORT_THREADS + threadIdx.x;
+                hist_add_all(sh, ks[u], is[u], id_digits, u0 + u < ITEMS && g < m);
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < nd * RSORT_RADIX; i += RSORT_THREADS) {
+        if (sh[i] != 0) atomicAdd(&hist[i], sh[i]);
+    }
+    stamp(stamps, stamp_at);
+    grid_barrier(bar, target);
+    stamp(stamps, stamp_at);
+
+    // The plan, in every block: a position moves pairs unless one bucket holds them all; with
+    // none (m = 1, or all pairs equal), position 0 still copies them to the output.
+    int total = 0;
+    for (int p = 0; p < nd; ++p) {
+        const int single = __syncthreads_or(__ldcg(&hist[p * RSORT_RADIX + d]) == (u32)m);
+        if (threadIdx.x == 0) runs[p] = !single;
+        total += !single;
+    }
+    if (total == 0) {
+        if (threadIdx.x == 0) runs[0] = 1;
+        total = 1;
+    }
+    __syncthreads();
+
+    // Buffers by number (0 input, 1 scratch, 2 output), picked where used: kernel parameters
+    // cost no registers, pointers kept live across the passes did (spills at 128).
+#define PICK(sel, a, b, c) ((sel) == 0 ? (a) : (sel) == 1 ? (b) : (c))
+#define SRC_KEYS PICK(src, in_keys, tmp_keys, out_keys)
+#define SRC_IDS PICK(src, in_ids, tmp_ids, out_ids)
+#define DST_KEYS (dst == 1 ? tmp_keys : out_keys)
+#define DST_IDS (dst == 1 ? tmp_ids : out_ids)
+    int src = 0, seen = 0;
+    for (int p = 0; p < nd; ++p) {
+        if (!runs[p]) continue;
+        const bool last = seen == total - 1;
+        // The last run lands in the output; going backwards, runs alternate scratch/output.
+        const int dst = (total - 1 - seen) % 2 == 0 ? 2 : 1;
+        const int lo = digit_lo(p, (int)id_digits);
+        const bool key_digit = lo >= 64;
+        u32 *tree = tree_all + (u64)p * tree_words;
+        digit_base[d] = block_exclusive_sum(__ldcg(&hist[p * RSORT_RADIX + d]));
+
+        // Count: each tile's digit counts, published with the tree's sums.
+        for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
+            warp_hist[0][d] = 0;
+            __syncthreads();
+            if (key_digit) {
+                count_tile<K, ITEMS>(SRC_KEYS, t * TILE, m, lo, warp_hist[0]);
+            } else {
+                count_tile<u64, ITEMS>(SRC_IDS, t * TILE, m, lo, warp_hist[0]);
+            }
+            __syncthreads();
+            publish_count(counts, tree, tiles_cap, t, d, warp_hist[0][d]);
+            __syncthreads();
+        }
+        stamp(stamps, stamp_at);
+        grid_barrier(bar, target);
+        stamp(stamps, stamp_at);
+
+        // Scatter: each tile to its buckets' runs. First the bucket starts of the block's
+        // tiles (up to RESIDENT_OWN of them), every tree load in flight at once.
+        const u32 own = (u32)((tiles - min((u64)blockIdx.x, tiles) + gridDim.x - 1) / gridDim.x);
+        if (own <= RESIDENT_OWN) {
+            for (u32 i = 0; i < own; ++i) {
+                tile_starts[i][d] = digit_base[d] + tiles_before(counts, tree, tiles_cap, blockIdx.x + (u64)i * gridDim.x, d);
+            }
+        }
+        __syncthreads();
+        u32 own_i = 0;
+        for (u64 t = blockIdx.x; t < tiles; t += gridDim.x, ++own_i) {
+            for (u32 i = threadIdx.x; i < RSORT_WARPS * (RSORT_RADIX + 1); i += RSORT_THREADS) {
+                (&warp_hist[0][0])[i] = 0;
+            }
+            global_start[d] = own <= RESIDENT_OWN ? tile_starts[own_i][d]
+                                                  : digit_base[d] + tiles_before_serial(counts, tree, tiles_cap, t, d);
+            __syncthreads();
+            const u32 warp = threadIdx.x / 32;
+            const u64 first = t * TILE + (u64)warp * 32 * ITEMS + lane_id();
+            const u32 local = warp * 32 * ITEMS + lane_id(); // item 0's slot in tile order
+            u32 digit[ITEMS], rank[ITEMS];
+            K kw[ITEMS];
+            u64 iw[ITEMS];
+            // The other word of each pair goes to the staging area as it arrives (its loads in
+            // flight with the digit's); the digit's word stays in registers for the ranking.
+            if (key_digit) {
+                stage_words<u64, ITEMS>(SRC_IDS, first, m, reinterpret_cast<u64 *>(stage) + local);
+                rank_words_cg<K, ITEMS>(SRC_KEYS, first, m, lo, warp_hist[warp], kw, digit, rank);
+            } else {
+                stage_words<K, ITEMS>(SRC_KEYS, first, m, reinterpret_cast<K *>(stage) + local);
+                rank_words_cg<u64, ITEMS>(SRC_IDS, first, m, lo, warp_hist[warp], iw, digit, rank);
+            }
+            __syncthreads();
+            const u32 count = tile_digit_count(warp_hist, d);
+            tile_start[d] = block_exclusive_sum(count);
+            __syncthreads();
+            u32 slot[ITEMS];
+#pragma unroll
+            for (int i = 0; i < ITEMS; ++i) {
+                slot[i] = digit[i] < RSORT_RADIX ? tile_start[digit[i]] + warp_hist[warp][digit[i]] + rank[i] : 0u;
+            }
+            if (key_digit) {
+#pragma unroll
+                for (int i = 0; i < ITEMS; ++i) {
+                    if (digit[i] < RSORT_RADIX) s_keys[slot[i]] = kw[i];
+                }
+                place_staged<u64, ITEMS>(reinterpret_cast<const u64 *>(stage) + local, digit, s_ids, slot);
+            } else {
+#pragma unroll
+                for (int i = 0; i < ITEMS; ++i) {
+                    if (digit[i] < RSORT_RADIX) s_ids[slot[i]] = iw[i];
+                }
+                place_staged<K, ITEMS>(reinterpret_cast<const K *>(stage) + local, digit, s_keys, slot);
+            }
+            __syncthreads();
+            scatter_tile(s_keys, s_ids, (u32)min((u64)TILE, m - t * TILE), lo, tile_start, global_start, DST_KEYS,
+                         DST_IDS);
+            __syncthreads();
+        }
+        stamp(stamps, stamp_at);
+        if (!last) grid_barrier(bar, target);
+        stamp(stamps, stamp_at);
+        src = dst;
+        ++seen;
+    }
+#undef PICK
+#undef SRC_KEYS
+#undef SRC_IDS
+#undef DST_KEYS
+#undef DST_IDS
+}
+
 #define RADIX_SORT_ENTRIES(K, S)                                                                                  \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
         rsort_hist_##S(const K *keys, const u64 *ids, u64 m, u32 id_digits, u32 *hist, u32 *plan, u32 *lookback,  \
@@ -546,6 +931,13 @@ extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
                            lookback + (u64)p * (((m + WideItems<K>::V * RSORT_THREADS - 1) /                      \
                                                  (WideItems<K>::V * RSORT_THREADS)) * RSORT_RADIX),               \
                            tickets);                                                                              \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(RSORT_THREADS, ResidentBlocks<K>::V)                             \
+        rsort_resident_##S(const K *in_keys, const u64 *in_ids, K *tmp_keys, u64 *tmp_ids, K *out_keys,           \
+                           u64 *out_ids, u64 m_host, const u64 *m_dev, u64 cap, u32 id_digits, u32 *ctl,          \
+                           u32 *counts, u32 *status, u64 *stamps) {                                               \
+        rsort_resident<K>(in_keys, in_ids, tmp_keys, tmp_ids, out_keys, out_ids, m_host, m_dev, cap, id_digits,   \
+                          ctl, counts, status, stamps);                                                           \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
         rsort_count_##S(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, const K *tmp_keys,             \

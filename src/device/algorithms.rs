@@ -163,6 +163,9 @@ pub struct DevicePairs {
     kind: KeyKind,
     /// Row id i is i: passes that only filter may skip reading the ids.
     positional: bool,
+    /// Every row id is below this (`u64::MAX`: unknown): the radix sorts skip the row id
+    /// digits above it.
+    ids_below: u64,
 }
 
 impl DevicePairs {
@@ -173,6 +176,20 @@ impl DevicePairs {
     /// Declares that row id i is i (e.g. ids uploaded as 0..n).
     pub fn set_positional(&mut self, positional: bool) {
         self.positional = positional;
+    }
+
+    /// Declares that every row id is below `bound`.
+    pub fn set_ids_below(&mut self, bound: u64) {
+        self.ids_below = bound;
+    }
+
+    /// A bound on the row ids of pairs `[0, n)`: n for positional pairs.
+    pub fn id_bound(&self, n: usize) -> u64 {
+        if self.positional {
+            n as u64
+        } else {
+            self.ids_below
+        }
     }
 
     pub fn kind(&self) -> KeyKind {
@@ -343,6 +360,20 @@ pub const ONESWEEP_MAX_TILES: usize = 64;
 /// ([`radix_sort_wide_tile`]), run Onesweep's single kernel on wide tiles
 /// (radix_sort.cu `rsort_pass_wide`): up to 1.5M pairs of 64-bit keys.
 pub const ONESWEEP_WIDE_MAX_TILES: usize = 384;
+
+/// The resident radix sort (radix_sort.cu `rsort_resident`: the histogram and every pass in
+/// one cooperative launch; its blocks loop over the tiles beyond one wave) takes up to this
+/// many pairs. It sorts the survivors of a sampled selection that the chunk rank sort cannot
+/// take, on the device's count: the selection is then enqueued whole. Per pass it is no
+/// faster than the Onesweep kernels (both latency-bound, H100), and slower than the chunk
+/// rank sort on ~80K pairs, so host-counted sorts keep those.
+pub const RESIDENT_SORT_MAX: usize = 1 << 22;
+/// The levels of the resident sort's tree of tile counts (radix_sort.cu `TREE_LEVELS`), and
+/// the most tiles it spans (8^levels).
+const RESIDENT_TREE_LEVELS: u32 = 4;
+const RESIDENT_SORT_TILES: usize = 1 << (3 * RESIDENT_TREE_LEVELS);
+/// Timer stamps the resident sort records when tracing: 3 + 4 per digit position (40 at most).
+const RESIDENT_STAMPS: usize = 3 + 4 * 40;
 
 /// Pairs per tile of a radix sort pass (radix_sort.cu: `RSORT_THREADS` × `SortItems`).
 pub fn radix_sort_tile(kind: KeyKind) -> usize {
@@ -613,6 +644,20 @@ impl TopKEngine {
         self.launch_function(function, name, grid, block, shared, args)
     }
 
+    /// A cooperative launch: the driver starts it only if all its blocks are resident at
+    /// once (grid barriers inside the kernel rely on that).
+    fn launch_cooperative(
+        &self,
+        function: &CudaFunction,
+        name: &str,
+        grid: u32,
+        block: u32,
+        shared: usize,
+        args: &[Arg],
+    ) -> GpuResult<()> {
+        self.launch_with(function, name, grid, block, shared, args, true)
+    }
+
     fn launch_function(
         &self,
         function: &CudaFunction,
@@ -621,6 +666,20 @@ impl TopKEngine {
         block: u32,
         shared: usize,
         args: &[Arg],
+    ) -> GpuResult<()> {
+        self.launch_with(function, name, grid, block, shared, args, false)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch_with(
+        &self,
+        function: &CudaFunction,
+        name: &str,
+        grid: u32,
+        block: u32,
+        shared: usize,
+        args: &[Arg],
+        cooperative: bool,
     ) -> GpuResult<()> {
         let mut builder = self.stream.launch_builder(function);
         for arg in args {
@@ -637,8 +696,14 @@ impl TopKEngine {
         // SAFETY: every kernel's parameters are device pointers (u64) and scalars whose order
         // and types the callers below match to the .cu signatures; the buffers behind the
         // pointers are alive until the work is ordered before their release (pool events).
-        unsafe { builder.launch(cfg) }
-            .map_err(|e| GpuError(format!("launching {name} failed: {e}")))?;
+        unsafe {
+            if cooperative {
+                builder.launch_cooperative(cfg)
+            } else {
+                builder.launch(cfg)
+            }
+        }
+        .map_err(|e| GpuError(format!("launching {name} failed: {e}")))?;
         Ok(())
     }
 
@@ -711,6 +776,7 @@ impl TopKEngine {
             capacity,
             kind: self.kind,
             positional: false,
+            ids_below: u64::MAX,
         })
     }
 
@@ -1131,6 +1197,7 @@ impl TopKEngine {
             }
         }
         let mut candidates = self.alloc_pairs(capacity)?;
+        candidates.set_ids_below(rows as u64);
         loop {
             self.fused_pass(
                 kernel,
@@ -1181,6 +1248,7 @@ impl TopKEngine {
                 self.memset_zero(out.ptr(), 24)?;
                 if candidates.capacity() < passed as usize {
                     candidates = self.alloc_pairs(passed as usize)?;
+                    candidates.set_ids_below(rows as u64);
                 }
                 continue;
             }
@@ -1189,6 +1257,7 @@ impl TopKEngine {
                 report.reruns += 1;
                 self.memset_zero(out.ptr(), 24)?;
                 candidates = self.alloc_pairs(count)?;
+                candidates.set_ids_below(rows as u64);
                 continue;
             }
             let selected = match (pending, ctl) {
@@ -1515,6 +1584,97 @@ impl TopKEngine {
         Ok(out)
     }
 
+    /// The LSD radix sort in one cooperative launch (radix_sort.cu `rsort_resident`): pairs
+    /// `[0, c)` sorted at the start of a new buffer of `cap` pairs, where c is `m` or, with
+    /// `count` (a device address, else 0), the u64 there. `status`: a sampled selection's
+    /// status word (or 0), which makes the sort a no-op once set and gets
+    /// `SAMPLE_STATUS_FINAL_LARGE` when c > cap. `None` when the device cannot hold the grid's
+    /// blocks at once (the caller sorts another way).
+    pub fn resident_sort(
+        &self,
+        input: &DevicePairs,
+        m: usize,
+        count: u64,
+        cap: usize,
+        id_bound: u64,
+        status: u64,
+    ) -> GpuResult<Option<DevicePairs>> {
+        let name = self.kernel("rsort_resident");
+        let function = self.kernels.get(&name)?;
+        let tile = radix_sort_tile(self.kind);
+        let max_positions = 8 + self.kind.bits() as usize / 8;
+        // The tile and a staging area of one word a pair (the larger of key and row id), or
+        // the histograms of every digit position (they share the memory).
+        let staged = tile * (self.kind.pair_bytes() + self.kind.key_bytes().max(8));
+        let shared = staged.max(max_positions * 256 * 4);
+        let per_sm = function
+            .occupancy_max_active_blocks_per_multiprocessor(RSORT_THREADS, shared, None)
+            .map_err(|e| GpuError(format!("occupancy of {name}: {e}")))?;
+        if per_sm == 0 {
+            return Ok(None);
+        }
+        let id_bits = 64 - id_bound.saturating_sub(1).leading_zeros();
+        let id_digits = id_bits.div_ceil(8);
+        let tiles = cap.div_ceil(tile).max(1);
+        if tiles > RESIDENT_SORT_TILES {
+            return Ok(None);
+        }
+        // Per position, the tree of tile counts above the tiles (radix_sort.cu `tree_level`).
+        let tree_words: usize = (1..RESIDENT_TREE_LEVELS)
+            .map(|l| tiles.div_ceil(1 << (3 * l)) * 256)
+            .sum();
+        let ctl_words = max_positions * 256 + 32 + max_positions * tree_words;
+        let ctl = self.device.pool.alloc(4 * ctl_words, &self.stream)?;
+        self.memset_zero(ctl.ptr(), 4 * ctl_words)?;
+        let counts = self.device.pool.alloc(4 * 256 * tiles, &self.stream)?;
+        let tmp = self.alloc_pairs(cap)?;
+        let out = self.alloc_pairs(cap)?;
+        let grid = tiles.min(per_sm as usize * self.device.sm_count) as u32;
+        // `GPU_TOPK_TRACE`: the kernel's phase times (block 0's timer at each phase's end).
+        let stamps = if trace_enabled() {
+            let buf = self.device.pool.alloc(8 * RESIDENT_STAMPS, &self.stream)?;
+            self.memset_zero(buf.ptr(), 8 * RESIDENT_STAMPS)?;
+            Some(buf)
+        } else {
+            None
+        };
+        let args = args![
+            input.key_at(0),
+            input.id_at(0),
+            tmp.key_at(0),
+            tmp.id_at(0),
+            out.key_at(0),
+            out.id_at(0),
+            m,
+            count,
+            cap,
+            id_digits,
+            ctl.ptr(),
+            counts.ptr(),
+            status,
+            stamps.as_ref().map_or(0, |b| b.ptr())
+        ];
+        self.launch_cooperative(function, &name, grid, RSORT_THREADS, shared, args)?;
+        if let Some(stamps) = stamps {
+            self.stream.synchronize()?;
+            let mut t = vec![0u64; RESIDENT_STAMPS];
+            // SAFETY: `stamps` holds RESIDENT_STAMPS live u64s; the stream is idle (synchronised).
+            unsafe { result::memcpy_dtoh_sync(&mut t, stamps.ptr()) }?;
+            let t: Vec<u64> = t.into_iter().take_while(|&t| t != 0).collect();
+            // µs per phase: histogram, barrier, then per pass count, barrier, scatter, barrier.
+            let phases: Vec<String> = t
+                .windows(2)
+                .map(|w| format!("{:.1}", (w[1] - w[0]) as f64 / 1000.0))
+                .collect();
+            eprintln!(
+                "resident sort cap={cap} grid={grid} tiles={tiles} id_digits={id_digits}: \
+                 phases µs {}",
+                phases.join(" ")
+            );
+        }
+        Ok(Some(out))
+    }
+
     /// LSD radix sort of pairs `[0, m)` (radix_sort.cu): one histogram kernel, then per digit
     /// position of the (key, row id) integer one Onesweep pass kernel (up to
     /// `ONESWEEP_MAX_TILES` tiles, or `ONESWEEP_WIDE_MAX_TILES` wide ones) or a count, scan
@@ -1681,10 +1841,11 @@ impl TopKEngine {
     /// The first level's filter reads only the keys when the input is positional. The host
     /// plans the chain from expected sizes and enqueues it without waiting. For k ≤ the rank
     /// sort's capacity, or a last level of at most [`chunk_rank_max`] pairs (the chunk rank
-    /// sort), the whole selection is enqueued and the returned run is pending: its status and
-    /// counts are read once, by [`finish`](Self::finish), after the kernels. Otherwise the
-    /// survivor count plans their sort, after a read-back (`sample_complete`). `None` when
-    /// the sample cannot shrink the input.
+    /// sort) or [`RESIDENT_SORT_MAX`] (the resident radix sort), the whole selection is
+    /// enqueued and the returned run is pending: its status and counts are read once, by
+    /// [`finish`](Self::finish), after the kernels. Otherwise the survivor count plans their
+    /// sort, after a read-back (`sample_complete`). `None` when the sample cannot shrink the
+    /// input.
     ///
     /// With `input_count` (a device address), the input's size is the u64 there, known only to the
     /// device, and `n` is its bound (the buffer's capacity): the levels are planned for `n`
@@ -1708,7 +1869,7 @@ impl TopKEngine {
         let mut run = SampleRun {
             n,
             k,
-            positional: input.positional,
+            id_bound: input.id_bound(n),
             plan,
             ctl,
             levels: Vec::new(),
@@ -1815,6 +1976,16 @@ impl TopKEngine {
             )?;
             run.lap("chunk rank sort".into(), &self.stream)?;
             run.sorted_small = Some(out);
+        } else if last.capacity() <= RESIDENT_SORT_MAX {
+            // More survivors: the resident radix sort takes them on the device's count, so
+            // that this too is enqueued whole (where the survivor count was read back).
+            let status = run.ctl.ptr() + SAMPLE_STATUS_OFFSET;
+            if let Some(out) =
+                self.resident_sort(last, 0, last_count, last.capacity(), run.id_bound, status)?
+            {
+                run.lap("resident radix sort".into(), &self.stream)?;
+                run.sorted_small = Some(out);
+            }
         }
         Ok(Some(run))
     }
@@ -1920,7 +2091,7 @@ impl TopKEngine {
         // the ~26 launches of a radix select cost more than a larger sort; else radix-select k
         // of them first.
         let last = run.levels.last().expect("a planned level");
-        let id_bound = if run.positional { n as u64 } else { u64::MAX };
+        let id_bound = run.id_bound;
         let sorted = if survivors <= DIRECT_SORT_FACTOR * k.max(DIRECT_SORT_MIN) {
             self.sort_pairs(last, survivors, id_bound)?
         } else {
@@ -2012,7 +2183,7 @@ impl TopKEngine {
                 "delegate top-k gathered {count} candidates for k = {k} (capacity {cap})"
             )));
         }
-        let id_bound = if input.positional { n as u64 } else { u64::MAX };
+        let id_bound = input.id_bound(n);
         let sorted = if count <= DIRECT_SORT_FACTOR * k.max(DIRECT_SORT_MIN) {
             self.sort_pairs(&candidates, count, id_bound)?
         } else {
@@ -2033,7 +2204,7 @@ impl TopKEngine {
         let small = self.small_sort_capacity();
         plan_sample_levels(n, k, sample_size(self.kind), small)
             .last()
-            .is_some_and(|last| k <= small || last.cap <= chunk_rank_max(self.kind))
+            .is_some_and(|last| k <= small || last.cap <= RESIDENT_SORT_MAX)
     }
 
     /// The min(n, k) smallest of pairs `[0, n)`, sorted, at the start of the returned buffer.
@@ -2069,7 +2240,7 @@ impl TopKEngine {
         if m == 0 {
             return Ok(ready(self.alloc_pairs(1)?));
         }
-        let id_bound = if input.positional { n as u64 } else { u64::MAX };
+        let id_bound = input.id_bound(n);
         let sorted = match algorithm {
             DeviceAlgorithm::Bitonic => self.bitonic_select(input, n, k)?,
             // Few pairs: the sampled selection's last step alone, one launch for all of them
@@ -2166,7 +2337,8 @@ enum SelectionState {
 struct SampleRun {
     n: usize,
     k: usize,
-    positional: bool,
+    /// The input's bound on its row ids ([`DevicePairs::id_bound`]).
+    id_bound: u64,
     plan: Vec<SampleLevel>,
     ctl: PooledBuffer,
     levels: Vec<DevicePairs>,

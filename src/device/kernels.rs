@@ -74,7 +74,13 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
     ("sample.cu", &["sample_threshold", "filter_pairs"]),
     (
         "radix_sort.cu",
-        &["rsort_hist", "rsort_pass", "rsort_pass_wide", "rsort_count"],
+        &[
+            "rsort_hist",
+            "rsort_pass",
+            "rsort_pass_wide",
+            "rsort_count",
+            "rsort_resident",
+        ],
     ),
     ("delegate.cu", &["delegate_min", "delegate_gather"]),
 ];
@@ -94,6 +100,7 @@ const LARGE_SHARED: &[&str] = &[
     "bitonic_chunk_sort",
     "bitonic_chunk_rank",
     "rsort_pass_wide",
+    "rsort_resident",
 ];
 
 /// Suffixes of the key types, see `INSTANTIATE_KEYS` in common.cuh.

@@ -1183,10 +1183,10 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
                 (1024, DeviceAlgorithm::Sample, true),
                 (6000, DeviceAlgorithm::Sample, true),
                 (1024, DeviceAlgorithm::Radix, false),
-                // ~116K survivors: the chunk rank sort takes them on the device's count.
+                // ~116K survivors: the chunk rank sort takes them on the device's count;
+                // ~330K: the resident radix sort.
                 (100_000, DeviceAlgorithm::Sample, true),
-                // ~330K survivors: read back, then sorted.
-                (300_000, DeviceAlgorithm::Sample, false),
+                (300_000, DeviceAlgorithm::Sample, true),
                 // All of them: positional ids let the radix sort skip the id digits.
                 (n, DeviceAlgorithm::Radix, false),
                 (n, DeviceAlgorithm::Sample, false),
@@ -1199,6 +1199,110 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
                 let got = engine.download_ids(&sorted, m).unwrap();
                 assert!(got == expected_of(k), "{what}");
             }
+        }
+    }
+}
+
+/// The oracle's first k ids, for any k.
+type OracleOf = Box<dyn Fn(usize) -> Vec<u64>>;
+
+#[test]
+fn gpu_resident_radix_sort_matches_the_oracle_beyond_one_wave() {
+    use datafusion_gpu_topk::device::{KeyKind, TopKEngine};
+    let Some(device) = gpu_or_skip("gpu_resident_radix_sort_matches_the_oracle_beyond_one_wave")
+    else {
+        return;
+    };
+    // Sizes beyond one wave of the cooperative grid (each block then loops over tiles), a
+    // size of a few tiles, and ties, sorted inputs and shuffled or positional ids; the sort
+    // called directly (host count, with and without the ids' bound), then the device-counted
+    // sort of a sampled selection's survivors.
+    for kind in [KeyKind::K32, KeyKind::K64, KeyKind::K128, KeyKind::K256] {
+        let big = if kind.bits() <= 64 {
+            3_000_017
+        } else {
+            1_200_007
+        };
+        for (n, dist, positional) in [
+            (big, Dist::Uniform, false),
+            (big, Dist::HeavyTies, true),
+            (big / 3, Dist::Narrow, false),
+            (big / 3, Dist::AllEqual, false),
+            (big / 3, Dist::SortedDesc, true),
+            (5000, Dist::HeavyTies, false),
+        ] {
+            let (p, shuffled) = generate(dist, n, true, n as u64 ^ 41);
+            let ids: Vec<u64> = if positional {
+                (0..n as u64).collect()
+            } else {
+                shuffled
+            };
+            let words: Vec<[u64; 4]> = p
+                .iter()
+                .map(|&v| [v.rotate_left(29), v.rotate_left(7), v >> 3, v])
+                .collect();
+            let (bytes, expected_of): (Vec<u8>, OracleOf) = match kind {
+                KeyKind::K32 => {
+                    let keys: Vec<u32> = p.iter().map(|&v| (v >> 32) as u32).collect();
+                    let bytes = keys.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    let ids = ids.clone();
+                    (bytes, Box::new(move |k| oracle(&keys, &ids, k)))
+                }
+                KeyKind::K64 => {
+                    let bytes = p.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    let (keys, ids) = (p.clone(), ids.clone());
+                    (bytes, Box::new(move |k| oracle(&keys, &ids, k)))
+                }
+                KeyKind::K128 => {
+                    let keys: Vec<u128> = words
+                        .iter()
+                        .map(|w| (u128::from(w[3]) << 64) | u128::from(w[2]))
+                        .collect();
+                    let bytes = keys.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    let ids = ids.clone();
+                    (bytes, Box::new(move |k| oracle(&keys, &ids, k)))
+                }
+                KeyKind::K256 => {
+                    let keys: Vec<U256> = words
+                        .iter()
+                        .map(|w| U256 {
+                            hi: (u128::from(w[3]) << 64) | u128::from(w[2]),
+                            lo: (u128::from(w[1]) << 64) | u128::from(w[0]),
+                        })
+                        .collect();
+                    let bytes = words
+                        .iter()
+                        .flat_map(|w| w.iter().flat_map(|x| x.to_le_bytes()))
+                        .collect();
+                    let ids = ids.clone();
+                    (bytes, Box::new(move |k| oracle(&keys, &ids, k)))
+                }
+            };
+            let mut engine = TopKEngine::new(&device, kind).unwrap();
+            let mut pairs = engine.upload_pairs(&bytes, &ids).unwrap();
+            pairs.set_positional(positional);
+            let what = format!("{kind:?} {dist:?} positional={positional} n={n}");
+            let expected = expected_of(n);
+            // Host-counted, every id digit (bound unknown), then positional ids' bound.
+            let bound = if positional { n as u64 } else { u64::MAX };
+            for id_bound in [u64::MAX, bound] {
+                let sorted = engine
+                    .resident_sort(&pairs, n, 0, n, id_bound, 0)
+                    .unwrap()
+                    .unwrap_or_else(|| panic!("{what}: no cooperative grid"));
+                let got = engine.download_ids(&sorted, n).unwrap();
+                assert!(got == expected, "{what} bound={id_bound}: resident sort");
+            }
+            // Device-counted: a sampled selection of most of them (beyond the chunk rank
+            // sort's capacity, the resident sort takes its survivors).
+            let k = n * 4 / 5;
+            let selection = engine
+                .enqueue_select(&pairs, n, k, DeviceAlgorithm::Sample)
+                .unwrap();
+            let (sorted, m) = engine.finish(selection).unwrap();
+            assert_eq!(m, k, "{what}");
+            let got = engine.download_ids(&sorted, m).unwrap();
+            assert!(got == expected_of(k), "{what} k={k}: sampled selection");
         }
     }
 }
