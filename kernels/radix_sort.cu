@@ -390,6 +390,27 @@ __device__ __forceinline__ void place_words(const W *src, u64 first, u64 m, W *d
     }
 }
 
+// Each item's slot in the tile reordered by digit (after tile_digit_count and the tile's digit
+// starts): its digit's start, the earlier warps' count of that digit, its rank in the warp.
+template <int ITEMS>
+__device__ __forceinline__ void tile_slots(const u32 (&digit)[ITEMS], const u32 (&rank)[ITEMS], const u32 *tile_start,
+                                           const u32 *warp_row, u32 (&slot)[ITEMS]) {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        slot[i] = digit[i] < RSORT_RADIX ? tile_start[digit[i]] + warp_row[digit[i]] + rank[i] : 0u;
+    }
+}
+
+// Stores words held in registers to their slots (items past the end have none).
+template <class W, int ITEMS>
+__device__ __forceinline__ void place_registers(const W (&w)[ITEMS], const u32 (&digit)[ITEMS],
+                                                const u32 (&slot)[ITEMS], W *dst) {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        if (digit[i] < RSORT_RADIX) dst[slot[i]] = w[i];
+    }
+}
+
 // rsort_pass over tiles of RSORT_THREADS × WideItems pairs, for inputs of a few hundred
 // thousand pairs and more. With 2048-pair tiles, a pass over 1M pairs has 512 tiles in one
 // wave whose look-back saturated the L2 (35–45 µs a pass, H100); half the tiles cut the
@@ -440,21 +461,12 @@ __device__ void rsort_pass_wide(u32 p, u32 id_digits, const K *in_keys, const u6
     tile_start[d] = block_exclusive_sum(count);
     __syncthreads();
     u32 slot[ITEMS];
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        slot[i] = digit[i] < RSORT_RADIX ? tile_start[digit[i]] + warp_hist[warp][digit[i]] + rank[i] : 0u;
-    }
+    tile_slots<ITEMS>(digit, rank, tile_start, warp_hist[warp], slot);
     if (key_digit) {
-#pragma unroll
-        for (int i = 0; i < ITEMS; ++i) {
-            if (digit[i] < RSORT_RADIX) s_keys[slot[i]] = kw[i];
-        }
+        place_registers<K, ITEMS>(kw, digit, slot, s_keys);
         place_words<u64, ITEMS>(b.ids_in, first, m, s_ids, slot);
     } else {
-#pragma unroll
-        for (int i = 0; i < ITEMS; ++i) {
-            if (digit[i] < RSORT_RADIX) s_ids[slot[i]] = iw[i];
-        }
+        place_registers<u64, ITEMS>(iw, digit, slot, s_ids);
         place_words<K, ITEMS>(b.keys_in, first, m, s_keys, slot);
     }
     global_start[d] = offsets[p * RSORT_RADIX + d] + look_back(mine, tile, count);
@@ -873,21 +885,12 @@ __device__ void rsort_resident(const K *in_keys, const u64 *in_ids, K *tmp_keys,
             tile_start[d] = block_exclusive_sum(count);
             __syncthreads();
             u32 slot[ITEMS];
-#pragma unroll
-            for (int i = 0; i < ITEMS; ++i) {
-                slot[i] = digit[i] < RSORT_RADIX ? tile_start[digit[i]] + warp_hist[warp][digit[i]] + rank[i] : 0u;
-            }
+            tile_slots<ITEMS>(digit, rank, tile_start, warp_hist[warp], slot);
             if (key_digit) {
-#pragma unroll
-                for (int i = 0; i < ITEMS; ++i) {
-                    if (digit[i] < RSORT_RADIX) s_keys[slot[i]] = kw[i];
-                }
+                place_registers<K, ITEMS>(kw, digit, slot, s_keys);
                 place_staged<u64, ITEMS>(reinterpret_cast<const u64 *>(stage) + local, digit, s_ids, slot);
             } else {
-#pragma unroll
-                for (int i = 0; i < ITEMS; ++i) {
-                    if (digit[i] < RSORT_RADIX) s_ids[slot[i]] = iw[i];
-                }
+                place_registers<u64, ITEMS>(iw, digit, slot, s_ids);
                 place_staged<K, ITEMS>(reinterpret_cast<const K *>(stage) + local, digit, s_keys, slot);
             }
             __syncthreads();

@@ -641,37 +641,13 @@ impl TopKEngine {
         args: &[Arg],
     ) -> GpuResult<()> {
         let function = self.kernels.get(name)?;
-        self.launch_function(function, name, grid, block, shared, args)
+        self.launch_function(function, name, grid, block, shared, args, false)
     }
 
-    /// A cooperative launch: the driver starts it only if all its blocks are resident at
-    /// once (grid barriers inside the kernel rely on that).
-    fn launch_cooperative(
-        &self,
-        function: &CudaFunction,
-        name: &str,
-        grid: u32,
-        block: u32,
-        shared: usize,
-        args: &[Arg],
-    ) -> GpuResult<()> {
-        self.launch_with(function, name, grid, block, shared, args, true)
-    }
-
-    fn launch_function(
-        &self,
-        function: &CudaFunction,
-        name: &str,
-        grid: u32,
-        block: u32,
-        shared: usize,
-        args: &[Arg],
-    ) -> GpuResult<()> {
-        self.launch_with(function, name, grid, block, shared, args, false)
-    }
-
+    /// Launches `function`; `cooperative`: a cooperative launch, which the driver starts only
+    /// if all its blocks are resident at once (grid barriers inside the kernel rely on that).
     #[allow(clippy::too_many_arguments)]
-    fn launch_with(
+    fn launch_function(
         &self,
         function: &CudaFunction,
         name: &str,
@@ -1093,6 +1069,7 @@ impl TopKEngine {
             THREADS,
             0,
             &args,
+            false,
         )
     }
 
@@ -1654,7 +1631,7 @@ impl TopKEngine {
             status,
             stamps.as_ref().map_or(0, |b| b.ptr())
         ];
-        self.launch_cooperative(function, &name, grid, RSORT_THREADS, shared, args)?;
+        self.launch_function(function, &name, grid, RSORT_THREADS, shared, args, true)?;
         if let Some(stamps) = stamps {
             self.stream.synchronize()?;
             let mut t = vec![0u64; RESIDENT_STAMPS];
