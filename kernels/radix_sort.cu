@@ -357,20 +357,29 @@ template <class K> struct WideItems {
 template <class K> __device__ __forceinline__ u32 word_digit(const K &k, int lo) { return vbits(k, 0ull, lo, 8); }
 __device__ __forceinline__ u32 word_digit(u64 id, int lo) { return (u32)(id >> lo) & 0xffu; }
 
+// A word loaded through the L2 (the resident sort reads what other blocks of its launch wrote).
+template <class K> __device__ __forceinline__ K load_word_cg(const K *p) { return load_cg(p); }
+__device__ __forceinline__ u64 load_word_cg(const u64 *p) { return __ldcg(p); }
+
+// Items of a lane left in [0, m) from pair `first` on (32-bit, so that the per-item bounds
+// checks and addresses need no 64-bit registers: one base pointer, immediate offsets).
+__device__ __forceinline__ u32 items_left(u64 first, u64 m) { return first < m ? (u32)min(m - first, 1ull << 20) : 0u; }
+
 // Loads the warp's ITEMS words of `src` (item i of lane l at first + 32·i + l) and ranks them
 // by digit, stably: each item's digit (RSORT_RADIX past the end) and its rank among the warp's
 // earlier items of that digit; `warp_hist` (this warp's row) counts them.
 template <class W, int ITEMS>
 __device__ __forceinline__ void rank_words(const W *src, u64 first, u64 m, int lo, u32 *warp_hist, W (&w)[ITEMS],
                                            u32 (&digit)[ITEMS], u32 (&rank)[ITEMS]) {
+    const W *p = src + first;
+    const u32 left = items_left(first, m);
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
-        const u64 g = first + 32ull * i;
-        if (g < m) w[i] = src[g];
+        if (32u * i < left) w[i] = load_word_cg(p + 32 * i);
     }
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
-        digit[i] = first + 32ull * i < m ? word_digit(w[i], lo) : RSORT_RADIX;
+        digit[i] = 32u * i < left ? word_digit(w[i], lo) : RSORT_RADIX;
         rank[i] = rank_in_warp(digit[i], warp_hist);
     }
 }
@@ -589,30 +598,7 @@ __device__ __forceinline__ void stamp(u64 *stamps, u32 &i) {
     ++i;
 }
 
-// Digit (8 bits at the byte-aligned lo) of the word that holds it, loaded through the L2.
-template <class K> __device__ __forceinline__ K load_word_cg(const K *p) { return load_cg(p); }
-__device__ __forceinline__ u64 load_word_cg(const u64 *p) { return __ldcg(p); }
 
-// Items of a lane left in [0, m) from pair `first` on (32-bit, so that the per-item bounds
-// checks and addresses need no 64-bit registers: one base pointer, immediate offsets).
-__device__ __forceinline__ u32 items_left(u64 first, u64 m) { return first < m ? (u32)min(m - first, 1ull << 20) : 0u; }
-
-// rank_words with loads through the L2.
-template <class W, int ITEMS>
-__device__ __forceinline__ void rank_words_cg(const W *src, u64 first, u64 m, int lo, u32 *warp_hist,
-                                              W (&w)[ITEMS], u32 (&digit)[ITEMS], u32 (&rank)[ITEMS]) {
-    const W *p = src + first;
-    const u32 left = items_left(first, m);
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        if (32u * i < left) w[i] = load_word_cg(p + 32 * i);
-    }
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        digit[i] = 32u * i < left ? word_digit(w[i], lo) : RSORT_RADIX;
-        rank[i] = rank_in_warp(digit[i], warp_hist);
-    }
-}
 
 // The per-pass tree of tile counts: level 0 is the tiles' counts (`counts`), node i of level
 // l ≥ 1 sums tiles [8^l · i, 8^l · (i + 1)), 256 digits each. A tile's count of pairs before it
@@ -680,24 +666,10 @@ __device__ __forceinline__ void publish_count(u32 *counts, u32 *tree, u64 tiles_
 }
 
 // The count of digit d in the tiles before tile t: per level of the tree, the (≤ 7) earlier
-// siblings of the tile's ancestor; every load in flight at once.
+// siblings of the tile's ancestor, their loads issued together; the levels one after the other
+// (unrolled, the k64 instance went past 128 registers; starts computed for all of a block's
+// tiles before its scatters measured no faster).
 __device__ __forceinline__ u32 tiles_before(const u32 *counts, const u32 *tree, u64 tiles_cap, u64 t, u32 d) {
-    u32 sum = 0;
-#pragma unroll
-    for (int l = 0; l < TREE_LEVELS; ++l) {
-        const u32 node = (u32)(t >> (3 * l));
-        const u32 *sib = (l == 0 ? counts : tree + tree_level(tiles_cap, l)) + d + (u64)(node & ~7u) * RSORT_RADIX;
-#pragma unroll
-        for (u32 s = 0; s < 7; ++s) {
-            if (s < (node & 7u)) sum += __ldcg(sib + s * RSORT_RADIX);
-        }
-    }
-    return sum;
-}
-
-// tiles_before one level after the other (inside the scatter loop, the unrolled form took the
-// k64 instance past 128 registers): for blocks with more than RESIDENT_OWN tiles.
-__device__ __forceinline__ u32 tiles_before_serial(const u32 *counts, const u32 *tree, u64 tiles_cap, u64 t, u32 d) {
     u32 sum = 0;
 #pragma unroll 1
     for (int l = 0; l < TREE_LEVELS; ++l) {
@@ -710,9 +682,6 @@ __device__ __forceinline__ u32 tiles_before_serial(const u32 *counts, const u32 
     }
     return sum;
 }
-
-// Tiles per block whose bucket starts are computed together before the block's scatters.
-#define RESIDENT_OWN 8
 
 // Blocks per SM the resident sort is compiled for: two (≤ 128 registers), one for 128- and
 // 256-bit keys (which spilled at two).
@@ -742,7 +711,6 @@ __device__ void rsort_resident(const K *in_keys, const u64 *in_ids, K *tmp_keys,
     __shared__ u32 global_start[RSORT_RADIX];
     __shared__ u32 digit_base[RSORT_RADIX];
     __shared__ u32 runs[D];
-    __shared__ u32 tile_starts[RESIDENT_OWN][RSORT_RADIX];
     extern __shared__ __align__(16) u8 wide_tile[];
     K *s_keys = reinterpret_cast<K *>(wide_tile);
     u64 *s_ids = reinterpret_cast<u64 *>(wide_tile + (u64)TILE * sizeof(K));
@@ -848,22 +816,12 @@ __device__ void rsort_resident(const K *in_keys, const u64 *in_ids, K *tmp_keys,
         grid_barrier(bar, target);
         stamp(stamps, stamp_at);
 
-        // Scatter: each tile to its buckets' runs. First the bucket starts of the block's
-        // tiles (up to RESIDENT_OWN of them), every tree load in flight at once.
-        const u32 own = (u32)((tiles - min((u64)blockIdx.x, tiles) + gridDim.x - 1) / gridDim.x);
-        if (own <= RESIDENT_OWN) {
-            for (u32 i = 0; i < own; ++i) {
-                tile_starts[i][d] = digit_base[d] + tiles_before(counts, tree, tiles_cap, blockIdx.x + (u64)i * gridDim.x, d);
-            }
-        }
-        __syncthreads();
-        u32 own_i = 0;
-        for (u64 t = blockIdx.x; t < tiles; t += gridDim.x, ++own_i) {
+        // Scatter: each tile to its buckets' runs.
+        for (u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
             for (u32 i = threadIdx.x; i < RSORT_WARPS * (RSORT_RADIX + 1); i += RSORT_THREADS) {
                 (&warp_hist[0][0])[i] = 0;
             }
-            global_start[d] = own <= RESIDENT_OWN ? tile_starts[own_i][d]
-                                                  : digit_base[d] + tiles_before_serial(counts, tree, tiles_cap, t, d);
+            global_start[d] = digit_base[d] + tiles_before(counts, tree, tiles_cap, t, d);
             __syncthreads();
             const u32 warp = threadIdx.x / 32;
             const u64 first = t * TILE + (u64)warp * 32 * ITEMS + lane_id();
@@ -875,10 +833,10 @@ __device__ void rsort_resident(const K *in_keys, const u64 *in_ids, K *tmp_keys,
             // flight with the digit's); the digit's word stays in registers for the ranking.
             if (key_digit) {
                 stage_words<u64, ITEMS>(SRC_IDS, first, m, reinterpret_cast<u64 *>(stage) + local);
-                rank_words_cg<K, ITEMS>(SRC_KEYS, first, m, lo, warp_hist[warp], kw, digit, rank);
+                rank_words<K, ITEMS>(SRC_KEYS, first, m, lo, warp_hist[warp], kw, digit, rank);
             } else {
                 stage_words<K, ITEMS>(SRC_KEYS, first, m, reinterpret_cast<K *>(stage) + local);
-                rank_words_cg<u64, ITEMS>(SRC_IDS, first, m, lo, warp_hist[warp], iw, digit, rank);
+                rank_words<u64, ITEMS>(SRC_IDS, first, m, lo, warp_hist[warp], iw, digit, rank);
             }
             __syncthreads();
             const u32 count = tile_digit_count(warp_hist, d);

@@ -232,6 +232,19 @@ impl From<usize> for Arg {
     }
 }
 
+/// The radix sorts' three pair buffers as kernel arguments: input, scratch and output, keys
+/// then row ids of each.
+fn sort_buffers(input: &DevicePairs, tmp: &DevicePairs, out: &DevicePairs) -> [Arg; 6] {
+    [
+        Arg::from(input.key_at(0)),
+        Arg::from(input.id_at(0)),
+        Arg::from(tmp.key_at(0)),
+        Arg::from(tmp.id_at(0)),
+        Arg::from(out.key_at(0)),
+        Arg::from(out.id_at(0)),
+    ]
+}
+
 macro_rules! args {
     ($($a:expr),* $(,)?) => { &[$(Arg::from($a)),*] };
 }
@@ -1615,13 +1628,8 @@ impl TopKEngine {
         } else {
             None
         };
-        let args = args![
-            input.key_at(0),
-            input.id_at(0),
-            tmp.key_at(0),
-            tmp.id_at(0),
-            out.key_at(0),
-            out.id_at(0),
+        let mut args = sort_buffers(input, &tmp, &out).to_vec();
+        args.extend_from_slice(args![
             m,
             count,
             cap,
@@ -1630,8 +1638,8 @@ impl TopKEngine {
             counts.ptr(),
             status,
             stamps.as_ref().map_or(0, |b| b.ptr())
-        ];
-        self.launch_function(function, &name, grid, RSORT_THREADS, shared, args, true)?;
+        ]);
+        self.launch_function(function, &name, grid, RSORT_THREADS, shared, &args, true)?;
         if let Some(stamps) = stamps {
             self.stream.synchronize()?;
             let mut t = vec![0u64; RESIDENT_STAMPS];
@@ -1722,19 +1730,11 @@ impl TopKEngine {
         let tile_offsets = counts.as_ref().map_or(0, |c| c.ptr());
         for p in 0..positions {
             // The pass's digit position and the three buffers, which every pass kernel takes first.
-            let buffers = args![
-                p as u32,
-                id_digits as u32,
-                input.key_at(0),
-                input.id_at(0),
-                tmp.key_at(0),
-                tmp.id_at(0),
-                out.key_at(0),
-                out.id_at(0),
-                m
-            ];
+            let mut buffers = args![p as u32, id_digits as u32].to_vec();
+            buffers.extend_from_slice(&sort_buffers(input, &tmp, &out));
+            buffers.push(Arg::from(m));
             if let Some(counts) = &counts {
-                let mut args = buffers.to_vec();
+                let mut args = buffers.clone();
                 args.extend_from_slice(args![ctl.ptr() + plan_off, counts.ptr()]);
                 self.launch(&count, tiles as u32, RSORT_THREADS, 0, &args)?;
                 self.launch(
@@ -1751,7 +1751,7 @@ impl TopKEngine {
                     ],
                 )?;
             }
-            let mut args = buffers.to_vec();
+            let mut args = buffers.clone();
             args.extend_from_slice(args![
                 ctl.ptr(),
                 ctl.ptr() + plan_off,
