@@ -3,12 +3,14 @@
 //!
 //! ```text
 //! cargo bench --bench fused -- [--rows N] [--runs R] [--csv FILE] [--quick] [--only PREFIX]
-//!     [--sample-rows N]
+//!     [--sample-rows N] [--device-only]
 //! ```
 //!
 //! Defaults: 20M rows, R = 5. `--quick`: Q1 at selectivity 0, 0.5, 1 and Q2 at k = 50 and 10^5.
 //! `--only`: the queries whose name starts with PREFIX (e.g. `"Q2 k=50"`), e.g. under a profiler.
 //! `--sample-rows N`: the fused selection's sample size (default `FUSED_SAMPLE_ROWS`).
+//! `--device-only`: DataFusion answers once, as the oracle, and is not timed (its column reads
+//! NaN): for comparing device variants in a short run.
 //!
 //! The tweets table (DESIGN §9) is generated once: as a DataFusion `MemTable` (one partition
 //! per core, 8192-row batches) and, concatenated, as one column per table column. Per query:
@@ -133,6 +135,7 @@ async fn main() -> Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let only: String = arg("--only", String::new());
     let sample_rows: usize = arg("--sample-rows", FUSED_SAMPLE_ROWS);
+    let device_only = std::env::args().any(|a| a == "--device-only");
     let Some(device) = gpu() else {
         println!("no GPU: the fusion benchmark runs on device-resident columns");
         return Ok(());
@@ -291,8 +294,13 @@ async fn main() -> Result<()> {
             // and that work (page unmapping shoots down TLBs on every core of the process) stalled
             // the next device run's host thread for 1.2–2.4 ms, at Q2 k = 10^6 (its largest
             // state), when the device runs followed it.
-            let (d, _) = time_sql(&plain, &sql).await?;
-            std::thread::sleep(std::time::Duration::from_millis(300));
+            let d = if device_only {
+                f64::NAN
+            } else {
+                let (d, _) = time_sql(&plain, &sql).await?;
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                d
+            };
             floor
                 .flush_l2(engine)
                 .map_err(|e| bench_error(e.to_string()))?;

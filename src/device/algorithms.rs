@@ -17,11 +17,14 @@
 //! - [`bitonic_select`](TopKEngine::bitonic_select): the k smallest, sorted, for
 //!   k ≤ [`bitonic_max_k`](TopKEngine::bitonic_max_k) (bitonic.cu);
 //! - [`sample_select`](TopKEngine::sample_select): SampleSelect, the k smallest through sampled
-//!   thresholds and filtering passes chained on the device, then a rank sort or a chunk rank
-//!   sort of the survivors on their device count (sample.cu, bitonic.cu);
+//!   thresholds and filtering passes chained on the device, then a rank sort, a chunk rank
+//!   sort or a merge sort of the survivors on their device count (sample.cu, bitonic.cu,
+//!   merge_sort.cu);
 //! - [`sort`](TopKEngine::sort): bitonic sort of any number of pairs, in register tiles
 //!   (bitonic.cu); [`sort_pairs`](TopKEngine::sort_pairs): the sort for m pairs (a register
-//!   tile, the chunk rank sort, or the LSD radix sort of radix_sort.cu);
+//!   tile, the chunk rank sort, the LSD radix sort of radix_sort.cu or the merge sort of
+//!   merge_sort.cu); [`merge_sort`](TopKEngine::merge_sort): the first k of m pairs, sorted,
+//!   m known to the host or only to the device;
 //! - [`select_sorted`](TopKEngine::select_sorted): one of the selections, then sorted; or in
 //!   two steps, [`enqueue_select`](TopKEngine::enqueue_select) (a small-k sampled selection is
 //!   enqueued whole, no host round trip inside) and [`finish`](TopKEngine::finish) (reads its
@@ -374,20 +377,6 @@ pub const ONESWEEP_MAX_TILES: usize = 64;
 /// (radix_sort.cu `rsort_pass_wide`): up to 1.5M pairs of 64-bit keys.
 pub const ONESWEEP_WIDE_MAX_TILES: usize = 384;
 
-/// The resident radix sort (radix_sort.cu `rsort_resident`: the histogram and every pass in
-/// one cooperative launch; its blocks loop over the tiles beyond one wave) takes up to this
-/// many pairs. It sorts the survivors of a sampled selection that the chunk rank sort cannot
-/// take, on the device's count: the selection is then enqueued whole. Per pass it is no
-/// faster than the Onesweep kernels (both latency-bound, H100), and slower than the chunk
-/// rank sort on ~80K pairs, so host-counted sorts keep those.
-pub const RESIDENT_SORT_MAX: usize = 1 << 22;
-/// The levels of the resident sort's tree of tile counts (radix_sort.cu `TREE_LEVELS`), and
-/// the most tiles it spans (8^levels).
-const RESIDENT_TREE_LEVELS: u32 = 4;
-const RESIDENT_SORT_TILES: usize = 1 << (3 * RESIDENT_TREE_LEVELS);
-/// Timer stamps the resident sort records when tracing: 3 + 4 per digit position (40 at most).
-const RESIDENT_STAMPS: usize = 3 + 4 * 40;
-
 /// Pairs per tile of a radix sort pass (radix_sort.cu: `RSORT_THREADS` × `SortItems`).
 pub fn radix_sort_tile(kind: KeyKind) -> usize {
     let items = match kind {
@@ -402,6 +391,19 @@ pub fn radix_sort_tile(kind: KeyKind) -> usize {
 /// [`radix_sort_tile`].
 pub fn radix_sort_wide_tile(kind: KeyKind) -> usize {
     2 * radix_sort_tile(kind)
+}
+
+/// The merge sort's block size (merge_sort.cu `MSORT_THREADS`). Twice the threads with half
+/// the pairs each (the same tile) measured 1–12% slower (H100, session 12).
+const MSORT_THREADS: u32 = 256;
+/// The merge sort (merge_sort.cu) takes up to this many pairs: the survivors of a sampled
+/// selection beyond the chunk rank sort's capacity, a fused pass's candidates at large k, and
+/// host-counted sorts that need more than a 32-bit key's digits.
+pub const MERGE_SORT_MAX: usize = 1 << 22;
+
+/// Pairs per tile of the merge sort (merge_sort.cu: `MSORT_THREADS` × `MergeItems`).
+pub fn merge_sort_tile(kind: KeyKind) -> usize {
+    radix_sort_tile(kind)
 }
 
 /// Threads of the sort kernels' blocks (bitonic.cu `SORT_THREADS`).
@@ -654,12 +656,10 @@ impl TopKEngine {
         args: &[Arg],
     ) -> GpuResult<()> {
         let function = self.kernels.get(name)?;
-        self.launch_function(function, name, grid, block, shared, args, false)
+        self.launch_function(function, name, grid, block, shared, args)
     }
 
-    /// Launches `function`; `cooperative`: a cooperative launch, which the driver starts only
-    /// if all its blocks are resident at once (grid barriers inside the kernel rely on that).
-    #[allow(clippy::too_many_arguments)]
+    /// Launches `function` (`name` for errors).
     fn launch_function(
         &self,
         function: &CudaFunction,
@@ -668,7 +668,6 @@ impl TopKEngine {
         block: u32,
         shared: usize,
         args: &[Arg],
-        cooperative: bool,
     ) -> GpuResult<()> {
         let mut builder = self.stream.launch_builder(function);
         for arg in args {
@@ -685,14 +684,8 @@ impl TopKEngine {
         // SAFETY: every kernel's parameters are device pointers (u64) and scalars whose order
         // and types the callers below match to the .cu signatures; the buffers behind the
         // pointers are alive until the work is ordered before their release (pool events).
-        unsafe {
-            if cooperative {
-                builder.launch_cooperative(cfg)
-            } else {
-                builder.launch(cfg)
-            }
-        }
-        .map_err(|e| GpuError(format!("launching {name} failed: {e}")))?;
+        unsafe { builder.launch(cfg) }
+            .map_err(|e| GpuError(format!("launching {name} failed: {e}")))?;
         Ok(())
     }
 
@@ -1082,7 +1075,6 @@ impl TopKEngine {
             THREADS,
             0,
             &args,
-            false,
         )
     }
 
@@ -1204,7 +1196,18 @@ impl TopKEngine {
             // A sampled selection of few enough pairs is enqueued on the device's count before
             // the host knows it; its control block then brings the pass's words back with its
             // own, in one read-back.
-            let pending = if algorithm == DeviceAlgorithm::Sample
+            // Or, for a large k, the merge sort of every candidate (truncated at k) on the
+            // device's count, without a sampled level.
+            let direct = if algorithm == DeviceAlgorithm::Sample
+                && k > self.small_sort_capacity()
+                && candidates.capacity() <= MERGE_SORT_MAX
+            {
+                Some(self.merge_sort(&candidates, 0, count_at, candidates.capacity(), k, 0)?)
+            } else {
+                None
+            };
+            let pending = if direct.is_none()
+                && algorithm == DeviceAlgorithm::Sample
                 && self.sample_sorts_on_device(candidates.capacity(), k)
             {
                 self.sample_enqueue(&candidates, candidates.capacity(), k, Some(count_at))?
@@ -1251,6 +1254,7 @@ impl TopKEngine {
                 continue;
             }
             let selected = match (pending, ctl) {
+                _ if direct.is_some() => direct.map(|sorted| (sorted, count.min(k))),
                 (Some(mut run), Some(bytes)) => {
                     // Planned for the buffer's capacity; the count decides what is complete.
                     run.n = count;
@@ -1499,7 +1503,15 @@ impl TopKEngine {
             self.set_u32(count.ptr(), m as u32)?;
             return self.chunk_rank_sort(input, count.ptr(), m, 0);
         }
-        self.radix_sort(input, m, id_bound)
+        // The radix sort when a 32-bit key's 4 digits sort them (ids ascending in input order);
+        // else the merge sort, whose rounds grow with neither the key width nor the row ids
+        // (H100, 2^20 pairs: i32 positional 116 µs radix, 148 µs merge; i64 positional 236 µs
+        // radix, 180 µs merge).
+        if (id_bound == 1 && self.kind == KeyKind::K32) || m > MERGE_SORT_MAX {
+            self.radix_sort(input, m, id_bound)
+        } else {
+            self.merge_sort(input, m, 0, m, m, 0)
+        }
     }
 
     /// Pairs `[0, c)`, c the u64 at device address `count` (c ≤ `cap`), sorted ascending at
@@ -1574,90 +1586,84 @@ impl TopKEngine {
         Ok(out)
     }
 
-    /// The LSD radix sort in one cooperative launch (radix_sort.cu `rsort_resident`): pairs
-    /// `[0, c)` sorted at the start of a new buffer of `cap` pairs, where c is `m` or, with
-    /// `count` (a device address, else 0), the u64 there. `status`: a sampled selection's
-    /// status word (or 0), which makes the sort a no-op once set and gets
-    /// `SAMPLE_STATUS_FINAL_LARGE` when c > cap. `None` when the device cannot hold the grid's
-    /// blocks at once (the caller sorts another way).
-    pub fn resident_sort(
+    /// The merge sort (merge_sort.cu): the first min(c, k) of pairs `[0, c)` sorted at the
+    /// start of a new buffer of `cap` pairs, where c is `m` or, with `count` (a device address,
+    /// else 0), the u64 there. Tiles sorted in shared memory, then ⌈log2(tiles)⌉ merge rounds,
+    /// every merged run truncated at k; all enqueued before c is known. `status`: a sampled
+    /// selection's status word (or 0), which makes the sort a no-op once set and gets
+    /// `SAMPLE_STATUS_FINAL_LARGE` when c > cap. Positional inputs' row ids are not read.
+    pub fn merge_sort(
         &self,
         input: &DevicePairs,
         m: usize,
         count: u64,
         cap: usize,
-        id_bound: u64,
+        k: usize,
         status: u64,
-    ) -> GpuResult<Option<DevicePairs>> {
-        let name = self.kernel("rsort_resident");
-        let function = self.kernels.get(&name)?;
-        let tile = radix_sort_tile(self.kind);
-        let max_positions = 8 + self.kind.bits() as usize / 8;
-        // The tile and a staging area of one word a pair (the larger of key and row id), or
-        // the histograms of every digit position (they share the memory).
-        let staged = tile * (self.kind.pair_bytes() + self.kind.key_bytes().max(8));
-        let shared = staged.max(max_positions * 256 * 4);
-        let per_sm = function
-            .occupancy_max_active_blocks_per_multiprocessor(RSORT_THREADS, shared, None)
-            .map_err(|e| GpuError(format!("occupancy of {name}: {e}")))?;
-        if per_sm == 0 {
-            return Ok(None);
-        }
-        let id_bits = 64 - id_bound.saturating_sub(1).leading_zeros();
-        let id_digits = id_bits.div_ceil(8);
-        let tiles = cap.div_ceil(tile).max(1);
-        if tiles > RESIDENT_SORT_TILES {
-            return Ok(None);
-        }
-        // Per position, the tree of tile counts above the tiles (radix_sort.cu `tree_level`).
-        let tree_words: usize = (1..RESIDENT_TREE_LEVELS)
-            .map(|l| tiles.div_ceil(1 << (3 * l)) * 256)
-            .sum();
-        let ctl_words = max_positions * 256 + 32 + max_positions * tree_words;
-        let ctl = self.device.pool.alloc(4 * ctl_words, &self.stream)?;
-        self.memset_zero(ctl.ptr(), 4 * ctl_words)?;
-        let counts = self.device.pool.alloc(4 * 256 * tiles, &self.stream)?;
-        let tmp = self.alloc_pairs(cap)?;
+    ) -> GpuResult<DevicePairs> {
+        let tile = merge_sort_tile(self.kind);
+        let cap = cap.max(1);
+        let tiles = cap.div_ceil(tile);
+        let rounds = tiles.next_power_of_two().trailing_zeros();
+        // The tile's shared memory: keys then row ids, each with a spare slot per 128 bytes.
+        let key_bytes = self.kind.key_bytes();
+        let padded = |n: usize, size: usize| n + n / (128 / size);
+        let shared =
+            (padded(tile, key_bytes) * key_bytes).next_multiple_of(16) + padded(tile, 8) * 8;
         let out = self.alloc_pairs(cap)?;
-        let grid = tiles.min(per_sm as usize * self.device.sm_count) as u32;
-        // `GPU_TOPK_TRACE`: the kernel's phase times (block 0's timer at each phase's end).
-        let stamps = if trace_enabled() {
-            let buf = self.device.pool.alloc(8 * RESIDENT_STAMPS, &self.stream)?;
-            self.memset_zero(buf.ptr(), 8 * RESIDENT_STAMPS)?;
-            Some(buf)
+        let tmp = if rounds > 0 {
+            Some(self.alloc_pairs(cap)?)
         } else {
             None
         };
-        let mut args = sort_buffers(input, &tmp, &out).to_vec();
-        args.extend_from_slice(args![
-            m,
-            count,
-            cap,
-            id_digits,
-            ctl.ptr(),
-            counts.ptr(),
-            status,
-            stamps.as_ref().map_or(0, |b| b.ptr())
-        ]);
-        self.launch_function(function, &name, grid, RSORT_THREADS, shared, &args, true)?;
-        if let Some(stamps) = stamps {
-            self.stream.synchronize()?;
-            let mut t = vec![0u64; RESIDENT_STAMPS];
-            // SAFETY: `stamps` holds RESIDENT_STAMPS live u64s; the stream is idle (synchronised).
-            unsafe { result::memcpy_dtoh_sync(&mut t, stamps.ptr()) }?;
-            let t: Vec<u64> = t.into_iter().take_while(|&t| t != 0).collect();
-            // µs per phase: histogram, barrier, then per pass count, barrier, scatter, barrier.
-            let phases: Vec<String> = t
-                .windows(2)
-                .map(|w| format!("{:.1}", (w[1] - w[0]) as f64 / 1000.0))
-                .collect();
-            eprintln!(
-                "resident sort cap={cap} grid={grid} tiles={tiles} id_digits={id_digits}: \
-                 phases µs {}",
-                phases.join(" ")
-            );
+        // Buffers alternate so that the last round writes `out`.
+        let mut bufs = [&out, tmp.as_ref().unwrap_or(&out)];
+        if rounds % 2 == 1 {
+            bufs.swap(0, 1);
         }
-        Ok(Some(out))
+        let ids = if input.positional { 0 } else { input.id_at(0) };
+        self.launch(
+            &self.kernel("msort_tiles"),
+            tiles as u32,
+            MSORT_THREADS,
+            shared,
+            args![
+                input.key_at(0),
+                ids,
+                m,
+                count,
+                cap,
+                bufs[0].key_at(0),
+                bufs[0].id_at(0),
+                status
+            ],
+        )?;
+        let keep = k.max(tile);
+        for r in 0..rounds {
+            let span = tile << r;
+            let (src, dst) = (bufs[r as usize % 2], bufs[(r as usize + 1) % 2]);
+            let tiles_per_run = (2 * span).min(keep).div_ceil(tile);
+            let grid = cap.div_ceil(2 * span) * tiles_per_run;
+            self.launch(
+                &self.kernel("msort_merge"),
+                grid as u32,
+                MSORT_THREADS,
+                shared,
+                args![
+                    src.key_at(0),
+                    src.id_at(0),
+                    m,
+                    count,
+                    cap,
+                    k,
+                    span,
+                    dst.key_at(0),
+                    dst.id_at(0),
+                    status
+                ],
+            )?;
+        }
+        Ok(out)
     }
 
     /// LSD radix sort of pairs `[0, m)` (radix_sort.cu): one histogram kernel, then per digit
@@ -1814,11 +1820,12 @@ impl TopKEngine {
 
     /// SampleSelect (sample.cu): levels of a sampled threshold and a filtering pass, each
     /// shrinking the pairs that hold the k smallest, then a sort of the survivors: the rank sort
-    /// when they are few, else a radix sort (after a radix select when they are many times k).
+    /// when they are few, else the chunk rank or merge sort (or, after a read-back, a sort or a
+    /// radix select when they are many times k).
     /// The first level's filter reads only the keys when the input is positional. The host
     /// plans the chain from expected sizes and enqueues it without waiting. For k ≤ the rank
     /// sort's capacity, or a last level of at most [`chunk_rank_max`] pairs (the chunk rank
-    /// sort) or [`RESIDENT_SORT_MAX`] (the resident radix sort), the whole selection is
+    /// sort) or [`MERGE_SORT_MAX`] (the merge sort, truncated at k), the whole selection is
     /// enqueued and the returned run is pending: its status and counts are read once, by
     /// [`finish`](Self::finish), after the kernels. Otherwise the survivor count plans their
     /// sort, after a read-back (`sample_complete`). `None` when the sample cannot shrink the
@@ -1953,16 +1960,14 @@ impl TopKEngine {
             )?;
             run.lap("chunk rank sort".into(), &self.stream)?;
             run.sorted_small = Some(out);
-        } else if last.capacity() <= RESIDENT_SORT_MAX {
-            // More survivors: the resident radix sort takes them on the device's count, so
-            // that this too is enqueued whole (where the survivor count was read back).
+        } else if last.capacity() <= MERGE_SORT_MAX {
+            // More survivors: the merge sort, truncated at k, on the device's count (measured
+            // on the H100 against the radix sort that had this place: 1.56× against 1.68× the
+            // floor at 2^29, k = 2^20, i32; 1.31× against 1.47× for i64).
             let status = run.ctl.ptr() + SAMPLE_STATUS_OFFSET;
-            if let Some(out) =
-                self.resident_sort(last, 0, last_count, last.capacity(), run.id_bound, status)?
-            {
-                run.lap("resident radix sort".into(), &self.stream)?;
-                run.sorted_small = Some(out);
-            }
+            let out = self.merge_sort(last, 0, last_count, last.capacity(), k, status)?;
+            run.lap("merge sort".into(), &self.stream)?;
+            run.sorted_small = Some(out);
         }
         Ok(Some(run))
     }
@@ -2181,7 +2186,7 @@ impl TopKEngine {
         let small = self.small_sort_capacity();
         plan_sample_levels(n, k, sample_size(self.kind), small)
             .last()
-            .is_some_and(|last| k <= small || last.cap <= RESIDENT_SORT_MAX)
+            .is_some_and(|last| k <= small || last.cap <= MERGE_SORT_MAX)
     }
 
     /// The min(n, k) smallest of pairs `[0, n)`, sorted, at the start of the returned buffer.

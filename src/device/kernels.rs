@@ -41,6 +41,7 @@ pub const EMBEDDED: &[(&str, &str)] = &[
     ("read_floor.cu", include_str!("../../kernels/read_floor.cu")),
     ("sample.cu", include_str!("../../kernels/sample.cu")),
     ("radix_sort.cu", include_str!("../../kernels/radix_sort.cu")),
+    ("merge_sort.cu", include_str!("../../kernels/merge_sort.cu")),
     ("delegate.cu", include_str!("../../kernels/delegate.cu")),
 ];
 
@@ -74,14 +75,9 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
     ("sample.cu", &["sample_threshold", "filter_pairs"]),
     (
         "radix_sort.cu",
-        &[
-            "rsort_hist",
-            "rsort_pass",
-            "rsort_pass_wide",
-            "rsort_count",
-            "rsort_resident",
-        ],
+        &["rsort_hist", "rsort_pass", "rsort_pass_wide", "rsort_count"],
     ),
+    ("merge_sort.cu", &["msort_tiles", "msort_merge"]),
     ("delegate.cu", &["delegate_min", "delegate_gather"]),
 ];
 
@@ -100,7 +96,6 @@ const LARGE_SHARED: &[&str] = &[
     "bitonic_chunk_sort",
     "bitonic_chunk_rank",
     "rsort_pass_wide",
-    "rsort_resident",
 ];
 
 /// Suffixes of the key types, see `INSTANTIATE_KEYS` in common.cuh.

@@ -1207,16 +1207,17 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
 type OracleOf = Box<dyn Fn(usize) -> Vec<u64>>;
 
 #[test]
-fn gpu_resident_radix_sort_matches_the_oracle_beyond_one_wave() {
+fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
     use datafusion_gpu_topk::device::{KeyKind, TopKEngine};
-    let Some(device) = gpu_or_skip("gpu_resident_radix_sort_matches_the_oracle_beyond_one_wave")
+    let Some(device) =
+        gpu_or_skip("gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation")
     else {
         return;
     };
-    // Sizes beyond one wave of the cooperative grid (each block then loops over tiles), a
-    // size of a few tiles, and ties, sorted inputs and shuffled or positional ids; the sort
-    // called directly (host count, with and without the ids' bound), then the device-counted
-    // sort of a sampled selection's survivors.
+    // Sizes of hundreds of tiles (an odd number: runs without a partner in most rounds) and
+    // of a few, ties, sorted inputs and shuffled or positional ids; the sort called directly
+    // (host count), whole and truncated at k, then the device-counted sort of a sampled
+    // selection's survivors.
     for kind in [KeyKind::K32, KeyKind::K64, KeyKind::K128, KeyKind::K256] {
         let big = if kind.bits() <= 64 {
             3_000_017
@@ -1283,18 +1284,15 @@ fn gpu_resident_radix_sort_matches_the_oracle_beyond_one_wave() {
             pairs.set_positional(positional);
             let what = format!("{kind:?} {dist:?} positional={positional} n={n}");
             let expected = expected_of(n);
-            // Host-counted, every id digit (bound unknown), then positional ids' bound.
-            let bound = if positional { n as u64 } else { u64::MAX };
-            for id_bound in [u64::MAX, bound] {
-                let sorted = engine
-                    .resident_sort(&pairs, n, 0, n, id_bound, 0)
-                    .unwrap()
-                    .unwrap_or_else(|| panic!("{what}: no cooperative grid"));
-                let got = engine.download_ids(&sorted, n).unwrap();
-                assert!(got == expected, "{what} bound={id_bound}: resident sort");
+            // The merge sort, whole and truncated at k (host count; positional inputs' ids
+            // not read).
+            for k in [n, n / 2 + 7, 3000, 1] {
+                let sorted = engine.merge_sort(&pairs, n, 0, n, k, 0).unwrap();
+                let got = engine.download_ids(&sorted, k).unwrap();
+                assert!(got == expected[..k], "{what} k={k}: merge sort");
             }
             // Device-counted: a sampled selection of most of them (beyond the chunk rank
-            // sort's capacity, the resident sort takes its survivors).
+            // sort's capacity, the merge sort takes its survivors).
             let k = n * 4 / 5;
             let selection = engine
                 .enqueue_select(&pairs, n, k, DeviceAlgorithm::Sample)
@@ -1302,7 +1300,7 @@ fn gpu_resident_radix_sort_matches_the_oracle_beyond_one_wave() {
             let (sorted, m) = engine.finish(selection).unwrap();
             assert_eq!(m, k, "{what}");
             let got = engine.download_ids(&sorted, m).unwrap();
-            assert!(got == expected_of(k), "{what} k={k}: sampled selection");
+            assert!(got == expected[..k], "{what} k={k}: sampled selection");
         }
     }
 }

@@ -1,0 +1,300 @@
+// merge_sort.cu: merge sort of (key, row id) pairs, truncated at k: the sort of a sampled
+// selection's survivors beyond the chunk rank sort's ~2·10^5, of a fused pass's candidates at
+// large k, and of host-counted inputs that need more than a 32-bit key's digits.
+//
+// The radix sort (radix_sort.cu) pays one pass per digit position, and a selection's survivors
+// need their row id's digits too (they arrive in atomic-append order, so ties are not in row id
+// order): 7–12 passes of a latency-bound ~9–45 µs each on the H100. A merge sort compares whole
+// pairs, so its round count depends on the pair count only (log2 of the tiles), never on the key
+// width or the row ids, and a top-k needs only the first k of every merged run:
+//   msort_tiles   block b sorts tile b (MSORT_THREADS × MergeItems pairs) in shared memory: each
+//                 thread sorts its items in registers, then log2(MSORT_THREADS) rounds merge
+//                 runs pairwise, each thread producing its items of the merged run after a merge
+//                 path search (the split of its output diagonal between the two runs);
+//   msort_merge   one round over the whole buffer: runs of `span` input positions merged
+//                 pairwise, each merged run truncated at k; a block produces one tile of one
+//                 merged run: two warps find the run's split at the tile's first and last
+//                 diagonal (a 32-way search, ~4 dependent L2 round trips for 10^6 pairs where a
+//                 binary search takes ~20), the block loads both runs' parts into shared memory
+//                 and merges as in msort_tiles, and writes the tile out coalesced.
+// Run j of a round (input span s, the sort's k) starts at j · min(s, k) and holds
+// min(k, pairs of the input positions [j·s, (j+1)·s) below m): a function of m alone, so every
+// round can be enqueued before m is known (m = *m_dev, a selection's survivor count).
+// Pairs are distinct (row ids are), so every merge is a permutation; padding pairs (key and
+// row id all ones, above every real pair) only fill the last tile and are never written.
+// The kernels do nothing once `status` (when not null) is set; msort_tiles sets bit 4 (the
+// sample chain's "final set larger than its sort") when m > cap.
+// Measured (H100, ncu): a tile sort ~20 µs with one tile per SM (8 warps; latency-bound: each
+// round is a thread's serial search and merge), a merge round ~9 µs over 10^5 pairs and ~15 µs
+// over 10^6. Blocks of 512 threads × 4 pairs (the same tile) measured 0–12% slower, tiles of
+// 4096 pairs (512 × 8) from 1% faster to 12% slower.
+
+#include "common.cuh"
+
+#define MSORT_THREADS 256
+#define MSORT_FINAL_LARGE 4u
+
+// Pairs per thread: the tile is MSORT_THREADS × this (2048 for keys of up to 64 bits).
+template <class K> struct MergeItems {
+    enum { V = K::BITS <= 64 ? 8 : K::BITS == 128 ? 4 : 2 };
+};
+
+// The pair count: `*m_dev` when given, else `m_host`.
+__device__ __forceinline__ u64 msort_count(u64 m_host, const u64 *m_dev) { return m_dev ? __ldcg(m_dev) : m_host; }
+
+// Pairs of run j of a round: positions [j·span, (j+1)·span) of [0, m), at most k.
+__device__ __forceinline__ u32 run_length(u64 j, u64 span, u64 m, u64 k) {
+    const u64 lo = j * span;
+    return lo >= m ? 0u : (u32)min(min(m - lo, span), k);
+}
+
+// A run of pairs, in global memory (`Padded` false) or in shared memory, where element i sits
+// at i + i / (128 / its size): one spare slot per 128 bytes, so that a warp's lanes writing
+// V consecutive pairs each (lane l at l·V + e) hit distinct banks.
+template <class W> __device__ __forceinline__ u32 spad(u32 i) { return i + i / (128 / (u32)sizeof(W)); }
+
+template <class K, bool Padded> struct Run {
+    K *keys;
+    u64 *ids;
+    u32 off;
+    __device__ __forceinline__ K key(u32 i) const { return Padded ? keys[spad<K>(off + i)] : keys[off + i]; }
+    __device__ __forceinline__ u64 id(u32 i) const { return Padded ? ids[spad<u64>(off + i)] : ids[off + i]; }
+    __device__ __forceinline__ void put(u32 i, const K &k, u64 id_) const {
+        if (Padded) {
+            keys[spad<K>(off + i)] = k;
+            ids[spad<u64>(off + i)] = id_;
+        } else {
+            keys[off + i] = k;
+            ids[off + i] = id_;
+        }
+    }
+};
+
+// Whether pair i of run A goes before pair j of run B in their merge (A first on equal pairs,
+// which only padding has).
+template <class R> __device__ __forceinline__ bool a_first(const R &a, u32 i, const R &b, u32 j) {
+    return !pair_less(b.key(j), b.id(j), a.key(i), a.id(i));
+}
+
+// Merge path: how many of A's pairs are among the first d of merge(A, B). Binary search (one
+// thread; for runs in shared memory).
+template <class R> __device__ __forceinline__ u32 merge_path(const R &a, u32 alen, const R &b, u32 blen, u32 d) {
+    u32 lo = d > blen ? d - blen : 0u, hi = min(d, alen);
+    while (lo < hi) {
+        const u32 mid = (lo + hi) >> 1;
+        if (a_first(a, mid, b, d - 1 - mid)) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    return lo;
+}
+
+// merge_path by a whole warp (every lane calls it, same arguments): each round probes 32
+// evenly spaced positions of the undecided range at once, so a run of 10^6 pairs takes 4
+// rounds of loads where a binary search takes 20.
+template <class R> __device__ __forceinline__ u32 merge_path_warp(const R &a, u32 alen, const R &b, u32 blen, u32 d) {
+    u32 lo = d > blen ? d - blen : 0u, hi = min(d, alen);
+    const u32 lane = lane_id();
+    while (lo < hi) {
+        const u32 step = (hi - lo + 31) / 32;
+        const u32 p = lo + lane * step;
+        const bool before = p < hi && a_first(a, p, b, d - 1 - p);
+        // The predicate holds on a prefix of [lo, hi): c probes hold, so the answer (the first
+        // position where it fails) lies in (lo + (c-1)·step, lo + c·step].
+        const u32 c = (u32)__popc(__ballot_sync(FULL_MASK, before));
+        if (c == 0) return lo;
+        hi = min(lo + c * step, hi);
+        lo = lo + (c - 1) * step + 1;
+    }
+    return lo;
+}
+
+// `count` (≤ V) pairs of merge(A, B) from A's pair i and B's pair j on, into registers.
+template <class K, int V, class R>
+__device__ __forceinline__ void merge_items(const R &a, u32 alen, const R &b, u32 blen, u32 i, u32 j, u32 count,
+                                            K (&key)[V], u64 (&id)[V]) {
+    K ka = i < alen ? a.key(i) : key_max<K>(), kb = j < blen ? b.key(j) : key_max<K>();
+    u64 ia = i < alen ? a.id(i) : ~0ull, ib = j < blen ? b.id(j) : ~0ull;
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+        if ((u32)e >= count) break;
+        const bool take_a = j >= blen || (i < alen && !pair_less(kb, ib, ka, ia));
+        key[e] = take_a ? ka : kb;
+        id[e] = take_a ? ia : ib;
+        if (take_a) {
+            ++i;
+            if (i < alen) {
+                ka = a.key(i);
+                ia = a.id(i);
+            }
+        } else {
+            ++j;
+            if (j < blen) {
+                kb = b.key(j);
+                ib = b.id(j);
+            }
+        }
+    }
+}
+
+// Compare-exchange of registers: (ka, ia) becomes the smaller pair.
+template <class K> __device__ __forceinline__ void order_pair(K &ka, u64 &ia, K &kb, u64 &ib) {
+    if (pair_less(kb, ib, ka, ia)) {
+        const K tk = ka;
+        const u64 ti = ia;
+        ka = kb;
+        ia = ib;
+        kb = tk;
+        ib = ti;
+    }
+}
+
+// Sorts a thread's V pairs in registers: Batcher's odd-even merge sort (19 compare-exchanges
+// for 8 pairs, 5 for 4, 1 for 2).
+template <class K, int V> __device__ __forceinline__ void sort_items(K (&key)[V], u64 (&id)[V]) {
+    static_assert(V == 2 || V == 4 || V == 8, "MergeItems");
+    constexpr int N8[19][2] = {{0, 1}, {2, 3}, {4, 5}, {6, 7}, {0, 2}, {1, 3}, {4, 6}, {5, 7}, {1, 2}, {5, 6},
+                               {0, 4}, {1, 5}, {2, 6}, {3, 7}, {2, 4}, {3, 5}, {1, 2}, {3, 4}, {5, 6}};
+    constexpr int N4[5][2] = {{0, 1}, {2, 3}, {0, 2}, {1, 3}, {1, 2}};
+    if (V == 8) {
+#pragma unroll
+        for (int c = 0; c < 19; ++c) order_pair(key[N8[c][0] % V], id[N8[c][0] % V], key[N8[c][1] % V], id[N8[c][1] % V]);
+    } else if (V == 4) {
+#pragma unroll
+        for (int c = 0; c < 5; ++c) order_pair(key[N4[c][0] % V], id[N4[c][0] % V], key[N4[c][1] % V], id[N4[c][1] % V]);
+    } else if (V == 2) {
+        order_pair(key[0], id[0], key[V - 1], id[V - 1]);
+    }
+}
+
+// Dynamic shared memory as a padded run of `n` pairs (keys, then row ids).
+template <class K> __device__ __forceinline__ Run<K, true> tile_smem(u32 n) {
+    extern __shared__ __align__(16) u8 msort_smem[];
+    K *keys = reinterpret_cast<K *>(msort_smem);
+    return {keys, reinterpret_cast<u64 *>(msort_smem + ((u64)spad<K>(n) * sizeof(K) + 15) / 16 * 16), 0u};
+}
+
+// Writes each thread's V pairs (positions t·V …) to shared memory.
+template <class K, int V>
+__device__ __forceinline__ void put_items(const Run<K, true> &s, const K (&key)[V], const u64 (&id)[V]) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) s.put(threadIdx.x * V + e, key[e], id[e]);
+}
+
+// Writes each thread's V pairs to shared memory, then the block's first `valid` positions to
+// `out`, coalesced.
+template <class K, int V>
+__device__ __forceinline__ void store_tile_out(const Run<K, true> &s, const K (&key)[V], const u64 (&id)[V],
+                                               u32 valid, const Run<K, false> &out) {
+    __syncthreads();
+    put_items<K, V>(s, key, id);
+    __syncthreads();
+    for (u32 t = threadIdx.x; t < valid; t += MSORT_THREADS) out.put(t, s.key(t), s.id(t));
+}
+
+template <class K>
+__device__ void msort_tiles(const K *keys, const u64 *ids, u64 m_host, const u64 *m_dev, u64 cap, K *out_keys,
+                            u64 *out_ids, u32 *status) {
+    constexpr int V = MergeItems<K>::V;
+    constexpr u32 TILE = MSORT_THREADS * V;
+    // Both words loaded before either is tested: one round trip.
+    const u32 st = status ? __ldcg(status) : 0u;
+    const u64 m = msort_count(m_host, m_dev);
+    if (st != 0) return;
+    if (m > cap) {
+        if (status && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, MSORT_FINAL_LARGE);
+        return;
+    }
+    const u64 base = (u64)blockIdx.x * TILE;
+    if (base >= m) return;
+    const u32 valid = (u32)min(m - base, (u64)TILE);
+    const Run<K, true> s = tile_smem<K>(TILE);
+    // Coalesced loads into shared memory, then each thread takes V consecutive pairs.
+    for (u32 t = threadIdx.x; t < TILE; t += MSORT_THREADS) {
+        const bool real = t < valid;
+        s.put(t, real ? keys[base + t] : key_max<K>(), real ? (ids ? ids[base + t] : base + t) : ~0ull);
+    }
+    __syncthreads();
+    K key[V];
+    u64 id[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+        key[e] = s.key(threadIdx.x * V + e);
+        id[e] = s.id(threadIdx.x * V + e);
+    }
+    sort_items<K, V>(key, id);
+    // Rounds of pairwise merges of runs of `run` pairs in shared memory.
+    for (u32 run = V; run < TILE; run <<= 1) {
+        __syncthreads();
+        put_items<K, V>(s, key, id);
+        __syncthreads();
+        const u32 pos = threadIdx.x * V, d = pos & (2 * run - 1), first = pos - d;
+        const Run<K, true> a{s.keys, s.ids, first}, b{s.keys, s.ids, first + run};
+        const u32 i = merge_path(a, run, b, run, d);
+        merge_items<K, V>(a, run, b, run, i, d - i, V, key, id);
+    }
+    store_tile_out<K, V>(s, key, id, valid, Run<K, false>{out_keys + base, out_ids + base, 0u});
+}
+
+template <class K>
+__device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, const u64 *m_dev, u64 cap, u64 k,
+                            u64 span, K *out_keys, u64 *out_ids, const u32 *status) {
+    constexpr int V = MergeItems<K>::V;
+    constexpr u32 TILE = MSORT_THREADS * V;
+    __shared__ u32 s_split[2];
+    const u32 st = status ? __ldcg(status) : 0u;
+    const u64 m = msort_count(m_host, m_dev);
+    if (st != 0 || m > cap) return;
+    // Runs are at least a tile (msort_tiles wrote whole tiles).
+    k = max(k, (u64)TILE);
+    const u64 in_stride = min(span, k), out_stride = min(2 * span, k);
+    const u64 tiles_per_run = (out_stride + TILE - 1) / TILE;
+    const u64 q = blockIdx.x / tiles_per_run, d0 = (blockIdx.x % tiles_per_run) * TILE;
+    const u32 out_len = run_length(q, 2 * span, m, k);
+    if (d0 >= out_len) return; // uniform per block
+    const u32 d1 = (u32)min(d0 + TILE, (u64)out_len);
+    const u32 alen = run_length(2 * q, span, m, k), blen = run_length(2 * q + 1, span, m, k);
+    const u64 a_at = 2 * q * in_stride;
+    const Run<K, false> a{const_cast<K *>(in_keys) + a_at, const_cast<u64 *>(in_ids) + a_at, 0u};
+    const Run<K, false> b{a.keys + in_stride, a.ids + in_stride, 0u};
+    const u32 warp = threadIdx.x / 32;
+    if (warp < 2) {
+        const u32 i = merge_path_warp(a, alen, b, blen, warp == 0 ? (u32)d0 : d1);
+        if (lane_id() == 0) s_split[warp] = i;
+    }
+    __syncthreads();
+    const u32 a0 = s_split[0], a1 = s_split[1], b0 = (u32)d0 - a0, b1 = d1 - a1;
+    const u32 na = a1 - a0, nb = b1 - b0, n = na + nb;
+    const Run<K, true> s = tile_smem<K>(TILE);
+    for (u32 t = threadIdx.x; t < n; t += MSORT_THREADS) {
+        if (t < na) {
+            s.put(t, a.key(a0 + t), a.id(a0 + t));
+        } else {
+            s.put(t, b.key(b0 + t - na), b.id(b0 + t - na));
+        }
+    }
+    __syncthreads();
+    K key[V];
+    u64 id[V];
+    const u32 d = min(threadIdx.x * V, n);
+    const Run<K, true> sa{s.keys, s.ids, 0u}, sb{s.keys, s.ids, na};
+    const u32 i = merge_path(sa, na, sb, nb, d);
+    merge_items<K, V>(sa, na, sb, nb, i, d - i, min((u32)V, n - d), key, id);
+    const u64 o = q * out_stride + d0;
+    store_tile_out<K, V>(s, key, id, n, Run<K, false>{out_keys + o, out_ids + o, 0u});
+}
+
+#define MERGE_SORT_ENTRIES(K, S)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
+        msort_tiles_##S(const K *keys, const u64 *ids, u64 m_host, const u64 *m_dev, u64 cap, K *out_keys,        \
+                        u64 *out_ids, u32 *status) {                                                              \
+        msort_tiles<K>(keys, ids, m_host, m_dev, cap, out_keys, out_ids, status);                                 \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
+        msort_merge_##S(const K *in_keys, const u64 *in_ids, u64 m_host, const u64 *m_dev, u64 cap, u64 k,       \
+                        u64 span, K *out_keys, u64 *out_ids, const u32 *status) {                                 \
+        msort_merge<K>(in_keys, in_ids, m_host, m_dev, cap, k, span, out_keys, out_ids, status);                  \
+    }
+INSTANTIATE_KEYS(MERGE_SORT_ENTRIES)
