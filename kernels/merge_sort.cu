@@ -119,7 +119,7 @@ __device__ __forceinline__ void merge_items(const R &a, u32 alen, const R &b, u3
     u64 ia = i < alen ? a.id(i) : ~0ull, ib = j < blen ? b.id(j) : ~0ull;
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-        if ((u32)e >= count) break;
+        if ((u32)e >= count) continue; // (a `break` here made msort_merge_k256 spill)
         const bool take_a = j >= blen || (i < alen && !pair_less(kb, ib, ka, ia));
         key[e] = take_a ? ka : kb;
         id[e] = take_a ? ia : ib;

@@ -29,9 +29,10 @@
 //! - **delegate** (Dr. Top-k): one read writes the n/S delegates (S by the α rule), a sampled
 //!   selection of k of them, a gather of the k·S pairs of the winning subranges, one read-back,
 //!   and the sort of the candidates.
-//! - **sort** (the LSD radix sort the others end with): a histogram read, then per digit that
-//!   varies a pass that reads and writes every pair (a step each; one launch per pass with a
-//!   look-back, three without).
+//! - **sort** (the sort the others end with): the LSD radix sort, a histogram read, then per
+//!   digit that varies a pass that reads and writes every pair (a step each; one launch per
+//!   pass with a look-back, three without); or, where the engine takes the merge sort, a tile
+//!   sort and one round per doubling of the runs, each a step reading and writing every pair.
 //! - **filter** (a `WHERE` pass before the selection): reads the keys, writes the survivors
 //!   (each written byte weighted by a fitted factor), reads their count back.
 //! - **cpu**: rows / (rows per second per core × cores).
@@ -40,9 +41,9 @@
 //! reference runs of it ([`super::calibration`]); everything else is structure.
 
 use crate::device::algorithms::{
-    DIRECT_SORT_FACTOR, DIRECT_SORT_MIN, ONESWEEP_MAX_TILES, RADIX_SORT_MAX, RANK_SORT_MAX,
-    bitonic_chunk, delegate_subrange, plan_sample_levels, radix_sort_tile, sample_level_bounds,
-    sample_size, sort_tile,
+    DIRECT_SORT_FACTOR, DIRECT_SORT_MIN, MERGE_SORT_MAX, ONESWEEP_MAX_TILES, RADIX_SORT_MAX,
+    RANK_SORT_MAX, bitonic_chunk, chunk_rank_max, delegate_subrange, merge_sort_tile,
+    plan_sample_levels, radix_sort_tile, sample_level_bounds, sample_size, sort_tile,
 };
 use crate::device::{DeviceAlgorithm, KeyKind};
 
@@ -245,7 +246,7 @@ impl CostModel {
             .time(&self.machine, self.fits.filter)
     }
 
-    /// The radix sort of m pairs (ids below `rows`), in seconds.
+    /// The sort of m pairs (ids below `rows`), in seconds.
     pub fn sort_time(&self, m: usize, kind: KeyKind, rows: usize, source: usize) -> f64 {
         self.sort_work(m, kind, rows, source)
             .time(&self.machine, self.fits.sort)
@@ -469,7 +470,7 @@ impl CostModel {
         w
     }
 
-    /// The LSD radix sort of m pairs whose ids are below `rows` (1: ids ascend in input order,
+    /// The sort of m pairs whose ids are below `rows` (1: ids ascend in input order,
     /// no id digit), taken from a selection over `source` pairs (their keys then share the
     /// high bits that the top m of `source` uniform keys share).
     fn sort_work(&self, m: usize, kind: KeyKind, rows: usize, source: usize) -> Work {
@@ -484,6 +485,21 @@ impl CostModel {
                 launches: 1.0,
                 steps: 1.0,
                 bytes: 2.0 * m as f64 * pair,
+                ..Work::default()
+            };
+        }
+        if m > chunk_rank_max(kind) && m <= MERGE_SORT_MAX && !(rows <= 1 && kind == KeyKind::K32) {
+            // The merge sort (`sort_pairs` picks it here): the tile sort, then a round per
+            // doubling of the runs, each a step that reads and writes every pair.
+            let rounds = m
+                .div_ceil(merge_sort_tile(kind))
+                .next_power_of_two()
+                .trailing_zeros();
+            let launches = 1.0 + f64::from(rounds);
+            return Work {
+                launches,
+                steps: launches,
+                bytes: 2.0 * launches * m as f64 * pair,
                 ..Work::default()
             };
         }
