@@ -1,5 +1,6 @@
-// radix_sort.cu: LSD radix sort of (key, row id) pairs, the sort of the k winners when k is
-// large (the survivors of a sampled selection, the winners of a radix select).
+// radix_sort.cu: LSD radix sort of (key, row id) pairs: a whole input of 32-bit keys whose row
+// ids ascend in input order (4 passes), and sorts of more pairs than the merge sort takes
+// (merge_sort.cu sorts the others: its rounds do not grow with the key width or the row ids).
 //
 // A pair is read as its virtual integer (common.cuh: row id below, key above) and sorted by
 // 8-bit digits from the least significant up, each pass stable, so the result is ordered by
