@@ -41,9 +41,9 @@
 //! reference runs of it ([`super::calibration`]); everything else is structure.
 
 use crate::device::algorithms::{
-    DIRECT_SORT_FACTOR, DIRECT_SORT_MIN, MERGE_SORT_MAX, ONESWEEP_MAX_TILES, RADIX_SORT_MAX,
-    RANK_SORT_MAX, bitonic_chunk, chunk_rank_max, delegate_subrange, merge_sort_tile,
-    plan_sample_levels, radix_sort_tile, sample_level_bounds, sample_size, sort_tile,
+    DIRECT_SORT_FACTOR, DIRECT_SORT_MIN, ONESWEEP_MAX_TILES, RADIX_SORT_MAX, RANK_SORT_MAX,
+    bitonic_chunk, delegate_subrange, merge_sort_tile, merge_sorts, plan_sample_levels,
+    radix_sort_tile, sample_level_bounds, sample_size, sort_tile,
 };
 use crate::device::{DeviceAlgorithm, KeyKind};
 
@@ -488,7 +488,7 @@ impl CostModel {
                 ..Work::default()
             };
         }
-        if m > chunk_rank_max(kind) && m <= MERGE_SORT_MAX && !(rows <= 1 && kind == KeyKind::K32) {
+        if merge_sorts(kind, m, rows as u64) {
             // The merge sort (`sort_pairs` picks it here): the tile sort, then a round per
             // doubling of the runs, each a step that reads and writes every pair.
             let rounds = m

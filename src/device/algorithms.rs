@@ -394,7 +394,7 @@ pub fn radix_sort_wide_tile(kind: KeyKind) -> usize {
 }
 
 /// The merge sort's block size (merge_sort.cu `MSORT_THREADS`). Twice the threads with half
-/// the pairs each (the same tile) measured 1–12% slower (H100, session 12).
+/// the pairs each (the same tile) measured 0–12% slower (H100, session 12).
 const MSORT_THREADS: u32 = 256;
 /// The merge sort (merge_sort.cu) takes up to this many pairs: the survivors of a sampled
 /// selection beyond the chunk rank sort's capacity, a fused pass's candidates at large k, and
@@ -404,6 +404,14 @@ pub const MERGE_SORT_MAX: usize = 1 << 22;
 /// Pairs per tile of the merge sort (merge_sort.cu: `MSORT_THREADS` × `MergeItems`).
 pub fn merge_sort_tile(kind: KeyKind) -> usize {
     radix_sort_tile(kind)
+}
+
+/// Whether [`TopKEngine::sort_pairs`] takes the merge sort for m pairs whose ids are below
+/// `id_bound` (1: they ascend in input order): beyond the chunk rank sort and up to
+/// [`MERGE_SORT_MAX`], unless a 32-bit key's 4 radix passes sort them. The cost model asks the
+/// same.
+pub fn merge_sorts(kind: KeyKind, m: usize, id_bound: u64) -> bool {
+    m > chunk_rank_max(kind) && m <= MERGE_SORT_MAX && !(id_bound <= 1 && kind == KeyKind::K32)
 }
 
 /// Threads of the sort kernels' blocks (bitonic.cu `SORT_THREADS`).
@@ -1253,9 +1261,9 @@ impl TopKEngine {
                 candidates.set_ids_below(rows as u64);
                 continue;
             }
-            let selected = match (pending, ctl) {
-                _ if direct.is_some() => direct.map(|sorted| (sorted, count.min(k))),
-                (Some(mut run), Some(bytes)) => {
+            let selected = match (direct, pending, ctl) {
+                (Some(sorted), _, _) => Some((sorted, count.min(k))),
+                (None, Some(mut run), Some(bytes)) => {
                     // Planned for the buffer's capacity; the count decides what is complete.
                     run.n = count;
                     self.sample_complete_read(run, &bytes)?
@@ -1507,10 +1515,10 @@ impl TopKEngine {
         // else the merge sort, whose rounds grow with neither the key width nor the row ids
         // (H100, 2^20 pairs: i32 positional 116 µs radix, 148 µs merge; i64 positional 236 µs
         // radix, 180 µs merge).
-        if (id_bound == 1 && self.kind == KeyKind::K32) || m > MERGE_SORT_MAX {
-            self.radix_sort(input, m, id_bound)
-        } else {
+        if merge_sorts(self.kind, m, id_bound) {
             self.merge_sort(input, m, 0, m, m, 0)
+        } else {
+            self.radix_sort(input, m, id_bound)
         }
     }
 

@@ -1184,7 +1184,7 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
                 (6000, DeviceAlgorithm::Sample, true),
                 (1024, DeviceAlgorithm::Radix, false),
                 // ~116K survivors: the chunk rank sort takes them on the device's count;
-                // ~330K: the resident radix sort.
+                // ~330K: the merge sort.
                 (100_000, DeviceAlgorithm::Sample, true),
                 (300_000, DeviceAlgorithm::Sample, true),
                 // All of them: positional ids let the radix sort skip the id digits.
@@ -1202,9 +1202,6 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
         }
     }
 }
-
-/// The oracle's first k ids, for any k.
-type OracleOf = Box<dyn Fn(usize) -> Vec<u64>>;
 
 #[test]
 fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
@@ -1242,17 +1239,16 @@ fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
                 .iter()
                 .map(|&v| [v.rotate_left(29), v.rotate_left(7), v >> 3, v])
                 .collect();
-            let (bytes, expected_of): (Vec<u8>, OracleOf) = match kind {
+            // The input's bytes and its ids in sorted order.
+            let (bytes, expected): (Vec<u8>, Vec<u64>) = match kind {
                 KeyKind::K32 => {
                     let keys: Vec<u32> = p.iter().map(|&v| (v >> 32) as u32).collect();
                     let bytes = keys.iter().flat_map(|v| v.to_le_bytes()).collect();
-                    let ids = ids.clone();
-                    (bytes, Box::new(move |k| oracle(&keys, &ids, k)))
+                    (bytes, oracle(&keys, &ids, n))
                 }
                 KeyKind::K64 => {
                     let bytes = p.iter().flat_map(|v| v.to_le_bytes()).collect();
-                    let (keys, ids) = (p.clone(), ids.clone());
-                    (bytes, Box::new(move |k| oracle(&keys, &ids, k)))
+                    (bytes, oracle(&p, &ids, n))
                 }
                 KeyKind::K128 => {
                     let keys: Vec<u128> = words
@@ -1260,8 +1256,7 @@ fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
                         .map(|w| (u128::from(w[3]) << 64) | u128::from(w[2]))
                         .collect();
                     let bytes = keys.iter().flat_map(|v| v.to_le_bytes()).collect();
-                    let ids = ids.clone();
-                    (bytes, Box::new(move |k| oracle(&keys, &ids, k)))
+                    (bytes, oracle(&keys, &ids, n))
                 }
                 KeyKind::K256 => {
                     let keys: Vec<U256> = words
@@ -1275,15 +1270,13 @@ fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
                         .iter()
                         .flat_map(|w| w.iter().flat_map(|x| x.to_le_bytes()))
                         .collect();
-                    let ids = ids.clone();
-                    (bytes, Box::new(move |k| oracle(&keys, &ids, k)))
+                    (bytes, oracle(&keys, &ids, n))
                 }
             };
             let mut engine = TopKEngine::new(&device, kind).unwrap();
             let mut pairs = engine.upload_pairs(&bytes, &ids).unwrap();
             pairs.set_positional(positional);
             let what = format!("{kind:?} {dist:?} positional={positional} n={n}");
-            let expected = expected_of(n);
             // The merge sort, whole and truncated at k (host count; positional inputs' ids
             // not read).
             for k in [n, n / 2 + 7, 3000, 1] {
