@@ -34,7 +34,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
 
-use super::kernels::{GeneratedKernel, Kernels};
+use super::kernels::{GENERATED_THREADS, GeneratedKernel, Kernels};
 use super::memory::{PinnedLease, PooledBuffer};
 use super::timer::GpuTimer;
 use super::{GpuDevice, GpuError, GpuResult};
@@ -1076,11 +1076,19 @@ impl TopKEngine {
             out + 8,
             if kept_bits { out + 16 } else { 0 },
         ]);
+        // One wave of resident blocks: a second, partial wave leaves SMs short of loads in
+        // flight at the pass's end (the generated kernels' registers allow 4–5 blocks a SM).
+        let one_wave = (kernel.blocks_per_sm as usize * self.device.sm_count) as u32;
+        let grid = if std::env::var_os("GPU_TOPK_FUSED_GRID_AB").is_some() {
+            self.grid_for(n, 4)
+        } else {
+            self.grid_for(n, 4).min(one_wave)
+        };
         self.launch_function(
             &kernel.function,
             crate::fusion::ENTRY,
-            self.grid_for(n, 4),
-            THREADS,
+            grid,
+            GENERATED_THREADS,
             0,
             &args,
         )

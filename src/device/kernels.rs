@@ -627,7 +627,13 @@ pub struct GeneratedKernel {
     _module: Arc<CudaModule>,
     /// Time spent in NVRTC (zero when the CUBIN came from the disk cache).
     pub compile_time: std::time::Duration,
+    /// Blocks of [`GENERATED_THREADS`] threads resident on one SM (its registers and shared
+    /// memory decide): the pass's grid is one wave of them.
+    pub blocks_per_sm: u32,
 }
+
+/// Threads per block of a generated kernel (its `__launch_bounds__`).
+pub const GENERATED_THREADS: u32 = 256;
 
 impl std::fmt::Debug for GeneratedKernel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -666,9 +672,14 @@ pub fn load_generated(
             "kernel {entry} is missing from generated code: {e}"
         ))
     })?;
+    let blocks_per_sm = function
+        .occupancy_max_active_blocks_per_multiprocessor(GENERATED_THREADS, 0, None)
+        .map_err(|e| GpuError(format!("occupancy of a generated kernel: {e}")))?
+        .max(1);
     Ok(GeneratedKernel {
         function,
         _module: module,
         compile_time,
+        blocks_per_sm,
     })
 }

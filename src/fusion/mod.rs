@@ -288,6 +288,10 @@ fn kernel_source(
         KeyKind::K32 | KeyKind::K64 => 4,
         KeyKind::K128 | KeyKind::K256 => 2,
     };
+    let rows = std::env::var("GPU_TOPK_FUSED_ROWS_AB")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(rows);
     // Per input: the rows' values fetched first (arrays over the round's rows), then taken.
     // `fetch` reads row i; with consecutive rows per thread, `fetch_vector` loads a plain
     // column's values for all of them at once and `fetch_rest` reads the rest per row.
