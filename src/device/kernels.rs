@@ -77,7 +77,10 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
         "radix_sort.cu",
         &["rsort_hist", "rsort_pass", "rsort_pass_wide", "rsort_count"],
     ),
-    ("merge_sort.cu", &["msort_tiles", "msort_merge"]),
+    (
+        "merge_sort.cu",
+        &["msort_tiles", "msort_merge", "msort_cluster_tiles"],
+    ),
     ("delegate.cu", &["delegate_min", "delegate_gather"]),
 ];
 
