@@ -169,16 +169,11 @@ template <class K, int V> __device__ __forceinline__ void sort_items(K (&key)[V]
     }
 }
 
-// Bytes of a padded run of n pairs in shared memory (keys, then row ids, 16-byte aligned).
-template <class K> __device__ __forceinline__ u32 smem_run_bytes(u32 n) {
-    return (spad<K>(n) * (u32)sizeof(K) + 15) / 16 * 16 + (spad<u64>(n) * 8 + 15) / 16 * 16;
-}
-
-// Dynamic shared memory from byte `at` on as a padded run of `n` pairs (keys, then row ids).
-template <class K> __device__ __forceinline__ Run<K, true> tile_smem(u32 n, u32 at = 0) {
+// Dynamic shared memory as a padded run of `n` pairs (keys, then row ids).
+template <class K> __device__ __forceinline__ Run<K, true> tile_smem(u32 n) {
     extern __shared__ __align__(16) u8 msort_smem[];
-    K *keys = reinterpret_cast<K *>(msort_smem + at);
-    return {keys, reinterpret_cast<u64 *>(msort_smem + at + ((u64)spad<K>(n) * sizeof(K) + 15) / 16 * 16), 0u};
+    K *keys = reinterpret_cast<K *>(msort_smem);
+    return {keys, reinterpret_cast<u64 *>(msort_smem + ((u64)spad<K>(n) * sizeof(K) + 15) / 16 * 16), 0u};
 }
 
 // Writes each thread's V pairs (positions t·V …) to shared memory.
@@ -196,42 +191,7 @@ __device__ __forceinline__ void store_tile_out(const Run<K, true> &s, const K (&
     __syncthreads();
     put_items<K, V>(s, key, id);
     __syncthreads();
-    for (u32 t = threadIdx.x; t < valid; t += blockDim.x) out.put(t, s.key(t), s.id(t));
-}
-
-// Sorts the block's `tile` (= blockDim.x × V) pairs of `s` (in shared memory, loaded and
-// synchronised): each thread sorts its V pairs in registers, then rounds merge runs pairwise.
-// Thread t ends with positions t·V … of the sorted tile in `key`/`id`; `s` holds the last
-// round's input (callers synchronise before writing it).
-template <class K, int V>
-__device__ __forceinline__ void sort_tile_items(const Run<K, true> &s, u32 tile, K (&key)[V], u64 (&id)[V]) {
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-        key[e] = s.key(threadIdx.x * V + e);
-        id[e] = s.id(threadIdx.x * V + e);
-    }
-    sort_items<K, V>(key, id);
-    // Rounds of pairwise merges of runs of `run` pairs in shared memory.
-    for (u32 run = V; run < tile; run <<= 1) {
-        __syncthreads();
-        put_items<K, V>(s, key, id);
-        __syncthreads();
-        const u32 pos = threadIdx.x * V, d = pos & (2 * run - 1), first = pos - d;
-        const Run<K, true> a{s.keys, s.ids, first}, b{s.keys, s.ids, first + run};
-        const u32 i = merge_path(a, run, b, run, d);
-        merge_items<K, V>(a, run, b, run, i, d - i, V, key, id);
-    }
-}
-
-// Loads pairs [base, base + tile) of the input (those below m; padding above) into `s`.
-template <class K>
-__device__ __forceinline__ void load_tile(const Run<K, true> &s, const K *keys, const u64 *ids, u64 base, u32 tile,
-                                          u32 valid) {
-    for (u32 t = threadIdx.x; t < tile; t += blockDim.x) {
-        const bool real = t < valid;
-        s.put(t, real ? keys[base + t] : key_max<K>(), real ? (ids ? ids[base + t] : base + t) : ~0ull);
-    }
-    __syncthreads();
+    for (u32 t = threadIdx.x; t < valid; t += MSORT_THREADS) out.put(t, s.key(t), s.id(t));
 }
 
 template <class K>
@@ -251,10 +211,30 @@ __device__ void msort_tiles(const K *keys, const u64 *ids, u64 m_host, const u64
     if (base >= m) return;
     const u32 valid = (u32)min(m - base, (u64)TILE);
     const Run<K, true> s = tile_smem<K>(TILE);
-    load_tile<K>(s, keys, ids, base, TILE, valid);
+    // Coalesced loads into shared memory, then each thread takes V consecutive pairs.
+    for (u32 t = threadIdx.x; t < TILE; t += MSORT_THREADS) {
+        const bool real = t < valid;
+        s.put(t, real ? keys[base + t] : key_max<K>(), real ? (ids ? ids[base + t] : base + t) : ~0ull);
+    }
+    __syncthreads();
     K key[V];
     u64 id[V];
-    sort_tile_items<K, V>(s, TILE, key, id);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+        key[e] = s.key(threadIdx.x * V + e);
+        id[e] = s.id(threadIdx.x * V + e);
+    }
+    sort_items<K, V>(key, id);
+    // Rounds of pairwise merges of runs of `run` pairs in shared memory.
+    for (u32 run = V; run < TILE; run <<= 1) {
+        __syncthreads();
+        put_items<K, V>(s, key, id);
+        __syncthreads();
+        const u32 pos = threadIdx.x * V, d = pos & (2 * run - 1), first = pos - d;
+        const Run<K, true> a{s.keys, s.ids, first}, b{s.keys, s.ids, first + run};
+        const u32 i = merge_path(a, run, b, run, d);
+        merge_items<K, V>(a, run, b, run, i, d - i, V, key, id);
+    }
     store_tile_out<K, V>(s, key, id, valid, Run<K, false>{out_keys + base, out_ids + base, 0u});
 }
 
@@ -306,127 +286,6 @@ __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, con
     store_tile_out<K, V>(s, key, id, n, Run<K, false>{out_keys + o, out_ids + o, 0u});
 }
 
-// ---- cluster tiles (thread-block clusters, sm_90) -------------------------------------------
-
-#define CTILE_THREADS 512
-
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ u32 cluster_blocks() {
-    u32 r;
-    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-    return r;
-}
-// Every thread of every block of the cluster: the blocks' shared-memory writes before it are
-// visible to every block's reads after it.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The generic address of `p` (in this block's shared memory) in cluster block `rank`'s.
-template <class T> __device__ __forceinline__ const T *cluster_map(const T *p, u32 rank) {
-    u64 out;
-    asm("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"((u64)p), "r"(rank));
-    return reinterpret_cast<const T *>(out);
-}
-
-// The cluster's runs of P pairs (block r's `s` holds positions [r·P, (r+1)·P)) as one run,
-// from position `off` on; read through distributed shared memory.
-template <class K, u32 P> struct ClusterRun {
-    K *keys;
-    u64 *ids;
-    u32 off;
-    __device__ __forceinline__ K key(u32 i) const {
-        const u32 v = off + i;
-        return *cluster_map(keys + spad<K>(v % P), v / P);
-    }
-    __device__ __forceinline__ u64 id(u32 i) const {
-        const u32 v = off + i;
-        return *cluster_map(ids + spad<u64>(v % P), v / P);
-    }
-};
-
-// A cluster of C blocks sorts a tile of C · P pairs (P = CTILE_THREADS × MergeItems) without
-// a round trip through global memory: each block sorts its P pairs as msort_tiles does, then
-// log2(C) rounds merge the blocks' runs pairwise through distributed shared memory. In a
-// round, block r produces positions [r·P, (r+1)·P) of its merged run: two warps find the
-// split of its first and last diagonal (merge_path_warp over the remote runs), the block
-// copies both parts into its staging run, a cluster barrier (every block has read what it
-// needs), it merges the staging run into its own run, a cluster barrier. The merge rounds of
-// global memory (msort_merge) then start from runs of C · P pairs, log2(C) rounds fewer, each
-// of which costs a launch and ~4 dependent L2 round trips. Tiles are written whole (not cut
-// at k). The cluster's blocks decide alike (status, m, the tile's start), so all or none
-// reach each barrier.
-template <class K>
-__device__ void msort_cluster_tiles(const K *keys, const u64 *ids, u64 m_host, const u64 *m_dev, u64 cap,
-                                    K *out_keys, u64 *out_ids, u32 *status) {
-    constexpr int V = MergeItems<K>::V;
-    constexpr u32 P = CTILE_THREADS * V;
-    __shared__ u32 s_split[2];
-    const u32 st = status ? __ldcg(status) : 0u;
-    const u64 m = msort_count(m_host, m_dev);
-    if (st != 0) return;
-    if (m > cap) {
-        if (status && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, MSORT_FINAL_LARGE);
-        return;
-    }
-    const u32 C = cluster_blocks(), rank = cluster_rank();
-    const u64 tile_base = (u64)(blockIdx.x - rank) * P;
-    if (tile_base >= m) return;
-    const u64 base = tile_base + (u64)rank * P;
-    const u32 valid = base >= m ? 0u : (u32)min(m - base, (u64)P);
-    const Run<K, true> s = tile_smem<K>(P), stage = tile_smem<K>(P, smem_run_bytes<K>(P));
-    load_tile<K>(s, keys, ids, base, P, valid);
-    K key[V];
-    u64 id[V];
-    sort_tile_items<K, V>(s, P, key, id);
-    __syncthreads();
-    put_items<K, V>(s, key, id);
-    cluster_sync();
-    for (u32 run = P; run < C * P; run <<= 1) {
-        const u32 pos = rank * P, d = pos & (2 * run - 1), first = pos - d;
-        const ClusterRun<K, P> a{s.keys, s.ids, first}, b{s.keys, s.ids, first + run};
-        const u32 warp = threadIdx.x / 32;
-        if (warp < 2) {
-            const u32 i = merge_path_warp(a, run, b, run, warp == 0 ? d : d + P);
-            if (lane_id() == 0) s_split[warp] = i;
-        }
-        __syncthreads();
-        const u32 a0 = s_split[0], a1 = s_split[1], b0 = d - a0, na = a1 - a0, nb = P - na;
-        for (u32 t = threadIdx.x; t < P; t += CTILE_THREADS) {
-            if (t < na) {
-                stage.put(t, a.key(a0 + t), a.id(a0 + t));
-            } else {
-                stage.put(t, b.key(b0 + t - na), b.id(b0 + t - na));
-            }
-        }
-        cluster_sync();
-        const u32 dd = threadIdx.x * V;
-        const Run<K, true> sa{stage.keys, stage.ids, 0u}, sb{stage.keys, stage.ids, na};
-        const u32 i = merge_path(sa, na, sb, nb, dd);
-        merge_items<K, V>(sa, na, sb, nb, i, dd - i, V, key, id);
-        put_items<K, V>(s, key, id);
-        cluster_sync();
-    }
-    // No block reads another's shared memory after the last round's first barrier.
-    for (u32 t = threadIdx.x; t < valid; t += CTILE_THREADS) {
-        out_keys[base + t] = s.key(t);
-        out_ids[base + t] = s.id(t);
-    }
-}
-#endif
-
-// Clusters need sm_90; below, the entry point exists but does nothing (the host never takes it).
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-#define CLUSTER_TILES_BODY(K) msort_cluster_tiles<K>(keys, ids, m_host, m_dev, cap, out_keys, out_ids, status);
-#else
-#define CLUSTER_TILES_BODY(K)
-#endif
-
 #define MERGE_SORT_ENTRIES(K, S)                                                                                  \
     extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
         msort_tiles_##S(const K *keys, const u64 *ids, u64 m_host, const u64 *m_dev, u64 cap, K *out_keys,        \
@@ -437,10 +296,5 @@ __device__ void msort_cluster_tiles(const K *keys, const u64 *ids, u64 m_host, c
         msort_merge_##S(const K *in_keys, const u64 *in_ids, u64 m_host, const u64 *m_dev, u64 cap, u64 k,       \
                         u64 span, K *out_keys, u64 *out_ids, const u32 *status) {                                 \
         msort_merge<K>(in_keys, in_ids, m_host, m_dev, cap, k, span, out_keys, out_ids, status);                  \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(CTILE_THREADS)                                                   \
-        msort_cluster_tiles_##S(const K *keys, const u64 *ids, u64 m_host, const u64 *m_dev, u64 cap,            \
-                                K *out_keys, u64 *out_ids, u32 *status) {                                         \
-        CLUSTER_TILES_BODY(K)                                                                                     \
     }
 INSTANTIATE_KEYS(MERGE_SORT_ENTRIES)

@@ -406,123 +406,6 @@ pub fn merge_sort_tile(kind: KeyKind) -> usize {
     radix_sort_tile(kind)
 }
 
-/// Threads of the cluster tile sort's blocks (merge_sort.cu `CTILE_THREADS`).
-const CTILE_THREADS: u32 = 512;
-
-/// Pairs of one block of a cluster tile (merge_sort.cu: `CTILE_THREADS` × `MergeItems`).
-pub fn cluster_block_tile(kind: KeyKind) -> usize {
-    merge_sort_tile(kind) / MSORT_THREADS as usize * CTILE_THREADS as usize
-}
-
-/// Shared memory of a padded run of n pairs (merge_sort.cu `smem_run_bytes`: keys, then row
-/// ids, each with a spare slot per 128 bytes and 16-byte aligned).
-fn merge_run_shared(kind: KeyKind, n: usize) -> usize {
-    let padded = |size: usize| n + n / (128 / size);
-    let key_bytes = kind.key_bytes();
-    (padded(key_bytes) * key_bytes).next_multiple_of(16) + (padded(8) * 8).next_multiple_of(16)
-}
-
-/// Shared memory of a block of `msort_cluster_tiles`: its run and its staging run.
-fn cluster_tile_shared(kind: KeyKind) -> usize {
-    2 * merge_run_shared(kind, cluster_block_tile(kind))
-}
-
-/// Blocks per cluster of the merge sort's cluster tiles (merge_sort.cu `msort_cluster_tiles`):
-/// the largest of 16, 8, 4 and 2 whose cluster the device can schedule, None below sm_90 (no
-/// clusters) or when none fits.
-fn cluster_blocks(device: &GpuDevice, kernels: &Kernels, kind: KeyKind) -> Option<u32> {
-    use cudarc::driver::sys;
-    if device.compute_capability.0 < 9 {
-        return None;
-    }
-    let limit = match std::env::var("GPU_TOPK_CLUSTER_AB").ok().as_deref() {
-        Some("0") => return None,
-        Some(v) => v.parse::<u32>().unwrap_or(16),
-        None => 16,
-    };
-    let function = kernels
-        .get(&format!("msort_cluster_tiles_{}", kind.suffix()))
-        .ok()?;
-    let shared = cluster_tile_shared(kind);
-    if shared > device.max_shared_per_block {
-        return None;
-    }
-    function
-        .set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            shared as i32,
-        )
-        .ok()?;
-    // Clusters of more than 8 blocks are "non-portable": allowed where the driver agrees.
-    let wide = function
-        .set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-            1,
-        )
-        .is_ok();
-    [16u32, 8, 4, 2]
-        .into_iter()
-        .filter(|&c| c <= limit && (wide || c <= 8))
-        .find(|&c| {
-            let mut attribute = cluster_attribute(c);
-            let config = launch_config(
-                c,
-                CTILE_THREADS,
-                shared,
-                std::ptr::null_mut(),
-                &mut attribute,
-            );
-            let mut clusters = 0;
-            // SAFETY: a loaded function and a launch configuration whose one attribute lives
-            // until the call returns.
-            let ok = unsafe {
-                sys::cuOccupancyMaxActiveClusters(&mut clusters, function.cu_function(), &config)
-            }
-            .result()
-            .is_ok();
-            ok && clusters >= 1
-        })
-}
-
-/// The launch attribute "clusters of `blocks` blocks" (1-D).
-fn cluster_attribute(blocks: u32) -> cudarc::driver::sys::CUlaunchAttribute {
-    use cudarc::driver::sys;
-    // SAFETY: CUlaunchAttribute is plain data; all zeroes is a valid (empty) value.
-    let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attribute.value.clusterDim.x = blocks;
-    attribute.value.clusterDim.y = 1;
-    attribute.value.clusterDim.z = 1;
-    attribute
-}
-
-/// A 1-D launch configuration with one attribute.
-fn launch_config(
-    grid: u32,
-    block: u32,
-    shared: usize,
-    stream: cudarc::driver::sys::CUstream,
-    attribute: &mut cudarc::driver::sys::CUlaunchAttribute,
-) -> cudarc::driver::sys::CUlaunchConfig {
-    cudarc::driver::sys::CUlaunchConfig {
-        gridDimX: grid,
-        gridDimY: 1,
-        gridDimZ: 1,
-        blockDimX: block,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: shared as u32,
-        hStream: stream,
-        attrs: attribute,
-        numAttrs: 1,
-    }
-}
-
-/// A/B switch of this session's runs: the merge sort where the chunk rank sort sorts.
-fn merge_ab() -> bool {
-    std::env::var("GPU_TOPK_SORT_AB").is_ok_and(|v| v == "merge")
-}
-
 /// Whether [`TopKEngine::sort_pairs`] takes the merge sort for m pairs whose ids are below
 /// `id_bound` (1: they ascend in input order): beyond the chunk rank sort and up to
 /// [`MERGE_SORT_MAX`], unless a 32-bit key's 4 radix passes sort them. The cost model asks the
@@ -720,8 +603,6 @@ pub struct TopKEngine {
     /// Device buffer that staged batch data lands in (overwritten by each `stage`).
     staging: Option<PooledBuffer>,
     readback: Option<PinnedLease>,
-    /// Blocks per cluster of the merge sort's cluster tiles; None: tiles of one block.
-    cluster_blocks: Option<u32>,
 }
 
 impl std::fmt::Debug for TopKEngine {
@@ -739,7 +620,6 @@ impl TopKEngine {
         let kernels = device.kernels()?;
         let stream = device.new_stream()?;
         device.context.bind_to_thread()?;
-        let cluster_blocks = cluster_blocks(device, &kernels, kind);
         let scalars = device.pool.alloc(SCALAR_BYTES, &stream)?;
         let engine = Self {
             device: Arc::clone(device),
@@ -751,7 +631,6 @@ impl TopKEngine {
             next_upload: 0,
             staging: None,
             readback: None,
-            cluster_blocks,
         };
         engine.memset_zero(engine.scalars.ptr(), SCALAR_BYTES)?;
         Ok(engine)
@@ -759,26 +638,6 @@ impl TopKEngine {
 
     pub fn kind(&self) -> KeyKind {
         self.kind
-    }
-
-    /// Blocks per cluster of the merge sort's cluster tiles (None: tiles of one block).
-    pub fn cluster_blocks(&self) -> Option<u32> {
-        self.cluster_blocks
-    }
-
-    /// Sets the merge sort's blocks per cluster (tests of every cluster size): a power of two
-    /// of at least 2 and at most what the device schedules, or None.
-    pub fn set_cluster_blocks(&mut self, blocks: Option<u32>) -> GpuResult<()> {
-        let max = cluster_blocks(&self.device, &self.kernels, self.kind);
-        match blocks {
-            Some(b) if !b.is_power_of_two() || b < 2 || max.is_none_or(|m| b > m) => Err(GpuError(
-                format!("{b} blocks a cluster: this device takes powers of two up to {max:?}"),
-            )),
-            _ => {
-                self.cluster_blocks = blocks;
-                Ok(())
-            }
-        }
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
@@ -835,52 +694,6 @@ impl TopKEngine {
         // pointers are alive until the work is ordered before their release (pool events).
         unsafe { builder.launch(cfg) }
             .map_err(|e| GpuError(format!("launching {name} failed: {e}")))?;
-        Ok(())
-    }
-
-    /// Launches kernel `name` in clusters of `cluster` blocks (`cuLaunchKernelEx`).
-    fn launch_cluster(
-        &self,
-        name: &str,
-        grid: u32,
-        block: u32,
-        cluster: u32,
-        shared: usize,
-        args: &[Arg],
-    ) -> GpuResult<()> {
-        let function = self.kernels.get(name)?;
-        // Each parameter's bytes: a u32 is the first 4 bytes of its u64 (little-endian hosts).
-        let mut values: Vec<u64> = args
-            .iter()
-            .map(|a| match a {
-                Arg::U64(v) => *v,
-                Arg::U32(v) => u64::from(*v),
-            })
-            .collect();
-        let mut params: Vec<*mut std::ffi::c_void> =
-            values.iter_mut().map(|v| (v as *mut u64).cast()).collect();
-        let mut attribute = cluster_attribute(cluster);
-        let config = launch_config(
-            grid.max(1),
-            block,
-            shared,
-            self.stream.cu_stream(),
-            &mut attribute,
-        );
-        self.device.context.bind_to_thread()?;
-        // SAFETY: as `launch_function`: the parameters match the .cu signature in order and
-        // type, their values live in `values` until the call returns (the driver copies them),
-        // and the buffers behind the pointers outlive the stream's work.
-        unsafe {
-            cudarc::driver::sys::cuLaunchKernelEx(
-                &config,
-                function.cu_function(),
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        }
-        .result()
-        .map_err(|e| GpuError(format!("launching {name} failed: {e}")))?;
         Ok(())
     }
 
@@ -1700,7 +1513,7 @@ impl TopKEngine {
         if m <= sort_tile(self.kind) || m >= RADIX_SORT_MAX {
             return self.sort(input, m);
         }
-        if m <= chunk_rank_max(self.kind) && !merge_ab() {
+        if m <= chunk_rank_max(self.kind) {
             let count = self.device.pool.alloc(8, &self.stream)?;
             self.memset_zero(count.ptr(), 8)?;
             self.set_u32(count.ptr(), m as u32)?;
@@ -1710,7 +1523,7 @@ impl TopKEngine {
         // else the merge sort, whose rounds grow with neither the key width nor the row ids
         // (H100, 2^20 pairs: i32 positional 116 µs radix, 148 µs merge; i64 positional 236 µs
         // radix, 180 µs merge).
-        if merge_sorts(self.kind, m, id_bound) || (merge_ab() && m <= chunk_rank_max(self.kind)) {
+        if merge_sorts(self.kind, m, id_bound) {
             self.merge_sort(input, m, 0, m, m, 0)
         } else {
             self.radix_sort(input, m, id_bound)
@@ -1806,12 +1619,13 @@ impl TopKEngine {
     ) -> GpuResult<DevicePairs> {
         let tile = merge_sort_tile(self.kind);
         let cap = cap.max(1);
-        // Clusters sort the first runs in distributed shared memory (where there is more than
-        // one tile's worth), else one block a tile; the global rounds start from their runs.
-        let cluster = self.cluster_blocks.filter(|_| cap > tile);
-        let first_span = cluster.map_or(tile, |c| c as usize * cluster_block_tile(self.kind));
-        let tiles = cap.div_ceil(first_span);
+        let tiles = cap.div_ceil(tile);
         let rounds = tiles.next_power_of_two().trailing_zeros();
+        // The tile's shared memory: keys then row ids, each with a spare slot per 128 bytes.
+        let key_bytes = self.kind.key_bytes();
+        let padded = |n: usize, size: usize| n + n / (128 / size);
+        let shared =
+            (padded(tile, key_bytes) * key_bytes).next_multiple_of(16) + padded(tile, 8) * 8;
         let out = self.alloc_pairs(cap)?;
         let tmp = if rounds > 0 {
             Some(self.alloc_pairs(cap)?)
@@ -1824,38 +1638,25 @@ impl TopKEngine {
             bufs.swap(0, 1);
         }
         let ids = if input.positional { 0 } else { input.id_at(0) };
-        let tile_args = args![
-            input.key_at(0),
-            ids,
-            m,
-            count,
-            cap,
-            bufs[0].key_at(0),
-            bufs[0].id_at(0),
-            status
-        ];
-        let shared = merge_run_shared(self.kind, tile);
-        match cluster {
-            Some(c) => self.launch_cluster(
-                &self.kernel("msort_cluster_tiles"),
-                tiles as u32 * c,
-                CTILE_THREADS,
-                c,
-                cluster_tile_shared(self.kind),
-                tile_args,
-            )?,
-            None => self.launch(
-                &self.kernel("msort_tiles"),
-                tiles as u32,
-                MSORT_THREADS,
-                shared,
-                tile_args,
-            )?,
-        }
-        // Runs are cut at k, but never below the first runs (written whole).
-        let keep = k.max(first_span);
+        self.launch(
+            &self.kernel("msort_tiles"),
+            tiles as u32,
+            MSORT_THREADS,
+            shared,
+            args![
+                input.key_at(0),
+                ids,
+                m,
+                count,
+                cap,
+                bufs[0].key_at(0),
+                bufs[0].id_at(0),
+                status
+            ],
+        )?;
+        let keep = k.max(tile);
         for r in 0..rounds {
-            let span = first_span << r;
+            let span = tile << r;
             let (src, dst) = (bufs[r as usize % 2], bufs[(r as usize + 1) % 2]);
             let tiles_per_run = (2 * span).min(keep).div_ceil(tile);
             let grid = cap.div_ceil(2 * span) * tiles_per_run;
@@ -1870,7 +1671,7 @@ impl TopKEngine {
                     m,
                     count,
                     cap,
-                    keep,
+                    k,
                     span,
                     dst.key_at(0),
                     dst.id_at(0),
@@ -2165,7 +1966,7 @@ impl TopKEngine {
             self.launch_rank_sort(last, last_count, cap, &out, run.ctl.ptr())?;
             run.lap("rank sort".into(), &self.stream)?;
             run.sorted_small = Some(out);
-        } else if last.capacity() <= chunk_rank_max(self.kind) && !merge_ab() {
+        } else if last.capacity() <= chunk_rank_max(self.kind) {
             // Larger k, survivors few enough for the chunk rank sort: also enqueued whole.
             let out = self.chunk_rank_sort(
                 last,

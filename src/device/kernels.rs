@@ -77,10 +77,7 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
         "radix_sort.cu",
         &["rsort_hist", "rsort_pass", "rsort_pass_wide", "rsort_count"],
     ),
-    (
-        "merge_sort.cu",
-        &["msort_tiles", "msort_merge", "msort_cluster_tiles"],
-    ),
+    ("merge_sort.cu", &["msort_tiles", "msort_merge"]),
     ("delegate.cu", &["delegate_min", "delegate_gather"]),
 ];
 

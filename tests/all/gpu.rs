@@ -1278,22 +1278,12 @@ fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
             pairs.set_positional(positional);
             let what = format!("{kind:?} {dist:?} positional={positional} n={n}");
             // The merge sort, whole and truncated at k (host count; positional inputs' ids
-            // not read), with each cluster size the device takes and without clusters.
-            let widest = engine.cluster_blocks();
-            let mut clusters = vec![None];
-            clusters.extend([16, 8, 2].map(Some).into_iter().filter(|&c| c <= widest));
-            for &cluster in &clusters {
-                engine.set_cluster_blocks(cluster).unwrap();
-                for k in [n, n / 2 + 7, 3000, 1] {
-                    let sorted = engine.merge_sort(&pairs, n, 0, n, k, 0).unwrap();
-                    let got = engine.download_ids(&sorted, k).unwrap();
-                    assert!(
-                        got == expected[..k],
-                        "{what} k={k} cluster={cluster:?}: merge sort"
-                    );
-                }
+            // not read).
+            for k in [n, n / 2 + 7, 3000, 1] {
+                let sorted = engine.merge_sort(&pairs, n, 0, n, k, 0).unwrap();
+                let got = engine.download_ids(&sorted, k).unwrap();
+                assert!(got == expected[..k], "{what} k={k}: merge sort");
             }
-            engine.set_cluster_blocks(widest).unwrap();
             // Device-counted: a sampled selection of most of them (beyond the chunk rank
             // sort's capacity, the merge sort takes its survivors).
             let k = n * 4 / 5;
