@@ -1079,11 +1079,8 @@ impl TopKEngine {
         // One wave of resident blocks: a second, partial wave leaves SMs short of loads in
         // flight at the pass's end (the generated kernels' registers allow 4–5 blocks a SM).
         let one_wave = (kernel.blocks_per_sm as usize * self.device.sm_count) as u32;
-        let grid = if std::env::var_os("GPU_TOPK_FUSED_GRID_AB").is_some() {
-            self.grid_for(n, 4)
-        } else {
-            self.grid_for(n, 4).min(one_wave)
-        };
+        // A thread takes one row of a strided sample per round, 4 or more of the full pass.
+        let grid = self.grid_for(n, if step > 1 { 1 } else { 4 }).min(one_wave);
         self.launch_function(
             &kernel.function,
             crate::fusion::ENTRY,
@@ -1673,6 +1670,8 @@ impl TopKEngine {
                     cap,
                     k,
                     span,
+                    r,
+                    rounds,
                     dst.key_at(0),
                     dst.id_at(0),
                     status

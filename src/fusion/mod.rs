@@ -371,16 +371,17 @@ typedef {key} Key;
 #define ERROR_NULL_KEY {null_key}u
 #define ERROR_AMBIGUOUS_NAN {ambiguous}u
 #define ERROR_HOST_ONLY {host_only}u
-#define ROWS {rows}
+#define FULL_ROWS {rows}
 
 // Evaluates rows i = j · step for j < n (STRIDED; else i = j: the full pass); NULLS: some
-// input has a validity bitmap. Each thread
-// takes ROWS rows per round and issues every input load of them before evaluating anything,
+// input has a validity bitmap. Each thread takes ROWS rows per round (FULL_ROWS in the full
+// pass; 1 in the strided sample, whose few thousand rows lie far apart and want as many
+// threads as they can get) and issues every input load of them before evaluating anything,
 // so that their loads are in flight together; counts and error flags stay in registers until
 // the end (no barrier per round). A block's round covers 256 · ROWS rows: with VEC a thread's
 // ROWS rows are consecutive and each plain column's values come in one vector load
 // (`load_rows`), else row r of the round is r · 256 + the thread (coalesced scalar loads).
-template <bool STRIDED, bool NULLS, bool VEC>
+template <bool STRIDED, bool NULLS, bool VEC, int ROWS>
 __device__ __forceinline__ void fused_rows(
 {params}    u64 n, u64 step, u64 id_start, const Threshold<Key> *thr, Key *cand_keys, u64 *cand_ids, u64 *count,
     u64 capacity, u64 *passed, u32 *error, u32 *kept, Key *buffer_keys, u64 *buffer_ids) {{
@@ -472,13 +473,13 @@ extern "C" __global__ void __launch_bounds__(256) {ENTRY}(
     // The full pass loads a thread's rows by vectors where the columns are aligned for them,
     // and over inputs without NULLs (the common case) skips every validity test.
     if (step != 1) {{
-        fused_rows<true, true, false>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
+        fused_rows<true, true, false, 1>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
     }} else if (!({aligned})) {{
-        fused_rows<false, true, false>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
+        fused_rows<false, true, false, FULL_ROWS>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
     }} else if ({any_nulls}) {{
-        fused_rows<false, true, true>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
+        fused_rows<false, true, true, FULL_ROWS>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
     }} else {{
-        fused_rows<false, false, true>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
+        fused_rows<false, false, true, FULL_ROWS>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
     }}
 }}
 "#

@@ -1278,11 +1278,20 @@ fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
             pairs.set_positional(positional);
             let what = format!("{kind:?} {dist:?} positional={positional} n={n}");
             // The merge sort, whole and truncated at k (host count; positional inputs' ids
-            // not read).
-            for k in [n, n / 2 + 7, 3000, 1] {
-                let sorted = engine.merge_sort(&pairs, n, 0, n, k, 0).unwrap();
+            // not read); planned for n pairs, and for more (rounds past the one that leaves a
+            // single run, an odd or an even number of them, then copy nothing but maybe once).
+            for (k, cap) in [
+                (n, n),
+                (n / 2 + 7, n),
+                (3000, n),
+                (1, n),
+                (n, 2 * n + 1),
+                (n / 2 + 7, 4 * n + 3),
+                (3000, 8 * n + 5),
+            ] {
+                let sorted = engine.merge_sort(&pairs, n, 0, cap, k, 0).unwrap();
                 let got = engine.download_ids(&sorted, k).unwrap();
-                assert!(got == expected[..k], "{what} k={k}: merge sort");
+                assert!(got == expected[..k], "{what} k={k} cap={cap}: merge sort");
             }
             // Device-counted: a sampled selection of most of them (beyond the chunk rank
             // sort's capacity, the merge sort takes its survivors).
