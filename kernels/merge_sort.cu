@@ -24,8 +24,8 @@
 // row id all ones, above every real pair) only fill the last tile and are never written.
 // The kernels do nothing once `status` (when not null) is set; msort_tiles sets bit 4 (the
 // sample chain's "final set larger than its sort") when m > cap. Rounds are planned for `cap`;
-// those after the one that leaves a single run copy nothing (but the last, when the run must
-// move into the output buffer).
+// those after the one that leaves a single run do nothing, so the run ends in the buffer that
+// round wrote (the host picks it by the count).
 // Measured (H100, ncu): a tile sort ~20 µs with one tile per SM (8 warps; latency-bound: each
 // round is a thread's serial search and merge), a merge round ~9 µs over 10^5 pairs and ~15 µs
 // over 10^6. Blocks of 512 threads × 4 pairs (the same tile) measured 0–12% slower, tiles of
@@ -242,21 +242,16 @@ __device__ void msort_tiles(const K *keys, const u64 *ids, u64 m_host, const u64
 
 template <class K>
 __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, const u64 *m_dev, u64 cap, u64 k,
-                            u64 span, u32 round, u32 rounds, K *out_keys, u64 *out_ids, const u32 *status) {
+                            u64 span, K *out_keys, u64 *out_ids, const u32 *status) {
     constexpr int V = MergeItems<K>::V;
     constexpr u32 TILE = MSORT_THREADS * V;
     __shared__ u32 s_split[2];
     const u32 st = status ? __ldcg(status) : 0u;
     const u64 m = msort_count(m_host, m_dev);
     if (st != 0 || m > cap) return;
-    if (span >= m) {
-        // One run holds every pair (the rounds were planned for `cap`): it stays where the
-        // round `done` that finished it (the first whose runs reach m) left it, and only the
-        // last round moves it into the output, when it lies in the other buffer.
-        u32 done = 0;
-        while (((span >> round) << done) < m) ++done;
-        if (round + 1 < rounds || (rounds - done) % 2 == 0) return;
-    }
+    // One run holds every pair (the rounds were planned for `cap`): it stays where it is (the
+    // host picks the buffer by the count).
+    if (span >= m) return;
     // Runs are at least a tile (msort_tiles wrote whole tiles).
     k = max(k, (u64)TILE);
     const u64 in_stride = min(span, k), out_stride = min(2 * span, k);
@@ -304,7 +299,7 @@ __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, con
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
         msort_merge_##S(const K *in_keys, const u64 *in_ids, u64 m_host, const u64 *m_dev, u64 cap, u64 k,       \
-                        u64 span, u32 round, u32 rounds, K *out_keys, u64 *out_ids, const u32 *status) {          \
-        msort_merge<K>(in_keys, in_ids, m_host, m_dev, cap, k, span, round, rounds, out_keys, out_ids, status);   \
+                        u64 span, K *out_keys, u64 *out_ids, const u32 *status) {                                 \
+        msort_merge<K>(in_keys, in_ids, m_host, m_dev, cap, k, span, out_keys, out_ids, status);                  \
     }
 INSTANTIATE_KEYS(MERGE_SORT_ENTRIES)

@@ -210,6 +210,40 @@ impl DevicePairs {
     }
 }
 
+/// Pairs sorted on the device, e.g. the merge sort's output ([`TopKEngine::merge_sort`]): its
+/// sorted run lies at the start of one of two buffers, which the pair count decides. The rounds were planned for a capacity,
+/// those past the one that leaves a single run copy nothing, and a device-counted sort's
+/// caller learns the count only after enqueueing it.
+#[derive(Debug)]
+pub struct SortedPairs {
+    /// The tile sort's output, which odd rounds read and even rounds write.
+    tiles: DevicePairs,
+    /// The other buffer (none when one tile was the whole sort).
+    other: Option<DevicePairs>,
+    tile: usize,
+}
+
+impl SortedPairs {
+    /// Pairs sorted at the start of `pairs`, whatever the count.
+    fn ready(pairs: DevicePairs) -> Self {
+        Self {
+            tiles: pairs,
+            other: None,
+            tile: 1,
+        }
+    }
+
+    /// The buffer that holds the sorted run of `m` pairs: each round that ran (one per
+    /// doubling of the runs until they reach m) wrote the other buffer than the last.
+    pub fn into_pairs(self, m: usize) -> DevicePairs {
+        let rounds = m.div_ceil(self.tile).next_power_of_two().trailing_zeros();
+        match self.other {
+            Some(other) if rounds % 2 == 1 => other,
+            _ => self.tiles,
+        }
+    }
+}
+
 /// A kernel argument (kernels take device pointers as `u64`).
 #[derive(Debug, Clone, Copy)]
 enum Arg {
@@ -1267,7 +1301,7 @@ impl TopKEngine {
                 continue;
             }
             let selected = match (direct, pending, ctl) {
-                (Some(sorted), _, _) => Some((sorted, count.min(k))),
+                (Some(sorted), _, _) => Some((sorted.into_pairs(count), count.min(k))),
                 (None, Some(mut run), Some(bytes)) => {
                     // Planned for the buffer's capacity; the count decides what is complete.
                     run.n = count;
@@ -1521,7 +1555,7 @@ impl TopKEngine {
         // (H100, 2^20 pairs: i32 positional 116 µs radix, 148 µs merge; i64 positional 236 µs
         // radix, 180 µs merge).
         if merge_sorts(self.kind, m, id_bound) {
-            self.merge_sort(input, m, 0, m, m, 0)
+            Ok(self.merge_sort(input, m, 0, m, m, 0)?.into_pairs(m))
         } else {
             self.radix_sort(input, m, id_bound)
         }
@@ -1600,11 +1634,13 @@ impl TopKEngine {
     }
 
     /// The merge sort (merge_sort.cu): the first min(c, k) of pairs `[0, c)` sorted at the
-    /// start of a new buffer of `cap` pairs, where c is `m` or, with `count` (a device address,
-    /// else 0), the u64 there. Tiles sorted in shared memory, then ⌈log2(tiles)⌉ merge rounds,
-    /// every merged run truncated at k; all enqueued before c is known. `status`: a sampled
-    /// selection's status word (or 0), which makes the sort a no-op once set and gets
-    /// `SAMPLE_STATUS_FINAL_LARGE` when c > cap. Positional inputs' row ids are not read.
+    /// start of one of two new buffers of `cap` pairs, where c is `m` or, with `count` (a
+    /// device address, else 0), the u64 there: [`SortedPairs::into_pairs`] of c says which.
+    /// Tiles sorted in shared memory, then ⌈log2(tiles)⌉ merge rounds for `cap` pairs, every
+    /// merged run truncated at k; all enqueued before c is known, and the rounds past the one
+    /// that leaves a single run do nothing. `status`: a sampled selection's status word (or 0),
+    /// which makes the sort a no-op once set and gets `SAMPLE_STATUS_FINAL_LARGE` when
+    /// c > cap. Positional inputs' row ids are not read.
     pub fn merge_sort(
         &self,
         input: &DevicePairs,
@@ -1613,7 +1649,7 @@ impl TopKEngine {
         cap: usize,
         k: usize,
         status: u64,
-    ) -> GpuResult<DevicePairs> {
+    ) -> GpuResult<SortedPairs> {
         let tile = merge_sort_tile(self.kind);
         let cap = cap.max(1);
         let tiles = cap.div_ceil(tile);
@@ -1629,11 +1665,8 @@ impl TopKEngine {
         } else {
             None
         };
-        // Buffers alternate so that the last round writes `out`.
-        let mut bufs = [&out, tmp.as_ref().unwrap_or(&out)];
-        if rounds % 2 == 1 {
-            bufs.swap(0, 1);
-        }
+        // Buffers alternate: the tiles in `out`, round r writes bufs[(r + 1) % 2].
+        let bufs = [&out, tmp.as_ref().unwrap_or(&out)];
         let ids = if input.positional { 0 } else { input.id_at(0) };
         self.launch(
             &self.kernel("msort_tiles"),
@@ -1670,15 +1703,17 @@ impl TopKEngine {
                     cap,
                     k,
                     span,
-                    r,
-                    rounds,
                     dst.key_at(0),
                     dst.id_at(0),
                     status
                 ],
             )?;
         }
-        Ok(out)
+        Ok(SortedPairs {
+            tiles: out,
+            other: tmp,
+            tile,
+        })
     }
 
     /// LSD radix sort of pairs `[0, m)` (radix_sort.cu): one histogram kernel, then per digit
@@ -1964,7 +1999,7 @@ impl TopKEngine {
             let out = self.alloc_pairs(cap)?;
             self.launch_rank_sort(last, last_count, cap, &out, run.ctl.ptr())?;
             run.lap("rank sort".into(), &self.stream)?;
-            run.sorted_small = Some(out);
+            run.sorted_small = Some(SortedPairs::ready(out));
         } else if last.capacity() <= chunk_rank_max(self.kind) {
             // Larger k, survivors few enough for the chunk rank sort: also enqueued whole.
             let out = self.chunk_rank_sort(
@@ -1974,7 +2009,7 @@ impl TopKEngine {
                 run.ctl.ptr() + SAMPLE_STATUS_OFFSET,
             )?;
             run.lap("chunk rank sort".into(), &self.stream)?;
-            run.sorted_small = Some(out);
+            run.sorted_small = Some(SortedPairs::ready(out));
         } else if last.capacity() <= MERGE_SORT_MAX {
             // More survivors: the merge sort, truncated at k, on the device's count (measured
             // on the H100 against the radix sort that had this place: 1.56× against 1.68× the
@@ -2081,7 +2116,7 @@ impl TopKEngine {
             .filter(|_| status & SAMPLE_STATUS_FINAL_LARGE == 0)
         {
             trace("done", &run);
-            return Ok(Some((out, false)));
+            return Ok(Some((out.into_pairs(survivors), false)));
         }
         // Larger k (or more survivors than the rank sort takes): sort the survivors when that
         // sorts no more (padded) pairs than sorting k would, or when they are few enough that
@@ -2249,7 +2284,7 @@ impl TopKEngine {
                         input,
                         n,
                         k,
-                        state: SelectionState::Pending(run),
+                        state: SelectionState::Pending(Box::new(run)),
                     });
                 }
                 Some(run) => match self.sample_complete(run)? {
@@ -2294,7 +2329,7 @@ impl TopKEngine {
         let Selection { input, n, k, state } = selection;
         match state {
             SelectionState::Ready(pairs, m) => Ok((pairs, m, false)),
-            SelectionState::Pending(run) => match self.sample_complete(run)? {
+            SelectionState::Pending(run) => match self.sample_complete(*run)? {
                 Some((sorted, more)) => Ok((sorted, n.min(k), more)),
                 None => {
                     let (sorted, m) = self.select_sorted(input, n, k, DeviceAlgorithm::Radix)?;
@@ -2325,7 +2360,7 @@ impl Selection<'_> {
 #[derive(Debug)]
 enum SelectionState {
     Ready(DevicePairs, usize),
-    Pending(SampleRun),
+    Pending(Box<SampleRun>),
 }
 
 /// A sampled selection enqueued on the device (`sample_enqueue`): its plan, its control block
@@ -2340,8 +2375,8 @@ struct SampleRun {
     ctl: PooledBuffer,
     levels: Vec<DevicePairs>,
     /// The sorted survivors, when a sort that reads their count on the device took them (the
-    /// rank sort for small k, the chunk rank sort for few survivors).
-    sorted_small: Option<DevicePairs>,
+    /// rank sort for small k, the chunk rank sort for few survivors, else the merge sort).
+    sorted_small: Option<SortedPairs>,
     /// `GPU_TOPK_TRACE`: each phase's device time (synchronising after each).
     phases: Vec<(String, f32)>,
     timer: Option<GpuTimer>,

@@ -282,16 +282,13 @@ fn kernel_source(
         KeyKind::K128 => "K128",
         KeyKind::K256 => "K256",
     };
-    // Rows per thread and round: enough loads in flight for the memory system, fewer for wide
-    // keys (registers).
+    // Rows per thread and round of the full pass: enough loads in flight for the memory
+    // system, fewer for wide keys (registers). 8 measured no better on the H100 (session 13:
+    // Q3 2.5% faster, Q1 and Q2 up to 2% slower).
     let rows = match kind {
         KeyKind::K32 | KeyKind::K64 => 4,
         KeyKind::K128 | KeyKind::K256 => 2,
     };
-    let rows = std::env::var("GPU_TOPK_FUSED_ROWS_AB")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(rows);
     // Per input: the rows' values fetched first (arrays over the round's rows), then taken.
     // `fetch` reads row i; with consecutive rows per thread, `fetch_vector` loads a plain
     // column's values for all of them at once and `fetch_rest` reads the rest per row.

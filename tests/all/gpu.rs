@@ -1289,7 +1289,10 @@ fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
                 (n / 2 + 7, 4 * n + 3),
                 (3000, 8 * n + 5),
             ] {
-                let sorted = engine.merge_sort(&pairs, n, 0, cap, k, 0).unwrap();
+                let sorted = engine
+                    .merge_sort(&pairs, n, 0, cap, k, 0)
+                    .unwrap()
+                    .into_pairs(n);
                 let got = engine.download_ids(&sorted, k).unwrap();
                 assert!(got == expected[..k], "{what} k={k} cap={cap}: merge sort");
             }
