@@ -211,12 +211,12 @@ impl DevicePairs {
 }
 
 /// Pairs sorted on the device, e.g. the merge sort's output ([`TopKEngine::merge_sort`]): its
-/// sorted run lies at the start of one of two buffers, which the pair count decides. The rounds were planned for a capacity,
-/// those past the one that leaves a single run copy nothing, and a device-counted sort's
-/// caller learns the count only after enqueueing it.
+/// sorted run lies at the start of one of two buffers, which the pair count decides. The
+/// rounds were planned for a capacity, those past the one that leaves a single run copy
+/// nothing, and a device-counted sort's caller learns the count only after enqueueing it.
 #[derive(Debug)]
 pub struct SortedPairs {
-    /// The tile sort's output, which odd rounds read and even rounds write.
+    /// The tile sort's output, which rounds 0, 2, … read and rounds 1, 3, … write.
     tiles: DevicePairs,
     /// The other buffer (none when one tile was the whole sort).
     other: Option<DevicePairs>,
