@@ -289,6 +289,9 @@ fn kernel_source(
         KeyKind::K32 | KeyKind::K64 => 4,
         KeyKind::K128 | KeyKind::K256 => 2,
     };
+    let min_blocks = std::env::var("GPU_TOPK_FUSED_MINBLOCKS_AB")
+        .map(|v| format!(", {v}"))
+        .unwrap_or_default();
     // Per input: the rows' values fetched first (arrays over the round's rows), then taken.
     // `fetch` reads row i; with consecutive rows per thread, `fetch_vector` loads a plain
     // column's values for all of them at once and `fetch_rest` reads the rest per row.
@@ -459,7 +462,7 @@ __device__ __forceinline__ void fused_rows(
     }}
 }}
 
-extern "C" __global__ void __launch_bounds__(256) {ENTRY}(
+extern "C" __global__ void __launch_bounds__(256{min_blocks}) {ENTRY}(
 {params}    u64 n, u64 step, u64 id_start, const Threshold<Key> *thr, Key *cand_keys, u64 *cand_ids, u64 *count,
     u64 capacity, u64 *passed, u32 *error, u32 *kept) {{
     // Each warp's write buffer (common.cuh): one counter atomic per ~WARP_BUFFER appends.
