@@ -3,8 +3,13 @@
 distribution grid, on the GPU, timed with CUDA events (1 warm-up, median of R, L2 flushed before
 every repetition).
 
-    python3 benches/torch_topk.py [--n LIST] [--k LIST] [--keys LIST] [--dist LIST] [--reps R]
-        [--csv FILE] [--floor-csv FILE] [--quick] [--seed S] [--budget SECONDS]
+    python3 benches/torch_topk.py [--op topk|sort] [--n LIST] [--k LIST] [--keys LIST]
+        [--dist LIST] [--reps R] [--csv FILE] [--floor-csv FILE] [--quick] [--seed S]
+        [--budget SECONDS]
+
+--op sort times sort-and-choose instead: torch.sort(stable=True), then the first k values and
+indices. That is CUB's radix sort of (key, index) pairs, ties by index as ours: the peer for a
+k close to n, where any top-k is a sort.
 
 The selection is the k smallest (largest=False), as kernels.rs selects ascending. The data is
 generated with torch on the GPU from a fixed seed (the same distributions as kernels.rs, not the
@@ -52,6 +57,7 @@ def size_name(v):
 
 def options():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--op", choices=["topk", "sort"], default="topk")
     p.add_argument("--n")
     p.add_argument("--k")
     p.add_argument("--keys")
@@ -176,13 +182,14 @@ def main():
     floors = read_floor_csv(a.floor_csv) if a.floor_csv else {}
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}; "
-          f"{a.reps} reps (+1 warm-up), median; L2 flushed before each; topk largest=False sorted=True")
+          f"{a.reps} reps (+1 warm-up), median; L2 flushed before each; "
+          + ("topk largest=False sorted=True" if a.op == "topk" else "sort stable=True, first k"))
     flush = torch.zeros(FLUSH_BYTES // 4, device="cuda", dtype=torch.int32)
     writer = None
     if a.csv:
         f = open(a.csv, "w", newline="")
         writer = csv.writer(f)
-        writer.writerow(["n", "k", "key", "dist", "reps", "torch_ms", "amax_ms", "x_amax", "floor_ms", "x_floor", "ok"])
+        writer.writerow(["n", "k", "key", "dist", "reps", "torch_ms", "amax_ms", "x_amax", "floor_ms", "x_floor", "ok", "op"])
     rows = []
     failures = 0
     skipped = 0
@@ -208,9 +215,14 @@ def main():
                 floor = floors.get((n, key))
                 for k in [k for k in a.ks if k <= n]:
                     ok = "ok"
+                    if a.op == "topk":
+                        op = lambda: torch.topk(x, k, largest=False, sorted=True)  # noqa: E731
+                    else:
+                        def op():
+                            values, indices = torch.sort(x, stable=True)
+                            return values[:k], indices[:k]
                     try:
-                        ms, (values, indices) = timed(
-                            torch, lambda: torch.topk(x, k, largest=False, sorted=True), a.reps, flush)
+                        ms, (values, indices) = timed(torch, op, a.reps, flush)
                         # Light check: k results, indices in range, values are x[indices].
                         if values.numel() != k or indices.numel() != k:
                             ok = "WRONG count"
@@ -233,7 +245,7 @@ def main():
                     if writer:
                         writer.writerow([n, k, key, dist, a.reps, f"{ms:.5f}", f"{amax_ms:.5f}", f"{x_amax:.3f}",
                                          f"{floor:.5f}" if floor else "", f"{x_floor:.3f}" if floor else "",
-                                         ok.replace(",", ";")])
+                                         ok.replace(",", ";"), a.op])
                         f.flush()
                 del x
     print(f"\n{len(rows)} cases in {time.time() - started:.1f} s\n")

@@ -467,6 +467,24 @@ pub fn cubin_cached_source(
     driver_version: i32,
     cache_dir: Option<&Path>,
 ) -> Result<Vec<u8>, String> {
+    cubin_cached_with(name, source, sources, arch, extra, driver_version, cache_dir, |h| {
+        compile_program(name, source, h, arch, extra).map(|c| c.cubin)
+    })
+}
+
+/// As [`cubin_cached_source`], compiled by `compile` (given the headers) on a miss; `extra`
+/// still keys the cache entry.
+#[allow(clippy::too_many_arguments)]
+fn cubin_cached_with(
+    name: &str,
+    source: &str,
+    sources: &KernelSources,
+    arch: &str,
+    extra: &[&str],
+    driver_version: i32,
+    cache_dir: Option<&Path>,
+    compile: impl FnOnce(&[(&str, &str)]) -> Result<Vec<u8>, String>,
+) -> Result<Vec<u8>, String> {
     let headers = sources.headers();
     let (path, key) = source_cache_file(
         name,
@@ -480,13 +498,13 @@ pub fn cubin_cached_source(
     if let Some(cubin) = path.as_deref().and_then(|p| read_cache_file(p, key)) {
         return Ok(cubin);
     }
-    let compiled = compile_program(name, source, &headers, arch, extra)?;
+    let cubin = compile(&headers)?;
     if let Some(path) = &path
-        && let Err(e) = write_cache_file(path, key, &compiled.cubin)
+        && let Err(e) = write_cache_file(path, key, &cubin)
     {
         log::warn!("cannot write the kernel cache file {}: {e}", path.display());
     }
-    Ok(compiled.cubin)
+    Ok(cubin)
 }
 
 /// The cache file (when there is a cache directory) and key of a program text.
@@ -535,7 +553,7 @@ pub fn generated_on_disk(
         source,
         &sources,
         arch,
-        GENERATED_OPTIONS,
+        GENERATED_CACHE_OPTIONS,
         driver_version,
         cache_dir,
     )
@@ -621,6 +639,82 @@ impl Kernels {
 /// rounding would differ from the host's two.
 pub const GENERATED_OPTIONS: &[&str] = &["--fmad=false"];
 
+/// The generated kernel's `__launch_bounds__` minimum of resident blocks a SM
+/// (`FUSED_MIN_BLOCKS`): ptxas then keeps a thread to 51 registers. On the H100 (session 14,
+/// 250M rows, one call), against no minimum: Q3's program went from 57 registers and 4 blocks
+/// a SM to 5 blocks with 56 bytes of spill traffic, and its pass from 1.067 to 1.034× its read
+/// floor; Q1's and Q2's (48 registers or fewer already) within noise; 6 blocks (40 registers)
+/// made Q1's pass 4% slower. A program that spills more than [`GENERATED_SPILL_ALLOWANCE`]
+/// under it is compiled without it ([`compile_generated`]).
+pub const GENERATED_MIN_BLOCKS: u32 = 5;
+
+/// Bytes of spill stores and loads (ptxas) that a generated program may take for
+/// [`GENERATED_MIN_BLOCKS`]: Q3's 56 cost less than its fifth resident block gained; larger
+/// spills (up to ~200 bytes in the fusion tests' programs) are not measured, so those keep
+/// their registers.
+pub const GENERATED_SPILL_ALLOWANCE: u64 = 64;
+
+/// The cache entry of a generated program names the rule that compiled it.
+const GENERATED_CACHE_OPTIONS: &[&str] = &["--fmad=false", "-DFUSED_MIN_BLOCKS=5,spill<=64"];
+const _: () = assert!(
+    GENERATED_MIN_BLOCKS == 5 && GENERATED_SPILL_ALLOWANCE == 64,
+    "GENERATED_CACHE_OPTIONS names the rule"
+);
+
+/// A generated program compiled by [`compile_generated`].
+#[derive(Debug, Clone)]
+pub struct GeneratedCompile {
+    pub cubin: Vec<u8>,
+    /// The `FUSED_MIN_BLOCKS` it was compiled with: [`GENERATED_MIN_BLOCKS`], or 1.
+    pub min_blocks: u32,
+    /// Bytes of spill stores and loads that ptxas reported.
+    pub spill_bytes: u64,
+}
+
+/// Compiles a generated program with [`GENERATED_MIN_BLOCKS`]; when that spills more than
+/// [`GENERATED_SPILL_ALLOWANCE`], again without it, and keeps the one that spills less (the
+/// hinted one on a tie). NVRTC only.
+pub fn compile_generated(
+    source: &str,
+    headers: &[(&str, &str)],
+    arch: &str,
+) -> Result<GeneratedCompile, String> {
+    let variant = |min_blocks: u32| {
+        let define = format!("-DFUSED_MIN_BLOCKS={min_blocks}");
+        let mut opts = GENERATED_OPTIONS.to_vec();
+        opts.extend([define.as_str(), "--ptxas-options=-v"]);
+        compile_program("generated.cu", source, headers, arch, &opts).map(|c| GeneratedCompile {
+            spill_bytes: spill_bytes(&c.log),
+            cubin: c.cubin,
+            min_blocks,
+        })
+    };
+    let hinted = variant(GENERATED_MIN_BLOCKS)?;
+    if hinted.spill_bytes <= GENERATED_SPILL_ALLOWANCE {
+        return Ok(hinted);
+    }
+    let plain = variant(1)?;
+    Ok(if plain.spill_bytes < hinted.spill_bytes {
+        plain
+    } else {
+        hinted
+    })
+}
+
+/// The spill stores and loads (bytes) in a `--ptxas-options=-v` log, over every function.
+pub fn spill_bytes(log: &str) -> u64 {
+    let mut total = 0;
+    for line in log.lines() {
+        for what in [" bytes spill stores", " bytes spill loads"] {
+            if let Some(before) = line.split(what).next().filter(|_| line.contains(what)) {
+                let digits = before.rsplit(|c: char| !c.is_ascii_digit()).next();
+                total += digits.and_then(|d| d.parse::<u64>().ok()).unwrap_or(0);
+            }
+        }
+    }
+    total
+}
+
 /// A generated program (see [`crate::fusion`]), compiled and loaded.
 pub struct GeneratedKernel {
     pub function: CudaFunction,
@@ -654,14 +748,15 @@ pub fn load_generated(
 ) -> GpuResult<GeneratedKernel> {
     let sources = KernelSources::load()?;
     let start = std::time::Instant::now();
-    let cubin = cubin_cached_source(
+    let cubin = cubin_cached_with(
         "generated.cu",
         source,
         &sources,
         arch,
-        GENERATED_OPTIONS,
+        GENERATED_CACHE_OPTIONS,
         driver_version,
         cache_dir,
+        |headers| compile_generated(source, headers, arch).map(|c| c.cubin),
     )?;
     let compile_time = start.elapsed();
     let module = ctx

@@ -289,9 +289,6 @@ fn kernel_source(
         KeyKind::K32 | KeyKind::K64 => 4,
         KeyKind::K128 | KeyKind::K256 => 2,
     };
-    let min_blocks = std::env::var("GPU_TOPK_FUSED_MINBLOCKS_AB")
-        .map(|v| format!(", {v}"))
-        .unwrap_or_default();
     // Per input: the rows' values fetched first (arrays over the round's rows), then taken.
     // `fetch` reads row i; with consecutive rows per thread, `fetch_vector` loads a plain
     // column's values for all of them at once and `fetch_rest` reads the rest per row.
@@ -372,6 +369,11 @@ typedef {key} Key;
 #define ERROR_AMBIGUOUS_NAN {ambiguous}u
 #define ERROR_HOST_ONLY {host_only}u
 #define FULL_ROWS {rows}
+// The loader compiles with -DFUSED_MIN_BLOCKS=5 unless that spills (device/kernels.rs
+// `compile_generated`).
+#ifndef FUSED_MIN_BLOCKS
+#define FUSED_MIN_BLOCKS 1
+#endif
 
 // Evaluates rows i = j · step for j < n (STRIDED; else i = j: the full pass); NULLS: some
 // input has a validity bitmap. Each thread takes ROWS rows per round (FULL_ROWS in the full
@@ -462,7 +464,7 @@ __device__ __forceinline__ void fused_rows(
     }}
 }}
 
-extern "C" __global__ void __launch_bounds__(256{min_blocks}) {ENTRY}(
+extern "C" __global__ void __launch_bounds__(256, FUSED_MIN_BLOCKS) {ENTRY}(
 {params}    u64 n, u64 step, u64 id_start, const Threshold<Key> *thr, Key *cand_keys, u64 *cand_ids, u64 *count,
     u64 capacity, u64 *passed, u32 *error, u32 *kept) {{
     // Each warp's write buffer (common.cuh): one counter atomic per ~WARP_BUFFER appends.

@@ -10,7 +10,7 @@ use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_gpu_topk::datasets::{QUERIES, TABLE_NAME, TweetsSpec, tweets_mem_table};
 use datafusion_gpu_topk::device::kernels::{
-    GENERATED_OPTIONS, KernelSources, compile_program, nvrtc_available,
+    GENERATED_MIN_BLOCKS, GENERATED_SPILL_ALLOWANCE, GeneratedCompile, KernelSources, compile_generated, nvrtc_available,
 };
 use datafusion_gpu_topk::fusion::{FusedProgram, KernelInput, Part};
 use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
@@ -54,36 +54,35 @@ async fn placement(ctx: &SessionContext, sql: &str) -> (String, String, Option<S
     )
 }
 
-fn compile_or_skip(sql: &str, source: &str) {
+/// The program compiled as the engine compiles it (with the occupancy hint unless that
+/// spills); `None` without NVRTC.
+fn compile_or_skip(sql: &str, source: &str) -> Option<GeneratedCompile> {
     if !nvrtc_available() {
         eprintln!("SKIP: compiling the generated program of {sql}: no NVRTC library");
-        return;
+        return None;
     }
     if std::env::var_os("GPU_TOPK_TEST_PRINT_SOURCE").is_some() {
         eprintln!("=== {sql}\n{source}");
     }
     let sources = KernelSources::load().expect("kernel sources");
-    match compile_program(
-        "generated.cu",
-        source,
-        &sources.headers(),
-        "sm_90",
-        GENERATED_OPTIONS,
-    ) {
-        Err(e) => panic!("{sql}: the generated program does not compile:\n{e}\n{source}"),
-        // For reading its SASS (cuobjdump -sass): one file per query.
-        Ok(compiled) => {
-            if let Some(dir) = std::env::var_os("GPU_TOPK_TEST_DUMP_CUBIN") {
-                let name: String = sql
-                    .chars()
-                    .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-                    .take(40)
-                    .collect();
-                let path = std::path::Path::new(&dir).join(format!("{name}.cubin"));
-                std::fs::write(&path, compiled.cubin).expect("writing the CUBIN");
-            }
-        }
+    let compiled = compile_generated(source, &sources.headers(), "sm_90").unwrap_or_else(|e| {
+        panic!("{sql}: the generated program does not compile:\n{e}\n{source}")
+    });
+    eprintln!(
+        "{sql}: min blocks {}, {} bytes spilled",
+        compiled.min_blocks, compiled.spill_bytes
+    );
+    // For reading its SASS (cuobjdump -sass): one file per query.
+    if let Some(dir) = std::env::var_os("GPU_TOPK_TEST_DUMP_CUBIN") {
+        let name: String = sql
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .take(40)
+            .collect();
+        let path = std::path::Path::new(&dir).join(format!("{name}.cubin"));
+        std::fs::write(&path, &compiled.cubin).expect("writing the CUBIN");
     }
+    Some(compiled)
 }
 
 #[tokio::test]
@@ -204,13 +203,22 @@ async fn each_part_runs_where_it_translates_and_every_program_compiles() {
         ("WHERE i32 > 0", "abs(i32)", "gpu", "gpu"),
         ("WHERE i32 > 0", "ln(f64)", "gpu", "host"),
     ];
+    let mut min_blocks = Vec::new();
     for (filter, order, want_filter, want_keys) in cases {
         let sql = format!("SELECT rid FROM t {filter} ORDER BY {order} LIMIT 10");
         let (f, k, source) = placement(&ctx, &sql).await;
         assert_eq!((f.as_str(), k.as_str()), (want_filter, want_keys), "{sql}");
-        if let Some(source) = source {
-            compile_or_skip(&sql, &source);
+        if let Some(compiled) = source.and_then(|source| compile_or_skip(&sql, &source)) {
+            if compiled.min_blocks == GENERATED_MIN_BLOCKS {
+                assert!(compiled.spill_bytes <= GENERATED_SPILL_ALLOWANCE, "{sql}");
+            }
+            min_blocks.push(compiled.min_blocks);
         }
+    }
+    // The occupancy rule takes both ways among these programs (NVRTC 13, sm_90).
+    if !min_blocks.is_empty() {
+        assert!(min_blocks.contains(&GENERATED_MIN_BLOCKS), "{min_blocks:?}");
+        assert!(min_blocks.contains(&1), "{min_blocks:?}");
     }
 }
 
@@ -228,7 +236,14 @@ async fn tweet_queries_run_their_predicates_and_keys_on_the_gpu() {
             (want_filter, want_keys),
             "{name}: {sql}"
         );
-        compile_or_skip(name, &source.expect("keys on the GPU"));
+        // The benchmark's programs run with the occupancy hint (Q3 spills 56 bytes for it).
+        if let Some(compiled) = compile_or_skip(name, &source.expect("keys on the GPU")) {
+            assert_eq!(compiled.min_blocks, GENERATED_MIN_BLOCKS, "{name}: {sql}");
+            assert!(
+                compiled.spill_bytes <= GENERATED_SPILL_ALLOWANCE,
+                "{name}: {sql}"
+            );
+        }
     }
 }
 

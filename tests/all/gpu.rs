@@ -158,6 +158,18 @@ fn every_kernel_compiles_for_sm_90_without_spills_or_stack() {
 }
 
 #[test]
+fn spill_bytes_adds_the_stores_and_loads_of_every_function() {
+    let log = "ptxas info    : Compiling entry function 'a' for 'sm_90'\n\
+               ptxas info    : Function properties for a\n\
+               \x20   8 bytes stack frame, 28 bytes spill stores, 24 bytes spill loads\n\
+               ptxas info    : Used 51 registers\n\
+               ptxas info    : Function properties for b\n\
+               \x20   0 bytes stack frame, 0 bytes spill stores, 4 bytes spill loads";
+    assert_eq!(kernels::spill_bytes(log), 56);
+    assert_eq!(kernels::spill_bytes("ptxas info    : Used 40 registers"), 0);
+}
+
+#[test]
 fn compile_cubin_reports_errors_with_the_log_and_rejects_virtual_targets() {
     if !nvrtc_or_skip("compile_cubin_reports_errors_with_the_log_and_rejects_virtual_targets") {
         return;
