@@ -467,9 +467,16 @@ pub fn cubin_cached_source(
     driver_version: i32,
     cache_dir: Option<&Path>,
 ) -> Result<Vec<u8>, String> {
-    cubin_cached_with(name, source, sources, arch, extra, driver_version, cache_dir, |h| {
-        compile_program(name, source, h, arch, extra).map(|c| c.cubin)
-    })
+    cubin_cached_with(
+        name,
+        source,
+        sources,
+        arch,
+        extra,
+        driver_version,
+        cache_dir,
+        |h| compile_program(name, source, h, arch, extra).map(|c| c.cubin),
+    )
 }
 
 /// As [`cubin_cached_source`], compiled by `compile` (given the headers) on a miss; `extra`

@@ -10,7 +10,8 @@
 //!   every row, which is safe: translated expressions cannot fail.)
 //!
 //! The generated kernel (one per distinct program text; NVRTC-compiled and cached like the
-//! static kernels, see [`crate::device`]) takes each input column's Arrow buffers as they are
+//! static kernels, see [`crate::device`], with a minimum of resident blocks a SM unless that
+//! spills, [`crate::device::kernels::compile_generated`]) takes each input column's Arrow buffers as they are
 //! (values, validity bitmap, bit offsets), and for each row: evaluates the predicate; if it
 //! holds, builds the composite key field by field (bit for bit [`crate::keys`]); appends the
 //! (key, row id) pair to the candidate buffer when it beats the threshold; and records in a

@@ -10,7 +10,8 @@ use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_gpu_topk::datasets::{QUERIES, TABLE_NAME, TweetsSpec, tweets_mem_table};
 use datafusion_gpu_topk::device::kernels::{
-    GENERATED_MIN_BLOCKS, GENERATED_SPILL_ALLOWANCE, GeneratedCompile, KernelSources, compile_generated, nvrtc_available,
+    GENERATED_MIN_BLOCKS, GENERATED_SPILL_ALLOWANCE, GeneratedCompile, KernelSources,
+    compile_generated, nvrtc_available,
 };
 use datafusion_gpu_topk::fusion::{FusedProgram, KernelInput, Part};
 use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
