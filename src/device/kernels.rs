@@ -445,28 +445,6 @@ pub fn cubin_cached(
     let source = sources
         .get(name)
         .ok_or_else(|| format!("no kernel source named {name}"))?;
-    cubin_cached_source(
-        name,
-        source,
-        sources,
-        arch,
-        extra,
-        driver_version,
-        cache_dir,
-    )
-}
-
-/// As [`cubin_cached`] for a program text not among the kernel files (generated code), which
-/// may include the kernel headers.
-pub fn cubin_cached_source(
-    name: &str,
-    source: &str,
-    sources: &KernelSources,
-    arch: &str,
-    extra: &[&str],
-    driver_version: i32,
-    cache_dir: Option<&Path>,
-) -> Result<Vec<u8>, String> {
     cubin_cached_with(
         name,
         source,
@@ -479,8 +457,9 @@ pub fn cubin_cached_source(
     )
 }
 
-/// As [`cubin_cached_source`], compiled by `compile` (given the headers) on a miss; `extra`
-/// still keys the cache entry.
+/// The CUBIN of a program text (a kernel file, or generated code, which may include the
+/// kernel headers): from the cache, else compiled by `compile` (given the headers) and stored.
+/// `extra` keys the cache entry.
 #[allow(clippy::too_many_arguments)]
 fn cubin_cached_with(
     name: &str,
