@@ -237,13 +237,22 @@ async fn tweet_queries_run_their_predicates_and_keys_on_the_gpu() {
             (want_filter, want_keys),
             "{name}: {sql}"
         );
-        // The benchmark's programs run with the occupancy hint (Q3 spills 56 bytes for it).
+        // Q1's and Q2's programs take the occupancy hint without spilling (Q3's spills 56
+        // bytes for it under NVRTC 13.0, near the allowance, so only the rule is checked).
         if let Some(compiled) = compile_or_skip(name, &source.expect("keys on the GPU")) {
-            assert_eq!(compiled.min_blocks, GENERATED_MIN_BLOCKS, "{name}: {sql}");
-            assert!(
-                compiled.spill_bytes <= GENERATED_SPILL_ALLOWANCE,
-                "{name}: {sql}"
-            );
+            if matches!(*name, "Q1" | "Q2") {
+                assert_eq!(
+                    (compiled.min_blocks, compiled.spill_bytes),
+                    (GENERATED_MIN_BLOCKS, 0),
+                    "{name}: {sql}"
+                );
+            }
+            if compiled.min_blocks == GENERATED_MIN_BLOCKS {
+                assert!(
+                    compiled.spill_bytes <= GENERATED_SPILL_ALLOWANCE,
+                    "{name}: {sql}"
+                );
+            }
         }
     }
 }
