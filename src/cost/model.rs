@@ -416,7 +416,7 @@ impl CostModel {
     }
 
     /// A sampled selection's end for large k: sort the survivors, or radix-select k of them
-    /// and sort those (algorithms.rs `sample_complete`).
+    /// and sort those (device/algorithms/sample.rs `sample_complete`).
     fn finish_survivors(&self, survivors: usize, case: &Case) -> f64 {
         let k = case.k;
         let rows = if case.positional { case.n } else { case.rows };

@@ -1,0 +1,274 @@
+//! The generated program's passes ([`crate::fusion`]): its append pass over host-shipped
+//! batches, and over device-resident columns the fused selection, whose strided sample sets
+//! the threshold of its full pass (SampleSelect with the predicate and keys inside the pass).
+
+use super::*;
+
+impl TopKEngine {
+    /// Runs a generated kernel ([`crate::fusion`]) over `n` rows whose input buffers are
+    /// described by `inputs` (four values per kernel input: values address, value bit offset,
+    /// validity address or 0, validity bit offset; see the generated signature), with row ids
+    /// `id_start + i`. Rows passing the predicate and beating the threshold are appended to
+    /// `candidates` (the count keeps growing past its capacity: the caller checks). `out`
+    /// receives the number of rows that passed (u64), an error flag (u32 at byte 8) and, from
+    /// byte 16, one bit per row appended; the caller zeroes its first 16 bytes.
+    pub fn fused_append(
+        &self,
+        kernel: &GeneratedKernel,
+        inputs: &[u64],
+        n: usize,
+        id_start: u64,
+        candidates: &DevicePairs,
+        out: u64,
+    ) -> GpuResult<()> {
+        let count = self.scalars.ptr() + COUNT_OFFSET;
+        self.fused_pass(kernel, inputs, n, 1, id_start, candidates, count, out, true)
+    }
+
+    /// [`fused_append`](Self::fused_append) over the rows `i · step` (`i < rows / step`
+    /// rounded up; step > 1: a strided sample), counting the appended rows at `count` (u64).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn fused_pass(
+        &self,
+        kernel: &GeneratedKernel,
+        inputs: &[u64],
+        rows: usize,
+        step: usize,
+        id_start: u64,
+        candidates: &DevicePairs,
+        count: u64,
+        out: u64,
+        kept_bits: bool,
+    ) -> GpuResult<()> {
+        let n = rows.div_ceil(step.max(1));
+        if n == 0 {
+            return Ok(());
+        }
+        let base = self.scalars.ptr();
+        let mut args: Vec<Arg> = inputs.iter().map(|&v| Arg::U64(v)).collect();
+        args.extend_from_slice(args![
+            n,
+            step.max(1),
+            id_start,
+            base + THRESHOLD_OFFSET,
+            candidates.key_at(0),
+            candidates.id_at(0),
+            count,
+            candidates.capacity(),
+            out,
+            out + 8,
+            if kept_bits { out + 16 } else { 0 },
+        ]);
+        // One wave of resident blocks: a second, partial wave leaves SMs short of loads in
+        // flight at the pass's end (the generated kernels' registers allow 4–5 blocks a SM).
+        let one_wave = (kernel.blocks_per_sm as usize * self.device.sm_count) as u32;
+        // A thread takes one row of a strided sample per round, 4 or more of the full pass.
+        let grid = self.grid_for(n, if step > 1 { 1 } else { 4 }).min(one_wave);
+        self.launch_function(
+            &kernel.function,
+            crate::fusion::ENTRY,
+            grid,
+            GENERATED_THREADS,
+            0,
+            &args,
+        )
+    }
+
+    /// Top-k of a generated program over `rows` device-resident rows (ids 0..rows): the
+    /// min(k, rows passing) best (key, row id) pairs, sorted, at the start of the returned
+    /// buffer, and how the selection went.
+    ///
+    /// With `sample_rows` > 0 (the fused selection; [`FUSED_SAMPLE_ROWS`] by default), the
+    /// program's own pass is the first pass of a sampled selection (SampleSelect): the program
+    /// runs on a strided sample of about that many rows, the sample's r-th best passing pair
+    /// becomes the threshold (r chosen so that about k · (1 + 4/√(k/step)) rows of the whole
+    /// input beat it; selected on the device by sample.cu's one-block threshold), and the
+    /// full pass appends only the rows that beat it, so filtered rows and losing keys never
+    /// reach device memory. The final selection of the candidates is enqueued on their count
+    /// on the device (a sampled selection), so the whole chain runs with one read-back at its
+    /// end. The estimate is checked, not trusted: fewer than k appended rows while more passed,
+    /// or more than the buffer holds, reruns the full pass (without the threshold, or with
+    /// room for all) — exact either way. With 0 (the unfused baseline), the pass appends
+    /// every passing row, and the selection follows.
+    pub fn fused_select(
+        &mut self,
+        kernel: &GeneratedKernel,
+        inputs: &[u64],
+        rows: usize,
+        k: usize,
+        algorithm: DeviceAlgorithm,
+        sample_rows: usize,
+    ) -> GpuResult<(DevicePairs, usize, FusedReport)> {
+        let mut report = FusedReport::default();
+        // The full pass's words: rows passed (u64), error flags (u32), rows appended (u64 at
+        // 16); then the sample pass's, and the sample threshold's status (u32 at 48).
+        let out = self.device.pool.alloc(FUSED_WORDS, &self.stream)?;
+        let (passed_at, count_at) = (out.ptr(), out.ptr() + 16);
+        let (sample_passed_at, sample_count_at) = (out.ptr() + 24, out.ptr() + 40);
+        let parse = |b: &[u8]| {
+            let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+            (word(0), word(8) as u32, word(16) as usize)
+        };
+        let event = |engine: &Self| {
+            engine
+                .stream
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+        };
+        let mut marks = vec![(0, event(self)?)];
+        // No threshold yet (the passes count in `out`, not in the engine's count).
+        self.memset_zero(self.scalars.ptr() + THRESHOLD_OFFSET, THRESHOLD_BYTES)?;
+        self.memset_zero(out.ptr(), FUSED_WORDS)?;
+        // At most what sample.cu's one-block threshold holds, so that it is exact.
+        let sample_rows = sample_rows.min(sample_size(self.kind));
+        let step = if sample_rows > 0 {
+            rows.div_ceil(sample_rows)
+        } else {
+            0
+        };
+        let mut capacity = rows.max(1);
+        if sample_rows > 0 && k > 0 && step >= 8 {
+            let sampled = rows.div_ceil(step);
+            // Sample rank of the threshold: k's expected rank in the sample plus 4σ.
+            let expected = k as f64 / step as f64;
+            let r = (expected + 4.0 * expected.sqrt()).ceil() as usize + 1;
+            if r < sampled / 2 {
+                let sample = self.alloc_pairs(sampled)?;
+                self.fused_pass(
+                    kernel,
+                    inputs,
+                    rows,
+                    step,
+                    0,
+                    &sample,
+                    sample_count_at,
+                    sample_passed_at,
+                    false,
+                )?;
+                report.sampled = sampled;
+                marks.push((0, event(self)?));
+                // Threshold := the r-th best passing sample pair (rank r - 1), selected on the
+                // device from the device's count by sample.cu's one-block threshold (exact: its
+                // sample is every pair); no threshold when fewer than r passed. No host round
+                // trip.
+                self.launch(
+                    &self.kernel("sample_threshold"),
+                    1,
+                    SAMPLE_THREADS,
+                    0,
+                    args![
+                        sample.key_at(0),
+                        sample.id_at(0),
+                        0usize,
+                        sample_count_at,
+                        sampled,
+                        r - 1,
+                        sampled as u32,
+                        SAMPLE_SEED,
+                        self.scalars.ptr() + THRESHOLD_OFFSET,
+                        out.ptr() + 48
+                    ],
+                )?;
+                marks.push((1, event(self)?));
+                // About r · step rows beat it (fewer pass, when fewer than r sample rows
+                // did); the buffer holds twice that.
+                capacity = (2 * r * step).max(1 << 16).min(capacity);
+            }
+        }
+        let mut candidates = self.alloc_pairs(capacity)?;
+        candidates.set_ids_below(rows as u64);
+        loop {
+            self.fused_pass(
+                kernel,
+                inputs,
+                rows,
+                1,
+                0,
+                &candidates,
+                count_at,
+                passed_at,
+                false,
+            )?;
+            marks.push((2, event(self)?));
+            // A sampled selection of few enough pairs is enqueued on the device's count before
+            // the host knows it; its control block then brings the pass's words back with its
+            // own, in one read-back.
+            // Or, for a large k, the merge sort of every candidate (truncated at k) on the
+            // device's count, without a sampled level.
+            let direct = if algorithm == DeviceAlgorithm::Sample
+                && k > self.small_sort_capacity()
+                && candidates.capacity() <= MERGE_SORT_MAX
+            {
+                Some(self.merge_sort(&candidates, 0, count_at, candidates.capacity(), k, 0)?)
+            } else {
+                None
+            };
+            let pending = if direct.is_none()
+                && algorithm == DeviceAlgorithm::Sample
+                && self.sample_sorts_on_device(candidates.capacity(), k)
+            {
+                self.sample_enqueue(&candidates, candidates.capacity(), k, Some(count_at))?
+                    .filter(|run| run.sorted_small.is_some())
+            } else {
+                None
+            };
+            let (passed, error, count, ctl) = match &pending {
+                Some(run) => {
+                    self.copy_dtod(run.ctl.ptr() + SAMPLE_CALLER_OFFSET, out.ptr(), 24)?;
+                    let b = self.read_bytes(run.ctl.ptr(), SAMPLE_CTL_BYTES)?;
+                    let at = SAMPLE_CALLER_OFFSET as usize;
+                    let (passed, error, count) = parse(&b[at..at + 24]);
+                    (passed, error, count, Some(b))
+                }
+                None => {
+                    let (passed, error, count) = parse(&self.read_bytes(out.ptr(), 24)?);
+                    (passed, error, count, None)
+                }
+            };
+            report.passed = passed;
+            report.error = error;
+            report.candidates = count;
+            if error != 0 {
+                return Ok((candidates, 0, report));
+            }
+            if count < k && (count as u64) < passed {
+                // The threshold was too tight: every passing row is a candidate.
+                report.reruns += 1;
+                self.reset_candidates()?;
+                self.memset_zero(out.ptr(), 24)?;
+                if candidates.capacity() < passed as usize {
+                    candidates = self.alloc_pairs(passed as usize)?;
+                    candidates.set_ids_below(rows as u64);
+                }
+                continue;
+            }
+            if count > candidates.capacity() {
+                // The estimate was too loose for the buffer: room for all, same threshold.
+                report.reruns += 1;
+                self.memset_zero(out.ptr(), 24)?;
+                candidates = self.alloc_pairs(count)?;
+                candidates.set_ids_below(rows as u64);
+                continue;
+            }
+            let selected = match (direct, pending, ctl) {
+                (Some(sorted), _, _) => Some((sorted.into_pairs(count), count.min(k))),
+                (None, Some(mut run), Some(bytes)) => {
+                    // Planned for the buffer's capacity; the count decides what is complete.
+                    run.n = count;
+                    self.sample_complete_read(run, &bytes)?
+                        .map(|(sorted, _)| (sorted, count.min(k)))
+                }
+                _ => None,
+            };
+            let (sorted, m) = match selected {
+                Some(done) => done,
+                None => self.select_sorted(&candidates, count, k, algorithm)?,
+            };
+            marks.push((3, event(self)?));
+            self.stream.synchronize()?;
+            for pair in marks.windows(2) {
+                report.phases_ms[pair[1].0] += f64::from(pair[0].1.elapsed_ms(&pair[1].1)?);
+            }
+            return Ok((sorted, m, report));
+        }
+    }
+}

@@ -1,0 +1,304 @@
+//! SampleSelect: levels of sampled thresholds and filters chained on the device, their
+//! survivors sorted on the device's count, and the read-back that completes the chain.
+
+use super::*;
+
+impl TopKEngine {
+    /// SampleSelect (sample.cu): levels of a sampled threshold and a filtering pass, each
+    /// shrinking the pairs that hold the k smallest, then a sort of the survivors: the rank sort
+    /// when they are few, else the chunk rank or merge sort (or, after a read-back, a sort or a
+    /// radix select when they are many times k).
+    /// The first level's filter reads only the keys when the input is positional. The host
+    /// plans the chain from expected sizes and enqueues it without waiting. For k ≤ the rank
+    /// sort's capacity, or a last level of at most [`chunk_rank_max`] pairs (the chunk rank
+    /// sort) or [`MERGE_SORT_MAX`] (the merge sort, truncated at k), the whole selection is
+    /// enqueued and the returned run is pending: its status and counts are read once, by
+    /// [`finish`](Self::finish), after the kernels. Otherwise the survivor count plans their
+    /// sort, after a read-back (`sample_complete`). `None` when the sample cannot shrink the
+    /// input.
+    ///
+    /// With `input_count` (a device address), the input's size is the u64 there, known only to the
+    /// device, and `n` is its bound (the buffer's capacity): the levels are planned for `n`
+    /// pairs (their survivors only shrink with fewer) and read the actual count, and a count
+    /// above `n` sets the overflow status.
+    pub(super) fn sample_enqueue(
+        &mut self,
+        input: &DevicePairs,
+        n: usize,
+        k: usize,
+        input_count: Option<u64>,
+    ) -> GpuResult<Option<SampleRun>> {
+        let s_max = sample_size(self.kind);
+        let small = self.small_sort_capacity();
+        let plan = plan_sample_levels(n, k, s_max, small);
+        if plan.is_empty() {
+            return Ok(None);
+        }
+        // Per level: its survivor count (u64); then the status word (u32).
+        let ctl = self.device.pool.alloc(SAMPLE_SCRATCH_BYTES, &self.stream)?;
+        let mut run = SampleRun {
+            n,
+            k,
+            id_bound: input.id_bound(n),
+            plan,
+            ctl,
+            levels: Vec::new(),
+            sorted_small: None,
+            phases: Vec::new(),
+            timer: trace_enabled()
+                .then(|| GpuTimer::start(&self.stream))
+                .transpose()?,
+        };
+        self.memset_zero(run.ctl.ptr(), SAMPLE_SCRATCH_BYTES)?;
+        let status = run.ctl.ptr() + SAMPLE_STATUS_OFFSET;
+        let thr = self.scalars.ptr() + THRESHOLD_OFFSET;
+        for level in 0..run.plan.len() {
+            let SampleLevel { cap, s } = run.plan[level];
+            let out = self.alloc_pairs(cap)?;
+            let count = run.ctl.ptr() + 8 * level as u64;
+            let (src_keys, src_ids, src_n, src_count, src_cap) = match run.levels.last() {
+                None => (
+                    input.key_at(0),
+                    if input.positional { 0 } else { input.id_at(0) },
+                    if input_count.is_some() { 0 } else { n },
+                    input_count.unwrap_or(0),
+                    n,
+                ),
+                Some(prev) => (prev.key_at(0), prev.id_at(0), 0, count - 8, prev.capacity()),
+            };
+            self.launch(
+                &self.kernel("sample_threshold"),
+                1,
+                SAMPLE_THREADS,
+                0,
+                args![
+                    src_keys,
+                    src_ids,
+                    src_n,
+                    src_count,
+                    src_cap,
+                    k,
+                    s as u32,
+                    SAMPLE_SEED ^ level as u64,
+                    thr,
+                    status
+                ],
+            )?;
+            run.lap(format!("threshold {level} (s={s})"), &self.stream)?;
+            if level == 0 && input.positional && input_count.is_none() {
+                // Keys only, vector loads: the pass that should run at the read floor.
+                let name = self.kernel("filter_below");
+                self.launch(
+                    &name,
+                    self.resident_grid(&name, THREADS)?,
+                    THREADS,
+                    0,
+                    args![
+                        input.key_at(0),
+                        n,
+                        thr,
+                        out.key_at(0),
+                        out.id_at(0),
+                        count,
+                        out.capacity(),
+                    ],
+                )?;
+            } else {
+                self.launch(
+                    &self.kernel("filter_pairs"),
+                    self.grid_for(src_cap, 4),
+                    THREADS,
+                    0,
+                    args![
+                        src_keys,
+                        src_ids,
+                        src_n,
+                        src_count,
+                        thr,
+                        out.key_at(0),
+                        out.id_at(0),
+                        count,
+                        out.capacity(),
+                        status
+                    ],
+                )?;
+            }
+            run.lap(format!("filter {level}"), &self.stream)?;
+            run.levels.push(out);
+        }
+        let last = run.levels.last().expect("a planned level");
+        let last_count = run.ctl.ptr() + 8 * (run.levels.len() - 1) as u64;
+        if k <= small {
+            // Small k: the rank sort of the last level, enqueued before looking at the counts;
+            // its grid sized to the level's buffer (more survivors overflow the level).
+            let cap = small.min(last.capacity().next_multiple_of(RANK_THREADS as usize));
+            let out = self.alloc_pairs(cap)?;
+            self.launch_rank_sort(last, last_count, cap, &out, run.ctl.ptr())?;
+            run.lap("rank sort".into(), &self.stream)?;
+            run.sorted_small = Some(SortedPairs::ready(out));
+        } else if last.capacity() <= chunk_rank_max(self.kind) {
+            // Larger k, survivors few enough for the chunk rank sort: also enqueued whole.
+            let out = self.chunk_rank_sort(
+                last,
+                last_count,
+                last.capacity(),
+                run.ctl.ptr() + SAMPLE_STATUS_OFFSET,
+            )?;
+            run.lap("chunk rank sort".into(), &self.stream)?;
+            run.sorted_small = Some(SortedPairs::ready(out));
+        } else if last.capacity() <= MERGE_SORT_MAX {
+            // More survivors: the merge sort, truncated at k, on the device's count (measured
+            // on the H100 against the radix sort that had this place: 1.56× against 1.68× the
+            // floor at 2^29, k = 2^20, i32; 1.31× against 1.47× for i64).
+            let status = run.ctl.ptr() + SAMPLE_STATUS_OFFSET;
+            let out = self.merge_sort(last, 0, last_count, last.capacity(), k, status)?;
+            run.lap("merge sort".into(), &self.stream)?;
+            run.sorted_small = Some(out);
+        }
+        Ok(Some(run))
+    }
+
+    /// Pairs `[0, n)` (n ≤ [`RANK_SORT_MAX`]) sorted by the one-launch rank sort (bitonic.cu
+    /// `rank_sort`), at the start of a new buffer.
+    pub(super) fn rank_sort(&self, input: &DevicePairs, n: usize) -> GpuResult<DevicePairs> {
+        debug_assert!(n <= RANK_SORT_MAX);
+        let ctl = self.device.pool.alloc(SAMPLE_SCRATCH_BYTES, &self.stream)?;
+        self.memset_zero(ctl.ptr(), SAMPLE_SCRATCH_BYTES)?;
+        // The kernel reads the count from the device (a level's survivor count, elsewhere): a
+        // memset writes it, where a copy from host memory would cost the host tens of µs.
+        self.set_u32(ctl.ptr(), n as u32)?;
+        // A grid of (n / 256)² blocks, each ranking a 256-pair row against a column chunk it
+        // sorts: sized to n rather than to the rank sort's capacity.
+        let small = n.max(1).next_multiple_of(RANK_THREADS as usize);
+        let out = self.alloc_pairs(small)?;
+        self.launch_rank_sort(input, ctl.ptr(), small, &out, ctl.ptr())?;
+        Ok(out)
+    }
+
+    /// Launches bitonic.cu `rank_sort`: the pairs of `input` (their count, at most `cap`, a
+    /// u64 at device address `count`) sorted into `out`, over a grid of (cap / 256)² blocks;
+    /// `ctl` is a zeroed sample control block (status, ranks, row counters).
+    pub(super) fn launch_rank_sort(
+        &self,
+        input: &DevicePairs,
+        count: u64,
+        cap: usize,
+        out: &DevicePairs,
+        ctl: u64,
+    ) -> GpuResult<()> {
+        let rows = cap / RANK_THREADS as usize;
+        self.launch(
+            &self.kernel("bitonic_rank_sort"),
+            (rows * rows) as u32,
+            RANK_THREADS,
+            0,
+            args![
+                input.key_at(0),
+                input.id_at(0),
+                count,
+                cap,
+                out.key_at(0),
+                out.id_at(0),
+                ctl + SAMPLE_STATUS_OFFSET,
+                ctl + SAMPLE_RANKS_OFFSET,
+                ctl + SAMPLE_ROW_DONE_OFFSET
+            ],
+        )
+    }
+
+    /// Reads an enqueued sampled selection's counts and status back (one round trip) and
+    /// completes it: the rank-sorted pairs, or the sort of the survivors when the rank sort did
+    /// not take them (large k, or more survivors than it holds), with whether that sort ran
+    /// after the read-back. `None` when the estimate missed (a buffer overflowed, or fewer than
+    /// k pairs survived): the caller then runs radix select.
+    pub(super) fn sample_complete(
+        &mut self,
+        mut run: SampleRun,
+    ) -> GpuResult<Option<(DevicePairs, bool)>> {
+        let bytes = self.read_bytes(run.ctl.ptr(), SAMPLE_CTL_BYTES)?;
+        run.lap("read back".into(), &self.stream)?;
+        self.sample_complete_read(run, &bytes)
+    }
+
+    /// [`sample_complete`](Self::sample_complete) with the control block already read back
+    /// (`bytes`, its first `SAMPLE_CTL_BYTES`).
+    pub(super) fn sample_complete_read(
+        &mut self,
+        mut run: SampleRun,
+        bytes: &[u8],
+    ) -> GpuResult<Option<(DevicePairs, bool)>> {
+        let (n, k) = (run.n, run.k);
+        let word = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
+        let counts: Vec<u64> = (0..run.levels.len()).map(|l| word(8 * l)).collect();
+        let status = u32::from_le_bytes(
+            bytes[SAMPLE_STATUS_OFFSET as usize..SAMPLE_STATUS_OFFSET as usize + 4]
+                .try_into()
+                .expect("4 bytes"),
+        );
+        let survivors = *counts.last().expect("a level") as usize;
+        let trace = |what: &str, run: &SampleRun| {
+            if !run.phases.is_empty() {
+                eprintln!(
+                    "sample_select n={n} k={k} plan={:?} counts={counts:?} status={status} \
+                     {what}: {:?} ms",
+                    run.plan, run.phases
+                );
+            }
+        };
+        if status & !SAMPLE_STATUS_FINAL_LARGE != 0 || survivors < k.min(n) {
+            trace("missed", &run);
+            return Ok(None);
+        }
+        if let Some(out) = run
+            .sorted_small
+            .take()
+            .filter(|_| status & SAMPLE_STATUS_FINAL_LARGE == 0)
+        {
+            trace("done", &run);
+            return Ok(Some((out.into_pairs(survivors), false)));
+        }
+        // Larger k (or more survivors than the rank sort takes): sort the survivors when that
+        // sorts no more (padded) pairs than sorting k would, or when they are few enough that
+        // the ~26 launches of a radix select cost more than a larger sort; else radix-select k
+        // of them first.
+        let last = run.levels.last().expect("a planned level");
+        let id_bound = run.id_bound;
+        let sorted = if survivors <= DIRECT_SORT_FACTOR * k.max(DIRECT_SORT_MIN) {
+            self.sort_pairs(last, survivors, id_bound)?
+        } else {
+            self.select_sorted(last, survivors, k, DeviceAlgorithm::Radix)?
+                .0
+        };
+        run.lap("select survivors".into(), &self.stream)?;
+        trace("done", &run);
+        Ok(Some((sorted, true)))
+    }
+
+    /// SampleSelect (`sample_enqueue`, then `sample_complete`): the k smallest pairs, sorted;
+    /// `None` when the sample cannot shrink the input or its estimate missed.
+    pub fn sample_select(
+        &mut self,
+        input: &DevicePairs,
+        n: usize,
+        k: usize,
+    ) -> GpuResult<Option<DevicePairs>> {
+        match self.sample_enqueue(input, n, k, None)? {
+            Some(run) => Ok(self.sample_complete(run)?.map(|(sorted, _)| sorted)),
+            None => Ok(None),
+        }
+    }
+
+    /// The most pairs [`sample_select`](Self::sample_select) rank-sorts at the end.
+    pub(super) fn small_sort_capacity(&self) -> usize {
+        RANK_SORT_MAX
+    }
+
+    /// Whether a sampled selection of k among (at most) n pairs is enqueued whole, its
+    /// survivors sorted on the device's count (no read-back before [`finish`](Self::finish)).
+    pub(super) fn sample_sorts_on_device(&self, n: usize, k: usize) -> bool {
+        let small = self.small_sort_capacity();
+        plan_sample_levels(n, k, sample_size(self.kind), small)
+            .last()
+            .is_some_and(|last| k <= small || last.cap <= MERGE_SORT_MAX)
+    }
+}
