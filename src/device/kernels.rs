@@ -77,7 +77,17 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
         "radix_sort.cu",
         &["rsort_hist", "rsort_pass", "rsort_pass_wide", "rsort_count"],
     ),
-    ("merge_sort.cu", &["msort_tiles", "msort_merge"]),
+    (
+        "merge_sort.cu",
+        &[
+            "msort_tiles",
+            "msort_merge",
+            "bsort_splitters",
+            "bsort_scatter",
+            "bsort_buckets",
+            "bsort_large_buckets",
+        ],
+    ),
     ("delegate.cu", &["delegate_min", "delegate_gather"]),
 ];
 
@@ -96,6 +106,7 @@ const LARGE_SHARED: &[&str] = &[
     "bitonic_chunk_sort",
     "bitonic_chunk_rank",
     "rsort_pass_wide",
+    "bsort_splitters",
 ];
 
 /// Suffixes of the key types, see `INSTANTIATE_KEYS` in common.cuh.

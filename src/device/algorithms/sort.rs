@@ -191,6 +191,100 @@ impl TopKEngine {
         })
     }
 
+    /// The bucket sort (merge_sort.cu `bsort_*`): the first min(c, k) of pairs `[0, c)` sorted
+    /// at the start of a new buffer of `cap` pairs, c as for [`merge_sort`](Self::merge_sort)
+    /// (`m`, or the u64 at device address `count`; c ≤ `cap`). A one-block sort of a stratified
+    /// sample sets [`bucket_sort_buckets`] − 1 splitters, one pass moves every pair to its
+    /// bucket's region, and one block per bucket sorts it in shared memory and writes it at its
+    /// offset (buckets past k do nothing): four launches, enqueued before c is known, where the
+    /// merge sort takes ⌈log2(c / tile)⌉ + 1. Each region holds 4× the largest mean bucket
+    /// (cap / buckets); when one fills, [`BucketSorted::status_at`] says so and nothing is
+    /// written: the caller then sorts the input, which is left as it was, otherwise.
+    pub fn bucket_sort(
+        &self,
+        input: &DevicePairs,
+        m: usize,
+        count: u64,
+        cap: usize,
+        k: usize,
+    ) -> GpuResult<BucketSorted> {
+        let buckets = bucket_sort_buckets(self.kind);
+        let tile = merge_sort_tile(self.kind);
+        let cap = cap.max(1);
+        let region = (4 * cap.div_ceil(buckets)).max(tile);
+        let status_offset = 4 * buckets as u64;
+        let ctl = self.device.pool.alloc(4 * buckets + 4, &self.stream)?;
+        self.memset_zero(ctl.ptr(), 4 * buckets + 4)?;
+        let splitters = self.alloc_pairs(buckets)?;
+        let regions = self.alloc_pairs(buckets * region)?;
+        let out = self.alloc_pairs(cap)?;
+        let ids = if input.positional { 0 } else { input.id_at(0) };
+        // Shared memory of a padded run of n pairs: keys then row ids, a spare slot per 128 bytes.
+        let key_bytes = self.kind.key_bytes();
+        let padded = |n: usize, size: usize| n + n / (128 / size);
+        let shared =
+            |n: usize| (padded(n, key_bytes) * key_bytes).next_multiple_of(16) + padded(n, 8) * 8;
+        let sample = buckets * BSORT_PER_BUCKET;
+        self.launch(
+            &self.kernel("bsort_splitters"),
+            1,
+            BSORT_SAMPLE_THREADS,
+            shared(sample),
+            args![
+                input.key_at(0),
+                ids,
+                m,
+                count,
+                cap,
+                splitters.key_at(0),
+                splitters.id_at(0)
+            ],
+        )?;
+        self.launch(
+            &self.kernel("bsort_scatter"),
+            self.grid_for(cap, 4),
+            MSORT_THREADS,
+            0,
+            args![
+                input.key_at(0),
+                ids,
+                m,
+                count,
+                cap,
+                splitters.key_at(0),
+                splitters.id_at(0),
+                ctl.ptr(),
+                region,
+                regions.key_at(0),
+                regions.id_at(0),
+                ctl.ptr() + status_offset
+            ],
+        )?;
+        for name in ["bsort_buckets", "bsort_large_buckets"] {
+            self.launch(
+                &self.kernel(name),
+                buckets as u32,
+                MSORT_THREADS,
+                shared(tile),
+                args![
+                    ctl.ptr(),
+                    region,
+                    regions.key_at(0),
+                    regions.id_at(0),
+                    k,
+                    out.key_at(0),
+                    out.id_at(0),
+                    ctl.ptr() + status_offset
+                ],
+            )?;
+        }
+        Ok(BucketSorted {
+            pairs: out,
+            ctl,
+            status_offset,
+        })
+    }
+
     /// LSD radix sort of pairs `[0, m)` (radix_sort.cu): one histogram kernel, then per digit
     /// position of the (key, row id) integer one Onesweep pass kernel (up to
     /// `ONESWEEP_MAX_TILES` tiles, or `ONESWEEP_WIDE_MAX_TILES` wide ones) or a count, scan
