@@ -197,30 +197,6 @@ __device__ __forceinline__ void store_tile_out(const Run<K, true> &s, const K (&
     for (u32 t = threadIdx.x; t < valid; t += MSORT_THREADS) out.put(t, s.key(t), s.id(t));
 }
 
-// Sorts the first p positions of the padded shared run s (p a power of two, V ≤ p ≤ blockDim.x · V;
-// every position below blockDim.x · V holds a pair, padding above the real ones): each thread
-// sorts its V pairs (positions t·V …) in registers, then log2(p / V) rounds merge runs pairwise,
-// each thread producing its V pairs of the merged run after a merge-path search. The sorted
-// pairs end in the threads' registers.
-template <class K, int V>
-__device__ __forceinline__ void sort_shared(const Run<K, true> &s, u32 p, K (&key)[V], u64 (&id)[V]) {
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-        key[e] = s.key(threadIdx.x * V + e);
-        id[e] = s.id(threadIdx.x * V + e);
-    }
-    sort_items<K, V>(key, id);
-    for (u32 run = V; run < p; run <<= 1) {
-        __syncthreads();
-        put_items<K, V>(s, key, id);
-        __syncthreads();
-        const u32 pos = threadIdx.x * V, d = pos & (2 * run - 1), first = pos - d;
-        const Run<K, true> a{s.keys, s.ids, first}, b{s.keys, s.ids, first + run};
-        const u32 i = merge_path(a, run, b, run, d);
-        merge_items<K, V>(a, run, b, run, i, d - i, V, key, id);
-    }
-}
-
 template <class K>
 __device__ void msort_tiles(const K *keys, const u64 *ids, u64 m_host, const u64 *m_dev, u64 cap, K *out_keys,
                             u64 *out_ids, u32 *status) {
@@ -246,7 +222,22 @@ __device__ void msort_tiles(const K *keys, const u64 *ids, u64 m_host, const u64
     __syncthreads();
     K key[V];
     u64 id[V];
-    sort_shared<K, V>(s, TILE, key, id);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+        key[e] = s.key(threadIdx.x * V + e);
+        id[e] = s.id(threadIdx.x * V + e);
+    }
+    sort_items<K, V>(key, id);
+    // Rounds of pairwise merges of runs of `run` pairs in shared memory.
+    for (u32 run = V; run < TILE; run <<= 1) {
+        __syncthreads();
+        put_items<K, V>(s, key, id);
+        __syncthreads();
+        const u32 pos = threadIdx.x * V, d = pos & (2 * run - 1), first = pos - d;
+        const Run<K, true> a{s.keys, s.ids, first}, b{s.keys, s.ids, first + run};
+        const u32 i = merge_path(a, run, b, run, d);
+        merge_items<K, V>(a, run, b, run, i, d - i, V, key, id);
+    }
     store_tile_out<K, V>(s, key, id, valid, Run<K, false>{out_keys + base, out_ids + base, 0u});
 }
 
@@ -301,182 +292,6 @@ __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, con
     store_tile_out<K, V>(s, key, id, n, Run<K, false>{out_keys + o, out_ids + o, 0u});
 }
 
-// ---- the bucket sort: a fused pass's candidates at large k ------------------------------------
-//
-// 10^5–10^6 pairs need ~7–10 merge rounds of ~10–15 µs each (latency-bound, above). The bucket
-// sort partitions them once and sorts every part in shared memory, one block each:
-//   bsort_splitters  one block of BSORT_SAMPLE_THREADS sorts a sample of BucketSort::SAMPLE pairs
-//                    (the middle pair of each of as many equal strata of the input: sorted or
-//                    clustered inputs are sampled evenly) as in msort_tiles, and writes every
-//                    BSORT_PER_BUCKET-th sorted sample pair as a splitter (BUCKETS − 1 of them);
-//   bsort_scatter    each pair goes to bucket b = the number of splitters ≤ it (a branchless
-//                    binary search in shared memory), at a slot from an atomic counter of b, in
-//                    b's region of `region` pairs;
-//   bsort_buckets    block b sums the counts of the buckets before it (its output offset) and,
-//                    unless that is past k, sorts its bucket in shared memory and writes it there,
-//                    truncated at k;
-//   bsort_large_buckets  the same for the buckets larger than a tile (a bucket holds ~8 sample
-//                    pairs' strata, so its size is a Gamma(8) multiple of the mean: a few percent
-//                    of them at a mean of 1200 pairs), sorted tile by tile and merged in global
-//                    memory by their block.
-// Splitters are (key, row id) pairs, so ties and all-equal keys split evenly. A region that
-// fills (an input whose strata fool the sample) sets BSORT_OVERFLOW in `status`; the bucket
-// kernels then write no output, and the caller merge-sorts the input (left as it was) instead.
-
-#define BSORT_SAMPLE_THREADS 1024
-#define BSORT_PER_BUCKET 8u
-#define BSORT_OVERFLOW 1u
-
-template <class K> struct BucketSort {
-    enum : u32 {
-        SAMPLE = BSORT_SAMPLE_THREADS * MergeItems<K>::V,
-        BUCKETS = SAMPLE / BSORT_PER_BUCKET,
-    };
-};
-
-template <class K>
-__device__ void bsort_splitters(const K *keys, const u64 *ids, u64 m_host, const u64 *m_dev, u64 cap, K *spl_keys,
-                                u64 *spl_ids) {
-    constexpr int V = MergeItems<K>::V;
-    constexpr u32 S = BucketSort<K>::SAMPLE;
-    const u64 m = min(msort_count(m_host, m_dev), cap);
-    const Run<K, true> s = tile_smem<K>(S);
-    for (u32 t = threadIdx.x; t < S; t += BSORT_SAMPLE_THREADS) {
-        // The middle of stratum t of [0, m) (strata repeat pairs when m < S).
-        const u64 i = ((2 * (u64)t + 1) * m) / (2 * (u64)S);
-        s.put(t, m > 0 ? keys[i] : key_max<K>(), m == 0 ? ~0ull : ids ? ids[i] : i);
-    }
-    __syncthreads();
-    K key[V];
-    u64 id[V];
-    sort_shared<K, V>(s, S, key, id);
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-        const u32 pos = threadIdx.x * V + e;
-        if (pos > 0 && pos % BSORT_PER_BUCKET == 0) {
-            spl_keys[pos / BSORT_PER_BUCKET - 1] = key[e];
-            spl_ids[pos / BSORT_PER_BUCKET - 1] = id[e];
-        }
-    }
-}
-
-template <class K>
-__device__ void bsort_scatter(const K *keys, const u64 *ids, u64 m_host, const u64 *m_dev, u64 cap,
-                              const K *spl_keys, const u64 *spl_ids, u32 *counts, u64 region, K *r_keys, u64 *r_ids,
-                              u32 *status) {
-    constexpr u32 B = BucketSort<K>::BUCKETS;
-    __shared__ K s_keys[B - 1];
-    __shared__ u64 s_ids[B - 1];
-    for (u32 t = threadIdx.x; t < B - 1; t += blockDim.x) {
-        s_keys[t] = spl_keys[t];
-        s_ids[t] = spl_ids[t];
-    }
-    __syncthreads();
-    const u64 m = min(msort_count(m_host, m_dev), cap);
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (u64)gridDim.x * blockDim.x) {
-        const K key = keys[i];
-        const u64 id = ids ? ids[i] : i;
-        u32 b = 0;
-#pragma unroll
-        for (u32 h = B / 2; h >= 1; h >>= 1) {
-            if (!pair_less(key, id, s_keys[b + h - 1], s_ids[b + h - 1])) b += h;
-        }
-        const u32 slot = atomicAdd(counts + b, 1u);
-        if (slot < region) {
-            r_keys[(u64)b * region + slot] = key;
-            r_ids[(u64)b * region + slot] = id;
-        } else {
-            atomicOr(status, BSORT_OVERFLOW);
-        }
-    }
-}
-
-// The output offset of bucket b (the sum of the counts before it), in every thread.
-__device__ __forceinline__ u64 bucket_offset(const u32 *counts, u32 b) {
-    __shared__ u64 s_part[MSORT_THREADS / 32];
-    u64 part = 0;
-    for (u32 j = threadIdx.x; j < b; j += MSORT_THREADS) part += __ldcg(counts + j);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) part += __shfl_down_sync(FULL_MASK, part, o);
-    if (lane_id() == 0) s_part[threadIdx.x / 32] = part;
-    __syncthreads();
-    u64 offset = 0;
-#pragma unroll
-    for (int w = 0; w < MSORT_THREADS / 32; ++w) offset += s_part[w];
-    return offset;
-}
-
-// Block b sorts bucket b into the output, truncated at k, when it fits a tile (`large` false) or
-// when it does not (`large` true: the rare case, a kernel of its own so that its ~110 registers a
-// thread do not limit the common path's resident blocks). A large bucket's tiles are sorted in
-// shared memory, then merged pairwise in global memory, alternating between the bucket's region
-// and its place in the output (which has room for all of it: the output holds every input pair),
-// so that the last round writes the output.
-template <class K, bool LARGE>
-__device__ void bsort_buckets(const u32 *counts, u64 region, K *r_keys, u64 *r_ids, u64 k, K *out_keys, u64 *out_ids,
-                              const u32 *status) {
-    constexpr int V = MergeItems<K>::V;
-    constexpr u32 TILE = MSORT_THREADS * V;
-    if (__ldcg(status) != 0) return;
-    const u32 b = blockIdx.x;
-    const u32 c = __ldcg(counts + b);
-    if (c == 0 || (c > TILE) != LARGE) return; // uniform per block
-    const u64 offset = bucket_offset(counts, b);
-    if (offset >= k) return;
-    const Run<K, false> in{r_keys + (u64)b * region, r_ids + (u64)b * region, 0u};
-    const Run<K, false> out{out_keys + offset, out_ids + offset, 0u};
-    const Run<K, true> s = tile_smem<K>(TILE);
-    K key[V];
-    u64 id[V];
-    if (!LARGE) {
-        u32 p = V;
-        while (p < c) p <<= 1;
-        for (u32 t = threadIdx.x; t < TILE; t += MSORT_THREADS) {
-            const bool real = t < c;
-            s.put(t, real ? in.key(t) : key_max<K>(), real ? in.id(t) : ~0ull);
-        }
-        __syncthreads();
-        sort_shared<K, V>(s, p, key, id);
-        store_tile_out<K, V>(s, key, id, (u32)min((u64)c, k - offset), out);
-        return;
-    }
-    const u32 tiles = (c + TILE - 1) / TILE;
-    u32 rounds = 0;
-    while ((1u << rounds) < tiles) ++rounds;
-    // (Two named runs, not an array indexed at run time: that would take a stack frame.)
-    u32 cur = (rounds & 1u) ^ 1u; // 0: the region, 1: the output
-    for (u32 q = 0; q < tiles; ++q) {
-        const u32 valid = min(TILE, c - q * TILE);
-        __syncthreads();
-        for (u32 t = threadIdx.x; t < TILE; t += MSORT_THREADS) {
-            const bool real = t < valid;
-            s.put(t, real ? in.key(q * TILE + t) : key_max<K>(), real ? in.id(q * TILE + t) : ~0ull);
-        }
-        __syncthreads();
-        sort_shared<K, V>(s, TILE, key, id);
-        const Run<K, false> to = cur ? out : in;
-        store_tile_out<K, V>(s, key, id, valid, Run<K, false>{to.keys + q * TILE, to.ids + q * TILE, 0u});
-    }
-    for (u32 span = TILE; span < c; span <<= 1) {
-        // The block's global writes are visible to the block after the barrier.
-        __syncthreads();
-        const Run<K, false> src = cur ? out : in, dst = cur ? in : out;
-        for (u32 d0 = threadIdx.x * V; d0 < c; d0 += MSORT_THREADS * V) {
-            const u32 first = d0 / (2 * span) * (2 * span), d = d0 - first;
-            const u32 alen = min(span, c - first), blen = c - first > span ? min(span, c - first - span) : 0u;
-            const Run<K, false> ra{src.keys, src.ids, first}, rb{src.keys, src.ids, first + span};
-            const u32 i = merge_path(ra, alen, rb, blen, d);
-            const u32 count = min((u32)V, alen + blen - d);
-            merge_items<K, V>(ra, alen, rb, blen, i, d - i, count, key, id);
-#pragma unroll
-            for (int e = 0; e < V; ++e) {
-                if ((u32)e < count) dst.put(first + d + e, key[e], id[e]);
-            }
-        }
-        cur ^= 1u;
-    }
-}
-
 #define MERGE_SORT_ENTRIES(K, S)                                                                                  \
     extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
         msort_tiles_##S(const K *keys, const u64 *ids, u64 m_host, const u64 *m_dev, u64 cap, K *out_keys,        \
@@ -487,26 +302,5 @@ __device__ void bsort_buckets(const u32 *counts, u64 region, K *r_keys, u64 *r_i
         msort_merge_##S(const K *in_keys, const u64 *in_ids, u64 m_host, const u64 *m_dev, u64 cap, u64 k,       \
                         u64 span, K *out_keys, u64 *out_ids, const u32 *status) {                                 \
         msort_merge<K>(in_keys, in_ids, m_host, m_dev, cap, k, span, out_keys, out_ids, status);                  \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(BSORT_SAMPLE_THREADS)                                            \
-        bsort_splitters_##S(const K *keys, const u64 *ids, u64 m_host, const u64 *m_dev, u64 cap, K *spl_keys,    \
-                            u64 *spl_ids) {                                                                       \
-        bsort_splitters<K>(keys, ids, m_host, m_dev, cap, spl_keys, spl_ids);                                     \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
-        bsort_scatter_##S(const K *keys, const u64 *ids, u64 m_host, const u64 *m_dev, u64 cap,                   \
-                          const K *spl_keys, const u64 *spl_ids, u32 *counts, u64 region, K *r_keys, u64 *r_ids,  \
-                          u32 *status) {                                                                          \
-        bsort_scatter<K>(keys, ids, m_host, m_dev, cap, spl_keys, spl_ids, counts, region, r_keys, r_ids, status); \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                 \
-        bsort_buckets_##S(const u32 *counts, u64 region, K *r_keys, u64 *r_ids, u64 k, K *out_keys, u64 *out_ids, \
-                          const u32 *status) {                                                                    \
-        bsort_buckets<K, false>(counts, region, r_keys, r_ids, k, out_keys, out_ids, status);                     \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
-        bsort_large_buckets_##S(const u32 *counts, u64 region, K *r_keys, u64 *r_ids, u64 k, K *out_keys,         \
-                                u64 *out_ids, const u32 *status) {                                                \
-        bsort_buckets<K, true>(counts, region, r_keys, r_ids, k, out_keys, out_ids, status);                      \
     }
 INSTANTIATE_KEYS(MERGE_SORT_ENTRIES)

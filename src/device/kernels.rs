@@ -77,17 +77,7 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
         "radix_sort.cu",
         &["rsort_hist", "rsort_pass", "rsort_pass_wide", "rsort_count"],
     ),
-    (
-        "merge_sort.cu",
-        &[
-            "msort_tiles",
-            "msort_merge",
-            "bsort_splitters",
-            "bsort_scatter",
-            "bsort_buckets",
-            "bsort_large_buckets",
-        ],
-    ),
+    ("merge_sort.cu", &["msort_tiles", "msort_merge"]),
     ("delegate.cu", &["delegate_min", "delegate_gather"]),
 ];
 
@@ -106,7 +96,6 @@ const LARGE_SHARED: &[&str] = &[
     "bitonic_chunk_sort",
     "bitonic_chunk_rank",
     "rsort_pass_wide",
-    "bsort_splitters",
 ];
 
 /// Suffixes of the key types, see `INSTANTIATE_KEYS` in common.cuh.

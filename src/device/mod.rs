@@ -26,8 +26,7 @@ use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
 pub use algorithms::{
-    BucketSorted, DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_ROWS, FusedReport, KeyKind,
-    SortedPairs, TopKEngine,
+    DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_ROWS, FusedReport, KeyKind, SortedPairs, TopKEngine,
 };
 pub use kernels::{GeneratedKernel, Kernels};
 pub use memory::{BufferPool, PinnedBuffer, PinnedLease, PinnedPool, PooledBuffer};

@@ -1308,17 +1308,6 @@ fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
                 let got = engine.download_ids(&sorted, k).unwrap();
                 assert!(got == expected[..k], "{what} k={k} cap={cap}: merge sort");
             }
-            // The bucket sort, whole and truncated at k, planned for n pairs and for more
-            // (at these sizes most buckets exceed a tile: the large-bucket kernel's merges).
-            for (k, cap) in [(n, n), (n / 2 + 7, 2 * n + 1), (3000, n)] {
-                let sorted = engine.bucket_sort(&pairs, n, 0, cap, k).unwrap();
-                assert!(
-                    !sorted.overflowed(&mut engine).unwrap(),
-                    "{what} k={k} cap={cap}: a bucket sort region filled"
-                );
-                let got = engine.download_ids(&sorted.pairs, k).unwrap();
-                assert!(got == expected[..k], "{what} k={k} cap={cap}: bucket sort");
-            }
             // Device-counted: a sampled selection of most of them (beyond the chunk rank
             // sort's capacity, the merge sort takes its survivors).
             let k = n * 4 / 5;
@@ -1331,42 +1320,6 @@ fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
             assert!(got == expected[..k], "{what} k={k}: sampled selection");
         }
     }
-}
-
-#[test]
-fn gpu_bucket_sort_reports_a_filled_region_and_leaves_its_input() {
-    use datafusion_gpu_topk::device::algorithms::bucket_sort_buckets;
-    use datafusion_gpu_topk::device::{KeyKind, TopKEngine};
-    let Some(device) = gpu_or_skip("gpu_bucket_sort_reports_a_filled_region_and_leaves_its_input")
-    else {
-        return;
-    };
-    // The pairs at the sample's positions (the middle of each of S equal strata) are the
-    // largest, so every splitter is above all the others: they all go to the first bucket,
-    // whose region (4× the mean bucket) fills.
-    let n: usize = 1 << 20;
-    let s = 8 * bucket_sort_buckets(KeyKind::K64);
-    let mut keys: Vec<u64> = (0..n as u64).map(|i| i % 1000).collect();
-    for t in 0..s {
-        keys[(2 * t + 1) * n / (2 * s)] = u64::MAX - t as u64;
-    }
-    let ids: Vec<u64> = (0..n as u64).collect();
-    let bytes: Vec<u8> = keys.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let mut engine = TopKEngine::new(&device, KeyKind::K64).unwrap();
-    let pairs = engine.upload_pairs(&bytes, &ids).unwrap();
-    let before = engine.download_ids(&pairs, n).unwrap();
-    let sorted = engine.bucket_sort(&pairs, n, 0, n, n).unwrap();
-    assert!(
-        sorted.overflowed(&mut engine).unwrap(),
-        "the region should fill"
-    );
-    // The input is left for the caller's other sort.
-    assert!(engine.download_ids(&pairs, n).unwrap() == before);
-    let merged = engine
-        .merge_sort(&pairs, n, 0, n, n, 0)
-        .unwrap()
-        .into_pairs(n);
-    assert!(engine.download_ids(&merged, n).unwrap() == oracle(&keys, &ids, n));
 }
 
 /// Device times of the selection kernels on resident data (`cargo test -- --ignored

@@ -4,12 +4,6 @@
 
 use super::*;
 
-/// The sort of a fused pass's candidates at large k, enqueued before their count is read.
-enum DirectSort {
-    Merge(SortedPairs),
-    Buckets(BucketSorted),
-}
-
 impl TopKEngine {
     /// Runs a generated kernel ([`crate::fusion`]) over `n` rows whose input buffers are
     /// described by `inputs` (four values per kernel input: values address, value bit offset,
@@ -107,8 +101,7 @@ impl TopKEngine {
     ) -> GpuResult<(DevicePairs, usize, FusedReport)> {
         let mut report = FusedReport::default();
         // The full pass's words: rows passed (u64), error flags (u32), rows appended (u64 at
-        // 16); then the sample pass's, the sample threshold's status (u32 at 48) and the
-        // candidates' bucket sort's (u32 at `BUCKET_STATUS_AT`).
+        // 16); then the sample pass's, and the sample threshold's status (u32 at 48).
         let out = self.device.pool.alloc(FUSED_WORDS, &self.stream)?;
         let (passed_at, count_at) = (out.ptr(), out.ptr() + 16);
         let (sample_passed_at, sample_count_at) = (out.ptr() + 24, out.ptr() + 40);
@@ -199,21 +192,13 @@ impl TopKEngine {
             // A sampled selection of few enough pairs is enqueued on the device's count before
             // the host knows it; its control block then brings the pass's words back with its
             // own, in one read-back.
-            // Or, for a large k, a sort of every candidate (truncated at k) on the device's
-            // count, without a sampled level: the bucket sort for a large buffer (its status
-            // word copied into the pass's words, read back with them), else the merge sort.
+            // Or, for a large k, the merge sort of every candidate (truncated at k) on the
+            // device's count, without a sampled level.
             let direct = if algorithm == DeviceAlgorithm::Sample
                 && k > self.small_sort_capacity()
                 && candidates.capacity() <= MERGE_SORT_MAX
             {
-                let cap = candidates.capacity();
-                Some(if cap >= BUCKET_SORT_MIN {
-                    let sorted = self.bucket_sort(&candidates, 0, count_at, cap, k)?;
-                    self.copy_dtod(out.ptr() + BUCKET_STATUS_AT, sorted.status_at(), 4)?;
-                    DirectSort::Buckets(sorted)
-                } else {
-                    DirectSort::Merge(self.merge_sort(&candidates, 0, count_at, cap, k, 0)?)
-                })
+                Some(self.merge_sort(&candidates, 0, count_at, candidates.capacity(), k, 0)?)
             } else {
                 None
             };
@@ -226,7 +211,6 @@ impl TopKEngine {
             } else {
                 None
             };
-            let mut bucket_status = 0;
             let (passed, error, count, ctl) = match &pending {
                 Some(run) => {
                     self.copy_dtod(run.ctl.ptr() + SAMPLE_CALLER_OFFSET, out.ptr(), 24)?;
@@ -236,10 +220,7 @@ impl TopKEngine {
                     (passed, error, count, Some(b))
                 }
                 None => {
-                    let b = self.read_bytes(out.ptr(), FUSED_WORDS)?;
-                    let at = BUCKET_STATUS_AT as usize;
-                    bucket_status = u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"));
-                    let (passed, error, count) = parse(&b);
+                    let (passed, error, count) = parse(&self.read_bytes(out.ptr(), 24)?);
                     (passed, error, count, None)
                 }
             };
@@ -269,19 +250,7 @@ impl TopKEngine {
                 continue;
             }
             let selected = match (direct, pending, ctl) {
-                (Some(DirectSort::Merge(sorted)), _, _) => {
-                    Some((sorted.into_pairs(count), count.min(k)))
-                }
-                (Some(DirectSort::Buckets(sorted)), _, _) if bucket_status == 0 => {
-                    Some((sorted.pairs, count.min(k)))
-                }
-                (Some(DirectSort::Buckets(_)), _, _) => {
-                    // A region filled (the sample's strata missed the candidates' order): the
-                    // merge sort, which the candidates were left for.
-                    report.bucket_fallbacks += 1;
-                    let sorted = self.merge_sort(&candidates, count, 0, count, k, 0)?;
-                    Some((sorted.into_pairs(count), count.min(k)))
-                }
+                (Some(sorted), _, _) => Some((sorted.into_pairs(count), count.min(k))),
                 (None, Some(mut run), Some(bytes)) => {
                     // Planned for the buffer's capacity; the count decides what is complete.
                     run.n = count;

@@ -249,29 +249,6 @@ impl SortedPairs {
     }
 }
 
-/// The bucket sort's result ([`TopKEngine::bucket_sort`]): the first min(c, k) pairs sorted at
-/// the start of `pairs`, unless its status word says that a bucket's region filled (then
-/// nothing was written, and the caller sorts otherwise).
-pub struct BucketSorted {
-    pub pairs: DevicePairs,
-    /// The bucket counters (u32 each), then the status word (u32, `BSORT_OVERFLOW`).
-    ctl: PooledBuffer,
-    status_offset: u64,
-}
-
-impl BucketSorted {
-    /// Device address of the status word.
-    pub fn status_at(&self) -> u64 {
-        self.ctl.ptr() + self.status_offset
-    }
-
-    /// Whether a region filled (waits for the sort): the pairs were then not sorted.
-    pub fn overflowed(&self, engine: &mut TopKEngine) -> GpuResult<bool> {
-        let b = engine.read_bytes(self.status_at(), 4)?;
-        Ok(u32::from_le_bytes(b[..4].try_into().expect("4 bytes")) & BSORT_OVERFLOW != 0)
-    }
-}
-
 /// A kernel argument (kernels take device pointers as `u64`).
 #[derive(Debug, Clone, Copy)]
 enum Arg {
@@ -400,10 +377,8 @@ const _: () = assert!(
         && SAMPLE_CALLER_OFFSET + 24 <= SAMPLE_STATUS_OFFSET
 );
 /// [`TopKEngine::fused_select`]'s device words: the full pass's (passed, errors, appended),
-/// the sample pass's, the sample threshold's status (u32 at 48) and the bucket sort's.
-const FUSED_WORDS: usize = 64;
-/// Where in those words the fused selection's bucket sort status lands (u32).
-const BUCKET_STATUS_AT: u64 = 56;
+/// the sample pass's, and the sample threshold's status.
+const FUSED_WORDS: usize = 56;
 const SAMPLE_SCRATCH_BYTES: usize = SAMPLE_CTL_BYTES + 4 * RANK_SORT_MAX;
 const SAMPLE_STATUS_FINAL_LARGE: u32 = 4;
 /// Survivors of a sampled selection are sorted whole (rather than radix-selected first) up to
@@ -474,23 +449,6 @@ pub const MERGE_SORT_MAX: usize = 1 << 22;
 /// Pairs per tile of the merge sort (merge_sort.cu: `MSORT_THREADS` × `MergeItems`).
 pub fn merge_sort_tile(kind: KeyKind) -> usize {
     radix_sort_tile(kind)
-}
-
-/// The bucket sort (merge_sort.cu `bsort_*`): its sample block's threads, the sample pairs per
-/// bucket, and its status bit (a region filled: the caller merge-sorts instead).
-const BSORT_SAMPLE_THREADS: u32 = 1024;
-const BSORT_PER_BUCKET: usize = 8;
-pub const BSORT_OVERFLOW: u32 = 1;
-/// A fused pass's candidate buffer of at least this many pairs is bucket-sorted (at k beyond
-/// the rank sort), a smaller one merge-sorted: the bucket sort's fixed cost is its sample's
-/// one-block sort (~1000 buckets of a few hundred pairs at this size).
-pub const BUCKET_SORT_MIN: usize = 1 << 17;
-
-/// Buckets of the bucket sort: its sample (`BSORT_SAMPLE_THREADS` × the merge sort's pairs
-/// per thread) over `BSORT_PER_BUCKET`.
-pub fn bucket_sort_buckets(kind: KeyKind) -> usize {
-    let per_thread = merge_sort_tile(kind) / MSORT_THREADS as usize;
-    BSORT_SAMPLE_THREADS as usize * per_thread / BSORT_PER_BUCKET
 }
 
 /// Whether [`TopKEngine::sort_pairs`] takes the merge sort for m pairs whose ids are below
@@ -661,8 +619,6 @@ pub struct FusedReport {
     pub candidates: usize,
     /// Full passes repeated because the sampled threshold missed.
     pub reruns: usize,
-    /// Bucket sorts of the candidates whose region filled, replaced by the merge sort.
-    pub bucket_fallbacks: usize,
     /// Device time (ms, CUDA events; host waits in between included) of each phase: the
     /// sample pass, the sample's threshold, the full pass(es), the final selection (with the
     /// read-back, and a rerun's).
