@@ -218,6 +218,18 @@ __device__ void filter_pairs(const K *keys, const u64 *ids, u64 n, const u64 *n_
     append(keys, ids, 0, level_count(n, n_ptr), thr, out_keys, out_ids, count, cap);
 }
 
+// Threshold := the pair of rank r among the m = *n_ptr pairs of a denser sample, when r < m ≤ cap;
+// else the threshold stays as it was. The fused selection samples, below a first threshold,
+// more rows than one block holds (device/algorithms/fused.rs `fused_select`): every sampled row below the
+// old threshold is here, so the new one is the old sample's estimate refined, never looser.
+template <class K>
+__device__ void refine_threshold(const K *keys, const u64 *ids, const u64 *n_ptr, u64 cap, u64 r,
+                                 Threshold<K> *thr, u32 *status) {
+    const u64 m = __ldcg(n_ptr);
+    if (m <= r || m > cap) return;
+    sample_threshold<K>(keys, ids, m, nullptr, cap, r, (u32)m, 0, thr, status);
+}
+
 #define SAMPLE_ENTRIES(K, S)                                                                                      \
     extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)                                                  \
         sample_threshold_##S(const K *keys, const u64 *ids, u64 n, const u64 *n_ptr, u64 cap, u64 k, u32 s_max,   \
@@ -228,5 +240,10 @@ __device__ void filter_pairs(const K *keys, const u64 *ids, u64 n, const u64 *n_
         filter_pairs_##S(const K *keys, const u64 *ids, u64 n, const u64 *n_ptr, const Threshold<K> *thr,         \
                          K *out_keys, u64 *out_ids, u64 *count, u64 cap, const u32 *status) {                     \
         filter_pairs<K>(keys, ids, n, n_ptr, thr, out_keys, out_ids, count, cap, status);                         \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)                                                  \
+        refine_threshold_##S(const K *keys, const u64 *ids, const u64 *n_ptr, u64 cap, u64 r, Threshold<K> *thr,  \
+                             u32 *status) {                                                                       \
+        refine_threshold<K>(keys, ids, n_ptr, cap, r, thr, status);                                               \
     }
 INSTANTIATE_KEYS(SAMPLE_ENTRIES)

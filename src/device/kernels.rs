@@ -72,7 +72,10 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
             "bitonic_chunk_scatter",
         ],
     ),
-    ("sample.cu", &["sample_threshold", "filter_pairs"]),
+    (
+        "sample.cu",
+        &["sample_threshold", "filter_pairs", "refine_threshold"],
+    ),
     (
         "radix_sort.cu",
         &["rsort_hist", "rsort_pass", "rsort_pass_wide", "rsort_count"],

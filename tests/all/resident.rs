@@ -11,6 +11,7 @@ use datafusion::arrow::datatypes::{DataType, Field, Int64Type, Schema};
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::SessionContext;
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
+use datafusion_gpu_topk::device::algorithms::RANK_SORT_MAX;
 use datafusion_gpu_topk::device::{DeviceAlgorithm, FUSED_SAMPLE_ROWS, TopKEngine, gpu_status};
 use datafusion_gpu_topk::exec::TopKSpec;
 use datafusion_gpu_topk::fusion::{ENTRY, FusedProgram, Part};
@@ -128,6 +129,13 @@ fn run_on_device(whole: &RecordBatch, ids: &Int64Array, planned: &[Planned]) -> 
             assert_eq!(got, q.want, "{} (fused: {fused}): {report:?}", q.sql);
             if fused {
                 assert!(report.sampled > 0, "{}: the sample ran", q.sql);
+                // A large k's threshold is refined by a denser sample (at ≥ 128 rows a
+                // sampled row); a small k's is not.
+                if q.spec.k > RANK_SORT_MAX && whole.num_rows() >= 128 * FUSED_SAMPLE_ROWS {
+                    assert!(report.refined > report.sampled, "{}: {report:?}", q.sql);
+                } else if q.spec.k <= RANK_SORT_MAX {
+                    assert_eq!(report.refined, 0, "{}", q.sql);
+                }
                 reruns.push(report.reruns);
             } else {
                 assert_eq!(report.candidates as u64, report.passed, "{}", q.sql);
@@ -139,8 +147,9 @@ fn run_on_device(whole: &RecordBatch, ids: &Int64Array, planned: &[Planned]) -> 
 
 #[tokio::test]
 async fn resident_top_k_matches_datafusion_on_the_tweet_queries() {
-    // Enough rows for the sampled threshold (a step of at least 8 rows) at k = 10^5.
-    let rows = 64 * FUSED_SAMPLE_ROWS as u64;
+    // Enough rows for the sampled threshold at k = 10^5, and for its denser sample (a step of
+    // at least 8 rows in both).
+    let rows = 128 * FUSED_SAMPLE_ROWS as u64;
     let parts = tweets::tweets_partitions(&TweetsSpec::new(rows), 4, 1 << 16).unwrap();
     let (ours, plain) = sessions();
     let table = Arc::new(
@@ -230,5 +239,51 @@ async fn a_missed_sampled_threshold_reruns_the_pass_and_stays_exact() {
     }
     if let Some(reruns) = run_on_device(&whole, &ids, &planned) {
         assert_eq!(reruns, vec![1, 1], "each miss reruns the full pass once");
+    }
+}
+
+#[tokio::test]
+async fn a_missed_refined_threshold_reruns_the_pass_and_stays_exact() {
+    // 128 rows per row of the first sample, 8 per row of the denser one. ~3500 rows that only
+    // the denser sample sees beat every other row: its rank (~2700 for k = 20000) falls among
+    // them, so the refined threshold admits too few; the ~3300 other rows it keeps below the
+    // first threshold leave it within the one-block threshold's 8192.
+    const STEP: usize = 128;
+    const DENSE: usize = 8;
+    let rows = STEP * FUSED_SAMPLE_ROWS;
+    let k = 20_000;
+    assert!(k > RANK_SORT_MAX);
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("v", DataType::Int64, false),
+    ]));
+    let i = |r: usize| r as i64;
+    let columns: Vec<ArrayRef> = vec![
+        Arc::new(Int64Array::from_iter_values((0..rows).map(i))),
+        Arc::new(Int64Array::from_iter_values((0..rows).map(|r| {
+            if r % DENSE == 0 && r % STEP != 0 && r < 30_000 {
+                1_000_000 + i(r)
+            } else {
+                i(r) % 100_000
+            }
+        }))),
+    ];
+    let whole = RecordBatch::try_new(schema.clone(), columns).unwrap();
+    let ids = whole.column(0).as_primitive::<Int64Type>().clone();
+    let (ours, plain) = sessions();
+    for ctx in [&ours, &plain] {
+        let batches: Vec<RecordBatch> = (0..rows)
+            .step_by(1 << 16)
+            .map(|s| whole.slice(s, (1 << 16).min(rows - s)))
+            .collect();
+        let table =
+            datafusion::datasource::MemTable::try_new(schema.clone(), vec![batches]).unwrap();
+        ctx.register_table("t", Arc::new(table)).unwrap();
+    }
+    let sql = format!("SELECT id FROM t ORDER BY v DESC LIMIT {k}");
+    let oracle = format!("SELECT id FROM t ORDER BY v DESC, id LIMIT {k}");
+    let planned = [plan(&ours, &plain, &schema, &sql, &oracle).await];
+    if let Some(reruns) = run_on_device(&whole, &ids, &planned) {
+        assert_eq!(reruns, vec![1], "the miss reruns the full pass once");
     }
 }

@@ -101,7 +101,8 @@ impl TopKEngine {
     ) -> GpuResult<(DevicePairs, usize, FusedReport)> {
         let mut report = FusedReport::default();
         // The full pass's words: rows passed (u64), error flags (u32), rows appended (u64 at
-        // 16); then the sample pass's, and the sample threshold's status (u32 at 48).
+        // 16); then the sample pass's, the sample threshold's status (u32 at 48), and the
+        // denser sample pass's (at 56).
         let out = self.device.pool.alloc(FUSED_WORDS, &self.stream)?;
         let (passed_at, count_at) = (out.ptr(), out.ptr() + 16);
         let (sample_passed_at, sample_count_at) = (out.ptr() + 24, out.ptr() + 40);
@@ -168,9 +169,51 @@ impl TopKEngine {
                         out.ptr() + 48
                     ],
                 )?;
+                // A large k's candidates are merge-sorted whole, in rounds over all of them:
+                // a denser sample (FUSED_REFINE times the rows, below the threshold only, so
+                // ~16 r pairs) puts the threshold 4σ above k's expected rank with σ 4× smaller
+                // relative to k. k = 10^5 of 250M rows: rank 11 with a step of 30518 rows
+                // (~3.4·k rows below it), then rank 82 with a step of 1907 (~1.6·k).
+                let dense_step = step / FUSED_REFINE;
+                if algorithm == DeviceAlgorithm::Sample
+                    && k > self.small_sort_capacity()
+                    && dense_step >= 8
+                {
+                    let expected = k as f64 / dense_step as f64;
+                    let rank = (expected + 4.0 * expected.sqrt()).ceil() as usize;
+                    let dense = self.alloc_pairs(sample_size(self.kind))?;
+                    self.fused_pass(
+                        kernel,
+                        inputs,
+                        rows,
+                        dense_step,
+                        0,
+                        &dense,
+                        out.ptr() + 72,
+                        out.ptr() + 56,
+                        false,
+                    )?;
+                    // Keeps the threshold when too few, or too many, rows came below it.
+                    self.launch(
+                        &self.kernel("refine_threshold"),
+                        1,
+                        SAMPLE_THREADS,
+                        0,
+                        args![
+                            dense.key_at(0),
+                            dense.id_at(0),
+                            out.ptr() + 72,
+                            dense.capacity(),
+                            rank,
+                            self.scalars.ptr() + THRESHOLD_OFFSET,
+                            out.ptr() + 48
+                        ],
+                    )?;
+                    report.refined = rows.div_ceil(dense_step);
+                }
                 marks.push((1, event(self)?));
                 // About r · step rows beat it (fewer pass, when fewer than r sample rows
-                // did); the buffer holds twice that.
+                // did, or after the denser sample); the buffer holds twice that.
                 capacity = (2 * r * step).max(1 << 16).min(capacity);
             }
         }

@@ -377,8 +377,13 @@ const _: () = assert!(
         && SAMPLE_CALLER_OFFSET + 24 <= SAMPLE_STATUS_OFFSET
 );
 /// [`TopKEngine::fused_select`]'s device words: the full pass's (passed, errors, appended),
-/// the sample pass's, and the sample threshold's status.
-const FUSED_WORDS: usize = 56;
+/// the sample pass's, the sample threshold's status, and the denser sample's pass's.
+const FUSED_WORDS: usize = 80;
+
+/// The fused selection's denser sample ([`TopKEngine::fused_select`], for k beyond the rank
+/// sort): this many times the first sample's rows, of which only those below its threshold are
+/// kept (~16 r of them, far below what the one-block threshold holds).
+const FUSED_REFINE: usize = 16;
 const SAMPLE_SCRATCH_BYTES: usize = SAMPLE_CTL_BYTES + 4 * RANK_SORT_MAX;
 const SAMPLE_STATUS_FINAL_LARGE: u32 = 4;
 /// Survivors of a sampled selection are sorted whole (rather than radix-selected first) up to
@@ -615,6 +620,8 @@ pub struct FusedReport {
     pub error: u32,
     /// Rows of the sample pass (0: no sample).
     pub sampled: usize,
+    /// Rows of the denser sample that refined its threshold (0: none).
+    pub refined: usize,
     /// Rows the (last) full pass appended.
     pub candidates: usize,
     /// Full passes repeated because the sampled threshold missed.
