@@ -82,8 +82,9 @@ impl TopKEngine {
     /// program's own pass is the first pass of a sampled selection (SampleSelect): the program
     /// runs on a strided sample of about that many rows, the sample's r-th best passing pair
     /// becomes the threshold (r chosen so that about k · (1 + 4/√(k/step)) rows of the whole
-    /// input beat it; selected on the device by sample.cu's one-block threshold), and the
-    /// full pass appends only the rows that beat it, so filtered rows and losing keys never
+    /// input beat it; selected on the device by sample.cu's one-block threshold; for k beyond
+    /// the rank sort, refined by a denser sample of the rows below it, see `FUSED_REFINE`),
+    /// and the full pass appends only the rows that beat it, so filtered rows and losing keys never
     /// reach device memory. The final selection of the candidates is enqueued on their count
     /// on the device (a sampled selection), so the whole chain runs with one read-back at its
     /// end. The estimate is checked, not trusted: fewer than k appended rows while more passed,
