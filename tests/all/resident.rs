@@ -145,6 +145,20 @@ fn run_on_device(whole: &RecordBatch, ids: &Int64Array, planned: &[Planned]) -> 
     Some(reruns)
 }
 
+/// Registers `whole` as table `t` of each session, in batches of 2^16 rows.
+fn register_in_batches(sessions: &[&SessionContext], whole: &RecordBatch) {
+    let rows = whole.num_rows();
+    for ctx in sessions {
+        let batches: Vec<RecordBatch> = (0..rows)
+            .step_by(1 << 16)
+            .map(|s| whole.slice(s, (1 << 16).min(rows - s)))
+            .collect();
+        let table =
+            datafusion::datasource::MemTable::try_new(whole.schema(), vec![batches]).unwrap();
+        ctx.register_table("t", Arc::new(table)).unwrap();
+    }
+}
+
 #[tokio::test]
 async fn resident_top_k_matches_datafusion_on_the_tweet_queries() {
     // Enough rows for the sampled threshold at k = 10^5, and for its denser sample (a step of
@@ -222,15 +236,7 @@ async fn a_missed_sampled_threshold_reruns_the_pass_and_stays_exact() {
     let whole = RecordBatch::try_new(schema.clone(), columns).unwrap();
     let ids = whole.column(0).as_primitive::<Int64Type>().clone();
     let (ours, plain) = sessions();
-    for ctx in [&ours, &plain] {
-        let batches: Vec<RecordBatch> = (0..rows)
-            .step_by(1 << 16)
-            .map(|s| whole.slice(s, (1 << 16).min(rows - s)))
-            .collect();
-        let table =
-            datafusion::datasource::MemTable::try_new(schema.clone(), vec![batches]).unwrap();
-        ctx.register_table("t", Arc::new(table)).unwrap();
-    }
+    register_in_batches(&[&ours, &plain], &whole);
     let mut planned = Vec::new();
     for column in ["best_sampled", "worst_sampled"] {
         let sql = format!("SELECT id FROM t ORDER BY {column} DESC LIMIT 1000");
@@ -271,15 +277,7 @@ async fn a_missed_refined_threshold_reruns_the_pass_and_stays_exact() {
     let whole = RecordBatch::try_new(schema.clone(), columns).unwrap();
     let ids = whole.column(0).as_primitive::<Int64Type>().clone();
     let (ours, plain) = sessions();
-    for ctx in [&ours, &plain] {
-        let batches: Vec<RecordBatch> = (0..rows)
-            .step_by(1 << 16)
-            .map(|s| whole.slice(s, (1 << 16).min(rows - s)))
-            .collect();
-        let table =
-            datafusion::datasource::MemTable::try_new(schema.clone(), vec![batches]).unwrap();
-        ctx.register_table("t", Arc::new(table)).unwrap();
-    }
+    register_in_batches(&[&ours, &plain], &whole);
     let sql = format!("SELECT id FROM t ORDER BY v DESC LIMIT {k}");
     let oracle = format!("SELECT id FROM t ORDER BY v DESC, id LIMIT {k}");
     let planned = [plan(&ours, &plain, &schema, &sql, &oracle).await];

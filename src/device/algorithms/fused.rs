@@ -84,8 +84,8 @@ impl TopKEngine {
     /// becomes the threshold (r chosen so that about k · (1 + 4/√(k/step)) rows of the whole
     /// input beat it; selected on the device by sample.cu's one-block threshold; for k beyond
     /// the rank sort, refined by a denser sample of the rows below it, see `FUSED_REFINE`),
-    /// and the full pass appends only the rows that beat it, so filtered rows and losing keys never
-    /// reach device memory. The final selection of the candidates is enqueued on their count
+    /// and the full pass appends only the rows that beat it, so filtered rows and losing keys
+    /// never reach device memory. The final selection of the candidates is enqueued on their count
     /// on the device (a sampled selection), so the whole chain runs with one read-back at its
     /// end. The estimate is checked, not trusted: fewer than k appended rows while more passed,
     /// or more than the buffer holds, reruns the full pass (without the threshold, or with
@@ -107,6 +107,7 @@ impl TopKEngine {
         let out = self.device.pool.alloc(FUSED_WORDS, &self.stream)?;
         let (passed_at, count_at) = (out.ptr(), out.ptr() + 16);
         let (sample_passed_at, sample_count_at) = (out.ptr() + 24, out.ptr() + 40);
+        let (dense_passed_at, dense_count_at) = (out.ptr() + 56, out.ptr() + 72);
         let parse = |b: &[u8]| {
             let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
             (word(0), word(8) as u32, word(16) as usize)
@@ -190,8 +191,8 @@ impl TopKEngine {
                         dense_step,
                         0,
                         &dense,
-                        out.ptr() + 72,
-                        out.ptr() + 56,
+                        dense_count_at,
+                        dense_passed_at,
                         false,
                     )?;
                     // Keeps the threshold when too few, or too many, rows came below it.
@@ -203,7 +204,7 @@ impl TopKEngine {
                         args![
                             dense.key_at(0),
                             dense.id_at(0),
-                            out.ptr() + 72,
+                            dense_count_at,
                             dense.capacity(),
                             rank,
                             self.scalars.ptr() + THRESHOLD_OFFSET,
