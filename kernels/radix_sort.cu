@@ -23,7 +23,9 @@
 //          64 tiles; `rsort_pass_wide`, tiles of twice that, up to 384 of them; beyond,
 //          reduce-then-scan (`rsort_count`, `rsort_scan`, then the pass without look-back).
 // The input is never written: passes alternate between a scratch buffer and the output, with
-// the last pass landing in the output. Counts must stay below 2^30 (the look-back words keep
+// the last pass landing in the output. A positional input sorted by its key digits alone
+// comes without row ids (null): the first pass writes each pair's position, a third of the
+// bytes it would read. Counts must stay below 2^30 (the look-back words keep
 // two flag bits).
 
 #include "common.cuh"
@@ -64,15 +66,24 @@ __device__ __forceinline__ void st_relaxed(u32 *p, u32 v) {
     asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// The lanes of the warp whose digit (0..256) equals this lane's: one ballot per bit. (Cheaper
-// than __match_any_sync, whose cost made the sampled threshold 1.5× slower in session 3.)
+// The lanes of the warp whose digit (0..256) equals this lane's: one ballot per bit. Per bit:
+// test, ballot, complement where the bit is clear, and (CUB's MatchAny, written in PTX; the
+// compiler's form of the same loop took ~7 instructions a bit). H100, n = k = 2^20, the whole
+// sort (session 16): i32 uniform 89.9 → 85.8 µs against the compiler's form, where
+// __match_any_sync took 107 µs (it won only on heavy ties: zipf-ties 69 against 76 µs).
 __device__ __forceinline__ u32 match_digit(u32 d) {
     u32 peers = FULL_MASK;
 #pragma unroll
     for (int b = 0; b < 9; ++b) {
-        const bool bit = (d >> b) & 1u;
-        const u32 vote = __ballot_sync(FULL_MASK, bit);
-        peers &= bit ? vote : ~vote;
+        u32 mask;
+        asm("{\n\t.reg .pred p;\n\t"
+            "and.b32 %0, %1, %2;\n\t"
+            "setp.eq.u32 p, %0, %2;\n\t"
+            "vote.sync.ballot.b32 %0, p, 0xffffffff;\n\t"
+            "@!p not.b32 %0, %0;\n\t}"
+            : "=r"(mask)
+            : "r"(d), "r"(1u << b));
+        peers &= mask;
     }
     return peers;
 }
@@ -96,7 +107,9 @@ __device__ __forceinline__ u32 block_exclusive_sum(u32 v) {
 }
 
 // Adds a pair's digit of every position to the positions' histograms in shared memory
-// (`sh`, positions × 256; every lane of the warp calls this).
+// (`sh`, positions × 256), one shared atomic each: warp_hist_add's check for a digit shared by
+// the whole warp cost more than the conflicts it saves here, even on all-equal keys (H100,
+// n = k = 2^20, i32: the sort 95.7 → 90.1 µs uniform, 43.3 → 36.5 µs all equal; session 16).
 template <class K>
 __device__ __forceinline__ void hist_add_all(u32 *sh, const K &k, u64 id, u32 id_digits, bool valid) {
     constexpr int D = SortDigits<K>::MAX;
@@ -105,7 +118,7 @@ __device__ __forceinline__ void hist_add_all(u32 *sh, const K &k, u64 id, u32 id
     for (int q = 0; q < D; ++q) {
         const int p = q < 8 ? q : (int)id_digits + (q - 8);
         if (q < 8 && q >= (int)id_digits) continue;
-        warp_hist_add(&sh[p * RSORT_RADIX], vbits(k, id, q < 8 ? 8 * q : 64 + 8 * (q - 8), 8), valid);
+        if (valid) atomicAdd(&sh[p * RSORT_RADIX + vbits(k, id, q < 8 ? 8 * q : 64 + 8 * (q - 8), 8)], 1u);
     }
 }
 
@@ -200,6 +213,10 @@ __device__ __forceinline__ u32 tile_digit_count(u32 (*warp_hist)[RSORT_RADIX + 1
     }
     return count;
 }
+
+// Word g of `src`; row ids of a positional input (`src` null) are their positions.
+template <class W> __device__ __forceinline__ W word_or_position(const W *src, u64 g) { return src[g]; }
+__device__ __forceinline__ u64 word_or_position(const u64 *src, u64 g) { return src ? src[g] : g; }
 
 // The buffers a pass reads and writes, from its plan word.
 template <class K> struct PassBuffers {
@@ -311,7 +328,7 @@ __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in
         const u64 g = first + 32ull * i;
         if (g < m) {
             k[i] = b.keys_in[g];
-            id[i] = b.ids_in[g];
+            id[i] = word_or_position(b.ids_in, g);
             digit[i] = vbits(k[i], id[i], lo, 8);
         } else {
             digit[i] = RSORT_RADIX; // past the end: a bucket of its own, never written
@@ -345,6 +362,79 @@ __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in
     scatter_tile(s_keys, s_ids, (u32)min((u64)TILE, m - (u64)tile * TILE), lo, tile_start, global_start, b.keys_out,
                  b.ids_out);
 }
+
+// Grouped look-back of the wide pass: the tiles of a pass run in about one wave and publish
+// their counts together, so the windowed look-back walked ~8 windows of 32 earlier tiles per
+// digit before meeting an inclusive prefix: 38% of a wide pass's instructions and a third of
+// its stall samples (ncu SASS sampling, n = k = 2^20, i32; session 16). Here a tile also adds
+// its counts into its group's sums (LOOKBACK_GROUP tiles a group) and counts itself done in
+// the group; its prefix is the sums of the earlier groups plus the words of the earlier tiles
+// of its own group: at most groups + LOOKBACK_GROUP − 1 loads per digit, issued together, one
+// round trip. Earlier tiles hold earlier tickets, so they run and publish before they wait:
+// no tile waits on a later one.
+#define LOOKBACK_GROUP 16
+
+// A pass's look-back region for `tiles` tiles: the tiles' words (tiles × 256), the groups'
+// sums (groups × 256), then one row of the groups' done counters; zero at launch.
+__device__ __forceinline__ u64 group_lookback_words(u64 tiles) {
+    const u64 groups = (tiles + LOOKBACK_GROUP - 1) / LOOKBACK_GROUP;
+    return (tiles + groups + 1) * RSORT_RADIX;
+}
+
+__device__ __forceinline__ u32 ld_acquire(const u32 *p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+struct GroupLookback {
+    u32 *words; // the pass's region
+    u32 tiles;
+    __device__ __forceinline__ u32 groups() const { return (tiles + LOOKBACK_GROUP - 1) / LOOKBACK_GROUP; }
+    __device__ __forceinline__ u32 *sums() const { return words + (u64)tiles * RSORT_RADIX; }
+    __device__ __forceinline__ u32 *done() const { return sums() + (u64)groups() * RSORT_RADIX; }
+
+    // Publishes tile `tile`'s count of digit d (one digit per thread; every thread calls it):
+    // its word, its group's sum, then (after the block's fences) the group's done count.
+    __device__ __forceinline__ void publish(u32 tile, u32 d, u32 count) const {
+        st_relaxed(words + (u64)tile * RSORT_RADIX + d, LOOKBACK_AGGREGATE | count);
+        if (count != 0) atomicAdd(sums() + (u64)(tile / LOOKBACK_GROUP) * RSORT_RADIX + d, count);
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) atomicAdd(done() + tile / LOOKBACK_GROUP, 1u);
+    }
+
+    // The count of digit d in the tiles before `tile` (every thread calls it, one digit each).
+    __device__ __forceinline__ u32 prefix(u32 tile, u32 d) const {
+        const u32 g = tile / LOOKBACK_GROUP;
+        if (d < g) { // thread j waits until every tile of group j has published
+            const u32 expect = min((u32)LOOKBACK_GROUP, tiles - d * LOOKBACK_GROUP);
+            while (ld_acquire(done() + d) < expect) __nanosleep(32);
+        }
+        __syncthreads();
+        u32 before = 0;
+        const u32 *sum = sums() + d;
+#pragma unroll 8
+        for (u32 j = 0; j < g; ++j) before += ld_relaxed(sum + (u64)j * RSORT_RADIX);
+        // The earlier tiles of this group: their words, loaded together, then any not yet
+        // published waited on alone.
+        const u32 first = g * LOOKBACK_GROUP;
+        u32 w[LOOKBACK_GROUP - 1];
+#pragma unroll
+        for (int i = 0; i < LOOKBACK_GROUP - 1; ++i) {
+            w[i] = first + i < tile ? ld_relaxed(words + (u64)(first + i) * RSORT_RADIX + d) : LOOKBACK_AGGREGATE;
+        }
+#pragma unroll
+        for (int i = 0; i < LOOKBACK_GROUP - 1; ++i) {
+            while ((w[i] & LOOKBACK_AGGREGATE) == 0) {
+                __nanosleep(32);
+                w[i] = ld_relaxed(words + (u64)(first + i) * RSORT_RADIX + d);
+            }
+            before += w[i] & LOOKBACK_VALUE;
+        }
+        return before;
+    }
+};
 
 // Pairs per thread of a wide-tile pass (rsort_pass_wide): twice SortItems, a tile of 4096 pairs
 // for keys of up to 64 bits (2048 for 128-bit, 1024 for 256-bit keys). Four times SortItems
@@ -392,7 +482,7 @@ __device__ __forceinline__ void place_words(const W *src, u64 first, u64 m, W *d
     W w[ITEMS];
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
-        if (first + 32ull * i < m) w[i] = src[first + 32ull * i];
+        if (first + 32ull * i < m) w[i] = word_or_position(src, first + 32ull * i);
     }
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
@@ -466,8 +556,8 @@ __device__ void rsort_pass_wide(u32 p, u32 id_digits, const K *in_keys, const u6
     __syncthreads();
     const u32 d = threadIdx.x; // one digit per thread
     const u32 count = tile_digit_count(warp_hist, d);
-    u32 *mine = lookback + (u64)tile * RSORT_RADIX + d;
-    st_relaxed(mine, (tile == 0 ? LOOKBACK_INCLUSIVE : LOOKBACK_AGGREGATE) | count);
+    const GroupLookback look{lookback, (u32)((m + TILE - 1) / TILE)};
+    look.publish(tile, d, count);
     tile_start[d] = block_exclusive_sum(count);
     __syncthreads();
     u32 slot[ITEMS];
@@ -479,7 +569,7 @@ __device__ void rsort_pass_wide(u32 p, u32 id_digits, const K *in_keys, const u6
         place_registers<u64, ITEMS>(iw, digit, slot, s_ids);
         place_words<K, ITEMS>(b.keys_in, first, m, s_keys, slot);
     }
-    global_start[d] = offsets[p * RSORT_RADIX + d] + look_back(mine, tile, count);
+    global_start[d] = offsets[p * RSORT_RADIX + d] + look.prefix(tile, d);
     __syncthreads();
     scatter_tile(s_keys, s_ids, (u32)min((u64)TILE, m - (u64)tile * TILE), lo, tile_start, global_start, b.keys_out,
                  b.ids_out);
@@ -570,8 +660,8 @@ extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
                             K *out_keys, u64 *out_ids, u64 m, const u32 *offsets, const u32 *plan, u32 *lookback, \
                             u32 *tickets) {                                                                       \
         rsort_pass_wide<K>(p, id_digits, in_keys, in_ids, tmp_keys, tmp_ids, out_keys, out_ids, m, offsets, plan, \
-                           lookback + (u64)p * (((m + WideItems<K>::V * RSORT_THREADS - 1) /                      \
-                                                 (WideItems<K>::V * RSORT_THREADS)) * RSORT_RADIX),               \
+                           lookback + (u64)p * group_lookback_words((m + WideItems<K>::V * RSORT_THREADS - 1) /   \
+                                                                     (WideItems<K>::V * RSORT_THREADS)),          \
                            tickets);                                                                              \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \

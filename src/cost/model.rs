@@ -43,7 +43,7 @@
 use crate::device::algorithms::{
     DIRECT_SORT_FACTOR, DIRECT_SORT_MIN, ONESWEEP_MAX_TILES, RADIX_SORT_MAX, RANK_SORT_MAX,
     bitonic_chunk, delegate_subrange, merge_sort_tile, merge_sorts, plan_sample_levels,
-    radix_sort_tile, sample_level_bounds, sample_size, sort_tile,
+    radix_sort_tile, sample_level_bounds, sample_size, sample_sorts_whole, sort_tile,
 };
 use crate::device::{DeviceAlgorithm, KeyKind};
 
@@ -296,8 +296,11 @@ impl CostModel {
             };
             return Some((work, self.fits.sample));
         }
-        // k ≥ n: every pair, sorted by the radix sort (bitonic top-k still runs its rounds).
-        if k >= n && algorithm != DeviceAlgorithm::Bitonic {
+        // k ≥ n: every pair, sorted by the radix sort (bitonic top-k still runs its rounds);
+        // so does a sampled selection of a large fraction of positional pairs.
+        let whole = algorithm == DeviceAlgorithm::Sample
+            && sample_sorts_whole(case.kind, n, k, case.positional);
+        if (k >= n && algorithm != DeviceAlgorithm::Bitonic) || whole {
             let rows = if case.positional { 1 } else { case.rows };
             let work = Work {
                 nested_s: self.sort_time(n, case.kind, rows, n),

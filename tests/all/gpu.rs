@@ -1195,10 +1195,12 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
                 (1024, DeviceAlgorithm::Sample, true),
                 (6000, DeviceAlgorithm::Sample, true),
                 (1024, DeviceAlgorithm::Radix, false),
-                // ~116K survivors: the chunk rank sort takes them on the device's count;
-                // ~330K: the merge sort.
-                (100_000, DeviceAlgorithm::Sample, true),
-                (300_000, DeviceAlgorithm::Sample, true),
+                // ~58K / ~116K survivors: the chunk rank sort takes them on the device's
+                // count; ~330K: the merge sort. For 32-bit keys k ≥ n / 16 sorts all n by
+                // their radix passes instead (`sample_sorts_whole`), complete when enqueued.
+                (50_000, DeviceAlgorithm::Sample, true),
+                (100_000, DeviceAlgorithm::Sample, kind != KeyKind::K32),
+                (300_000, DeviceAlgorithm::Sample, kind != KeyKind::K32),
                 // All of them: positional ids let the radix sort skip the id digits.
                 (n, DeviceAlgorithm::Radix, false),
                 (n, DeviceAlgorithm::Sample, false),
@@ -1247,44 +1249,7 @@ fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
             } else {
                 shuffled
             };
-            let words: Vec<[u64; 4]> = p
-                .iter()
-                .map(|&v| [v.rotate_left(29), v.rotate_left(7), v >> 3, v])
-                .collect();
-            // The input's bytes and its ids in sorted order.
-            let (bytes, expected): (Vec<u8>, Vec<u64>) = match kind {
-                KeyKind::K32 => {
-                    let keys: Vec<u32> = p.iter().map(|&v| (v >> 32) as u32).collect();
-                    let bytes = keys.iter().flat_map(|v| v.to_le_bytes()).collect();
-                    (bytes, oracle(&keys, &ids, n))
-                }
-                KeyKind::K64 => {
-                    let bytes = p.iter().flat_map(|v| v.to_le_bytes()).collect();
-                    (bytes, oracle(&p, &ids, n))
-                }
-                KeyKind::K128 => {
-                    let keys: Vec<u128> = words
-                        .iter()
-                        .map(|w| (u128::from(w[3]) << 64) | u128::from(w[2]))
-                        .collect();
-                    let bytes = keys.iter().flat_map(|v| v.to_le_bytes()).collect();
-                    (bytes, oracle(&keys, &ids, n))
-                }
-                KeyKind::K256 => {
-                    let keys: Vec<U256> = words
-                        .iter()
-                        .map(|w| U256 {
-                            hi: (u128::from(w[3]) << 64) | u128::from(w[2]),
-                            lo: (u128::from(w[1]) << 64) | u128::from(w[0]),
-                        })
-                        .collect();
-                    let bytes = words
-                        .iter()
-                        .flat_map(|w| w.iter().flat_map(|x| x.to_le_bytes()))
-                        .collect();
-                    (bytes, oracle(&keys, &ids, n))
-                }
-            };
+            let (bytes, expected) = keys_of_width(kind, &p, &ids);
             let mut engine = TopKEngine::new(&device, kind).unwrap();
             let mut pairs = engine.upload_pairs(&bytes, &ids).unwrap();
             pairs.set_positional(positional);
@@ -1318,6 +1283,108 @@ fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
             assert_eq!(m, k, "{what}");
             let got = engine.download_ids(&sorted, m).unwrap();
             assert!(got == expected[..k], "{what} k={k}: sampled selection");
+        }
+    }
+}
+
+/// Keys of `kind` derived from the 64-bit words `p` (as the merge sort's test spreads them
+/// over the wider widths): their bytes, and the ids of all n pairs in sorted order.
+fn keys_of_width(
+    kind: datafusion_gpu_topk::device::KeyKind,
+    p: &[u64],
+    ids: &[u64],
+) -> (Vec<u8>, Vec<u64>) {
+    use datafusion_gpu_topk::device::KeyKind;
+    let n = p.len();
+    let words: Vec<[u64; 4]> = p
+        .iter()
+        .map(|&v| [v.rotate_left(29), v.rotate_left(7), v >> 3, v])
+        .collect();
+    match kind {
+        KeyKind::K32 => {
+            let keys: Vec<u32> = p.iter().map(|&v| (v >> 32) as u32).collect();
+            let bytes = keys.iter().flat_map(|v| v.to_le_bytes()).collect();
+            (bytes, oracle(&keys, ids, n))
+        }
+        KeyKind::K64 => {
+            let bytes = p.iter().flat_map(|v| v.to_le_bytes()).collect();
+            (bytes, oracle(p, ids, n))
+        }
+        KeyKind::K128 => {
+            let keys: Vec<u128> = words
+                .iter()
+                .map(|w| (u128::from(w[3]) << 64) | u128::from(w[2]))
+                .collect();
+            let bytes = keys.iter().flat_map(|v| v.to_le_bytes()).collect();
+            (bytes, oracle(&keys, ids, n))
+        }
+        KeyKind::K256 => {
+            let keys: Vec<U256> = words
+                .iter()
+                .map(|w| U256 {
+                    hi: (u128::from(w[3]) << 64) | u128::from(w[2]),
+                    lo: (u128::from(w[1]) << 64) | u128::from(w[0]),
+                })
+                .collect();
+            let bytes = words
+                .iter()
+                .flat_map(|w| w.iter().flat_map(|x| x.to_le_bytes()))
+                .collect();
+            (bytes, oracle(&keys, ids, n))
+        }
+    }
+}
+
+#[test]
+fn gpu_radix_sort_matches_the_oracle_through_every_pass_kind() {
+    use datafusion_gpu_topk::device::algorithms::{
+        ONESWEEP_MAX_TILES, ONESWEEP_WIDE_MAX_TILES, radix_sort_tile, radix_sort_wide_tile,
+    };
+    use datafusion_gpu_topk::device::{KeyKind, TopKEngine};
+    let Some(device) = gpu_or_skip("gpu_radix_sort_matches_the_oracle_through_every_pass_kind")
+    else {
+        return;
+    };
+    // Sizes on both sides of each pass kind's bounds: narrow Onesweep tiles, wide tiles with
+    // the grouped look-back (one group, a partial last group, the most tiles), and
+    // reduce-then-scan; ties, sorted inputs, positional ids (key digits only) and shuffled
+    // ones (row id digits too).
+    for kind in [KeyKind::K32, KeyKind::K64, KeyKind::K128, KeyKind::K256] {
+        let narrow = ONESWEEP_MAX_TILES * radix_sort_tile(kind);
+        let wide = radix_sort_wide_tile(kind);
+        for (n, dist, positional) in [
+            (narrow, Dist::Uniform, false),
+            (narrow + 1, Dist::HeavyTies, true),
+            (16 * wide - 5, Dist::AllEqual, false),
+            (37 * wide + 11, Dist::Uniform, true),
+            (37 * wide + 11, Dist::HeavyTies, false),
+            (ONESWEEP_WIDE_MAX_TILES * wide, Dist::SortedDesc, true),
+            (ONESWEEP_WIDE_MAX_TILES * wide + 1, Dist::Uniform, false),
+        ] {
+            let (p, _) = generate(dist, n, true, n as u64 ^ 43);
+            // Positional ids, or a permutation of them (the prime multiplier is coprime with
+            // every n here): row id digits below the bound n.
+            let ids: Vec<u64> = (0..n as u64)
+                .map(|i| {
+                    if positional {
+                        i
+                    } else {
+                        i * 1_000_000_007 % n as u64
+                    }
+                })
+                .collect();
+            let (bytes, expected) = keys_of_width(kind, &p, &ids);
+            let mut engine = TopKEngine::new(&device, kind).unwrap();
+            let mut pairs = engine.upload_pairs(&bytes, &ids).unwrap();
+            // Positional: the passes write positions instead of reading the input's ids.
+            pairs.set_positional(positional);
+            let id_bound = if positional { 1 } else { n as u64 };
+            let sorted = engine.radix_sort(&pairs, n, id_bound).unwrap();
+            let got = engine.download_ids(&sorted, n).unwrap();
+            assert!(
+                got == expected,
+                "{kind:?} {dist:?} positional={positional} n={n}: radix sort"
+            );
         }
     }
 }

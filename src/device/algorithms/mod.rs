@@ -428,6 +428,8 @@ pub const ONESWEEP_MAX_TILES: usize = 64;
 /// ([`radix_sort_wide_tile`]), run Onesweep's single kernel on wide tiles
 /// (radix_sort.cu `rsort_pass_wide`): up to 1.5M pairs of 64-bit keys.
 pub const ONESWEEP_WIDE_MAX_TILES: usize = 384;
+/// Tiles per group of the wide pass's grouped look-back (radix_sort.cu `LOOKBACK_GROUP`).
+pub const LOOKBACK_GROUP: usize = 16;
 
 /// Pairs per tile of a radix sort pass (radix_sort.cu: `RSORT_THREADS` × `SortItems`).
 pub fn radix_sort_tile(kind: KeyKind) -> usize {
@@ -465,6 +467,25 @@ pub fn merge_sort_tile(kind: KeyKind) -> usize {
 pub fn merge_sorts(kind: KeyKind, m: usize, id_bound: u64) -> bool {
     m > chunk_rank_max(kind) && m <= MERGE_SORT_MAX && !(id_bound <= 1 && kind == KeyKind::K32)
 }
+
+/// Whether a sampled selection of k among n positional pairs sorts all n instead: where the
+/// key's 4 radix passes sort them (32-bit keys, row ids ascending in input order) over wide
+/// tiles with the grouped look-back, and k is at least n / [`WHOLE_SORT_FRACTION`]. Measured
+/// on the H100 at n = 2^20 (session 16, i32 and f32, seven distributions): the whole sort took
+/// 35–91 µs whatever k; the sampled levels took 118–206 µs at k = 2^17 … 2^19 (their survivors'
+/// chunk rank or merge sort) and 75–116 µs at k = 2^16, where the whole sort was up to 9%
+/// slower on sorted keys and 1.5–2.2× faster on ties and narrow ranges. The cost model asks
+/// the same.
+pub fn sample_sorts_whole(kind: KeyKind, n: usize, k: usize, positional: bool) -> bool {
+    positional
+        && kind == KeyKind::K32
+        && n.div_ceil(radix_sort_tile(kind)) > ONESWEEP_MAX_TILES
+        && n.div_ceil(radix_sort_wide_tile(kind)) <= ONESWEEP_WIDE_MAX_TILES
+        && k.saturating_mul(WHOLE_SORT_FRACTION) >= n
+}
+
+/// See [`sample_sorts_whole`].
+pub const WHOLE_SORT_FRACTION: usize = 16;
 
 /// Threads of the sort kernels' blocks (bitonic.cu `SORT_THREADS`).
 const SORT_THREADS: u32 = 1024;
@@ -1147,6 +1168,10 @@ impl TopKEngine {
             // Few pairs: the sampled selection's last step alone, one launch for all of them
             // (its levels and a radix fallback would take ~26 launches).
             DeviceAlgorithm::Sample if n <= RANK_SORT_MAX => self.rank_sort(input, n)?,
+            // A large fraction of positional pairs: all of them, by the key's radix passes.
+            DeviceAlgorithm::Sample if sample_sorts_whole(self.kind, n, k, input.positional) => {
+                self.sort_pairs(input, n, 1)?
+            }
             DeviceAlgorithm::Sample => match self.sample_enqueue(input, n, k, None)? {
                 Some(run) if run.sorted_small.is_some() => {
                     return Ok(Selection {
@@ -1358,6 +1383,33 @@ mod tests {
         }
         assert_eq!(sample_rank(10, 100, 100), 10);
         assert_eq!(sample_rank(0, 100, 1000), 3);
+    }
+
+    #[test]
+    fn sampled_selections_sort_whole_only_positional_32_bit_inputs_of_wide_tiles_at_large_k() {
+        let n = 1 << 20;
+        assert!(sample_sorts_whole(KeyKind::K32, n, n / 16, true));
+        assert!(sample_sorts_whole(KeyKind::K32, n, n, true));
+        assert!(!sample_sorts_whole(KeyKind::K32, n, n / 16 - 1, true));
+        // Row ids that need digits, or keys of more than 4 radix passes: the sampled levels.
+        assert!(!sample_sorts_whole(KeyKind::K32, n, n / 2, false));
+        assert!(!sample_sorts_whole(KeyKind::K64, n, n / 2, true));
+        // Only sizes of the wide passes: beyond them the passes take three launches each.
+        let wide_max = ONESWEEP_WIDE_MAX_TILES * radix_sort_wide_tile(KeyKind::K32);
+        let narrow_max = ONESWEEP_MAX_TILES * radix_sort_tile(KeyKind::K32);
+        assert!(sample_sorts_whole(KeyKind::K32, wide_max, wide_max, true));
+        assert!(!sample_sorts_whole(
+            KeyKind::K32,
+            wide_max + 1,
+            wide_max,
+            true
+        ));
+        assert!(!sample_sorts_whole(
+            KeyKind::K32,
+            narrow_max,
+            narrow_max,
+            true
+        ));
     }
 
     #[test]

@@ -221,7 +221,14 @@ impl TopKEngine {
         self.memset_zero(ctl.ptr(), ctl_bytes)?;
         // Few tiles: one Onesweep kernel per pass (look-back); many: reduce-then-scan, three.
         let onesweep = wide || tiles <= ONESWEEP_MAX_TILES;
-        let lookback_words = if onesweep { positions * tiles * 256 } else { 0 };
+        // Per pass: a word per tile and digit; the wide pass's grouped look-back adds its
+        // groups' sums and a row of their done counters (radix_sort.cu `group_lookback_words`).
+        let pass_words = if wide {
+            (tiles + tiles.div_ceil(LOOKBACK_GROUP) + 1) * 256
+        } else {
+            tiles * 256
+        };
+        let lookback_words = if onesweep { positions * pass_words } else { 0 };
         let lookback = self
             .device
             .pool
@@ -263,6 +270,10 @@ impl TopKEngine {
             // The pass's digit position and the three buffers, which every pass kernel takes first.
             let mut buffers = args![p as u32, id_digits as u32].to_vec();
             buffers.extend_from_slice(&sort_buffers(input, &tmp, &out));
+            if input.positional && id_digits == 0 {
+                // Key digits only: the passes write positions as the input's row ids.
+                buffers[3] = Arg::from(0u64);
+            }
             buffers.push(Arg::from(m));
             if let Some(counts) = &counts {
                 let mut args = buffers.clone();
