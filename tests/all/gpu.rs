@@ -1196,11 +1196,11 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
                 (6000, DeviceAlgorithm::Sample, true),
                 (1024, DeviceAlgorithm::Radix, false),
                 // ~58K / ~116K survivors: the chunk rank sort takes them on the device's
-                // count; ~330K: the merge sort. For 32-bit keys k ≥ n / 16 sorts all n by
+                // count. From k = n / 16 (32-bit keys) or n / 8 (64-bit) all n are sorted by
                 // their radix passes instead (`sample_sorts_whole`), complete when enqueued.
                 (50_000, DeviceAlgorithm::Sample, true),
                 (100_000, DeviceAlgorithm::Sample, kind != KeyKind::K32),
-                (300_000, DeviceAlgorithm::Sample, kind != KeyKind::K32),
+                (300_000, DeviceAlgorithm::Sample, false),
                 // All of them: positional ids let the radix sort skip the id digits.
                 (n, DeviceAlgorithm::Radix, false),
                 (n, DeviceAlgorithm::Sample, false),
@@ -1274,7 +1274,8 @@ fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
                 assert!(got == expected[..k], "{what} k={k} cap={cap}: merge sort");
             }
             // Device-counted: a sampled selection of most of them (beyond the chunk rank
-            // sort's capacity, the merge sort takes its survivors).
+            // sort's capacity, the merge sort takes its survivors; positional 32- and 64-bit
+            // keys of the wide passes' sizes are sorted whole instead).
             let k = n * 4 / 5;
             let selection = engine
                 .enqueue_select(&pairs, n, k, DeviceAlgorithm::Sample)

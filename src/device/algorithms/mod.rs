@@ -462,30 +462,54 @@ pub fn merge_sort_tile(kind: KeyKind) -> usize {
 
 /// Whether [`TopKEngine::sort_pairs`] takes the merge sort for m pairs whose ids are below
 /// `id_bound` (1: they ascend in input order): beyond the chunk rank sort and up to
-/// [`MERGE_SORT_MAX`], unless a 32-bit key's 4 radix passes sort them. The cost model asks the
-/// same.
+/// [`MERGE_SORT_MAX`], unless the key's radix passes alone sort them ([`key_passes_sort`]).
+/// The cost model asks the same.
 pub fn merge_sorts(kind: KeyKind, m: usize, id_bound: u64) -> bool {
-    m > chunk_rank_max(kind) && m <= MERGE_SORT_MAX && !(id_bound <= 1 && kind == KeyKind::K32)
+    m > chunk_rank_max(kind) && m <= MERGE_SORT_MAX && !(id_bound <= 1 && key_passes_sort(kind, m))
+}
+
+/// Whether the key's radix passes alone (row ids ascending in input order) sort m pairs
+/// faster than the merge sort: always for 32-bit keys (4 passes); for 64-bit keys over wide
+/// tiles, where the grouped look-back keeps a pass near 20 µs and digit positions that every
+/// pair shares are skipped (H100, n = 2^20, session 16: 48–189 µs against 138–190 µs for the
+/// merge sort, losing only on keys that vary in all 8 bytes).
+fn key_passes_sort(kind: KeyKind, m: usize) -> bool {
+    match kind {
+        KeyKind::K32 => true,
+        KeyKind::K64 => {
+            m.div_ceil(radix_sort_tile(kind)) > ONESWEEP_MAX_TILES
+                && m.div_ceil(radix_sort_wide_tile(kind)) <= ONESWEEP_WIDE_MAX_TILES
+        }
+        _ => false,
+    }
 }
 
 /// Whether a sampled selection of k among n positional pairs sorts all n instead: where the
-/// key's 4 radix passes sort them (32-bit keys, row ids ascending in input order) over wide
-/// tiles with the grouped look-back, and k is at least n / [`WHOLE_SORT_FRACTION`]. Measured
-/// on the H100 at n = 2^20 (session 16, i32 and f32, seven distributions): the whole sort took
-/// 35–91 µs whatever k; the sampled levels took 118–206 µs at k = 2^17 … 2^19 (their survivors'
-/// chunk rank or merge sort) and 75–116 µs at k = 2^16, where the whole sort was up to 9%
-/// slower on sorted keys and 1.5–2.2× faster on ties and narrow ranges. The cost model asks
-/// the same.
+/// key's radix passes sort them (32- or 64-bit keys, row ids ascending in input order) over
+/// wide tiles with the grouped look-back, and k is at least n / [`whole_sort_fraction`].
+/// The cost model asks the same.
 pub fn sample_sorts_whole(kind: KeyKind, n: usize, k: usize, positional: bool) -> bool {
     positional
-        && kind == KeyKind::K32
+        && whole_sort_fraction(kind).is_some_and(|f| k.saturating_mul(f) >= n)
         && n.div_ceil(radix_sort_tile(kind)) > ONESWEEP_MAX_TILES
         && n.div_ceil(radix_sort_wide_tile(kind)) <= ONESWEEP_WIDE_MAX_TILES
-        && k.saturating_mul(WHOLE_SORT_FRACTION) >= n
 }
 
-/// See [`sample_sorts_whole`].
-pub const WHOLE_SORT_FRACTION: usize = 16;
+/// k / n from which [`sample_sorts_whole`] holds. Measured on the H100 at n = 2^20 (session
+/// 16, seven distributions):
+/// - 32-bit keys: the whole sort took 35–91 µs whatever k; the sampled levels 118–206 µs at
+///   k = 2^17 … 2^19 (their survivors' chunk rank or merge sort) and 75–116 µs at k = 2^16,
+///   where the whole sort was up to 9% slower on sorted keys and 1.5–2.2× faster on ties and
+///   narrow ranges: from n / 16.
+/// - 64-bit keys (eight passes where every byte varies): the whole sort 48–189 µs; the levels
+///   151–243 µs at k = 2^17 and 83–136 µs at k = 2^16: from n / 8.
+pub fn whole_sort_fraction(kind: KeyKind) -> Option<usize> {
+    match kind {
+        KeyKind::K32 => Some(16),
+        KeyKind::K64 => Some(8),
+        _ => None,
+    }
+}
 
 /// Threads of the sort kernels' blocks (bitonic.cu `SORT_THREADS`).
 const SORT_THREADS: u32 = 1024;
@@ -1391,9 +1415,11 @@ mod tests {
         assert!(sample_sorts_whole(KeyKind::K32, n, n / 16, true));
         assert!(sample_sorts_whole(KeyKind::K32, n, n, true));
         assert!(!sample_sorts_whole(KeyKind::K32, n, n / 16 - 1, true));
-        // Row ids that need digits, or keys of more than 4 radix passes: the sampled levels.
+        assert!(sample_sorts_whole(KeyKind::K64, n, n / 8, true));
+        assert!(!sample_sorts_whole(KeyKind::K64, n, n / 8 - 1, true));
+        // Row ids that need digits, or keys wider than 64 bits: the sampled levels.
         assert!(!sample_sorts_whole(KeyKind::K32, n, n / 2, false));
-        assert!(!sample_sorts_whole(KeyKind::K64, n, n / 2, true));
+        assert!(!sample_sorts_whole(KeyKind::K128, n, n / 2, true));
         // Only sizes of the wide passes: beyond them the passes take three launches each.
         let wide_max = ONESWEEP_WIDE_MAX_TILES * radix_sort_wide_tile(KeyKind::K32);
         let narrow_max = ONESWEEP_MAX_TILES * radix_sort_tile(KeyKind::K32);
