@@ -20,8 +20,10 @@
 //          in shared memory and writes each bucket's run to bucket offset + earlier tiles'
 //          count (coalesced writes; with the windowed look-back this took a pass over 1.1M
 //          pairs from ~60 to 30–35 µs on the H100). Tiles of 2048 pairs (keys up to 64 bits) up to
-//          64 tiles; `rsort_pass_wide`, tiles of twice that, up to 384 of them; beyond,
-//          reduce-then-scan (`rsort_count`, `rsort_scan`, then the pass without look-back).
+//          64 tiles; `rsort_pass_wide`, tiles of twice that, up to 384 of them, whose
+//          look-back reads the sums of groups of 16 tiles (`GroupLookback`: ~20 µs a pass
+//          over 1M pairs); beyond, reduce-then-scan (`rsort_count`, `rsort_scan`, then the
+//          pass without look-back).
 // The input is never written: passes alternate between a scratch buffer and the output, with
 // the last pass landing in the output. A positional input sorted by its key digits alone
 // comes without row ids (null): the first pass writes each pair's position, a third of the
