@@ -111,7 +111,7 @@ __device__ __forceinline__ u32 block_exclusive_sum(u32 v) {
 // Adds a pair's digit of every position to the positions' histograms in shared memory
 // (`sh`, positions × 256), one shared atomic each: warp_hist_add's check for a digit shared by
 // the whole warp cost more than the conflicts it saves here, even on all-equal keys (H100,
-// n = k = 2^20, i32: the sort 95.7 → 90.1 µs uniform, 43.3 → 36.5 µs all equal; session 16).
+// n = k = 2^20, i32: the sort 95.7 → 90.2 µs uniform, 43.4 → 36.6 µs all equal; session 16).
 template <class K>
 __device__ __forceinline__ void hist_add_all(u32 *sh, const K &k, u64 id, u32 id_digits, bool valid) {
     constexpr int D = SortDigits<K>::MAX;

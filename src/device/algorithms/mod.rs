@@ -476,12 +476,17 @@ pub fn merge_sorts(kind: KeyKind, m: usize, id_bound: u64) -> bool {
 fn key_passes_sort(kind: KeyKind, m: usize) -> bool {
     match kind {
         KeyKind::K32 => true,
-        KeyKind::K64 => {
-            m.div_ceil(radix_sort_tile(kind)) > ONESWEEP_MAX_TILES
-                && m.div_ceil(radix_sort_wide_tile(kind)) <= ONESWEEP_WIDE_MAX_TILES
-        }
+        KeyKind::K64 => radix_sort_is_wide(kind, m),
         _ => false,
     }
+}
+
+/// Whether the radix sort of m pairs runs its passes over wide tiles (`rsort_pass_wide`, with
+/// the grouped look-back): more than `ONESWEEP_MAX_TILES` tiles, at most
+/// `ONESWEEP_WIDE_MAX_TILES` wide ones.
+pub fn radix_sort_is_wide(kind: KeyKind, m: usize) -> bool {
+    m.div_ceil(radix_sort_tile(kind)) > ONESWEEP_MAX_TILES
+        && m.div_ceil(radix_sort_wide_tile(kind)) <= ONESWEEP_WIDE_MAX_TILES
 }
 
 /// Whether a sampled selection of k among n positional pairs sorts all n instead: where the
@@ -491,8 +496,7 @@ fn key_passes_sort(kind: KeyKind, m: usize) -> bool {
 pub fn sample_sorts_whole(kind: KeyKind, n: usize, k: usize, positional: bool) -> bool {
     positional
         && whole_sort_fraction(kind).is_some_and(|f| k.saturating_mul(f) >= n)
-        && n.div_ceil(radix_sort_tile(kind)) > ONESWEEP_MAX_TILES
-        && n.div_ceil(radix_sort_wide_tile(kind)) <= ONESWEEP_WIDE_MAX_TILES
+        && radix_sort_is_wide(kind, n)
 }
 
 /// k / n from which [`sample_sorts_whole`] holds. Measured on the H100 at n = 2^20 (session
@@ -1410,7 +1414,8 @@ mod tests {
     }
 
     #[test]
-    fn sampled_selections_sort_whole_only_positional_32_bit_inputs_of_wide_tiles_at_large_k() {
+    fn sampled_selections_sort_whole_only_positional_32_and_64_bit_inputs_of_wide_tiles_at_large_k()
+    {
         let n = 1 << 20;
         assert!(sample_sorts_whole(KeyKind::K32, n, n / 16, true));
         assert!(sample_sorts_whole(KeyKind::K32, n, n, true));

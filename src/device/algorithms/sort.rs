@@ -207,8 +207,7 @@ impl TopKEngine {
         let positions = id_digits + self.kind.bits() as usize / 8;
         let tile = radix_sort_tile(self.kind);
         let wide_tile = radix_sort_wide_tile(self.kind);
-        let wide = m.div_ceil(tile) > ONESWEEP_MAX_TILES
-            && m.div_ceil(wide_tile) <= ONESWEEP_WIDE_MAX_TILES;
+        let wide = radix_sort_is_wide(self.kind, m);
         let tiles = m.div_ceil(if wide { wide_tile } else { tile });
         // Control block: per position 256 bucket offsets, a plan word and a tile ticket; the
         // histogram kernel's block counter.
