@@ -279,6 +279,51 @@ __device__ void sort_local(const K *keys, const u64 *ids, u64 n, K *out_keys, u6
     store_tile(out_keys, out_ids, m, tile_base, key, id);
 }
 
+// The start of the first bin at or after position p of a bin-ordered buffer: bins
+// [0, last] start at starts[b], and bin last + 1 at m (the end).
+__device__ __forceinline__ u64 segment_start(const u32 *starts, u32 last, u64 m, u64 p) {
+    u32 lo = 0, hi = last + 1;
+    while (lo < hi) {
+        const u32 mid = (lo + hi) / 2;
+        if ((u64)starts[mid] >= p) {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    return lo > last ? m : (u64)starts[lo];
+}
+
+// Sort of a bin-ordered buffer (radix_sort.cu's top-bits selection): pairs [0, m), m = *count,
+// grouped by bin (bin b, b ≤ *last, at [starts[b], starts[b + 1])), each bin at most half a
+// tile of SEGMENT_TILE pairs. Block j sorts the bins that start in [j·T/2, (j+1)·T/2) (at most
+// a tile) by (key, row id) in registers, into the same positions of `out`. Nothing when
+// *status is set. Blocks of 256 threads: the bins are small, and a 4096-pair tile's network
+// took ~47 µs a block (ncu), with one block a SM.
+#define SEGMENT_THREADS 256
+#define SEGMENT_TILE (SORT_PER * SEGMENT_THREADS)
+template <class K>
+__device__ void sort_segments(const K *keys, const u64 *ids, const u32 *starts, const u32 *last, const u64 *count,
+                              const u32 *status, K *out_keys, u64 *out_ids) {
+    // The block's range, kept in shared memory across the network (in registers it spilled).
+    __shared__ u64 s_first, s_len;
+    if (*status != 0) return;
+    if (threadIdx.x == 0) {
+        const u64 m = *count, half = SEGMENT_TILE / 2, p = (u64)blockIdx.x * half;
+        const u64 a = p >= m ? m : segment_start(starts, *last, m, p);
+        const u64 b = p >= m ? m : segment_start(starts, *last, m, p + half);
+        s_first = a;
+        s_len = b - a;
+    }
+    __syncthreads();
+    if (s_len == 0) return;
+    K key[SORT_PER];
+    u64 id[SORT_PER];
+    load_tile(keys + s_first, ids + s_first, s_len, 0, key, id);
+    tile_network<K, SEGMENT_THREADS>(key, id, 0, 2, SEGMENT_TILE, smem_of<K>(SEGMENT_TILE));
+    store_tile(out_keys + s_first, out_ids + s_first, s_len, 0, key, id);
+}
+
 // Sort, the steps of stride SORT_TILE/2 .. 1 of size `size` (> SORT_TILE), per tile.
 template <class K> __device__ void merge_local(K *keys, u64 *ids, u64 m, u64 size) {
     K key[SORT_PER];
@@ -546,5 +591,10 @@ __device__ void chunk_scatter(const K *tile_keys, const u64 *tile_ids, const u64
         bitonic_chunk_scatter_##S(const K *tile_keys, const u64 *tile_ids, const u64 *n_ptr, u64 cap,             \
                                   const u32 *below, K *out_keys, u64 *out_ids, const u32 *status) {               \
         chunk_scatter<K>(tile_keys, tile_ids, n_ptr, cap, below, out_keys, out_ids, status);                      \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(SEGMENT_THREADS)                                                 \
+        bitonic_sort_segments_##S(const K *keys, const u64 *ids, const u32 *starts, const u32 *last,              \
+                                  const u64 *count, const u32 *status, K *out_keys, u64 *out_ids) {               \
+        sort_segments<K>(keys, ids, starts, last, count, status, out_keys, out_ids);                              \
     }
 INSTANTIATE_KEYS(BITONIC_ENTRIES)

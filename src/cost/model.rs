@@ -44,6 +44,7 @@ use crate::device::algorithms::{
     DIRECT_SORT_FACTOR, DIRECT_SORT_MIN, ONESWEEP_MAX_TILES, RADIX_SORT_MAX, RANK_SORT_MAX,
     bitonic_chunk, delegate_subrange, merge_sort_tile, merge_sorts, plan_sample_levels,
     radix_sort_tile, sample_level_bounds, sample_size, sample_sorts_whole, sort_tile,
+    top_bits_sorts,
 };
 use crate::device::{DeviceAlgorithm, KeyKind};
 
@@ -295,6 +296,21 @@ impl CostModel {
                 ..Work::default()
             };
             return Some((work, self.fits.sample));
+        }
+        // The top-bits selection: a memset, the sampled bins, two reads of the keys (the bins'
+        // histogram, the scatter of the pairs at or below the k-th smallest's bin), the
+        // segment sort of those (about k), and the read-back of its status.
+        if algorithm == DeviceAlgorithm::Sample && top_bits_sorts(case.kind, n, k, case.positional)
+        {
+            let work = Work {
+                launches: 5.0,
+                readbacks: 1.0,
+                steps: 4.0,
+                bytes: 2.0 * n as f64 * case.kind.key_bytes() as f64
+                    + 2.0 * k as f64 * case.pair_bytes(),
+                ..Work::default()
+            };
+            return Some((work, self.fits.sort));
         }
         // k ≥ n: every pair, sorted by the radix sort (bitonic top-k still runs its rounds);
         // so does a sampled selection of a large fraction of positional pairs.

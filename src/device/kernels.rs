@@ -70,6 +70,7 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
             "bitonic_chunk_sort",
             "bitonic_chunk_rank",
             "bitonic_chunk_scatter",
+            "bitonic_sort_segments",
         ],
     ),
     (
@@ -78,7 +79,16 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
     ),
     (
         "radix_sort.cu",
-        &["rsort_hist", "rsort_pass", "rsort_pass_wide", "rsort_count"],
+        &[
+            "rsort_hist",
+            "rsort_pass",
+            "rsort_pass_wide",
+            "rsort_count",
+            "rsort_top_window",
+            "rsort_top_hist",
+            "rsort_top_scatter",
+            "rsort_top_filter",
+        ],
     ),
     ("merge_sort.cu", &["msort_tiles", "msort_merge"]),
     ("delegate.cu", &["delegate_min", "delegate_gather"]),

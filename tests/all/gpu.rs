@@ -1195,11 +1195,13 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
                 (1024, DeviceAlgorithm::Sample, true),
                 (6000, DeviceAlgorithm::Sample, true),
                 (1024, DeviceAlgorithm::Radix, false),
-                // ~58K / ~116K survivors: the chunk rank sort takes them on the device's
-                // count. From k = n / 16 (32-bit keys) or n / 8 (64-bit) all n are sorted by
-                // their radix passes instead (`sample_sorts_whole`), complete when enqueued.
+                // From k = n / 128 to below n / 8 (32-bit keys) or n / 4 (64-bit) the
+                // top-bits selection (`top_bits_sorts`), read back at the finish; beyond,
+                // all n sorted by their radix passes (`sample_sorts_whole`), complete when
+                // enqueued.
                 (50_000, DeviceAlgorithm::Sample, true),
-                (100_000, DeviceAlgorithm::Sample, kind != KeyKind::K32),
+                (100_000, DeviceAlgorithm::Sample, true),
+                (200_000, DeviceAlgorithm::Sample, kind == KeyKind::K64),
                 (300_000, DeviceAlgorithm::Sample, false),
                 // All of them: positional ids let the radix sort skip the id digits.
                 (n, DeviceAlgorithm::Radix, false),
@@ -1212,6 +1214,92 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
                 assert_eq!(m, k, "{what}");
                 let got = engine.download_ids(&sorted, m).unwrap();
                 assert!(got == expected_of(k), "{what}");
+            }
+        }
+    }
+}
+
+/// The top-bits selection (`top_bits_sorts`) against the oracle: positional 32- and 64-bit
+/// keys of every distribution; a partial last tile, several segment-sort blocks, the largest
+/// size it takes; its second route (a kept bin too large for the segment sort: the stable
+/// filter and the key's radix passes, narrow and wide); and the whole-input fallback when the
+/// k-th smallest's bins hold more pairs than its buffers (all equal).
+#[test]
+fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
+    use datafusion_gpu_topk::device::algorithms::{top_bits_capacity, top_bits_sorts};
+    use datafusion_gpu_topk::device::{KeyKind, TopKEngine};
+    let Some(device) = gpu_or_skip("gpu_top_bits_selection_matches_the_oracle") else {
+        return;
+    };
+    // Uniform keys with one small value repeated on every 64th row: a bin of ~16K equal keys
+    // below the k-th smallest, too large for the segment sort.
+    let crowded = |n: usize, seed: u64| -> Vec<u64> {
+        let (mut p, _) = generate(Dist::Uniform, n, true, seed);
+        for (i, v) in p.iter_mut().enumerate() {
+            // Off the sampled rows (multiples of n / 256 here), which would see only this value.
+            if i % 64 == 1 {
+                *v = 77;
+            }
+        }
+        p
+    };
+    let mut inputs: Vec<(String, usize, Vec<usize>, Vec<u64>)> = Vec::new();
+    for (n, ks) in [
+        ((1usize << 20) + 7, vec![8200usize, 60_000, 1 << 17, 200_000]),
+        (1_500_001, vec![1 << 15]),
+        (300_007, vec![4000]),
+    ] {
+        for dist in DISTS {
+            let (p, _) = generate(dist, n, true, n as u64 ^ 0x70b);
+            inputs.push((format!("{dist:?}"), n, ks.clone(), p));
+        }
+    }
+    let n = (1 << 20) + 7;
+    inputs.push((
+        "crowded".into(),
+        n,
+        vec![20_000, 60_000, 1 << 17],
+        crowded(n, 5),
+    ));
+    for (dist, n, ks, p) in &inputs {
+        let n = *n;
+        let ids: Vec<u64> = (0..n as u64).collect();
+        for kind in [KeyKind::K32, KeyKind::K64] {
+            let k32: Vec<u32> = p.iter().map(|&v| v as u32).collect();
+            let bytes: Vec<u8> = match kind {
+                KeyKind::K32 => k32.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                _ => p.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            };
+            let mut engine = TopKEngine::new(&device, kind).unwrap();
+            let mut pairs = engine.upload_pairs(&bytes, &ids).unwrap();
+            pairs.set_positional(true);
+            for &k in ks {
+                if !top_bits_sorts(kind, n, k, true) {
+                    continue;
+                }
+                let what = format!("{dist} {kind:?} n={n} k={k}");
+                let expected = match kind {
+                    KeyKind::K32 => oracle(&k32, &ids, k),
+                    _ => oracle(p, &ids, k),
+                };
+                let selection = engine
+                    .enqueue_select(&pairs, n, k, DeviceAlgorithm::Sample)
+                    .unwrap();
+                assert!(selection.is_pending(), "{what}");
+                let (sorted, m, more) = engine.finish_reporting(selection).unwrap();
+                assert_eq!(m, k, "{what}");
+                let got = engine.download_ids(&sorted, m).unwrap();
+                assert!(got == expected, "{what}");
+                match dist.as_str() {
+                    // Uniform keys take the segment sort; the crowded bin the second route.
+                    "Uniform" => assert!(!more, "{what}: the segment sort"),
+                    "crowded" => assert!(more, "{what}: the second route"),
+                    // Equal keys fill one bin beyond the buffers: all pairs are sorted.
+                    "AllEqual" if top_bits_capacity(n, k) < n => {
+                        assert!(more, "{what}: the fallback")
+                    }
+                    _ => {}
+                }
             }
         }
     }

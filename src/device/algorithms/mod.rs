@@ -296,6 +296,10 @@ mod fused;
 mod sample;
 mod select;
 mod sort;
+mod top_bits;
+
+use top_bits::TopBitsRun;
+pub use top_bits::{top_bits_capacity, top_bits_sorts};
 
 // The small device scalars of an engine, one buffer (zeroed at start).
 /// The radix control block (`RadixCtl` in radix.cu, 1160 bytes).
@@ -1196,6 +1200,16 @@ impl TopKEngine {
             // Few pairs: the sampled selection's last step alone, one launch for all of them
             // (its levels and a radix fallback would take ~26 launches).
             DeviceAlgorithm::Sample if n <= RANK_SORT_MAX => self.rank_sort(input, n)?,
+            // Positional pairs of a few bins of the key's top bits: those, by the key's passes.
+            DeviceAlgorithm::Sample if top_bits_sorts(self.kind, n, k, input.positional) => {
+                let run = self.top_bits_enqueue(input, n, k)?;
+                return Ok(Selection {
+                    input,
+                    n,
+                    k,
+                    state: SelectionState::TopBits(Box::new(run)),
+                });
+            }
             // A large fraction of positional pairs: all of them, by the key's radix passes.
             DeviceAlgorithm::Sample if sample_sorts_whole(self.kind, n, k, input.positional) => {
                 self.sort_pairs(input, n, 1)?
@@ -1258,6 +1272,18 @@ impl TopKEngine {
                     Ok((sorted, m, true))
                 }
             },
+            SelectionState::TopBits(run) => match self.top_bits_complete(*run)? {
+                Some((sorted, more)) => Ok((sorted, n.min(k), more)),
+                // Keys crowding a few bins (a narrow range, ties): all pairs by the key's radix
+                // passes where those take one kernel a pass, else radix select.
+                None if radix_sort_is_wide(self.kind, n) => {
+                    Ok((self.sort_pairs(input, n, 1)?, n.min(k), true))
+                }
+                None => {
+                    let (sorted, m) = self.select_sorted(input, n, k, DeviceAlgorithm::Radix)?;
+                    Ok((sorted, m, true))
+                }
+            },
         }
     }
 }
@@ -1275,7 +1301,10 @@ pub struct Selection<'a> {
 impl Selection<'_> {
     /// Whether [`TopKEngine::finish`] still has to read a status back (and may run more work).
     pub fn is_pending(&self) -> bool {
-        matches!(self.state, SelectionState::Pending(_))
+        matches!(
+            self.state,
+            SelectionState::Pending(_) | SelectionState::TopBits(_)
+        )
     }
 }
 
@@ -1283,6 +1312,7 @@ impl Selection<'_> {
 enum SelectionState {
     Ready(DevicePairs, usize),
     Pending(Box<SampleRun>),
+    TopBits(Box<TopBitsRun>),
 }
 
 /// A sampled selection enqueued on the device (`sample_enqueue`): its plan, its control block
