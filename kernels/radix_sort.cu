@@ -24,6 +24,8 @@
 //          look-back reads the sums of groups of 16 tiles (`GroupLookback`: ~20 µs a pass
 //          over 1M pairs); beyond, reduce-then-scan (`rsort_count`, `rsort_scan`, then the
 //          pass without look-back).
+// The file also holds the top-bits selection's kernels (`rsort_top_*`, below), which keep only
+// the pairs that can be among the k smallest before a sort.
 // The input is never written: passes alternate between a scratch buffer and the output, with
 // the last pass landing in the output. A positional input sorted by its key digits alone
 // comes without row ids (null): the first pass writes each pair's position, a third of the
@@ -124,42 +126,6 @@ __device__ __forceinline__ void hist_add_all(u32 *sh, const K &k, u64 id, u32 id
     }
 }
 
-// The last block of a histogram kernel: turns the histograms of the `nd` digit positions
-// (`hist`, positions × 256, of m pairs) into exclusive bucket offsets and writes the plan.
-template <int D> __device__ void plan_passes(u32 *hist, u32 *plan, u64 m, int nd) {
-    __shared__ u32 runs[D];
-    for (int p = 0; p < nd; ++p) {
-        const u32 c = __ldcg(&hist[p * RSORT_RADIX + threadIdx.x]);
-        // A position moves pairs unless one bucket holds them all.
-        const int single = __syncthreads_or(c == (u32)m);
-        const u32 offset = block_exclusive_sum(c);
-        hist[p * RSORT_RADIX + threadIdx.x] = offset;
-        if (threadIdx.x == 0) runs[p] = !single;
-    }
-    __syncthreads();
-    if (threadIdx.x != 0) return;
-    int total = 0;
-    for (int p = 0; p < nd; ++p) total += runs[p];
-    if (total == 0) { // all pairs equal in every digit (m ≤ 1): one pass still copies them out
-        runs[0] = 1;
-        total = 1;
-    }
-    // The last run lands in the output (2); going backwards, runs alternate scratch/output,
-    // and the first reads the input (0).
-    u32 src = 0;
-    int seen = 0;
-    for (int p = 0; p < nd; ++p) {
-        if (!runs[p]) {
-            plan[p] = 0;
-            continue;
-        }
-        const u32 dst = ((total - 1 - seen) % 2 == 0) ? 2u : 1u;
-        plan[p] = PLAN_RUN | (src << 1) | (dst << 3);
-        src = dst;
-        ++seen;
-    }
-}
-
 // Histograms of all digit positions (`hist`, positions × 256, zero at launch) in one read;
 // also zeroes the passes' look-back words. The last block converts the histograms to
 // exclusive offsets and writes the plan (`plan`, one word per position).
@@ -194,7 +160,37 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
         if (sh[i] != 0) atomicAdd(&hist[i], sh[i]);
     }
     if (!last_block_done(done)) return;
-    plan_passes<D>(hist, plan, m, nd);
+    __shared__ u32 runs[D];
+    for (int p = 0; p < nd; ++p) {
+        const u32 c = __ldcg(&hist[p * RSORT_RADIX + threadIdx.x]);
+        // A position moves pairs unless one bucket holds them all.
+        const int single = __syncthreads_or(c == (u32)m);
+        const u32 offset = block_exclusive_sum(c);
+        hist[p * RSORT_RADIX + threadIdx.x] = offset;
+        if (threadIdx.x == 0) runs[p] = !single;
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    int total = 0;
+    for (int p = 0; p < nd; ++p) total += runs[p];
+    if (total == 0) { // all pairs equal in every digit (m ≤ 1): one pass still copies them out
+        runs[0] = 1;
+        total = 1;
+    }
+    // The last run lands in the output (2); going backwards, runs alternate scratch/output,
+    // and the first reads the input (0).
+    u32 src = 0;
+    int seen = 0;
+    for (int p = 0; p < nd; ++p) {
+        if (!runs[p]) {
+            plan[p] = 0;
+            continue;
+        }
+        const u32 dst = ((total - 1 - seen) % 2 == 0) ? 2u : 1u;
+        plan[p] = PLAN_RUN | (src << 1) | (dst << 3);
+        src = dst;
+        ++seen;
+    }
 }
 
 // ---- the top-bits selection: the k smallest of a positional input, sorted ----
@@ -212,13 +208,8 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 //                      bin, in no order inside a bin;
 //   bitonic_sort_segments (bitonic.cu)  one block per half tile of bin starts sorts its bins by
 //                      (key, row id) in registers, into the output.
-// Crowded bins (heavy ties at the k-th smallest) take the second route, after the read-back:
-//   rsort_top_filter   the same pairs kept stably (a ballot per item, the tile's count, a
-//                      warp-wide decoupled look-back over the earlier tiles' counts), with their
-//                      key digits added to the histograms of the radix sort, whose last block plans
-//                      the passes as rsort_hist does;
-// then the key's radix passes (rsort_pass or rsort_pass_wide) on the device's count: the kept
-// pairs stay in input order, so the key's digits alone sort them with ties in row id order.
+// A bin too large for the segment sort (heavy ties at the k-th smallest) makes the host
+// merge-sort the kept pairs instead, after the read-back (merge_sort.cu, on the device's count).
 // A bin is (mostly) TOP_BITS bits of the key's top word above a base. rsort_top_window reads a strided
 // sample of 256 keys and takes its smallest and a sample rank safely beyond the
 // k-th smallest's expected one; the bins span twice that range from half a range below the
@@ -229,19 +220,19 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // input instead.
 #define TOP_BITS 12
 #define TOP_BINS (1u << TOP_BITS)
-#define TOP_ITEMS 16
 #define TOP_SAMPLE RSORT_THREADS
-// Control words after the bins: the histogram's done counter, the bound, the status, the
-// filter's tile ticket, the kept count (u64), the bins' base (u64) and shift.
+// Control words after the bins: the histogram's done counter, the bound, the status, a spare
+// word, the kept count (u64), the bins' base (u64) and shift.
 #define TOP_DONE TOP_BINS
 #define TOP_BOUND (TOP_BINS + 1)
 #define TOP_STATUS (TOP_BINS + 2)
-#define TOP_TICKET (TOP_BINS + 3)
 #define TOP_COUNT (TOP_BINS + 4)
 #define TOP_BASE (TOP_BINS + 6)
 #define TOP_SHIFT (TOP_BINS + 8)
 #define TOP_STATUS_OVERFLOW 1u
 #define TOP_STATUS_CROWDED 2u
+#define TOP_STATUS_FORESEEN 4u
+#define TOP_CROWD_SAMPLES 4u
 // The most pairs a kept bin may hold for the segment sort: half its tile (bitonic.cu
 // SEGMENT_TILE, 1024 pairs for keys up to 128 bits).
 #define TOP_SEGMENT_BIN 512u
@@ -266,7 +257,7 @@ __device__ __forceinline__ u32 top_bin(u64 word, u64 base, u32 shift) {
 // block of the grid computes the same): from the smallest sampled key to the sampled key of
 // rank 2·(expected rank of the k-th smallest) + 16.
 template <class K>
-__device__ __forceinline__ void top_window(const K *keys, u64 n, u64 k, u64 &base, u32 &shift) {
+__device__ __forceinline__ void top_window(const K *keys, u64 n, u64 k, u64 &base, u32 &shift, bool &crowded) {
     __shared__ u64 sample[TOP_SAMPLE];
     __shared__ u64 s_hi;
     const u32 t = threadIdx.x;
@@ -288,6 +279,22 @@ __device__ __forceinline__ void top_window(const K *keys, u64 n, u64 k, u64 &bas
     const int bits = 64 - __clzll((long long)range); // 0 when those sampled keys are equal
     shift = (u32)max(0, bits + 1 - (int)TOP_BITS);
     base = mn - min(mn, range / 2);
+    // Crowding foreseen: TOP_CROWD_SAMPLES sampled keys up to that rank in one bin, each
+    // standing for ~n/256 keys (heavy ties, or a cluster narrower than a bin). Uniform keys
+    // spread those up to 144 samples over ≥ 1024 bins: about 1.6% of them would see it.
+    __shared__ u32 s_bin[TOP_SAMPLE];
+    __shared__ int s_crowded;
+    if (t == 0) s_crowded = 0;
+    s_bin[t] = rank <= want ? top_bin(w, base, shift) : TOP_BINS + t; // the others never match
+    __syncthreads();
+    if (rank <= want) {
+        u32 same = 0;
+#pragma unroll 8
+        for (u32 j = 0; j < TOP_SAMPLE; ++j) same += s_bin[j] == s_bin[t];
+        if (same >= TOP_CROWD_SAMPLES) s_crowded = 1;
+    }
+    __syncthreads();
+    crowded = s_crowded != 0;
 }
 
 // One block: the bins' base and shift (top_window) into the control words, computed once
@@ -295,16 +302,20 @@ __device__ __forceinline__ void top_window(const K *keys, u64 n, u64 k, u64 &bas
 template <class K> __device__ void rsort_top_window(const K *keys, u64 n, u64 k, u32 *top) {
     u64 base;
     u32 shift;
-    top_window(keys, n, k, base, shift);
+    bool crowded;
+    top_window(keys, n, k, base, shift, crowded);
     if (threadIdx.x == 0) {
         *reinterpret_cast<u64 *>(top + TOP_BASE) = base;
         top[TOP_SHIFT] = shift;
+        // Foreseen crowding skips the rest: the host sorts the whole input after the read-back.
+        if (crowded) top[TOP_STATUS] = TOP_STATUS_FORESEEN;
     }
 }
 
 template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u64 cap, u32 *top) {
     __shared__ u32 sh[TOP_BINS];
     __shared__ u32 s_bound, s_crowded;
+    if (top[TOP_STATUS] == TOP_STATUS_FORESEEN) return; // every block
     for (u32 i = threadIdx.x; i < TOP_BINS; i += RSORT_THREADS) sh[i] = 0;
     const u64 base = *reinterpret_cast<const u64 *>(top + TOP_BASE);
     const u32 shift = top[TOP_SHIFT];
@@ -372,7 +383,8 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
 #define SCATTER_ITEMS 16
 template <class K>
 __device__ void rsort_top_scatter(const K *keys, u64 n, const u32 *top, u32 *fill, K *out_keys, u64 *out_ids) {
-    if (top[TOP_STATUS] != 0) return;
+    // Crowded bins still scatter: the host merge-sorts the kept pairs after the read-back.
+    if (top[TOP_STATUS] != 0 && top[TOP_STATUS] != TOP_STATUS_CROWDED) return;
     const u32 bound = top[TOP_BOUND], shift = top[TOP_SHIFT];
     const u64 base = *reinterpret_cast<const u64 *>(top + TOP_BASE);
     const u64 stride = (u64)gridDim.x * RSORT_THREADS;
@@ -398,108 +410,6 @@ __device__ void rsort_top_scatter(const K *keys, u64 n, const u32 *top, u32 *fil
             }
         }
     }
-}
-
-// Warp-wide decoupled look-back over one word per tile (`words`, LOOKBACK_* flags): called by
-// a whole warp for `tile` > 0, whose aggregate is published; returns the count of the earlier
-// tiles (in every lane). 32 earlier words per round trip.
-__device__ __forceinline__ u32 warp_look_back(u32 *words, u32 tile) {
-    const u32 lane = lane_id();
-    u32 before = 0;
-    for (i64 j = (i64)tile - 1;; j -= 32) {
-        const i64 at = j - lane;
-        // Tile 0 is inclusive, so no lane past it is ever summed.
-        u32 v = at >= 0 ? ld_relaxed(words + at) : LOOKBACK_INCLUSIVE;
-        while (!__all_sync(FULL_MASK, (v & (LOOKBACK_AGGREGATE | LOOKBACK_INCLUSIVE)) != 0)) {
-            if ((v & (LOOKBACK_AGGREGATE | LOOKBACK_INCLUSIVE)) == 0) {
-                __nanosleep(32);
-                v = ld_relaxed(words + at);
-            }
-        }
-        const u32 inclusive = __ballot_sync(FULL_MASK, (v & LOOKBACK_INCLUSIVE) != 0);
-        // The nearest inclusive prefix ends the walk: lanes up to it count.
-        const u32 last = inclusive ? (u32)(__ffs(inclusive) - 1) : 31u;
-        u32 x = lane <= last ? (v & LOOKBACK_VALUE) : 0u;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(FULL_MASK, x, o);
-        before += x;
-        if (inclusive) return before;
-    }
-}
-
-template <class K>
-__device__ void rsort_top_filter(const K *keys, u64 n, u32 *top, K *out_keys, u64 *out_ids, u32 *tile_words,
-                                 u32 *hist, u32 *plan, u32 *lookback, u64 lookback_words, u32 *done) {
-    constexpr int D = K::BITS / 8; // the key's digits; the row ids ascend in input order
-    constexpr u32 TILE = RSORT_THREADS * TOP_ITEMS;
-    __shared__ u32 sh[D * RSORT_RADIX];
-    __shared__ u32 warp_kept[RSORT_WARPS];
-    __shared__ u32 s_tile, s_base;
-    if (top[TOP_STATUS] != 0) return; // every block: the passes' plan stays empty
-    const u32 bound = top[TOP_BOUND], shift = top[TOP_SHIFT];
-    const u64 kept_total = *reinterpret_cast<const u64 *>(top + TOP_COUNT);
-    const u64 base = *reinterpret_cast<const u64 *>(top + TOP_BASE);
-    for (u32 i = threadIdx.x; i < D * RSORT_RADIX; i += RSORT_THREADS) sh[i] = 0;
-    const u64 stride = (u64)gridDim.x * RSORT_THREADS;
-    for (u64 i = (u64)blockIdx.x * RSORT_THREADS + threadIdx.x; i < lookback_words; i += stride) lookback[i] = 0;
-    if (threadIdx.x == 0) s_tile = atomicAdd(top + TOP_TICKET, 1u);
-    __syncthreads();
-    const u32 tile = s_tile, warp = threadIdx.x / 32, lane = lane_id();
-    // Warp-striped, as the passes are: item i of lane l at first + 32·i + l.
-    const u64 first = (u64)tile * TILE + (u64)warp * 32 * TOP_ITEMS + lane;
-    K kv[TOP_ITEMS];
-    u32 kept[TOP_ITEMS];
-    u32 warp_count = 0;
-#pragma unroll
-    for (int i = 0; i < TOP_ITEMS; ++i) {
-        if (first + 32ull * i < n) kv[i] = keys[first + 32ull * i];
-    }
-#pragma unroll
-    for (int i = 0; i < TOP_ITEMS; ++i) {
-        kept[i] = __ballot_sync(FULL_MASK, first + 32ull * i < n && top_bin(top_word(kv[i]), base, shift) <= bound);
-        warp_count += __popc(kept[i]);
-    }
-    if (lane == 0) warp_kept[warp] = warp_count;
-    __syncthreads();
-    if (warp == 0) {
-        u32 mine = lane < RSORT_WARPS ? warp_kept[lane] : 0u, x = mine;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const u32 y = __shfl_up_sync(FULL_MASK, x, o);
-            if (lane >= (u32)o) x += y;
-        }
-        const u32 tile_count = __shfl_sync(FULL_MASK, x, 31);
-        if (lane < RSORT_WARPS) warp_kept[lane] = x - mine;
-        u32 base = 0;
-        if (tile == 0) {
-            if (lane == 0) st_relaxed(tile_words, LOOKBACK_INCLUSIVE | tile_count);
-        } else {
-            if (lane == 0) st_relaxed(tile_words + tile, LOOKBACK_AGGREGATE | tile_count);
-            base = warp_look_back(tile_words, tile);
-            if (lane == 0) st_relaxed(tile_words + tile, LOOKBACK_INCLUSIVE | (base + tile_count));
-        }
-        if (lane == 0) s_base = base;
-    }
-    __syncthreads();
-    u32 at = s_base + warp_kept[warp];
-    const u32 lanes_below = (1u << lane) - 1u;
-#pragma unroll
-    for (int i = 0; i < TOP_ITEMS; ++i) {
-        if (kept[i] >> lane & 1u) {
-            const u32 slot = at + __popc(kept[i] & lanes_below);
-            out_keys[slot] = kv[i];
-            out_ids[slot] = first + 32ull * i;
-#pragma unroll
-            for (int q = 0; q < D; ++q) atomicAdd(&sh[q * RSORT_RADIX + vbits(kv[i], 0ull, 64 + 8 * q, 8)], 1u);
-        }
-        at += __popc(kept[i]);
-    }
-    __syncthreads();
-    for (u32 i = threadIdx.x; i < D * RSORT_RADIX; i += RSORT_THREADS) {
-        if (sh[i] != 0) atomicAdd(&hist[i], sh[i]);
-    }
-    if (!last_block_done(done)) return;
-    plan_passes<D>(hist, plan, kept_total, D);
 }
 
 // The rank of a lane's item among the warp's items of its digit so far (lower lanes first),
@@ -608,7 +518,7 @@ __device__ __forceinline__ void scatter_tile(const K *s_keys, const u64 *s_ids, 
 template <class K>
 __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, K *tmp_keys, u64 *tmp_ids,
                            K *out_keys, u64 *out_ids, u64 m, const u32 *offsets, const u32 *plan, u32 *lookback,
-                           u32 *tickets, const u32 *tile_offsets, const u64 *device_count) {
+                           u32 *tickets, const u32 *tile_offsets) {
     constexpr int ITEMS = SortItems<K>::V;
     constexpr u32 TILE = RSORT_THREADS * ITEMS;
     // Per warp: the running count of each digit, then its exclusive prefix over earlier warps.
@@ -628,8 +538,6 @@ __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in
     for (u32 i = threadIdx.x; i < RSORT_WARPS * (RSORT_RADIX + 1); i += RSORT_THREADS) (&warp_hist[0][0])[i] = 0;
     __syncthreads();
     const u32 tile = s_tile;
-    if (device_count) m = min(m, *device_count);
-    if ((u64)tile * TILE >= m) return; // tiles launched for a capacity, past the device's count
     const int lo = digit_lo((int)p, (int)id_digits);
     const u32 warp = threadIdx.x / 32, lane = lane_id();
     // Warp-striped: the warp's pairs are contiguous, item i of lane l at first + 32·i + l, so
@@ -837,7 +745,7 @@ __device__ __forceinline__ void place_registers(const W (&w)[ITEMS], const u32 (
 template <class K>
 __device__ void rsort_pass_wide(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, K *tmp_keys,
                                 u64 *tmp_ids, K *out_keys, u64 *out_ids, u64 m, const u32 *offsets, const u32 *plan,
-                                u32 *lookback, u32 *tickets, const u64 *device_count) {
+                                u32 *lookback, u32 *tickets) {
     constexpr int ITEMS = WideItems<K>::V;
     constexpr u32 TILE = RSORT_THREADS * ITEMS;
     __shared__ u32 warp_hist[RSORT_WARPS][RSORT_RADIX + 1];
@@ -855,8 +763,6 @@ __device__ void rsort_pass_wide(u32 p, u32 id_digits, const K *in_keys, const u6
     for (u32 i = threadIdx.x; i < RSORT_WARPS * (RSORT_RADIX + 1); i += RSORT_THREADS) (&warp_hist[0][0])[i] = 0;
     __syncthreads();
     const u32 tile = s_tile;
-    if (device_count) m = min(m, *device_count);
-    if ((u64)tile * TILE >= m) return;
     const int lo = digit_lo((int)p, (int)id_digits);
     const bool key_digit = lo >= 64;
     const u32 warp = threadIdx.x / 32;
@@ -966,20 +872,20 @@ extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
         rsort_pass_##S(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, K *tmp_keys, u64 *tmp_ids,      \
                        K *out_keys, u64 *out_ids, u64 m, const u32 *offsets, const u32 *plan, u32 *lookback,      \
-                       u32 *tickets, const u32 *tile_offsets, const u64 *count) {                                 \
+                       u32 *tickets, const u32 *tile_offsets) {                                                   \
         rsort_pass<K>(p, id_digits, in_keys, in_ids, tmp_keys, tmp_ids, out_keys, out_ids, m, offsets, plan,      \
                       lookback + (u64)p * (((m + SortItems<K>::V * RSORT_THREADS - 1) /                           \
                                             (SortItems<K>::V * RSORT_THREADS)) * RSORT_RADIX),                    \
-                      tickets, tile_offsets, count);                                                              \
+                      tickets, tile_offsets);                                                                     \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS, 2)                                                \
         rsort_pass_wide_##S(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, K *tmp_keys, u64 *tmp_ids, \
                             K *out_keys, u64 *out_ids, u64 m, const u32 *offsets, const u32 *plan, u32 *lookback, \
-                            u32 *tickets, const u64 *count) {                                                     \
+                            u32 *tickets) {                                                                       \
         rsort_pass_wide<K>(p, id_digits, in_keys, in_ids, tmp_keys, tmp_ids, out_keys, out_ids, m, offsets, plan, \
                            lookback + (u64)p * group_lookback_words((m + WideItems<K>::V * RSORT_THREADS - 1) /   \
                                                                      (WideItems<K>::V * RSORT_THREADS)),          \
-                           tickets, count);                                                                       \
+                           tickets);                                                                              \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
         rsort_count_##S(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, const K *tmp_keys,             \
@@ -988,21 +894,15 @@ extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
         rsort_count<K>(p, id_digits, in_keys, in_ids, tmp_keys, tmp_ids, out_keys, out_ids, m, plan, counts);     \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
-        rsort_top_hist_##S(const K *keys, u64 n, u64 k, u64 cap, u32 *top) {                                      \
-        rsort_top_hist<K>(keys, n, k, cap, top);                                                                  \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
         rsort_top_window_##S(const K *keys, u64 n, u64 k, u32 *top) {                                             \
         rsort_top_window<K>(keys, n, k, top);                                                                     \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
-        rsort_top_scatter_##S(const K *keys, u64 n, const u32 *top, u32 *fill, K *out_keys, u64 *out_ids) {       \
-        rsort_top_scatter<K>(keys, n, top, fill, out_keys, out_ids);                                              \
+        rsort_top_hist_##S(const K *keys, u64 n, u64 k, u64 cap, u32 *top) {                                      \
+        rsort_top_hist<K>(keys, n, k, cap, top);                                                                  \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
-        rsort_top_filter_##S(const K *keys, u64 n, u32 *top, K *out_keys, u64 *out_ids, u32 *tile_words,          \
-                             u32 *hist, u32 *plan, u32 *lookback, u64 lookback_words, u32 *done) {                \
-        rsort_top_filter<K>(keys, n, top, out_keys, out_ids, tile_words, hist, plan, lookback, lookback_words,    \
-                            done);                                                                                \
+        rsort_top_scatter_##S(const K *keys, u64 n, const u32 *top, u32 *fill, K *out_keys, u64 *out_ids) {       \
+        rsort_top_scatter<K>(keys, n, top, fill, out_keys, out_ids);                                              \
     }
 INSTANTIATE_KEYS(RADIX_SORT_ENTRIES)

@@ -87,7 +87,6 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
             "rsort_top_window",
             "rsort_top_hist",
             "rsort_top_scatter",
-            "rsort_top_filter",
         ],
     ),
     ("merge_sort.cu", &["msort_tiles", "msort_merge"]),

@@ -1221,8 +1221,8 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
 
 /// The top-bits selection (`top_bits_sorts`) against the oracle: positional 32- and 64-bit
 /// keys of every distribution; a partial last tile, several segment-sort blocks, the largest
-/// size it takes; its second route (a kept bin too large for the segment sort: the stable
-/// filter and the key's radix passes, narrow and wide); and the whole-input fallback when the
+/// size it takes; its second route (a kept bin too large for the segment sort: the merge sort
+/// of the kept pairs, in no order inside their bins); and the whole-input fallback when the
 /// k-th smallest's bins hold more pairs than its buffers (all equal).
 #[test]
 fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
@@ -1245,7 +1245,10 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
     };
     let mut inputs: Vec<(String, usize, Vec<usize>, Vec<u64>)> = Vec::new();
     for (n, ks) in [
-        ((1usize << 20) + 7, vec![8200usize, 60_000, 1 << 17, 200_000]),
+        (
+            (1usize << 20) + 7,
+            vec![8200usize, 60_000, 1 << 17, 200_000],
+        ),
         (1_500_001, vec![1 << 15]),
         (300_007, vec![4000]),
     ] {

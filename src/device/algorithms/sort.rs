@@ -260,6 +260,9 @@ impl TopKEngine {
                 ctl.ptr() + done_off
             ],
         )?;
+        let pass = self.kernel("rsort_pass");
+        let pass_wide = self.kernel("rsort_pass_wide");
+        let wide_shared = wide_tile * self.kind.pair_bytes();
         let count = self.kernel("rsort_count");
         let tile_offsets = counts.as_ref().map_or(0, |c| c.ptr());
         for p in 0..positions {
@@ -296,43 +299,14 @@ impl TopKEngine {
                 lookback.ptr(),
                 ctl.ptr() + tickets_off
             ]);
-            self.launch_sort_pass(wide, tiles, args, tile_offsets, 0)?;
+            if wide {
+                self.launch(&pass_wide, tiles as u32, RSORT_THREADS, wide_shared, &args)?;
+            } else {
+                args.push(Arg::from(tile_offsets));
+                self.launch(&pass, tiles as u32, RSORT_THREADS, 0, &args)?;
+            }
         }
         Ok(out)
-    }
-
-    /// Launches one radix sort pass over `tiles` tiles (`rsort_pass_wide` when `wide`, else
-    /// `rsort_pass` with `tile_offsets`, 0 for its look-back), `args` its arguments up to the
-    /// tickets; `count`: a device address whose u64 replaces the pass's size (its tiles past it
-    /// return at once), or 0.
-    pub(super) fn launch_sort_pass(
-        &self,
-        wide: bool,
-        tiles: usize,
-        mut args: Vec<Arg>,
-        tile_offsets: u64,
-        count: u64,
-    ) -> GpuResult<()> {
-        if wide {
-            args.push(Arg::from(count));
-            let shared = radix_sort_wide_tile(self.kind) * self.kind.pair_bytes();
-            self.launch(
-                &self.kernel("rsort_pass_wide"),
-                tiles as u32,
-                RSORT_THREADS,
-                shared,
-                &args,
-            )
-        } else {
-            args.extend_from_slice(args![tile_offsets, count]);
-            self.launch(
-                &self.kernel("rsort_pass"),
-                tiles as u32,
-                RSORT_THREADS,
-                0,
-                &args,
-            )
-        }
     }
 
     /// Pairs `[0, m)` sorted ascending, at the start of a new buffer (bitonic sort, padded to

@@ -1,12 +1,13 @@
-//! The top-bits selection (radix_sort.cu `rsort_top_hist`, `rsort_top_filter`): the k smallest
-//! of positional pairs, sorted, from a histogram of the key's top bits, a stable filter of the
-//! pairs at or below the k-th smallest's bin, and the key's radix passes over those alone, all
-//! enqueued on the device's counts and read back once.
+//! The top-bits selection (radix_sort.cu `rsort_top_*`, bitonic.cu `sort_segments`): the k
+//! smallest of positional pairs, sorted. A sample of the keys sets bins over their top word; a
+//! histogram finds the bin of the k-th smallest; the pairs at or below it are scattered by bin,
+//! and each block sorts a few bins in registers. All enqueued on the device's counts and read
+//! back once; heavy ties in a bin take the merge sort after the read-back.
 
 use super::*;
 
 /// The bins and control words (radix_sort.cu `TOP_BINS` and the words after them: done
-/// counter, bound, status, tile ticket, kept count (u64), the bins' base (u64) and shift).
+/// counter, bound, status, a spare word, kept count (u64), the bins' base (u64) and shift).
 const TOP_BINS: usize = 4096;
 const TOP_BOUND_WORD: usize = TOP_BINS + 1;
 const TOP_STATUS_WORD: usize = TOP_BINS + 2;
@@ -14,21 +15,22 @@ const TOP_STATUS_WORD: usize = TOP_BINS + 2;
 const TOP_STATUS_CROWDED: u32 = 2;
 const TOP_COUNT_WORD: usize = TOP_BINS + 4;
 const TOP_WORDS: usize = TOP_BINS + 10;
+const _: () = assert!(TOP_COUNT_WORD == TOP_STATUS_WORD + 2);
 /// Threads of bitonic.cu's `sort_segments` blocks (`SEGMENT_THREADS`), each sorting a tile of
 /// a quarter of the sort tile's pairs.
 const SEGMENT_THREADS: u32 = 256;
-/// Pairs per tile of `rsort_top_filter` (`RSORT_THREADS` × `TOP_ITEMS`).
-const TOP_FILTER_TILE: usize = RSORT_THREADS as usize * 16;
+/// Keys a thread of `rsort_top_scatter` takes (radix_sort.cu `SCATTER_ITEMS`).
+const SCATTER_ITEMS: usize = 16;
 
 /// The buffer of kept pairs for a top-bits selection of k among n: uniform keys keep k plus
-/// about n / 2048 (one bin: the bins span twice the sampled range); this leaves 8× that and
-/// half of k for keys that crowd their bins.
+/// one bin (a few hundred pairs at n = 2^20); this leaves half of k and n / 256 more for
+/// keys that crowd their bins.
 pub fn top_bits_capacity(n: usize, k: usize) -> usize {
     (k + k / 2 + n / 256).min(n)
 }
 
 /// Whether a sampled selection of k among n pairs takes the top-bits selection: positional
-/// 32- and 64-bit keys (row ids ascending in input order, as its second route needs) of the
+/// 32- and 64-bit keys (the scatter writes positions as row ids) of the
 /// sizes whose whole sort runs one kernel a pass (up to ~1.5M rows), for k from n / 128 to
 /// below n / 8 (32-bit keys) or n / 4 (64-bit keys). H100, n = 2^20 (session 17): i32 uniform
 /// k = 2^13 / 2^15 / 2^16 / 2^17 in 54 / 63 / 64 / 81 µs against 66 / 72 / 86 / 86 µs by the
@@ -54,51 +56,15 @@ pub fn top_bits_sorts(kind: KeyKind, n: usize, k: usize, positional: bool) -> bo
     }
 }
 
-/// A top-bits selection enqueued by [`TopKEngine::top_bits_enqueue`]: what its second route
-/// needs, and its sorted output, valid when the status read back is clear.
+/// A top-bits selection enqueued by [`TopKEngine::top_bits_enqueue`]: its control words, its
+/// kept pairs, and their sort, valid when the status read back is clear.
 #[derive(Debug)]
 pub(super) struct TopBitsRun {
-    keys: u64,
-    n: usize,
+    k: usize,
     cap: usize,
     ctl: PooledBuffer,
     kept: DevicePairs,
     out: DevicePairs,
-}
-
-/// Byte offsets in a top-bits selection's control block (u32 words): the bins and their
-/// words, the scatter's per-bin fill counters, the radix sort's bucket offsets per key byte,
-/// its plan and tickets, the stable filter's done counter, then its tiles' look-back words.
-struct TopBitsLayout {
-    fill: u64,
-    hist: u64,
-    plan: u64,
-    tickets: u64,
-    done: u64,
-    words: u64,
-    bytes: usize,
-}
-
-impl TopBitsLayout {
-    fn new(kind: KeyKind, n: usize) -> Self {
-        let positions = kind.key_bytes() as u64;
-        let fill = (4 * TOP_WORDS) as u64;
-        let hist = fill + 4 * TOP_BINS as u64;
-        let plan = hist + 4 * 256 * positions;
-        let tickets = plan + 4 * positions;
-        let done = tickets + 4 * positions;
-        let words = done + 4;
-        let bytes = words as usize + 4 * n.div_ceil(TOP_FILTER_TILE);
-        TopBitsLayout {
-            fill,
-            hist,
-            plan,
-            tickets,
-            done,
-            words,
-            bytes,
-        }
-    }
 }
 
 impl TopKEngine {
@@ -113,17 +79,14 @@ impl TopKEngine {
         debug_assert!(input.positional && k > 0);
         let k = k.min(n);
         let cap = top_bits_capacity(n, k);
-        let layout = TopBitsLayout::new(self.kind, n);
-        let ctl = self.device.pool.alloc(layout.bytes, &self.stream)?;
-        self.memset_zero(ctl.ptr(), layout.bytes)?;
+        // The bins and their words, then the scatter's per-bin fill counters.
+        let fill = (4 * TOP_WORDS) as u64;
+        let ctl_bytes = 4 * (TOP_WORDS + TOP_BINS);
+        let ctl = self.device.pool.alloc(ctl_bytes, &self.stream)?;
+        self.memset_zero(ctl.ptr(), ctl_bytes)?;
         let kept = self.alloc_pairs(cap)?;
         let out = self.alloc_pairs(cap)?;
         let c = ctl.ptr();
-        let grid = (2 * self.device.sm_count).min(n.div_ceil(RSORT_THREADS as usize * 4)) as u32;
-        // The scatter's threads take 16 keys each (radix_sort.cu `SCATTER_ITEMS`).
-        let scatter_grid = n
-            .div_ceil(RSORT_THREADS as usize * 16)
-            .min(8 * self.device.sm_count);
         self.launch(
             &self.kernel("rsort_top_window"),
             1,
@@ -131,23 +94,27 @@ impl TopKEngine {
             0,
             args![input.key_at(0), n, k, c],
         )?;
+        let grid = (2 * self.device.sm_count).min(n.div_ceil(RSORT_THREADS as usize * 4));
         self.launch(
             &self.kernel("rsort_top_hist"),
-            grid,
+            grid as u32,
             RSORT_THREADS,
             0,
             args![input.key_at(0), n, k, cap, c],
         )?;
+        let grid = n
+            .div_ceil(RSORT_THREADS as usize * SCATTER_ITEMS)
+            .min(8 * self.device.sm_count);
         self.launch(
             &self.kernel("rsort_top_scatter"),
-            scatter_grid as u32,
+            grid as u32,
             RSORT_THREADS,
             0,
             args![
                 input.key_at(0),
                 n,
                 c,
-                c + layout.fill,
+                c + fill,
                 kept.key_at(0),
                 kept.id_at(0)
             ],
@@ -170,8 +137,7 @@ impl TopKEngine {
             ],
         )?;
         Ok(TopBitsRun {
-            keys: input.key_at(0),
-            n,
+            k,
             cap,
             ctl,
             kept,
@@ -179,86 +145,28 @@ impl TopKEngine {
         })
     }
 
-    /// Reads a top-bits selection's status back (one round trip): its sorted pairs; where a
-    /// kept bin was too large for the segment sort, the second route (the stable filter and
-    /// the key's radix passes) run first; `None` when more pairs shared the k-th smallest's
-    /// bins than its buffers hold (nothing sorted).
+    /// Reads a top-bits selection's status and kept count back (one round trip): its sorted
+    /// pairs, and whether device work ran after the read-back (where a kept bin was too large
+    /// for the segment sort, the merge sort of the kept pairs, truncated at k); `None` when
+    /// more pairs shared the k-th smallest's bins than its buffers hold, or when the sample
+    /// foresaw a crowded bin (nothing sorted).
     pub(super) fn top_bits_complete(
         &mut self,
         run: TopBitsRun,
     ) -> GpuResult<Option<(DevicePairs, bool)>> {
-        let status_at = run.ctl.ptr() + 4 * TOP_STATUS_WORD as u64;
-        let status =
-            u32::from_le_bytes(self.read_bytes(status_at, 4)?.try_into().expect("4 bytes"));
+        // The status word, a spare word, then the kept count (u64).
+        let at = run.ctl.ptr() + 4 * TOP_STATUS_WORD as u64;
+        let bytes = self.read_bytes(at, 16)?;
+        let status = u32::from_le_bytes(bytes[0..4].try_into().expect("4 bytes"));
+        let kept = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")) as usize;
         match status {
             0 => Ok(Some((run.out, false))),
             TOP_STATUS_CROWDED => {
-                self.memset_zero(status_at, 4)?;
-                self.top_bits_stable(&run)?;
-                Ok(Some((run.out, true)))
+                let count = run.ctl.ptr() + 4 * TOP_COUNT_WORD as u64;
+                let sorted = self.merge_sort(&run.kept, 0, count, run.cap, run.k, 0)?;
+                Ok(Some((sorted.into_pairs(kept), true)))
             }
             _ => Ok(None),
         }
-    }
-
-    /// The second route of a top-bits selection whose histogram ran: the pairs at or below
-    /// the bound kept in input order (radix_sort.cu `rsort_top_filter`), then the key's radix
-    /// passes on the device's count, into `run.out`.
-    fn top_bits_stable(&self, run: &TopBitsRun) -> GpuResult<()> {
-        let (n, cap) = (run.n, run.cap);
-        let positions = self.kind.key_bytes();
-        let wide = radix_sort_is_wide(self.kind, cap);
-        let tiles = cap.div_ceil(if wide {
-            radix_sort_wide_tile(self.kind)
-        } else {
-            radix_sort_tile(self.kind)
-        });
-        let pass_words = if wide {
-            (tiles + tiles.div_ceil(LOOKBACK_GROUP) + 1) * 256
-        } else {
-            tiles * 256
-        };
-        let lookback_words = positions * pass_words;
-        // Freed to the pool in stream order, after the passes.
-        let lookback = self
-            .device
-            .pool
-            .alloc(4 * lookback_words.max(1), &self.stream)?;
-        let tmp = self.alloc_pairs(cap)?;
-        let layout = TopBitsLayout::new(self.kind, n);
-        let c = run.ctl.ptr();
-        self.launch(
-            &self.kernel("rsort_top_filter"),
-            n.div_ceil(TOP_FILTER_TILE) as u32,
-            RSORT_THREADS,
-            0,
-            args![
-                run.keys,
-                n,
-                c,
-                run.kept.key_at(0),
-                run.kept.id_at(0),
-                c + layout.words,
-                c + layout.hist,
-                c + layout.plan,
-                lookback.ptr(),
-                lookback_words,
-                c + layout.done
-            ],
-        )?;
-        for p in 0..positions {
-            let mut args = args![p as u32, 0u32].to_vec();
-            args.extend_from_slice(&sort_buffers(&run.kept, &tmp, &run.out));
-            args.extend_from_slice(args![
-                cap,
-                c + layout.hist,
-                c + layout.plan,
-                lookback.ptr(),
-                c + layout.tickets
-            ]);
-            let count = c + 4 * TOP_COUNT_WORD as u64;
-            self.launch_sort_pass(wide, tiles, args, 0, count)?;
-        }
-        Ok(())
     }
 }
