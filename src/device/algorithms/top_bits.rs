@@ -30,15 +30,17 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 }
 
 /// Whether a sampled selection of k among n pairs takes the top-bits selection: positional
-/// 32- and 64-bit keys (the scatter writes positions as row ids) of the
-/// sizes whose whole sort runs one kernel a pass (up to ~1.5M rows), for k from n / 128 to
+/// 32- and 64-bit keys (the scatter writes positions as row ids) of the sizes whose whole sort
+/// runs one kernel a pass (up to ~1.5M rows), for k from n / 128 to
 /// below n / 8 (32-bit keys) or n / 4 (64-bit keys). H100, n = 2^20 (session 17): i32 uniform
-/// k = 2^13 / 2^15 / 2^16 / 2^17 in 54 / 63 / 64 / 81 µs against 66 / 72 / 86 / 86 µs by the
-/// levels or the whole sort; i64 67 / 86 µs against 98 / 196 µs at 2^16 / 2^17; below n / 128
-/// its fixed ~45 µs loses to the levels, and from n / 4 its bins crowd. The cost model asks
+/// k = 2^13 / 2^15 / 2^16 in 57 / 65 / 66 µs against 65 / 72 / 86 µs by the levels or the whole
+/// sort; i64 69 / 89 µs against 98 / 194 µs at 2^16 / 2^17. Ties lose (81–214 µs against
+/// 35–167: crowding found after ~45 µs of its work, then the whole sort); below n / 128 its
+/// fixed cost loses to the levels, and from n / 4 its bins crowd. The cost model asks
 /// the same. `GPU_TOPK_TOP_BITS=0` turns it off, `=1` takes it wherever it applies (A/B runs).
 pub fn top_bits_sorts(kind: KeyKind, n: usize, k: usize, positional: bool) -> bool {
-    let forced = std::env::var("GPU_TOPK_TOP_BITS").ok();
+    static FORCED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let forced = FORCED.get_or_init(|| std::env::var("GPU_TOPK_TOP_BITS").ok());
     let applies = positional
         && n > RANK_SORT_MAX
         && k > 0
