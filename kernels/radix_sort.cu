@@ -297,6 +297,15 @@ __device__ __forceinline__ void top_window(const K *keys, u64 n, u64 k, u64 &bas
     crowded = s_crowded != 0;
 }
 
+// Loads keys i0 + u·RSORT_THREADS + threadIdx.x (u < N) of [0, n), all issued together.
+template <class K, int N> __device__ __forceinline__ void load_strided_keys(const K *keys, u64 n, u64 i0, K (&ks)[N]) {
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+        const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
+        if (i < n) ks[u] = keys[i];
+    }
+}
+
 // One block: the bins' base and shift (top_window) into the control words, computed once
 // (in every block of the histogram, the sample's ranking took ~11 of its 27 µs, ncu).
 template <class K> __device__ void rsort_top_window(const K *keys, u64 n, u64 k, u32 *top) {
@@ -323,11 +332,7 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
     const u64 stride = (u64)gridDim.x * RSORT_THREADS;
     for (u64 i0 = (u64)blockIdx.x * RSORT_THREADS * HIST_UNROLL; i0 < n; i0 += stride * HIST_UNROLL) {
         K ks[HIST_UNROLL];
-#pragma unroll
-        for (int u = 0; u < HIST_UNROLL; ++u) {
-            const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
-            if (i < n) ks[u] = keys[i];
-        }
+        load_strided_keys(keys, n, i0, ks);
 #pragma unroll
         for (int u = 0; u < HIST_UNROLL; ++u) {
             if (i0 + (u64)u * RSORT_THREADS + threadIdx.x < n) atomicAdd(&sh[top_bin(top_word(ks[u]), base, shift)], 1u);
@@ -391,11 +396,7 @@ __device__ void rsort_top_scatter(const K *keys, u64 n, const u32 *top, u32 *fil
     for (u64 i0 = (u64)blockIdx.x * RSORT_THREADS * SCATTER_ITEMS; i0 < n; i0 += stride * SCATTER_ITEMS) {
         K ks[SCATTER_ITEMS];
         u32 slot[SCATTER_ITEMS];
-#pragma unroll
-        for (int u = 0; u < SCATTER_ITEMS; ++u) {
-            const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
-            if (i < n) ks[u] = keys[i];
-        }
+        load_strided_keys(keys, n, i0, ks);
 #pragma unroll
         for (int u = 0; u < SCATTER_ITEMS; ++u) {
             const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;

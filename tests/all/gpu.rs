@@ -1167,6 +1167,19 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
 /// the chunk rank sort), and `finish` completes it; other selections are complete at once.
 /// 2^20 positional 64-bit keys at k = 1024 leave ~4000–6000 survivors, past what the rank sort
 /// took before it grew to 16384 pairs; k = n sorts the positional input by its keys alone.
+/// The low 32 bits of each primary value, and the little-endian bytes of the keys of `kind`
+/// (those 32 bits for `K32`, the whole value for `K64`).
+fn keys_as(kind: datafusion_gpu_topk::device::KeyKind, p: &[u64]) -> (Vec<u32>, Vec<u8>) {
+    let k32: Vec<u32> = p.iter().map(|&v| v as u32).collect();
+    let bytes = match kind {
+        datafusion_gpu_topk::device::KeyKind::K32 => {
+            k32.iter().flat_map(|v| v.to_le_bytes()).collect()
+        }
+        _ => p.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    };
+    (k32, bytes)
+}
+
 #[test]
 fn gpu_enqueued_selections_finish_with_the_oracle_result() {
     use datafusion_gpu_topk::device::{KeyKind, TopKEngine};
@@ -1178,11 +1191,7 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
         let (p, _) = generate(dist, n, true, 17);
         let ids: Vec<u64> = (0..n as u64).collect();
         for kind in [KeyKind::K32, KeyKind::K64] {
-            let k32: Vec<u32> = p.iter().map(|&v| v as u32).collect();
-            let bytes: Vec<u8> = match kind {
-                KeyKind::K32 => k32.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                _ => p.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            };
+            let (k32, bytes) = keys_as(kind, p.as_slice());
             let expected_of = |k| match kind {
                 KeyKind::K32 => oracle(&k32, &ids, k),
                 _ => oracle(&p, &ids, k),
@@ -1268,11 +1277,7 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
         let n = *n;
         let ids: Vec<u64> = (0..n as u64).collect();
         for kind in [KeyKind::K32, KeyKind::K64] {
-            let k32: Vec<u32> = p.iter().map(|&v| v as u32).collect();
-            let bytes: Vec<u8> = match kind {
-                KeyKind::K32 => k32.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                _ => p.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            };
+            let (k32, bytes) = keys_as(kind, p.as_slice());
             let mut engine = TopKEngine::new(&device, kind).unwrap();
             let mut pairs = engine.upload_pairs(&bytes, &ids).unwrap();
             pairs.set_positional(true);

@@ -41,11 +41,8 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 pub fn top_bits_sorts(kind: KeyKind, n: usize, k: usize, positional: bool) -> bool {
     static FORCED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     let forced = FORCED.get_or_init(|| std::env::var("GPU_TOPK_TOP_BITS").ok());
-    let applies = positional
-        && n > RANK_SORT_MAX
-        && k > 0
-        && top_bits_capacity(n, k).div_ceil(radix_sort_wide_tile(kind)) <= ONESWEEP_WIDE_MAX_TILES
-        && radix_sort_is_wide(kind, n);
+    // Its buffers (at most n pairs) then fit the merge sort of its crowded route.
+    let applies = positional && k > 0 && radix_sort_is_wide(kind, n);
     let below = match kind {
         KeyKind::K32 => 8,
         KeyKind::K64 => 4,
