@@ -279,48 +279,90 @@ __device__ void sort_local(const K *keys, const u64 *ids, u64 n, K *out_keys, u6
     store_tile(out_keys, out_ids, m, tile_base, key, id);
 }
 
-// The start of the first bin at or after position p of a bin-ordered buffer: bins
-// [0, last] start at starts[b], and bin last + 1 at m (the end).
-__device__ __forceinline__ u64 segment_start(const u32 *starts, u32 last, u64 m, u64 p) {
-    u32 lo = 0, hi = last + 1;
-    while (lo < hi) {
-        const u32 mid = (lo + hi) / 2;
-        if ((u64)starts[mid] >= p) {
-            hi = mid;
-        } else {
-            lo = mid + 1;
-        }
-    }
-    return lo > last ? m : (u64)starts[lo];
-}
-
 // Sort of a bin-ordered buffer (radix_sort.cu's top-bits selection): pairs [0, m), m = *count,
 // grouped by bin (bin b, b ≤ *last, at [starts[b], starts[b + 1])), each bin at most half a
 // tile of SEGMENT_TILE pairs. Block j sorts the bins that start in [j·T/2, (j+1)·T/2) (at most
-// a tile) by (key, row id) in registers, into the same positions of `out`. Nothing when
-// *status is set. Blocks of 256 threads: the bins are small, and a 4096-pair tile's network
-// took ~47 µs a block (ncu), with one block a SM.
+// a tile) by (key, row id), into the same positions of `out`. Nothing when *status is set.
+// Bins of up to SEGMENT_RANK_BIN pairs (uniform keys: tens) are sorted by rank: each pair
+// counts the pairs of its bin below it in shared memory. Larger ones take the register
+// network over the whole tile, whose 55 dependent steps took ~10 µs a block (ncu, n = 2^20).
+// Blocks of 256 threads.
 #define SEGMENT_THREADS 256
 #define SEGMENT_TILE (SORT_PER * SEGMENT_THREADS)
+#define SEGMENT_RANK_BIN 256u
+// The most bins a block's half tile can hold starts of (radix_sort.cu TOP_BINS).
+#define SEGMENT_MAX_BINS 4096u
 template <class K>
 __device__ void sort_segments(const K *keys, const u64 *ids, const u32 *starts, const u32 *last, const u64 *count,
                               const u32 *status, K *out_keys, u64 *out_ids) {
     // The block's range, kept in shared memory across the network (in registers it spilled).
     __shared__ u64 s_first, s_len;
-    if (*status != 0) return;
-    if (threadIdx.x == 0) {
-        const u64 m = *count, half = SEGMENT_TILE / 2, p = (u64)blockIdx.x * half;
-        const u64 a = p >= m ? m : segment_start(starts, *last, m, p);
-        const u64 b = p >= m ? m : segment_start(starts, *last, m, p + half);
-        s_first = a;
-        s_len = b - a;
-    }
+    __shared__ u32 s_below[2], s_largest;
+    __shared__ u32 s_starts[SEGMENT_MAX_BINS];
+    const u32 st = *status, bins = *last + 1;
+    const u64 m = *count, half = SEGMENT_TILE / 2, p = (u64)blockIdx.x * half;
+    if (st != 0 || p >= m) return;
+    // The first bin starting at or after p (and p + half) is the count of bins starting below
+    // it (starts ascend): counted by every thread over a stride of the bins at once, where one
+    // thread's binary search waited on ~24 dependent loads.
+    if (threadIdx.x == 0) s_below[0] = s_below[1] = s_largest = 0;
     __syncthreads();
-    if (s_len == 0) return;
+    u32 below = 0, below_end = 0;
+#pragma unroll 4
+    for (u32 b = threadIdx.x; b < bins; b += SEGMENT_THREADS) {
+        const u64 s = starts[b];
+        below += s < p;
+        below_end += s < p + half;
+    }
+    if (below) atomicAdd(&s_below[0], below);
+    if (below_end) atomicAdd(&s_below[1], below_end);
+    __syncthreads();
+    const u32 lo = s_below[0], hi = s_below[1];
+    const u64 first = lo < bins ? (u64)starts[lo] : m, len = (hi < bins ? (u64)starts[hi] : m) - first;
+    if (len == 0) return;
+    // The block's bins [lo, hi): their starts within the segment, and the largest bin.
+    const u32 nb = hi - lo;
+    u32 largest = 0;
+    for (u32 j = threadIdx.x; j < nb; j += SEGMENT_THREADS) {
+        const u32 a = starts[lo + j] - (u32)first;
+        const u32 e = j + 1 < nb ? starts[lo + j + 1] - (u32)first : (u32)len;
+        s_starts[j] = a;
+        largest = max(largest, e - a);
+    }
+    if (largest) atomicMax(&s_largest, largest);
+    if (threadIdx.x == 0) {
+        s_first = first;
+        s_len = len;
+    }
+    Smem<K> s = smem_of<K>(SEGMENT_TILE);
+    __syncthreads();
+    if (s_largest <= SEGMENT_RANK_BIN) {
+        for (u32 i = threadIdx.x; i < len; i += SEGMENT_THREADS) {
+            s.keys[i] = keys[first + i];
+            s.ids[i] = ids[first + i];
+        }
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < len; i += SEGMENT_THREADS) {
+            // Its bin: the last whose start is at or below i.
+            u32 l = 0, r = nb;
+            while (r - l > 1) {
+                const u32 mid = (l + r) / 2;
+                if (s_starts[mid] <= i) l = mid; else r = mid;
+            }
+            const u32 a = s_starts[l], e = l + 1 < nb ? s_starts[l + 1] : (u32)len;
+            const K k = s.keys[i];
+            const u64 id = s.ids[i];
+            u32 rank = 0;
+            for (u32 j = a; j < e; ++j) rank += pair_less(s.keys[j], s.ids[j], k, id);
+            out_keys[first + a + rank] = k;
+            out_ids[first + a + rank] = id;
+        }
+        return;
+    }
     K key[SORT_PER];
     u64 id[SORT_PER];
     load_tile(keys + s_first, ids + s_first, s_len, 0, key, id);
-    tile_network<K, SEGMENT_THREADS>(key, id, 0, 2, SEGMENT_TILE, smem_of<K>(SEGMENT_TILE));
+    tile_network<K, SEGMENT_THREADS>(key, id, 0, 2, SEGMENT_TILE, s);
     store_tile(out_keys + s_first, out_ids + s_first, s_len, 0, key, id);
 }
 

@@ -197,8 +197,8 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 //
 // A selection of k among n positional pairs (row ids = positions) that sorts only the pairs
 // that can be among the k: those whose bin (below) is at most the k-th smallest's.
-//   rsort_top_window   one block: the bins (below) from a sample of the keys;
-//   rsort_top_hist     one read of the keys: the histogram of their bins; the last block finds
+//   rsort_top_hist     one read of the keys: every block sets the bins (below) from a sample of
+//                      the keys, then counts its keys' bins; the last block finds
 //                      the bin of the k-th smallest (the bound), the count of pairs in it and
 //                      below, and each bin's start among them; its status says whether they
 //                      exceed the buffers (`cap`), or whether a bin holds more than half a sort
@@ -207,28 +207,29 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 //                      the buffer (a global atomic slot per pair), so the buffer is ordered by
 //                      bin, in no order inside a bin;
 //   bitonic_sort_segments (bitonic.cu)  one block per half tile of bin starts sorts its bins by
-//                      (key, row id) in registers, into the output.
+//                      (key, row id), into the output.
 // A bin too large for the segment sort (heavy ties at the k-th smallest) makes the host
 // merge-sort the kept pairs instead, after the read-back (merge_sort.cu, on the device's count).
-// A bin is (mostly) TOP_BITS bits of the key's top word above a base. rsort_top_window reads a strided
-// sample of 256 keys and takes its smallest and a sample rank safely beyond the
-// k-th smallest's expected one; the bins span twice that range from half a range below the
-// smallest (clamped at both ends: bins stay monotone in the key), so that the pairs near the
+// Bins are over the key's top word. top_window reads a strided sample of 256 keys and takes its
+// smallest and a sample rank safely beyond the k-th smallest's expected one; the linear bins
+// divide that range, from a sixteenth of it below the smallest, in equal parts (a 64-bit
+// multiply-high by a scale: power-of-two widths left 80–90% of the bins above the k-th
+// smallest, and ~150 uniform keys a bin at k = n/16), with keys further below in octave bins
+// and those above in the last bin; bins stay monotone in the key, so that the pairs near the
 // k-th smallest spread over the bins whatever the keys' high bits share (sorted runs, narrow
-// ranges, floats' exponents). If the k-th smallest lies beyond the sampled rank, its bin is the
-// last, which holds the rest: the status says the buffers overflow, and the host sorts the whole
-// input instead.
-#define TOP_BITS 12
-#define TOP_BINS (1u << TOP_BITS)
+// ranges, floats' exponents). If the k-th smallest lies beyond the sampled rank, in the last
+// bin (which holds the rest and is not counted): the status says the buffers overflow, and the
+// host sorts the whole input instead.
+#define TOP_BINS 4096u
 #define TOP_SAMPLE RSORT_THREADS
 // Control words after the bins: the histogram's done counter, the bound, the status, a spare
-// word, the kept count (u64), the bins' base (u64) and shift.
+// word, the kept count (u64), the bins' base (u64) and scale (u64).
 #define TOP_DONE TOP_BINS
 #define TOP_BOUND (TOP_BINS + 1)
 #define TOP_STATUS (TOP_BINS + 2)
 #define TOP_COUNT (TOP_BINS + 4)
 #define TOP_BASE (TOP_BINS + 6)
-#define TOP_SHIFT (TOP_BINS + 8)
+#define TOP_SCALE (TOP_BINS + 8)
 #define TOP_STATUS_OVERFLOW 1u
 #define TOP_STATUS_CROWDED 2u
 #define TOP_STATUS_FORESEEN 4u
@@ -240,59 +241,76 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // The key's most significant word (all of a 32- or 64-bit key).
 template <class K> __device__ __forceinline__ u64 top_word(const K &k) { return (u64)k.w[K::N - 1]; }
 
-// Bins [TOP_LOW, TOP_BINS) are linear from the base up; bins [0, TOP_LOW) take the keys below
-// it by the octave of their distance to it (8 bins an octave), so that a long lower tail
-// spreads too: below the smallest sampled key lie ~n/257 keys, which one clamped bin held for
-// f32 keys in [0, 1) (their encodings crowd towards zero).
+// Bins [TOP_LOW, TOP_BINS - 1) are linear from the base up, ⌊d · scale / 2^64⌋ for a key d
+// above it (d itself when the scale is 0: a range of fewer words than bins), and the last bin
+// takes the keys above them; bins [0, TOP_LOW) take the keys below the base by the octave of
+// their distance to it (8 bins an octave), so that a long lower tail spreads too: below the
+// smallest sampled key lie ~n/257 keys, which one clamped bin held for f32 keys in [0, 1)
+// (their encodings crowd towards zero).
 #define TOP_LOW 512u
-__device__ __forceinline__ u32 top_bin(u64 word, u64 base, u32 shift) {
-    if (word >= base) return TOP_LOW + (u32)min((word - base) >> shift, (u64)(TOP_BINS - TOP_LOW - 1));
+#define TOP_LINEAR (TOP_BINS - 1 - TOP_LOW)
+__device__ __forceinline__ u32 top_bin(u64 word, u64 base, u64 scale) {
+    if (word >= base) {
+        const u64 d = word - base;
+        return TOP_LOW + (u32)min(scale ? __umul64hi(d, scale) : d, (u64)TOP_LINEAR);
+    }
     const u64 d = base - word;
     const int e = 63 - __clzll((long long)d);
     const u32 m = (u32)(e >= 3 ? d >> (e - 3) : d << (3 - e)) & 7u; // 3 bits below the leading one
     return TOP_LOW - 1 - min((u32)e * 8 + m, TOP_LOW - 1);
 }
 
-// The bins' base and shift from the block's strided sample of the keys (n ≥ TOP_SAMPLE; every
-// block of the grid computes the same): from the smallest sampled key to the sampled key of
-// rank 2·(expected rank of the k-th smallest) + 16.
-template <class K>
-__device__ __forceinline__ void top_window(const K *keys, u64 n, u64 k, u64 &base, u32 &shift, bool &crowded) {
-    __shared__ u64 sample[TOP_SAMPLE];
-    __shared__ u64 s_hi;
+// Sorts the block's RSORT_THREADS words, one per thread, ascending by thread index: a bitonic
+// network whose strides below 32 exchange through warp shuffles and the others through `s`.
+__device__ __forceinline__ u64 block_sort_words(u64 v, u64 *s) {
     const u32 t = threadIdx.x;
-    const u64 w = top_word(keys[(u64)t * (n / TOP_SAMPLE)]);
-    sample[t] = w;
-    const u32 want = (u32)min((u64)TOP_SAMPLE - 1, 2 * (TOP_SAMPLE * k / n) + 16);
-    __syncthreads();
-    u32 rank = 0;
-    u64 mn = w;
-#pragma unroll 8
-    for (u32 j = 0; j < TOP_SAMPLE; ++j) {
-        const u64 v = sample[j];
-        rank += v < w || (v == w && j < t);
-        mn = min(mn, v);
+    for (u32 size = 2; size <= RSORT_THREADS; size <<= 1) {
+        for (u32 stride = size >> 1; stride > 0; stride >>= 1) {
+            u64 o;
+            if (stride >= 32) {
+                s[t] = v;
+                __syncthreads();
+                o = s[t ^ stride];
+                __syncthreads();
+            } else {
+                o = __shfl_xor_sync(FULL_MASK, v, (int)stride);
+            }
+            // The lower position of an ascending pair of positions keeps the smaller word.
+            v = ((t & stride) == 0) == ((t & size) == 0) ? min(v, o) : max(v, o);
+        }
     }
-    if (rank == want) s_hi = w;
-    __syncthreads();
-    const u64 range = s_hi - mn;
-    const int bits = 64 - __clzll((long long)range); // 0 when those sampled keys are equal
-    shift = (u32)max(0, bits + 1 - (int)TOP_BITS);
-    base = mn - min(mn, range / 2);
-    // Crowding foreseen: TOP_CROWD_SAMPLES sampled keys up to that rank in one bin, each
-    // standing for ~n/256 keys (heavy ties, or a cluster narrower than a bin). Uniform keys
-    // spread those up to 144 samples over ≥ 1024 bins: about 1.6% of them would see it.
+    return v;
+}
+
+// The bins' base and scale from the block's strided sample of the keys (n ≥ TOP_SAMPLE): the
+// linear bins end at the sampled key of rank 2·(expected rank of the k-th smallest) + 16. The sample is sorted by a network (ranking each key against all 256, twice, took most of
+// the kernel's 10.3 µs, ncu).
+template <class K>
+__device__ __forceinline__ void top_window(const K *keys, u64 n, u64 k, u64 &base, u64 &scale, bool &crowded) {
+    __shared__ u64 sample[TOP_SAMPLE];
     __shared__ u32 s_bin[TOP_SAMPLE];
     __shared__ int s_crowded;
+    const u32 t = threadIdx.x;
+    // Thread t holds the sample's t-th smallest.
+    const u64 w = block_sort_words(top_word(keys[(u64)t * (n / TOP_SAMPLE)]), sample);
+    const u32 want = (u32)min((u64)TOP_SAMPLE - 1, 2 * (TOP_SAMPLE * k / n) + 16);
     if (t == 0) s_crowded = 0;
-    s_bin[t] = rank <= want ? top_bin(w, base, shift) : TOP_BINS + t; // the others never match
+    sample[t] = w; // the network's last shared reads ended at its last barrier
     __syncthreads();
-    if (rank <= want) {
-        u32 same = 0;
-#pragma unroll 8
-        for (u32 j = 0; j < TOP_SAMPLE; ++j) same += s_bin[j] == s_bin[t];
-        if (same >= TOP_CROWD_SAMPLES) s_crowded = 1;
-    }
+    const u64 mn = sample[0], range = sample[want] - mn;
+    base = mn - min(mn, range / 16);
+    // The linear bins' keys, [base, base + span]: TOP_LINEAR / (span + 1) · 2^64, a little
+    // less, so that the last of them stays below the last bin.
+    const u64 span = mn - base + range;
+    scale = span < TOP_LINEAR ? 0 : (u64)((double)TOP_LINEAR / ((double)span + 1.0) * (1.0 - 1e-9) * 18446744073709551616.0);
+    // Crowding foreseen: TOP_CROWD_SAMPLES sampled keys up to that rank in one bin, each
+    // standing for ~n/256 keys (heavy ties, or a cluster narrower than a bin). Bins are
+    // monotone in the key, so those are consecutive in the sorted sample. Uniform keys spread
+    // those up to 256 samples over ~3400 bins.
+    const u32 bin = top_bin(w, base, scale);
+    s_bin[t] = bin;
+    __syncthreads();
+    if (t + TOP_CROWD_SAMPLES - 1 <= want && s_bin[t + TOP_CROWD_SAMPLES - 1] == bin) s_crowded = 1;
     __syncthreads();
     crowded = s_crowded != 0;
 }
@@ -306,40 +324,46 @@ template <class K, int N> __device__ __forceinline__ void load_strided_keys(cons
     }
 }
 
-// One block: the bins' base and shift (top_window) into the control words, computed once
-// (in every block of the histogram, the sample's ranking took ~11 of its 27 µs, ncu).
-template <class K> __device__ void rsort_top_window(const K *keys, u64 n, u64 k, u32 *top) {
-    u64 base;
-    u32 shift;
-    bool crowded;
-    top_window(keys, n, k, base, shift, crowded);
-    if (threadIdx.x == 0) {
-        *reinterpret_cast<u64 *>(top + TOP_BASE) = base;
-        top[TOP_SHIFT] = shift;
-        // Foreseen crowding skips the rest: the host sorts the whole input after the read-back.
-        if (crowded) top[TOP_STATUS] = TOP_STATUS_FORESEEN;
-    }
-}
+// Keys a thread of rsort_top_hist and rsort_top_scatter takes per round, their loads issued
+// together (one round each at n = 2^20: in rounds of 4, each waited on DRAM).
+#define SCATTER_ITEMS 16
 
+// Every block computes the bins from the sample itself (one launch less: a one-block kernel
+// took 4.2 µs, ncu), block 0 writes them for the scatter. The keys above the bins' span (the
+// last bin, where the linear bins clamp: most keys, ~55–85% of uniform ones) are not counted: one shared counter took ~3/4 of each warp's atomics. A
+// k-th smallest beyond the counted keys is an overflow.
 template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u64 cap, u32 *top) {
     __shared__ u32 sh[TOP_BINS];
     __shared__ u32 s_bound, s_crowded;
-    if (top[TOP_STATUS] == TOP_STATUS_FORESEEN) return; // every block
     for (u32 i = threadIdx.x; i < TOP_BINS; i += RSORT_THREADS) sh[i] = 0;
-    const u64 base = *reinterpret_cast<const u64 *>(top + TOP_BASE);
-    const u32 shift = top[TOP_SHIFT];
-    __syncthreads();
-    const u64 stride = (u64)gridDim.x * RSORT_THREADS;
-    for (u64 i0 = (u64)blockIdx.x * RSORT_THREADS * HIST_UNROLL; i0 < n; i0 += stride * HIST_UNROLL) {
-        K ks[HIST_UNROLL];
-        load_strided_keys(keys, n, i0, ks);
+    // The first round's keys are loaded while the block computes the bins from the sample.
+    const u64 stride = (u64)gridDim.x * RSORT_THREADS * SCATTER_ITEMS;
+    u64 i0 = (u64)blockIdx.x * RSORT_THREADS * SCATTER_ITEMS;
+    K ks[SCATTER_ITEMS];
+    load_strided_keys(keys, n, i0, ks);
+    u64 base, scale;
+    bool crowded;
+    top_window(keys, n, k, base, scale, crowded);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        *reinterpret_cast<u64 *>(top + TOP_BASE) = base;
+        *reinterpret_cast<u64 *>(top + TOP_SCALE) = scale;
+        // Foreseen crowding skips the rest: the host sorts the whole input after the read-back.
+        if (crowded) top[TOP_STATUS] = TOP_STATUS_FORESEEN;
+    }
+    if (crowded) return; // every block
+    for (; i0 < n; i0 += stride) {
 #pragma unroll
-        for (int u = 0; u < HIST_UNROLL; ++u) {
-            if (i0 + (u64)u * RSORT_THREADS + threadIdx.x < n) atomicAdd(&sh[top_bin(top_word(ks[u]), base, shift)], 1u);
+        for (int u = 0; u < SCATTER_ITEMS; ++u) {
+            const u32 bin = top_bin(top_word(ks[u]), base, scale);
+            if (i0 + (u64)u * RSORT_THREADS + threadIdx.x < n && bin < TOP_BINS - 1) atomicAdd(&sh[bin], 1u);
         }
+        load_strided_keys(keys, n, i0 + stride, ks);
     }
     __syncthreads();
-    for (u32 i = threadIdx.x; i < TOP_BINS; i += RSORT_THREADS) {
+    // Each block starts its flush at a bin of its own: in the same order, all blocks' atomics
+    // queued on the same few counters (11.2 against 7.8 µs for 264 blocks × 700 bins, H100).
+    for (u32 j = threadIdx.x; j < TOP_BINS - 1; j += RSORT_THREADS) {
+        const u32 i = (j + blockIdx.x * 97u) % (TOP_BINS - 1);
         if (sh[i] != 0) atomicAdd(&top[i], sh[i]);
     }
     if (!last_block_done(top + TOP_DONE)) return;
@@ -351,8 +375,13 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
         c[j] = __ldcg(&top[threadIdx.x * PER + j]);
         sum += c[j];
     }
+    if (threadIdx.x == 0) {
+        s_crowded = 0;
+        s_bound = TOP_BINS;
+    }
     const u32 before = block_exclusive_sum(sum);
-    if (threadIdx.x == 0) s_crowded = 0;
+    // Fewer counted keys than k: the k-th smallest lies above the bins.
+    if (threadIdx.x == RSORT_THREADS - 1 && (u64)before + sum < k) top[TOP_STATUS] = TOP_STATUS_OVERFLOW;
     if (before < k && k <= (u64)before + sum) {
         u32 run = before, bound = 0;
 #pragma unroll
@@ -369,39 +398,41 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
     // Each bin's start among the kept pairs, in place of its count; whether a kept bin is
     // larger than the segment sort takes.
     u32 at = before;
-    bool crowded = false;
+    bool large = false;
 #pragma unroll
     for (u32 j = 0; j < PER; ++j) {
         top[threadIdx.x * PER + j] = at;
         at += c[j];
-        crowded |= threadIdx.x * PER + j <= s_bound && c[j] > TOP_SEGMENT_BIN;
+        large |= threadIdx.x * PER + j <= s_bound && c[j] > TOP_SEGMENT_BIN;
     }
-    if (crowded) s_crowded = 1;
+    if (large) s_crowded = 1;
     __syncthreads();
     if (threadIdx.x == 0 && s_crowded && top[TOP_STATUS] == 0) top[TOP_STATUS] = TOP_STATUS_CROWDED;
 }
 
 // Each pair at or below the bound to its bin's part of `out` (starts in `top`, slots counted
-// in `fill`, zero at launch), with its position as row id. A thread loads all its keys, then
-// takes all its slots, then writes: in a loop of loads, slot atomics and writes, each round
-// waited on the last one's atomics (17.5 µs at n = 2^20, k = 2^16, ncu).
-#define SCATTER_ITEMS 16
+// in `fill`, zero at launch, one counter per 32-byte sector: eight bins' counters in one
+// sector took 13.7 against 9.0 µs for 65K slots over 1200 bins, H100), with its position as
+// row id. A thread loads all its keys, then takes all its slots, then writes: in a loop of
+// loads, slot atomics and writes, each round waited on the last one's atomics.
+#define TOP_FILL_STRIDE 8
 template <class K>
 __device__ void rsort_top_scatter(const K *keys, u64 n, const u32 *top, u32 *fill, K *out_keys, u64 *out_ids) {
-    // Crowded bins still scatter: the host merge-sorts the kept pairs after the read-back.
-    if (top[TOP_STATUS] != 0 && top[TOP_STATUS] != TOP_STATUS_CROWDED) return;
-    const u32 bound = top[TOP_BOUND], shift = top[TOP_SHIFT];
+    const u32 status = top[TOP_STATUS], bound = top[TOP_BOUND];
     const u64 base = *reinterpret_cast<const u64 *>(top + TOP_BASE);
+    const u64 scale = *reinterpret_cast<const u64 *>(top + TOP_SCALE);
     const u64 stride = (u64)gridDim.x * RSORT_THREADS;
     for (u64 i0 = (u64)blockIdx.x * RSORT_THREADS * SCATTER_ITEMS; i0 < n; i0 += stride * SCATTER_ITEMS) {
         K ks[SCATTER_ITEMS];
         u32 slot[SCATTER_ITEMS];
         load_strided_keys(keys, n, i0, ks);
+        // Crowded bins still scatter: the host merge-sorts the kept pairs after the read-back.
+        if (status != 0 && status != TOP_STATUS_CROWDED) return;
 #pragma unroll
         for (int u = 0; u < SCATTER_ITEMS; ++u) {
             const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
-            const u32 bin = i < n ? top_bin(top_word(ks[u]), base, shift) : TOP_BINS;
-            slot[u] = bin <= bound ? top[bin] + atomicAdd(&fill[bin], 1u) : ~0u;
+            const u32 bin = i < n ? top_bin(top_word(ks[u]), base, scale) : TOP_BINS;
+            slot[u] = bin <= bound ? top[bin] + atomicAdd(&fill[bin * TOP_FILL_STRIDE], 1u) : ~0u;
         }
 #pragma unroll
         for (int u = 0; u < SCATTER_ITEMS; ++u) {
@@ -893,10 +924,6 @@ extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
                         const u64 *tmp_ids, const K *out_keys, const u64 *out_ids, u64 m, const u32 *plan,        \
                         u32 *counts) {                                                                            \
         rsort_count<K>(p, id_digits, in_keys, in_ids, tmp_keys, tmp_ids, out_keys, out_ids, m, plan, counts);     \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
-        rsort_top_window_##S(const K *keys, u64 n, u64 k, u32 *top) {                                             \
-        rsort_top_window<K>(keys, n, k, top);                                                                     \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
         rsort_top_hist_##S(const K *keys, u64 n, u64 k, u64 cap, u32 *top) {                                      \

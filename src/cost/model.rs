@@ -297,15 +297,15 @@ impl CostModel {
             };
             return Some((work, self.fits.sample));
         }
-        // The top-bits selection: a memset, the sampled bins, two reads of the keys (the bins'
+        // The top-bits selection: a memset, two reads of the keys (the sampled bins and their
         // histogram, the scatter of the pairs at or below the k-th smallest's bin), the
         // segment sort of those (about k), and the read-back of its status.
         if algorithm == DeviceAlgorithm::Sample && top_bits_sorts(case.kind, n, k, case.positional)
         {
             let work = Work {
-                launches: 5.0,
+                launches: 4.0,
                 readbacks: 1.0,
-                steps: 4.0,
+                steps: 3.0,
                 bytes: 2.0 * n as f64 * case.kind.key_bytes() as f64
                     + 2.0 * k as f64 * case.pair_bytes(),
                 ..Work::default()

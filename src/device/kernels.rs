@@ -84,7 +84,6 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
             "rsort_pass",
             "rsort_pass_wide",
             "rsort_count",
-            "rsort_top_window",
             "rsort_top_hist",
             "rsort_top_scatter",
         ],

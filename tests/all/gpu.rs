@@ -1204,13 +1204,12 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
                 (1024, DeviceAlgorithm::Sample, true),
                 (6000, DeviceAlgorithm::Sample, true),
                 (1024, DeviceAlgorithm::Radix, false),
-                // From k = n / 128 to below n / 8 (32-bit keys) or n / 4 (64-bit) the
-                // top-bits selection (`top_bits_sorts`), read back at the finish; beyond,
-                // all n sorted by their radix passes (`sample_sorts_whole`), complete when
-                // enqueued.
+                // From k = n / 256 to below n / 4 the top-bits selection (`top_bits_sorts`),
+                // read back at the finish; beyond, all n sorted by their radix passes
+                // (`sample_sorts_whole`), complete when enqueued.
                 (50_000, DeviceAlgorithm::Sample, true),
                 (100_000, DeviceAlgorithm::Sample, true),
-                (200_000, DeviceAlgorithm::Sample, kind == KeyKind::K64),
+                (200_000, DeviceAlgorithm::Sample, true),
                 (300_000, DeviceAlgorithm::Sample, false),
                 // All of them: positional ids let the radix sort skip the id digits.
                 (n, DeviceAlgorithm::Radix, false),
@@ -1240,13 +1239,14 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
     let Some(device) = gpu_or_skip("gpu_top_bits_selection_matches_the_oracle") else {
         return;
     };
-    // Uniform keys with one small value repeated on every 64th row: a bin of ~16K equal keys
-    // below the k-th smallest, too large for the segment sort.
-    let crowded = |n: usize, seed: u64| -> Vec<u64> {
+    // Uniform keys with one small value repeated on every `every`-th row: on every 64th, a bin
+    // of ~16K equal keys below the k-th smallest, too large for the segment sort; on every
+    // 4096th, a bin of ~256 (the segment sort's register network, past its rank sort's bins).
+    let repeated = |n: usize, seed: u64, every: usize| -> Vec<u64> {
         let (mut p, _) = generate(Dist::Uniform, n, true, seed);
         for (i, v) in p.iter_mut().enumerate() {
             // Off the sampled rows (multiples of n / 256 here), which would see only this value.
-            if i % 64 == 1 {
+            if i % every == 1 {
                 *v = 77;
             }
         }
@@ -1271,7 +1271,13 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
         "crowded".into(),
         n,
         vec![20_000, 60_000, 1 << 17],
-        crowded(n, 5),
+        repeated(n, 5, 64),
+    ));
+    inputs.push((
+        "medium".into(),
+        n,
+        vec![20_000, 60_000],
+        repeated(n, 6, 4096),
     ));
     for (dist, n, ks, p) in &inputs {
         let n = *n;
@@ -1300,7 +1306,7 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
                 assert!(got == expected, "{what}");
                 match dist.as_str() {
                     // Uniform keys take the segment sort; the crowded bin the second route.
-                    "Uniform" => assert!(!more, "{what}: the segment sort"),
+                    "Uniform" | "medium" => assert!(!more, "{what}: the segment sort"),
                     "crowded" => assert!(more, "{what}: the second route"),
                     // Equal keys fill one bin beyond the buffers: all pairs are sorted.
                     "AllEqual" if top_bits_capacity(n, k) < n => {

@@ -1,13 +1,14 @@
 //! The top-bits selection (radix_sort.cu `rsort_top_*`, bitonic.cu `sort_segments`): the k
 //! smallest of positional pairs, sorted. A sample of the keys sets bins over their top word; a
 //! histogram finds the bin of the k-th smallest; the pairs at or below it are scattered by bin,
-//! and each block sorts a few bins in registers. All enqueued on the device's counts and read
-//! back once; heavy ties in a bin take the merge sort after the read-back.
+//! and each block sorts a few bins (by rank in shared memory, or larger ones in registers). All
+//! enqueued on the device's counts and read back once; heavy ties in a bin take the merge sort
+//! after the read-back.
 
 use super::*;
 
 /// The bins and control words (radix_sort.cu `TOP_BINS` and the words after them: done
-/// counter, bound, status, a spare word, kept count (u64), the bins' base (u64) and shift).
+/// counter, bound, status, a spare word, kept count (u64), the bins' base (u64) and scale (u64)).
 const TOP_BINS: usize = 4096;
 const TOP_BOUND_WORD: usize = TOP_BINS + 1;
 const TOP_STATUS_WORD: usize = TOP_BINS + 2;
@@ -19,8 +20,11 @@ const _: () = assert!(TOP_COUNT_WORD == TOP_STATUS_WORD + 2);
 /// Threads of bitonic.cu's `sort_segments` blocks (`SEGMENT_THREADS`), each sorting a tile of
 /// a quarter of the sort tile's pairs.
 const SEGMENT_THREADS: u32 = 256;
-/// Keys a thread of `rsort_top_scatter` takes (radix_sort.cu `SCATTER_ITEMS`).
+/// Keys a thread of `rsort_top_hist` and `rsort_top_scatter` takes per round (radix_sort.cu
+/// `SCATTER_ITEMS`).
 const SCATTER_ITEMS: usize = 16;
+/// Words between the scatter's per-bin fill counters (radix_sort.cu `TOP_FILL_STRIDE`).
+const TOP_FILL_STRIDE: usize = 8;
 
 /// The buffer of kept pairs for a top-bits selection of k among n: uniform keys keep k plus
 /// one bin (a few hundred pairs at n = 2^20); this leaves half of k and n / 256 more for
@@ -31,27 +35,24 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 
 /// Whether a sampled selection of k among n pairs takes the top-bits selection: positional
 /// 32- and 64-bit keys (the scatter writes positions as row ids) of the sizes whose whole sort
-/// runs one kernel a pass (up to ~1.5M rows), for k from n / 128 to
-/// below n / 8 (32-bit keys) or n / 4 (64-bit keys). H100, n = 2^20 (session 17): i32 uniform
-/// k = 2^13 / 2^15 / 2^16 in 57 / 65 / 66 µs against 65 / 72 / 86 µs by the levels or the whole
-/// sort; i64 69 / 89 µs against 98 / 194 µs at 2^16 / 2^17. Ties lose (81–214 µs against
-/// 35–167: crowding found after ~45 µs of its work, then the whole sort); below n / 128 its
-/// fixed cost loses to the levels, and from n / 4 its bins crowd. The cost model asks
-/// the same. `GPU_TOPK_TOP_BITS=0` turns it off, `=1` takes it wherever it applies (A/B runs).
+/// runs one kernel a pass (up to ~1.5M rows), for k from n / 256 to below n / 4. H100,
+/// n = 2^20 (session 18): i32 uniform k = 2^12 / 2^13 / 2^15 / 2^16 / 2^17 in 34 / 36 / 39 /
+/// 42 / 50 µs against 48 / 65 / 72 / 86 / 87 µs by the sampled levels or the whole sort; i64
+/// 37 / 38 / 42 / 45 / 56 against 59 / 69 / 77 / 98 / 195. Ties lose (68–132 µs against
+/// 34–98: crowding found after a read-back, then the whole sort); below n / 256 its fixed cost
+/// loses to the levels, and from n / 4 its bins crowd. The cost model asks the same. `GPU_TOPK_TOP_BITS=0` turns it off, `=1` takes it wherever it applies (A/B runs).
 pub fn top_bits_sorts(kind: KeyKind, n: usize, k: usize, positional: bool) -> bool {
     static FORCED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     let forced = FORCED.get_or_init(|| std::env::var("GPU_TOPK_TOP_BITS").ok());
     // Its buffers (at most n pairs) then fit the merge sort of its crowded route.
-    let applies = positional && k > 0 && radix_sort_is_wide(kind, n);
-    let below = match kind {
-        KeyKind::K32 => 8,
-        KeyKind::K64 => 4,
-        _ => return false,
-    };
+    let applies = positional
+        && k > 0
+        && matches!(kind, KeyKind::K32 | KeyKind::K64)
+        && radix_sort_is_wide(kind, n);
     match forced.as_deref() {
         Some("0") => false,
         Some("1") => applies,
-        _ => applies && k.saturating_mul(128) >= n && k.saturating_mul(below) < n,
+        _ => applies && k.saturating_mul(256) >= n && k.saturating_mul(4) < n,
     }
 }
 
@@ -68,7 +69,7 @@ pub(super) struct TopBitsRun {
 
 impl TopKEngine {
     /// Enqueues the top-bits selection of k among the `n` positional pairs of `input`: a
-    /// memset and four launches, no read-back (see radix_sort.cu).
+    /// memset and three launches, no read-back (see radix_sort.cu).
     pub(super) fn top_bits_enqueue(
         &self,
         input: &DevicePairs,
@@ -80,20 +81,14 @@ impl TopKEngine {
         let cap = top_bits_capacity(n, k);
         // The bins and their words, then the scatter's per-bin fill counters.
         let fill = (4 * TOP_WORDS) as u64;
-        let ctl_bytes = 4 * (TOP_WORDS + TOP_BINS);
+        let ctl_bytes = 4 * (TOP_WORDS + TOP_FILL_STRIDE * TOP_BINS);
         let ctl = self.device.pool.alloc(ctl_bytes, &self.stream)?;
         self.memset_zero(ctl.ptr(), ctl_bytes)?;
         let kept = self.alloc_pairs(cap)?;
         let out = self.alloc_pairs(cap)?;
         let c = ctl.ptr();
-        self.launch(
-            &self.kernel("rsort_top_window"),
-            1,
-            RSORT_THREADS,
-            0,
-            args![input.key_at(0), n, k, c],
-        )?;
-        let grid = (2 * self.device.sm_count).min(n.div_ceil(RSORT_THREADS as usize * 4));
+        let grid =
+            (2 * self.device.sm_count).min(n.div_ceil(RSORT_THREADS as usize * SCATTER_ITEMS));
         self.launch(
             &self.kernel("rsort_top_hist"),
             grid as u32,
