@@ -296,7 +296,7 @@ template <class K>
 __device__ void sort_segments(const K *keys, const u64 *ids, const u32 *starts, const u32 *last, const u64 *count,
                               const u32 *status, K *out_keys, u64 *out_ids) {
     // The block's range, kept in shared memory across the network (in registers it spilled).
-    __shared__ u64 s_first, s_len;
+    __shared__ u64 s_first, s_end;
     __shared__ u32 s_below[2], s_largest;
     __shared__ u32 s_starts[SEGMENT_MAX_BINS];
     const u32 st = *status, bins = *last + 1;
@@ -307,35 +307,49 @@ __device__ void sort_segments(const K *keys, const u64 *ids, const u32 *starts, 
     // thread's binary search waited on ~24 dependent loads.
     if (threadIdx.x == 0) s_below[0] = s_below[1] = s_largest = 0;
     __syncthreads();
-    u32 below = 0, below_end = 0;
-#pragma unroll 4
-    for (u32 b = threadIdx.x; b < bins; b += SEGMENT_THREADS) {
-        const u64 s = starts[b];
-        below += s < p;
-        below_end += s < p + half;
+    // Bin u·SEGMENT_THREADS + t's start, all loads issued together.
+    constexpr u32 PER = SEGMENT_MAX_BINS / SEGMENT_THREADS;
+    u32 start[PER], below = 0, below_end = 0;
+#pragma unroll
+    for (u32 u = 0; u < PER; ++u) {
+        const u32 b = u * SEGMENT_THREADS + threadIdx.x;
+        start[u] = b < bins ? starts[b] : ~0u;
+        below += b < bins && start[u] < p;
+        below_end += b < bins && start[u] < p + half;
     }
     if (below) atomicAdd(&s_below[0], below);
     if (below_end) atomicAdd(&s_below[1], below_end);
     __syncthreads();
     const u32 lo = s_below[0], hi = s_below[1];
-    const u64 first = lo < bins ? (u64)starts[lo] : m, len = (hi < bins ? (u64)starts[hi] : m) - first;
+    // The segment [start of bin lo, start of bin hi), m past the last bin.
+    if (threadIdx.x == 0) {
+        if (lo >= bins) s_first = m;
+        if (hi >= bins) s_end = m;
+    }
+#pragma unroll
+    for (u32 u = 0; u < PER; ++u) {
+        const u32 b = u * SEGMENT_THREADS + threadIdx.x;
+        if (b == lo && b < bins) s_first = start[u];
+        if (b == hi && b < bins) s_end = start[u];
+    }
+    __syncthreads();
+    const u64 first = s_first, len = s_end - first;
     if (len == 0) return;
-    // The block's bins [lo, hi): their starts within the segment, and the largest bin.
+    // The block's bins [lo, hi): their starts within the segment, then the largest bin.
     const u32 nb = hi - lo;
+#pragma unroll
+    for (u32 u = 0; u < PER; ++u) {
+        const u32 b = u * SEGMENT_THREADS + threadIdx.x;
+        if (b >= lo && b < hi) s_starts[b - lo] = start[u] - (u32)first;
+    }
+    __syncthreads();
     u32 largest = 0;
     for (u32 j = threadIdx.x; j < nb; j += SEGMENT_THREADS) {
-        const u32 a = starts[lo + j] - (u32)first;
-        const u32 e = j + 1 < nb ? starts[lo + j + 1] - (u32)first : (u32)len;
-        s_starts[j] = a;
-        largest = max(largest, e - a);
+        largest = max(largest, (j + 1 < nb ? s_starts[j + 1] : (u32)len) - s_starts[j]);
     }
     if (largest) atomicMax(&s_largest, largest);
-    if (threadIdx.x == 0) {
-        s_first = first;
-        s_len = len;
-    }
-    Smem<K> s = smem_of<K>(SEGMENT_TILE);
     __syncthreads();
+    Smem<K> s = smem_of<K>(SEGMENT_TILE);
     if (s_largest <= SEGMENT_RANK_BIN) {
         for (u32 i = threadIdx.x; i < len; i += SEGMENT_THREADS) {
             s.keys[i] = keys[first + i];
@@ -361,9 +375,9 @@ __device__ void sort_segments(const K *keys, const u64 *ids, const u32 *starts, 
     }
     K key[SORT_PER];
     u64 id[SORT_PER];
-    load_tile(keys + s_first, ids + s_first, s_len, 0, key, id);
+    load_tile(keys + s_first, ids + s_first, s_end - s_first, 0, key, id);
     tile_network<K, SEGMENT_THREADS>(key, id, 0, 2, SEGMENT_TILE, s);
-    store_tile(out_keys + s_first, out_ids + s_first, s_len, 0, key, id);
+    store_tile(out_keys + s_first, out_ids + s_first, s_end - s_first, 0, key, id);
 }
 
 // Sort, the steps of stride SORT_TILE/2 .. 1 of size `size` (> SORT_TILE), per tile.

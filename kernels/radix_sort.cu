@@ -210,26 +210,28 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 //                      (key, row id), into the output.
 // A bin too large for the segment sort (heavy ties at the k-th smallest) makes the host
 // merge-sort the kept pairs instead, after the read-back (merge_sort.cu, on the device's count).
-// Bins are over the key's top word. top_window reads a strided sample of 256 keys and takes its
-// smallest and a sample rank safely beyond the k-th smallest's expected one; the linear bins
-// divide that range, from a sixteenth of it below the smallest, in equal parts (a 64-bit
-// multiply-high by a scale: power-of-two widths left 80–90% of the bins above the k-th
-// smallest, and ~150 uniform keys a bin at k = n/16), with keys further below in octave bins
-// and those above in the last bin; bins stay monotone in the key, so that the pairs near the
-// k-th smallest spread over the bins whatever the keys' high bits share (sorted runs, narrow
-// ranges, floats' exponents). If the k-th smallest lies beyond the sampled rank, in the last
+// Bins are over a coordinate of (the key's top word, position) (TopBins): equal keys spread by
+// position. top_window reads a strided sample of 256 keys and takes its smallest and a sample
+// rank safely beyond the k-th smallest's expected one; the linear bins divide that range, from
+// a sixteenth of it below the smallest, in equal parts (a 64-bit multiply-high by a scale:
+// power-of-two widths left 80–90% of the bins above the k-th smallest, and ~150 uniform keys
+// a bin at k = n/16), with coordinates further below in octave bins and those above in the
+// last bin; bins stay monotone in the pair, so that the pairs near the k-th smallest spread
+// over the bins whatever the keys' high bits share (sorted runs, narrow ranges, floats'
+// exponents, ties). If the k-th smallest lies beyond the sampled rank, in the last
 // bin (which holds the rest and is not counted): the status says the buffers overflow, and the
 // host sorts the whole input instead.
 #define TOP_BINS 4096u
 #define TOP_SAMPLE RSORT_THREADS
 // Control words after the bins: the histogram's done counter, the bound, the status, a spare
-// word, the kept count (u64), the bins' base (u64) and scale (u64).
+// word, the kept count (u64), the bins' base, scale and w0 (u64 each, TopBins).
 #define TOP_DONE TOP_BINS
 #define TOP_BOUND (TOP_BINS + 1)
 #define TOP_STATUS (TOP_BINS + 2)
 #define TOP_COUNT (TOP_BINS + 4)
 #define TOP_BASE (TOP_BINS + 6)
 #define TOP_SCALE (TOP_BINS + 8)
+#define TOP_W0 (TOP_BINS + 10)
 #define TOP_STATUS_OVERFLOW 1u
 #define TOP_STATUS_CROWDED 2u
 #define TOP_STATUS_FORESEEN 4u
@@ -241,73 +243,112 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // The key's most significant word (all of a 32- or 64-bit key).
 template <class K> __device__ __forceinline__ u64 top_word(const K &k) { return (u64)k.w[K::N - 1]; }
 
-// Bins [TOP_LOW, TOP_BINS - 1) are linear from the base up, ⌊d · scale / 2^64⌋ for a key d
-// above it (d itself when the scale is 0: a range of fewer words than bins), and the last bin
-// takes the keys above them; bins [0, TOP_LOW) take the keys below the base by the octave of
-// their distance to it (8 bins an octave), so that a long lower tail spreads too: below the
-// smallest sampled key lie ~n/257 keys, which one clamped bin held for f32 keys in [0, 1)
-// (their encodings crowd towards zero).
+// The bin of a coordinate (TopBins below): bins [TOP_LOW, TOP_BINS - 1) are linear from the
+// base up, ⌊d · scale / 2^64⌋ for a coordinate d above it (d itself when the scale is 0: a
+// range of fewer coordinates than bins), and the last bin takes those above them; bins
+// [0, TOP_LOW) take the coordinates below the base by the octave of their distance to it (8
+// bins an octave), so that a long lower tail spreads too: below the smallest sampled key lie
+// ~n/257 keys, which one clamped bin held for f32 keys in [0, 1) (their encodings crowd
+// towards zero).
 #define TOP_LOW 512u
 #define TOP_LINEAR (TOP_BINS - 1 - TOP_LOW)
-__device__ __forceinline__ u32 top_bin(u64 word, u64 base, u64 scale) {
-    if (word >= base) {
-        const u64 d = word - base;
+__device__ __forceinline__ u32 top_bin(u64 c, u64 base, u64 scale) {
+    if (c >= base) {
+        const u64 d = c - base;
         return TOP_LOW + (u32)min(scale ? __umul64hi(d, scale) : d, (u64)TOP_LINEAR);
     }
-    const u64 d = base - word;
+    const u64 d = base - c;
     const int e = 63 - __clzll((long long)d);
     const u32 m = (u32)(e >= 3 ? d >> (e - 3) : d << (3 - e)) & 7u; // 3 bits below the leading one
     return TOP_LOW - 1 - min((u32)e * 8 + m, TOP_LOW - 1);
 }
 
-// Sorts the block's RSORT_THREADS words, one per thread, ascending by thread index: a bitonic
-// network whose strides below 32 exchange through warp shuffles and the others through `s`.
-__device__ __forceinline__ u64 block_sort_words(u64 v, u64 *s) {
+// Sorts the block's RSORT_THREADS (word, tag) pairs, one per thread, ascending by thread index
+// (tags distinct): a bitonic network whose strides below 32 exchange through warp shuffles and
+// the others through `s` and `st`.
+__device__ __forceinline__ void block_sort_tagged(u64 &v, u32 &tag, u64 *s, u32 *st) {
     const u32 t = threadIdx.x;
     for (u32 size = 2; size <= RSORT_THREADS; size <<= 1) {
         for (u32 stride = size >> 1; stride > 0; stride >>= 1) {
             u64 o;
+            u32 ot;
             if (stride >= 32) {
                 s[t] = v;
+                st[t] = tag;
                 __syncthreads();
                 o = s[t ^ stride];
+                ot = st[t ^ stride];
                 __syncthreads();
             } else {
                 o = __shfl_xor_sync(FULL_MASK, v, (int)stride);
+                ot = __shfl_xor_sync(FULL_MASK, tag, (int)stride);
             }
-            // The lower position of an ascending pair of positions keeps the smaller word.
-            v = ((t & stride) == 0) == ((t & size) == 0) ? min(v, o) : max(v, o);
+            // The lower position of an ascending pair of positions keeps the smaller pair.
+            const bool other_less = o < v || (o == v && ot < tag);
+            if (other_less == (((t & stride) == 0) == ((t & size) == 0))) {
+                v = o;
+                tag = ot;
+            }
         }
     }
-    return v;
 }
 
-// The bins' base and scale from the block's strided sample of the keys (n ≥ TOP_SAMPLE): the
-// linear bins end at the sampled key of rank 2·(expected rank of the k-th smallest) + 16. The sample is sorted by a network (ranking each key against all 256, twice, took most of
-// the kernel's 10.3 µs, ncu).
-template <class K>
-__device__ __forceinline__ void top_window(const K *keys, u64 n, u64 k, u64 &base, u64 &scale, bool &crowded) {
+// The bins of a top-bits selection. A key's bin is monotone in (key's top word, position),
+// the order of positional pairs: the linear bins divide a range of coordinates, and the
+// coordinate of a word near the sample's (at most 2^42 words above `w0`) is (word − w0) · 2^21
+// + position, so that equal keys spread over bins by their positions (all equal, heavy ties);
+// with `w0` = ~0 (a sample spanning more words) it is the word alone. Positions < 2^21.
+#define TOP_POSITION_BITS 21
+struct TopBins {
+    u64 base, scale, w0;
+    __device__ __forceinline__ u64 coord(u64 w, u64 pos) const {
+        if (w0 == ~0ull) return w;
+        if (w < w0) return 0;
+        const u64 d = w - w0;
+        return d >> (63 - TOP_POSITION_BITS) ? 1ull << 63 : (d << TOP_POSITION_BITS) | pos;
+    }
+    __device__ __forceinline__ u32 bin(u64 w, u64 pos) const { return top_bin(coord(w, pos), base, scale); }
+};
+
+// The bins from the block's strided sample of the keys (n ≥ TOP_SAMPLE): the linear bins end at
+// the sampled pair of rank 2·(expected rank of the k-th smallest) + 16 and start a sixteenth
+// of that range below the smallest. The sample is sorted by a network (ranking each key
+// against all 256, twice, took most of a one-block kernel's 10.3 µs, ncu).
+template <class K> __device__ __forceinline__ void top_window(const K *keys, u64 n, u64 k, TopBins &bins, bool &crowded) {
     __shared__ u64 sample[TOP_SAMPLE];
+    __shared__ u32 s_tag[TOP_SAMPLE];
     __shared__ u32 s_bin[TOP_SAMPLE];
     __shared__ int s_crowded;
     const u32 t = threadIdx.x;
-    // Thread t holds the sample's t-th smallest.
-    const u64 w = block_sort_words(top_word(keys[(u64)t * (n / TOP_SAMPLE)]), sample);
+    const u64 step = n / TOP_SAMPLE;
+    // Thread t holds the sample's t-th smallest (word, position).
+    u64 w = top_word(keys[(u64)t * step]);
+    u32 tag = t;
+    block_sort_tagged(w, tag, sample, s_tag);
+    const u64 pos = (u64)tag * step;
     const u32 want = (u32)min((u64)TOP_SAMPLE - 1, 2 * (TOP_SAMPLE * k / n) + 16);
     if (t == 0) s_crowded = 0;
     sample[t] = w; // the network's last shared reads ended at its last barrier
+    s_tag[t] = tag;
     __syncthreads();
-    const u64 mn = sample[0], range = sample[want] - mn;
-    base = mn - min(mn, range / 16);
-    // The linear bins' keys, [base, base + span]: TOP_LINEAR / (span + 1) · 2^64, a little
-    // less, so that the last of them stays below the last bin.
-    const u64 span = mn - base + range;
-    scale = span < TOP_LINEAR ? 0 : (u64)((double)TOP_LINEAR / ((double)span + 1.0) * (1.0 - 1e-9) * 18446744073709551616.0);
-    // Crowding foreseen: TOP_CROWD_SAMPLES sampled keys up to that rank in one bin, each
-    // standing for ~n/256 keys (heavy ties, or a cluster narrower than a bin). Bins are
-    // monotone in the key, so those are consecutive in the sorted sample. Uniform keys spread
-    // those up to 256 samples over ~3400 bins.
-    const u32 bin = top_bin(w, base, scale);
+    const u64 mn = sample[0], hi = sample[want];
+    // Coordinates with positions where the sample's words span fewer than 2^42 (always for
+    // 32-bit keys); keys 2^40 words below its smallest share coordinate 0.
+    bins.w0 = mn - min(mn, 1ull << 40);
+    if ((hi - bins.w0) >> (63 - TOP_POSITION_BITS)) bins.w0 = ~0ull;
+    bins.base = 0;
+    bins.scale = 0;
+    const u64 c0 = bins.coord(mn, (u64)s_tag[0] * step), range = bins.coord(hi, (u64)s_tag[want] * step) - c0;
+    bins.base = c0 - min(c0, range / 16);
+    // The linear bins' coordinates, [base, base + span]: TOP_LINEAR / (span + 1) · 2^64, a
+    // little less, so that the last of them stays below the last bin.
+    const u64 span = c0 - bins.base + range;
+    bins.scale = span < TOP_LINEAR ? 0 : (u64)((double)TOP_LINEAR / ((double)span + 1.0) * (1.0 - 1e-9) * 18446744073709551616.0);
+    // Crowding foreseen: TOP_CROWD_SAMPLES sampled pairs up to that rank in one bin, each
+    // standing for ~n/256 keys (a cluster narrower than a bin; equal keys only where the
+    // coordinates are words). Bins are monotone in the pair, so those are consecutive in the
+    // sorted sample. Uniform keys spread those up to 256 samples over ~3400 bins.
+    const u32 bin = bins.bin(w, pos);
     s_bin[t] = bin;
     __syncthreads();
     if (t + TOP_CROWD_SAMPLES - 1 <= want && s_bin[t + TOP_CROWD_SAMPLES - 1] == bin) s_crowded = 1;
@@ -341,12 +382,13 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
     u64 i0 = (u64)blockIdx.x * RSORT_THREADS * SCATTER_ITEMS;
     K ks[SCATTER_ITEMS];
     load_strided_keys(keys, n, i0, ks);
-    u64 base, scale;
+    TopBins bins;
     bool crowded;
-    top_window(keys, n, k, base, scale, crowded);
+    top_window(keys, n, k, bins, crowded);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        *reinterpret_cast<u64 *>(top + TOP_BASE) = base;
-        *reinterpret_cast<u64 *>(top + TOP_SCALE) = scale;
+        *reinterpret_cast<u64 *>(top + TOP_BASE) = bins.base;
+        *reinterpret_cast<u64 *>(top + TOP_SCALE) = bins.scale;
+        *reinterpret_cast<u64 *>(top + TOP_W0) = bins.w0;
         // Foreseen crowding skips the rest: the host sorts the whole input after the read-back.
         if (crowded) top[TOP_STATUS] = TOP_STATUS_FORESEEN;
     }
@@ -354,8 +396,9 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
     for (; i0 < n; i0 += stride) {
 #pragma unroll
         for (int u = 0; u < SCATTER_ITEMS; ++u) {
-            const u32 bin = top_bin(top_word(ks[u]), base, scale);
-            if (i0 + (u64)u * RSORT_THREADS + threadIdx.x < n && bin < TOP_BINS - 1) atomicAdd(&sh[bin], 1u);
+            const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
+            const u32 bin = bins.bin(top_word(ks[u]), i);
+            if (i < n && bin < TOP_BINS - 1) atomicAdd(&sh[bin], 1u);
         }
         load_strided_keys(keys, n, i0 + stride, ks);
     }
@@ -419,8 +462,8 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
 template <class K>
 __device__ void rsort_top_scatter(const K *keys, u64 n, const u32 *top, u32 *fill, K *out_keys, u64 *out_ids) {
     const u32 status = top[TOP_STATUS], bound = top[TOP_BOUND];
-    const u64 base = *reinterpret_cast<const u64 *>(top + TOP_BASE);
-    const u64 scale = *reinterpret_cast<const u64 *>(top + TOP_SCALE);
+    const TopBins bins = {*reinterpret_cast<const u64 *>(top + TOP_BASE), *reinterpret_cast<const u64 *>(top + TOP_SCALE),
+                          *reinterpret_cast<const u64 *>(top + TOP_W0)};
     const u64 stride = (u64)gridDim.x * RSORT_THREADS;
     for (u64 i0 = (u64)blockIdx.x * RSORT_THREADS * SCATTER_ITEMS; i0 < n; i0 += stride * SCATTER_ITEMS) {
         K ks[SCATTER_ITEMS];
@@ -431,7 +474,7 @@ __device__ void rsort_top_scatter(const K *keys, u64 n, const u32 *top, u32 *fil
 #pragma unroll
         for (int u = 0; u < SCATTER_ITEMS; ++u) {
             const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
-            const u32 bin = i < n ? top_bin(top_word(ks[u]), base, scale) : TOP_BINS;
+            const u32 bin = i < n ? bins.bin(top_word(ks[u]), i) : TOP_BINS;
             slot[u] = bin <= bound ? top[bin] + atomicAdd(&fill[bin * TOP_FILL_STRIDE], 1u) : ~0u;
         }
 #pragma unroll

@@ -1230,23 +1230,26 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
 /// The top-bits selection (`top_bits_sorts`) against the oracle: positional 32- and 64-bit
 /// keys of every distribution; a partial last tile, several segment-sort blocks, the largest
 /// size it takes; its second route (a kept bin too large for the segment sort: the merge sort
-/// of the kept pairs, in no order inside their bins); and the whole-input fallback when the
-/// k-th smallest's bins hold more pairs than its buffers (all equal).
+/// of the kept pairs, in no order inside their bins); equal keys split by position; and the
+/// whole-input fallback when the sample foresees a crowded bin.
 #[test]
 fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
-    use datafusion_gpu_topk::device::algorithms::{top_bits_capacity, top_bits_sorts};
+    use datafusion_gpu_topk::device::algorithms::top_bits_sorts;
     use datafusion_gpu_topk::device::{KeyKind, TopKEngine};
     let Some(device) = gpu_or_skip("gpu_top_bits_selection_matches_the_oracle") else {
         return;
     };
-    // Uniform keys with one small value repeated on every `every`-th row: on every 64th, a bin
-    // of ~16K equal keys below the k-th smallest, too large for the segment sort; on every
-    // 4096th, a bin of ~256 (the segment sort's register network, past its rank sort's bins).
-    let repeated = |n: usize, seed: u64, every: usize| -> Vec<u64> {
+    // Uniform keys with one small value repeated on every `every`-th row from row `from`: from
+    // row 1 (off the sampled rows, multiples of n / 256 here), on every 64th a bin of ~16K
+    // equal keys below the k-th smallest, too large for the segment sort, and on every 4096th
+    // a bin of ~256 (the segment sort's register network, past its rank sort's bins); from
+    // row 0, on every 4th: a quarter of the sample, split by position where the bins span only
+    // those (k = 20000), foreseen as one crowded bin where they span uniform keys too
+    // (k = 200000).
+    let repeated = |n: usize, seed: u64, every: usize, from: usize| -> Vec<u64> {
         let (mut p, _) = generate(Dist::Uniform, n, true, seed);
         for (i, v) in p.iter_mut().enumerate() {
-            // Off the sampled rows (multiples of n / 256 here), which would see only this value.
-            if i % every == 1 {
+            if i % every == from {
                 *v = 77;
             }
         }
@@ -1271,13 +1274,19 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
         "crowded".into(),
         n,
         vec![20_000, 60_000, 1 << 17],
-        repeated(n, 5, 64),
+        repeated(n, 5, 64, 1),
     ));
     inputs.push((
         "medium".into(),
         n,
         vec![20_000, 60_000],
-        repeated(n, 6, 4096),
+        repeated(n, 6, 4096, 1),
+    ));
+    inputs.push((
+        "quarter".into(),
+        n,
+        vec![20_000, 200_000],
+        repeated(n, 7, 4, 0),
     ));
     for (dist, n, ks, p) in &inputs {
         let n = *n;
@@ -1305,13 +1314,13 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
                 let got = engine.download_ids(&sorted, m).unwrap();
                 assert!(got == expected, "{what}");
                 match dist.as_str() {
-                    // Uniform keys take the segment sort; the crowded bin the second route.
-                    "Uniform" | "medium" => assert!(!more, "{what}: the segment sort"),
-                    "crowded" => assert!(more, "{what}: the second route"),
-                    // Equal keys fill one bin beyond the buffers: all pairs are sorted.
-                    "AllEqual" if top_bits_capacity(n, k) < n => {
-                        assert!(more, "{what}: the fallback")
+                    // Uniform keys take the segment sort, and so do equal keys (their bins
+                    // split them by position); the crowded bin the second route.
+                    "Uniform" | "medium" | "AllEqual" => {
+                        assert!(!more, "{what}: the segment sort")
                     }
+                    "crowded" => assert!(more, "{what}: the second route"),
+                    "quarter" => assert_eq!(more, k == 200_000, "{what}: foreseen crowding"),
                     _ => {}
                 }
             }

@@ -8,14 +8,15 @@
 use super::*;
 
 /// The bins and control words (radix_sort.cu `TOP_BINS` and the words after them: done
-/// counter, bound, status, a spare word, kept count (u64), the bins' base (u64) and scale (u64)).
+/// counter, bound, status, a spare word, kept count (u64), the bins' base, scale and w0 (u64
+/// each)).
 const TOP_BINS: usize = 4096;
 const TOP_BOUND_WORD: usize = TOP_BINS + 1;
 const TOP_STATUS_WORD: usize = TOP_BINS + 2;
 /// Status: a kept bin holds more than half a segment-sort tile (radix_sort.cu).
 const TOP_STATUS_CROWDED: u32 = 2;
 const TOP_COUNT_WORD: usize = TOP_BINS + 4;
-const TOP_WORDS: usize = TOP_BINS + 10;
+const TOP_WORDS: usize = TOP_BINS + 12;
 const _: () = assert!(TOP_COUNT_WORD == TOP_STATUS_WORD + 2);
 /// Threads of bitonic.cu's `sort_segments` blocks (`SEGMENT_THREADS`), each sorting a tile of
 /// a quarter of the sort tile's pairs.
@@ -45,8 +46,10 @@ pub fn top_bits_sorts(kind: KeyKind, n: usize, k: usize, positional: bool) -> bo
     static FORCED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     let forced = FORCED.get_or_init(|| std::env::var("GPU_TOPK_TOP_BITS").ok());
     // Its buffers (at most n pairs) then fit the merge sort of its crowded route.
+    // Positions below 2^21: the bins' coordinates hold them (radix_sort.cu `TopBins`).
     let applies = positional
         && k > 0
+        && n < 1 << 21
         && matches!(kind, KeyKind::K32 | KeyKind::K64)
         && radix_sort_is_wide(kind, n);
     match forced.as_deref() {
