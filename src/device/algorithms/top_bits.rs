@@ -1,9 +1,10 @@
 //! The top-bits selection (radix_sort.cu `rsort_top_*`, bitonic.cu `sort_segments`): the k
-//! smallest of positional pairs, sorted. A sample of the keys sets bins over their top word; a
-//! histogram finds the bin of the k-th smallest; the pairs at or below it are scattered by bin,
-//! and each block sorts a few bins (by rank in shared memory, or larger ones in registers). All
-//! enqueued on the device's counts and read back once; heavy ties in a bin take the merge sort
-//! after the read-back.
+//! smallest of positional pairs, sorted. A sample of the keys sets bins over (the key's top
+//! word, position), so that equal keys spread by position; a histogram finds the bin of the
+//! k-th smallest; the pairs at or below it are scattered by bin, and each block sorts a few
+//! bins (by rank in shared memory, or larger ones in registers). Three launches on the
+//! device's counts, read back once; a cluster of keys that crowds a bin takes the merge sort
+//! after the read-back, and one the sample foresees the whole sort.
 
 use super::*;
 
