@@ -280,8 +280,8 @@ __device__ void sort_local(const K *keys, const u64 *ids, u64 n, K *out_keys, u6
 }
 
 // Sort of a bin-ordered buffer (radix_sort.cu's top-bits selection): pairs [0, m), m = *count,
-// grouped by bin (bin b, b ≤ *last, at [starts[b], starts[b + 1])), each bin at most half a
-// tile of SEGMENT_TILE pairs. Block j sorts the bins that start in [j·T/2, (j+1)·T/2) (at most
+// grouped by bin (bin b, b ≤ *last, holds counts[b] pairs from the sum of the counts before
+// it), each bin at most half a tile of SEGMENT_TILE pairs. Block j sorts the bins that start in [j·T/2, (j+1)·T/2) (at most
 // a tile) by (key, row id), into the same positions of `out`. Nothing when *status is set.
 // Bins of up to SEGMENT_RANK_BIN pairs (uniform keys: tens) are sorted by rank: each pair
 // counts the pairs of its bin below it in shared memory. Larger ones take the register
@@ -293,7 +293,7 @@ __device__ void sort_local(const K *keys, const u64 *ids, u64 n, K *out_keys, u6
 // The most bins a block's half tile can hold starts of (radix_sort.cu TOP_BINS).
 #define SEGMENT_MAX_BINS 4096u
 template <class K>
-__device__ void sort_segments(const K *keys, const u64 *ids, const u32 *starts, const u32 *last, const u64 *count,
+__device__ void sort_segments(const K *keys, const u64 *ids, const u32 *counts, const u32 *last, const u64 *count,
                               const u32 *status, K *out_keys, u64 *out_ids) {
     // The block's range, kept in shared memory across the network (in registers it spilled).
     __shared__ u64 s_first, s_end;
@@ -303,17 +303,25 @@ __device__ void sort_segments(const K *keys, const u64 *ids, const u32 *starts, 
     const u64 m = *count, half = SEGMENT_TILE / 2, p = (u64)blockIdx.x * half;
     if (st != 0 || p >= m) return;
     // The first bin starting at or after p (and p + half) is the count of bins starting below
-    // it (starts ascend): counted by every thread over a stride of the bins at once, where one
-    // thread's binary search waited on ~24 dependent loads.
+    // it (starts ascend): counted by every thread over its bins at once, where one thread's
+    // binary search waited on ~24 dependent loads.
     if (threadIdx.x == 0) s_below[0] = s_below[1] = s_largest = 0;
-    __syncthreads();
-    // Bin u·SEGMENT_THREADS + t's start, all loads issued together.
+    // The starts of bins [PER·t, PER·t + PER) (thread t): the counts' prefix sums, all loads
+    // issued together.
     constexpr u32 PER = SEGMENT_MAX_BINS / SEGMENT_THREADS;
-    u32 start[PER], below = 0, below_end = 0;
+    u32 start[PER], sum = 0, below = 0, below_end = 0;
 #pragma unroll
     for (u32 u = 0; u < PER; ++u) {
-        const u32 b = u * SEGMENT_THREADS + threadIdx.x;
-        start[u] = b < bins ? starts[b] : ~0u;
+        const u32 b = threadIdx.x * PER + u;
+        const u32 c = b < bins ? counts[b] : 0u;
+        start[u] = sum;
+        sum += c;
+    }
+    const u32 before = block_exclusive_sum(sum);
+#pragma unroll
+    for (u32 u = 0; u < PER; ++u) {
+        const u32 b = threadIdx.x * PER + u;
+        start[u] += before;
         below += b < bins && start[u] < p;
         below_end += b < bins && start[u] < p + half;
     }
@@ -328,7 +336,7 @@ __device__ void sort_segments(const K *keys, const u64 *ids, const u32 *starts, 
     }
 #pragma unroll
     for (u32 u = 0; u < PER; ++u) {
-        const u32 b = u * SEGMENT_THREADS + threadIdx.x;
+        const u32 b = threadIdx.x * PER + u;
         if (b == lo && b < bins) s_first = start[u];
         if (b == hi && b < bins) s_end = start[u];
     }
@@ -339,7 +347,7 @@ __device__ void sort_segments(const K *keys, const u64 *ids, const u32 *starts, 
     const u32 nb = hi - lo;
 #pragma unroll
     for (u32 u = 0; u < PER; ++u) {
-        const u32 b = u * SEGMENT_THREADS + threadIdx.x;
+        const u32 b = threadIdx.x * PER + u;
         if (b >= lo && b < hi) s_starts[b - lo] = start[u] - (u32)first;
     }
     __syncthreads();
@@ -649,8 +657,8 @@ __device__ void chunk_scatter(const K *tile_keys, const u64 *tile_ids, const u64
         chunk_scatter<K>(tile_keys, tile_ids, n_ptr, cap, below, out_keys, out_ids, status);                      \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(SEGMENT_THREADS)                                                 \
-        bitonic_sort_segments_##S(const K *keys, const u64 *ids, const u32 *starts, const u32 *last,              \
+        bitonic_sort_segments_##S(const K *keys, const u64 *ids, const u32 *counts, const u32 *last,              \
                                   const u64 *count, const u32 *status, K *out_keys, u64 *out_ids) {               \
-        sort_segments<K>(keys, ids, starts, last, count, status, out_keys, out_ids);                              \
+        sort_segments<K>(keys, ids, counts, last, count, status, out_keys, out_ids);                              \
     }
 INSTANTIATE_KEYS(BITONIC_ENTRIES)

@@ -145,6 +145,25 @@ __device__ __forceinline__ u64 warp_and(u64 v) {
     return v;
 }
 
+// Exclusive prefix sum over the block's threads (a multiple of 32, at most 1024), one value
+// each; every thread calls it.
+__device__ __forceinline__ u32 block_exclusive_sum(u32 v) {
+    __shared__ u32 warp_sums[32];
+    const u32 lane = lane_id(), warp = threadIdx.x / 32;
+    u32 x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(FULL_MASK, x, o);
+        if (lane >= (u32)o) x += y;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    u32 before = 0;
+    for (u32 w = 0; w < warp; ++w) before += warp_sums[w];
+    __syncthreads();
+    return before + x - v;
+}
+
 // Warp-aggregated append: every lane of the warp calls this (all 32 lanes must be active);
 // lanes with `want` get consecutive slots from `*counter`, one atomic per warp.
 __device__ __forceinline__ u64 warp_append(bool want, u64 *counter) {

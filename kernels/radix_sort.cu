@@ -92,23 +92,6 @@ __device__ __forceinline__ u32 match_digit(u32 d) {
     return peers;
 }
 
-// Exclusive prefix sum over a block of RSORT_THREADS threads, one value each.
-__device__ __forceinline__ u32 block_exclusive_sum(u32 v) {
-    __shared__ u32 warp_sums[RSORT_WARPS];
-    const u32 lane = lane_id(), warp = threadIdx.x / 32;
-    u32 x = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const u32 y = __shfl_up_sync(FULL_MASK, x, o);
-        if (lane >= (u32)o) x += y;
-    }
-    if (lane == 31) warp_sums[warp] = x;
-    __syncthreads();
-    u32 before = 0;
-    for (u32 w = 0; w < warp; ++w) before += warp_sums[w];
-    __syncthreads();
-    return before + x - v;
-}
 
 // Adds a pair's digit of every position to the positions' histograms in shared memory
 // (`sh`, positions × 256), one shared atomic each: warp_hist_add's check for a digit shared by
@@ -198,17 +181,16 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // A selection of k among n positional pairs (row ids = positions) that sorts only the pairs
 // that can be among the k: those whose bin (below) is at most the k-th smallest's.
 //   rsort_top_hist     one read of the keys: every block sets the bins (below) from a sample of
-//                      the keys, then counts its keys' bins; the last block finds
-//                      the bin of the k-th smallest (the bound), the count of pairs in it and
-//                      below, and each bin's start among them; its status says whether they
-//                      exceed the buffers (`cap`), or whether a bin holds more than half a sort
-//                      tile;
-//   rsort_top_scatter  a second read: each pair at or below the bound goes to its bin's part of
-//                      the buffer (a global atomic slot per pair), so the buffer is ordered by
-//                      bin, in no order inside a bin;
-//   bitonic_sort_segments (bitonic.cu)  one block per half tile of bin starts sorts its bins by
-//                      (key, row id), into the output.
-// A bin too large for the segment sort (heavy ties at the k-th smallest) makes the host
+//                      the keys, then counts its keys' bins;
+//   rsort_top_scatter  a second read: every block finds from the counts the bin of the k-th
+//                      smallest (the bound), the count of pairs in it and below, each bin's
+//                      start among them, and the status (whether they exceed the buffers,
+//                      `cap`, or a bin holds more than half a sort tile); each pair at or below
+//                      the bound goes to its bin's part of the buffer (a global atomic slot per
+//                      pair), so the buffer is ordered by bin, in no order inside a bin;
+//   bitonic_sort_segments (bitonic.cu)  the same starts from the counts; one block per half
+//                      tile of bin starts sorts its bins by (key, row id), into the output.
+// A bin too large for the segment sort (a cluster of keys at the k-th smallest) makes the host
 // merge-sort the kept pairs instead, after the read-back (merge_sort.cu, on the device's count).
 // Bins are over a coordinate of (the key's top word, position) (TopBins): equal keys spread by
 // position. top_window reads a strided sample of 256 keys and takes its smallest and a sample
@@ -223,9 +205,8 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // host sorts the whole input instead.
 #define TOP_BINS 4096u
 #define TOP_SAMPLE RSORT_THREADS
-// Control words after the bins: the histogram's done counter, the bound, the status, a spare
-// word, the kept count (u64), the bins' base, scale and w0 (u64 each, TopBins).
-#define TOP_DONE TOP_BINS
+// Control words after the bins' counts: a spare word, the bound, the status, a spare word, the
+// kept count (u64), the bins' base, scale and w0 (u64 each, TopBins).
 #define TOP_BOUND (TOP_BINS + 1)
 #define TOP_STATUS (TOP_BINS + 2)
 #define TOP_COUNT (TOP_BINS + 4)
@@ -369,13 +350,15 @@ template <class K, int N> __device__ __forceinline__ void load_strided_keys(cons
 // together (one round each at n = 2^20: in rounds of 4, each waited on DRAM).
 #define SCATTER_ITEMS 16
 
-// Every block computes the bins from the sample itself (one launch less: a one-block kernel
-// took 4.2 µs, ncu), block 0 writes them for the scatter. The keys above the bins' span (the
-// last bin, where the linear bins clamp: most keys, ~55–85% of uniform ones) are not counted: one shared counter took ~3/4 of each warp's atomics. A
-// k-th smallest beyond the counted keys is an overflow.
-template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u64 cap, u32 *top) {
+// The histogram: every block computes the bins from the sample itself (one launch less: a
+// one-block kernel took 4.2 µs, ncu), block 0 writes them for the scatter, and each block adds
+// its keys' bins to the counts in `top`. The keys above the bins' span (the last bin, where the
+// linear bins clamp: most keys, ~55–85% of uniform ones) are not counted: one shared counter
+// took ~3/4 of each warp's atomics. The counts are turned into the bound and the bins' starts
+// by each block of the scatter and of the segment sort, not by a last block here (its fence
+// and serial scan took 8 of this kernel's 20 µs at n = 2^20, ncu).
+template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u32 *top) {
     __shared__ u32 sh[TOP_BINS];
-    __shared__ u32 s_bound, s_crowded;
     for (u32 i = threadIdx.x; i < TOP_BINS; i += RSORT_THREADS) sh[i] = 0;
     // The first round's keys are loaded while the block computes the bins from the sample.
     const u64 stride = (u64)gridDim.x * RSORT_THREADS * SCATTER_ITEMS;
@@ -409,22 +392,34 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
         const u32 i = (j + blockIdx.x * 97u) % (TOP_BINS - 1);
         if (sh[i] != 0) atomicAdd(&top[i], sh[i]);
     }
-    if (!last_block_done(top + TOP_DONE)) return;
+}
+
+// From the bins' counts (`top`, final): the bin of the k-th smallest (the bound), the count of
+// pairs in it and below, each bin's start among them (into `start`), and the status: more of
+// them than the buffers (`cap`) or fewer counted keys than k (the k-th smallest lies above the
+// bins) overflow; a kept bin larger than the segment sort takes is crowded. Every thread of
+// the block calls it.
+struct TopBound {
+    u32 bound, status;
+    u64 kept;
+};
+__device__ __forceinline__ TopBound top_bound(const u32 *top, u64 k, u64 cap, u32 *start) {
+    __shared__ u32 s_bound, s_large;
+    __shared__ u64 s_kept;
     // Thread t holds bins [PER·t, PER·t + PER); the one whose bins reach k finds the bound.
     constexpr u32 PER = TOP_BINS / RSORT_THREADS;
     u32 c[PER], sum = 0;
 #pragma unroll
     for (u32 j = 0; j < PER; ++j) {
-        c[j] = __ldcg(&top[threadIdx.x * PER + j]);
+        c[j] = top[threadIdx.x * PER + j];
         sum += c[j];
     }
     if (threadIdx.x == 0) {
-        s_crowded = 0;
         s_bound = TOP_BINS;
+        s_large = 0;
+        s_kept = 0;
     }
     const u32 before = block_exclusive_sum(sum);
-    // Fewer counted keys than k: the k-th smallest lies above the bins.
-    if (threadIdx.x == RSORT_THREADS - 1 && (u64)before + sum < k) top[TOP_STATUS] = TOP_STATUS_OVERFLOW;
     if (before < k && k <= (u64)before + sum) {
         u32 run = before, bound = 0;
 #pragma unroll
@@ -433,49 +428,58 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
             run += run < k ? c[j] : 0u;
         }
         s_bound = bound;
-        top[TOP_BOUND] = bound;
-        *reinterpret_cast<u64 *>(top + TOP_COUNT) = run;
-        top[TOP_STATUS] = run > cap ? TOP_STATUS_OVERFLOW : 0u;
+        s_kept = run;
     }
-    __syncthreads();
-    // Each bin's start among the kept pairs, in place of its count; whether a kept bin is
-    // larger than the segment sort takes.
     u32 at = before;
-    bool large = false;
 #pragma unroll
     for (u32 j = 0; j < PER; ++j) {
-        top[threadIdx.x * PER + j] = at;
+        start[threadIdx.x * PER + j] = at;
         at += c[j];
-        large |= threadIdx.x * PER + j <= s_bound && c[j] > TOP_SEGMENT_BIN;
     }
-    if (large) s_crowded = 1;
     __syncthreads();
-    if (threadIdx.x == 0 && s_crowded && top[TOP_STATUS] == 0) top[TOP_STATUS] = TOP_STATUS_CROWDED;
+    bool large = false;
+#pragma unroll
+    for (u32 j = 0; j < PER; ++j) large |= threadIdx.x * PER + j <= s_bound && c[j] > TOP_SEGMENT_BIN;
+    if (large) s_large = 1;
+    __syncthreads();
+    const u32 status = s_bound == TOP_BINS || s_kept > cap ? TOP_STATUS_OVERFLOW : s_large ? TOP_STATUS_CROWDED : 0u;
+    return {s_bound, status, s_kept};
 }
 
-// Each pair at or below the bound to its bin's part of `out` (starts in `top`, slots counted
-// in `fill`, zero at launch, one counter per 32-byte sector: eight bins' counters in one
-// sector took 13.7 against 9.0 µs for 65K slots over 1200 bins, H100), with its position as
-// row id. A thread loads all its keys, then takes all its slots, then writes: in a loop of
+// Each pair at or below the bound to its bin's part of `out` (starts from top_bound, slots
+// counted in `fill`, zero at launch, one counter per 32-byte sector: eight bins' counters in
+// one sector took 13.7 against 9.0 µs for 65K slots over 1200 bins, H100), with its position as
+// row id. Block 0 writes the bound, the kept count and the status for the segment sort and the
+// host. A thread loads all its keys, then takes all its slots, then writes: in a loop of
 // loads, slot atomics and writes, each round waited on the last one's atomics.
 #define TOP_FILL_STRIDE 8
 template <class K>
-__device__ void rsort_top_scatter(const K *keys, u64 n, const u32 *top, u32 *fill, K *out_keys, u64 *out_ids) {
-    const u32 status = top[TOP_STATUS], bound = top[TOP_BOUND];
+__device__ void rsort_top_scatter(const K *keys, u64 n, u64 k, u64 cap, u32 *top, u32 *fill, K *out_keys,
+                                  u64 *out_ids) {
+    __shared__ u32 start[TOP_BINS];
+    const u32 foreseen = top[TOP_STATUS];
     const TopBins bins = {*reinterpret_cast<const u64 *>(top + TOP_BASE), *reinterpret_cast<const u64 *>(top + TOP_SCALE),
                           *reinterpret_cast<const u64 *>(top + TOP_W0)};
-    const u64 stride = (u64)gridDim.x * RSORT_THREADS;
-    for (u64 i0 = (u64)blockIdx.x * RSORT_THREADS * SCATTER_ITEMS; i0 < n; i0 += stride * SCATTER_ITEMS) {
-        K ks[SCATTER_ITEMS];
+    const u64 stride = (u64)gridDim.x * RSORT_THREADS * SCATTER_ITEMS;
+    u64 i0 = (u64)blockIdx.x * RSORT_THREADS * SCATTER_ITEMS;
+    K ks[SCATTER_ITEMS];
+    load_strided_keys(keys, n, i0, ks); // issued with the counts' loads
+    if (foreseen == TOP_STATUS_FORESEEN) return; // every block
+    const TopBound b = top_bound(top, k, cap, start);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        top[TOP_BOUND] = b.bound;
+        *reinterpret_cast<u64 *>(top + TOP_COUNT) = b.kept;
+        top[TOP_STATUS] = b.status;
+    }
+    // Crowded bins still scatter: the host merge-sorts the kept pairs after the read-back.
+    if (b.status != 0 && b.status != TOP_STATUS_CROWDED) return;
+    for (; i0 < n; i0 += stride) {
         u32 slot[SCATTER_ITEMS];
-        load_strided_keys(keys, n, i0, ks);
-        // Crowded bins still scatter: the host merge-sorts the kept pairs after the read-back.
-        if (status != 0 && status != TOP_STATUS_CROWDED) return;
 #pragma unroll
         for (int u = 0; u < SCATTER_ITEMS; ++u) {
             const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
             const u32 bin = i < n ? bins.bin(top_word(ks[u]), i) : TOP_BINS;
-            slot[u] = bin <= bound ? top[bin] + atomicAdd(&fill[bin * TOP_FILL_STRIDE], 1u) : ~0u;
+            slot[u] = bin <= b.bound ? start[bin] + atomicAdd(&fill[bin * TOP_FILL_STRIDE], 1u) : ~0u;
         }
 #pragma unroll
         for (int u = 0; u < SCATTER_ITEMS; ++u) {
@@ -484,6 +488,7 @@ __device__ void rsort_top_scatter(const K *keys, u64 n, const u32 *top, u32 *fil
                 out_ids[slot[u]] = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
             }
         }
+        load_strided_keys(keys, n, i0 + stride, ks);
     }
 }
 
@@ -969,11 +974,12 @@ extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
         rsort_count<K>(p, id_digits, in_keys, in_ids, tmp_keys, tmp_ids, out_keys, out_ids, m, plan, counts);     \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
-        rsort_top_hist_##S(const K *keys, u64 n, u64 k, u64 cap, u32 *top) {                                      \
-        rsort_top_hist<K>(keys, n, k, cap, top);                                                                  \
+        rsort_top_hist_##S(const K *keys, u64 n, u64 k, u32 *top) {                                               \
+        rsort_top_hist<K>(keys, n, k, top);                                                                       \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
-        rsort_top_scatter_##S(const K *keys, u64 n, const u32 *top, u32 *fill, K *out_keys, u64 *out_ids) {       \
-        rsort_top_scatter<K>(keys, n, top, fill, out_keys, out_ids);                                              \
+        rsort_top_scatter_##S(const K *keys, u64 n, u64 k, u64 cap, u32 *top, u32 *fill, K *out_keys,             \
+                              u64 *out_ids) {                                                                     \
+        rsort_top_scatter<K>(keys, n, k, cap, top, fill, out_keys, out_ids);                                      \
     }
 INSTANTIATE_KEYS(RADIX_SORT_ENTRIES)

@@ -8,8 +8,8 @@
 
 use super::*;
 
-/// The bins and control words (radix_sort.cu `TOP_BINS` and the words after them: done
-/// counter, bound, status, a spare word, kept count (u64), the bins' base, scale and w0 (u64
+/// The bins' counts and control words (radix_sort.cu `TOP_BINS` and the words after them: a
+/// spare word, bound, status, a spare word, kept count (u64), the bins' base, scale and w0 (u64
 /// each)).
 const TOP_BINS: usize = 4096;
 const TOP_BOUND_WORD: usize = TOP_BINS + 1;
@@ -38,11 +38,11 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 /// Whether a sampled selection of k among n pairs takes the top-bits selection: positional
 /// 32- and 64-bit keys (the scatter writes positions as row ids) of the sizes whose whole sort
 /// runs one kernel a pass (up to ~1.5M rows), for k from n / 256 to below n / 4. H100,
-/// n = 2^20 (session 18): i32 uniform k = 2^12 / 2^13 / 2^15 / 2^16 / 2^17 in 34 / 36 / 39 /
-/// 42 / 50 µs against 48 / 65 / 72 / 86 / 87 µs by the sampled levels or the whole sort; i64
-/// 37 / 38 / 42 / 45 / 56 against 59 / 69 / 77 / 98 / 195. Ties lose (68–132 µs against
-/// 34–98: crowding found after a read-back, then the whole sort); below n / 256 its fixed cost
-/// loses to the levels, and from n / 4 its bins crowd. The cost model asks the same. `GPU_TOPK_TOP_BITS=0` turns it off, `=1` takes it wherever it applies (A/B runs).
+/// n = 2^20 (session 18): i32 uniform k = 2^12 / 2^13 / 2^15 / 2^16 / 2^17 in 32 / 33 / 36 /
+/// 39 / 47 µs against 47 / 64 / 71 / 86 / 86 µs by the sampled levels or the whole sort; i64
+/// 33 / 34 / 37 / 40 / 51 against 58 / 68 / 76 / 97 / 193; all-equal keys 34–44. Zipf ties
+/// from k = n / 32 and NaN mixes lose (116–203 µs against 47–165: a crowded bin, then the
+/// merge sort after the read-back); from n / 4 its bins crowd. The cost model asks the same. `GPU_TOPK_TOP_BITS=0` turns it off, `=1` takes it wherever it applies (A/B runs).
 pub fn top_bits_sorts(kind: KeyKind, n: usize, k: usize, positional: bool) -> bool {
     static FORCED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     let forced = FORCED.get_or_init(|| std::env::var("GPU_TOPK_TOP_BITS").ok());
@@ -98,7 +98,7 @@ impl TopKEngine {
             grid as u32,
             RSORT_THREADS,
             0,
-            args![input.key_at(0), n, k, cap, c],
+            args![input.key_at(0), n, k, c],
         )?;
         let grid = n
             .div_ceil(RSORT_THREADS as usize * SCATTER_ITEMS)
@@ -111,6 +111,8 @@ impl TopKEngine {
             args![
                 input.key_at(0),
                 n,
+                k,
+                cap,
                 c,
                 c + fill,
                 kept.key_at(0),
