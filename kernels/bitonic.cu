@@ -153,13 +153,6 @@ template <class K> struct SortPer {
 #define SORT_PER SortPer<K>::V
 #define SORT_TILE (SORT_PER * SORT_THREADS)
 
-template <class K> __device__ __forceinline__ K shfl_key(const K &k, int lane_mask) {
-    K r;
-#pragma unroll
-    for (int w = 0; w < K::N; ++w) r.w[w] = __shfl_xor_sync(FULL_MASK, k.w[w], lane_mask);
-    return r;
-}
-
 // A step of stride STRIDE < SORT_PER, inside each thread (compile-time indices keep the pairs
 // in registers).
 template <class K, int STRIDE>
@@ -413,43 +406,6 @@ template <class K> __device__ void merge_local(K *keys, u64 *ids, u64 m, u64 siz
 // bit 4 when m > cap (the host then sorts with the kernels above). Blocks of RANK_THREADS.
 #define RANK_THREADS 256
 
-template <class K> __device__ __forceinline__ K shfl_xor_key(const K &k, int lane_mask) {
-    K r;
-#pragma unroll
-    for (int j = 0; j < K::N; ++j) r.w[j] = __shfl_xor_sync(FULL_MASK, k.w[j], lane_mask);
-    return r;
-}
-
-// Sorts the block's RANK_THREADS pairs, one per thread, ascending by thread index: a bitonic
-// network whose steps of stride < 32 exchange through warp shuffles (no barrier) and the six
-// others through shared memory (`sk`, `sid`).
-template <class K> __device__ __forceinline__ void block_sort_pairs(K &k, u64 &id, K *sk, u64 *sid) {
-    const u32 t = threadIdx.x;
-    for (u32 size = 2; size <= RANK_THREADS; size <<= 1) {
-        for (u32 stride = size >> 1; stride > 0; stride >>= 1) {
-            K pk;
-            u64 pid;
-            if (stride >= 32) {
-                sk[t] = k;
-                sid[t] = id;
-                __syncthreads();
-                pk = sk[t ^ stride];
-                pid = sid[t ^ stride];
-                __syncthreads();
-            } else {
-                pk = shfl_xor_key(k, (int)stride);
-                pid = __shfl_xor_sync(FULL_MASK, id, (int)stride);
-            }
-            // The lower position of an ascending pair of positions keeps the smaller pair.
-            const bool want_smaller = ((t & stride) == 0) == ((t & size) == 0);
-            if (pair_less(pk, pid, k, id) == want_smaller) {
-                k = pk;
-                id = pid;
-            }
-        }
-    }
-}
-
 template <class K>
 __device__ void rank_sort(const K *keys, const u64 *ids, const u64 *n_ptr, u64 cap, K *out_keys, u64 *out_ids,
                           u32 *status, u32 *ranks, u32 *row_done) {
@@ -473,7 +429,7 @@ __device__ void rank_sort(const K *keys, const u64 *ids, const u64 *n_ptr, u64 c
     // 2^64 - 1), so the search below never counts the padding.
     K ck = j < m ? keys[j] : key_max<K>();
     u64 cid = j < m ? ids[j] : ~0ull;
-    block_sort_pairs(ck, cid, s_keys, s_ids);
+    block_sort_pairs<RANK_THREADS>(ck, cid, s_keys, s_ids);
     s_keys[threadIdx.x] = ck;
     s_ids[threadIdx.x] = cid;
     __syncthreads();

@@ -145,6 +145,44 @@ __device__ __forceinline__ u64 warp_and(u64 v) {
     return v;
 }
 
+// Key k of the lane `lane_mask` away (xor), word by word.
+template <class K> __device__ __forceinline__ K shfl_key(const K &k, int lane_mask) {
+    K r;
+#pragma unroll
+    for (int w = 0; w < K::N; ++w) r.w[w] = __shfl_xor_sync(FULL_MASK, k.w[w], lane_mask);
+    return r;
+}
+
+// Sorts the block's THREADS (key, row id) pairs (a power of two, at least 32), one per thread,
+// ascending by thread index: a bitonic network whose steps of stride < 32 exchange through warp
+// shuffles (no barrier) and the others through shared memory (`sk`, `sid`, THREADS each).
+template <u32 THREADS, class K> __device__ __forceinline__ void block_sort_pairs(K &k, u64 &id, K *sk, u64 *sid) {
+    const u32 t = threadIdx.x;
+    for (u32 size = 2; size <= THREADS; size <<= 1) {
+        for (u32 stride = size >> 1; stride > 0; stride >>= 1) {
+            K pk;
+            u64 pid;
+            if (stride >= 32) {
+                sk[t] = k;
+                sid[t] = id;
+                __syncthreads();
+                pk = sk[t ^ stride];
+                pid = sid[t ^ stride];
+                __syncthreads();
+            } else {
+                pk = shfl_key(k, (int)stride);
+                pid = __shfl_xor_sync(FULL_MASK, id, (int)stride);
+            }
+            // The lower position of an ascending pair of positions keeps the smaller pair.
+            const bool want_smaller = ((t & stride) == 0) == ((t & size) == 0);
+            if (pair_less(pk, pid, k, id) == want_smaller) {
+                k = pk;
+                id = pid;
+            }
+        }
+    }
+}
+
 // Exclusive prefix sum over the block's threads (a multiple of 32, at most 1024), one value
 // each; every thread calls it.
 __device__ __forceinline__ u32 block_exclusive_sum(u32 v) {

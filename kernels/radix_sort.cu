@@ -244,36 +244,6 @@ __device__ __forceinline__ u32 top_bin(u64 c, u64 base, u64 scale) {
     return TOP_LOW - 1 - min((u32)e * 8 + m, TOP_LOW - 1);
 }
 
-// Sorts the block's RSORT_THREADS (word, tag) pairs, one per thread, ascending by thread index
-// (tags distinct): a bitonic network whose strides below 32 exchange through warp shuffles and
-// the others through `s` and `st`.
-__device__ __forceinline__ void block_sort_tagged(u64 &v, u32 &tag, u64 *s, u32 *st) {
-    const u32 t = threadIdx.x;
-    for (u32 size = 2; size <= RSORT_THREADS; size <<= 1) {
-        for (u32 stride = size >> 1; stride > 0; stride >>= 1) {
-            u64 o;
-            u32 ot;
-            if (stride >= 32) {
-                s[t] = v;
-                st[t] = tag;
-                __syncthreads();
-                o = s[t ^ stride];
-                ot = st[t ^ stride];
-                __syncthreads();
-            } else {
-                o = __shfl_xor_sync(FULL_MASK, v, (int)stride);
-                ot = __shfl_xor_sync(FULL_MASK, tag, (int)stride);
-            }
-            // The lower position of an ascending pair of positions keeps the smaller pair.
-            const bool other_less = o < v || (o == v && ot < tag);
-            if (other_less == (((t & stride) == 0) == ((t & size) == 0))) {
-                v = o;
-                tag = ot;
-            }
-        }
-    }
-}
-
 // The bins of a top-bits selection. A key's bin is monotone in (key's top word, position),
 // the order of positional pairs: the linear bins divide a range of coordinates, and the
 // coordinate of a word near the sample's (at most 2^42 words above `w0`) is (word − w0) · 2^21
@@ -296,30 +266,28 @@ struct TopBins {
 // of that range below the smallest. The sample is sorted by a network (ranking each key
 // against all 256, twice, took most of a one-block kernel's 10.3 µs, ncu).
 template <class K> __device__ __forceinline__ void top_window(const K *keys, u64 n, u64 k, TopBins &bins, bool &crowded) {
-    __shared__ u64 sample[TOP_SAMPLE];
-    __shared__ u32 s_tag[TOP_SAMPLE];
+    __shared__ K s_key[TOP_SAMPLE];
+    __shared__ u64 sample[TOP_SAMPLE], s_pos[TOP_SAMPLE];
     __shared__ u32 s_bin[TOP_SAMPLE];
     __shared__ int s_crowded;
     const u32 t = threadIdx.x;
     const u64 step = n / TOP_SAMPLE;
-    // Thread t holds the sample's t-th smallest (word, position).
-    u64 w = top_word(keys[(u64)t * step]);
-    u32 tag = t;
-    block_sort_tagged(w, tag, sample, s_tag);
-    const u64 pos = (u64)tag * step;
+    // Thread t holds the sample's t-th smallest (key, position).
+    K key = keys[(u64)t * step];
+    u64 pos = (u64)t * step;
+    block_sort_pairs<RSORT_THREADS>(key, pos, s_key, s_pos);
+    const u64 w = top_word(key);
     const u32 want = (u32)min((u64)TOP_SAMPLE - 1, 2 * (TOP_SAMPLE * k / n) + 16);
     if (t == 0) s_crowded = 0;
     sample[t] = w; // the network's last shared reads ended at its last barrier
-    s_tag[t] = tag;
+    s_pos[t] = pos;
     __syncthreads();
     const u64 mn = sample[0], hi = sample[want];
     // Coordinates with positions where the sample's words span fewer than 2^42 (always for
     // 32-bit keys); keys 2^40 words below its smallest share coordinate 0.
     bins.w0 = mn - min(mn, 1ull << 40);
     if ((hi - bins.w0) >> (63 - TOP_POSITION_BITS)) bins.w0 = ~0ull;
-    bins.base = 0;
-    bins.scale = 0;
-    const u64 c0 = bins.coord(mn, (u64)s_tag[0] * step), range = bins.coord(hi, (u64)s_tag[want] * step) - c0;
+    const u64 c0 = bins.coord(mn, s_pos[0]), range = bins.coord(hi, s_pos[want]) - c0;
     bins.base = c0 - min(c0, range / 16);
     // The linear bins' coordinates, [base, base + span]: TOP_LINEAR / (span + 1) · 2^64, a
     // little less, so that the last of them stays below the last bin.

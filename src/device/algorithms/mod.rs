@@ -1200,7 +1200,7 @@ impl TopKEngine {
             // Few pairs: the sampled selection's last step alone, one launch for all of them
             // (its levels and a radix fallback would take ~26 launches).
             DeviceAlgorithm::Sample if n <= RANK_SORT_MAX => self.rank_sort(input, n)?,
-            // Positional pairs of a few bins of the key's top bits: those, by the key's passes.
+            // Positional pairs: only those in the bins up to the k-th smallest's, sorted by bin.
             DeviceAlgorithm::Sample if top_bits_sorts(self.kind, n, k, input.positional) => {
                 let run = self.top_bits_enqueue(input, n, k)?;
                 return Ok(Selection {
@@ -1274,10 +1274,10 @@ impl TopKEngine {
             },
             SelectionState::TopBits(run) => match self.top_bits_complete(*run)? {
                 Some((sorted, more)) => Ok((sorted, n.min(k), more)),
-                // Keys crowding a bin (ties, all equal): all pairs by the key's radix passes
-                // where those take one kernel a pass (H100, n = 2^20, session 17: after the
-                // foreseen crowding, 81–119 µs for 32-bit ties against 113–163 µs by the
-                // sampled levels), else radix select.
+                // A cluster the sample foresaw crowding a bin, or more kept pairs than the
+                // buffers: all pairs by the key's radix passes where those take one kernel a
+                // pass (H100, n = 2^20, session 17: after a foreseen crowding, 81–119 µs for
+                // 32-bit ties against 113–163 µs by the sampled levels), else radix select.
                 None if radix_sort_is_wide(self.kind, n) => {
                     Ok((self.sort_pairs(input, n, 1)?, n.min(k), true))
                 }
