@@ -274,111 +274,166 @@ __device__ void sort_local(const K *keys, const u64 *ids, u64 n, K *out_keys, u6
 
 // Sort of a bin-ordered buffer (radix_sort.cu's top-bits selection): pairs [0, m), m = *count,
 // grouped by bin (bin b, b ≤ *last, holds counts[b] pairs from the sum of the counts before
-// it), each bin at most half a tile of SEGMENT_TILE pairs. Block j sorts the bins that start in [j·T/2, (j+1)·T/2) (at most
+// it; `counts` is the selection's control block, common.cuh TopBins), each bin at most half a
+// tile of SEGMENT_TILE pairs. Block j sorts the bins that start in [j·T/2, (j+1)·T/2) (at most
 // a tile) by (key, row id), into the same positions of `out`. Nothing when *status is set.
-// Bins of up to SEGMENT_RANK_BIN pairs (uniform keys: tens) are sorted by rank: each pair
-// counts the pairs of its bin below it in shared memory. Larger ones take the register
-// network over the whole tile, whose 55 dependent steps took ~10 µs a block (ncu, n = 2^20).
-// Blocks of 256 threads.
+// Each bin is split in 2^bits parts by its pairs' coordinates (TopBins::part; ~4 pairs a
+// part), the block's pairs are counted into their parts (shared atomics) and placed by part,
+// and each pair's rank in its part (pairs below it) completes its place: ranking each pair
+// against its whole bin cost 14M warp instructions, 27 µs, at k = n/4 (~170 pairs a bin, ncu,
+// n = 2^20). Parts larger than SEGMENT_RANK_PART (ties of 64-bit keys, whose coordinates are
+// the keys) take the register network over the whole tile instead. Blocks of 256 threads.
 #define SEGMENT_THREADS 256
 #define SEGMENT_TILE (SORT_PER * SEGMENT_THREADS)
-#define SEGMENT_RANK_BIN 256u
-// The most bins a block's half tile can hold starts of (radix_sort.cu TOP_BINS).
-#define SEGMENT_MAX_BINS 4096u
+#define SEGMENT_RANK_PART 128u
+#define SEGMENT_PART_BITS 8u
+
+// The count of pairs [a, e) of the tile below pair i (32-bit keys packed with their positions
+// in `s.ids`, one shared load a comparison). Eight loads in flight a step: one at a time, each
+// comparison waited on its load.
+template <class K> __device__ __forceinline__ u32 rank_in_part(Smem<K> s, u32 a, u32 e, u32 i) {
+    const K mk = s.keys[i];
+    const u64 mine = s.ids[i];
+    auto below = [&](u32 j) -> u32 {
+        if constexpr (K::BITS == 32) {
+            return s.ids[j] < mine;
+        } else {
+            return pair_less(s.keys[j], s.ids[j], mk, mine);
+        }
+    };
+    u32 rank = 0, j = a;
+    for (; j + 8 <= e; j += 8) {
+#pragma unroll
+        for (u32 u = 0; u < 8; ++u) rank += below(j + u);
+    }
+    for (; j < e; ++j) rank += below(j);
+    return rank;
+}
+
 template <class K>
-__device__ void sort_segments(const K *keys, const u64 *ids, const u32 *counts, const u32 *last, const u64 *count,
-                              const u32 *status, K *out_keys, u64 *out_ids) {
-    // The block's range, kept in shared memory across the network (in registers it spilled).
-    __shared__ u64 s_first, s_end;
-    __shared__ u32 s_below[2], s_largest;
-    __shared__ u32 s_starts[SEGMENT_MAX_BINS];
-    const u32 st = *status, bins = *last + 1;
-    const u64 m = *count, half = SEGMENT_TILE / 2, p = (u64)blockIdx.x * half;
+__device__ void sort_segments(const K *keys, const u64 *ids, const u32 *top, const u32 *seg, K *out_keys,
+                              u64 *out_ids) {
+    __shared__ u32 s_largest;
+    // The parts' counts, then their starts in the segment (≤ TOP_BINS of them, and a last).
+    __shared__ u32 s_part[TOP_BINS + 1];
+    const u32 st = top[TOP_STATUS], bins = top[TOP_BOUND] + 1;
+    const u64 m = *reinterpret_cast<const u64 *>(top + TOP_COUNT), half = SEGMENT_TILE / 2, p = (u64)blockIdx.x * half;
+    // The block's bins [lo, hi) and their pairs [first, end) (radix_sort.cu `top_segments`),
+    // loaded with the words above.
+    const uint2 mine = reinterpret_cast<const uint2 *>(seg)[blockIdx.x];
+    const uint2 next = reinterpret_cast<const uint2 *>(seg)[blockIdx.x + 1];
     if (st != 0 || p >= m) return;
-    // The first bin starting at or after p (and p + half) is the count of bins starting below
-    // it (starts ascend): counted by every thread over its bins at once, where one thread's
-    // binary search waited on ~24 dependent loads.
-    if (threadIdx.x == 0) s_below[0] = s_below[1] = s_largest = 0;
-    // The starts of bins [PER·t, PER·t + PER) (thread t): the counts' prefix sums, all loads
-    // issued together.
-    constexpr u32 PER = SEGMENT_MAX_BINS / SEGMENT_THREADS;
-    u32 start[PER], sum = 0, below = 0, below_end = 0;
-#pragma unroll
-    for (u32 u = 0; u < PER; ++u) {
-        const u32 b = threadIdx.x * PER + u;
-        const u32 c = b < bins ? counts[b] : 0u;
-        start[u] = sum;
-        sum += c;
-    }
-    const u32 before = block_exclusive_sum(sum);
-#pragma unroll
-    for (u32 u = 0; u < PER; ++u) {
-        const u32 b = threadIdx.x * PER + u;
-        start[u] += before;
-        below += b < bins && start[u] < p;
-        below_end += b < bins && start[u] < p + half;
-    }
-    if (below) atomicAdd(&s_below[0], below);
-    if (below_end) atomicAdd(&s_below[1], below_end);
-    __syncthreads();
-    const u32 lo = s_below[0], hi = s_below[1];
-    // The segment [start of bin lo, start of bin hi), m past the last bin.
-    if (threadIdx.x == 0) {
-        if (lo >= bins) s_first = m;
-        if (hi >= bins) s_end = m;
-    }
-#pragma unroll
-    for (u32 u = 0; u < PER; ++u) {
-        const u32 b = threadIdx.x * PER + u;
-        if (b == lo && b < bins) s_first = start[u];
-        if (b == hi && b < bins) s_end = start[u];
-    }
-    __syncthreads();
-    const u64 first = s_first, len = s_end - first;
+    const bool last = p + half >= m;
+    const u32 lo = mine.x, hi = last ? bins : next.x;
+    const u64 first = mine.y;
+    const u32 len = (u32)((last ? m : next.y) - first), nb = hi - lo;
     if (len == 0) return;
-    // The block's bins [lo, hi): their starts within the segment, then the largest bin.
-    const u32 nb = hi - lo;
+    if (threadIdx.x == 0) s_largest = 0;
+    // Parts of ~4 pairs on average (block-uniform), at most TOP_BINS in all.
+    u32 bits = 0;
+    while (bits < SEGMENT_PART_BITS && (nb << (bits + 1)) <= TOP_BINS && (len >> (bits + 1)) >= 4 * nb) ++bits;
+    const u32 parts = nb << bits;
+    for (u32 j = threadIdx.x; j < parts; j += SEGMENT_THREADS) s_part[j] = 0;
+    const TopBins tb = {*reinterpret_cast<const u64 *>(top + TOP_BASE), *reinterpret_cast<const u64 *>(top + TOP_SCALE),
+                        *reinterpret_cast<const u64 *>(top + TOP_W0)};
+    __syncthreads();
+    // Pairs i = t + r·SEGMENT_THREADS of the segment: their part, and their slot in it.
+    constexpr u32 R = SEGMENT_TILE / SEGMENT_THREADS;
+    K key[R];
+    u64 id[R];
+    u32 part[R], slot[R];
 #pragma unroll
-    for (u32 u = 0; u < PER; ++u) {
-        const u32 b = threadIdx.x * PER + u;
-        if (b >= lo && b < hi) s_starts[b - lo] = start[u] - (u32)first;
+    for (u32 r = 0; r < R; ++r) {
+        const u32 i = threadIdx.x + r * SEGMENT_THREADS;
+        if (i < len) {
+            key[r] = keys[first + i];
+            id[r] = ids[first + i];
+        }
+    }
+#pragma unroll
+    for (u32 r = 0; r < R; ++r) {
+        const u32 i = threadIdx.x + r * SEGMENT_THREADS;
+        if (i < len) {
+            u32 b;
+            const u32 f = bits ? tb.part(top_word(key[r]), id[r], bits, b) : (b = tb.bin(top_word(key[r]), id[r]), 0u);
+            part[r] = min(((b - lo) << bits) | f, parts - 1);
+            slot[r] = atomicAdd(&s_part[part[r]], 1u);
+        }
     }
     __syncthreads();
-    u32 largest = 0;
-    for (u32 j = threadIdx.x; j < nb; j += SEGMENT_THREADS) {
-        largest = max(largest, (j + 1 < nb ? s_starts[j + 1] : (u32)len) - s_starts[j]);
+    // The parts' starts (in place), and the largest part: thread t sums parts
+    // [t·per, t·per + per).
+    const u32 per = (parts + SEGMENT_THREADS - 1) / SEGMENT_THREADS, j0 = threadIdx.x * per;
+    u32 sum = 0, largest = 0;
+    for (u32 j = j0; j < min(j0 + per, parts); ++j) {
+        sum += s_part[j];
+        largest = max(largest, s_part[j]);
     }
-    if (largest) atomicMax(&s_largest, largest);
+    u32 at = block_exclusive_sum(sum); // its barriers order the reads above before the writes below
+    for (u32 j = j0; j < min(j0 + per, parts); ++j) {
+        const u32 c = s_part[j];
+        s_part[j] = at;
+        at += c;
+    }
+    if (largest > SEGMENT_RANK_PART) atomicMax(&s_largest, largest);
+    if (threadIdx.x == 0) s_part[parts] = len;
     __syncthreads();
     Smem<K> s = smem_of<K>(SEGMENT_TILE);
-    if (s_largest <= SEGMENT_RANK_BIN) {
-        for (u32 i = threadIdx.x; i < len; i += SEGMENT_THREADS) {
-            s.keys[i] = keys[first + i];
-            s.ids[i] = ids[first + i];
+    if (s_largest == 0) {
+        // A 32-bit key and its position (< 2^32) packed in one word order as the pair does.
+#pragma unroll
+        for (u32 r = 0; r < R; ++r) {
+            if (threadIdx.x + r * SEGMENT_THREADS < len) {
+                slot[r] += s_part[part[r]];
+                if constexpr (K::BITS == 32) {
+                    s.ids[slot[r]] = (u64)key[r].w[0] << 32 | id[r];
+                } else {
+                    s.keys[slot[r]] = key[r];
+                    s.ids[slot[r]] = id[r];
+                }
+            }
+        }
+        __syncthreads();
+        // Each pair's place in the segment: its part's start and its rank in the part. The
+        // pairs go there in shared memory, then out in order (written from registers to their
+        // places, each warp's stores spread over 32 sectors).
+#pragma unroll
+        for (u32 r = 0; r < R; ++r) {
+            if (threadIdx.x + r * SEGMENT_THREADS < len) {
+                const u32 a = s_part[part[r]], e = s_part[part[r] + 1];
+                slot[r] = a + rank_in_part<K>(s, a, e, slot[r]);
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (u32 r = 0; r < R; ++r) {
+            if (threadIdx.x + r * SEGMENT_THREADS < len) {
+                if constexpr (K::BITS == 32) {
+                    s.ids[slot[r]] = (u64)key[r].w[0] << 32 | id[r];
+                } else {
+                    s.keys[slot[r]] = key[r];
+                    s.ids[slot[r]] = id[r];
+                }
+            }
         }
         __syncthreads();
         for (u32 i = threadIdx.x; i < len; i += SEGMENT_THREADS) {
-            // Its bin: the last whose start is at or below i.
-            u32 l = 0, r = nb;
-            while (r - l > 1) {
-                const u32 mid = (l + r) / 2;
-                if (s_starts[mid] <= i) l = mid; else r = mid;
+            if constexpr (K::BITS == 32) {
+                const u64 c = s.ids[i];
+                out_keys[first + i].w[0] = (u32)(c >> 32);
+                out_ids[first + i] = c & 0xffffffffu;
+            } else {
+                out_keys[first + i] = s.keys[i];
+                out_ids[first + i] = s.ids[i];
             }
-            const u32 a = s_starts[l], e = l + 1 < nb ? s_starts[l + 1] : (u32)len;
-            const K k = s.keys[i];
-            const u64 id = s.ids[i];
-            u32 rank = 0;
-            for (u32 j = a; j < e; ++j) rank += pair_less(s.keys[j], s.ids[j], k, id);
-            out_keys[first + a + rank] = k;
-            out_ids[first + a + rank] = id;
         }
         return;
     }
-    K key[SORT_PER];
-    u64 id[SORT_PER];
-    load_tile(keys + s_first, ids + s_first, s_end - s_first, 0, key, id);
-    tile_network<K, SEGMENT_THREADS>(key, id, 0, 2, SEGMENT_TILE, s);
-    store_tile(out_keys + s_first, out_ids + s_first, s_end - s_first, 0, key, id);
+    K nkey[SORT_PER];
+    u64 nid[SORT_PER];
+    load_tile(keys + first, ids + first, len, 0, nkey, nid);
+    tile_network<K, SEGMENT_THREADS>(nkey, nid, 0, 2, SEGMENT_TILE, s);
+    store_tile(out_keys + first, out_ids + first, len, 0, nkey, nid);
 }
 
 // Sort, the steps of stride SORT_TILE/2 .. 1 of size `size` (> SORT_TILE), per tile.
@@ -612,9 +667,9 @@ __device__ void chunk_scatter(const K *tile_keys, const u64 *tile_ids, const u64
                                   const u32 *below, K *out_keys, u64 *out_ids, const u32 *status) {               \
         chunk_scatter<K>(tile_keys, tile_ids, n_ptr, cap, below, out_keys, out_ids, status);                      \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(SEGMENT_THREADS)                                                 \
-        bitonic_sort_segments_##S(const K *keys, const u64 *ids, const u32 *counts, const u32 *last,              \
-                                  const u64 *count, const u32 *status, K *out_keys, u64 *out_ids) {               \
-        sort_segments<K>(keys, ids, counts, last, count, status, out_keys, out_ids);                              \
+    extern "C" __global__ void __launch_bounds__(SEGMENT_THREADS, 4)                                               \
+        bitonic_sort_segments_##S(const K *keys, const u64 *ids, const u32 *top, const u32 *seg, K *out_keys,     \
+                                  u64 *out_ids) {                                                                 \
+        sort_segments<K>(keys, ids, top, seg, out_keys, out_ids);                                                 \
     }
 INSTANTIATE_KEYS(BITONIC_ENTRIES)

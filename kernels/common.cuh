@@ -333,3 +333,64 @@ __device__ void append(const K *keys, const u64 *ids, u64 id_start, u64 n, const
         }
     }
 }
+
+// ---- the top-bits selection's bins (radix_sort.cu `rsort_top_*`, bitonic.cu `sort_segments`) ----
+
+#define TOP_BINS 4096u
+// Control words after the bins' counts: a spare word, the bound, the status, a spare word, the
+// kept count (u64), the bins' base, scale and w0 (u64 each, TopBins).
+#define TOP_BOUND (TOP_BINS + 1)
+#define TOP_STATUS (TOP_BINS + 2)
+#define TOP_COUNT (TOP_BINS + 4)
+#define TOP_BASE (TOP_BINS + 6)
+#define TOP_SCALE (TOP_BINS + 8)
+#define TOP_W0 (TOP_BINS + 10)
+
+// The key's most significant word (all of a 32- or 64-bit key).
+template <class K> __device__ __forceinline__ u64 top_word(const K &k) { return (u64)k.w[K::N - 1]; }
+
+// The bin of a coordinate (TopBins below): bins [TOP_LOW, TOP_BINS - 1) are linear from the
+// base up, ⌊d · scale / 2^64⌋ for a coordinate d above it (d itself when the scale is 0: a
+// range of fewer coordinates than bins), and the last bin takes those above them; bins
+// [0, TOP_LOW) take the coordinates below the base by the octave of their distance to it (8
+// bins an octave), so that a long lower tail spreads too: below the smallest sampled key lie
+// ~n/257 keys, which one clamped bin held for f32 keys in [0, 1) (their encodings crowd
+// towards zero).
+#define TOP_LOW 512u
+#define TOP_LINEAR (TOP_BINS - 1 - TOP_LOW)
+__device__ __forceinline__ u32 top_bin(u64 c, u64 base, u64 scale) {
+    if (c >= base) {
+        const u64 d = c - base;
+        return TOP_LOW + (u32)min(scale ? __umul64hi(d, scale) : d, (u64)TOP_LINEAR);
+    }
+    const u64 d = base - c;
+    const int e = 63 - __clzll((long long)d);
+    const u32 m = (u32)(e >= 3 ? d >> (e - 3) : d << (3 - e)) & 7u; // 3 bits below the leading one
+    return TOP_LOW - 1 - min((u32)e * 8 + m, TOP_LOW - 1);
+}
+
+// The bins of a top-bits selection. A key's bin is monotone in (key's top word, position),
+// the order of positional pairs: the linear bins divide a range of coordinates, and the
+// coordinate of a word near the sample's (at most 2^42 words above `w0`) is (word − w0) · 2^21
+// + position, so that equal keys spread over bins by their positions (all equal, heavy ties);
+// with `w0` = ~0 (a sample spanning more words) it is the word alone. Positions < 2^21.
+#define TOP_POSITION_BITS 21
+struct TopBins {
+    u64 base, scale, w0;
+    __device__ __forceinline__ u64 coord(u64 w, u64 pos) const {
+        if (w0 == ~0ull) return w;
+        if (w < w0) return 0;
+        const u64 d = w - w0;
+        return d >> (63 - TOP_POSITION_BITS) ? 1ull << 63 : (d << TOP_POSITION_BITS) | pos;
+    }
+    __device__ __forceinline__ u32 bin(u64 w, u64 pos) const { return top_bin(coord(w, pos), base, scale); }
+    // The bin of (w, pos) (into `b`) and the part of it, of 2^bits (bits ≥ 1), that holds the
+    // pair: for a linear bin, the top bits of the fraction of d · scale / 2^64 that the bin
+    // drops; 0 elsewhere. Monotone in the pair within a bin, as bins are across them.
+    __device__ __forceinline__ u32 part(u64 w, u64 pos, u32 bits, u32 &b) const {
+        const u64 c = coord(w, pos);
+        b = top_bin(c, base, scale);
+        if (c < base || scale == 0 || b == TOP_BINS - 1) return 0;
+        return (u32)(((c - base) * scale) >> (64 - bits));
+    }
+};

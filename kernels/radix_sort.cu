@@ -203,16 +203,7 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // exponents, ties). If the k-th smallest lies beyond the sampled rank, in the last
 // bin (which holds the rest and is not counted): the status says the buffers overflow, and the
 // host sorts the whole input instead.
-#define TOP_BINS 4096u
 #define TOP_SAMPLE RSORT_THREADS
-// Control words after the bins' counts: a spare word, the bound, the status, a spare word, the
-// kept count (u64), the bins' base, scale and w0 (u64 each, TopBins).
-#define TOP_BOUND (TOP_BINS + 1)
-#define TOP_STATUS (TOP_BINS + 2)
-#define TOP_COUNT (TOP_BINS + 4)
-#define TOP_BASE (TOP_BINS + 6)
-#define TOP_SCALE (TOP_BINS + 8)
-#define TOP_W0 (TOP_BINS + 10)
 #define TOP_STATUS_OVERFLOW 1u
 #define TOP_STATUS_CROWDED 2u
 #define TOP_STATUS_FORESEEN 4u
@@ -221,45 +212,8 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // SEGMENT_TILE, 1024 pairs for keys up to 128 bits).
 #define TOP_SEGMENT_BIN 512u
 
-// The key's most significant word (all of a 32- or 64-bit key).
-template <class K> __device__ __forceinline__ u64 top_word(const K &k) { return (u64)k.w[K::N - 1]; }
-
-// The bin of a coordinate (TopBins below): bins [TOP_LOW, TOP_BINS - 1) are linear from the
-// base up, ⌊d · scale / 2^64⌋ for a coordinate d above it (d itself when the scale is 0: a
-// range of fewer coordinates than bins), and the last bin takes those above them; bins
-// [0, TOP_LOW) take the coordinates below the base by the octave of their distance to it (8
-// bins an octave), so that a long lower tail spreads too: below the smallest sampled key lie
-// ~n/257 keys, which one clamped bin held for f32 keys in [0, 1) (their encodings crowd
-// towards zero).
-#define TOP_LOW 512u
-#define TOP_LINEAR (TOP_BINS - 1 - TOP_LOW)
-__device__ __forceinline__ u32 top_bin(u64 c, u64 base, u64 scale) {
-    if (c >= base) {
-        const u64 d = c - base;
-        return TOP_LOW + (u32)min(scale ? __umul64hi(d, scale) : d, (u64)TOP_LINEAR);
-    }
-    const u64 d = base - c;
-    const int e = 63 - __clzll((long long)d);
-    const u32 m = (u32)(e >= 3 ? d >> (e - 3) : d << (3 - e)) & 7u; // 3 bits below the leading one
-    return TOP_LOW - 1 - min((u32)e * 8 + m, TOP_LOW - 1);
-}
-
-// The bins of a top-bits selection. A key's bin is monotone in (key's top word, position),
-// the order of positional pairs: the linear bins divide a range of coordinates, and the
-// coordinate of a word near the sample's (at most 2^42 words above `w0`) is (word − w0) · 2^21
-// + position, so that equal keys spread over bins by their positions (all equal, heavy ties);
-// with `w0` = ~0 (a sample spanning more words) it is the word alone. Positions < 2^21.
-#define TOP_POSITION_BITS 21
-struct TopBins {
-    u64 base, scale, w0;
-    __device__ __forceinline__ u64 coord(u64 w, u64 pos) const {
-        if (w0 == ~0ull) return w;
-        if (w < w0) return 0;
-        const u64 d = w - w0;
-        return d >> (63 - TOP_POSITION_BITS) ? 1ull << 63 : (d << TOP_POSITION_BITS) | pos;
-    }
-    __device__ __forceinline__ u32 bin(u64 w, u64 pos) const { return top_bin(coord(w, pos), base, scale); }
-};
+// TOP_BINS, the control words, top_word, top_bin and TopBins: common.cuh (the segment sort
+// computes bins too).
 
 // The bins from the block's strided sample of the keys (n ≥ TOP_SAMPLE): the linear bins end at
 // the sampled pair of rank 2·(expected rank of the k-th smallest) + 16 and start a sixteenth
@@ -414,6 +368,24 @@ __device__ __forceinline__ TopBound top_bound(const u32 *top, u64 k, u64 cap, u3
     return {s_bound, status, s_kept};
 }
 
+// For the segment sort (bitonic.cu `sort_segments`), from the bins' starts (`start`, shared,
+// from top_bound): for each of its blocks j, whose pairs are the bins starting in
+// [j·half, (j+1)·half), the first of those bins and its start (`seg[2j]`, `seg[2j + 1]`; the
+// bound + 1 and the kept count past the last bin), so that a block reads its range at once:
+// a prefix over all bins in each block was most of its instructions, and reading a bin's
+// start after its index one more round trip. Every thread of block 0.
+__device__ __forceinline__ void top_segments(const u32 *start, TopBound b, u64 half, u32 *seg) {
+    if (threadIdx.x == 0) seg[0] = seg[1] = 0;
+    for (u32 i = threadIdx.x; i <= b.bound; i += RSORT_THREADS) {
+        const u64 s0 = start[i], s1 = i < b.bound ? start[i + 1] : b.kept;
+        // Bin i + 1 is the first starting at or after j·half for j·half in (s0, s1].
+        for (u64 j = s0 / half + 1; j * half <= s1; ++j) {
+            seg[2 * j] = i + 1;
+            seg[2 * j + 1] = (u32)s1;
+        }
+    }
+}
+
 // Each pair at or below the bound to its bin's part of `out` (starts from top_bound, slots
 // counted in `fill`, zero at launch, one counter per 32-byte sector: eight bins' counters in
 // one sector took 13.7 against 9.0 µs for 65K slots over 1200 bins, H100), with its position as
@@ -422,8 +394,8 @@ __device__ __forceinline__ TopBound top_bound(const u32 *top, u64 k, u64 cap, u3
 // loads, slot atomics and writes, each round waited on the last one's atomics.
 #define TOP_FILL_STRIDE 8
 template <class K>
-__device__ void rsort_top_scatter(const K *keys, u64 n, u64 k, u64 cap, u32 *top, u32 *fill, K *out_keys,
-                                  u64 *out_ids) {
+__device__ void rsort_top_scatter(const K *keys, u64 n, u64 k, u64 cap, u32 *top, u32 *fill, u64 half, u32 *seg,
+                                  K *out_keys, u64 *out_ids) {
     __shared__ u32 start[TOP_BINS];
     const u32 foreseen = top[TOP_STATUS];
     const TopBins bins = {*reinterpret_cast<const u64 *>(top + TOP_BASE), *reinterpret_cast<const u64 *>(top + TOP_SCALE),
@@ -434,10 +406,13 @@ __device__ void rsort_top_scatter(const K *keys, u64 n, u64 k, u64 cap, u32 *top
     load_strided_keys(keys, n, i0, ks); // issued with the counts' loads
     if (foreseen == TOP_STATUS_FORESEEN) return; // every block
     const TopBound b = top_bound(top, k, cap, start);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        top[TOP_BOUND] = b.bound;
-        *reinterpret_cast<u64 *>(top + TOP_COUNT) = b.kept;
-        top[TOP_STATUS] = b.status;
+    if (blockIdx.x == 0) {
+        if (threadIdx.x == 0) {
+            top[TOP_BOUND] = b.bound;
+            *reinterpret_cast<u64 *>(top + TOP_COUNT) = b.kept;
+            top[TOP_STATUS] = b.status;
+        }
+        if (b.status == 0) top_segments(start, b, half, seg);
     }
     // Crowded bins still scatter: the host merge-sorts the kept pairs after the read-back.
     if (b.status != 0 && b.status != TOP_STATUS_CROWDED) return;
@@ -946,8 +921,8 @@ extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
         rsort_top_hist<K>(keys, n, k, top);                                                                       \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
-        rsort_top_scatter_##S(const K *keys, u64 n, u64 k, u64 cap, u32 *top, u32 *fill, K *out_keys,             \
-                              u64 *out_ids) {                                                                     \
-        rsort_top_scatter<K>(keys, n, k, cap, top, fill, out_keys, out_ids);                                      \
+        rsort_top_scatter_##S(const K *keys, u64 n, u64 k, u64 cap, u32 *top, u32 *fill, u64 half, u32 *seg,      \
+                              K *out_keys, u64 *out_ids) {                                                        \
+        rsort_top_scatter<K>(keys, n, k, cap, top, fill, half, seg, out_keys, out_ids);                           \
     }
 INSTANTIATE_KEYS(RADIX_SORT_ENTRIES)

@@ -1204,13 +1204,15 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
                 (1024, DeviceAlgorithm::Sample, true),
                 (6000, DeviceAlgorithm::Sample, true),
                 (1024, DeviceAlgorithm::Radix, false),
-                // From k = n / 256 to below n / 4 the top-bits selection (`top_bits_sorts`),
-                // read back at the finish; beyond, all n sorted by their radix passes
-                // (`sample_sorts_whole`), complete when enqueued.
+                // From k = n / 256 to n / 4 (32-bit keys) or below 3n / 4 (64-bit) the
+                // top-bits selection (`top_bits_sorts`), read back at the finish; beyond, all
+                // n sorted by their radix passes (`sample_sorts_whole`), complete when
+                // enqueued.
                 (50_000, DeviceAlgorithm::Sample, true),
                 (100_000, DeviceAlgorithm::Sample, true),
                 (200_000, DeviceAlgorithm::Sample, true),
-                (300_000, DeviceAlgorithm::Sample, false),
+                (300_000, DeviceAlgorithm::Sample, kind == KeyKind::K64),
+                (800_000, DeviceAlgorithm::Sample, false),
                 // All of them: positional ids let the radix sort skip the id digits.
                 (n, DeviceAlgorithm::Radix, false),
                 (n, DeviceAlgorithm::Sample, false),
@@ -1228,8 +1230,8 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
 }
 
 /// The top-bits selection (`top_bits_sorts`) against the oracle: positional 32- and 64-bit
-/// keys of every distribution; a partial last tile, several segment-sort blocks, the largest
-/// size it takes; its second route (a kept bin too large for the segment sort: the merge sort
+/// keys of every distribution, up to the largest k it takes for each; a partial last tile,
+/// several segment-sort blocks, the largest size it takes; its second route (a kept bin too large for the segment sort: the merge sort
 /// of the kept pairs, in no order inside their bins); equal keys split by position; and the
 /// whole-input fallback when the sample foresees a crowded bin.
 #[test]
@@ -1242,7 +1244,8 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
     // Uniform keys with one small value repeated on every `every`-th row from row `from`: from
     // row 1 (off the sampled rows, multiples of n / 256 here), on every 64th a bin of ~16K
     // equal keys below the k-th smallest, too large for the segment sort, and on every 4096th
-    // a bin of ~256 (the segment sort's register network, past its rank sort's bins); from
+    // a bin of ~256 in one of the octave bins below the sampled keys, which the segment sort
+    // does not split in parts (its register network); from
     // row 0, on every 4th: a quarter of the sample, split by position where the bins span only
     // those (k = 20000), foreseen as one crowded bin where they span uniform keys too
     // (k = 200000).
@@ -1259,7 +1262,15 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
     for (n, ks) in [
         (
             (1usize << 20) + 7,
-            vec![8200usize, 60_000, 1 << 17, 200_000],
+            vec![
+                8200usize,
+                60_000,
+                1 << 17,
+                200_000,
+                262_144,
+                500_000,
+                700_000,
+            ],
         ),
         (1_500_001, vec![1 << 15]),
         (300_007, vec![4000]),

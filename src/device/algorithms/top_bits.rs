@@ -2,31 +2,33 @@
 //! smallest of positional pairs, sorted. A sample of the keys sets bins over (the key's top
 //! word, position), so that equal keys spread by position; a histogram finds the bin of the
 //! k-th smallest; the pairs at or below it are scattered by bin, and each block sorts a few
-//! bins (by rank in shared memory, or larger ones in registers). Three launches on the
-//! device's counts, read back once; a cluster of keys that crowds a bin takes the merge sort
+//! bins: split in parts of a few pairs by their coordinates, placed by part, ranked in their
+//! part (ties of 64-bit keys, which no part splits, by the register network). Three launches
+//! on the device's counts, read back once; a cluster of keys that crowds a bin takes the merge sort
 //! after the read-back, and one the sample foresees the whole sort.
 
 use super::*;
 
-/// The bins' counts and control words (radix_sort.cu `TOP_BINS` and the words after them: a
+/// The bins' counts and control words (common.cuh `TOP_BINS` and the words after them: a
 /// spare word, bound, status, a spare word, kept count (u64), the bins' base, scale and w0 (u64
 /// each)).
 const TOP_BINS: usize = 4096;
-const TOP_BOUND_WORD: usize = TOP_BINS + 1;
 const TOP_STATUS_WORD: usize = TOP_BINS + 2;
 /// Status: a kept bin holds more than half a segment-sort tile (radix_sort.cu).
 const TOP_STATUS_CROWDED: u32 = 2;
 const TOP_COUNT_WORD: usize = TOP_BINS + 4;
 const TOP_WORDS: usize = TOP_BINS + 12;
 const _: () = assert!(TOP_COUNT_WORD == TOP_STATUS_WORD + 2);
-/// Threads of bitonic.cu's `sort_segments` blocks (`SEGMENT_THREADS`), each sorting a tile of
-/// a quarter of the sort tile's pairs.
+/// Threads of bitonic.cu's `sort_segments` blocks (`SEGMENT_THREADS`), each sorting the bins
+/// that start in half a tile of a quarter of the sort tile's pairs.
 const SEGMENT_THREADS: u32 = 256;
 /// Keys a thread of `rsort_top_hist` and `rsort_top_scatter` takes per round (radix_sort.cu
 /// `SCATTER_ITEMS`).
 const SCATTER_ITEMS: usize = 16;
 /// Words between the scatter's per-bin fill counters (radix_sort.cu `TOP_FILL_STRIDE`).
 const TOP_FILL_STRIDE: usize = 8;
+// The segment table after the fill counters is read as 8-byte words.
+const _: () = assert!((TOP_WORDS + TOP_FILL_STRIDE * TOP_BINS).is_multiple_of(2));
 
 /// The buffer of kept pairs for a top-bits selection of k among n: uniform keys keep k plus
 /// one bin (a few hundred pairs at n = 2^20); this leaves half of k and n / 256 more for
@@ -37,17 +39,22 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 
 /// Whether a sampled selection of k among n pairs takes the top-bits selection: positional
 /// 32- and 64-bit keys (the scatter writes positions as row ids) of the sizes whose whole sort
-/// runs one kernel a pass (up to ~1.5M rows), for k from n / 256 to below n / 4. H100,
-/// n = 2^20 (session 18): i32 uniform k = 2^12 / 2^13 / 2^15 / 2^16 / 2^17 in 32 / 33 / 36 /
-/// 39 / 47 µs against 47 / 64 / 71 / 86 / 86 µs by the sampled levels or the whole sort; i64
-/// 33 / 34 / 37 / 40 / 51 against 58 / 68 / 76 / 97 / 193; all-equal keys 34–44. Zipf ties
-/// from k = n / 32 and NaN mixes lose (116–203 µs against 47–165: a crowded bin, then the
-/// merge sort after the read-back); from n / 4 its bins crowd. The cost model asks the same. `GPU_TOPK_TOP_BITS=0` turns it off, `=1` takes it wherever it applies (A/B runs).
+/// runs one kernel a pass (up to ~1.5M rows), for k from n / 256 up to n / 4 (32-bit keys) or
+/// below 3n / 4 (64-bit). H100, n = 2^20 (session 19, the uniform keys' time against that of
+/// the sampled levels or the whole sort): i32 k = 2^12 / 2^15 / 2^16 / 2^17 / 2^18 in 31 / 34
+/// / 37 / 41 / 52 µs against 47 / 71 / 86 / 86 / 85; i64 32 / 36 / 40 / 47 / 53 against 59 /
+/// 76 / 97 / 193 / 194, and 75 / 89 µs at 2^19 / 5·2^17 against 194 / 193. Past those, 32-bit
+/// keys lose: their whole sort takes 83–88 µs, and f32 keys in [0, 1) crowd a bin (180 µs at
+/// 2^19). Zipf ties from k = n / 32 and NaN mixes lose at every k (117–144 µs against 75–97,
+/// i64 zipf ties 197–208 against 165: a crowded bin, then the merge sort after the read-back),
+/// and so do all-equal and narrow keys from n / 4 (47–97 µs against 34–72: the whole sort skips
+/// the digits they share). The cost model asks the same. `GPU_TOPK_TOP_BITS=0` turns it off,
+/// `=1` takes it wherever it applies (A/B runs).
 pub fn top_bits_sorts(kind: KeyKind, n: usize, k: usize, positional: bool) -> bool {
     static FORCED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     let forced = FORCED.get_or_init(|| std::env::var("GPU_TOPK_TOP_BITS").ok());
     // Its buffers (at most n pairs) then fit the merge sort of its crowded route.
-    // Positions below 2^21: the bins' coordinates hold them (radix_sort.cu `TopBins`).
+    // Positions below 2^21: the bins' coordinates hold them (common.cuh `TopBins`).
     let applies = positional
         && k > 0
         && n < 1 << 21
@@ -56,7 +63,13 @@ pub fn top_bits_sorts(kind: KeyKind, n: usize, k: usize, positional: bool) -> bo
     match forced.as_deref() {
         Some("0") => false,
         Some("1") => applies,
-        _ => applies && k.saturating_mul(256) >= n && k.saturating_mul(4) < n,
+        _ => {
+            let below = match kind {
+                KeyKind::K32 => k.saturating_mul(4) <= n,
+                _ => k.saturating_mul(4) < n.saturating_mul(3),
+            };
+            applies && k.saturating_mul(256) >= n && below
+        }
     }
 }
 
@@ -83,11 +96,16 @@ impl TopKEngine {
         debug_assert!(input.positional && k > 0);
         let k = k.min(n);
         let cap = top_bits_capacity(n, k);
-        // The bins and their words, then the scatter's per-bin fill counters.
+        // The bins and their words, the scatter's per-bin fill counters, then each segment
+        // sort block's first bin and its start, and one past the last block (radix_sort.cu
+        // `top_segments`; 8-byte aligned).
+        let tile = SEGMENT_THREADS as usize * sort_tile(self.kind) / SORT_THREADS as usize;
+        let segment_blocks = cap.div_ceil(tile / 2);
         let fill = (4 * TOP_WORDS) as u64;
-        let ctl_bytes = 4 * (TOP_WORDS + TOP_FILL_STRIDE * TOP_BINS);
+        let seg = fill + (4 * TOP_FILL_STRIDE * TOP_BINS) as u64;
+        let ctl_bytes = seg as usize + 8 * (segment_blocks + 1);
         let ctl = self.device.pool.alloc(ctl_bytes, &self.stream)?;
-        self.memset_zero(ctl.ptr(), ctl_bytes)?;
+        self.memset_zero(ctl.ptr(), seg as usize)?;
         let kept = self.alloc_pairs(cap)?;
         let out = self.alloc_pairs(cap)?;
         let c = ctl.ptr();
@@ -115,23 +133,22 @@ impl TopKEngine {
                 cap,
                 c,
                 c + fill,
+                tile / 2,
+                c + seg,
                 kept.key_at(0),
                 kept.id_at(0)
             ],
         )?;
-        let tile = SEGMENT_THREADS as usize * sort_tile(self.kind) / SORT_THREADS as usize;
         self.launch(
             &self.kernel("bitonic_sort_segments"),
-            cap.div_ceil(tile / 2) as u32,
+            segment_blocks as u32,
             SEGMENT_THREADS,
             tile * self.kind.pair_bytes(),
             args![
                 kept.key_at(0),
                 kept.id_at(0),
                 c,
-                c + 4 * TOP_BOUND_WORD as u64,
-                c + 4 * TOP_COUNT_WORD as u64,
-                c + 4 * TOP_STATUS_WORD as u64,
+                c + seg,
                 out.key_at(0),
                 out.id_at(0)
             ],
