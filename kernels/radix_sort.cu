@@ -187,9 +187,11 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 //                      start among them, and the status (whether they exceed the buffers,
 //                      `cap`, or a bin holds more than half a sort tile); each pair at or below
 //                      the bound goes to its bin's part of the buffer (a global atomic slot per
-//                      pair), so the buffer is ordered by bin, in no order inside a bin;
-//   bitonic_sort_segments (bitonic.cu)  the same starts from the counts; one block per half
-//                      tile of bin starts sorts its bins by (key, row id), into the output.
+//                      pair), so the buffer is ordered by bin, in no order inside a bin; its
+//                      block 0 writes each segment-sort block's first bin and its start;
+//   bitonic_sort_segments (bitonic.cu)  one block per half tile of bin starts sorts its bins
+//                      by (key, row id), into the output: by parts of the bins, then by rank
+//                      in each part.
 // A bin too large for the segment sort (a cluster of keys at the k-th smallest) makes the host
 // merge-sort the kept pairs instead, after the read-back (merge_sort.cu, on the device's count).
 // Bins are over a coordinate of (the key's top word, position) (TopBins): equal keys spread by
