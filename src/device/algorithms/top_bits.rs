@@ -4,8 +4,8 @@
 //! k-th smallest; the pairs at or below it are scattered by bin, and each block sorts a few
 //! bins: split in parts of a few pairs by their coordinates, placed by part, ranked in their
 //! part (ties of 64-bit keys, which no part splits, by the register network). Three launches
-//! on the device's counts, read back once; a cluster of keys that crowds a bin takes the merge sort
-//! after the read-back, and one the sample foresees the whole sort.
+//! on the device's counts, read back once; a cluster of keys that crowds a bin takes the merge
+//! sort after the read-back, and one the sample foresees (from k = n/16) the whole sort.
 
 use super::*;
 
@@ -45,8 +45,9 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 /// / 37 / 41 / 52 µs against 47 / 71 / 86 / 86 / 85; i64 32 / 36 / 40 / 47 / 53 against 59 /
 /// 76 / 97 / 193 / 194, and 75 / 89 µs at 2^19 / 5·2^17 against 194 / 193. Past those, 32-bit
 /// keys lose: their whole sort takes 83–88 µs, and f32 keys in [0, 1) crowd a bin (180 µs at
-/// 2^19). Zipf ties from k = n / 32 and NaN mixes lose at every k (117–144 µs against 75–97,
-/// i64 zipf ties 197–208 against 165: a crowded bin, then the merge sort after the read-back),
+/// 2^19). Zipf ties from k = n / 32 and NaN mixes lose at most k (84–128 µs against 48–98,
+/// i64 zipf ties 117–205 against 138–167: a crowded bin, then the merge sort after the
+/// read-back, or from k = n / 16 the whole sort after the sample foresees it),
 /// and so do all-equal and narrow keys from n / 4 (47–97 µs against 34–72: the whole sort skips
 /// the digits they share). The cost model asks the same. `GPU_TOPK_TOP_BITS=0` turns it off,
 /// `=1` takes it wherever it applies (A/B runs).
