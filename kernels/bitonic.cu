@@ -288,8 +288,19 @@ __device__ void sort_local(const K *keys, const u64 *ids, u64 n, K *out_keys, u6
 #define SEGMENT_RANK_PART 128u
 #define SEGMENT_PART_BITS 8u
 
-// The count of pairs [a, e) of the tile below pair i (32-bit keys packed with their positions
-// in `s.ids`, one shared load a comparison). Eight loads in flight a step: one at a time, each
+// Pair `at` of a segment's tile in shared memory: a 32-bit key and its position (< 2^32) packed
+// in one word of `s.ids`, ordered as the pair is (one shared load a comparison); other keys
+// and row ids as they are.
+template <class K> __device__ __forceinline__ void segment_put(Smem<K> s, u32 at, const K &k, u64 id) {
+    if constexpr (K::BITS == 32) {
+        s.ids[at] = (u64)k.w[0] << 32 | id;
+    } else {
+        s.keys[at] = k;
+        s.ids[at] = id;
+    }
+}
+
+// The count of pairs [a, e) of the tile below pair i (segment_put's layout). Eight loads in flight a step: one at a time, each
 // comparison waited on its load.
 template <class K> __device__ __forceinline__ u32 rank_in_part(Smem<K> s, u32 a, u32 e, u32 i) {
     const K mk = s.keys[i];
@@ -380,17 +391,11 @@ __device__ void sort_segments(const K *keys, const u64 *ids, const u32 *top, con
     __syncthreads();
     Smem<K> s = smem_of<K>(SEGMENT_TILE);
     if (s_largest == 0) {
-        // A 32-bit key and its position (< 2^32) packed in one word order as the pair does.
 #pragma unroll
         for (u32 r = 0; r < R; ++r) {
             if (threadIdx.x + r * SEGMENT_THREADS < len) {
                 slot[r] += s_part[part[r]];
-                if constexpr (K::BITS == 32) {
-                    s.ids[slot[r]] = (u64)key[r].w[0] << 32 | id[r];
-                } else {
-                    s.keys[slot[r]] = key[r];
-                    s.ids[slot[r]] = id[r];
-                }
+                segment_put(s, slot[r], key[r], id[r]);
             }
         }
         __syncthreads();
@@ -407,14 +412,7 @@ __device__ void sort_segments(const K *keys, const u64 *ids, const u32 *top, con
         __syncthreads();
 #pragma unroll
         for (u32 r = 0; r < R; ++r) {
-            if (threadIdx.x + r * SEGMENT_THREADS < len) {
-                if constexpr (K::BITS == 32) {
-                    s.ids[slot[r]] = (u64)key[r].w[0] << 32 | id[r];
-                } else {
-                    s.keys[slot[r]] = key[r];
-                    s.ids[slot[r]] = id[r];
-                }
-            }
+            if (threadIdx.x + r * SEGMENT_THREADS < len) segment_put(s, slot[r], key[r], id[r]);
         }
         __syncthreads();
         for (u32 i = threadIdx.x; i < len; i += SEGMENT_THREADS) {

@@ -1231,9 +1231,10 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
 
 /// The top-bits selection (`top_bits_sorts`) against the oracle: positional 32- and 64-bit
 /// keys of every distribution, up to the largest k it takes for each; a partial last tile,
-/// several segment-sort blocks, the largest size it takes; its second route (a kept bin too large for the segment sort: the merge sort
-/// of the kept pairs, in no order inside their bins); equal keys split by position; and the
-/// whole-input fallback when the sample foresees a crowded bin.
+/// several segment-sort blocks, the largest size it takes; its second route (a kept bin too
+/// large for the segment sort: the rank, chunk rank or merge sort of the kept pairs, in no
+/// order inside their bins); equal keys split by position; and the whole-input fallback when
+/// the sample foresees a crowded bin.
 #[test]
 fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
     use datafusion_gpu_topk::device::algorithms::top_bits_sorts;
@@ -1293,6 +1294,14 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
         vec![20_000, 60_000],
         repeated(n, 6, 4096, 1),
     ));
+    // ~1024 equal keys, one crowded bin below the k-th smallest: few enough kept pairs for the
+    // rank sort (k = 4200) or the chunk rank sort (k = 30000) after the read-back.
+    inputs.push((
+        "cluster".into(),
+        n,
+        vec![4200, 30_000],
+        repeated(n, 8, 1024, 1),
+    ));
     inputs.push((
         "quarter".into(),
         n,
@@ -1330,7 +1339,7 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
                     "Uniform" | "medium" | "AllEqual" => {
                         assert!(!more, "{what}: the segment sort")
                     }
-                    "crowded" => assert!(more, "{what}: the second route"),
+                    "crowded" | "cluster" => assert!(more, "{what}: the second route"),
                     "quarter" => assert_eq!(more, k == 200_000, "{what}: foreseen crowding"),
                     _ => {}
                 }

@@ -45,9 +45,9 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 /// / 37 / 41 / 52 µs against 47 / 71 / 86 / 86 / 85; i64 32 / 36 / 40 / 47 / 53 against 59 /
 /// 76 / 97 / 193 / 194, and 75 / 89 µs at 2^19 / 5·2^17 against 194 / 193. Past those, 32-bit
 /// keys lose: their whole sort takes 83–88 µs, and f32 keys in [0, 1) crowd a bin (180 µs at
-/// 2^19). Zipf ties from k = n / 32 and NaN mixes lose at most k (84–128 µs against 48–98,
-/// i64 zipf ties 117–205 against 138–167: a crowded bin, then the merge sort after the
-/// read-back, or from k = n / 16 the whole sort after the sample foresees it),
+/// 2^19). Zipf ties from k = n / 32 and NaN mixes lose at most k (69–127 µs against 47–97,
+/// i64 zipf ties 106–205 against 137–166: a crowded bin, then the sort of the kept pairs after
+/// the read-back, or from k = n / 16 the whole sort after the sample foresees it),
 /// and so do all-equal and narrow keys from n / 4 (47–97 µs against 34–72: the whole sort skips
 /// the digits they share). The cost model asks the same. `GPU_TOPK_TOP_BITS=0` turns it off,
 /// `=1` takes it wherever it applies (A/B runs).
@@ -165,7 +165,8 @@ impl TopKEngine {
 
     /// Reads a top-bits selection's status and kept count back (one round trip): its sorted
     /// pairs, and whether device work ran after the read-back (where a kept bin was too large
-    /// for the segment sort, the merge sort of the kept pairs, truncated at k); `None` when
+    /// for the segment sort, the sort of all kept pairs, by the rank sort, the chunk rank sort
+    /// or the merge sort truncated at k, as their count allows); `None` when
     /// more pairs shared the k-th smallest's bins than its buffers hold, or when the sample
     /// foresaw a crowded bin (nothing sorted).
     pub(super) fn top_bits_complete(
@@ -180,9 +181,18 @@ impl TopKEngine {
         match status {
             0 => Ok(Some((run.out, false))),
             TOP_STATUS_CROWDED => {
+                // The merge sort's tiles and rounds took 41 µs for 5.6K pairs (H100, f32 NaN
+                // mix, n = 2^20, k = 2^12).
                 let count = run.ctl.ptr() + 4 * TOP_COUNT_WORD as u64;
-                let sorted = self.merge_sort(&run.kept, 0, count, run.cap, run.k, 0)?;
-                Ok(Some((sorted.into_pairs(kept), true)))
+                let sorted = if kept <= RANK_SORT_MAX {
+                    self.rank_sort(&run.kept, kept)?
+                } else if kept <= chunk_rank_max(self.kind) {
+                    self.chunk_rank_sort(&run.kept, count, kept, 0)?
+                } else {
+                    self.merge_sort(&run.kept, 0, count, run.cap, run.k, 0)?
+                        .into_pairs(kept)
+                };
+                Ok(Some((sorted, true)))
             }
             _ => Ok(None),
         }
