@@ -272,17 +272,18 @@ __device__ void sort_local(const K *keys, const u64 *ids, u64 n, K *out_keys, u6
     store_tile(out_keys, out_ids, m, tile_base, key, id);
 }
 
-// Sort of a bin-ordered buffer (radix_sort.cu's top-bits selection): pairs [0, m), m = *count,
-// grouped by bin (bin b, b ≤ *last, holds counts[b] pairs from the sum of the counts before
-// it; `counts` is the selection's control block, common.cuh TopBins), each bin at most half a
-// tile of SEGMENT_TILE pairs. Block j sorts the bins that start in [j·T/2, (j+1)·T/2) (at most
-// a tile) by (key, row id), into the same positions of `out`. Nothing when *status is set.
-// Each bin is split in 2^bits parts by its pairs' coordinates (TopBins::part; ~4 pairs a
-// part), the block's pairs are counted into their parts (shared atomics) and placed by part,
-// and each pair's rank in its part (pairs below it) completes its place: ranking each pair
-// against its whole bin cost 14M warp instructions, 27 µs, at k = n/4 (~170 pairs a bin, ncu,
-// n = 2^20). Parts larger than SEGMENT_RANK_PART (ties of 64-bit keys, whose coordinates are
-// the keys) take the register network over the whole tile instead. Blocks of 256 threads.
+// Sort of a bin-ordered buffer (radix_sort.cu's top-bits selection): pairs [0, m), m the kept
+// count in `top` (the selection's control block, common.cuh), grouped by bin up to the bound,
+// each bin at most half a tile of SEGMENT_TILE pairs. Block j sorts the bins that start in
+// [j·T/2, (j+1)·T/2) (at most a tile; its first bin and that bin's start from `seg`,
+// radix_sort.cu `top_segments`) by (key, row id), into the same positions of `out`. Nothing
+// when the status is set. Each bin is split in 2^bits parts by its pairs' coordinates
+// (TopBins::part; ~4 pairs a part), the block's pairs are counted into their parts (shared
+// atomics) and placed by part, and each pair's rank in its part (pairs below it) completes its
+// place: ranking each pair against its whole bin took 39 µs and 22M warp instructions at
+// k = n/4 (~170 pairs a bin, ncu, n = 2^20). Parts larger than SEGMENT_RANK_PART (ties of
+// 64-bit keys, whose coordinates are the keys; octave bins, which have no parts) take the
+// register network over the whole tile instead. Blocks of 256 threads.
 #define SEGMENT_THREADS 256
 #define SEGMENT_TILE (SORT_PER * SEGMENT_THREADS)
 #define SEGMENT_RANK_PART 128u
@@ -300,8 +301,8 @@ template <class K> __device__ __forceinline__ void segment_put(Smem<K> s, u32 at
     }
 }
 
-// The count of pairs [a, e) of the tile below pair i (segment_put's layout). Eight loads in flight a step: one at a time, each
-// comparison waited on its load.
+// The count of pairs [a, e) of the tile below pair i (segment_put's layout), eight loads in
+// flight a step (one at a time, each comparison waited on its load).
 template <class K> __device__ __forceinline__ u32 rank_in_part(Smem<K> s, u32 a, u32 e, u32 i) {
     const K mk = s.keys[i];
     const u64 mine = s.ids[i];
@@ -400,8 +401,8 @@ __device__ void sort_segments(const K *keys, const u64 *ids, const u32 *top, con
         }
         __syncthreads();
         // Each pair's place in the segment: its part's start and its rank in the part. The
-        // pairs go there in shared memory, then out in order (written from registers to their
-        // places, each warp's stores spread over 32 sectors).
+        // pairs go there in shared memory, then out in order (from registers to their places,
+        // each warp's stores would spread over 32 sectors).
 #pragma unroll
         for (u32 r = 0; r < R; ++r) {
             if (threadIdx.x + r * SEGMENT_THREADS < len) {
