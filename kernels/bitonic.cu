@@ -304,13 +304,12 @@ template <class K> __device__ __forceinline__ void segment_put(Smem<K> s, u32 at
 // The count of pairs [a, e) of the tile below pair i (segment_put's layout), eight loads in
 // flight a step (one at a time, each comparison waited on its load).
 template <class K> __device__ __forceinline__ u32 rank_in_part(Smem<K> s, u32 a, u32 e, u32 i) {
-    const K mk = s.keys[i];
     const u64 mine = s.ids[i];
     auto below = [&](u32 j) -> u32 {
         if constexpr (K::BITS == 32) {
             return s.ids[j] < mine;
         } else {
-            return pair_less(s.keys[j], s.ids[j], mk, mine);
+            return pair_less(s.keys[j], s.ids[j], s.keys[i], mine);
         }
     };
     u32 rank = 0, j = a;
@@ -367,7 +366,7 @@ __device__ void sort_segments(const K *keys, const u64 *ids, const u32 *top, con
         const u32 i = threadIdx.x + r * SEGMENT_THREADS;
         if (i < len) {
             u32 b;
-            const u32 f = bits ? tb.part(top_word(key[r]), id[r], bits, b) : (b = tb.bin(top_word(key[r]), id[r]), 0u);
+            const u32 f = tb.part(top_word(key[r]), id[r], bits, b);
             part[r] = min(((b - lo) << bits) | f, parts - 1);
             slot[r] = atomicAdd(&s_part[part[r]], 1u);
         }

@@ -384,13 +384,13 @@ struct TopBins {
         return d >> (63 - TOP_POSITION_BITS) ? 1ull << 63 : (d << TOP_POSITION_BITS) | pos;
     }
     __device__ __forceinline__ u32 bin(u64 w, u64 pos) const { return top_bin(coord(w, pos), base, scale); }
-    // The bin of (w, pos) (into `b`) and the part of it, of 2^bits (bits ≥ 1), that holds the
-    // pair: for a linear bin, the top bits of the fraction of d · scale / 2^64 that the bin
-    // drops; 0 elsewhere. Monotone in the pair within a bin, as bins are across them.
+    // The bin of (w, pos) (into `b`) and the part of it, of 2^bits, that holds the pair: for a
+    // linear bin, the top bits of the fraction of d · scale / 2^64 that the bin drops; 0
+    // elsewhere (and for bits = 0). Monotone in the pair within a bin, as bins are across them.
     __device__ __forceinline__ u32 part(u64 w, u64 pos, u32 bits, u32 &b) const {
         const u64 c = coord(w, pos);
         b = top_bin(c, base, scale);
-        if (c < base || scale == 0 || b == TOP_BINS - 1) return 0;
+        if (bits == 0 || c < base || scale == 0 || b == TOP_BINS - 1) return 0;
         return (u32)(((c - base) * scale) >> (64 - bits));
     }
 };

@@ -92,7 +92,6 @@ __device__ __forceinline__ u32 match_digit(u32 d) {
     return peers;
 }
 
-
 // Adds a pair's digit of every position to the positions' histograms in shared memory
 // (`sh`, positions × 256), one shared atomic each: warp_hist_add's check for a digit shared by
 // the whole warp cost more than the conflicts it saves here, even on all-equal keys (H100,
@@ -193,7 +192,7 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 //                      by (key, row id), into the output: by parts of the bins, then by rank
 //                      in each part.
 // A bin too large for the segment sort (a cluster of keys at the k-th smallest) makes the host
-// merge-sort the kept pairs instead, after the read-back (merge_sort.cu, on the device's count).
+// sort the kept pairs instead, after the read-back (top_bits.rs `top_bits_complete`).
 // Bins are over a coordinate of (the key's top word, position) (TopBins): equal keys spread by
 // position. top_window reads a strided sample of 256 keys and takes its smallest and a sample
 // rank safely beyond the k-th smallest's expected one; the linear bins divide that range, from
@@ -419,7 +418,7 @@ __device__ void rsort_top_scatter(const K *keys, u64 n, u64 k, u64 cap, u32 *top
         }
         if (b.status == 0) top_segments(start, b, half, seg);
     }
-    // Crowded bins still scatter: the host merge-sorts the kept pairs after the read-back.
+    // Crowded bins still scatter: the host sorts the kept pairs after the read-back.
     if (b.status != 0 && b.status != TOP_STATUS_CROWDED) return;
     for (; i0 < n; i0 += stride) {
         u32 slot[SCATTER_ITEMS];
