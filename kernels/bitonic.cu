@@ -345,8 +345,7 @@ __device__ void sort_segments(const K *keys, const u64 *ids, const u32 *top, con
     while (bits < SEGMENT_PART_BITS && (nb << (bits + 1)) <= TOP_BINS && (len >> (bits + 1)) >= 4 * nb) ++bits;
     const u32 parts = nb << bits;
     for (u32 j = threadIdx.x; j < parts; j += SEGMENT_THREADS) s_part[j] = 0;
-    const TopBins tb = {*reinterpret_cast<const u64 *>(top + TOP_BASE), *reinterpret_cast<const u64 *>(top + TOP_SCALE),
-                        *reinterpret_cast<const u64 *>(top + TOP_W0)};
+    const TopBins tb = TopBins::of(top);
     __syncthreads();
     // Pairs i = t + r·SEGMENT_THREADS of the segment: their part, and their slot in it.
     constexpr u32 R = SEGMENT_TILE / SEGMENT_THREADS;

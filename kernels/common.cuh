@@ -338,13 +338,24 @@ __device__ void append(const K *keys, const u64 *ids, u64 id_start, u64 n, const
 
 #define TOP_BINS 4096u
 // Control words after the bins' counts: a spare word, the bound, the status, a spare word, the
-// kept count (u64), the bins' base, scale and w0 (u64 each, TopBins).
+// kept count (u64), the bins' base, scale, w0, positions' bound and words' bound (u64 each,
+// TopBins), the count of quantile pieces and a spare word, then the pieces' table (TopBins).
 #define TOP_BOUND (TOP_BINS + 1)
 #define TOP_STATUS (TOP_BINS + 2)
 #define TOP_COUNT (TOP_BINS + 4)
 #define TOP_BASE (TOP_BINS + 6)
 #define TOP_SCALE (TOP_BINS + 8)
 #define TOP_W0 (TOP_BINS + 10)
+#define TOP_N (TOP_BINS + 12)
+#define TOP_DLIM (TOP_BINS + 14)
+#define TOP_PIECES (TOP_BINS + 16)
+#define TOP_TABLE (TOP_BINS + 18)
+// The most quantile pieces (up to 3 per interval, ≤ TOP_QWANT + 1 intervals), and the table's
+// layout in u64 words: the pieces' starts (and the end), their scales, their first bins (u32).
+#define TOP_QMAX 160u
+#define TOP_QSCALE (TOP_QMAX + 1)
+#define TOP_QFIRST (2 * TOP_QMAX + 1)
+#define TOP_QWORDS (TOP_QFIRST + (TOP_QMAX + 2) / 2)
 
 // The key's most significant word (all of a 32- or 64-bit key).
 template <class K> __device__ __forceinline__ u64 top_word(const K &k) { return (u64)k.w[K::N - 1]; }
@@ -369,28 +380,97 @@ __device__ __forceinline__ u32 top_bin(u64 c, u64 base, u64 scale) {
     return TOP_LOW - 1 - min((u32)e * 8 + m, TOP_LOW - 1);
 }
 
+// The quantile bin of coordinate c among the `m` pieces of table `q` (TopBins below), and its
+// part of 2^bits (into `f`, for bits > 0).
+__device__ __forceinline__ u32 top_quantile_bin(u64 c, u32 m, const u64 *q, u32 bits, u32 &f) {
+    f = 0;
+    if (c < q[0]) return top_bin(c, q[0], 0);
+    if (c >= q[m]) return TOP_BINS - 1;
+    // The last piece starting at or below c (binary lifting; m ≤ TOP_QMAX).
+    u32 i = 0;
+#pragma unroll
+    for (u32 s = 128; s > 0; s >>= 1) {
+        if (i + s < m && q[i + s] <= c) i += s;
+    }
+    const u32 *first = reinterpret_cast<const u32 *>(q + TOP_QFIRST);
+    const u32 b0 = first[i], len = first[i + 1] - b0;
+    const u64 d = c - q[i], sc = q[TOP_QSCALE + i];
+    if (bits != 0 && sc != 0) f = (u32)((d * sc) >> (64 - bits));
+    return TOP_LOW + b0 + (u32)min(sc ? __umul64hi(d, sc) : d, (u64)len - 1);
+}
+// The same as a call (TopBins::bin).
+__device__ __noinline__ u32 top_quantile_bin_call(u64 c, u32 m, const u64 *q) {
+    u32 f;
+    return top_quantile_bin(c, m, q, 0, f);
+}
+
 // The bins of a top-bits selection. A key's bin is monotone in (key's top word, position),
-// the order of positional pairs: the linear bins divide a range of coordinates, and the
-// coordinate of a word near the sample's (at most 2^42 words above `w0`) is (word − w0) · 2^21
-// + position, so that equal keys spread over bins by their positions (all equal, heavy ties);
-// with `w0` = ~0 (a sample spanning more words) it is the word alone. Positions < 2^21.
-#define TOP_POSITION_BITS 21
+// the order of positional pairs: the bins divide a range of coordinates, and the coordinate
+// of a word near the sample's (fewer than 2^63 / n words above `w0`, always for 32-bit keys)
+// is (word − w0) · n + position, so that equal keys spread over bins by their positions (all
+// equal, heavy ties), with no coordinates between one word's last position and the next
+// word's first (ties of consecutive integers, such as zipf counts, stay dense); with `w0` =
+// ~0 (a sample spanning more words) it is the word alone. Positions < n < 2^21.
+//
+// Linear bins (m = 0): bins [TOP_LOW, TOP_BINS − 1) divide the range from `base` up in equal
+// parts (top_bin). Quantile bins (m > 0 pieces, where the sample shows a cluster that linear
+// bins would crowd, see radix_sort.cu `top_window`): the range is cut at the sorted sample's
+// coordinates, so that each interval holds ~n/256 keys whatever its width (a NaN mix's −NaN
+// payloads, the ties below a zipf tail); an interval much wider than its neighbours (a gap
+// between clusters) is cut again, into an edge piece on each side as wide as 4 of the
+// neighbouring intervals (the cluster's end) and the gap between. Piece i starts at q[i]
+// (q[m]: the end), has scale q[TOP_QSCALE + i] (as the linear bins'; 0: fewer coordinates
+// than bins) and bins [TOP_LOW + first[i], TOP_LOW + first[i + 1]), first = the u32 words
+// from q + TOP_QFIRST, as many as its share of the keys. Coordinates below the range take the
+// octave bins, those above it the last bin. `q` points to shared memory (the histogram and
+// the scatter) or to the control block (the segment sort).
 struct TopBins {
-    u64 base, scale, w0;
+    u64 base, scale, w0, n, dlim;
+    u32 m;
+    const u64 *q;
     __device__ __forceinline__ u64 coord(u64 w, u64 pos) const {
         if (w0 == ~0ull) return w;
         if (w < w0) return 0;
         const u64 d = w - w0;
-        return d >> (63 - TOP_POSITION_BITS) ? 1ull << 63 : (d << TOP_POSITION_BITS) | pos;
+        return d >= dlim ? 1ull << 63 : d * n + pos;
     }
-    __device__ __forceinline__ u32 bin(u64 w, u64 pos) const { return top_bin(coord(w, pos), base, scale); }
-    // The bin of (w, pos) (into `b`) and the part of it, of 2^bits, that holds the pair: for a
-    // linear bin, the top bits of the fraction of d · scale / 2^64 that the bin drops; 0
-    // elsewhere (and for bits = 0). Monotone in the pair within a bin, as bins are across them.
-    __device__ __forceinline__ u32 part(u64 w, u64 pos, u32 bits, u32 &b) const {
-        const u64 c = coord(w, pos);
-        b = top_bin(c, base, scale);
-        if (bits == 0 || c < base || scale == 0 || b == TOP_BINS - 1) return 0;
-        return (u32)(((c - base) * scale) >> (64 - bits));
+    // The bin of coordinate c and, for bits > 0, the part of it of 2^bits that holds c (into
+    // `f`): the top bits of the fraction of d · scale / 2^64 that the bin drops; 0 in the
+    // octave bins, the last bin and bins of one coordinate. Monotone in c within a bin, as
+    // bins are across them. QUANT: m > 0 (the histogram and the scatter take the test out of
+    // their loops).
+    template <bool QUANT> __device__ __forceinline__ u32 bin_part_of(u64 c, u32 bits, u32 &f) const {
+        f = 0;
+        if (!QUANT) {
+            const u32 b = top_bin(c, base, scale);
+            if (bits != 0 && c >= base && scale != 0 && b != TOP_BINS - 1) f = (u32)(((c - base) * scale) >> (64 - bits));
+            return b;
+        }
+        return top_quantile_bin(c, m, q, bits, f);
+    }
+    template <bool QUANT> __device__ __forceinline__ u32 bin_of(u64 w, u64 pos) const {
+        u32 f;
+        return bin_part_of<QUANT>(coord(w, pos), 0, f);
+    }
+    // The bin of (w, pos); quantile bins by a call (radix_sort.cu's sample bins: their code
+    // would be fetched cold in the histogram's path, see top_quantile_table there).
+    __device__ __forceinline__ u32 bin(u64 w, u64 pos) const;
+    // The bin of (w, pos) (into `b`) and the part of it, of 2^bits, that holds the pair.
+    __device__ __forceinline__ u32 part(u64 w, u64 pos, u32 bits, u32 &b) const;
+    // The bins as the histogram's block 0 wrote them into the control block `top`.
+    __device__ __forceinline__ static TopBins of(const u32 *top) {
+        const u64 *w = reinterpret_cast<const u64 *>(top);
+        return {w[TOP_BASE / 2], w[TOP_SCALE / 2], w[TOP_W0 / 2], w[TOP_N / 2], w[TOP_DLIM / 2], top[TOP_PIECES],
+                w + TOP_TABLE / 2};
     }
 };
+
+__device__ __forceinline__ u32 TopBins::bin(u64 w, u64 pos) const {
+    return m ? top_quantile_bin_call(coord(w, pos), m, q) : bin_of<false>(w, pos);
+}
+__device__ __forceinline__ u32 TopBins::part(u64 w, u64 pos, u32 bits, u32 &b) const {
+    u32 f;
+    const u64 c = coord(w, pos);
+    b = m ? bin_part_of<true>(c, bits, f) : bin_part_of<false>(c, bits, f);
+    return f;
+}

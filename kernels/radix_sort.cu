@@ -201,7 +201,9 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // a bin at k = n/16), with coordinates further below in octave bins and those above in the
 // last bin; bins stay monotone in the pair, so that the pairs near the k-th smallest spread
 // over the bins whatever the keys' high bits share (sorted runs, narrow ranges, floats'
-// exponents, ties). If the k-th smallest lies beyond the sampled rank, in the last
+// exponents, ties). Where the sample shows clusters that equal parts would crowd (a gap
+// between them, heavy ties below a long tail), the bins are quantile bins instead: as many
+// for each interval between sampled keys. If the k-th smallest lies beyond the sampled rank, in the last
 // bin (which holds the rest and is not counted): the status says the buffers overflow, and the
 // host sorts the whole input instead.
 #define TOP_SAMPLE RSORT_THREADS
@@ -216,15 +218,108 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // TOP_BINS, the control words, top_word, top_bin and TopBins: common.cuh (the segment sort
 // computes bins too).
 
-// The bins from the block's strided sample of the keys (n ≥ TOP_SAMPLE): the linear bins end at
-// the sampled pair of rank 2·(expected rank of the k-th smallest) + 16 and start a sixteenth
-// of that range below the smallest. The sample is sorted by a network (ranking each key
-// against all 256, twice, took most of a one-block kernel's 10.3 µs, ncu).
+// The bins from the block's strided sample of the keys (n ≥ TOP_SAMPLE): the bins end at the
+// sampled pair of rank 2·(expected rank of the k-th smallest) + 16 and start a sixteenth of
+// that range below the smallest. The sample is sorted by a network (ranking each key against
+// all 256, twice, took most of a one-block kernel's 10.3 µs, ncu). The bins are linear,
+// unless four consecutive sample intervals near the k-th smallest span under 1/64 of their
+// share of the range (each interval stands for ~n/256 keys, which linear bins would crowd
+// into a few); then they are quantile bins (TopBins, common.cuh). A CPU simulation of the
+// bins (n = 2^20, three seeds; the largest kept bin, quantile against linear): f32 NaN mixes
+// at k = 2^12 / 2^13 / 2^15 / 2^16 43–71 / 45–93 / 114–143 / 206–330 against 1859–8714, f64
+// NaN mixes 32–432 against 14915–67620; uniform, sorted, narrow and all-equal keys stay
+// linear. Only up to rank TOP_QWANT (k ≤ ~n/16): beyond, the intervals' fewer bins left
+// 400–1000 keys a bin (the simulation), so that clusters there mean crowding foreseen.
+#define TOP_QWANT 48u
+// An edge piece's share of the bins (256 an interval): its width over the mean width of its
+// side's intervals, at most one interval's (the gap interval holds ~n/256 keys, as any).
+__device__ __forceinline__ u32 top_edge_share(u64 width, u64 mean) {
+    return max(1u, (u32)fminf(256.0f, 256.0f * __fdividef(__ull2float_rz(width), __ull2float_rz(max(mean, 1ull)))));
+}
+
+// The quantile pieces (TopBins) from the sorted sample's coordinates `s_coord` up to rank
+// `want`, into `s_q` (shared); returns their count. Every thread of the block calls it. Not
+// inlined, as the quantile loops below: their code (and the u64 divisions' subroutines) would
+// sit in the histogram's and the scatter's paths, whose instructions are fetched cold after
+// each L2 flush. Inlined, they made those kernels 10.7 → 17.0 and 10.6 → 15.7 µs for linear
+// bins with instruction counts within 2%; as calls, 11.9 and 11.8 µs (ncu, H100, n = 2^20).
+__device__ __noinline__ u32 top_quantile_table(u32 want, u64 base, const u64 *s_coord, u64 *s_q) {
+    __shared__ u32 s_total[2];
+    const u32 t = threadIdx.x;
+    // Interval 0 is [base, the smallest sampled pair), interval i + 1 from the i-th on;
+    // thread t cuts interval t in 1–3 pieces: (start, share of the bins), share 0 for none.
+    const u32 m = want + 1;
+    u64 lo[3] = {0, 0, 0};
+    u32 share[3] = {0, 0, 0};
+    if (t < m) {
+        const u64 a = t == 0 ? base : s_coord[t - 1], b = s_coord[t], width = b - a;
+        // The mean widths of up to 4 intervals on each side.
+        const u32 l0 = t >= 4 ? t - 4 : 0, r1 = min(m, t + 5);
+        const u64 left = t > 0 ? (a - (l0 == 0 ? base : s_coord[l0 - 1])) / (t - l0) : 0;
+        const u64 right = t + 1 < m ? (s_coord[r1 - 1] - b) / (r1 - 1 - t) : 0;
+        lo[0] = a;
+        if ((t == 0 || left < width / 8) && (t + 1 == m || right < width / 8)) {
+            // A gap between clusters (a density that only rises across an interval, as
+            // from a zipf tail to its ties, stays one piece): its ends as wide as 4
+            // intervals on their side, and the rest.
+            const u64 dl = t == 0 || left >= width / 8 ? width / 2 : min(width / 2, 4 * left);
+            const u64 rest = width - dl, dr = t + 1 == m || right >= rest / 4 ? rest : 4 * right;
+            share[0] = dl == 0 ? 0u : t == 0 ? 128u : top_edge_share(dl, left);
+            lo[1] = a + dl;
+            share[1] = rest != dr ? 128u : 0u;
+            lo[2] = b - dr;
+            share[2] = dr == 0 ? 0u : t + 1 == m ? 128u : top_edge_share(dr, right);
+        } else {
+            share[0] = 256u;
+        }
+    }
+    u32 cnt = 0, mine = 0;
+#pragma unroll
+    for (u32 j = 0; j < 3; ++j) {
+        cnt += share[j] != 0;
+        mine += share[j];
+    }
+    u32 piece = block_exclusive_sum(cnt);
+    u32 before = block_exclusive_sum(mine);
+    if (t == m - 1) {
+        s_total[0] = piece + cnt;
+        s_total[1] = before + mine;
+    }
+    __syncthreads();
+    // Piece p's first bin: p plus its shares' prefix of the other bins (at least one each).
+    const u32 pieces = s_total[0], shares = s_total[1];
+    u32 *first = reinterpret_cast<u32 *>(s_q + TOP_QFIRST);
+#pragma unroll
+    for (u32 j = 0; j < 3; ++j) {
+        if (share[j] != 0) {
+            s_q[piece] = lo[j];
+            first[piece] = piece + before * (TOP_LINEAR - pieces) / shares; // < 2^28: u32
+            before += share[j];
+            ++piece;
+        }
+    }
+    if (t == 0) {
+        s_q[pieces] = s_coord[want];
+        first[pieces] = TOP_LINEAR;
+    }
+    __syncthreads();
+    for (u32 p = t; p < pieces; p += RSORT_THREADS) {
+        const u64 width = s_q[p + 1] - s_q[p];
+        const u32 len = first[p + 1] - first[p];
+        // len / width · 2^64, a little less (single precision: no division subroutine).
+        const float r = __fdividef((float)len, __ull2float_ru(width)) * (1.0f - 1e-5f);
+        s_q[TOP_QSCALE + p] = width <= len ? 0 : (u64)((double)r * 18446744073709551616.0);
+    }
+    __syncthreads();
+    return pieces;
+}
+
 template <class K> __device__ __forceinline__ void top_window(const K *keys, u64 n, u64 k, TopBins &bins, bool &crowded) {
     __shared__ K s_key[TOP_SAMPLE];
-    __shared__ u64 sample[TOP_SAMPLE], s_pos[TOP_SAMPLE];
+    __shared__ u64 sample[TOP_SAMPLE], s_pos[TOP_SAMPLE], s_coord[TOP_SAMPLE];
+    __shared__ u64 s_q[TOP_QWORDS];
     __shared__ u32 s_bin[TOP_SAMPLE];
-    __shared__ int s_crowded;
+    __shared__ int s_crowded, s_quant;
     const u32 t = threadIdx.x;
     const u64 step = n / TOP_SAMPLE;
     // Thread t holds the sample's t-th smallest (key, position).
@@ -233,21 +328,50 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     block_sort_pairs<RSORT_THREADS>(key, pos, s_key, s_pos);
     const u64 w = top_word(key);
     const u32 want = (u32)min((u64)TOP_SAMPLE - 1, 2 * (TOP_SAMPLE * k / n) + 16);
-    if (t == 0) s_crowded = 0;
+    if (t == 0) s_crowded = s_quant = 0;
     sample[t] = w; // the network's last shared reads ended at its last barrier
     s_pos[t] = pos;
     __syncthreads();
     const u64 mn = sample[0], hi = sample[want];
-    // Coordinates with positions where the sample's words span fewer than 2^42 (always for
+    // Coordinates with positions where the sample's words span fewer than 2^63 / n (always for
     // 32-bit keys); keys 2^40 words below its smallest share coordinate 0.
+    bins.n = n;
+    bins.dlim = 1ull << (63 - (64 - __clzll((long long)(n - 1)))); // ≤ 2^63 / n, no division
     bins.w0 = mn - min(mn, 1ull << 40);
-    if ((hi - bins.w0) >> (63 - TOP_POSITION_BITS)) bins.w0 = ~0ull;
+    if (hi - bins.w0 >= bins.dlim) bins.w0 = ~0ull;
+    bins.m = 0;
+    bins.q = s_q;
     const u64 c0 = bins.coord(mn, s_pos[0]), range = bins.coord(hi, s_pos[want]) - c0;
     bins.base = c0 - min(c0, range / 16);
     // The linear bins' coordinates, [base, base + span]: TOP_LINEAR / (span + 1) · 2^64, a
     // little less, so that the last of them stays below the last bin.
     const u64 span = c0 - bins.base + range;
     bins.scale = span < TOP_LINEAR ? 0 : (u64)((double)TOP_LINEAR / ((double)span + 1.0) * (1.0 - 1e-9) * 18446744073709551616.0);
+    s_coord[t] = bins.coord(w, pos);
+    __syncthreads();
+    // The windows checked: up to the sample rank the k-th smallest reaches (2σ), whose bins
+    // are kept (the ties below a zipf tail, which lie beyond it at small k, are not; and
+    // quantile bins spread a zipf tail worse than linear ones, 979 against 255 keys a bin at
+    // k = n/52 in the simulation, when 4σ let those ties switch the bins).
+    const u32 e = (want - 16) / 2, root = (u32)__fsqrt_rd((float)e);
+    const u32 reach = min(want, e + 2 * root + 2);
+    // (Top bits runs 32- and 64-bit keys only: wider keys' instances skip the quantile bins,
+    // whose registers would spill beside their 16 keys a thread.)
+    if (K::BITS <= 64 && bins.scale != 0 && t + 4 <= reach &&
+        __ull2float_rz(s_coord[t + 4] - s_coord[t]) * (64.0f * want) < 4.0f * __ull2float_rz(s_coord[want] - s_coord[0]))
+        s_quant = 1;
+    __syncthreads();
+    // Clusters: quantile bins, ≥ 70 of them an interval (up to rank TOP_QWANT); at larger k,
+    // crowding foreseen (quantile bins there crowded 400–1000 keys in a bin in the simulation,
+    // and the crowded bins' fallback took 163–169 µs against 122–128 for sorting all n, H100,
+    // n = 2^20, zipf ties and NaN mixes at k = 2^17).
+    if (K::BITS <= 64 && s_quant) {
+        if (want <= TOP_QWANT) {
+            bins.m = top_quantile_table(want, bins.base, s_coord, s_q);
+        } else if (t == 0) {
+            s_crowded = 1; // read after the barrier below
+        }
+    }
     // Crowding foreseen: TOP_CROWD_SAMPLES sampled pairs up to that rank in one bin, each
     // standing for ~n/256 keys (a cluster narrower than a bin; equal keys only where the
     // coordinates are words). Bins are monotone in the pair, so those are consecutive in the
@@ -276,6 +400,49 @@ template <class K, int N> __device__ __forceinline__ void load_strided_keys(cons
 // together (one round each at n = 2^20: in rounds of 4, each waited on DRAM).
 #define SCATTER_ITEMS 16
 
+// The histogram's count of the keys from i0 on (the first round's in `ks`) into `sh`.
+template <bool QUANT, class K>
+__device__ __forceinline__ void top_count(const K *keys, u64 n, u64 i0, u64 stride, K (&ks)[SCATTER_ITEMS],
+                                          const TopBins &bins, u32 *sh) {
+    for (; i0 < n; i0 += stride) {
+#pragma unroll
+        for (int u = 0; u < SCATTER_ITEMS; ++u) {
+            const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
+            const u32 bin = bins.bin_of<QUANT>(top_word(ks[u]), i);
+            if (i < n && bin < TOP_BINS - 1) atomicAdd(&sh[bin], 1u);
+        }
+        load_strided_keys(keys, n, i0 + stride, ks);
+    }
+}
+
+// The bins in the block's shared memory, for a call (as parameters they took a stack frame).
+__device__ __forceinline__ const TopBins *top_bins_in_shared(const TopBins &bins) {
+    __shared__ TopBins shared_bins;
+    if (threadIdx.x == 0) shared_bins = bins;
+    __syncthreads();
+    return &shared_bins;
+}
+
+// The quantile table `q` copied into the block's shared memory (every thread calls it; its
+// lookups then load from shared memory, whatever `q` pointed to).
+__device__ __forceinline__ const u64 *top_table_in_shared(const u64 *q) {
+    __shared__ u64 table[TOP_QWORDS];
+    for (u32 i = threadIdx.x; i < TOP_QWORDS; i += RSORT_THREADS) table[i] = q[i];
+    __syncthreads();
+    return table;
+}
+
+// top_count over quantile bins, loading its own keys (not inlined: see top_quantile_table).
+template <class K>
+__device__ __noinline__ void top_count_quantile(const K *keys, u64 n, u64 i0, u64 stride, const TopBins *shared_bins,
+                                                u32 *sh) {
+    TopBins bins = *shared_bins;
+    K ks[SCATTER_ITEMS];
+    load_strided_keys(keys, n, i0, ks);
+    bins.q = top_table_in_shared(bins.q);
+    top_count<true>(keys, n, i0, stride, ks, bins, sh);
+}
+
 // The histogram: every block computes the bins from the sample itself (one launch less: a
 // one-block kernel took 4.2 µs, ncu), block 0 writes them for the scatter, and each block adds
 // its keys' bins to the counts in `top`. The keys above the bins' span (the last bin, where the
@@ -298,18 +465,23 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
         *reinterpret_cast<u64 *>(top + TOP_BASE) = bins.base;
         *reinterpret_cast<u64 *>(top + TOP_SCALE) = bins.scale;
         *reinterpret_cast<u64 *>(top + TOP_W0) = bins.w0;
+        *reinterpret_cast<u64 *>(top + TOP_N) = bins.n;
+        *reinterpret_cast<u64 *>(top + TOP_DLIM) = bins.dlim;
+        top[TOP_PIECES] = bins.m;
         // Foreseen crowding skips the rest: the host sorts the whole input after the read-back.
         if (crowded) top[TOP_STATUS] = TOP_STATUS_FORESEEN;
     }
+    // The quantile pieces for the scatter and the segment sort.
+    if (blockIdx.x == 0 && bins.m != 0) {
+        u64 *q = reinterpret_cast<u64 *>(top + TOP_TABLE);
+        for (u32 i = threadIdx.x; i < TOP_QWORDS; i += RSORT_THREADS) q[i] = bins.q[i];
+    }
     if (crowded) return; // every block
-    for (; i0 < n; i0 += stride) {
-#pragma unroll
-        for (int u = 0; u < SCATTER_ITEMS; ++u) {
-            const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
-            const u32 bin = bins.bin(top_word(ks[u]), i);
-            if (i < n && bin < TOP_BINS - 1) atomicAdd(&sh[bin], 1u);
-        }
-        load_strided_keys(keys, n, i0 + stride, ks);
+    // (Quantile bins for 32- and 64-bit keys only: see top_window.)
+    if (K::BITS > 64 || bins.m == 0) {
+        top_count<false>(keys, n, i0, stride, ks, bins, sh);
+    } else {
+        top_count_quantile(keys, n, i0, stride, top_bins_in_shared(bins), sh);
     }
     __syncthreads();
     // Each block starts its flush at a bin of its own: in the same order, all blocks' atomics
@@ -397,13 +569,46 @@ __device__ __forceinline__ void top_segments(const u32 *start, TopBound b, u64 h
 // host. A thread loads all its keys, then takes all its slots, then writes: in a loop of
 // loads, slot atomics and writes, each round waited on the last one's atomics.
 #define TOP_FILL_STRIDE 8
+template <bool QUANT, class K>
+__device__ __forceinline__ void top_place(const K *keys, u64 n, u64 i0, u64 stride, K (&ks)[SCATTER_ITEMS],
+                                          const TopBins &bins, u32 bound, const u32 *start, u32 *fill, K *out_keys,
+                                          u64 *out_ids) {
+    for (; i0 < n; i0 += stride) {
+        u32 slot[SCATTER_ITEMS];
+#pragma unroll
+        for (int u = 0; u < SCATTER_ITEMS; ++u) {
+            const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
+            const u32 bin = i < n ? bins.bin_of<QUANT>(top_word(ks[u]), i) : TOP_BINS;
+            slot[u] = bin <= bound ? start[bin] + atomicAdd(&fill[bin * TOP_FILL_STRIDE], 1u) : ~0u;
+        }
+#pragma unroll
+        for (int u = 0; u < SCATTER_ITEMS; ++u) {
+            if (slot[u] != ~0u) {
+                out_keys[slot[u]] = ks[u];
+                out_ids[slot[u]] = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
+            }
+        }
+        load_strided_keys(keys, n, i0 + stride, ks);
+    }
+}
+
+// top_place over quantile bins, loading its own keys (not inlined: see top_quantile_table).
+template <class K>
+__device__ __noinline__ void top_place_quantile(const K *keys, u64 n, u64 i0, u64 stride, const TopBins *shared_bins,
+                                                u32 bound, const u32 *start, u32 *fill, K *out_keys, u64 *out_ids) {
+    TopBins bins = *shared_bins;
+    K ks[SCATTER_ITEMS];
+    load_strided_keys(keys, n, i0, ks);
+    bins.q = top_table_in_shared(bins.q);
+    top_place<true>(keys, n, i0, stride, ks, bins, bound, start, fill, out_keys, out_ids);
+}
+
 template <class K>
 __device__ void rsort_top_scatter(const K *keys, u64 n, u64 k, u64 cap, u32 *top, u32 *fill, u64 half, u32 *seg,
                                   K *out_keys, u64 *out_ids) {
     __shared__ u32 start[TOP_BINS];
     const u32 foreseen = top[TOP_STATUS];
-    const TopBins bins = {*reinterpret_cast<const u64 *>(top + TOP_BASE), *reinterpret_cast<const u64 *>(top + TOP_SCALE),
-                          *reinterpret_cast<const u64 *>(top + TOP_W0)};
+    const TopBins bins = TopBins::of(top);
     const u64 stride = (u64)gridDim.x * RSORT_THREADS * SCATTER_ITEMS;
     u64 i0 = (u64)blockIdx.x * RSORT_THREADS * SCATTER_ITEMS;
     K ks[SCATTER_ITEMS];
@@ -420,22 +625,10 @@ __device__ void rsort_top_scatter(const K *keys, u64 n, u64 k, u64 cap, u32 *top
     }
     // Crowded bins still scatter: the host sorts the kept pairs after the read-back.
     if (b.status != 0 && b.status != TOP_STATUS_CROWDED) return;
-    for (; i0 < n; i0 += stride) {
-        u32 slot[SCATTER_ITEMS];
-#pragma unroll
-        for (int u = 0; u < SCATTER_ITEMS; ++u) {
-            const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
-            const u32 bin = i < n ? bins.bin(top_word(ks[u]), i) : TOP_BINS;
-            slot[u] = bin <= b.bound ? start[bin] + atomicAdd(&fill[bin * TOP_FILL_STRIDE], 1u) : ~0u;
-        }
-#pragma unroll
-        for (int u = 0; u < SCATTER_ITEMS; ++u) {
-            if (slot[u] != ~0u) {
-                out_keys[slot[u]] = ks[u];
-                out_ids[slot[u]] = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
-            }
-        }
-        load_strided_keys(keys, n, i0 + stride, ks);
+    if (K::BITS > 64 || bins.m == 0) {
+        top_place<false>(keys, n, i0, stride, ks, bins, b.bound, start, fill, out_keys, out_ids);
+    } else {
+        top_place_quantile(keys, n, i0, stride, top_bins_in_shared(bins), b.bound, start, fill, out_keys, out_ids);
     }
 }
 

@@ -1233,8 +1233,8 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
 /// keys of every distribution, up to the largest k it takes for each; a partial last tile,
 /// several segment-sort blocks, the largest size it takes; its second route (a kept bin too
 /// large for the segment sort: the rank, chunk rank or merge sort of the kept pairs, in no
-/// order inside their bins); equal keys split by position; and the whole-input fallback when
-/// the sample foresees a crowded bin.
+/// order inside their bins); equal keys split by position; quantile bins where the sample
+/// shows a cluster; and the whole-input fallback when the sample foresees a crowded bin.
 #[test]
 fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
     use datafusion_gpu_topk::device::algorithms::top_bits_sorts;
@@ -1308,6 +1308,25 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
         vec![20_000, 200_000],
         repeated(n, 7, 4, 0),
     ));
+    // Clusters that linear bins over the sample's range crowd, which the sample sees: 5% of
+    // the keys below 2^12, the rest in [2^30, 2^31) (a NaN mix's −NaN payloads), so that the
+    // bins are quantile bins and every kept bin fits the segment sort; and zipf-like counts
+    // below 2^31 (ties below a heavy tail, split by position).
+    let mut rng = Rng::new(9);
+    let gap: Vec<u64> = (0..n)
+        .map(|_| match rng.below(20) {
+            0 => rng.next() >> 52,
+            _ => (1 << 30) + (rng.next() >> 34),
+        })
+        .collect();
+    inputs.push(("gap".into(), n, vec![4200, 20_000, 60_000], gap));
+    let zipf: Vec<u64> = (0..n)
+        .map(|_| {
+            let count = ((1.0 - rng.unit()).powf(-1.0 / 1.1) - 1.0).floor().min(1e9) as u64;
+            (1 << 31) - count
+        })
+        .collect();
+    inputs.push(("zipf".into(), n, vec![4200, 20_000, 60_000, 1 << 17], zipf));
     for (dist, n, ks, p) in &inputs {
         let n = *n;
         let ids: Vec<u64> = (0..n as u64).collect();
@@ -1336,7 +1355,7 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
                 match dist.as_str() {
                     // Uniform keys take the segment sort, and so do equal keys (their bins
                     // split them by position); the crowded bin the second route.
-                    "Uniform" | "medium" | "AllEqual" => {
+                    "Uniform" | "medium" | "AllEqual" | "gap" => {
                         assert!(!more, "{what}: the segment sort")
                     }
                     "crowded" | "cluster" => assert!(more, "{what}: the second route"),

@@ -1,6 +1,8 @@
 //! The top-bits selection (radix_sort.cu `rsort_top_*`, bitonic.cu `sort_segments`): the k
 //! smallest of positional pairs, sorted. A sample of the keys sets bins over (the key's top
-//! word, position), so that equal keys spread by position; a histogram finds the bin of the
+//! word, position), so that equal keys spread by position: equal parts of the sample's range,
+//! or as many bins for each interval between sampled keys where the sample shows clusters
+//! that equal parts would crowd (a NaN mix's −NaN payloads); a histogram finds the bin of the
 //! k-th smallest; the pairs at or below it are scattered by bin, and each block sorts a few
 //! bins: split in parts of a few pairs by their coordinates, placed by part, ranked in their
 //! part (ties of 64-bit keys, which no part splits, by the register network). Three launches
@@ -10,14 +12,16 @@
 use super::*;
 
 /// The bins' counts and control words (common.cuh `TOP_BINS` and the words after them: a
-/// spare word, bound, status, a spare word, kept count (u64), the bins' base, scale and w0 (u64
-/// each)).
+/// spare word, bound, status, a spare word, kept count (u64), the bins' base, scale, w0,
+/// positions' bound and words' bound (u64 each), the count of quantile pieces, a spare word,
+/// and the pieces' table of `TOP_QWORDS` u64 words).
 const TOP_BINS: usize = 4096;
+const TOP_QWORDS: usize = 2 * 256 + 1 + 258 / 2;
 const TOP_STATUS_WORD: usize = TOP_BINS + 2;
 /// Status: a kept bin holds more than half a segment-sort tile (radix_sort.cu).
 const TOP_STATUS_CROWDED: u32 = 2;
 const TOP_COUNT_WORD: usize = TOP_BINS + 4;
-const TOP_WORDS: usize = TOP_BINS + 12;
+const TOP_WORDS: usize = TOP_BINS + 18 + 2 * TOP_QWORDS;
 const _: () = assert!(TOP_COUNT_WORD == TOP_STATUS_WORD + 2);
 /// Threads of bitonic.cu's `sort_segments` blocks (`SEGMENT_THREADS`), each sorting the bins
 /// that start in half a tile of a quarter of the sort tile's pairs.
@@ -45,9 +49,13 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 /// / 37 / 41 / 52 µs against 47 / 71 / 86 / 86 / 85; i64 32 / 36 / 40 / 47 / 53 against 59 /
 /// 76 / 97 / 193 / 194, and 75 / 89 µs at 2^19 / 5·2^17 against 194 / 193. Past those, 32-bit
 /// keys lose: their whole sort takes 83–88 µs, and f32 keys in [0, 1) crowd a bin (180 µs at
-/// 2^19). Zipf ties from k = n / 32 and NaN mixes lose at most k (69–127 µs against 47–97,
-/// i64 zipf ties 106–205 against 137–166: a crowded bin, then the sort of the kept pairs after
-/// the read-back, or from k = n / 16 the whole sort after the sample foresees it),
+/// 2^19). Where the sample shows clusters, the bins follow the sample's quantiles (session 20:
+/// f32 NaN mixes at k = 2^12 / 2^13 / 2^15 in 55 / 55 / 59 µs against 66 / 77 / 96, f64 59 /
+/// 61 / 69 / 77 up to 2^16 against 111–240, i32 zipf ties at 2^15 / 2^16 38 / 60 against
+/// 85 / 112); zipf ties from k = n / 8, f32 NaN mixes from n / 16 and floats of zipf counts
+/// still take 91–126 µs (i64 and f64 zipf ties 100–210), where the routes before top bits
+/// took 74–97 for 32-bit keys (session 19): a crowded bin, then the sort of the kept pairs
+/// after the read-back, or the whole sort after the sample foresees it;
 /// and so do all-equal and narrow keys from n / 4 (47–97 µs against 34–72: the whole sort skips
 /// the digits they share). The cost model asks the same. `GPU_TOPK_TOP_BITS=0` turns it off,
 /// `=1` takes it wherever it applies (A/B runs).
@@ -55,7 +63,8 @@ pub fn top_bits_sorts(kind: KeyKind, n: usize, k: usize, positional: bool) -> bo
     static FORCED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     let forced = FORCED.get_or_init(|| std::env::var("GPU_TOPK_TOP_BITS").ok());
     // Its buffers (at most n pairs) then fit the merge sort of its crowded route.
-    // Positions below 2^21: the bins' coordinates hold them (common.cuh `TopBins`).
+    // Positions below 2^21: 32-bit keys' coordinates then always hold them (common.cuh
+    // `TopBins`: (word − w0) · n + position below 2^63).
     let applies = positional
         && k > 0
         && n < 1 << 21
