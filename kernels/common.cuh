@@ -417,8 +417,8 @@ __device__ __noinline__ u32 top_quantile_bin_call(u64 c, u32 m, const u64 *q) {
 // bins would crowd, see radix_sort.cu `top_window`): the range is cut at the sorted sample's
 // coordinates, so that each interval holds ~n/256 keys whatever its width (a NaN mix's −NaN
 // payloads, the ties below a zipf tail); an interval much wider than its neighbours (a gap
-// between clusters) is cut again, into an edge piece on each side as wide as 4 of the
-// neighbouring intervals (the cluster's end) and the gap between. Piece i starts at q[i]
+// between clusters) is cut again, into an edge piece on each side 4 times as wide as the
+// mean of up to 12 intervals on that side (the cluster's end) and the gap between. Piece i starts at q[i]
 // (q[m]: the end), has scale q[TOP_QSCALE + i] (as the linear bins'; 0: fewer coordinates
 // than bins) and bins [TOP_LOW + first[i], TOP_LOW + first[i + 1]), first = the u32 words
 // from q + TOP_QFIRST, as many as its share of the keys. Coordinates below the range take the
