@@ -50,9 +50,9 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 /// 76 / 97 / 193 / 194, and 75 / 89 µs at 2^19 / 5·2^17 against 194 / 193. Past those, 32-bit
 /// keys lose: their whole sort takes 83–88 µs, and f32 keys in [0, 1) crowd a bin (180 µs at
 /// 2^19). Where the sample shows clusters, the bins follow the sample's quantiles (session 20:
-/// f32 NaN mixes at k = 2^12 / 2^13 / 2^15 in 55 / 55 / 59 µs against 66 / 77 / 96, f64 59 /
-/// 61 / 69 / 77 up to 2^16 against 111–240, i32 zipf ties at 2^15 / 2^16 38 / 60 against
-/// 85 / 112); zipf ties from k = n / 8, f32 NaN mixes from n / 16 and floats of zipf counts
+/// f32 NaN mixes at k = 2^12 / 2^13 / 2^15 / 2^16 in 55 / 55 / 59 / 69 µs against 66 / 77 /
+/// 96 / 125, f64 59 / 61 / 69 / 77 against 111–240, i32 zipf ties at 2^15 / 2^16 38 / 60
+/// against 85 / 112); zipf ties from k = n / 8, NaN mixes from n / 8 and floats of zipf counts
 /// still take 91–126 µs (i64 and f64 zipf ties 100–210), where the routes before top bits
 /// took 74–97 for 32-bit keys (session 19): a crowded bin, then the sort of the kept pairs
 /// after the read-back, or the whole sort after the sample foresees it;
