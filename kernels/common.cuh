@@ -457,7 +457,22 @@ struct TopBins {
     __device__ __forceinline__ u32 bin(u64 w, u64 pos) const;
     // The bin of (w, pos) (into `b`) and the part of it, of 2^bits, that holds the pair.
     __device__ __forceinline__ u32 part(u64 w, u64 pos, u32 bits, u32 &b) const;
-    // The bins as the histogram's block 0 wrote them into the control block `top`.
+    // Writes the bins into the control block `top` (every thread of one block calls it).
+    __device__ __forceinline__ void store(u32 *top) const {
+        u64 *w = reinterpret_cast<u64 *>(top);
+        if (threadIdx.x == 0) {
+            w[TOP_BASE / 2] = base;
+            w[TOP_SCALE / 2] = scale;
+            w[TOP_W0 / 2] = w0;
+            w[TOP_N / 2] = n;
+            w[TOP_DLIM / 2] = dlim;
+            top[TOP_PIECES] = m;
+        }
+        if (m != 0) {
+            for (u32 i = threadIdx.x; i < TOP_QWORDS; i += blockDim.x) w[TOP_TABLE / 2 + i] = q[i];
+        }
+    }
+    // The bins as `store` wrote them into the control block `top`.
     __device__ __forceinline__ static TopBins of(const u32 *top) {
         const u64 *w = reinterpret_cast<const u64 *>(top);
         return {w[TOP_BASE / 2], w[TOP_SCALE / 2], w[TOP_W0 / 2], w[TOP_N / 2], w[TOP_DLIM / 2], top[TOP_PIECES],

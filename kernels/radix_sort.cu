@@ -426,8 +426,8 @@ __device__ __forceinline__ const TopBins *top_bins_in_shared(const TopBins &bins
     return &shared_bins;
 }
 
-// The quantile table `q` copied into the block's shared memory (every thread calls it; its
-// lookups then load from shared memory, whatever `q` pointed to).
+// The quantile table `q` (the control block's, for the scatter) copied into the block's
+// shared memory (every thread calls it).
 __device__ __forceinline__ const u64 *top_table_in_shared(const u64 *q) {
     __shared__ u64 table[TOP_QWORDS];
     for (u32 i = threadIdx.x; i < TOP_QWORDS; i += RSORT_THREADS) table[i] = q[i];
@@ -439,10 +439,9 @@ __device__ __forceinline__ const u64 *top_table_in_shared(const u64 *q) {
 template <class K>
 __device__ __noinline__ void top_count_quantile(const K *keys, u64 n, u64 i0, u64 stride, const TopBins *shared_bins,
                                                 u32 *sh) {
-    TopBins bins = *shared_bins;
+    const TopBins bins = *shared_bins; // its table is top_window's, in shared memory
     K ks[SCATTER_ITEMS];
     load_strided_keys(keys, n, i0, ks);
-    bins.q = top_table_in_shared(bins.q);
     top_count<true>(keys, n, i0, stride, ks, bins, sh);
 }
 
@@ -464,20 +463,11 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
     TopBins bins;
     bool crowded;
     top_window(keys, n, k, bins, crowded);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        *reinterpret_cast<u64 *>(top + TOP_BASE) = bins.base;
-        *reinterpret_cast<u64 *>(top + TOP_SCALE) = bins.scale;
-        *reinterpret_cast<u64 *>(top + TOP_W0) = bins.w0;
-        *reinterpret_cast<u64 *>(top + TOP_N) = bins.n;
-        *reinterpret_cast<u64 *>(top + TOP_DLIM) = bins.dlim;
-        top[TOP_PIECES] = bins.m;
+    // Block 0 writes the bins (and the quantile pieces) for the scatter and the segment sort.
+    if (blockIdx.x == 0) {
+        bins.store(top);
         // Foreseen crowding skips the rest: the host sorts the whole input after the read-back.
-        if (crowded) top[TOP_STATUS] = TOP_STATUS_FORESEEN;
-    }
-    // The quantile pieces for the scatter and the segment sort.
-    if (blockIdx.x == 0 && bins.m != 0) {
-        u64 *q = reinterpret_cast<u64 *>(top + TOP_TABLE);
-        for (u32 i = threadIdx.x; i < TOP_QWORDS; i += RSORT_THREADS) q[i] = bins.q[i];
+        if (crowded && threadIdx.x == 0) top[TOP_STATUS] = TOP_STATUS_FORESEEN;
     }
     if (crowded) return; // every block
     // (Quantile bins for 32- and 64-bit keys only: see top_window.)
