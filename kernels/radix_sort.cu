@@ -219,8 +219,13 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // computes bins too).
 
 // The bins from the block's strided sample of the keys (n ≥ TOP_SAMPLE): the bins end at the
-// sampled pair of rank 2·(expected rank of the k-th smallest) + 16 and start a sixteenth of
-// that range below the smallest. The sample is sorted by a network (ranking each key against
+// sampled pair of rank e + 3√e + 16, e the k-th smallest's expected rank, and start a
+// sixteenth of that range below the smallest. (Rank 2e + 16 reached past zero for sorted
+// floats at k = n/4, 36 octaves of encodings for the one that holds the k-th smallest, and
+// crowding was foreseen: f32 / f64 sorted-asc took 130 / 223 µs against 49 / 50 now, f64
+// uniform 147 against 52, and i32 sorted, narrow and all-equal keys 4–6 µs more; i64 keys
+// at n/4 take ~3 µs more in the segment sort, the same instructions, more shared-memory
+// wavefronts. H100, n = 2^20, session 21.) The sample is sorted by a network (ranking each key against
 // all 256, twice, took most of a one-block kernel's 10.3 µs, ncu). The bins are linear,
 // unless four consecutive sample intervals near the k-th smallest span under 1/64 of their
 // share of the range (each interval stands for ~n/256 keys, which linear bins would crowd
@@ -228,8 +233,10 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // bins (n = 2^20, three seeds; the largest kept bin, quantile against linear): f32 NaN mixes
 // at k = 2^12 / 2^13 / 2^15 / 2^16 43–71 / 45–93 / 114–143 / 206–330 against 1859–8714, f64
 // NaN mixes 32–432 against 14915–67620; uniform, sorted, narrow and all-equal keys stay
-// linear. Only up to rank TOP_QWANT (k ≤ ~n/16): beyond, the intervals' fewer bins left
-// 400–1000 keys a bin (the simulation), so that clusters there mean crowding foreseen.
+// linear. Only up to rank TOP_QWANT (k ≤ ~n/13): beyond, the intervals' fewer bins left
+// 400–1000 keys a bin (the simulation), so that clusters there mean crowding foreseen. (64,
+// session 21: f32 / f64 NaN mixes at k = 2^17 in 78 µs against 129 / 234, but i32 / f32 zipf
+// ties crowded a bin: 163 / 158 against 118 / 119; H100, n = 2^20.)
 #define TOP_QWANT 48u
 #define TOP_QSIDE 12u
 // An edge piece's share of the bins (256 an interval): its width over the mean width of its
@@ -330,7 +337,9 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     u64 pos = (u64)t * step;
     block_sort_pairs<RSORT_THREADS>(key, pos, s_key, s_pos);
     const u64 w = top_word(key);
-    const u32 want = (u32)min((u64)TOP_SAMPLE - 1, 2 * (TOP_SAMPLE * k / n) + 16);
+    // The k-th smallest's expected sample rank e, and the window's end: 3σ and 16 beyond it.
+    const u32 e = (u32)(TOP_SAMPLE * k / n), root = (u32)__fsqrt_rd((float)e);
+    const u32 want = min((u32)TOP_SAMPLE - 1, e + (u32)(3.0f * __fsqrt_rn((float)e)) + 16);
     if (t == 0) s_crowded = s_quant = 0;
     sample[t] = w; // the network's last shared reads ended at its last barrier
     s_pos[t] = pos;
@@ -356,7 +365,6 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     // are kept (the ties below a zipf tail, which lie beyond it at small k, are not; and
     // quantile bins spread a zipf tail worse than linear ones, 979 against 255 keys a bin at
     // k = n/52 in the simulation, when 4σ let those ties switch the bins).
-    const u32 e = (want - 16) / 2, root = (u32)__fsqrt_rd((float)e);
     const u32 reach = min(want, e + 2 * root + 2);
     // (Top bits runs 32- and 64-bit keys only: wider keys' instances skip the quantile bins,
     // whose registers would spill beside their 16 keys a thread.)
