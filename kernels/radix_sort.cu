@@ -236,8 +236,13 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // linear. Only up to rank TOP_QWANT (k ≤ ~n/13): beyond, the intervals' fewer bins left
 // 400–1000 keys a bin (the simulation), so that clusters there mean crowding foreseen. (64,
 // session 21: f32 / f64 NaN mixes at k = 2^17 in 78 µs against 129 / 234, but i32 / f32 zipf
-// ties crowded a bin: 163 / 158 against 118 / 119; H100, n = 2^20.)
+// ties crowded a bin: 163 / 158 against 118 / 119; H100, n = 2^20.) Up to rank
+// TOP_QWANT_DISTINCT (k ≤ n/8) where the sampled keys up to it are distinct (a NaN mix's
+// payloads; zipf ties repeat): their tie groups without a sampled key are what crowded (one
+// holds 5580 keys of a value between two sampled ones, f32 zipf ties at 2^16, simulation),
+// while NaN mixes kept at most 296–387 keys a bin at k = 2^17 (three seeds and the benchmark's).
 #define TOP_QWANT 48u
+#define TOP_QWANT_DISTINCT 64u
 #define TOP_QSIDE 12u
 // An edge piece's share of the bins (256 an interval): its width over the mean width of its
 // side's intervals, at most one interval's (the gap interval holds ~n/256 keys, as any).
@@ -329,7 +334,7 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     __shared__ u64 sample[TOP_SAMPLE], s_pos[TOP_SAMPLE], s_coord[TOP_SAMPLE];
     __shared__ u64 s_q[TOP_QWORDS];
     __shared__ u32 s_bin[TOP_SAMPLE];
-    __shared__ int s_crowded, s_quant;
+    __shared__ int s_crowded, s_quant, s_tie;
     const u32 t = threadIdx.x;
     const u64 step = n / TOP_SAMPLE;
     // Thread t holds the sample's t-th smallest (key, position).
@@ -340,10 +345,11 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     // The k-th smallest's expected sample rank e, and the window's end: 3σ and 16 beyond it.
     const u32 e = (u32)(TOP_SAMPLE * k / n), root = (u32)__fsqrt_rd((float)e);
     const u32 want = min((u32)TOP_SAMPLE - 1, e + (u32)(3.0f * __fsqrt_rn((float)e)) + 16);
-    if (t == 0) s_crowded = s_quant = 0;
+    if (t == 0) s_crowded = s_quant = s_tie = 0;
     sample[t] = w; // the network's last shared reads ended at its last barrier
     s_pos[t] = pos;
     __syncthreads();
+    if (t < want && sample[t] == sample[t + 1]) s_tie = 1; // read after the barriers below
     const u64 mn = sample[0], hi = sample[want];
     // Coordinates with positions where the sample's words span fewer than 2^63 / n (always for
     // 32-bit keys); keys 2^40 words below its smallest share coordinate 0.
@@ -372,12 +378,13 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
         __ull2float_rz(s_coord[t + 4] - s_coord[t]) * (64.0f * want) < 4.0f * __ull2float_rz(s_coord[want] - s_coord[0]))
         s_quant = 1;
     __syncthreads();
-    // Clusters: quantile bins, ≥ 70 of them an interval (up to rank TOP_QWANT); at larger k,
-    // crowding foreseen (quantile bins there crowded 400–1000 keys in a bin in the simulation,
-    // and the crowded bins' fallback took 163–169 µs against 122–128 for sorting all n, H100,
-    // n = 2^20, zipf ties and NaN mixes at k = 2^17).
+    // Clusters: quantile bins, ≥ 70 of them an interval (up to rank TOP_QWANT, or
+    // TOP_QWANT_DISTINCT where no two sampled keys up to it are equal); at larger k, crowding
+    // foreseen (quantile bins there crowded 400–1000 keys in a bin in the simulation, and the
+    // crowded bins' fallback took 163–169 µs against 122–128 for sorting all n, H100, n = 2^20,
+    // zipf ties and NaN mixes at k = 2^17).
     if (K::BITS <= 64 && s_quant) {
-        if (want <= TOP_QWANT) {
+        if (want <= TOP_QWANT || (want <= TOP_QWANT_DISTINCT && !s_tie)) {
             bins.m = top_quantile_table(want, bins.base, s_coord, s_q);
         } else if (t == 0) {
             s_crowded = 1; // read after the barrier below
