@@ -54,7 +54,7 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 /// 96 / 125, f64 59 / 61 / 69 / 77 against 111–240, i32 zipf ties at 2^15 / 2^16 38 / 60
 /// against 85 / 112), and up to k = n / 8 where the sampled keys are distinct (session 21:
 /// f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 / 231); zipf ties from k = n / 8,
-/// NaN mixes from 3n / 16 and floats of zipf counts still take 90–125 µs (i64 and f64 zipf
+/// NaN mixes above n / 8 and floats of zipf counts still take 90–125 µs (i64 and f64 zipf
 /// ties 100–214), where the routes before top bits took 74–97 for 32-bit keys (session 19):
 /// a crowded bin, then the sort of the kept pairs after the read-back, or the whole sort after
 /// the sample foresees it; and all-equal 32-bit keys at n / 4 take 45 µs against 34 for the
