@@ -219,28 +219,27 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // computes bins too).
 
 // The bins from the block's strided sample of the keys (n ≥ TOP_SAMPLE): the bins end at the
-// sampled pair of rank e + 3√e + 16, e the k-th smallest's expected rank, and start a
-// sixteenth of that range below the smallest. (Rank 2e + 16 reached past zero for sorted
-// floats at k = n/4, 36 octaves of encodings for the one that holds the k-th smallest, and
-// crowding was foreseen: f32 / f64 sorted-asc took 130 / 223 µs against 49 / 50 now, f64
-// uniform 147 against 52, and i32 sorted, narrow and all-equal keys 4–6 µs more; i64 keys
-// at n/4 take ~3 µs more in the segment sort, the same instructions, more shared-memory
-// wavefronts. H100, n = 2^20, session 21.) The sample is sorted by a network (ranking each key against
-// all 256, twice, took most of a one-block kernel's 10.3 µs, ncu). The bins are linear,
-// unless four consecutive sample intervals near the k-th smallest span under 1/64 of their
-// share of the range (each interval stands for ~n/256 keys, which linear bins would crowd
-// into a few); then they are quantile bins (TopBins, common.cuh). A CPU simulation of the
-// bins (n = 2^20, three seeds; the largest kept bin, quantile against linear): f32 NaN mixes
-// at k = 2^12 / 2^13 / 2^15 / 2^16 43–71 / 45–93 / 114–143 / 206–330 against 1859–8714, f64
-// NaN mixes 32–432 against 14915–67620; uniform, sorted, narrow and all-equal keys stay
-// linear. Only up to rank TOP_QWANT (k ≤ ~n/13): beyond, the intervals' fewer bins left
-// 400–1000 keys a bin (the simulation), so that clusters there mean crowding foreseen. (64,
-// session 21: f32 / f64 NaN mixes at k = 2^17 in 78 µs against 129 / 234, but i32 / f32 zipf
-// ties crowded a bin: 163 / 158 against 118 / 119; H100, n = 2^20.) Up to rank
-// TOP_QWANT_DISTINCT (k ≤ n/8) where the sampled keys up to it are distinct (a NaN mix's
-// payloads; zipf ties repeat): their tie groups without a sampled key are what crowded (one
-// holds 5580 keys of a value between two sampled ones, f32 zipf ties at 2^16, simulation),
-// while NaN mixes kept at most 296–387 keys a bin at k = 2^17 (three seeds and the benchmark's).
+// sampled pair of rank e + 3√e + 16, e the k-th smallest's expected rank, and start a sixteenth of
+// that range below the smallest. (Rank 2e + 16 reached past zero for sorted floats at k = n/4, 36
+// octaves of encodings for the one that holds the k-th smallest, and crowding was foreseen: f32 /
+// f64 sorted-asc took 130 / 223 µs against 49 / 50 now, f64 uniform 147 against 52, and i32 sorted,
+// narrow and all-equal keys 4–6 µs more; i64 keys at n/4 take ~3 µs more in the segment sort, the
+// same instructions, more shared-memory wavefronts. H100, n = 2^20, session 21.) The sample is
+// sorted by a network (ranking each key against all 256, twice, took most of a one-block kernel's
+// 10.3 µs, ncu). The bins are linear, unless four consecutive sample intervals near the k-th
+// smallest span under 1/64 of their share of the range (each interval stands for ~n/256 keys, which
+// linear bins would crowd into a few); then they are quantile bins (TopBins, common.cuh). A CPU
+// simulation of the bins (n = 2^20, three seeds; the largest kept bin, quantile against linear):
+// f32 NaN mixes at k = 2^12 / 2^13 / 2^15 / 2^16 43–71 / 45–93 / 114–143 / 206–330 against
+// 1859–8714, f64 NaN mixes 32–432 against 14915–67620; uniform, sorted, narrow and all-equal keys
+// stay linear. Only up to rank TOP_QWANT (k ≤ ~n/13): beyond, the intervals' fewer bins left
+// 400–1000 keys a bin (the simulation), so that clusters there mean crowding foreseen. (64, session
+// 21: f32 / f64 NaN mixes at k = 2^17 in 78 µs against 129 / 234, but i32 / f32 zipf ties crowded a
+// bin: 163 / 158 against 118 / 119; H100, n = 2^20.) Up to rank TOP_QWANT_DISTINCT (k ≤ n/8) where
+// the sampled keys up to it are distinct (a NaN mix's payloads; zipf ties repeat): their tie groups
+// without a sampled key are what crowded (one holds 5580 keys of a value between two sampled ones,
+// f32 zipf ties at 2^16, simulation), while NaN mixes kept at most 296–387 keys a bin at k = 2^17
+// (three seeds and the benchmark's).
 #define TOP_QWANT 48u
 #define TOP_QWANT_DISTINCT 64u
 #define TOP_QSIDE 12u

@@ -41,25 +41,24 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
     (k + k / 2 + n / 256).min(n)
 }
 
-/// Whether a sampled selection of k among n pairs takes the top-bits selection: positional
-/// 32- and 64-bit keys (the scatter writes positions as row ids) of the sizes whose whole sort
-/// runs one kernel a pass (up to ~1.5M rows), for k from n / 256 up to n / 4 (32-bit keys) or
-/// below 3n / 4 (64-bit). H100, n = 2^20 (session 19, the uniform keys' time against that of
-/// the sampled levels or the whole sort): i32 k = 2^12 / 2^15 / 2^16 / 2^17 / 2^18 in 31 / 34
-/// / 37 / 41 / 52 µs against 47 / 71 / 86 / 86 / 85; i64 32 / 36 / 40 / 47 / 53 against 59 /
-/// 76 / 97 / 193 / 194, and 75 / 89 µs at 2^19 / 5·2^17 against 194 / 193. Past those, 32-bit
-/// keys lose: their whole sort takes 83–88 µs, and f32 keys in [0, 1) crowd a bin (180 µs at
-/// 2^19). Where the sample shows clusters, the bins follow the sample's quantiles (session 20:
-/// f32 NaN mixes at k = 2^12 / 2^13 / 2^15 / 2^16 in 55 / 55 / 59 / 69 µs against 66 / 77 /
-/// 96 / 125, f64 59 / 61 / 69 / 77 against 111–240, i32 zipf ties at 2^15 / 2^16 38 / 60
-/// against 85 / 112), and up to k = n / 8 where the sampled keys are distinct (session 21:
-/// f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 / 231); zipf ties from k = n / 8,
-/// NaN mixes above n / 8 and floats of zipf counts still take 90–125 µs (i64 and f64 zipf
-/// ties 100–214), where the routes before top bits took 74–97 for 32-bit keys (session 19):
-/// a crowded bin, then the sort of the kept pairs after the read-back, or the whole sort after
-/// the sample foresees it; and all-equal 32-bit keys at n / 4 take 45 µs against 34 for the
-/// whole sort, which skips the digits they share. The cost model asks the same. `GPU_TOPK_TOP_BITS=0` turns it off,
-/// `=1` takes it wherever it applies (A/B runs).
+/// Whether a sampled selection of k among n pairs takes the top-bits selection: positional 32- and
+/// 64-bit keys (the scatter writes positions as row ids) of the sizes whose whole sort runs one
+/// kernel a pass (up to ~1.5M rows), for k from n / 256 up to n / 4 (32-bit keys) or below 3n / 4
+/// (64-bit). H100, n = 2^20 (session 19, the uniform keys' time against that of the sampled levels
+/// or the whole sort): i32 k = 2^12 / 2^15 / 2^16 / 2^17 / 2^18 in 31 / 34 / 37 / 41 / 52 µs
+/// against 47 / 71 / 86 / 86 / 85; i64 32 / 36 / 40 / 47 / 53 against 59 / 76 / 97 / 193 / 194, and
+/// 75 / 89 µs at 2^19 / 5·2^17 against 194 / 193. Past those, 32-bit keys lose: their whole sort
+/// takes 83–88 µs, and f32 keys in [0, 1) crowd a bin (180 µs at 2^19). Where the sample shows
+/// clusters, the bins follow the sample's quantiles (session 20: f32 NaN mixes at k = 2^12 / 2^13 /
+/// 2^15 / 2^16 in 55 / 55 / 59 / 69 µs against 66 / 77 / 96 / 125, f64 59 / 61 / 69 / 77 against
+/// 111–240, i32 zipf ties at 2^15 / 2^16 38 / 60 against 85 / 112), and up to k = n / 8 where the
+/// sampled keys are distinct (session 21: f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 /
+/// 231); zipf ties from k = n / 8, NaN mixes above n / 8 and floats of zipf counts still take
+/// 90–125 µs (i64 and f64 zipf ties 100–214), where the routes before top bits took 74–97 for
+/// 32-bit keys (session 19): a crowded bin, then the sort of the kept pairs after the read-back, or
+/// the whole sort after the sample foresees it; and all-equal 32-bit keys at n / 4 take 45 µs
+/// against 34 for the whole sort, which skips the digits they share. The cost model asks the same.
+/// `GPU_TOPK_TOP_BITS=0` turns it off, `=1` takes it wherever it applies (A/B runs).
 pub fn top_bits_sorts(kind: KeyKind, n: usize, k: usize, positional: bool) -> bool {
     static FORCED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     let forced = FORCED.get_or_init(|| std::env::var("GPU_TOPK_TOP_BITS").ok());
