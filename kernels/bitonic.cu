@@ -274,9 +274,12 @@ __device__ void sort_local(const K *keys, const u64 *ids, u64 n, K *out_keys, u6
 
 // Sort of a bin-ordered buffer (radix_sort.cu's top-bits selection): pairs [0, m), m the kept
 // count in `top` (the selection's control block, common.cuh), grouped by bin up to the bound,
-// each bin at most half a tile of SEGMENT_TILE pairs. Block j sorts the bins that start in
-// [j·T/2, (j+1)·T/2) (at most a tile; its first bin and that bin's start from `seg`,
-// radix_sort.cu `top_segments`) by (key, row id), into the same positions of `out`. Nothing
+// each bin at most three quarters of a tile of SEGMENT_TILE pairs. Block j sorts the bins that
+// start in [j·T/4, (j+1)·T/4) (at most a tile; its first bin and that bin's start from `seg`,
+// radix_sort.cu `top_segments`) by (key, row id), into the same positions of `out`. (Spans of
+// half a tile held bins up to half a tile: H100, n = 2^20, session 21, quarter spans took i64
+// keys at k = 2^18 57 → 52 µs, i64 zipf ties at 2^16 106 → 41 and, with quantile bins to
+// rank 84, NaN mixes at 3·2^16 124 / 227 → 81 µs (f32 / f64); f32 uniform at 2^18 +3.) Nothing
 // when the status is set. Each bin is split in 2^bits parts by its pairs' coordinates
 // (TopBins::part; ~4 pairs a part), the block's pairs are counted into their parts (shared
 // atomics) and placed by part, and each pair's rank in its part (pairs below it) completes its
@@ -286,6 +289,8 @@ __device__ void sort_local(const K *keys, const u64 *ids, u64 n, K *out_keys, u6
 // register network over the whole tile instead. Blocks of 256 threads.
 #define SEGMENT_THREADS 256
 #define SEGMENT_TILE (SORT_PER * SEGMENT_THREADS)
+// The pairs whose bins' starts a block takes (top_bits.rs `SEGMENT_SPANS_PER_TILE`).
+#define SEGMENT_SPAN (SEGMENT_TILE / 4)
 #define SEGMENT_RANK_PART 128u
 #define SEGMENT_PART_BITS 8u
 
@@ -328,13 +333,13 @@ __device__ void sort_segments(const K *keys, const u64 *ids, const u32 *top, con
     // The parts' counts, then their starts in the segment (≤ TOP_BINS of them, and a last).
     __shared__ u32 s_part[TOP_BINS + 1];
     const u32 st = top[TOP_STATUS], bins = top[TOP_BOUND] + 1;
-    const u64 m = *reinterpret_cast<const u64 *>(top + TOP_COUNT), half = SEGMENT_TILE / 2, p = (u64)blockIdx.x * half;
+    const u64 m = *reinterpret_cast<const u64 *>(top + TOP_COUNT), span = SEGMENT_SPAN, p = (u64)blockIdx.x * span;
     // The block's bins [lo, hi) and their pairs [first, end) (radix_sort.cu `top_segments`),
     // loaded with the words above.
     const uint2 mine = reinterpret_cast<const uint2 *>(seg)[blockIdx.x];
     const uint2 next = reinterpret_cast<const uint2 *>(seg)[blockIdx.x + 1];
     if (st != 0 || p >= m) return;
-    const bool last = p + half >= m;
+    const bool last = p + span >= m;
     const u32 lo = mine.x, hi = last ? bins : next.x;
     const u64 first = mine.y;
     const u32 len = (u32)((last ? m : next.y) - first), nb = hi - lo;

@@ -350,9 +350,10 @@ __device__ void append(const K *keys, const u64 *ids, u64 id_start, u64 n, const
 #define TOP_DLIM (TOP_BINS + 14)
 #define TOP_PIECES (TOP_BINS + 16)
 #define TOP_TABLE (TOP_BINS + 18)
-// The most quantile pieces (up to 3 per interval, ≤ TOP_QWANT + 1 intervals), and the table's
-// layout in u64 words: the pieces' starts (and the end), their scales, their first bins (u32).
-#define TOP_QMAX 160u
+// The most quantile pieces (up to 3 per interval, ≤ TOP_QWANT_DISTINCT + 1 intervals, see
+// radix_sort.cu; the host's control block holds a table of 256), and the table's layout in u64
+// words: the pieces' starts (and the end), their scales, their first bins (u32).
+#define TOP_QMAX 255u
 #define TOP_QSCALE (TOP_QMAX + 1)
 #define TOP_QFIRST (2 * TOP_QMAX + 1)
 #define TOP_QWORDS (TOP_QFIRST + (TOP_QMAX + 2) / 2)

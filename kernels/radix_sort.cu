@@ -184,11 +184,11 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 //   rsort_top_scatter  a second read: every block finds from the counts the bin of the k-th
 //                      smallest (the bound), the count of pairs in it and below, each bin's
 //                      start among them, and the status (whether they exceed the buffers,
-//                      `cap`, or a bin holds more than half a sort tile); each pair at or below
+//                      `cap`, or a bin holds more than 3/4 of a sort tile); each pair at or below
 //                      the bound goes to its bin's part of the buffer (a global atomic slot per
 //                      pair), so the buffer is ordered by bin, in no order inside a bin; its
 //                      block 0 writes each segment-sort block's first bin and its start;
-//   bitonic_sort_segments (bitonic.cu)  one block per half tile of bin starts sorts its bins
+//   bitonic_sort_segments (bitonic.cu)  one block per quarter tile of bin starts sorts its bins
 //                      by (key, row id), into the output: by parts of the bins, then by rank
 //                      in each part.
 // A bin too large for the segment sort (a cluster of keys at the k-th smallest) makes the host
@@ -211,9 +211,10 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 #define TOP_STATUS_CROWDED 2u
 #define TOP_STATUS_FORESEEN 4u
 #define TOP_CROWD_SAMPLES 4u
-// The most pairs a kept bin may hold for the segment sort: half its tile (bitonic.cu
-// SEGMENT_TILE, 1024 pairs for keys up to 128 bits).
-#define TOP_SEGMENT_BIN 512u
+// The most pairs a kept bin may hold for the segment sort: three quarters of its tile (bitonic.cu
+// SEGMENT_TILE, 1024 pairs for keys up to 128 bits), so that a block's bins, starting in a
+// quarter tile (SEGMENT_SPAN), fill at most a tile.
+#define TOP_SEGMENT_BIN 768u
 
 // TOP_BINS, the control words, top_word, top_bin and TopBins: common.cuh (the segment sort
 // computes bins too).
@@ -235,13 +236,16 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // stay linear. Only up to rank TOP_QWANT (k ≤ ~n/13): beyond, the intervals' fewer bins left
 // 400–1000 keys a bin (the simulation), so that clusters there mean crowding foreseen. (64, session
 // 21: f32 / f64 NaN mixes at k = 2^17 in 78 µs against 129 / 234, but i32 / f32 zipf ties crowded a
-// bin: 163 / 158 against 118 / 119; H100, n = 2^20.) Up to rank TOP_QWANT_DISTINCT (k ≤ n/8) where
-// the sampled keys up to it are distinct (a NaN mix's payloads; zipf ties repeat): their tie groups
-// without a sampled key are what crowded (one holds 5580 keys of a value between two sampled ones,
-// f32 zipf ties at 2^16, simulation), while NaN mixes kept at most 296–387 keys a bin at k = 2^17
-// (three seeds and the benchmark's).
+// bin: 163 / 158 against 118 / 119; H100, n = 2^20.) Up to rank TOP_QWANT_DISTINCT (k ≤ 3n/16)
+// where the sampled keys up to it are distinct (a NaN mix's payloads; zipf ties repeat): their tie
+// groups without a sampled key are what crowded (one holds 5580 keys of a value between two sampled
+// ones, f32 zipf ties at 2^16, simulation), while NaN mixes kept at most 296–387 keys a bin at
+// k = 2^17 and 445–544 at 3·2^16 (three seeds and the benchmark's; the segment sort takes 768):
+// f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 / 231, at 3·2^16 81 / 81 against 124 /
+// 227 (H100, session 21).
 #define TOP_QWANT 48u
-#define TOP_QWANT_DISTINCT 64u
+#define TOP_QWANT_DISTINCT 84u
+static_assert(3 * (TOP_QWANT_DISTINCT + 1) <= TOP_QMAX, "every interval up to the rank cut in three pieces");
 #define TOP_QSIDE 12u
 // An edge piece's share of the bins (256 an interval): its width over the mean width of its
 // side's intervals, at most one interval's (the gap interval holds ~n/256 keys, as any).
@@ -553,16 +557,16 @@ __device__ __forceinline__ TopBound top_bound(const u32 *top, u64 k, u64 cap, u3
 
 // For the segment sort (bitonic.cu `sort_segments`), from the bins' starts (`start`, shared,
 // from top_bound): for each of its blocks j, whose pairs are the bins starting in
-// [j·half, (j+1)·half), the first of those bins and its start (`seg[2j]`, `seg[2j + 1]`; the
+// [j·span, (j+1)·span), the first of those bins and its start (`seg[2j]`, `seg[2j + 1]`; the
 // bound + 1 and the kept count past the last bin), so that a block reads its range at once:
 // a prefix over all bins in each block was most of its instructions, and reading a bin's
 // start after its index one more round trip. Every thread of block 0.
-__device__ __forceinline__ void top_segments(const u32 *start, TopBound b, u64 half, u32 *seg) {
+__device__ __forceinline__ void top_segments(const u32 *start, TopBound b, u64 span, u32 *seg) {
     if (threadIdx.x == 0) seg[0] = seg[1] = 0;
     for (u32 i = threadIdx.x; i <= b.bound; i += RSORT_THREADS) {
         const u64 s0 = start[i], s1 = i < b.bound ? start[i + 1] : b.kept;
-        // Bin i + 1 is the first starting at or after j·half for j·half in (s0, s1].
-        for (u64 j = s0 / half + 1; j * half <= s1; ++j) {
+        // Bin i + 1 is the first starting at or after j·span for j·span in (s0, s1].
+        for (u64 j = s0 / span + 1; j * span <= s1; ++j) {
             seg[2 * j] = i + 1;
             seg[2 * j + 1] = (u32)s1;
         }
@@ -611,7 +615,7 @@ __device__ __noinline__ void top_place_quantile(const K *keys, u64 n, u64 i0, u6
 }
 
 template <class K>
-__device__ void rsort_top_scatter(const K *keys, u64 n, u64 k, u64 cap, u32 *top, u32 *fill, u64 half, u32 *seg,
+__device__ void rsort_top_scatter(const K *keys, u64 n, u64 k, u64 cap, u32 *top, u32 *fill, u64 span, u32 *seg,
                                   K *out_keys, u64 *out_ids) {
     __shared__ u32 start[TOP_BINS];
     const u32 foreseen = top[TOP_STATUS];
@@ -628,7 +632,7 @@ __device__ void rsort_top_scatter(const K *keys, u64 n, u64 k, u64 cap, u32 *top
             *reinterpret_cast<u64 *>(top + TOP_COUNT) = b.kept;
             top[TOP_STATUS] = b.status;
         }
-        if (b.status == 0) top_segments(start, b, half, seg);
+        if (b.status == 0) top_segments(start, b, span, seg);
     }
     // Crowded bins still scatter: the host sorts the kept pairs after the read-back.
     if (b.status != 0 && b.status != TOP_STATUS_CROWDED) return;
@@ -1125,8 +1129,8 @@ extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
         rsort_top_hist<K>(keys, n, k, top);                                                                       \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
-        rsort_top_scatter_##S(const K *keys, u64 n, u64 k, u64 cap, u32 *top, u32 *fill, u64 half, u32 *seg,      \
+        rsort_top_scatter_##S(const K *keys, u64 n, u64 k, u64 cap, u32 *top, u32 *fill, u64 span, u32 *seg,      \
                               K *out_keys, u64 *out_ids) {                                                        \
-        rsort_top_scatter<K>(keys, n, k, cap, top, fill, half, seg, out_keys, out_ids);                           \
+        rsort_top_scatter<K>(keys, n, k, cap, top, fill, span, seg, out_keys, out_ids);                           \
     }
 INSTANTIATE_KEYS(RADIX_SORT_ENTRIES)

@@ -18,14 +18,18 @@ use super::*;
 const TOP_BINS: usize = 4096;
 const TOP_QWORDS: usize = 2 * 256 + 1 + 258 / 2;
 const TOP_STATUS_WORD: usize = TOP_BINS + 2;
-/// Status: a kept bin holds more than half a segment-sort tile (radix_sort.cu).
+/// Status: a kept bin holds more than 3/4 of a segment-sort tile (radix_sort.cu).
 const TOP_STATUS_CROWDED: u32 = 2;
 const TOP_COUNT_WORD: usize = TOP_BINS + 4;
 const TOP_WORDS: usize = TOP_BINS + 18 + 2 * TOP_QWORDS;
 const _: () = assert!(TOP_COUNT_WORD == TOP_STATUS_WORD + 2);
 /// Threads of bitonic.cu's `sort_segments` blocks (`SEGMENT_THREADS`), each sorting the bins
-/// that start in half a tile of a quarter of the sort tile's pairs.
+/// that start in a quarter of its tile (a quarter of the sort tile's pairs).
 const SEGMENT_THREADS: u32 = 256;
+/// A segment-sort block takes the bins starting in one of this many parts of its tile
+/// (bitonic.cu `SEGMENT_SPAN`): kept bins of up to 3/4 of the tile then fit (radix_sort.cu
+/// `TOP_SEGMENT_BIN`).
+const SEGMENT_SPANS_PER_TILE: usize = 4;
 /// Keys a thread of `rsort_top_hist` and `rsort_top_scatter` takes per round (radix_sort.cu
 /// `SCATTER_ITEMS`).
 const SCATTER_ITEMS: usize = 16;
@@ -51,10 +55,10 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 /// takes 83–88 µs, and f32 keys in [0, 1) crowd a bin (180 µs at 2^19). Where the sample shows
 /// clusters, the bins follow the sample's quantiles (session 20: f32 NaN mixes at k = 2^12 / 2^13 /
 /// 2^15 / 2^16 in 55 / 55 / 59 / 69 µs against 66 / 77 / 96 / 125, f64 59 / 61 / 69 / 77 against
-/// 111–240, i32 zipf ties at 2^15 / 2^16 38 / 60 against 85 / 112), and up to k = n / 8 where the
-/// sampled keys are distinct (session 21: f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 /
-/// 231); zipf ties from k = n / 8, NaN mixes above n / 8 and floats of zipf counts still take
-/// 90–125 µs (i64 and f64 zipf ties 100–214), where the routes before top bits took 74–97 for
+/// 111–240, i32 zipf ties at 2^15 / 2^16 38 / 60 against 85 / 112), and up to k = 3n / 16 where
+/// the sampled keys are distinct (session 21: f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against
+/// 127 / 231, at 3·2^16 81 / 81 against 124 / 227); zipf ties from k = n / 8, NaN mixes above
+/// 3n / 16 and floats of zipf counts still take 90–125 µs (i64 and f64 zipf ties 100–214), where the routes before top bits took 74–97 for
 /// 32-bit keys (session 19): a crowded bin, then the sort of the kept pairs after the read-back, or
 /// the whole sort after the sample foresees it; and all-equal 32-bit keys at n / 4 take 45 µs
 /// against 34 for the whole sort, which skips the digits they share. The cost model asks the same.
@@ -110,7 +114,8 @@ impl TopKEngine {
         // sort block's first bin and its start, and one past the last block (radix_sort.cu
         // `top_segments`; 8-byte aligned).
         let tile = SEGMENT_THREADS as usize * sort_tile(self.kind) / SORT_THREADS as usize;
-        let segment_blocks = cap.div_ceil(tile / 2);
+        let span = tile / SEGMENT_SPANS_PER_TILE;
+        let segment_blocks = cap.div_ceil(span);
         let fill = (4 * TOP_WORDS) as u64;
         let seg = fill + (4 * TOP_FILL_STRIDE * TOP_BINS) as u64;
         let ctl_bytes = seg as usize + 8 * (segment_blocks + 1);
@@ -143,7 +148,7 @@ impl TopKEngine {
                 cap,
                 c,
                 c + fill,
-                tile / 2,
+                span,
                 c + seg,
                 kept.key_at(0),
                 kept.id_at(0)
