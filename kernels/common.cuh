@@ -351,12 +351,13 @@ __device__ void append(const K *keys, const u64 *ids, u64 id_start, u64 n, const
 #define TOP_PIECES (TOP_BINS + 16)
 #define TOP_TABLE (TOP_BINS + 18)
 // The most quantile pieces (up to 3 per interval, ≤ TOP_QWANT_DISTINCT + 1 intervals, see
-// radix_sort.cu; the host's control block holds a table of 256), and the table's layout in u64
-// words: the pieces' starts (and the end), their scales, their first bins (u32).
-#define TOP_QMAX 255u
+// radix_sort.cu; top_bits.rs `TOP_QMAX`), and the table's layout in u64 words: the pieces'
+// starts (and the end), their scales, their first bins (u32).
+#define TOP_QMAX 315u
 #define TOP_QSCALE (TOP_QMAX + 1)
 #define TOP_QFIRST (2 * TOP_QMAX + 1)
 #define TOP_QWORDS (TOP_QFIRST + (TOP_QMAX + 2) / 2)
+static_assert(TOP_QMAX < 512, "top_quantile_bin's binary lifting");
 
 // The key's most significant word (all of a 32- or 64-bit key).
 template <class K> __device__ __forceinline__ u64 top_word(const K &k) { return (u64)k.w[K::N - 1]; }
@@ -387,10 +388,10 @@ __device__ __forceinline__ u32 top_quantile_bin(u64 c, u32 m, const u64 *q, u32 
     f = 0;
     if (c < q[0]) return top_bin(c, q[0], 0);
     if (c >= q[m]) return TOP_BINS - 1;
-    // The last piece starting at or below c (binary lifting; m ≤ TOP_QMAX).
+    // The last piece starting at or below c (binary lifting; m ≤ TOP_QMAX < 512).
     u32 i = 0;
 #pragma unroll
-    for (u32 s = 128; s > 0; s >>= 1) {
+    for (u32 s = 256; s > 0; s >>= 1) {
         if (i + s < m && q[i + s] <= c) i += s;
     }
     const u32 *first = reinterpret_cast<const u32 *>(q + TOP_QFIRST);

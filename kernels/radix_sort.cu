@@ -236,15 +236,15 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // stay linear. Only up to rank TOP_QWANT (k ≤ ~n/13): beyond, the intervals' fewer bins left
 // 400–1000 keys a bin (the simulation), so that clusters there mean crowding foreseen. (64, session
 // 21: f32 / f64 NaN mixes at k = 2^17 in 78 µs against 129 / 234, but i32 / f32 zipf ties crowded a
-// bin: 163 / 158 against 118 / 119; H100, n = 2^20.) Up to rank TOP_QWANT_DISTINCT (k ≤ 3n/16)
+// bin: 163 / 158 against 118 / 119; H100, n = 2^20.) Up to rank TOP_QWANT_DISTINCT (k ≤ n/4)
 // where the sampled keys up to it are distinct (a NaN mix's payloads; zipf ties repeat): their tie
 // groups without a sampled key are what crowded (one holds 5580 keys of a value between two sampled
 // ones, f32 zipf ties at 2^16, simulation), while NaN mixes kept at most 296–387 keys a bin at
-// k = 2^17 and 445–544 at 3·2^16 (three seeds and the benchmark's; the segment sort takes 768):
-// f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 / 231, at 3·2^16 81 / 81 against 124 /
-// 227 (H100, session 21).
+// k = 2^17, 445–544 at 3·2^16 and 540–648 at 2^18 (three seeds and the benchmark's; the segment
+// sort takes 768): f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 / 231, at 3·2^16 81 / 81
+// against 124 / 227 (H100, session 21).
 #define TOP_QWANT 48u
-#define TOP_QWANT_DISTINCT 84u
+#define TOP_QWANT_DISTINCT 104u
 static_assert(3 * (TOP_QWANT_DISTINCT + 1) <= TOP_QMAX, "every interval up to the rank cut in three pieces");
 #define TOP_QSIDE 12u
 // An edge piece's share of the bins (256 an interval): its width over the mean width of its

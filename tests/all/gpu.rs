@@ -1310,7 +1310,7 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
     ));
     // Clusters that linear bins over the sample's range crowd, which the sample sees: 5% of
     // the keys below 2^12, the rest in [2^30, 2^31) (a NaN mix's −NaN payloads), so that the
-    // bins are quantile bins and every kept bin fits the segment sort (at k = n/8 and 3n/16
+    // bins are quantile bins and every kept bin fits the segment sort (at k = n/8 to n/4
     // too: its sampled keys are distinct); and zipf-like counts
     // below 2^31 (ties below a heavy tail, split by position).
     let mut rng = Rng::new(9);
@@ -1323,7 +1323,7 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
     inputs.push((
         "gap".into(),
         n,
-        vec![4200, 20_000, 60_000, 1 << 17, 3 << 16],
+        vec![4200, 20_000, 60_000, 1 << 17, 3 << 16, 1 << 18],
         gap,
     ));
     let zipf: Vec<u64> = (0..n)

@@ -16,7 +16,9 @@ use super::*;
 /// positions' bound and words' bound (u64 each), the count of quantile pieces, a spare word,
 /// and the pieces' table of `TOP_QWORDS` u64 words).
 const TOP_BINS: usize = 4096;
-const TOP_QWORDS: usize = 2 * 256 + 1 + 258 / 2;
+/// The most quantile pieces (common.cuh `TOP_QMAX`).
+const TOP_QMAX: usize = 315;
+const TOP_QWORDS: usize = 2 * TOP_QMAX + 1 + (TOP_QMAX + 2) / 2;
 const TOP_STATUS_WORD: usize = TOP_BINS + 2;
 /// Status: a kept bin holds more than 3/4 of a segment-sort tile (radix_sort.cu).
 const TOP_STATUS_CROWDED: u32 = 2;
