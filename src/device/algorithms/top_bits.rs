@@ -57,14 +57,15 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 /// takes 83–88 µs, and f32 keys in [0, 1) crowd a bin (180 µs at 2^19). Where the sample shows
 /// clusters, the bins follow the sample's quantiles (session 20: f32 NaN mixes at k = 2^12 / 2^13 /
 /// 2^15 / 2^16 in 55 / 55 / 59 / 69 µs against 66 / 77 / 96 / 125, f64 59 / 61 / 69 / 77 against
-/// 111–240, i32 zipf ties at 2^15 / 2^16 38 / 60 against 85 / 112), and up to k = 3n / 16 where
-/// the sampled keys are distinct (session 21: f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against
-/// 127 / 231, at 3·2^16 81 / 81 against 124 / 227); zipf ties from k = n / 8, NaN mixes above
-/// 3n / 16 and floats of zipf counts still take 90–125 µs (i64 and f64 zipf ties 100–214), where the routes before top bits took 74–97 for
-/// 32-bit keys (session 19): a crowded bin, then the sort of the kept pairs after the read-back, or
-/// the whole sort after the sample foresees it; and all-equal 32-bit keys at n / 4 take 45 µs
-/// against 34 for the whole sort, which skips the digits they share. The cost model asks the same.
-/// `GPU_TOPK_TOP_BITS=0` turns it off, `=1` takes it wherever it applies (A/B runs).
+/// 111–240, i32 zipf ties at 2^15 / 2^16 38 / 60 against 85 / 112), and up to k = n / 4 where the
+/// sampled keys are distinct (session 21: f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 /
+/// 231, at 3·2^16 81 / 81 against 124 / 227, at 2^18 84 / 89 against 119 / 226); zipf ties from k =
+/// n / 8 and floats of zipf counts still take 90–125 µs (i64 and f64 zipf ties 100–214), where the
+/// routes before top bits took 74–97 for 32-bit keys (session 19): a crowded bin, then the sort of
+/// the kept pairs after the read-back, or the whole sort after the sample foresees it; and
+/// all-equal 32-bit keys at n / 4 take 45 µs against 34 for the whole sort, which skips the digits
+/// they share. The cost model asks the same. `GPU_TOPK_TOP_BITS=0` turns it off, `=1` takes it
+/// wherever it applies (A/B runs).
 pub fn top_bits_sorts(kind: KeyKind, n: usize, k: usize, positional: bool) -> bool {
     static FORCED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     let forced = FORCED.get_or_init(|| std::env::var("GPU_TOPK_TOP_BITS").ok());
