@@ -359,6 +359,17 @@ __device__ void append(const K *keys, const u64 *ids, u64 id_start, u64 n, const
 #define TOP_QWORDS (TOP_QFIRST + (TOP_QMAX + 2) / 2)
 static_assert(TOP_QMAX < 512, "top_quantile_bin's binary lifting");
 
+// Copies the words of a quantile table of m pieces that top_quantile_bin reads: the starts and
+// the end, the scales, the first bins (every thread of the block calls it; the whole table is
+// 789 words, m is ~50–110).
+__device__ __forceinline__ void top_table_copy(u64 *dst, const u64 *src, u32 m) {
+    const u32 total = (m + 1) + m + (m + 2) / 2;
+    for (u32 j = threadIdx.x; j < total; j += blockDim.x) {
+        const u32 i = j <= m ? j : j <= 2 * m ? TOP_QSCALE + (j - m - 1) : TOP_QFIRST + (j - 2 * m - 1);
+        dst[i] = src[i];
+    }
+}
+
 // The key's most significant word (all of a 32- or 64-bit key).
 template <class K> __device__ __forceinline__ u64 top_word(const K &k) { return (u64)k.w[K::N - 1]; }
 
@@ -470,9 +481,7 @@ struct TopBins {
             w[TOP_DLIM / 2] = dlim;
             top[TOP_PIECES] = m;
         }
-        if (m != 0) {
-            for (u32 i = threadIdx.x; i < TOP_QWORDS; i += blockDim.x) w[TOP_TABLE / 2 + i] = q[i];
-        }
+        if (m != 0) top_table_copy(w + TOP_TABLE / 2, q, m);
     }
     // The bins as `store` wrote them into the control block `top`.
     __device__ __forceinline__ static TopBins of(const u32 *top) {

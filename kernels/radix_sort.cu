@@ -444,11 +444,11 @@ __device__ __forceinline__ const TopBins *top_bins_in_shared(const TopBins &bins
     return &shared_bins;
 }
 
-// The quantile table `q` (the control block's, for the scatter) copied into the block's
-// shared memory (every thread calls it).
-__device__ __forceinline__ const u64 *top_table_in_shared(const u64 *q) {
+// The quantile table `q` of m pieces (the control block's, for the scatter) copied into the
+// block's shared memory (every thread calls it).
+__device__ __forceinline__ const u64 *top_table_in_shared(const u64 *q, u32 m) {
     __shared__ u64 table[TOP_QWORDS];
-    for (u32 i = threadIdx.x; i < TOP_QWORDS; i += RSORT_THREADS) table[i] = q[i];
+    top_table_copy(table, q, m);
     __syncthreads();
     return table;
 }
@@ -610,7 +610,7 @@ __device__ __noinline__ void top_place_quantile(const K *keys, u64 n, u64 i0, u6
     TopBins bins = *shared_bins;
     K ks[SCATTER_ITEMS];
     load_strided_keys(keys, n, i0, ks);
-    bins.q = top_table_in_shared(bins.q);
+    bins.q = top_table_in_shared(bins.q, bins.m);
     top_place<true>(keys, n, i0, stride, ks, bins, bound, start, fill, out_keys, out_ids);
 }
 
