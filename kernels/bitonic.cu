@@ -306,6 +306,18 @@ template <class K> __device__ __forceinline__ void segment_put(Smem<K> s, u32 at
     }
 }
 
+// Pair `at` of a segment's tile (segment_put's layout).
+template <class K> __device__ __forceinline__ void segment_get(Smem<K> s, u32 at, K &k, u64 &id) {
+    if constexpr (K::BITS == 32) {
+        const u64 c = s.ids[at];
+        k.w[0] = (u32)(c >> 32);
+        id = c & 0xffffffffu;
+    } else {
+        k = s.keys[at];
+        id = s.ids[at];
+    }
+}
+
 // The count of pairs [a, e) of the tile below pair i (segment_put's layout), eight loads in
 // flight a step (one at a time, each comparison waited on its load).
 template <class K> __device__ __forceinline__ u32 rank_in_part(Smem<K> s, u32 a, u32 e, u32 i) {
@@ -326,23 +338,131 @@ template <class K> __device__ __forceinline__ u32 rank_in_part(Smem<K> s, u32 a,
     return rank;
 }
 
+// A big bin's slice (radix_sort.cu `top_segments`: a kept bin of more than TOP_SEGMENT_BIN pairs,
+// a cluster near the k-th smallest that the bins did not split, such as a tie group their sample
+// missed), sorted by one block of the segment sort's launch. The bin's own sample of
+// SEGMENT_TILE pairs (strided over its pairs, which the scatter left in no order), sorted by the
+// register network, cuts it in G = ⌈c / SEGMENT_BIG_SLICE⌉ ranges of equally many sampled pairs,
+// whatever its keys (ties by position); block g of the bin reads the bin once, counts the pairs
+// below its range and gathers those in it (about a slice: ~3/8 of a tile) into shared memory,
+// sorts them by the register network, and writes them after the pairs below. No block waits on
+// another. More pairs in a range than a tile (a sample that missed most of a cluster) set the
+// crowded status instead, and the host sorts the kept pairs after the read-back. Keys up to 64
+// bits (the top-bits selection's).
+#define SEGMENT_BIG_SLICE (SEGMENT_TILE * 3 / 8)
+
+// Whether pair (w, id) lies below sampled pair j.
+__device__ __forceinline__ bool below_sampled(const u64 *sw, const u32 *sid, u32 j, u64 w, u32 id) {
+    return w < sw[j] || (w == sw[j] && id < sid[j]);
+}
+
 template <class K>
-__device__ void sort_segments(const K *keys, const u64 *ids, const u32 *top, const u32 *seg, K *out_keys,
-                              u64 *out_ids) {
+__device__ __noinline__ void sort_big_bin(const K *keys, const u64 *ids, const u32 *top, const uint4 *big, u32 x,
+                                          K *out_keys, u64 *out_ids) {
+    if constexpr (K::BITS > 64) {
+        return;
+    } else {
+        __shared__ u64 s_sw[SEGMENT_TILE];
+        __shared__ u32 s_sid[SEGMENT_TILE];
+        __shared__ u32 s_own;
+        if (top[TOP_STATUS] != 0 || x >= big[0].x) return;
+        const uint4 job = big[1 + x];
+        const K *bk = keys + job.x;
+        const u64 *bid = ids + job.x;
+        const u32 c = job.y, g = job.z, slices = (c + SEGMENT_BIG_SLICE - 1) / SEGMENT_BIG_SLICE;
+        Smem<K> s = smem_of<K>(SEGMENT_TILE);
+        K key[SORT_PER];
+        u64 id[SORT_PER];
+#pragma unroll
+        for (int e = 0; e < SORT_PER; ++e) {
+            const u64 i = (u64)(threadIdx.x * SORT_PER + e) * c / SEGMENT_TILE;
+            key[e] = bk[i];
+            id[e] = bid[i];
+        }
+        tile_network<K, SEGMENT_THREADS>(key, id, 0, 2, SEGMENT_TILE, s);
+#pragma unroll
+        for (int e = 0; e < SORT_PER; ++e) {
+            s_sw[threadIdx.x * SORT_PER + e] = top_word(key[e]);
+            s_sid[threadIdx.x * SORT_PER + e] = (u32)id[e];
+        }
+        if (threadIdx.x == 0) s_own = 0;
+        __syncthreads();
+        // The range [sampled pair lo, sampled pair hi) (unbounded for the first and last).
+        const u32 lo = g * SEGMENT_TILE / slices, hi = (g + 1) * SEGMENT_TILE / slices;
+        const bool first = g == 0, last = g + 1 == slices;
+        constexpr int U = 8; // loads in flight a thread
+        u32 below = 0;
+        for (u32 i0 = 0; i0 < c; i0 += U * SEGMENT_THREADS) {
+            K k[U];
+            u64 d[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const u32 i = i0 + u * SEGMENT_THREADS + threadIdx.x;
+                if (i < c) {
+                    k[u] = bk[i];
+                    d[u] = bid[i];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (i0 + u * SEGMENT_THREADS + threadIdx.x >= c) continue;
+                const u64 w = top_word(k[u]);
+                if (!first && below_sampled(s_sw, s_sid, lo, w, (u32)d[u])) {
+                    ++below;
+                } else if (last || below_sampled(s_sw, s_sid, hi, w, (u32)d[u])) {
+                    const u32 at = atomicAdd(&s_own, 1u);
+                    if (at < SEGMENT_TILE) segment_put(s, at, k[u], d[u]);
+                }
+            }
+        }
+        below = block_exclusive_sum(below) + below; // inclusive: the last thread holds the total
+        __shared__ u32 s_below;
+        if (threadIdx.x == SEGMENT_THREADS - 1) s_below = below;
+        __syncthreads();
+        const u32 own = s_own, before = s_below;
+        if (own > SEGMENT_TILE) {
+            if (threadIdx.x == 0) *(volatile u32 *)(top + TOP_STATUS) = TOP_STATUS_CROWDED;
+            return;
+        }
+        if (own == 0) return;
+#pragma unroll
+        for (int e = 0; e < SORT_PER; ++e) {
+            const u32 i = threadIdx.x * SORT_PER + e;
+            if (i < own) {
+                segment_get(s, i, key[e], id[e]);
+            } else {
+                key[e] = key_max<K>();
+                id[e] = ~0ull;
+            }
+        }
+        __syncthreads(); // the network reuses the tile
+        tile_network<K, SEGMENT_THREADS>(key, id, 0, 2, SEGMENT_TILE, s);
+        store_tile(out_keys + job.x + before, out_ids + job.x + before, own, 0, key, id);
+    }
+}
+
+template <class K>
+__device__ void sort_segments(const K *keys, const u64 *ids, const u32 *top, const u32 *seg, const uint4 *big,
+                              u32 bigs, K *out_keys, u64 *out_ids) {
     __shared__ u32 s_largest;
     // The parts' counts, then their starts in the segment (≤ TOP_BINS of them, and a last).
     __shared__ u32 s_part[TOP_BINS + 1];
-    const u32 st = top[TOP_STATUS], bins = top[TOP_BOUND] + 1;
-    const u64 m = *reinterpret_cast<const u64 *>(top + TOP_COUNT), span = SEGMENT_SPAN, p = (u64)blockIdx.x * span;
+    // The first `bigs` blocks take the big bins' slices (the longest work starts first; most of
+    // those blocks, sized for the most slices, return at once).
+    if (blockIdx.x < bigs) {
+        sort_big_bin<K>(keys, ids, top, big, blockIdx.x, out_keys, out_ids);
+        return;
+    }
+    const u32 j = blockIdx.x - bigs;
+    const u32 st = top[TOP_STATUS];
+    const u64 m = *reinterpret_cast<const u64 *>(top + TOP_COUNT), p = (u64)j * SEGMENT_SPAN;
     // The block's bins [lo, hi) and their pairs [first, end) (radix_sort.cu `top_segments`),
     // loaded with the words above.
-    const uint2 mine = reinterpret_cast<const uint2 *>(seg)[blockIdx.x];
-    const uint2 next = reinterpret_cast<const uint2 *>(seg)[blockIdx.x + 1];
+    const uint4 mine = reinterpret_cast<const uint4 *>(seg)[j];
     if (st != 0 || p >= m) return;
-    const bool last = p + span >= m;
-    const u32 lo = mine.x, hi = last ? bins : next.x;
+    const u32 lo = mine.x, hi = mine.z;
     const u64 first = mine.y;
-    const u32 len = (u32)((last ? m : next.y) - first), nb = hi - lo;
+    const u32 len = mine.w - mine.y, nb = hi - lo;
     if (len == 0) return;
     if (threadIdx.x == 0) s_largest = 0;
     // Parts of ~4 pairs on average (block-uniform), at most TOP_BINS in all.
@@ -670,8 +790,8 @@ __device__ void chunk_scatter(const K *tile_keys, const u64 *tile_ids, const u64
         chunk_scatter<K>(tile_keys, tile_ids, n_ptr, cap, below, out_keys, out_ids, status);                      \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(SEGMENT_THREADS, 4)                                               \
-        bitonic_sort_segments_##S(const K *keys, const u64 *ids, const u32 *top, const u32 *seg, K *out_keys,     \
-                                  u64 *out_ids) {                                                                 \
-        sort_segments<K>(keys, ids, top, seg, out_keys, out_ids);                                                 \
+        bitonic_sort_segments_##S(const K *keys, const u64 *ids, const u32 *top, const u32 *seg,                  \
+                                  const uint4 *big, u32 bigs, K *out_keys, u64 *out_ids) {                        \
+        sort_segments<K>(keys, ids, top, seg, big, bigs, out_keys, out_ids);                                      \
     }
 INSTANTIATE_KEYS(BITONIC_ENTRIES)

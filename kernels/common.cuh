@@ -350,7 +350,20 @@ __device__ void append(const K *keys, const u64 *ids, u64 id_start, u64 n, const
 #define TOP_DLIM (TOP_BINS + 14)
 #define TOP_PIECES (TOP_BINS + 16)
 #define TOP_TABLE (TOP_BINS + 18)
-// The most quantile pieces (up to 3 per interval, ≤ TOP_QWANT_DISTINCT + 1 intervals, see
+// The status word: the kept pairs exceed the buffers (or the k-th smallest lies above the bins);
+// a kept bin is larger than the segment sort takes; crowding foreseen by the sample.
+#define TOP_STATUS_OVERFLOW 1u
+#define TOP_STATUS_CROWDED 2u
+#define TOP_STATUS_FORESEEN 4u
+// The most pairs a kept bin may hold for a segment-sort block: three quarters of its tile
+// (bitonic.cu SEGMENT_TILE, 1024 pairs for keys up to 128 bits), so that a block's bins, starting
+// in a quarter tile (SEGMENT_SPAN), fill at most a tile. Larger kept bins ("big bins", a cluster
+// of keys near the k-th smallest) are split by a sample of their own pairs in slices of 3/8 of a
+// tile, one block a slice (bitonic.cu `sort_big_bin`), up to TOP_BIG_BIN pairs: each of those
+// blocks reads its whole bin.
+#define TOP_SEGMENT_BIN 768u
+#define TOP_BIG_BIN 32768u
+// The most quantile pieces (up to 3 per interval, ≤ TOP_QWANT + 1 intervals, see
 // radix_sort.cu; top_bits.rs `TOP_QMAX`), and the table's layout in u64 words: the pieces'
 // starts (and the end), their scales, their first bins (u32).
 #define TOP_QMAX 315u

@@ -184,15 +184,16 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 //   rsort_top_scatter  a second read: every block finds from the counts the bin of the k-th
 //                      smallest (the bound), the count of pairs in it and below, each bin's
 //                      start among them, and the status (whether they exceed the buffers,
-//                      `cap`, or a bin holds more than 3/4 of a sort tile); each pair at or below
+//                      `cap`, or a bin holds more than TOP_BIG_BIN pairs); each pair at or below
 //                      the bound goes to its bin's part of the buffer (a global atomic slot per
 //                      pair), so the buffer is ordered by bin, in no order inside a bin; its
-//                      block 0 writes each segment-sort block's first bin and its start;
+//                      block 0 writes each segment-sort block's bins and the big bins' slices;
 //   bitonic_sort_segments (bitonic.cu)  one block per quarter tile of bin starts sorts its bins
 //                      by (key, row id), into the output: by parts of the bins, then by rank
-//                      in each part.
-// A bin too large for the segment sort (a cluster of keys at the k-th smallest) makes the host
-// sort the kept pairs instead, after the read-back (top_bits.rs `top_bits_complete`).
+//                      in each part; a big bin (over 3/4 of a tile: a cluster of keys the bins
+//                      did not split) by one block per slice of it, split by its own sample.
+// A bin too large for those (TOP_BIG_BIN) makes the host sort the kept pairs instead, after the
+// read-back (top_bits.rs `top_bits_complete`).
 // Bins are over a coordinate of (the key's top word, position) (TopBins): equal keys spread by
 // position. top_window reads a strided sample of 256 keys and takes its smallest and a sample
 // rank safely beyond the k-th smallest's expected one; the linear bins divide that range, from
@@ -207,14 +208,7 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // bin (which holds the rest and is not counted): the status says the buffers overflow, and the
 // host sorts the whole input instead.
 #define TOP_SAMPLE RSORT_THREADS
-#define TOP_STATUS_OVERFLOW 1u
-#define TOP_STATUS_CROWDED 2u
-#define TOP_STATUS_FORESEEN 4u
-#define TOP_CROWD_SAMPLES 4u
-// The most pairs a kept bin may hold for the segment sort: three quarters of its tile (bitonic.cu
-// SEGMENT_TILE, 1024 pairs for keys up to 128 bits), so that a block's bins, starting in a
-// quarter tile (SEGMENT_SPAN), fill at most a tile.
-#define TOP_SEGMENT_BIN 768u
+#define TOP_CROWD_SAMPLES 8u
 
 // TOP_BINS, the control words, top_word, top_bin and TopBins: common.cuh (the segment sort
 // computes bins too).
@@ -233,19 +227,18 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // simulation of the bins (n = 2^20, three seeds; the largest kept bin, quantile against linear):
 // f32 NaN mixes at k = 2^12 / 2^13 / 2^15 / 2^16 43–71 / 45–93 / 114–143 / 206–330 against
 // 1859–8714, f64 NaN mixes 32–432 against 14915–67620; uniform, sorted, narrow and all-equal keys
-// stay linear. Only up to rank TOP_QWANT (k ≤ ~n/13): beyond, the intervals' fewer bins left
-// 400–1000 keys a bin (the simulation), so that clusters there mean crowding foreseen. (64, session
-// 21: f32 / f64 NaN mixes at k = 2^17 in 78 µs against 129 / 234, but i32 / f32 zipf ties crowded a
-// bin: 163 / 158 against 118 / 119; H100, n = 2^20.) Up to rank TOP_QWANT_DISTINCT (k ≤ n/4)
-// where the sampled keys up to it are distinct (a NaN mix's payloads; zipf ties repeat): their tie
-// groups without a sampled key are what crowded (one holds 5580 keys of a value between two sampled
-// ones, f32 zipf ties at 2^16, simulation), while NaN mixes kept at most 296–387 keys a bin at
+// stay linear. Up to rank TOP_QWANT (k ≤ n/4): NaN mixes kept at most 296–387 keys a bin at
 // k = 2^17, 445–544 at 3·2^16 and 540–648 at 2^18 (three seeds and the benchmark's; the segment
 // sort takes 768): f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 / 231, at 3·2^16 81 / 81
-// against 124 / 227 (H100, session 21).
-#define TOP_QWANT 48u
-#define TOP_QWANT_DISTINCT 104u
-static_assert(3 * (TOP_QWANT_DISTINCT + 1) <= TOP_QMAX, "every interval up to the rank cut in three pieces");
+// against 124 / 227 (H100, session 21). Tie groups without a sampled key crowd a bin whatever its
+// edges (one holds 5580 keys of a value between two sampled ones, f32 zipf ties at 2^16,
+// simulation): the big bins' blocks sort those (bitonic.cu `sort_big_bin`). (Session 22, H100,
+// n = 2^20: quantile bins for tie samples beyond rank 48 took i32 zipf ties at k = 3·2^16 / 2^17 /
+// 3·2^17 / 2^18 in 77 / 80 / 86 / 101 µs against 120–124 for the whole sort after crowding was
+// foreseen, i64 at 3·2^17 / 2^18 86 / 90 against 208–215; f32 zipf ties at 3·2^17 and 2^18 134
+// against 126–129.)
+#define TOP_QWANT 104u
+static_assert(3 * (TOP_QWANT + 1) <= TOP_QMAX, "every interval up to the rank cut in three pieces");
 #define TOP_QSIDE 12u
 // An edge piece's share of the bins (256 an interval): its width over the mean width of its
 // side's intervals, at most one interval's (the gap interval holds ~n/256 keys, as any).
@@ -254,12 +247,13 @@ __device__ __forceinline__ u32 top_edge_share(u64 width, u64 mean) {
 }
 
 // The quantile pieces (TopBins) from the sorted sample's coordinates `s_coord` up to rank
-// `want`, into `s_q` (shared); returns their count. Every thread of the block calls it. Not
-// inlined, as the quantile loops below: their code (and the u64 divisions' subroutines) would
-// sit in the histogram's and the scatter's paths, whose instructions are fetched cold after
-// each L2 flush. Inlined, they made those kernels 10.7 → 17.0 and 10.6 → 15.7 µs for linear
-// bins with instruction counts within 2%; as calls, 11.9 and 11.8 µs (ncu, H100, n = 2^20).
-__device__ __noinline__ u32 top_quantile_table(u32 want, u64 base, const u64 *s_coord, u64 *s_q) {
+// `want`, into `s_q` (shared); returns their count. Every thread of the block calls it, once.
+// Inlined (the histogram's only caller): as a call it needed an 8-byte stack frame (a callee's
+// register save beside the histogram's first 16 keys, loaded before it) once quantile bins
+// reached every sample up to rank TOP_QWANT. The quantile loops below stay calls: inlined, with
+// this, they made the histogram and the scatter 10.7 → 17.0 and 10.6 → 15.7 µs for linear bins
+// (instructions fetched cold after each L2 flush), as calls 11.9 and 11.8 µs (ncu, H100, n = 2^20).
+__device__ __forceinline__ u32 top_quantile_table(u32 want, u64 base, const u64 *s_coord, u64 *s_q) {
     __shared__ u32 s_total[2];
     const u32 t = threadIdx.x;
     // Interval 0 is [base, the smallest sampled pair), interval i + 1 from the i-th on;
@@ -337,7 +331,7 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     __shared__ u64 sample[TOP_SAMPLE], s_pos[TOP_SAMPLE], s_coord[TOP_SAMPLE];
     __shared__ u64 s_q[TOP_QWORDS];
     __shared__ u32 s_bin[TOP_SAMPLE];
-    __shared__ int s_crowded, s_quant, s_tie;
+    __shared__ int s_crowded, s_quant;
     const u32 t = threadIdx.x;
     const u64 step = n / TOP_SAMPLE;
     // Thread t holds the sample's t-th smallest (key, position).
@@ -348,11 +342,10 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     // The k-th smallest's expected sample rank e, and the window's end: 3σ and 16 beyond it.
     const u32 e = (u32)(TOP_SAMPLE * k / n), root = (u32)__fsqrt_rd((float)e);
     const u32 want = min((u32)TOP_SAMPLE - 1, e + (u32)(3.0f * __fsqrt_rn((float)e)) + 16);
-    if (t == 0) s_crowded = s_quant = s_tie = 0;
+    if (t == 0) s_crowded = s_quant = 0;
     sample[t] = w; // the network's last shared reads ended at its last barrier
     s_pos[t] = pos;
     __syncthreads();
-    if (t < want && sample[t] == sample[t + 1]) s_tie = 1; // read after the barriers below
     const u64 mn = sample[0], hi = sample[want];
     // Coordinates with positions where the sample's words span fewer than 2^63 / n (always for
     // 32-bit keys); keys 2^40 words below its smallest share coordinate 0.
@@ -381,13 +374,10 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
         __ull2float_rz(s_coord[t + 4] - s_coord[t]) * (64.0f * want) < 4.0f * __ull2float_rz(s_coord[want] - s_coord[0]))
         s_quant = 1;
     __syncthreads();
-    // Clusters: quantile bins, ≥ 70 of them an interval (up to rank TOP_QWANT, or
-    // TOP_QWANT_DISTINCT where no two sampled keys up to it are equal); at larger k, crowding
-    // foreseen (quantile bins there crowded 400–1000 keys in a bin in the simulation, and the
-    // crowded bins' fallback took 163–169 µs against 122–128 for sorting all n, H100, n = 2^20,
-    // zipf ties and NaN mixes at k = 2^17).
+    // Clusters: quantile bins, ≥ 30 of them an interval, up to rank TOP_QWANT; at larger k
+    // (64-bit keys above n/4), crowding foreseen.
     if (K::BITS <= 64 && s_quant) {
-        if (want <= TOP_QWANT || (want <= TOP_QWANT_DISTINCT && !s_tie)) {
+        if (want <= TOP_QWANT) {
             bins.m = top_quantile_table(want, bins.base, s_coord, s_q);
         } else if (t == 0) {
             s_crowded = 1; // read after the barrier below
@@ -395,11 +385,12 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     }
     // Crowding foreseen: TOP_CROWD_SAMPLES sampled pairs up to that rank in one bin, each
     // standing for ~n/256 keys (a cluster narrower than a bin; equal keys only where the
-    // coordinates are words). Bins are monotone in the pair, so those are consecutive in the
-    // sorted sample. Uniform keys spread those up to 256 samples over ~3400 bins. Only from
-    // k = n/16: below, the few kept pairs merge-sorted after the read-back beat sorting all n
-    // (H100, n = 2^20, NaN mixes at k = 2^12 / 2^13 / 2^15: 82 / 90 / 114 µs against 125 / 125
-    // / 123); above, sorting all n wins (zipf ties at 2^16: 111 against 124 µs).
+    // coordinates are words): ~32K pairs, TOP_BIG_BIN. Bins are monotone in the pair, so those
+    // are consecutive in the sorted sample. Uniform keys spread those up to 256 samples over ~3400
+    // bins. Only from k = n/16: below, the few kept pairs merge-sorted after the read-back beat
+    // sorting all n (H100, n = 2^20, NaN mixes at k = 2^12 / 2^13 / 2^15: 82 / 90 / 114 µs against
+    // 125 / 125 / 123). (4 samples, before the big bins' blocks: i64 zipf ties at k = 2^17 took
+    // 214 µs against 86, session 22.)
     const u32 bin = bins.bin(w, pos);
     s_bin[t] = bin;
     __syncthreads();
@@ -506,8 +497,8 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
 // From the bins' counts (`top`, final): the bin of the k-th smallest (the bound), the count of
 // pairs in it and below, each bin's start among them (into `start`), and the status: more of
 // them than the buffers (`cap`) or fewer counted keys than k (the k-th smallest lies above the
-// bins) overflow; a kept bin larger than the segment sort takes is crowded. Every thread of
-// the block calls it.
+// bins) overflow; a kept bin larger than the big-bin blocks take (TOP_BIG_BIN) is crowded. Every
+// thread of the block calls it.
 struct TopBound {
     u32 bound, status;
     u64 kept;
@@ -548,7 +539,7 @@ __device__ __forceinline__ TopBound top_bound(const u32 *top, u64 k, u64 cap, u3
     __syncthreads();
     bool large = false;
 #pragma unroll
-    for (u32 j = 0; j < PER; ++j) large |= threadIdx.x * PER + j <= s_bound && c[j] > TOP_SEGMENT_BIN;
+    for (u32 j = 0; j < PER; ++j) large |= threadIdx.x * PER + j <= s_bound && c[j] > TOP_BIG_BIN;
     if (large) s_large = 1;
     __syncthreads();
     const u32 status = s_bound == TOP_BINS || s_kept > cap ? TOP_STATUS_OVERFLOW : s_large ? TOP_STATUS_CROWDED : 0u;
@@ -557,29 +548,50 @@ __device__ __forceinline__ TopBound top_bound(const u32 *top, u64 k, u64 cap, u3
 
 // For the segment sort (bitonic.cu `sort_segments`), from the bins' starts (`start`, shared,
 // from top_bound): for each of its blocks j, whose pairs are the bins starting in
-// [j·span, (j+1)·span), the first of those bins and its start (`seg[2j]`, `seg[2j + 1]`; the
-// bound + 1 and the kept count past the last bin), so that a block reads its range at once:
-// a prefix over all bins in each block was most of its instructions, and reading a bin's
-// start after its index one more round trip. Every thread of block 0.
-__device__ __forceinline__ void top_segments(const u32 *start, TopBound b, u64 span, u32 *seg) {
+// [j·span, (j+1)·span), its bins and their pairs (`seg[4j..4j+4)`: first bin, its start, one past
+// the last bin, one past the last pair), so that a block reads its range at once: a prefix over
+// all bins in each block was most of its instructions, and reading a bin's start after its index
+// one more round trip. A big bin (over TOP_SEGMENT_BIN pairs; the last bin starting in its
+// block's span, as it spans more than two) is left out of its block's range and listed in `big`
+// once per slice of `slice` pairs: `big[0].x` the count of slices, `big[1 + x]` (its start, its
+// count, the slice's index). Every thread of block 0.
+__device__ __forceinline__ void top_segments(const u32 *start, TopBound b, u64 span, u64 slice, u32 *seg, uint4 *big) {
     if (threadIdx.x == 0) seg[0] = seg[1] = 0;
+    u32 slices = 0;
     for (u32 i = threadIdx.x; i <= b.bound; i += RSORT_THREADS) {
         const u64 s0 = start[i], s1 = i < b.bound ? start[i + 1] : b.kept;
-        // Bin i + 1 is the first starting at or after j·span for j·span in (s0, s1].
-        for (u64 j = s0 / span + 1; j * span <= s1; ++j) {
-            seg[2 * j] = i + 1;
-            seg[2 * j + 1] = (u32)s1;
+        const bool large = s1 - s0 > TOP_SEGMENT_BIN;
+        if (large) slices += (u32)((s1 - s0 + slice - 1) / slice);
+        // Blocks whose span starts in (s0, s1] start at bin i + 1; the block before each ends
+        // there, or before bin i for the block of bin i's start if bin i is big. The last bin
+        // also ends the last block.
+        const u64 home = s0 / span, last = i < b.bound ? s1 / span : (b.kept + span - 1) / span;
+        for (u64 j = home + 1; j <= last; ++j) {
+            seg[4 * j] = i + 1;
+            seg[4 * j + 1] = (u32)s1;
+            const bool cut = large && j - 1 == home;
+            seg[4 * j - 2] = cut ? i : i + 1;
+            seg[4 * j - 1] = (u32)(cut ? s0 : s1);
         }
     }
+    u32 x = block_exclusive_sum(slices);
+    for (u32 i = threadIdx.x; i <= b.bound; i += RSORT_THREADS) {
+        const u64 s0 = start[i], s1 = i < b.bound ? start[i + 1] : b.kept;
+        if (s1 - s0 <= TOP_SEGMENT_BIN) continue;
+        for (u64 g = 0; g * slice < s1 - s0; ++g) big[1 + x++] = make_uint4((u32)s0, (u32)(s1 - s0), (u32)g, 0u);
+    }
+    if (threadIdx.x == RSORT_THREADS - 1) big[0].x = x;
 }
 
+// The scatter's per-bin fill counters: one per 32-byte sector (see top_place).
+#define TOP_FILL_STRIDE 8
 // Each pair at or below the bound to its bin's part of `out` (starts from top_bound, slots
 // counted in `fill`, zero at launch, one counter per 32-byte sector: eight bins' counters in
 // one sector took 13.7 against 9.0 µs for 65K slots over 1200 bins, H100), with its position as
-// row id. Block 0 writes the bound, the kept count and the status for the segment sort and the
-// host. A thread loads all its keys, then takes all its slots, then writes: in a loop of
-// loads, slot atomics and writes, each round waited on the last one's atomics.
-#define TOP_FILL_STRIDE 8
+// row id. A thread loads all its keys, then takes all its slots, then writes: in a loop of
+// loads, slot atomics and writes, each round waited on the last one's atomics. (A big bin's
+// slots taken a block round at a time, one global atomic per big bin and round, saved 1–3% of
+// f32 zipf ties' time at k ≥ 2^16 and cost ~1 µs on uniform keys: not kept; session 22.)
 template <bool QUANT, class K>
 __device__ __forceinline__ void top_place(const K *keys, u64 n, u64 i0, u64 stride, K (&ks)[SCATTER_ITEMS],
                                           const TopBins &bins, u32 bound, const u32 *start, u32 *fill, K *out_keys,
@@ -616,7 +628,7 @@ __device__ __noinline__ void top_place_quantile(const K *keys, u64 n, u64 i0, u6
 
 template <class K>
 __device__ void rsort_top_scatter(const K *keys, u64 n, u64 k, u64 cap, u32 *top, u32 *fill, u64 span, u32 *seg,
-                                  K *out_keys, u64 *out_ids) {
+                                  uint4 *big, K *out_keys, u64 *out_ids) {
     __shared__ u32 start[TOP_BINS];
     const u32 foreseen = top[TOP_STATUS];
     const TopBins bins = TopBins::of(top);
@@ -626,13 +638,15 @@ __device__ void rsort_top_scatter(const K *keys, u64 n, u64 k, u64 cap, u32 *top
     load_strided_keys(keys, n, i0, ks); // issued with the counts' loads
     if (foreseen == TOP_STATUS_FORESEEN) return; // every block
     const TopBound b = top_bound(top, k, cap, start);
+    // Block 0 writes the bound, the kept count and the status for the segment sort and the
+    // host, and plans the segment sort.
     if (blockIdx.x == 0) {
         if (threadIdx.x == 0) {
             top[TOP_BOUND] = b.bound;
             *reinterpret_cast<u64 *>(top + TOP_COUNT) = b.kept;
             top[TOP_STATUS] = b.status;
         }
-        if (b.status == 0) top_segments(start, b, span, seg);
+        if (b.status == 0) top_segments(start, b, span, span * 3 / 2, seg, big); // bitonic.cu SEGMENT_BIG_SLICE
     }
     // Crowded bins still scatter: the host sorts the kept pairs after the read-back.
     if (b.status != 0 && b.status != TOP_STATUS_CROWDED) return;
@@ -1130,7 +1144,7 @@ extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
         rsort_top_scatter_##S(const K *keys, u64 n, u64 k, u64 cap, u32 *top, u32 *fill, u64 span, u32 *seg,      \
-                              K *out_keys, u64 *out_ids) {                                                        \
-        rsort_top_scatter<K>(keys, n, k, cap, top, fill, span, seg, out_keys, out_ids);                           \
+                              uint4 *big, K *out_keys, u64 *out_ids) {                                            \
+        rsort_top_scatter<K>(keys, n, k, cap, top, fill, span, seg, big, out_keys, out_ids);                      \
     }
 INSTANTIATE_KEYS(RADIX_SORT_ENTRIES)

@@ -1231,10 +1231,12 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
 
 /// The top-bits selection (`top_bits_sorts`) against the oracle: positional 32- and 64-bit
 /// keys of every distribution, up to the largest k it takes for each; a partial last tile,
-/// several segment-sort blocks, the largest size it takes; its second route (a kept bin too
-/// large for the segment sort: the rank, chunk rank or merge sort of the kept pairs, in no
-/// order inside their bins); equal keys split by position; quantile bins where the sample
-/// shows a cluster; and the whole-input fallback when the sample foresees a crowded bin.
+/// several segment-sort blocks, the largest size it takes; big bins (kept bins too large for a
+/// segment-sort block, split by their own sample: tie groups the bins' sample missed); its
+/// second route (a kept bin too large for those too: the rank, chunk rank or merge sort of the
+/// kept pairs, in no order inside their bins); equal keys split by position; quantile bins
+/// where the sample shows a cluster; and the whole-input fallback when the sample foresees a
+/// crowded bin.
 #[test]
 fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
     use datafusion_gpu_topk::device::algorithms::top_bits_sorts;
@@ -1243,8 +1245,9 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
         return;
     };
     // Uniform keys with one small value repeated on every `every`-th row from row `from`: from
-    // row 1 (off the sampled rows, multiples of n / 256 here), on every 64th a bin of ~16K
-    // equal keys below the k-th smallest, too large for the segment sort, and on every 4096th
+    // row 1 (off the sampled rows, multiples of n / 256 here), on every 8th a bin of ~131K
+    // equal keys below the k-th smallest, too large for the big-bin blocks; on every 64th one
+    // of ~16K, a big bin (~1024 on every 1024th), and on every 4096th
     // a bin of ~256 in one of the octave bins below the sampled keys, which the segment sort
     // does not split in parts (its register network); from
     // row 0, on every 4th: a quarter of the sample, split by position where the bins span only
@@ -1285,6 +1288,12 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
     inputs.push((
         "crowded".into(),
         n,
+        vec![200_000, 262_144],
+        repeated(n, 4, 8, 1),
+    ));
+    inputs.push((
+        "big".into(),
+        n,
         vec![20_000, 60_000, 1 << 17],
         repeated(n, 5, 64, 1),
     ));
@@ -1294,8 +1303,7 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
         vec![20_000, 60_000],
         repeated(n, 6, 4096, 1),
     ));
-    // ~1024 equal keys, one crowded bin below the k-th smallest: few enough kept pairs for the
-    // rank sort (k = 4200) or the chunk rank sort (k = 30000) after the read-back.
+    // ~1024 equal keys, one big bin below the k-th smallest.
     inputs.push((
         "cluster".into(),
         n,
@@ -1333,6 +1341,20 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
         })
         .collect();
     inputs.push(("zipf".into(), n, vec![4200, 20_000, 60_000, 1 << 17], zipf));
+    // Floats of zipf-like counts (the encodings of −count as f32): tie groups between sampled
+    // keys sit in gaps of 2^20 encodings, which no bin splits: big bins.
+    let zipf_float: Vec<u64> = (0..n)
+        .map(|_| {
+            let count = ((1.0 - rng.unit()).powf(-1.0 / 1.1) - 1.0).floor().min(1e9) as f32;
+            u64::from(!(-count).to_bits())
+        })
+        .collect();
+    inputs.push((
+        "zipf-float".into(),
+        n,
+        vec![4200, 20_000, 1 << 15, 60_000],
+        zipf_float,
+    ));
     for (dist, n, ks, p) in &inputs {
         let n = *n;
         let ids: Vec<u64> = (0..n as u64).collect();
@@ -1360,11 +1382,12 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
                 assert!(got == expected, "{what}");
                 match dist.as_str() {
                     // Uniform keys take the segment sort, and so do equal keys (their bins
-                    // split them by position); the crowded bin the second route.
-                    "Uniform" | "medium" | "AllEqual" | "gap" => {
+                    // split them by position) and big bins; the crowded bin the second route.
+                    "Uniform" | "medium" | "AllEqual" | "gap" | "big" | "cluster"
+                    | "zipf-float" => {
                         assert!(!more, "{what}: the segment sort")
                     }
-                    "crowded" | "cluster" => assert!(more, "{what}: the second route"),
+                    "crowded" => assert!(more, "{what}: the second route"),
                     "quarter" => assert_eq!(more, k == 200_000, "{what}: foreseen crowding"),
                     _ => {}
                 }

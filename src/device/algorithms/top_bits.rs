@@ -5,9 +5,11 @@
 //! that equal parts would crowd (a NaN mix's −NaN payloads); a histogram finds the bin of the
 //! k-th smallest; the pairs at or below it are scattered by bin, and each block sorts a few
 //! bins: split in parts of a few pairs by their coordinates, placed by part, ranked in their
-//! part (ties of 64-bit keys, which no part splits, by the register network). Three launches
-//! on the device's counts, read back once; a cluster of keys that crowds a bin makes the host
-//! sort the kept pairs after the read-back, and one the sample foresees (from k = n/16) all.
+//! part (ties of 64-bit keys, which no part splits, by the register network); a kept bin too
+//! large for a block (a tie group the sample missed: a "big bin") is split by a sample of its
+//! own pairs, a block per slice (bitonic.cu `sort_big_bin`). Three launches on the device's
+//! counts, read back once; a bin too large for those (over 32K pairs) makes the host sort the
+//! kept pairs after the read-back, and one the sample foresees (from k = n/16) all.
 
 use super::*;
 
@@ -28,6 +30,9 @@ const _: () = assert!(TOP_COUNT_WORD == TOP_STATUS_WORD + 2);
 /// Threads of bitonic.cu's `sort_segments` blocks (`SEGMENT_THREADS`), each sorting the bins
 /// that start in a quarter of its tile (a quarter of the sort tile's pairs).
 const SEGMENT_THREADS: u32 = 256;
+/// The most pairs a kept bin may hold for a segment-sort block (common.cuh `TOP_SEGMENT_BIN`);
+/// larger ones are sorted by a block per slice of 3/8 of a tile (bitonic.cu `sort_big_bin`).
+const TOP_SEGMENT_BIN: usize = 768;
 /// A segment-sort block takes the bins starting in one of this many parts of its tile
 /// (bitonic.cu `SEGMENT_SPAN`): kept bins of up to 3/4 of the tile then fit (radix_sort.cu
 /// `TOP_SEGMENT_BIN`).
@@ -37,8 +42,6 @@ const SEGMENT_SPANS_PER_TILE: usize = 4;
 const SCATTER_ITEMS: usize = 16;
 /// Words between the scatter's per-bin fill counters (radix_sort.cu `TOP_FILL_STRIDE`).
 const TOP_FILL_STRIDE: usize = 8;
-// The segment table after the fill counters is read as 8-byte words.
-const _: () = assert!((TOP_WORDS + TOP_FILL_STRIDE * TOP_BINS).is_multiple_of(2));
 
 /// The buffer of kept pairs for a top-bits selection of k among n: uniform keys keep k plus
 /// one bin (a few hundred pairs at n = 2^20); this leaves half of k and n / 256 more for
@@ -114,14 +117,18 @@ impl TopKEngine {
         let k = k.min(n);
         let cap = top_bits_capacity(n, k);
         // The bins and their words, the scatter's per-bin fill counters, then each segment
-        // sort block's first bin and its start, and one past the last block (radix_sort.cu
-        // `top_segments`; 8-byte aligned).
+        // sort block's bins and pairs (four words, and one block past the last), then the
+        // big bins' slices (radix_sort.cu `top_segments`; both read as 16-byte words).
         let tile = SEGMENT_THREADS as usize * sort_tile(self.kind) / SORT_THREADS as usize;
         let span = tile / SEGMENT_SPANS_PER_TILE;
         let segment_blocks = cap.div_ceil(span);
+        // Big bins' slices of 3/8 of a tile (bitonic.cu `SEGMENT_BIG_SLICE`): at most
+        // kept / slice plus one per big bin.
+        let big_slices = cap / (tile * 3 / 8) + cap / (TOP_SEGMENT_BIN + 1) + 1;
         let fill = (4 * TOP_WORDS) as u64;
-        let seg = fill + (4 * TOP_FILL_STRIDE * TOP_BINS) as u64;
-        let ctl_bytes = seg as usize + 8 * (segment_blocks + 1);
+        let seg = (fill + (4 * TOP_FILL_STRIDE * TOP_BINS) as u64).next_multiple_of(16);
+        let big = seg + 16 * (segment_blocks as u64 + 1);
+        let ctl_bytes = big as usize + 16 * (big_slices + 1);
         let ctl = self.device.pool.alloc(ctl_bytes, &self.stream)?;
         self.memset_zero(ctl.ptr(), seg as usize)?;
         let kept = self.alloc_pairs(cap)?;
@@ -153,13 +160,14 @@ impl TopKEngine {
                 c + fill,
                 span,
                 c + seg,
+                c + big,
                 kept.key_at(0),
                 kept.id_at(0)
             ],
         )?;
         self.launch(
             &self.kernel("bitonic_sort_segments"),
-            segment_blocks as u32,
+            (big_slices + segment_blocks) as u32,
             SEGMENT_THREADS,
             tile * self.kind.pair_bytes(),
             args![
@@ -167,6 +175,8 @@ impl TopKEngine {
                 kept.id_at(0),
                 c,
                 c + seg,
+                c + big,
+                big_slices as u32,
                 out.key_at(0),
                 out.id_at(0)
             ],
