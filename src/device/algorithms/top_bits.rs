@@ -62,10 +62,12 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 /// 2^15 / 2^16 in 55 / 55 / 59 / 69 µs against 66 / 77 / 96 / 125, f64 59 / 61 / 69 / 77 against
 /// 111–240, i32 zipf ties at 2^15 / 2^16 38 / 60 against 85 / 112), and up to k = n / 4 where the
 /// sampled keys are distinct (session 21: f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 /
-/// 231, at 3·2^16 81 / 81 against 124 / 227, at 2^18 84 / 89 against 119 / 226); zipf ties from k =
-/// n / 8 and floats of zipf counts still take 90–125 µs (i64 and f64 zipf ties 100–214), where the
-/// routes before top bits took 74–97 for 32-bit keys (session 19): a crowded bin, then the sort of
-/// the kept pairs after the read-back, or the whole sort after the sample foresees it; and
+/// 231, at 3·2^16 81 / 81 against 124 / 227, at 2^18 84 / 89 against 119 / 226); with tie groups
+/// the sample missed sorted on the device as big bins (session 22: i32 zipf ties at 3·2^16 – 2^18
+/// in 73–103 µs against 120–121, i64 83–101 against 133–210, f32 / f64 at 2^15 64 / 65 against 94 /
+/// 97); floats of zipf counts from k = n / 8 still take 120–160 µs (f64 ~215, the whole sort after
+/// the sample foresees a crowded bin), where the routes before top bits took 74–97 for 32-bit keys
+/// (session 19); and
 /// all-equal 32-bit keys at n / 4 take 45 µs against 34 for the whole sort, which skips the digits
 /// they share. The cost model asks the same. `GPU_TOPK_TOP_BITS=0` turns it off, `=1` takes it
 /// wherever it applies (A/B runs).
