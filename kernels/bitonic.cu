@@ -344,32 +344,32 @@ template <class K> __device__ __forceinline__ u32 rank_in_part(Smem<K> s, u32 a,
 // SEGMENT_TILE pairs (strided over its pairs, which the scatter left in no order), sorted by the
 // register network, cuts it in G = ⌈c / SEGMENT_BIG_SLICE⌉ ranges of equally many sampled pairs,
 // whatever its keys (ties by position); block g of the bin reads the bin once, counts the pairs
-// below its range and gathers those in it (about a slice: ~3/8 of a tile) into shared memory,
+// below its range and gathers those in it (about a slice: half a tile) into shared memory,
 // sorts them by the register network, and writes them after the pairs below. No block waits on
-// another. More pairs in a range than a tile (a sample that missed most of a cluster) set the
+// another. More pairs in a range than a tile (a sample that missed most of a cluster: for 32K
+// pairs, 16 sampled pairs a range, ~1e-4 a range) set the
 // crowded status instead, and the host sorts the kept pairs after the read-back. Keys up to 64
 // bits (the top-bits selection's).
-#define SEGMENT_BIG_SLICE (SEGMENT_TILE * 3 / 8)
+#define SEGMENT_BIG_SLICE (SEGMENT_TILE / 2) // radix_sort.cu top_segments: 2·SEGMENT_SPAN
 
 // Whether pair (w, id) lies below sampled pair j.
 __device__ __forceinline__ bool below_sampled(const u64 *sw, const u32 *sid, u32 j, u64 w, u32 id) {
     return w < sw[j] || (w == sw[j] && id < sid[j]);
 }
 
+// Slice g of the big bin of pairs [bin, bin + c); the sampled pairs go in `s_words` (the
+// segment blocks' part counts, 8-byte aligned: 3·SEGMENT_TILE words).
 template <class K>
-__device__ __noinline__ void sort_big_bin(const K *keys, const u64 *ids, const u32 *top, const uint4 *big, u32 x,
-                                          K *out_keys, u64 *out_ids) {
-    if constexpr (K::BITS > 64) {
-        return;
-    } else {
-        __shared__ u64 s_sw[SEGMENT_TILE];
-        __shared__ u32 s_sid[SEGMENT_TILE];
+__device__ __forceinline__ void sort_big_bin(const K *keys, const u64 *ids, u32 *top, u32 bin, u32 c, u32 g,
+                                             u32 *s_words, K *out_keys, u64 *out_ids) {
+    if constexpr (K::BITS <= 64) {
+        const u32 slices = (c + SEGMENT_BIG_SLICE - 1) / SEGMENT_BIG_SLICE;
+        if (g >= slices) return;
+        u64 *s_sw = reinterpret_cast<u64 *>(s_words);
+        u32 *s_sid = s_words + 2 * SEGMENT_TILE;
         __shared__ u32 s_own;
-        if (top[TOP_STATUS] != 0 || x >= big[0].x) return;
-        const uint4 job = big[1 + x];
-        const K *bk = keys + job.x;
-        const u64 *bid = ids + job.x;
-        const u32 c = job.y, g = job.z, slices = (c + SEGMENT_BIG_SLICE - 1) / SEGMENT_BIG_SLICE;
+        const K *bk = keys + bin;
+        const u64 *bid = ids + bin;
         Smem<K> s = smem_of<K>(SEGMENT_TILE);
         K key[SORT_PER];
         u64 id[SORT_PER];
@@ -390,7 +390,7 @@ __device__ __noinline__ void sort_big_bin(const K *keys, const u64 *ids, const u
         // The range [sampled pair lo, sampled pair hi) (unbounded for the first and last).
         const u32 lo = g * SEGMENT_TILE / slices, hi = (g + 1) * SEGMENT_TILE / slices;
         const bool first = g == 0, last = g + 1 == slices;
-        constexpr int U = 8; // loads in flight a thread
+        constexpr int U = 4; // loads in flight a thread
         u32 below = 0;
         for (u32 i0 = 0; i0 < c; i0 += U * SEGMENT_THREADS) {
             K k[U];
@@ -437,29 +437,28 @@ __device__ __noinline__ void sort_big_bin(const K *keys, const u64 *ids, const u
         }
         __syncthreads(); // the network reuses the tile
         tile_network<K, SEGMENT_THREADS>(key, id, 0, 2, SEGMENT_TILE, s);
-        store_tile(out_keys + job.x + before, out_ids + job.x + before, own, 0, key, id);
+        store_tile(out_keys + bin + before, out_ids + bin + before, own, 0, key, id);
     }
 }
 
 template <class K>
-__device__ void sort_segments(const K *keys, const u64 *ids, const u32 *top, const u32 *seg, const uint4 *big,
-                              u32 bigs, K *out_keys, u64 *out_ids) {
+__device__ void sort_segments(const K *keys, const u64 *ids, const u32 *top, const u32 *seg, K *out_keys,
+                              u64 *out_ids) {
     __shared__ u32 s_largest;
     // The parts' counts, then their starts in the segment (≤ TOP_BINS of them, and a last).
-    __shared__ u32 s_part[TOP_BINS + 1];
-    // The first `bigs` blocks take the big bins' slices (the longest work starts first; most of
-    // those blocks, sized for the most slices, return at once).
-    if (blockIdx.x < bigs) {
-        sort_big_bin<K>(keys, ids, top, big, blockIdx.x, out_keys, out_ids);
+    __shared__ __align__(8) u32 s_part[TOP_BINS + 1];
+    static_assert(3 * SEGMENT_TILE <= TOP_BINS + 1, "s_part holds a big bin's sampled pairs");
+    const u32 st = top[TOP_STATUS];
+    const u64 m = *reinterpret_cast<const u64 *>(top + TOP_COUNT), p = (u64)blockIdx.x * SEGMENT_SPAN;
+    // The block's bins [lo, hi) and their pairs [first, end) (radix_sort.cu `top_segments`),
+    // loaded with the words above; or a big bin's slice.
+    const uint4 mine = reinterpret_cast<const uint4 *>(seg)[blockIdx.x];
+    if (st != 0 || p >= m) return;
+    if (mine.z & TOP_BIG_SLICE) {
+        sort_big_bin<K>(keys, ids, const_cast<u32 *>(top), mine.y, mine.w - mine.y, mine.z & ~TOP_BIG_SLICE, s_part,
+                        out_keys, out_ids);
         return;
     }
-    const u32 j = blockIdx.x - bigs;
-    const u32 st = top[TOP_STATUS];
-    const u64 m = *reinterpret_cast<const u64 *>(top + TOP_COUNT), p = (u64)j * SEGMENT_SPAN;
-    // The block's bins [lo, hi) and their pairs [first, end) (radix_sort.cu `top_segments`),
-    // loaded with the words above.
-    const uint4 mine = reinterpret_cast<const uint4 *>(seg)[j];
-    if (st != 0 || p >= m) return;
     const u32 lo = mine.x, hi = mine.z;
     const u64 first = mine.y;
     const u32 len = mine.w - mine.y, nb = hi - lo;
@@ -791,7 +790,7 @@ __device__ void chunk_scatter(const K *tile_keys, const u64 *tile_ids, const u64
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(SEGMENT_THREADS, 4)                                               \
         bitonic_sort_segments_##S(const K *keys, const u64 *ids, const u32 *top, const u32 *seg,                  \
-                                  const uint4 *big, u32 bigs, K *out_keys, u64 *out_ids) {                        \
-        sort_segments<K>(keys, ids, top, seg, big, bigs, out_keys, out_ids);                                      \
+                                  K *out_keys, u64 *out_ids) {                                                    \
+        sort_segments<K>(keys, ids, top, seg, out_keys, out_ids);                                                 \
     }
 INSTANTIATE_KEYS(BITONIC_ENTRIES)

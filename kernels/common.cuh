@@ -358,11 +358,13 @@ __device__ void append(const K *keys, const u64 *ids, u64 id_start, u64 n, const
 // The most pairs a kept bin may hold for a segment-sort block: three quarters of its tile
 // (bitonic.cu SEGMENT_TILE, 1024 pairs for keys up to 128 bits), so that a block's bins, starting
 // in a quarter tile (SEGMENT_SPAN), fill at most a tile. Larger kept bins ("big bins", a cluster
-// of keys near the k-th smallest) are split by a sample of their own pairs in slices of 3/8 of a
+// of keys near the k-th smallest) are split by a sample of their own pairs in slices of half a
 // tile, one block a slice (bitonic.cu `sort_big_bin`), up to TOP_BIG_BIN pairs: each of those
 // blocks reads its whole bin.
 #define TOP_SEGMENT_BIN 768u
 #define TOP_BIG_BIN 32768u
+// A segment-sort block's entry that holds a big bin's slice (radix_sort.cu `top_segments`).
+#define TOP_BIG_SLICE (1u << 31)
 // The most quantile pieces (up to 3 per interval, ≤ TOP_QWANT + 1 intervals, see
 // radix_sort.cu; top_bits.rs `TOP_QMAX`), and the table's layout in u64 words: the pieces'
 // starts (and the end), their scales, their first bins (u32).

@@ -187,11 +187,12 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 //                      `cap`, or a bin holds more than TOP_BIG_BIN pairs); each pair at or below
 //                      the bound goes to its bin's part of the buffer (a global atomic slot per
 //                      pair), so the buffer is ordered by bin, in no order inside a bin; its
-//                      block 0 writes each segment-sort block's bins and the big bins' slices;
+//                      block 0 writes each segment-sort block's bins (or big bin's slice);
 //   bitonic_sort_segments (bitonic.cu)  one block per quarter tile of bin starts sorts its bins
 //                      by (key, row id), into the output: by parts of the bins, then by rank
 //                      in each part; a big bin (over 3/4 of a tile: a cluster of keys the bins
-//                      did not split) by one block per slice of it, split by its own sample.
+//                      did not split) by the blocks whose spans lie inside it, a slice each,
+//                      split by its own sample.
 // A bin too large for those (TOP_BIG_BIN) makes the host sort the kept pairs instead, after the
 // read-back (top_bits.rs `top_bits_complete`).
 // Bins are over a coordinate of (the key's top word, position) (TopBins): equal keys spread by
@@ -552,35 +553,34 @@ __device__ __forceinline__ TopBound top_bound(const u32 *top, u64 k, u64 cap, u3
 // the last bin, one past the last pair), so that a block reads its range at once: a prefix over
 // all bins in each block was most of its instructions, and reading a bin's start after its index
 // one more round trip. A big bin (over TOP_SEGMENT_BIN pairs; the last bin starting in its
-// block's span, as it spans more than two) is left out of its block's range and listed in `big`
-// once per slice of `slice` pairs: `big[0].x` the count of slices, `big[1 + x]` (its start, its
-// count, the slice's index). Every thread of block 0.
-__device__ __forceinline__ void top_segments(const u32 *start, TopBound b, u64 span, u64 slice, u32 *seg, uint4 *big) {
+// block's span, as it spans more than two) is left out of that block's range, and the blocks
+// whose spans lie inside it, which have no bin of their own, take its slices of 2·span pairs in
+// turn: their entry is (bin, its start, TOP_BIG_SLICE | slice, its end; common.cuh); there are at least as
+// many of them as slices (⌊c/span⌋ − 1 ≥ ⌈c/(2·span)⌉ for c > 3·span), so that no block is
+// launched for big bins (one for each possible slice, in front of the launch, made the segment
+// sort of uniform keys 1–6 µs slower, session 22). Every thread of block 0.
+__device__ __forceinline__ void top_segments(const u32 *start, TopBound b, u64 span, u32 *seg) {
     if (threadIdx.x == 0) seg[0] = seg[1] = 0;
-    u32 slices = 0;
     for (u32 i = threadIdx.x; i <= b.bound; i += RSORT_THREADS) {
         const u64 s0 = start[i], s1 = i < b.bound ? start[i + 1] : b.kept;
         const bool large = s1 - s0 > TOP_SEGMENT_BIN;
-        if (large) slices += (u32)((s1 - s0 + slice - 1) / slice);
-        // Blocks whose span starts in (s0, s1] start at bin i + 1; the block before each ends
-        // there, or before bin i for the block of bin i's start if bin i is big. The last bin
-        // also ends the last block.
+        // Blocks whose span starts in (s0, s1] start at bin i + 1 (or take a slice of bin i if
+        // their span lies inside it); the block before each ends there, or before bin i for the
+        // block of bin i's start if bin i is big. The last bin also ends the last block.
         const u64 home = s0 / span, last = i < b.bound ? s1 / span : (b.kept + span - 1) / span;
         for (u64 j = home + 1; j <= last; ++j) {
-            seg[4 * j] = i + 1;
-            seg[4 * j + 1] = (u32)s1;
-            const bool cut = large && j - 1 == home;
-            seg[4 * j - 2] = cut ? i : i + 1;
-            seg[4 * j - 1] = (u32)(cut ? s0 : s1);
+            const bool inside = large && (j + 1) * span <= s1;
+            seg[4 * j] = inside ? i : i + 1;
+            seg[4 * j + 1] = (u32)(inside ? s0 : s1);
+            if (j - 1 == home) {
+                seg[4 * j - 2] = large ? i : i + 1;
+                seg[4 * j - 1] = (u32)(large ? s0 : s1);
+            } else {
+                seg[4 * j - 2] = large && j * span <= s1 ? TOP_BIG_SLICE | (u32)(j - 2 - home) : i + 1;
+                seg[4 * j - 1] = (u32)s1;
+            }
         }
     }
-    u32 x = block_exclusive_sum(slices);
-    for (u32 i = threadIdx.x; i <= b.bound; i += RSORT_THREADS) {
-        const u64 s0 = start[i], s1 = i < b.bound ? start[i + 1] : b.kept;
-        if (s1 - s0 <= TOP_SEGMENT_BIN) continue;
-        for (u64 g = 0; g * slice < s1 - s0; ++g) big[1 + x++] = make_uint4((u32)s0, (u32)(s1 - s0), (u32)g, 0u);
-    }
-    if (threadIdx.x == RSORT_THREADS - 1) big[0].x = x;
 }
 
 // The scatter's per-bin fill counters: one per 32-byte sector (see top_place).
@@ -628,7 +628,7 @@ __device__ __noinline__ void top_place_quantile(const K *keys, u64 n, u64 i0, u6
 
 template <class K>
 __device__ void rsort_top_scatter(const K *keys, u64 n, u64 k, u64 cap, u32 *top, u32 *fill, u64 span, u32 *seg,
-                                  uint4 *big, K *out_keys, u64 *out_ids) {
+                                  K *out_keys, u64 *out_ids) {
     __shared__ u32 start[TOP_BINS];
     const u32 foreseen = top[TOP_STATUS];
     const TopBins bins = TopBins::of(top);
@@ -646,7 +646,7 @@ __device__ void rsort_top_scatter(const K *keys, u64 n, u64 k, u64 cap, u32 *top
             *reinterpret_cast<u64 *>(top + TOP_COUNT) = b.kept;
             top[TOP_STATUS] = b.status;
         }
-        if (b.status == 0) top_segments(start, b, span, span * 3 / 2, seg, big); // bitonic.cu SEGMENT_BIG_SLICE
+        if (b.status == 0) top_segments(start, b, span, seg);
     }
     // Crowded bins still scatter: the host sorts the kept pairs after the read-back.
     if (b.status != 0 && b.status != TOP_STATUS_CROWDED) return;
@@ -1144,7 +1144,7 @@ extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
         rsort_top_scatter_##S(const K *keys, u64 n, u64 k, u64 cap, u32 *top, u32 *fill, u64 span, u32 *seg,      \
-                              uint4 *big, K *out_keys, u64 *out_ids) {                                            \
-        rsort_top_scatter<K>(keys, n, k, cap, top, fill, span, seg, big, out_keys, out_ids);                      \
+                              K *out_keys, u64 *out_ids) {                                                        \
+        rsort_top_scatter<K>(keys, n, k, cap, top, fill, span, seg, out_keys, out_ids);                           \
     }
 INSTANTIATE_KEYS(RADIX_SORT_ENTRIES)

@@ -30,9 +30,6 @@ const _: () = assert!(TOP_COUNT_WORD == TOP_STATUS_WORD + 2);
 /// Threads of bitonic.cu's `sort_segments` blocks (`SEGMENT_THREADS`), each sorting the bins
 /// that start in a quarter of its tile (a quarter of the sort tile's pairs).
 const SEGMENT_THREADS: u32 = 256;
-/// The most pairs a kept bin may hold for a segment-sort block (common.cuh `TOP_SEGMENT_BIN`);
-/// larger ones are sorted by a block per slice of 3/8 of a tile (bitonic.cu `sort_big_bin`).
-const TOP_SEGMENT_BIN: usize = 768;
 /// A segment-sort block takes the bins starting in one of this many parts of its tile
 /// (bitonic.cu `SEGMENT_SPAN`): kept bins of up to 3/4 of the tile then fit (radix_sort.cu
 /// `TOP_SEGMENT_BIN`).
@@ -119,18 +116,14 @@ impl TopKEngine {
         let k = k.min(n);
         let cap = top_bits_capacity(n, k);
         // The bins and their words, the scatter's per-bin fill counters, then each segment
-        // sort block's bins and pairs (four words, and one block past the last), then the
-        // big bins' slices (radix_sort.cu `top_segments`; both read as 16-byte words).
+        // sort block's bins and pairs, or its big bin's slice (four words, read as one; and
+        // one block past the last; radix_sort.cu `top_segments`).
         let tile = SEGMENT_THREADS as usize * sort_tile(self.kind) / SORT_THREADS as usize;
         let span = tile / SEGMENT_SPANS_PER_TILE;
         let segment_blocks = cap.div_ceil(span);
-        // Big bins' slices of 3/8 of a tile (bitonic.cu `SEGMENT_BIG_SLICE`): at most
-        // kept / slice plus one per big bin.
-        let big_slices = cap / (tile * 3 / 8) + cap / (TOP_SEGMENT_BIN + 1) + 1;
         let fill = (4 * TOP_WORDS) as u64;
         let seg = (fill + (4 * TOP_FILL_STRIDE * TOP_BINS) as u64).next_multiple_of(16);
-        let big = seg + 16 * (segment_blocks as u64 + 1);
-        let ctl_bytes = big as usize + 16 * (big_slices + 1);
+        let ctl_bytes = seg as usize + 16 * (segment_blocks + 1);
         let ctl = self.device.pool.alloc(ctl_bytes, &self.stream)?;
         self.memset_zero(ctl.ptr(), seg as usize)?;
         let kept = self.alloc_pairs(cap)?;
@@ -162,14 +155,13 @@ impl TopKEngine {
                 c + fill,
                 span,
                 c + seg,
-                c + big,
                 kept.key_at(0),
                 kept.id_at(0)
             ],
         )?;
         self.launch(
             &self.kernel("bitonic_sort_segments"),
-            (big_slices + segment_blocks) as u32,
+            segment_blocks as u32,
             SEGMENT_THREADS,
             tile * self.kind.pair_bytes(),
             args![
@@ -177,8 +169,6 @@ impl TopKEngine {
                 kept.id_at(0),
                 c,
                 c + seg,
-                c + big,
-                big_slices as u32,
                 out.key_at(0),
                 out.id_at(0)
             ],
