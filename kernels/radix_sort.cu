@@ -234,10 +234,10 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // against 124 / 227 (H100, session 21). Tie groups without a sampled key crowd a bin whatever its
 // edges (one holds 5580 keys of a value between two sampled ones, f32 zipf ties at 2^16,
 // simulation): the big bins' blocks sort those (bitonic.cu `sort_big_bin`). (Session 22, H100,
-// n = 2^20: quantile bins for tie samples beyond rank 48 took i32 zipf ties at k = 3·2^16 / 2^17 /
-// 3·2^17 / 2^18 in 77 / 80 / 86 / 101 µs against 120–124 for the whole sort after crowding was
-// foreseen, i64 at 3·2^17 / 2^18 86 / 90 against 208–215; f32 zipf ties at 3·2^17 and 2^18 134
-// against 126–129.)
+// n = 2^20, same call as main before: quantile bins for tie samples beyond rank 48 took i32 zipf
+// ties at k = 3·2^15 / 2^17 / 3·2^16 / 2^18 in 70 / 73 / 77 / 92 µs against 113–116 for the whole
+// sort after crowding was foreseen, i64 68 / 85 / 77 / 80 against 130–209; f32 zipf ties at
+// 3·2^16 and 2^18 145 / 148 against 121–123.)
 #define TOP_QWANT 104u
 static_assert(3 * (TOP_QWANT + 1) <= TOP_QMAX, "every interval up to the rank cut in three pieces");
 #define TOP_QSIDE 12u

@@ -60,9 +60,9 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 /// 111–240, i32 zipf ties at 2^15 / 2^16 38 / 60 against 85 / 112), and up to k = n / 4 where the
 /// sampled keys are distinct (session 21: f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 /
 /// 231, at 3·2^16 81 / 81 against 124 / 227, at 2^18 84 / 89 against 119 / 226); with tie groups
-/// the sample missed sorted on the device as big bins (session 22: i32 zipf ties at 3·2^16 – 2^18
-/// in 73–103 µs against 120–121, i64 83–101 against 133–210, f32 / f64 at 2^15 64 / 65 against 94 /
-/// 97); floats of zipf counts from k = n / 8 still take 120–160 µs (f64 ~215, the whole sort after
+/// the sample missed sorted on the device as big bins (session 22: i32 zipf ties at 3·2^15 – 2^18
+/// in 70–92 µs against 113–116, i64 68–85 against 130–209, f32 / f64 at 2^15 60 / 57 against 93 /
+/// 97); floats of zipf counts from k = n / 8 still take 130–150 µs (f64 ~210, the whole sort after
 /// the sample foresees a crowded bin), where the routes before top bits took 74–97 for 32-bit keys
 /// (session 19); and
 /// all-equal 32-bit keys at n / 4 take 45 µs against 34 for the whole sort, which skips the digits
