@@ -346,10 +346,9 @@ template <class K> __device__ __forceinline__ u32 rank_in_part(Smem<K> s, u32 a,
 // whatever its keys (ties by position); block g of the bin reads the bin once, counts the pairs
 // below its range and gathers those in it (about a slice: half a tile) into shared memory,
 // sorts them by the register network, and writes them after the pairs below. No block waits on
-// another. More pairs in a range than a tile (a sample that missed most of a cluster: for 32K
-// pairs, 16 sampled pairs a range, ~1e-4 a range) set the
-// crowded status instead, and the host sorts the kept pairs after the read-back. Keys up to 64
-// bits (the top-bits selection's).
+// another. More pairs in a range than a tile (a sample that missed most of a cluster; ~1e-4 a
+// range for 32K pairs, 16 sampled pairs a range) set the crowded status instead, and the host
+// sorts the kept pairs after the read-back. Keys up to 64 bits (the top-bits selection's).
 #define SEGMENT_BIG_SLICE (SEGMENT_TILE / 2) // radix_sort.cu top_segments: 2·SEGMENT_SPAN
 
 // Whether pair (w, id) lies below sampled pair j.
@@ -538,16 +537,7 @@ __device__ void sort_segments(const K *keys, const u64 *ids, const u32 *top, con
             if (threadIdx.x + r * SEGMENT_THREADS < len) segment_put(s, slot[r], key[r], id[r]);
         }
         __syncthreads();
-        for (u32 i = threadIdx.x; i < len; i += SEGMENT_THREADS) {
-            if constexpr (K::BITS == 32) {
-                const u64 c = s.ids[i];
-                out_keys[first + i].w[0] = (u32)(c >> 32);
-                out_ids[first + i] = c & 0xffffffffu;
-            } else {
-                out_keys[first + i] = s.keys[i];
-                out_ids[first + i] = s.ids[i];
-            }
-        }
+        for (u32 i = threadIdx.x; i < len; i += SEGMENT_THREADS) segment_get(s, i, out_keys[first + i], out_ids[first + i]);
         return;
     }
     K nkey[SORT_PER];

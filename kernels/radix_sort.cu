@@ -505,7 +505,7 @@ struct TopBound {
     u64 kept;
 };
 __device__ __forceinline__ TopBound top_bound(const u32 *top, u64 k, u64 cap, u32 *start) {
-    __shared__ u32 s_bound, s_large;
+    __shared__ u32 s_bound, s_crowded;
     __shared__ u64 s_kept;
     // Thread t holds bins [PER·t, PER·t + PER); the one whose bins reach k finds the bound.
     constexpr u32 PER = TOP_BINS / RSORT_THREADS;
@@ -517,7 +517,7 @@ __device__ __forceinline__ TopBound top_bound(const u32 *top, u64 k, u64 cap, u3
     }
     if (threadIdx.x == 0) {
         s_bound = TOP_BINS;
-        s_large = 0;
+        s_crowded = 0;
         s_kept = 0;
     }
     const u32 before = block_exclusive_sum(sum);
@@ -538,12 +538,12 @@ __device__ __forceinline__ TopBound top_bound(const u32 *top, u64 k, u64 cap, u3
         at += c[j];
     }
     __syncthreads();
-    bool large = false;
+    bool crowded = false;
 #pragma unroll
-    for (u32 j = 0; j < PER; ++j) large |= threadIdx.x * PER + j <= s_bound && c[j] > TOP_BIG_BIN;
-    if (large) s_large = 1;
+    for (u32 j = 0; j < PER; ++j) crowded |= threadIdx.x * PER + j <= s_bound && c[j] > TOP_BIG_BIN;
+    if (crowded) s_crowded = 1;
     __syncthreads();
-    const u32 status = s_bound == TOP_BINS || s_kept > cap ? TOP_STATUS_OVERFLOW : s_large ? TOP_STATUS_CROWDED : 0u;
+    const u32 status = s_bound == TOP_BINS || s_kept > cap ? TOP_STATUS_OVERFLOW : s_crowded ? TOP_STATUS_CROWDED : 0u;
     return {s_bound, status, s_kept};
 }
 
