@@ -368,7 +368,7 @@ __device__ void append(const K *keys, const u64 *ids, u64 id_start, u64 n, const
 // The most quantile pieces (up to 3 per interval, ≤ TOP_QWANT + 1 intervals, see
 // radix_sort.cu; top_bits.rs `TOP_QMAX`), and the table's layout in u64 words: the pieces'
 // starts (and the end), their scales, their first bins (u32).
-#define TOP_QMAX 315u
+#define TOP_QMAX 435u
 #define TOP_QSCALE (TOP_QMAX + 1)
 #define TOP_QFIRST (2 * TOP_QMAX + 1)
 #define TOP_QWORDS (TOP_QFIRST + (TOP_QMAX + 2) / 2)
@@ -376,7 +376,7 @@ static_assert(TOP_QMAX < 512, "top_quantile_bin's binary lifting");
 
 // Copies the words of a quantile table of m pieces that top_quantile_bin reads: the starts and
 // the end, the scales, the first bins (every thread of the block calls it; the whole table is
-// 789 words, m is ~50–110).
+// 1089 words, m is ~50–150).
 __device__ __forceinline__ void top_table_copy(u64 *dst, const u64 *src, u32 m) {
     const u32 total = (m + 1) + m + (m + 2) / 2;
     for (u32 j = threadIdx.x; j < total; j += blockDim.x) {
@@ -408,9 +408,10 @@ __device__ __forceinline__ u32 top_bin(u64 c, u64 base, u64 scale) {
     return TOP_LOW - 1 - min((u32)e * 8 + m, TOP_LOW - 1);
 }
 
-// The quantile bin of coordinate c among the `m` pieces of table `q` (TopBins below), and its
-// part of 2^bits (into `f`, for bits > 0).
-__device__ __forceinline__ u32 top_quantile_bin(u64 c, u32 m, const u64 *q, u32 bits, u32 &f) {
+// The quantile bin of coordinate c (of a pair at position `pos`) among the `m` pieces of table
+// `q` (TopBins below), and its part of 2^bits (into `f`, for bits > 0). A piece whose scale has
+// its low bit set is a tie piece: one word's pairs, spread by position.
+__device__ __forceinline__ u32 top_quantile_bin(u64 c, u64 pos, u32 m, const u64 *q, u32 bits, u32 &f) {
     f = 0;
     if (c < q[0]) return top_bin(c, q[0], 0);
     if (c >= q[m]) return TOP_BINS - 1;
@@ -422,14 +423,14 @@ __device__ __forceinline__ u32 top_quantile_bin(u64 c, u32 m, const u64 *q, u32 
     }
     const u32 *first = reinterpret_cast<const u32 *>(q + TOP_QFIRST);
     const u32 b0 = first[i], len = first[i + 1] - b0;
-    const u64 d = c - q[i], sc = q[TOP_QSCALE + i];
+    const u64 sc = q[TOP_QSCALE + i], d = sc & 1 ? pos : c - q[i];
     if (bits != 0 && sc != 0) f = (u32)((d * sc) >> (64 - bits));
     return TOP_LOW + b0 + (u32)min(sc ? __umul64hi(d, sc) : d, (u64)len - 1);
 }
 // The same as a call (TopBins::bin).
-__device__ __noinline__ u32 top_quantile_bin_call(u64 c, u32 m, const u64 *q) {
+__device__ __noinline__ u32 top_quantile_bin_call(u64 c, u64 pos, u32 m, const u64 *q) {
     u32 f;
-    return top_quantile_bin(c, m, q, 0, f);
+    return top_quantile_bin(c, pos, m, q, 0, f);
 }
 
 // The bins of a top-bits selection. A key's bin is monotone in (key's top word, position),
@@ -448,10 +449,13 @@ __device__ __noinline__ u32 top_quantile_bin_call(u64 c, u32 m, const u64 *q) {
 // between clusters) is cut again, into an edge piece on each side 4 times as wide as the
 // mean of up to 12 intervals on that side (the cluster's end) and the gap between. Piece i starts at q[i]
 // (q[m]: the end), has scale q[TOP_QSCALE + i] (as the linear bins'; 0: fewer coordinates
-// than bins) and bins [TOP_LOW + first[i], TOP_LOW + first[i + 1]), first = the u32 words
-// from q + TOP_QFIRST, as many as its share of the keys. Coordinates below the range take the
-// octave bins, those above it the last bin. `q` points to shared memory (the histogram and
-// the scatter) or to the control block (the segment sort).
+// than bins; the low bit clear) and bins [TOP_LOW + first[i], TOP_LOW + first[i + 1]), first =
+// the u32 words from q + TOP_QFIRST, as many as its share of the keys. Where coordinates are
+// words (`w0` = ~0), a run of equal sampled words w is a tie piece [w, w + 1): one key, spread
+// over the piece's bins by position (its scale, len / n · 2^64, has the low bit set; f64 zipf
+// ties, whose words span exponents, crowded a bin a sampled count). Coordinates below the range
+// take the octave bins, those above it the last bin. `q` points to shared memory (the histogram
+// and the scatter) or to the control block (the segment sort).
 struct TopBins {
     u64 base, scale, w0, n, dlim;
     u32 m;
@@ -467,18 +471,18 @@ struct TopBins {
     // octave bins, the last bin and bins of one coordinate. Monotone in c within a bin, as
     // bins are across them. QUANT: m > 0 (the histogram and the scatter take the test out of
     // their loops).
-    template <bool QUANT> __device__ __forceinline__ u32 bin_part_of(u64 c, u32 bits, u32 &f) const {
+    template <bool QUANT> __device__ __forceinline__ u32 bin_part_of(u64 c, u64 pos, u32 bits, u32 &f) const {
         f = 0;
         if (!QUANT) {
             const u32 b = top_bin(c, base, scale);
             if (bits != 0 && c >= base && scale != 0 && b != TOP_BINS - 1) f = (u32)(((c - base) * scale) >> (64 - bits));
             return b;
         }
-        return top_quantile_bin(c, m, q, bits, f);
+        return top_quantile_bin(c, pos, m, q, bits, f);
     }
     template <bool QUANT> __device__ __forceinline__ u32 bin_of(u64 w, u64 pos) const {
         u32 f;
-        return bin_part_of<QUANT>(coord(w, pos), 0, f);
+        return bin_part_of<QUANT>(coord(w, pos), pos, 0, f);
     }
     // The bin of (w, pos); quantile bins by a call (radix_sort.cu's sample bins: their code
     // would be fetched cold in the histogram's path, see top_quantile_table there).
@@ -507,11 +511,11 @@ struct TopBins {
 };
 
 __device__ __forceinline__ u32 TopBins::bin(u64 w, u64 pos) const {
-    return m ? top_quantile_bin_call(coord(w, pos), m, q) : bin_of<false>(w, pos);
+    return m ? top_quantile_bin_call(coord(w, pos), pos, m, q) : bin_of<false>(w, pos);
 }
 __device__ __forceinline__ u32 TopBins::part(u64 w, u64 pos, u32 bits, u32 &b) const {
     u32 f;
     const u64 c = coord(w, pos);
-    b = m ? bin_part_of<true>(c, bits, f) : bin_part_of<false>(c, bits, f);
+    b = m ? bin_part_of<true>(c, pos, bits, f) : bin_part_of<false>(c, pos, bits, f);
     return f;
 }

@@ -228,7 +228,7 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // simulation of the bins (n = 2^20, three seeds; the largest kept bin, quantile against linear):
 // f32 NaN mixes at k = 2^12 / 2^13 / 2^15 / 2^16 43–71 / 45–93 / 114–143 / 206–330 against
 // 1859–8714, f64 NaN mixes 32–432 against 14915–67620; uniform, sorted, narrow and all-equal keys
-// stay linear. Up to rank TOP_QWANT (k ≤ n/4): NaN mixes kept at most 296–387 keys a bin at
+// stay linear. Up to rank 104 (k ≤ n/4): NaN mixes kept at most 296–387 keys a bin at
 // k = 2^17, 445–544 at 3·2^16 and 540–648 at 2^18 (three seeds and the benchmark's; the segment
 // sort takes 768): f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 / 231, at 3·2^16 81 / 81
 // against 124 / 227 (H100, session 21). Tie groups without a sampled key crowd a bin whatever its
@@ -237,8 +237,11 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // n = 2^20, same call as main before: quantile bins for tie samples beyond rank 48 took i32 zipf
 // ties at k = 3·2^15 / 2^17 / 3·2^16 / 2^18 in 70 / 73 / 77 / 92 µs against 113–116 for the whole
 // sort after crowding was foreseen, i64 68 / 85 / 77 / 80 against 130–209; f32 zipf ties at
-// 3·2^16 and 2^18 145 / 148 against 121–123.)
-#define TOP_QWANT 104u
+// 3·2^16 and 2^18 145 / 148 against 121–123.) Rank 144 (was 104) reaches k = 3n/8, where 64-bit
+// keys with clusters or ties took the whole sort after crowding was foreseen (session 23, same
+// call: f64 NaN mix 230 → 125 µs, f64 sorted-asc 221 → 78, i64 zipf ties 210 → 91; ~25 bins an
+// interval there, ≥ 34 up to rank 104).
+#define TOP_QWANT 144u
 static_assert(3 * (TOP_QWANT + 1) <= TOP_QMAX, "every interval up to the rank cut in three pieces");
 #define TOP_QSIDE 12u
 // An edge piece's share of the bins (256 an interval): its width over the mean width of its
@@ -254,7 +257,12 @@ __device__ __forceinline__ u32 top_edge_share(u64 width, u64 mean) {
 // reached every sample up to rank TOP_QWANT. The quantile loops below stay calls: inlined, with
 // this, they made the histogram and the scatter 10.7 → 17.0 and 10.6 → 15.7 µs for linear bins
 // (instructions fetched cold after each L2 flush), as calls 11.9 and 11.8 µs (ncu, H100, n = 2^20).
-__device__ __forceinline__ u32 top_quantile_table(u32 want, u64 base, const u64 *s_coord, u64 *s_q) {
+// Where coordinates are words (`words`: equal keys share one), a run of r + 1 equal sampled
+// words w (r empty intervals) is one tie piece [w, w + 1) with the r intervals' shares, spread
+// by position (TopBins), and the interval after the run starts at w + 1; the range ends past
+// the word of rank `want`, so that a run there is whole.
+__device__ __forceinline__ u32 top_quantile_table(u32 want, u64 base, const u64 *s_coord, u64 *s_q, bool words,
+                                                  u64 n) {
     __shared__ u32 s_total[2];
     const u32 t = threadIdx.x;
     // Interval 0 is [base, the smallest sampled pair), interval i + 1 from the i-th on;
@@ -262,8 +270,20 @@ __device__ __forceinline__ u32 top_quantile_table(u32 want, u64 base, const u64 
     const u32 m = want + 1;
     u64 lo[3] = {0, 0, 0};
     u32 share[3] = {0, 0, 0};
-    if (t < m) {
-        const u64 a = t == 0 ? base : s_coord[t - 1], b = s_coord[t], width = b - a;
+    // The range's end (read where used: kept in registers, it made the histogram of 64-bit
+    // keys spill).
+    const auto end = [&]() { return s_coord[want] + (words && s_coord[want] != ~0ull); };
+    // Whether the interval before t's is empty (a run's, when coordinates are words).
+    const bool after_empty = words && t >= 2 && t < m && s_coord[t - 2] == s_coord[t - 1];
+    // A run's empty intervals: the first starts the tie piece, the others add their shares to
+    // it (shares without a piece of their own).
+    const bool empty = t < m && words && t >= 1 && s_coord[t - 1] == s_coord[t];
+    if (empty) {
+        lo[0] = s_coord[t];
+        share[0] = 256u;
+    } else if (t < m) {
+        const u64 a = (t == 0 ? base : s_coord[t - 1]) + after_empty, b = t == want ? end() : s_coord[t];
+        const u64 width = b - a;
         // The mean widths of up to TOP_QSIDE intervals on each side (4 missed a −NaN cluster's
         // end 9 of their mean beyond its last sampled key, at k = 2^16 of the benchmark's f32
         // NaN mix: 6161 keys in a bin, the simulation; 224 with 12).
@@ -286,10 +306,11 @@ __device__ __forceinline__ u32 top_quantile_table(u32 want, u64 base, const u64 
             share[0] = 256u;
         }
     }
+    const bool pieceless = empty && after_empty;
     u32 cnt = 0, mine = 0;
 #pragma unroll
     for (u32 j = 0; j < 3; ++j) {
-        cnt += share[j] != 0;
+        cnt += share[j] != 0 && !pieceless;
         mine += share[j];
     }
     u32 piece = block_exclusive_sum(cnt);
@@ -304,7 +325,7 @@ __device__ __forceinline__ u32 top_quantile_table(u32 want, u64 base, const u64 
     u32 *first = reinterpret_cast<u32 *>(s_q + TOP_QFIRST);
 #pragma unroll
     for (u32 j = 0; j < 3; ++j) {
-        if (share[j] != 0) {
+        if (share[j] != 0 && !pieceless) {
             s_q[piece] = lo[j];
             first[piece] = piece + before * (TOP_LINEAR - pieces) / shares; // < 2^28: u32
             before += share[j];
@@ -312,16 +333,23 @@ __device__ __forceinline__ u32 top_quantile_table(u32 want, u64 base, const u64 
         }
     }
     if (t == 0) {
-        s_q[pieces] = s_coord[want];
+        s_q[pieces] = end();
         first[pieces] = TOP_LINEAR;
     }
     __syncthreads();
     for (u32 p = t; p < pieces; p += RSORT_THREADS) {
         const u64 width = s_q[p + 1] - s_q[p];
         const u32 len = first[p + 1] - first[p];
-        // len / width · 2^64, a little less (single precision: no division subroutine).
-        const float r = __fdividef((float)len, __ull2float_ru(width)) * (1.0f - 1e-5f);
-        s_q[TOP_QSCALE + p] = width <= len ? 0 : (u64)((double)r * 18446744073709551616.0);
+        // len / width · 2^64, a little less (single precision: no division subroutine), the low
+        // bit clear; a piece of one word (or none) when coordinates are words spreads by
+        // position: len / n · 2^64, the low bit set (1 alone: fewer positions than bins).
+        if (words && width <= 1) {
+            const float r = __fdividef((float)len, __ull2float_ru(n)) * (1.0f - 1e-5f);
+            s_q[TOP_QSCALE + p] = len >= n ? 1ull : (u64)((double)r * 18446744073709551616.0) | 1ull;
+        } else {
+            const float r = __fdividef((float)len, __ull2float_ru(width)) * (1.0f - 1e-5f);
+            s_q[TOP_QSCALE + p] = width <= len ? 0 : (u64)((double)r * 18446744073709551616.0) & ~1ull;
+        }
     }
     __syncthreads();
     return pieces;
@@ -369,17 +397,24 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     // quantile bins spread a zipf tail worse than linear ones, 979 against 255 keys a bin at
     // k = n/52 in the simulation, when 4σ let those ties switch the bins).
     const u32 reach = min(want, e + 2 * root + 2);
+    // Where coordinates are words, any sampled tie up to the rank checked for crowding (`want`
+    // from k = n/16, below it `reach`) too: a linear bin holds all of its word's keys (f64 zipf
+    // ties at k = n/16: counts 4–7 of ~13K–32K keys, one bin each, crowding foreseen), a tie
+    // piece splits them by position. (Up to `want` at k = 2^12 / 2^15 too, their quantile bins
+    // took 51 / 67 µs against 41 / 58 for linear ones; H100, session 23.)
     // (Top bits runs 32- and 64-bit keys only: wider keys' instances skip the quantile bins,
     // whose registers would spill beside their 16 keys a thread.)
-    if (K::BITS <= 64 && bins.scale != 0 && t + 4 <= reach &&
-        __ull2float_rz(s_coord[t + 4] - s_coord[t]) * (64.0f * want) < 4.0f * __ull2float_rz(s_coord[want] - s_coord[0]))
+    if (K::BITS <= 64 && bins.scale != 0 &&
+        ((t + 4 <= reach && __ull2float_rz(s_coord[t + 4] - s_coord[t]) * (64.0f * want) <
+                                4.0f * __ull2float_rz(s_coord[want] - s_coord[0])) ||
+         (bins.w0 == ~0ull && t < (16 * k >= n ? want : reach) && s_coord[t] == s_coord[t + 1])))
         s_quant = 1;
     __syncthreads();
-    // Clusters: quantile bins, ≥ 30 of them an interval, up to rank TOP_QWANT; at larger k
-    // (64-bit keys above n/4), crowding foreseen.
+    // Clusters: quantile bins, ≥ 24 of them an interval, up to rank TOP_QWANT; at larger k
+    // (64-bit keys above ~3n/8), crowding foreseen.
     if (K::BITS <= 64 && s_quant) {
         if (want <= TOP_QWANT) {
-            bins.m = top_quantile_table(want, bins.base, s_coord, s_q);
+            bins.m = top_quantile_table(want, bins.base, s_coord, s_q, bins.w0 == ~0ull, n);
         } else if (t == 0) {
             s_crowded = 1; // read after the barrier below
         }
@@ -414,14 +449,14 @@ template <class K, int N> __device__ __forceinline__ void load_strided_keys(cons
 #define SCATTER_ITEMS 16
 
 // The histogram's count of the keys from i0 on (the first round's in `ks`) into `sh`.
-template <bool QUANT, class K>
+template <class K>
 __device__ __forceinline__ void top_count(const K *keys, u64 n, u64 i0, u64 stride, K (&ks)[SCATTER_ITEMS],
                                           const TopBins &bins, u32 *sh) {
     for (; i0 < n; i0 += stride) {
 #pragma unroll
         for (int u = 0; u < SCATTER_ITEMS; ++u) {
             const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
-            const u32 bin = bins.bin_of<QUANT>(top_word(ks[u]), i);
+            const u32 bin = bins.bin_of<false>(top_word(ks[u]), i);
             if (i < n && bin < TOP_BINS - 1) atomicAdd(&sh[bin], 1u);
         }
         load_strided_keys(keys, n, i0 + stride, ks);
@@ -445,14 +480,66 @@ __device__ __forceinline__ const u64 *top_table_in_shared(const u64 *q, u32 m) {
     return table;
 }
 
+// The quantile bins' loops look up only the pairs that can count: a warp gathers those of
+// TOP_CHUNK keys a lane (below `limit`: the table's end for the histogram, the end of the
+// bound's piece for the scatter) into shared memory, and each lane looks up every 32nd of them
+// (a binary search of ~9 steps over the pieces), instead of every key (at k = n/16 the table
+// ends near sample rank 44 of 256: ~83% of the keys lie above it). ncu, H100, n = 2^20, session
+// 23: the histogram and the scatter of f32 NaN mixes at k = 2^16 took 29.0 / 23.8 µs looking up
+// every key, 24.9 / 16.0 gathered; i32 zipf ties at 2^17 29.2 / 26.2 against 22.4 / 19.4. (Four
+// keys a lane: with the histogram's other arrays, 64-bit keys' buffer fills the 48 KB of static
+// shared memory.)
+#define TOP_CHUNK 4
+template <class K> struct TopGathered {
+    K key[RSORT_THREADS / 32][32 * TOP_CHUNK];
+    u32 pos[RSORT_THREADS / 32][32 * TOP_CHUNK];
+};
+
+// Gathers keys u0 .. u0 + TOP_CHUNK of the round from i0 whose coordinate is below `limit`
+// into the warp's part of `g`; returns their count (the same in every lane).
+template <class K>
+__device__ __forceinline__ u32 top_gather(const K (&ks)[SCATTER_ITEMS], int u0, u64 n, u64 i0, const TopBins &bins,
+                                          u64 limit, TopGathered<K> &g) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 count = 0;
+#pragma unroll
+    for (int u = 0; u < TOP_CHUNK; ++u) {
+        const u64 i = i0 + (u64)(u0 + u) * RSORT_THREADS + threadIdx.x;
+        const bool in = i < n && bins.coord(top_word(ks[u0 + u]), i) < limit;
+        const u32 mask = __ballot_sync(~0u, in);
+        if (in) {
+            const u32 at = count + __popc(mask & ((1u << lane) - 1));
+            g.key[warp][at] = ks[u0 + u];
+            g.pos[warp][at] = (u32)i; // < n < 2^21
+        }
+        count += __popc(mask);
+    }
+    __syncwarp();
+    return count;
+}
+
 // top_count over quantile bins, loading its own keys (not inlined: see top_quantile_table).
 template <class K>
 __device__ __noinline__ void top_count_quantile(const K *keys, u64 n, u64 i0, u64 stride, const TopBins *shared_bins,
                                                 u32 *sh) {
+    __shared__ TopGathered<K> g;
     const TopBins bins = *shared_bins; // its table is top_window's, in shared memory
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 limit = bins.q[bins.m]; // above: the last bin, not counted
     K ks[SCATTER_ITEMS];
     load_strided_keys(keys, n, i0, ks);
-    top_count<true>(keys, n, i0, stride, ks, bins, sh);
+    for (; i0 < n; i0 += stride) {
+#pragma unroll
+        for (int u0 = 0; u0 < SCATTER_ITEMS; u0 += TOP_CHUNK) {
+            const u32 count = top_gather(ks, u0, n, i0, bins, limit, g);
+            for (u32 j = lane; j < count; j += 32) {
+                const u32 bin = bins.bin_of<true>(top_word(g.key[warp][j]), g.pos[warp][j]);
+                if (bin < TOP_BINS - 1) atomicAdd(&sh[bin], 1u);
+            }
+            __syncwarp();
+        }
+        load_strided_keys(keys, n, i0 + stride, ks);
+    }
 }
 
 // The histogram: every block computes the bins from the sample itself (one launch less: a
@@ -481,8 +568,10 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
     }
     if (crowded) return; // every block
     // (Quantile bins for 32- and 64-bit keys only: see top_window.)
-    if (K::BITS > 64 || bins.m == 0) {
-        top_count<false>(keys, n, i0, stride, ks, bins, sh);
+    bool linear = bins.m == 0;
+    if constexpr (K::BITS > 64) linear = true;
+    if (linear) {
+        top_count(keys, n, i0, stride, ks, bins, sh);
     } else {
         top_count_quantile(keys, n, i0, stride, top_bins_in_shared(bins), sh);
     }
@@ -592,7 +681,7 @@ __device__ __forceinline__ void top_segments(const u32 *start, TopBound b, u64 s
 // loads, slot atomics and writes, each round waited on the last one's atomics. (A big bin's
 // slots taken a block round at a time, one global atomic per big bin and round, saved 1–3% of
 // f32 zipf ties' time at k ≥ 2^16 and cost ~1 µs on uniform keys: not kept; session 22.)
-template <bool QUANT, class K>
+template <class K>
 __device__ __forceinline__ void top_place(const K *keys, u64 n, u64 i0, u64 stride, K (&ks)[SCATTER_ITEMS],
                                           const TopBins &bins, u32 bound, const u32 *start, u32 *fill, K *out_keys,
                                           u64 *out_ids) {
@@ -601,7 +690,7 @@ __device__ __forceinline__ void top_place(const K *keys, u64 n, u64 i0, u64 stri
 #pragma unroll
         for (int u = 0; u < SCATTER_ITEMS; ++u) {
             const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
-            const u32 bin = i < n ? bins.bin_of<QUANT>(top_word(ks[u]), i) : TOP_BINS;
+            const u32 bin = i < n ? bins.bin_of<false>(top_word(ks[u]), i) : TOP_BINS;
             slot[u] = bin <= bound ? start[bin] + atomicAdd(&fill[bin * TOP_FILL_STRIDE], 1u) : ~0u;
         }
 #pragma unroll
@@ -615,15 +704,50 @@ __device__ __forceinline__ void top_place(const K *keys, u64 n, u64 i0, u64 stri
     }
 }
 
-// top_place over quantile bins, loading its own keys (not inlined: see top_quantile_table).
+// top_place over quantile bins, loading its own keys (not inlined: see top_quantile_table):
+// the pairs below the end of the bound's piece gathered (top_gather), each looked up, given its
+// slot and written by one lane.
 template <class K>
 __device__ __noinline__ void top_place_quantile(const K *keys, u64 n, u64 i0, u64 stride, const TopBins *shared_bins,
                                                 u32 bound, const u32 *start, u32 *fill, K *out_keys, u64 *out_ids) {
+    __shared__ TopGathered<K> g;
+    __shared__ u64 s_limit;
     TopBins bins = *shared_bins;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     K ks[SCATTER_ITEMS];
     load_strided_keys(keys, n, i0, ks);
     bins.q = top_table_in_shared(bins.q, bins.m);
-    top_place<true>(keys, n, i0, stride, ks, bins, bound, start, fill, out_keys, out_ids);
+    if (threadIdx.x == 0) {
+        // Coordinates from the start of the piece after the bound's have bins above it (the
+        // octave bins' bound: from the first piece's start).
+        const u32 *first = reinterpret_cast<const u32 *>(bins.q + TOP_QFIRST);
+        u32 p = 0;
+#pragma unroll
+        for (u32 s = 256; s > 0; s >>= 1) {
+            if (p + s < bins.m && TOP_LOW + first[p + s] <= bound) p += s;
+        }
+        s_limit = bound < TOP_LOW ? bins.q[0] : bins.q[p + 1];
+    }
+    __syncthreads();
+    const u64 limit = s_limit;
+    for (; i0 < n; i0 += stride) {
+#pragma unroll
+        for (int u0 = 0; u0 < SCATTER_ITEMS; u0 += TOP_CHUNK) {
+            const u32 count = top_gather(ks, u0, n, i0, bins, limit, g);
+            for (u32 j = lane; j < count; j += 32) {
+                const K key = g.key[warp][j];
+                const u32 pos = g.pos[warp][j];
+                const u32 bin = bins.bin_of<true>(top_word(key), pos);
+                if (bin <= bound) {
+                    const u32 slot = start[bin] + atomicAdd(&fill[bin * TOP_FILL_STRIDE], 1u);
+                    out_keys[slot] = key;
+                    out_ids[slot] = pos;
+                }
+            }
+            __syncwarp();
+        }
+        load_strided_keys(keys, n, i0 + stride, ks);
+    }
 }
 
 template <class K>
@@ -650,8 +774,10 @@ __device__ void rsort_top_scatter(const K *keys, u64 n, u64 k, u64 cap, u32 *top
     }
     // Crowded bins still scatter: the host sorts the kept pairs after the read-back.
     if (b.status != 0 && b.status != TOP_STATUS_CROWDED) return;
-    if (K::BITS > 64 || bins.m == 0) {
-        top_place<false>(keys, n, i0, stride, ks, bins, b.bound, start, fill, out_keys, out_ids);
+    bool linear = bins.m == 0;
+    if constexpr (K::BITS > 64) linear = true;
+    if (linear) {
+        top_place(keys, n, i0, stride, ks, bins, b.bound, start, fill, out_keys, out_ids);
     } else {
         top_place_quantile(keys, n, i0, stride, top_bins_in_shared(bins), b.bound, start, fill, out_keys, out_ids);
     }

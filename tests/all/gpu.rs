@@ -1318,7 +1318,7 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
     ));
     // Clusters that linear bins over the sample's range crowd, which the sample sees: 5% of
     // the keys below 2^12, the rest in [2^30, 2^31) (a NaN mix's −NaN payloads), so that the
-    // bins are quantile bins and every kept bin fits the segment sort (at k = n/8 to n/4
+    // bins are quantile bins and every kept bin fits the segment sort (at k = n/8 to 3n/8
     // too: its sampled keys are distinct); and zipf-like counts
     // below 2^31 (ties below a heavy tail, split by position).
     let mut rng = Rng::new(9);
@@ -1331,7 +1331,7 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
     inputs.push((
         "gap".into(),
         n,
-        vec![4200, 20_000, 60_000, 1 << 17, 3 << 16, 1 << 18],
+        vec![4200, 20_000, 60_000, 1 << 17, 3 << 16, 1 << 18, 3 << 17],
         gap,
     ));
     let zipf: Vec<u64> = (0..n)
@@ -1355,10 +1355,27 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
         vec![4200, 20_000, 1 << 15, 60_000],
         zipf_float,
     ));
+    // The same as f64 (64-bit keys only): their words span exponents, so the coordinates are
+    // the words alone, and each sampled count's ties take a tie piece, split by position.
+    let zipf_double: Vec<u64> = (0..n)
+        .map(|_| {
+            let count = ((1.0 - rng.unit()).powf(-1.0 / 1.1) - 1.0).floor().min(1e9);
+            !(-count).to_bits()
+        })
+        .collect();
+    inputs.push((
+        "zipf-double".into(),
+        n,
+        vec![4200, 60_000, 65_536, 1 << 17, 3 << 16, 1 << 18, 3 << 17],
+        zipf_double,
+    ));
     for (dist, n, ks, p) in &inputs {
         let n = *n;
         let ids: Vec<u64> = (0..n as u64).collect();
         for kind in [KeyKind::K32, KeyKind::K64] {
+            if dist == "zipf-double" && kind == KeyKind::K32 {
+                continue;
+            }
             let (k32, bytes) = keys_as(kind, p.as_slice());
             let mut engine = TopKEngine::new(&device, kind).unwrap();
             let mut pairs = engine.upload_pairs(&bytes, &ids).unwrap();
@@ -1384,7 +1401,7 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
                     // Uniform keys take the segment sort, and so do equal keys (their bins
                     // split them by position) and big bins; the crowded bin the second route.
                     "Uniform" | "medium" | "AllEqual" | "gap" | "big" | "cluster"
-                    | "zipf-float" => {
+                    | "zipf-float" | "zipf-double" => {
                         assert!(!more, "{what}: the segment sort")
                     }
                     "crowded" => assert!(more, "{what}: the second route"),

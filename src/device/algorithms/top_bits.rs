@@ -2,7 +2,9 @@
 //! smallest of positional pairs, sorted. A sample of the keys sets bins over (the key's top
 //! word, position), so that equal keys spread by position: equal parts of the sample's range,
 //! or as many bins for each interval between sampled keys where the sample shows clusters
-//! that equal parts would crowd (a NaN mix's −NaN payloads); a histogram finds the bin of the
+//! that equal parts would crowd (a NaN mix's −NaN payloads; where the sample spans too many
+//! 64-bit words for positions, the words alone, a sampled tie then one piece split by
+//! position); a histogram finds the bin of the
 //! k-th smallest; the pairs at or below it are scattered by bin, and each block sorts a few
 //! bins: split in parts of a few pairs by their coordinates, placed by part, ranked in their
 //! part (ties of 64-bit keys, which no part splits, by the register network); a kept bin too
@@ -19,7 +21,7 @@ use super::*;
 /// and the pieces' table of `TOP_QWORDS` u64 words).
 const TOP_BINS: usize = 4096;
 /// The most quantile pieces (common.cuh `TOP_QMAX`).
-const TOP_QMAX: usize = 315;
+const TOP_QMAX: usize = 435;
 const TOP_QWORDS: usize = 2 * TOP_QMAX + 1 + (TOP_QMAX + 2) / 2;
 const TOP_STATUS_WORD: usize = TOP_BINS + 2;
 /// Status: a kept bin holds more than 3/4 of a segment-sort tile (radix_sort.cu).
@@ -62,9 +64,13 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 /// 231, at 3·2^16 81 / 81 against 124 / 227, at 2^18 84 / 89 against 119 / 226); with tie groups
 /// the sample missed sorted on the device as big bins (session 22: i32 zipf ties at 3·2^15 – 2^18
 /// in 70–92 µs against 113–116, i64 68–85 against 130–209, f32 / f64 at 2^15 60 / 57 against 93 /
-/// 97); floats of zipf counts from k = n / 8 still take 130–150 µs (f64 ~210, the whole sort after
-/// the sample foresees a crowded bin), where the routes before top bits took 74–97 for 32-bit keys
-/// (session 19); and
+/// 97); f64 keys' ties, whose coordinates are words alone, by tie pieces, and clusters and ties
+/// of 64-bit keys up to k = 3n / 8 by quantile bins (session 23, same call: f64 zipf ties at
+/// k = 2^16 – 2^18 in 92–113 µs against 204–216 for the whole sort after crowding was foreseen,
+/// at 3n / 8 128 against 209; f64 NaN mixes at 3n / 8 114 against 230, f64 sorted 77 against 221,
+/// i64 zipf ties 84 against 210); f32 zipf counts from k = n / 16 still take 88–135 µs (their
+/// tie groups between sampled counts crowd big bins), where the routes before top bits took
+/// 74–97 for 32-bit keys (session 19); and
 /// all-equal 32-bit keys at n / 4 take 45 µs against 34 for the whole sort, which skips the digits
 /// they share. The cost model asks the same. `GPU_TOPK_TOP_BITS=0` turns it off, `=1` takes it
 /// wherever it applies (A/B runs).
