@@ -397,17 +397,18 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     // quantile bins spread a zipf tail worse than linear ones, 979 against 255 keys a bin at
     // k = n/52 in the simulation, when 4σ let those ties switch the bins).
     const u32 reach = min(want, e + 2 * root + 2);
-    // Where coordinates are words, any sampled tie up to the rank checked for crowding (`want`
-    // from k = n/16, below it `reach`) too: a linear bin holds all of its word's keys (f64 zipf
-    // ties at k = n/16: counts 4–7 of ~13K–32K keys, one bin each, crowding foreseen), a tie
-    // piece splits them by position. (Up to `want` at k = 2^12 / 2^15 too, their quantile bins
-    // took 51 / 67 µs against 41 / 58 for linear ones; H100, session 23.)
+    // Where coordinates are words, from k = n/16, any sampled tie up to the rank checked for
+    // crowding too: a linear bin holds all of its word's keys (f64 zipf ties at k = n/16: counts
+    // 4–7 of ~13K–32K keys, one bin each, crowding foreseen), a tie piece splits them by
+    // position. (Below n/16 the few kept pairs are merge-sorted after the read-back: f64 zipf ties
+    // at k = 2^12 / 2^15 took 51–53 / 67–68 µs in tie pieces, whether up to `want` or `reach`,
+    // against 41–42 / 58–59 in linear bins; H100, sessions 23–24.)
     // (Top bits runs 32- and 64-bit keys only: wider keys' instances skip the quantile bins,
     // whose registers would spill beside their 16 keys a thread.)
     if (K::BITS <= 64 && bins.scale != 0 &&
         ((t + 4 <= reach && __ull2float_rz(s_coord[t + 4] - s_coord[t]) * (64.0f * want) <
                                 4.0f * __ull2float_rz(s_coord[want] - s_coord[0])) ||
-         (bins.w0 == ~0ull && t < (16 * k >= n ? want : reach) && s_coord[t] == s_coord[t + 1])))
+         (bins.w0 == ~0ull && 16 * k >= n && t < want && s_coord[t] == s_coord[t + 1])))
         s_quant = 1;
     __syncthreads();
     // Clusters: quantile bins, ≥ 24 of them an interval, up to rank TOP_QWANT; at larger k
@@ -495,27 +496,38 @@ template <class K> struct TopGathered {
     u32 pos[RSORT_THREADS / 32][32 * TOP_CHUNK];
 };
 
-// Gathers keys u0 .. u0 + TOP_CHUNK of the round from i0 whose coordinate is below `limit`
-// into the warp's part of `g`; returns their count (the same in every lane).
+// Gathers the chunk's keys, the first TOP_CHUNK of `ks` (key u at i0 + u·RSORT_THREADS + the
+// thread), whose coordinate is below `limit` into the warp's part of `g`; returns their count
+// (the same in every lane).
 template <class K>
-__device__ __forceinline__ u32 top_gather(const K (&ks)[SCATTER_ITEMS], int u0, u64 n, u64 i0, const TopBins &bins,
-                                          u64 limit, TopGathered<K> &g) {
+__device__ __forceinline__ u32 top_gather(const K (&ks)[SCATTER_ITEMS], u64 n, u64 i0, const TopBins &bins, u64 limit,
+                                          TopGathered<K> &g) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u32 count = 0;
 #pragma unroll
     for (int u = 0; u < TOP_CHUNK; ++u) {
-        const u64 i = i0 + (u64)(u0 + u) * RSORT_THREADS + threadIdx.x;
-        const bool in = i < n && bins.coord(top_word(ks[u0 + u]), i) < limit;
+        const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
+        const bool in = i < n && bins.coord(top_word(ks[u]), i) < limit;
         const u32 mask = __ballot_sync(~0u, in);
         if (in) {
             const u32 at = count + __popc(mask & ((1u << lane) - 1));
-            g.key[warp][at] = ks[u0 + u];
+            g.key[warp][at] = ks[u];
             g.pos[warp][at] = (u32)i; // < n < 2^21
         }
         count += __popc(mask);
     }
     __syncwarp();
     return count;
+}
+
+// Moves the round's keys TOP_CHUNK places down for the next chunk: the chunks' loop stays
+// rolled (the key indices constant: registers). Unrolled, its four copies of the gather and the
+// lookups made the quantile histogram's loop ~40 KB of instructions, the scatter's more: most
+// issue slots stalled on instruction fetch (no_instruction 4.8 cycles an instruction against
+// 0.27 for linear bins; ncu, H100, f32 NaN mix, n = 2^20, k = 2^16, session 24).
+template <class K> __device__ __forceinline__ void top_next_chunk(K (&ks)[SCATTER_ITEMS]) {
+#pragma unroll
+    for (int u = 0; u + TOP_CHUNK < SCATTER_ITEMS; ++u) ks[u] = ks[u + TOP_CHUNK];
 }
 
 // top_count over quantile bins, loading its own keys (not inlined: see top_quantile_table).
@@ -529,14 +541,15 @@ __device__ __noinline__ void top_count_quantile(const K *keys, u64 n, u64 i0, u6
     K ks[SCATTER_ITEMS];
     load_strided_keys(keys, n, i0, ks);
     for (; i0 < n; i0 += stride) {
-#pragma unroll
+#pragma unroll 1
         for (int u0 = 0; u0 < SCATTER_ITEMS; u0 += TOP_CHUNK) {
-            const u32 count = top_gather(ks, u0, n, i0, bins, limit, g);
+            const u32 count = top_gather(ks, n, i0 + (u64)u0 * RSORT_THREADS, bins, limit, g);
             for (u32 j = lane; j < count; j += 32) {
                 const u32 bin = bins.bin_of<true>(top_word(g.key[warp][j]), g.pos[warp][j]);
                 if (bin < TOP_BINS - 1) atomicAdd(&sh[bin], 1u);
             }
             __syncwarp();
+            top_next_chunk(ks);
         }
         load_strided_keys(keys, n, i0 + stride, ks);
     }
@@ -731,9 +744,9 @@ __device__ __noinline__ void top_place_quantile(const K *keys, u64 n, u64 i0, u6
     __syncthreads();
     const u64 limit = s_limit;
     for (; i0 < n; i0 += stride) {
-#pragma unroll
+#pragma unroll 1
         for (int u0 = 0; u0 < SCATTER_ITEMS; u0 += TOP_CHUNK) {
-            const u32 count = top_gather(ks, u0, n, i0, bins, limit, g);
+            const u32 count = top_gather(ks, n, i0 + (u64)u0 * RSORT_THREADS, bins, limit, g);
             for (u32 j = lane; j < count; j += 32) {
                 const K key = g.key[warp][j];
                 const u32 pos = g.pos[warp][j];
@@ -745,6 +758,7 @@ __device__ __noinline__ void top_place_quantile(const K *keys, u64 n, u64 i0, u6
                 }
             }
             __syncwarp();
+            top_next_chunk(ks);
         }
         load_strided_keys(keys, n, i0 + stride, ks);
     }
