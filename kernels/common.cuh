@@ -408,42 +408,24 @@ __device__ __forceinline__ u32 top_bin(u64 c, u64 base, u64 scale) {
     return TOP_LOW - 1 - min((u32)e * 8 + m, TOP_LOW - 1);
 }
 
-// The pieces of N coordinates, each the last piece starting at or below it (binary lifting;
-// m ≤ TOP_QMAX < 512): N searches interleaved, so that their shared-memory round trips overlap
-// (one search is a chain of 9 dependent loads).
-template <int N> __device__ __forceinline__ void top_quantile_pieces(const u64 (&c)[N], u32 m, const u64 *q, u32 (&i)[N]) {
-#pragma unroll
-    for (int u = 0; u < N; ++u) i[u] = 0;
+// The quantile bin of coordinate c (of a pair at position `pos`) among the `m` pieces of table
+// `q` (TopBins below), and its part of 2^bits (into `f`, for bits > 0). A piece whose scale has
+// its low bit set is a tie piece: one word's pairs, spread by position.
+__device__ __forceinline__ u32 top_quantile_bin(u64 c, u64 pos, u32 m, const u64 *q, u32 bits, u32 &f) {
+    f = 0;
+    if (c < q[0]) return top_bin(c, q[0], 0);
+    if (c >= q[m]) return TOP_BINS - 1;
+    // The last piece starting at or below c (binary lifting; m ≤ TOP_QMAX < 512).
+    u32 i = 0;
 #pragma unroll
     for (u32 s = 256; s > 0; s >>= 1) {
-#pragma unroll
-        for (int u = 0; u < N; ++u) {
-            if (i[u] + s < m && q[i[u] + s] <= c[u]) i[u] += s;
-        }
+        if (i + s < m && q[i + s] <= c) i += s;
     }
-}
-
-// The bin of coordinate c in piece i, and its part of 2^bits (top_quantile_bin). A piece whose
-// scale has its low bit set is a tie piece: one word's pairs, spread by position.
-__device__ __forceinline__ u32 top_quantile_bin_in(u32 i, u64 c, u64 pos, const u64 *q, u32 bits, u32 &f) {
-    f = 0;
     const u32 *first = reinterpret_cast<const u32 *>(q + TOP_QFIRST);
     const u32 b0 = first[i], len = first[i + 1] - b0;
     const u64 sc = q[TOP_QSCALE + i], d = sc & 1 ? pos : c - q[i];
     if (bits != 0 && sc != 0) f = (u32)((d * sc) >> (64 - bits));
     return TOP_LOW + b0 + (u32)min(sc ? __umul64hi(d, sc) : d, (u64)len - 1);
-}
-
-// The quantile bin of coordinate c (of a pair at position `pos`) among the `m` pieces of table
-// `q` (TopBins below), and its part of 2^bits (into `f`, for bits > 0).
-__device__ __forceinline__ u32 top_quantile_bin(u64 c, u64 pos, u32 m, const u64 *q, u32 bits, u32 &f) {
-    f = 0;
-    if (c < q[0]) return top_bin(c, q[0], 0);
-    if (c >= q[m]) return TOP_BINS - 1;
-    u64 cs[1] = {c};
-    u32 i[1];
-    top_quantile_pieces(cs, m, q, i);
-    return top_quantile_bin_in(i[0], c, pos, q, bits, f);
 }
 // The same as a call (TopBins::bin).
 __device__ __noinline__ u32 top_quantile_bin_call(u64 c, u64 pos, u32 m, const u64 *q) {

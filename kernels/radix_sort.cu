@@ -520,33 +520,6 @@ __device__ __forceinline__ u32 top_gather(const K (&ks)[SCATTER_ITEMS], u64 n, u
     return count;
 }
 
-// The bins of the gathered pairs j0 + lane + 32u (u < TOP_LOOKUPS) of the warp's `count`
-// (TOP_BINS − 1 past it), their searches interleaved: a lane's lookups one after another left the
-// warps waiting on each search's 9 dependent shared-memory loads (24% occupancy, ncu).
-#define TOP_LOOKUPS 2
-template <class K>
-__device__ __forceinline__ void top_gathered_bins(const TopGathered<K> &g, u32 j0, u32 count, const TopBins &bins,
-                                                  u32 (&bin)[TOP_LOOKUPS]) {
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u64 c[TOP_LOOKUPS];
-    u32 piece[TOP_LOOKUPS];
-#pragma unroll
-    for (int u = 0; u < TOP_LOOKUPS; ++u) {
-        const u32 j = j0 + lane + 32 * u;
-        // Gathered pairs lie below the table's end; past `count`, any coordinate in it.
-        c[u] = j < count ? bins.coord(top_word(g.key[warp][j]), g.pos[warp][j]) : bins.q[0];
-    }
-    top_quantile_pieces(c, bins.m, bins.q, piece);
-#pragma unroll
-    for (int u = 0; u < TOP_LOOKUPS; ++u) {
-        const u32 j = j0 + lane + 32 * u;
-        u32 f;
-        bin[u] = j >= count         ? TOP_BINS - 1
-                 : c[u] < bins.q[0] ? top_bin(c[u], bins.q[0], 0)
-                                    : top_quantile_bin_in(piece[u], c[u], g.pos[warp][j], bins.q, 0, f);
-    }
-}
-
 // Moves the round's keys TOP_CHUNK places down for the next chunk: the chunks' loop stays
 // rolled (the key indices constant: registers). Unrolled, its four copies of the gather and the
 // lookups made the quantile histogram's loop ~40 KB of instructions, the scatter's more: most
@@ -557,23 +530,10 @@ template <class K> __device__ __forceinline__ void top_next_chunk(K (&ks)[SCATTE
     for (int u = 0; u + TOP_CHUNK < SCATTER_ITEMS; ++u) ks[u] = ks[u + TOP_CHUNK];
 }
 
-// Adds the block's counts `sh` to the bins' counts in `top`. Each block starts at a bin of its
-// own: in the same order, all blocks' atomics queued on the same few counters (11.2 against 7.8
-// µs for 264 blocks × 700 bins, H100).
-__device__ __forceinline__ void top_flush(const u32 *sh, u32 *top) {
-    __syncthreads();
-    for (u32 j = threadIdx.x; j < TOP_BINS - 1; j += RSORT_THREADS) {
-        const u32 i = (j + blockIdx.x * 97u) % (TOP_BINS - 1);
-        if (sh[i] != 0) atomicAdd(&top[i], sh[i]);
-    }
-}
-
-// top_count over quantile bins, loading its own keys, then top_flush (not inlined: see
-// top_quantile_table; the flush inside, so that nothing of the caller's stays live across the
-// call, whose registers it would save on the stack).
+// top_count over quantile bins, loading its own keys (not inlined: see top_quantile_table).
 template <class K>
 __device__ __noinline__ void top_count_quantile(const K *keys, u64 n, u64 i0, u64 stride, const TopBins *shared_bins,
-                                                u32 *sh, u32 *top) {
+                                                u32 *sh) {
     __shared__ TopGathered<K> g;
     const TopBins bins = *shared_bins; // its table is top_window's, in shared memory
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -584,20 +544,15 @@ __device__ __noinline__ void top_count_quantile(const K *keys, u64 n, u64 i0, u6
 #pragma unroll 1
         for (int u0 = 0; u0 < SCATTER_ITEMS; u0 += TOP_CHUNK) {
             const u32 count = top_gather(ks, n, i0 + (u64)u0 * RSORT_THREADS, bins, limit, g);
-            for (u32 j0 = 0; j0 < count; j0 += 32 * TOP_LOOKUPS) {
-                u32 bin[TOP_LOOKUPS];
-                top_gathered_bins(g, j0, count, bins, bin);
-#pragma unroll
-                for (int u = 0; u < TOP_LOOKUPS; ++u) {
-                    if (bin[u] < TOP_BINS - 1) atomicAdd(&sh[bin[u]], 1u);
-                }
+            for (u32 j = lane; j < count; j += 32) {
+                const u32 bin = bins.bin_of<true>(top_word(g.key[warp][j]), g.pos[warp][j]);
+                if (bin < TOP_BINS - 1) atomicAdd(&sh[bin], 1u);
             }
             __syncwarp();
             top_next_chunk(ks);
         }
         load_strided_keys(keys, n, i0 + stride, ks);
     }
-    top_flush(sh, top);
 }
 
 // The histogram: every block computes the bins from the sample itself (one launch less: a
@@ -630,9 +585,15 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
     if constexpr (K::BITS > 64) linear = true;
     if (linear) {
         top_count(keys, n, i0, stride, ks, bins, sh);
-        top_flush(sh, top);
     } else {
-        top_count_quantile(keys, n, i0, stride, top_bins_in_shared(bins), sh, top);
+        top_count_quantile(keys, n, i0, stride, top_bins_in_shared(bins), sh);
+    }
+    __syncthreads();
+    // Each block starts its flush at a bin of its own: in the same order, all blocks' atomics
+    // queued on the same few counters (11.2 against 7.8 µs for 264 blocks × 700 bins, H100).
+    for (u32 j = threadIdx.x; j < TOP_BINS - 1; j += RSORT_THREADS) {
+        const u32 i = (j + blockIdx.x * 97u) % (TOP_BINS - 1);
+        if (sh[i] != 0) atomicAdd(&top[i], sh[i]);
     }
 }
 
@@ -786,17 +747,14 @@ __device__ __noinline__ void top_place_quantile(const K *keys, u64 n, u64 i0, u6
 #pragma unroll 1
         for (int u0 = 0; u0 < SCATTER_ITEMS; u0 += TOP_CHUNK) {
             const u32 count = top_gather(ks, n, i0 + (u64)u0 * RSORT_THREADS, bins, limit, g);
-            for (u32 j0 = 0; j0 < count; j0 += 32 * TOP_LOOKUPS) {
-                u32 bin[TOP_LOOKUPS];
-                top_gathered_bins(g, j0, count, bins, bin);
-#pragma unroll
-                for (int u = 0; u < TOP_LOOKUPS; ++u) {
-                    const u32 j = j0 + lane + 32 * u;
-                    if (j < count && bin[u] <= bound) {
-                        const u32 slot = start[bin[u]] + atomicAdd(&fill[bin[u] * TOP_FILL_STRIDE], 1u);
-                        out_keys[slot] = g.key[warp][j];
-                        out_ids[slot] = g.pos[warp][j];
-                    }
+            for (u32 j = lane; j < count; j += 32) {
+                const K key = g.key[warp][j];
+                const u32 pos = g.pos[warp][j];
+                const u32 bin = bins.bin_of<true>(top_word(key), pos);
+                if (bin <= bound) {
+                    const u32 slot = start[bin] + atomicAdd(&fill[bin * TOP_FILL_STRIDE], 1u);
+                    out_keys[slot] = key;
+                    out_ids[slot] = pos;
                 }
             }
             __syncwarp();
