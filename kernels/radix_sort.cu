@@ -210,6 +210,8 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // host sorts the whole input instead.
 #define TOP_SAMPLE RSORT_THREADS
 #define TOP_CROWD_SAMPLES 8u
+#define TOP_APART_WORDS 4096u
+#define TOP_APART_GROUPS 4
 
 // TOP_BINS, the control words, top_word, top_bin and TopBins: common.cuh (the segment sort
 // computes bins too).
@@ -432,6 +434,20 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     s_bin[t] = bin;
     __syncthreads();
     if (16 * k >= n && t + TOP_CROWD_SAMPLES - 1 <= want && s_bin[t + TOP_CROWD_SAMPLES - 1] == bin) s_crowded = 1;
+    // From k = n/6, 32-bit keys: sampled tie groups (two sampled pairs or more) whose words lie
+    // far apart, at least TOP_APART_GROUPS boundaries between them up to the rank checked
+    // (floats of integer counts: f32 zipf ties, consecutive counts 2^20–2^23 encodings apart;
+    // 6–8 such boundaries from k = n/16, a CPU simulation of the sample). Each group then sits
+    // alone in a gap ~2^20·n coordinates wide, where the groups the sample misses or samples once
+    // crowd big bins whatever the bins' edges, and from k ≈ n/6 the whole sort after the
+    // read-back is faster: f32 zipf ties at 3·2^16 / 2^18 in 123.6 / 123.2 µs against 134.8 /
+    // 136.3; at 2^17 121.8 against 117.4, at 2^16 118.5 against 84.0 (H100, n = 2^20, same call,
+    // session 24).
+    if (K::BITS == 32 && 6 * k >= n) {
+        const bool apart = t >= 1 && t + 2 <= want && sample[t - 1] == sample[t] && sample[t + 1] == sample[t + 2] &&
+                           sample[t + 1] - sample[t] > TOP_APART_WORDS;
+        if (__syncthreads_count(apart) >= TOP_APART_GROUPS && t == 0) s_crowded = 1;
+    }
     __syncthreads();
     crowded = s_crowded != 0;
 }
