@@ -11,7 +11,8 @@
 //! large for a block (a tie group the sample missed: a "big bin") is split by a sample of its
 //! own pairs, a block per slice (bitonic.cu `sort_big_bin`). Three launches on the device's
 //! counts, read back once; a bin too large for those (over 32K pairs) makes the host sort the
-//! kept pairs after the read-back, and one the sample foresees (from k = n/16) all.
+//! kept pairs after the read-back, and one the sample foresees (from k = n/16; from n/6, for
+//! 32-bit keys, sampled tie groups far apart such as floats of counts) all.
 
 use super::*;
 
@@ -68,9 +69,10 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 /// of 64-bit keys up to k = 3n / 8 by quantile bins (session 23, same call: f64 zipf ties at
 /// k = 2^16 – 2^18 in 92–113 µs against 204–216 for the whole sort after crowding was foreseen,
 /// at 3n / 8 128 against 209; f64 NaN mixes at 3n / 8 114 against 230, f64 sorted 77 against 221,
-/// i64 zipf ties 84 against 210); f32 zipf counts from k = n / 16 still take 88–135 µs (their
+/// i64 zipf ties 84 against 210); f32 zipf counts from k = n / 16 still take 84–118 µs (their
 /// tie groups between sampled counts crowd big bins), where the routes before top bits took
-/// 74–97 for 32-bit keys (session 19); and
+/// 74–97 for 32-bit keys (session 19), and from n / 6 the whole sort after the sample foresees
+/// crowding, 123 µs against 135–136 (session 24); and
 /// all-equal 32-bit keys at n / 4 take 45 µs against 34 for the whole sort, which skips the digits
 /// they share. The cost model asks the same. `GPU_TOPK_TOP_BITS=0` turns it off, `=1` takes it
 /// wherever it applies (A/B runs).
