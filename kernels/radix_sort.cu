@@ -461,21 +461,17 @@ template <class K, int N> __device__ __forceinline__ void load_strided_keys(cons
     }
 }
 
-// Keys a thread of rsort_top_scatter takes per round, their loads issued together (one round
-// each at n = 2^20: in rounds of 4, each waited on DRAM), and of rsort_top_hist (top_bits.rs
-// `HIST_ITEMS`): half as many, twice the blocks (4 a SM at n = 2^20, one round each; its
-// launch bounds ask for 4 blocks a SM, which also kept ptxas from spilling around the
-// window's division calls at 48 registers).
+// Keys a thread of rsort_top_hist and rsort_top_scatter takes per round, their loads issued
+// together (one round each at n = 2^20: in rounds of 4, each waited on DRAM).
 #define SCATTER_ITEMS 16
-#define HIST_ITEMS 8
 
 // The histogram's count of the keys from i0 on (the first round's in `ks`) into `sh`.
-template <class K, int N>
-__device__ __forceinline__ void top_count(const K *keys, u64 n, u64 i0, u64 stride, K (&ks)[N], const TopBins &bins,
-                                          u32 *sh) {
+template <class K>
+__device__ __forceinline__ void top_count(const K *keys, u64 n, u64 i0, u64 stride, K (&ks)[SCATTER_ITEMS],
+                                          const TopBins &bins, u32 *sh) {
     for (; i0 < n; i0 += stride) {
 #pragma unroll
-        for (int u = 0; u < N; ++u) {
+        for (int u = 0; u < SCATTER_ITEMS; ++u) {
             const u64 i = i0 + (u64)u * RSORT_THREADS + threadIdx.x;
             const u32 bin = bins.bin_of<false>(top_word(ks[u]), i);
             if (i < n && bin < TOP_BINS - 1) atomicAdd(&sh[bin], 1u);
@@ -511,7 +507,6 @@ __device__ __forceinline__ const u64 *top_table_in_shared(const u64 *q, u32 m) {
 // keys a lane: with the histogram's other arrays, 64-bit keys' buffer fills the 48 KB of static
 // shared memory.)
 #define TOP_CHUNK 4
-static_assert(SCATTER_ITEMS % TOP_CHUNK == 0 && HIST_ITEMS % TOP_CHUNK == 0, "whole chunks a round");
 template <class K> struct TopGathered {
     K key[RSORT_THREADS / 32][32 * TOP_CHUNK];
     u32 pos[RSORT_THREADS / 32][32 * TOP_CHUNK];
@@ -520,8 +515,8 @@ template <class K> struct TopGathered {
 // Gathers the chunk's keys, the first TOP_CHUNK of `ks` (key u at i0 + u·RSORT_THREADS + the
 // thread), whose coordinate is below `limit` into the warp's part of `g`; returns their count
 // (the same in every lane).
-template <class K, int N>
-__device__ __forceinline__ u32 top_gather(const K (&ks)[N], u64 n, u64 i0, const TopBins &bins, u64 limit,
+template <class K>
+__device__ __forceinline__ u32 top_gather(const K (&ks)[SCATTER_ITEMS], u64 n, u64 i0, const TopBins &bins, u64 limit,
                                           TopGathered<K> &g) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u32 count = 0;
@@ -546,37 +541,24 @@ __device__ __forceinline__ u32 top_gather(const K (&ks)[N], u64 n, u64 i0, const
 // lookups made the quantile histogram's loop ~40 KB of instructions, the scatter's more: most
 // issue slots stalled on instruction fetch (no_instruction 4.8 cycles an instruction against
 // 0.27 for linear bins; ncu, H100, f32 NaN mix, n = 2^20, k = 2^16, session 24).
-template <class K, int N> __device__ __forceinline__ void top_next_chunk(K (&ks)[N]) {
+template <class K> __device__ __forceinline__ void top_next_chunk(K (&ks)[SCATTER_ITEMS]) {
 #pragma unroll
-    for (int u = 0; u + TOP_CHUNK < N; ++u) ks[u] = ks[u + TOP_CHUNK];
+    for (int u = 0; u + TOP_CHUNK < SCATTER_ITEMS; ++u) ks[u] = ks[u + TOP_CHUNK];
 }
 
-// Adds the block's counts `sh` to the bins' counts in `top`. Each block starts at a bin of its
-// own: in the same order, all blocks' atomics queued on the same few counters (11.2 against 7.8
-// µs for 264 blocks × 700 bins, H100).
-__device__ __forceinline__ void top_flush(const u32 *sh, u32 *top) {
-    __syncthreads();
-    for (u32 j = threadIdx.x; j < TOP_BINS - 1; j += RSORT_THREADS) {
-        const u32 i = (j + blockIdx.x * 97u) % (TOP_BINS - 1);
-        if (sh[i] != 0) atomicAdd(&top[i], sh[i]);
-    }
-}
-
-// top_count over quantile bins, loading its own keys, then top_flush (not inlined: see
-// top_quantile_table; the flush inside, so that nothing of the caller's is live across the call
-// for it to save on the stack).
+// top_count over quantile bins, loading its own keys (not inlined: see top_quantile_table).
 template <class K>
 __device__ __noinline__ void top_count_quantile(const K *keys, u64 n, u64 i0, u64 stride, const TopBins *shared_bins,
-                                                u32 *sh, u32 *top) {
+                                                u32 *sh) {
     __shared__ TopGathered<K> g;
     const TopBins bins = *shared_bins; // its table is top_window's, in shared memory
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u64 limit = bins.q[bins.m]; // above: the last bin, not counted
-    K ks[HIST_ITEMS];
+    K ks[SCATTER_ITEMS];
     load_strided_keys(keys, n, i0, ks);
     for (; i0 < n; i0 += stride) {
 #pragma unroll 1
-        for (int u0 = 0; u0 < HIST_ITEMS; u0 += TOP_CHUNK) {
+        for (int u0 = 0; u0 < SCATTER_ITEMS; u0 += TOP_CHUNK) {
             const u32 count = top_gather(ks, n, i0 + (u64)u0 * RSORT_THREADS, bins, limit, g);
             for (u32 j = lane; j < count; j += 32) {
                 const u32 bin = bins.bin_of<true>(top_word(g.key[warp][j]), g.pos[warp][j]);
@@ -587,7 +569,6 @@ __device__ __noinline__ void top_count_quantile(const K *keys, u64 n, u64 i0, u6
         }
         load_strided_keys(keys, n, i0 + stride, ks);
     }
-    top_flush(sh, top);
 }
 
 // The histogram: every block computes the bins from the sample itself (one launch less: a
@@ -601,9 +582,9 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
     __shared__ u32 sh[TOP_BINS];
     for (u32 i = threadIdx.x; i < TOP_BINS; i += RSORT_THREADS) sh[i] = 0;
     // The first round's keys are loaded while the block computes the bins from the sample.
-    const u64 stride = (u64)gridDim.x * RSORT_THREADS * HIST_ITEMS;
-    u64 i0 = (u64)blockIdx.x * RSORT_THREADS * HIST_ITEMS;
-    K ks[HIST_ITEMS];
+    const u64 stride = (u64)gridDim.x * RSORT_THREADS * SCATTER_ITEMS;
+    u64 i0 = (u64)blockIdx.x * RSORT_THREADS * SCATTER_ITEMS;
+    K ks[SCATTER_ITEMS];
     load_strided_keys(keys, n, i0, ks);
     TopBins bins;
     bool crowded;
@@ -620,9 +601,15 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
     if constexpr (K::BITS > 64) linear = true;
     if (linear) {
         top_count(keys, n, i0, stride, ks, bins, sh);
-        top_flush(sh, top);
     } else {
-        top_count_quantile(keys, n, i0, stride, top_bins_in_shared(bins), sh, top);
+        top_count_quantile(keys, n, i0, stride, top_bins_in_shared(bins), sh);
+    }
+    __syncthreads();
+    // Each block starts its flush at a bin of its own: in the same order, all blocks' atomics
+    // queued on the same few counters (11.2 against 7.8 µs for 264 blocks × 700 bins, H100).
+    for (u32 j = threadIdx.x; j < TOP_BINS - 1; j += RSORT_THREADS) {
+        const u32 i = (j + blockIdx.x * 97u) % (TOP_BINS - 1);
+        if (sh[i] != 0) atomicAdd(&top[i], sh[i]);
     }
 }
 
@@ -1307,7 +1294,7 @@ extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
                         u32 *counts) {                                                                            \
         rsort_count<K>(p, id_digits, in_keys, in_ids, tmp_keys, tmp_ids, out_keys, out_ids, m, plan, counts);     \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(RSORT_THREADS, 4)                                                \
+    extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
         rsort_top_hist_##S(const K *keys, u64 n, u64 k, u32 *top) {                                               \
         rsort_top_hist<K>(keys, n, k, top);                                                                       \
     }                                                                                                             \

@@ -37,11 +37,9 @@ const SEGMENT_THREADS: u32 = 256;
 /// (bitonic.cu `SEGMENT_SPAN`): kept bins of up to 3/4 of the tile then fit (radix_sort.cu
 /// `TOP_SEGMENT_BIN`).
 const SEGMENT_SPANS_PER_TILE: usize = 4;
-/// Keys a thread of `rsort_top_scatter` takes per round (radix_sort.cu `SCATTER_ITEMS`).
+/// Keys a thread of `rsort_top_hist` and `rsort_top_scatter` takes per round (radix_sort.cu
+/// `SCATTER_ITEMS`).
 const SCATTER_ITEMS: usize = 16;
-/// Keys a thread of `rsort_top_hist` takes per round (radix_sort.cu `HIST_ITEMS`): up to 4
-/// blocks a SM (its registers and shared memory allow 4).
-const HIST_ITEMS: usize = 8;
 /// Words between the scatter's per-bin fill counters (radix_sort.cu `TOP_FILL_STRIDE`).
 const TOP_FILL_STRIDE: usize = 8;
 
@@ -139,7 +137,8 @@ impl TopKEngine {
         let kept = self.alloc_pairs(cap)?;
         let out = self.alloc_pairs(cap)?;
         let c = ctl.ptr();
-        let grid = (4 * self.device.sm_count).min(n.div_ceil(RSORT_THREADS as usize * HIST_ITEMS));
+        let grid =
+            (2 * self.device.sm_count).min(n.div_ceil(RSORT_THREADS as usize * SCATTER_ITEMS));
         self.launch(
             &self.kernel("rsort_top_hist"),
             grid as u32,
