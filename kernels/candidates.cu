@@ -172,8 +172,7 @@ template <class K> __device__ void threshold_from(const K *keys, const u64 *ids,
 // ---- the candidates of a fused pass in row order ----
 //
 // A fused pass appends its candidates in no order (each warp flushes its buffer when it
-// fills), but with a kept-rows bitmap (one bit per row, every word written) it also says which
-// rows they are: a candidate's rank in row order is the number of kept rows before it. Moved
+// fills), but with a kept-rows bitmap (one bit per row) it also says which rows they are: a candidate's rank in row order is the number of kept rows before it. Moved
 // to that rank, the candidates ascend by row id, and the LSD radix sort needs the key's digits
 // only (its stable passes keep that order among equal keys), where it would take the row id's
 // digits too (four more passes for 2^28 rows; src/device/algorithms/fused.rs says when):

@@ -419,7 +419,8 @@ impl TopKSelector for CudaSelector {
                 state.fused_out = Some(device.pool.alloc(out_bytes, state.engine.stream())?);
             }
             let out = state.fused_out.as_ref().expect("allocated above").ptr();
-            state.engine.zero(out, 16)?;
+            // The counts, and the kept-rows bitmap (the pass sets the words with kept rows).
+            state.engine.zero(out, out_bytes)?;
             let candidates = state.candidates.as_ref().expect("ensure_room allocates");
             state
                 .engine

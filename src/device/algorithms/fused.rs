@@ -11,7 +11,7 @@ impl TopKEngine {
     /// `id_start + i`. Rows passing the predicate and beating the threshold are appended to
     /// `candidates` (the count keeps growing past its capacity: the caller checks). `out`
     /// receives the number of rows that passed (u64), an error flag (u32 at byte 8) and, from
-    /// byte 16, one bit per row appended; the caller zeroes its first 16 bytes.
+    /// byte 16, one bit per row appended; the caller zeroes all of it.
     pub fn fused_append(
         &self,
         kernel: &GeneratedKernel,
@@ -37,8 +37,8 @@ impl TopKEngine {
 
     /// [`fused_append`](Self::fused_append) over the rows `i · step` (`i < rows / step`
     /// rounded up; step > 1: a strided sample), counting the appended rows at `count` (u64);
-    /// `kept`: the device address of the kept-rows bitmap (one bit per row, every word
-    /// written), or 0 for none.
+    /// `kept`: the device address of the kept-rows bitmap (one bit per row, zero at launch:
+    /// the pass sets the words of its rounds that keep a row), or 0 for none.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn fused_pass(
         &self,
@@ -246,6 +246,9 @@ impl TopKEngine {
             None
         };
         loop {
+            if let Some(bitmap) = &bitmap {
+                self.memset_zero(bitmap.bits.ptr(), 4 * bitmap.words)?;
+            }
             self.fused_pass(
                 kernel,
                 inputs,
@@ -278,6 +281,7 @@ impl TopKEngine {
                 None
             };
             let pending = if direct.is_none()
+                && !by_row
                 && algorithm == DeviceAlgorithm::Sample
                 && self.sample_sorts_on_device(candidates.capacity(), k)
             {
