@@ -169,83 +169,6 @@ template <class K> __device__ void threshold_from(const K *keys, const u64 *ids,
     }
 }
 
-// ---- the candidates of a fused pass in row order ----
-//
-// A fused pass appends its candidates in no order (each warp flushes its buffer when it
-// fills), but with a kept-rows bitmap (one bit per row) it also says which rows they are: a candidate's rank in row order is the number of kept rows before it. Moved
-// to that rank, the candidates ascend by row id, and the LSD radix sort needs the key's digits
-// only (its stable passes keep that order among equal keys), where it would take the row id's
-// digits too (four more passes for 2^28 rows; src/device/algorithms/fused.rs says when):
-//   kept_groups   per group of 32 words (1024 rows, one 128-byte line) the kept rows before
-//                 it in its chunk of KEPT_CHUNK groups, and each chunk's total;
-//   kept_chunks   one block: each chunk's kept rows before it (in place);
-//   order_by_row  each candidate moved to its rank: its chunk's and group's counts, and the
-//                 bits before it in its group's line.
-#define KEPT_CHUNK 256
-
-// A block of KEPT_CHUNK threads per chunk; warp w takes groups w, w + 8, … (coalesced lines).
-extern "C" __global__ void __launch_bounds__(KEPT_CHUNK)
-    kept_groups(const u32 *bits, u64 words, u32 *group_before, u32 *chunk_total) {
-    __shared__ u32 s_sum[KEPT_CHUNK];
-    constexpr u32 PER_WARP = KEPT_CHUNK / (KEPT_CHUNK / 32);
-    const u32 warp = threadIdx.x / 32, lane = lane_id();
-    const u64 g0 = (u64)blockIdx.x * KEPT_CHUNK;
-    u32 c[PER_WARP];
-#pragma unroll
-    for (u32 j = 0; j < PER_WARP; ++j) {
-        const u64 w = (g0 + warp + j * (KEPT_CHUNK / 32)) * 32 + lane;
-        c[j] = w < words ? __popc(bits[w]) : 0u;
-    }
-#pragma unroll
-    for (u32 j = 0; j < PER_WARP; ++j) {
-        const u32 sum = __reduce_add_sync(FULL_MASK, c[j]);
-        if (lane == 0) s_sum[warp + j * (KEPT_CHUNK / 32)] = sum;
-    }
-    __syncthreads();
-    const u32 v = s_sum[threadIdx.x];
-    const u32 before = block_exclusive_sum(v);
-    group_before[g0 + threadIdx.x] = before; // the buffer holds whole chunks
-    if (threadIdx.x == KEPT_CHUNK - 1) chunk_total[blockIdx.x] = before + v;
-}
-
-// One block of 1024 threads: chunk c's total becomes the kept rows before chunk c. Thread t
-// takes a run of consecutive chunks.
-extern "C" __global__ void __launch_bounds__(1024) kept_chunks(u32 *chunk, u32 chunks) {
-    const u32 per = (chunks + 1023) / 1024, c0 = threadIdx.x * per, c1 = min(chunks, c0 + per);
-    u32 sum = 0;
-    for (u32 c = c0; c < c1; ++c) sum += chunk[c];
-    u32 before = block_exclusive_sum(sum);
-    for (u32 c = c0; c < c1; ++c) {
-        const u32 v = chunk[c];
-        chunk[c] = before;
-        before += v;
-    }
-}
-
-// Candidates [0, min(*count, cap)) of (keys, ids), ids the rows of `bits`, to their ranks in
-// (out_keys, out_ids).
-template <class K>
-__device__ void order_by_row(const K *keys, const u64 *ids, const u64 *count, u64 cap, const u32 *bits,
-                             const u32 *group_before, const u32 *chunk_before, K *out_keys, u64 *out_ids) {
-    const u64 m = min(*count, cap);
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (u64)gridDim.x * blockDim.x) {
-        const u64 id = ids[i];
-        const u64 w = id >> 5, g = w >> 5;
-        u32 rank = chunk_before[g / KEPT_CHUNK] + group_before[g] + __popc(bits[w] & ((1u << (id & 31)) - 1u));
-        // The group's words before w, four a load.
-        const uint4 *line = reinterpret_cast<const uint4 *>(bits + g * 32);
-        const u32 before = (u32)(w & 31);
-        for (u32 q = 0; 4 * q < before; ++q) {
-            const uint4 v = line[q];
-            const u32 x[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (u32 e = 0; e < 4; ++e) rank += 4 * q + e < before ? __popc(x[e]) : 0u;
-        }
-        out_keys[rank] = keys[i];
-        out_ids[rank] = id;
-    }
-}
-
 #define CANDIDATE_ENTRIES(K, S)                                                                                   \
     extern "C" __global__ void                                                                                    \
         append_##S(const K *keys, const u64 *ids, u64 id_start, u64 n, const Threshold<K> *thr, K *cand_keys,     \
@@ -269,10 +192,5 @@ __device__ void order_by_row(const K *keys, const u64 *ids, const u64 *count, u6
     }                                                                                                             \
     extern "C" __global__ void threshold_from_##S(const K *keys, const u64 *ids, u64 index, Threshold<K> *thr) {  \
         threshold_from<K>(keys, ids, index, thr);                                                                 \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256)                                                             \
-        order_by_row_##S(const K *keys, const u64 *ids, const u64 *count, u64 cap, const u32 *bits,              \
-                         const u32 *group_before, const u32 *chunk_before, K *out_keys, u64 *out_ids) {           \
-        order_by_row<K>(keys, ids, count, cap, bits, group_before, chunk_before, out_keys, out_ids);               \
     }
 INSTANTIATE_KEYS(CANDIDATE_ENTRIES)

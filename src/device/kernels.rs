@@ -56,7 +56,6 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
             "threshold_from",
             "filter_below",
             "filter_fraction",
-            "order_by_row",
         ],
     ),
     ("radix.cu", &["radix_masks", "radix_hist", "radix_filter"]),
@@ -96,7 +95,6 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
 /// Entry points without a key type.
 const PLAIN_ENTRIES: &[(&str, &[&str])] = &[
     ("radix.cu", &["radix_init"]),
-    ("candidates.cu", &["kept_groups", "kept_chunks"]),
     ("radix_sort.cu", &["rsort_scan"]),
     ("read_floor.cu", &["read_floor_w32", "read_floor_w64"]),
 ];

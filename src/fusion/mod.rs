@@ -430,12 +430,11 @@ __device__ __forceinline__ void fused_rows(
             keeps[r] = keep;
             keys[r] = key;
         }}
-        // Most rounds append nothing once a threshold holds: one vote skips the appends (and
-        // the kept-rows words, zero at launch).
+        // Most rounds append nothing once a threshold holds: one vote skips the appends.
         bool any_keep = false;
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) any_keep |= keeps[r];
-        if (!__any_sync(FULL_MASK, any_keep)) continue;
+        if (kept == nullptr && !__any_sync(FULL_MASK, any_keep)) continue;
         if (VEC && kept != nullptr) {{
             // The warp's 32 · ROWS consecutive rows: 32 / ROWS lanes fill a word, ROWS bits each.
             constexpr u32 PER = 32 / ROWS;

@@ -419,8 +419,7 @@ impl TopKSelector for CudaSelector {
                 state.fused_out = Some(device.pool.alloc(out_bytes, state.engine.stream())?);
             }
             let out = state.fused_out.as_ref().expect("allocated above").ptr();
-            // The counts, and the kept-rows bitmap (the pass sets the words with kept rows).
-            state.engine.zero(out, out_bytes)?;
+            state.engine.zero(out, 16)?;
             let candidates = state.candidates.as_ref().expect("ensure_room allocates");
             state
                 .engine

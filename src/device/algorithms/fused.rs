@@ -11,7 +11,7 @@ impl TopKEngine {
     /// `id_start + i`. Rows passing the predicate and beating the threshold are appended to
     /// `candidates` (the count keeps growing past its capacity: the caller checks). `out`
     /// receives the number of rows that passed (u64), an error flag (u32 at byte 8) and, from
-    /// byte 16, one bit per row appended; the caller zeroes all of it.
+    /// byte 16, one bit per row appended; the caller zeroes its first 16 bytes.
     pub fn fused_append(
         &self,
         kernel: &GeneratedKernel,
@@ -22,23 +22,11 @@ impl TopKEngine {
         out: u64,
     ) -> GpuResult<()> {
         let count = self.scalars.ptr() + COUNT_OFFSET;
-        self.fused_pass(
-            kernel,
-            inputs,
-            n,
-            1,
-            id_start,
-            candidates,
-            count,
-            out,
-            out + 16,
-        )
+        self.fused_pass(kernel, inputs, n, 1, id_start, candidates, count, out, true)
     }
 
     /// [`fused_append`](Self::fused_append) over the rows `i · step` (`i < rows / step`
-    /// rounded up; step > 1: a strided sample), counting the appended rows at `count` (u64);
-    /// `kept`: the device address of the kept-rows bitmap (one bit per row, zero at launch:
-    /// the pass sets the words of its rounds that keep a row), or 0 for none.
+    /// rounded up; step > 1: a strided sample), counting the appended rows at `count` (u64).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn fused_pass(
         &self,
@@ -50,7 +38,7 @@ impl TopKEngine {
         candidates: &DevicePairs,
         count: u64,
         out: u64,
-        kept: u64,
+        kept_bits: bool,
     ) -> GpuResult<()> {
         let n = rows.div_ceil(step.max(1));
         if n == 0 {
@@ -69,7 +57,7 @@ impl TopKEngine {
             candidates.capacity(),
             out,
             out + 8,
-            kept,
+            if kept_bits { out + 16 } else { 0 },
         ]);
         // One wave of resident blocks: a second, partial wave leaves SMs short of loads in
         // flight at the pass's end (the generated kernels' registers allow 4–5 blocks a SM).
@@ -99,9 +87,7 @@ impl TopKEngine {
     /// and the full pass appends only the rows that beat it, so filtered rows and losing keys
     /// never reach device memory. The final selection of the candidates is enqueued on their count
     /// on the device (a sampled selection), so the whole chain runs with one read-back at its
-    /// end; from k = [`BY_ROW_MIN_K`] (32- and 64-bit keys), the pass also writes a kept-rows
-    /// bitmap, the candidates are moved to row order on the device, and after the read-back
-    /// of their count the key's radix passes alone sort them ([`sorts_by_row`]). The estimate is checked, not trusted: fewer than k appended rows while more passed,
+    /// end. The estimate is checked, not trusted: fewer than k appended rows while more passed,
     /// or more than the buffer holds, reruns the full pass (without the threshold, or with
     /// room for all) — exact either way. With 0 (the unfused baseline), the pass appends
     /// every passing row, and the selection follows.
@@ -159,7 +145,7 @@ impl TopKEngine {
                     &sample,
                     sample_count_at,
                     sample_passed_at,
-                    0,
+                    false,
                 )?;
                 report.sampled = sampled;
                 marks.push((0, event(self)?));
@@ -207,7 +193,7 @@ impl TopKEngine {
                         &dense,
                         dense_count_at,
                         dense_passed_at,
-                        0,
+                        false,
                     )?;
                     // Keeps the threshold when too few, or too many, rows came below it.
                     self.launch(
@@ -235,20 +221,7 @@ impl TopKEngine {
         }
         let mut candidates = self.alloc_pairs(capacity)?;
         candidates.set_ids_below(rows as u64);
-        // A large k's candidates go to row order by the kept-rows bitmap, then the key's radix
-        // passes sort them (see `sorts_by_row`).
-        let by_row = sample_rows > 0
-            && algorithm == DeviceAlgorithm::Sample
-            && sorts_by_row(self.kind, rows, k);
-        let bitmap = if by_row {
-            Some(KeptBitmap::alloc(self, rows)?)
-        } else {
-            None
-        };
         loop {
-            if let Some(bitmap) = &bitmap {
-                self.memset_zero(bitmap.bits.ptr(), 4 * bitmap.words)?;
-            }
             self.fused_pass(
                 kernel,
                 inputs,
@@ -258,21 +231,15 @@ impl TopKEngine {
                 &candidates,
                 count_at,
                 passed_at,
-                bitmap.as_ref().map_or(0, |b| b.bits.ptr()),
+                false,
             )?;
             marks.push((2, event(self)?));
-            // In row order, on the device's count (the buffer's capacity bounds it).
-            let ordered = match &bitmap {
-                Some(bitmap) => Some(self.order_by_row(&candidates, count_at, bitmap)?),
-                None => None,
-            };
             // A sampled selection of few enough pairs is enqueued on the device's count before
             // the host knows it; its control block then brings the pass's words back with its
             // own, in one read-back.
             // Or, for a large k, the merge sort of every candidate (truncated at k) on the
             // device's count, without a sampled level.
-            let direct = if !by_row
-                && algorithm == DeviceAlgorithm::Sample
+            let direct = if algorithm == DeviceAlgorithm::Sample
                 && k > self.small_sort_capacity()
                 && candidates.capacity() <= MERGE_SORT_MAX
             {
@@ -281,7 +248,6 @@ impl TopKEngine {
                 None
             };
             let pending = if direct.is_none()
-                && !by_row
                 && algorithm == DeviceAlgorithm::Sample
                 && self.sample_sorts_on_device(candidates.capacity(), k)
             {
@@ -330,20 +296,6 @@ impl TopKEngine {
             }
             let selected = match (direct, pending, ctl) {
                 (Some(sorted), _, _) => Some((sorted.into_pairs(count), count.min(k))),
-                // The key's digits alone, unless 64-bit keys need more than the wide passes'
-                // tiles (eight passes of three kernels each): then the merge sort.
-                (None, None, _) if count > 0 && ordered.is_some() => {
-                    report.by_row = self.kind == KeyKind::K32
-                        || count.div_ceil(radix_sort_wide_tile(self.kind))
-                            <= ONESWEEP_WIDE_MAX_TILES;
-                    Some(if report.by_row {
-                        let ordered = ordered.as_ref().expect("ordered");
-                        (self.radix_sort(ordered, count, 1)?, count.min(k))
-                    } else {
-                        let sorted = self.merge_sort(&candidates, count, 0, count, k, 0)?;
-                        (sorted.into_pairs(count), count.min(k))
-                    })
-                }
                 (None, Some(mut run), Some(bytes)) => {
                     // Planned for the buffer's capacity; the count decides what is complete.
                     run.n = count;
@@ -363,95 +315,5 @@ impl TopKEngine {
             }
             return Ok((sorted, m, report));
         }
-    }
-}
-
-/// Whether a fused selection of k among `rows` device-resident rows sorts its candidates in row
-/// order by the key's radix passes alone (`TopKEngine::order_by_row`): 32- and 64-bit keys from
-/// k = [`BY_ROW_MIN_K`], where the merge sort's rounds over the candidates (~1.3–1.6 k of
-/// them) cost more than the kept-rows bitmap, its three small kernels and a read-back before
-/// the sort. The row ids' digits, which the radix sort of unordered candidates would add (four
-/// passes at 2^28 rows), are not sorted at all.
-pub(super) fn sorts_by_row(kind: KeyKind, rows: usize, k: usize) -> bool {
-    matches!(kind, KeyKind::K32 | KeyKind::K64) && k >= BY_ROW_MIN_K && rows < 1 << 32
-}
-
-/// Words of a kept-rows bitmap per chunk of candidates.cu's `kept_groups` (`KEPT_CHUNK`
-/// groups of 32 words).
-const KEPT_CHUNK_WORDS: usize = 256 * 32;
-
-/// A fused pass's kept-rows bitmap (whole chunks), and the counts that rank its rows.
-pub(super) struct KeptBitmap {
-    bits: PooledBuffer,
-    group_before: PooledBuffer,
-    chunk_before: PooledBuffer,
-    words: usize,
-    chunks: usize,
-}
-
-impl KeptBitmap {
-    fn alloc(engine: &TopKEngine, rows: usize) -> GpuResult<Self> {
-        let words = rows.div_ceil(32);
-        let chunks = words.div_ceil(KEPT_CHUNK_WORDS).max(1);
-        let pool = &engine.device.pool;
-        Ok(Self {
-            bits: pool.alloc(4 * chunks * KEPT_CHUNK_WORDS, &engine.stream)?,
-            group_before: pool.alloc(4 * chunks * 256, &engine.stream)?,
-            chunk_before: pool.alloc(4 * chunks, &engine.stream)?,
-            words,
-            chunks,
-        })
-    }
-}
-
-impl TopKEngine {
-    /// The candidates `[0, c)` (c the u64 at `count`, at most their capacity) moved to their
-    /// rank in row order, by the pass's kept-rows bitmap: candidates.cu's `kept_groups`,
-    /// `kept_chunks` and `order_by_row`. Their row ids must be the bitmap's rows.
-    fn order_by_row(
-        &self,
-        candidates: &DevicePairs,
-        count: u64,
-        bitmap: &KeptBitmap,
-    ) -> GpuResult<DevicePairs> {
-        self.launch(
-            "kept_groups",
-            bitmap.chunks as u32,
-            256,
-            0,
-            args![
-                bitmap.bits.ptr(),
-                bitmap.words,
-                bitmap.group_before.ptr(),
-                bitmap.chunk_before.ptr()
-            ],
-        )?;
-        self.launch(
-            "kept_chunks",
-            1,
-            1024,
-            0,
-            args![bitmap.chunk_before.ptr(), bitmap.chunks as u32],
-        )?;
-        let mut ordered = self.alloc_pairs(candidates.capacity())?;
-        ordered.set_ids_below(candidates.id_bound(0));
-        self.launch(
-            &self.kernel("order_by_row"),
-            self.grid_for(candidates.capacity(), 4),
-            THREADS,
-            0,
-            args![
-                candidates.key_at(0),
-                candidates.id_at(0),
-                count,
-                candidates.capacity(),
-                bitmap.bits.ptr(),
-                bitmap.group_before.ptr(),
-                bitmap.chunk_before.ptr(),
-                ordered.key_at(0),
-                ordered.id_at(0)
-            ],
-        )?;
-        Ok(ordered)
     }
 }

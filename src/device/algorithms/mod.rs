@@ -664,9 +664,6 @@ const SAMPLE_MAX_LEVELS: usize = 8;
 /// on the H100 in session 7, against 16384 and 4096 (the sample's selection grows with its
 /// pairs, the final selection with the candidates a coarser sample admits).
 pub const FUSED_SAMPLE_ROWS: usize = RANK_SORT_MAX / 2;
-/// Smallest k at which a fused selection sorts its candidates in row order by the key's radix
-/// passes (fused.rs `sorts_by_row`).
-pub const BY_ROW_MIN_K: usize = 1 << 16;
 
 /// How a [`TopKEngine::fused_select`] went.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -684,9 +681,6 @@ pub struct FusedReport {
     pub candidates: usize,
     /// Full passes repeated because the sampled threshold missed.
     pub reruns: usize,
-    /// The candidates were put in row order and sorted by the key's radix passes alone
-    /// ([`TopKEngine::fused_select`] at large k).
-    pub by_row: bool,
     /// Device time (ms, CUDA events; host waits in between included) of each phase: the
     /// sample pass, the sample's threshold, the full pass(es), the final selection (with the
     /// read-back, and a rerun's).
