@@ -5,14 +5,16 @@
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::{ArrayRef, AsArray, Int64Array, RecordBatch};
+use datafusion::arrow::array::{ArrayRef, AsArray, Int32Array, Int64Array, RecordBatch};
 use datafusion::arrow::compute::concat_batches;
 use datafusion::arrow::datatypes::{DataType, Field, Int64Type, Schema};
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::SessionContext;
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
 use datafusion_gpu_topk::device::algorithms::RANK_SORT_MAX;
-use datafusion_gpu_topk::device::{DeviceAlgorithm, FUSED_SAMPLE_ROWS, TopKEngine, gpu_status};
+use datafusion_gpu_topk::device::{
+    DeviceAlgorithm, FUSED_SAMPLE_ROWS, FusedReport, KeyKind, TopKEngine, gpu_status,
+};
 use datafusion_gpu_topk::exec::TopKSpec;
 use datafusion_gpu_topk::fusion::{ENTRY, FusedProgram, Part};
 use datafusion_gpu_topk::select::resident::ResidentColumns;
@@ -92,9 +94,13 @@ async fn plan(
     }
 }
 
-/// Runs every planned query fused and unfused on the device; returns the fused reports'
-/// rerun counts, in query order (None without a GPU).
-fn run_on_device(whole: &RecordBatch, ids: &Int64Array, planned: &[Planned]) -> Option<Vec<usize>> {
+/// Runs every planned query fused and unfused on the device; returns the fused reports, in
+/// query order (None without a GPU).
+fn run_on_device(
+    whole: &RecordBatch,
+    ids: &Int64Array,
+    planned: &[Planned],
+) -> Option<Vec<FusedReport>> {
     let device = match gpu_status() {
         datafusion_gpu_topk::device::GpuStatus::Available(d) => Arc::clone(d),
         datafusion_gpu_topk::device::GpuStatus::Unavailable(why) => {
@@ -102,7 +108,7 @@ fn run_on_device(whole: &RecordBatch, ids: &Int64Array, planned: &[Planned]) -> 
             return None;
         }
     };
-    let mut reruns = Vec::new();
+    let mut reports = Vec::new();
     for q in planned {
         let input = whole.project(&q.projection).unwrap();
         let mut engine = TopKEngine::new(&device, q.program.key_kind).unwrap();
@@ -128,21 +134,26 @@ fn run_on_device(whole: &RecordBatch, ids: &Int64Array, planned: &[Planned]) -> 
                 .collect();
             assert_eq!(got, q.want, "{} (fused: {fused}): {report:?}", q.sql);
             if fused {
-                assert!(report.sampled > 0, "{}: the sample ran", q.sql);
+                // The sample sets a threshold unless k nears half the rows (then every row
+                // is a candidate).
+                let sampled = q.spec.k < whole.num_rows() / 4;
+                assert_eq!(report.sampled > 0, sampled, "{}: the sample ran", q.sql);
                 // A large k's threshold is refined by a denser sample (at ≥ 128 rows a
                 // sampled row); a small k's is not.
-                if q.spec.k > RANK_SORT_MAX && whole.num_rows() >= 128 * FUSED_SAMPLE_ROWS {
+                if !sampled {
+                    assert_eq!(report.refined, 0, "{}", q.sql);
+                } else if q.spec.k > RANK_SORT_MAX && whole.num_rows() >= 128 * FUSED_SAMPLE_ROWS {
                     assert!(report.refined > report.sampled, "{}: {report:?}", q.sql);
                 } else if q.spec.k <= RANK_SORT_MAX {
                     assert_eq!(report.refined, 0, "{}", q.sql);
                 }
-                reruns.push(report.reruns);
+                reports.push(report);
             } else {
                 assert_eq!(report.candidates as u64, report.passed, "{}", q.sql);
             }
         }
     }
-    Some(reruns)
+    Some(reports)
 }
 
 /// Registers `whole` as table `t` of each session, in batches of 2^16 rows.
@@ -207,6 +218,45 @@ async fn resident_top_k_matches_datafusion_on_the_tweet_queries() {
 }
 
 #[tokio::test]
+async fn a_large_k_without_a_sampled_threshold_sorts_every_row_exactly() {
+    // k beyond half the rows: no sampled threshold, every row a candidate, merge-sorted on the
+    // device's count. Few distinct values: long runs of ties, whose order is the rows'.
+    let rows = 2_000_000usize;
+    let k = 1_600_000;
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("v64", DataType::Int64, false),
+        Field::new("v32", DataType::Int32, false),
+    ]));
+    let columns: Vec<ArrayRef> = vec![
+        Arc::new(Int64Array::from_iter_values((0..rows).map(|r| r as i64))),
+        Arc::new(Int64Array::from_iter_values(
+            (0..rows).map(|r| ((r as i64 * 7919) % 1009) << 33),
+        )),
+        Arc::new(Int32Array::from_iter_values(
+            (0..rows).map(|r| ((r as i32).wrapping_mul(48271) >> 8) % 997),
+        )),
+    ];
+    let whole = RecordBatch::try_new(schema.clone(), columns).unwrap();
+    let ids = whole.column(0).as_primitive::<Int64Type>().clone();
+    let (ours, plain) = sessions();
+    register_in_batches(&[&ours, &plain], &whole);
+    let mut planned = Vec::new();
+    for column in ["v64", "v32"] {
+        let sql = format!("SELECT id FROM t ORDER BY {column} DESC LIMIT {k}");
+        let oracle = format!("SELECT id FROM t ORDER BY {column} DESC, id LIMIT {k}");
+        planned.push(plan(&ours, &plain, &schema, &sql, &oracle).await);
+    }
+    assert_eq!(planned[0].program.key_kind, KeyKind::K64);
+    assert_eq!(planned[1].program.key_kind, KeyKind::K32);
+    if let Some(reports) = run_on_device(&whole, &ids, &planned) {
+        for report in &reports {
+            assert_eq!((report.candidates, report.reruns), (rows, 0), "{reports:?}");
+        }
+    }
+}
+
+#[tokio::test]
 async fn a_missed_sampled_threshold_reruns_the_pass_and_stays_exact() {
     // 16 rows per sampled row: the sample sees only rows i ≡ 0 (mod 16); the other rows
     // outnumber the smallest candidate buffer (2^16 pairs).
@@ -243,7 +293,8 @@ async fn a_missed_sampled_threshold_reruns_the_pass_and_stays_exact() {
         let oracle = format!("SELECT id FROM t ORDER BY {column} DESC, id LIMIT 1000");
         planned.push(plan(&ours, &plain, &schema, &sql, &oracle).await);
     }
-    if let Some(reruns) = run_on_device(&whole, &ids, &planned) {
+    if let Some(reports) = run_on_device(&whole, &ids, &planned) {
+        let reruns: Vec<usize> = reports.iter().map(|r| r.reruns).collect();
         assert_eq!(reruns, vec![1, 1], "each miss reruns the full pass once");
     }
 }
@@ -281,7 +332,7 @@ async fn a_missed_refined_threshold_reruns_the_pass_and_stays_exact() {
     let sql = format!("SELECT id FROM t ORDER BY v DESC LIMIT {k}");
     let oracle = format!("SELECT id FROM t ORDER BY v DESC, id LIMIT {k}");
     let planned = [plan(&ours, &plain, &schema, &sql, &oracle).await];
-    if let Some(reruns) = run_on_device(&whole, &ids, &planned) {
-        assert_eq!(reruns, vec![1], "the miss reruns the full pass once");
+    if let Some(reports) = run_on_device(&whole, &ids, &planned) {
+        assert_eq!(reports[0].reruns, 1, "the miss reruns the full pass once");
     }
 }
