@@ -246,9 +246,10 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 #define TOP_QWANT 144u
 static_assert(3 * (TOP_QWANT + 1) <= TOP_QMAX, "every interval up to the rank cut in three pieces");
 #define TOP_QSIDE 12u
-// The most keys a linear bin may be expected to hold at k > n/4 (64-bit keys) before the bins
-// are quantile bins instead: half the segment sort's bin (TOP_SEGMENT_BIN).
-#define TOP_LOAD_MAX 384.0f
+// The most keys a linear bin may be expected to hold at k > n/4 (64-bit keys, coordinates that
+// are words) before the bins are quantile bins instead: two thirds of the segment sort's bin
+// (TOP_SEGMENT_BIN), above what sampling noise gives evenly spread keys (see top_window).
+#define TOP_LOAD_MAX 512.0f
 // An edge piece's share of the bins (256 an interval): its width over the mean width of its
 // side's intervals, at most one interval's (the gap interval holds ~n/256 keys, as any).
 __device__ __forceinline__ u32 top_edge_share(u64 width, u64 mean) {
@@ -410,18 +411,23 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     // against 41–42 / 58–59 in linear bins; H100, sessions 23–24.)
     // (Top bits runs 32- and 64-bit keys only: wider keys' instances skip the quantile bins,
     // whose registers would spill beside their 16 keys a thread.)
-    // Beyond k = n/4, 64-bit keys: also where the linear bins would hold more than TOP_LOAD_MAX
-    // keys a bin at four sample intervals (~n/64 keys) up to the rank checked: their bins are
-    // span / TOP_LINEAR coordinates wide. Doubles of uniform values double their density every
-    // octave of encodings: at k = 5n/16 and 3n/8 of f64 keys in [0, 1) the kept bins of the top
-    // octave held ~500–700 keys, near the segment sort's big bins (its kernel 76–80 µs against
-    // 19–20 for i64 keys; H100, n = 2^20, session 25).
+    // Beyond k = n/4, 64-bit keys whose coordinates are words: also where the linear bins would
+    // hold more than TOP_LOAD_MAX keys a bin at sixteen sample intervals (~n/16 keys) up to the
+    // rank checked; their bins are span / TOP_LINEAR coordinates wide. Doubles of uniform values
+    // double their density every octave of encodings: at k = 5n/16 and 3n/8 of f64 keys in
+    // [0, 1) the kept bins of the top octave held ~500–700 keys, near the segment sort's big bins
+    // (its kernel 76–80 µs against 19–20 for i64 keys; H100, n = 2^20, session 25). Four
+    // intervals and 384 keys, for all 64-bit keys (session 25, call 7), took f64 uniform keys
+    // there from 108.8 / 127.0 to 90.5 / 97.8 µs, but sampling noise alone crossed that line for
+    // evenly spread keys: i64 uniform 60.8 / 64.7 → 82.8 / 108.0, i64 and f64 narrow 62–67 →
+    // 81–95. Sixteen intervals (a CPU simulation of the sample, 300 seeds): evenly spread words
+    // at most 431 / 478 keys a bin at 5n/16 / 3n/8, f64 keys in [0, 1) over 512 in 91 / 99%.
     if (K::BITS <= 64 && bins.scale != 0 &&
         ((t + 4 <= reach && __ull2float_rz(s_coord[t + 4] - s_coord[t]) * (64.0f * want) <
                                 4.0f * __ull2float_rz(s_coord[want] - s_coord[0])) ||
          (bins.w0 == ~0ull && 16 * k >= n && t < want && s_coord[t] == s_coord[t + 1]) ||
-         (K::BITS == 64 && 4 * k > n && want <= TOP_QWANT && t + 4 <= reach &&
-          __ull2float_rz(s_coord[t + 4] - s_coord[t]) * (64.0f * TOP_LOAD_MAX * TOP_LINEAR) <
+         (K::BITS == 64 && bins.w0 == ~0ull && 4 * k > n && want <= TOP_QWANT && t + 16 <= reach &&
+          __ull2float_rz(s_coord[t + 16] - s_coord[t]) * (16.0f * TOP_LOAD_MAX * TOP_LINEAR) <
               __ull2float_rz(span) * (float)n)))
         s_quant = 1;
     __syncthreads();
