@@ -170,6 +170,27 @@ fn register_in_batches(sessions: &[&SessionContext], whole: &RecordBatch) {
     }
 }
 
+/// Table `t` of `columns` (column 0: the row ids) in both sessions, and the plan of `SELECT id
+/// FROM t ORDER BY c DESC LIMIT k` for each column c of `by` (its oracle with `, id` appended).
+async fn plan_descending(
+    schema: &Arc<Schema>,
+    columns: Vec<ArrayRef>,
+    by: &[&str],
+    k: usize,
+) -> (RecordBatch, Int64Array, Vec<Planned>) {
+    let whole = RecordBatch::try_new(schema.clone(), columns).unwrap();
+    let ids = whole.column(0).as_primitive::<Int64Type>().clone();
+    let (ours, plain) = sessions();
+    register_in_batches(&[&ours, &plain], &whole);
+    let mut planned = Vec::new();
+    for column in by {
+        let sql = format!("SELECT id FROM t ORDER BY {column} DESC LIMIT {k}");
+        let oracle = format!("SELECT id FROM t ORDER BY {column} DESC, id LIMIT {k}");
+        planned.push(plan(&ours, &plain, schema, &sql, &oracle).await);
+    }
+    (whole, ids, planned)
+}
+
 #[tokio::test]
 async fn resident_top_k_matches_datafusion_on_the_tweet_queries() {
     // Enough rows for the sampled threshold at k = 10^5, and for its denser sample (a step of
@@ -237,16 +258,7 @@ async fn a_large_k_without_a_sampled_threshold_sorts_every_row_exactly() {
             (0..rows).map(|r| ((r as i32).wrapping_mul(48271) >> 8) % 997),
         )),
     ];
-    let whole = RecordBatch::try_new(schema.clone(), columns).unwrap();
-    let ids = whole.column(0).as_primitive::<Int64Type>().clone();
-    let (ours, plain) = sessions();
-    register_in_batches(&[&ours, &plain], &whole);
-    let mut planned = Vec::new();
-    for column in ["v64", "v32"] {
-        let sql = format!("SELECT id FROM t ORDER BY {column} DESC LIMIT {k}");
-        let oracle = format!("SELECT id FROM t ORDER BY {column} DESC, id LIMIT {k}");
-        planned.push(plan(&ours, &plain, &schema, &sql, &oracle).await);
-    }
+    let (whole, ids, planned) = plan_descending(&schema, columns, &["v64", "v32"], k).await;
     assert_eq!(planned[0].program.key_kind, KeyKind::K64);
     assert_eq!(planned[1].program.key_kind, KeyKind::K32);
     if let Some(reports) = run_on_device(&whole, &ids, &planned) {
@@ -283,16 +295,8 @@ async fn a_missed_sampled_threshold_reruns_the_pass_and_stays_exact() {
             (0..rows).map(|r| if r % STEP == 0 { -i(r) } else { i(r) % 5000 }),
         )),
     ];
-    let whole = RecordBatch::try_new(schema.clone(), columns).unwrap();
-    let ids = whole.column(0).as_primitive::<Int64Type>().clone();
-    let (ours, plain) = sessions();
-    register_in_batches(&[&ours, &plain], &whole);
-    let mut planned = Vec::new();
-    for column in ["best_sampled", "worst_sampled"] {
-        let sql = format!("SELECT id FROM t ORDER BY {column} DESC LIMIT 1000");
-        let oracle = format!("SELECT id FROM t ORDER BY {column} DESC, id LIMIT 1000");
-        planned.push(plan(&ours, &plain, &schema, &sql, &oracle).await);
-    }
+    let (whole, ids, planned) =
+        plan_descending(&schema, columns, &["best_sampled", "worst_sampled"], 1000).await;
     if let Some(reports) = run_on_device(&whole, &ids, &planned) {
         let reruns: Vec<usize> = reports.iter().map(|r| r.reruns).collect();
         assert_eq!(reruns, vec![1, 1], "each miss reruns the full pass once");
@@ -325,13 +329,7 @@ async fn a_missed_refined_threshold_reruns_the_pass_and_stays_exact() {
             }
         }))),
     ];
-    let whole = RecordBatch::try_new(schema.clone(), columns).unwrap();
-    let ids = whole.column(0).as_primitive::<Int64Type>().clone();
-    let (ours, plain) = sessions();
-    register_in_batches(&[&ours, &plain], &whole);
-    let sql = format!("SELECT id FROM t ORDER BY v DESC LIMIT {k}");
-    let oracle = format!("SELECT id FROM t ORDER BY v DESC, id LIMIT {k}");
-    let planned = [plan(&ours, &plain, &schema, &sql, &oracle).await];
+    let (whole, ids, planned) = plan_descending(&schema, columns, &["v"], k).await;
     if let Some(reports) = run_on_device(&whole, &ids, &planned) {
         assert_eq!(reports[0].reruns, 1, "the miss reruns the full pass once");
     }
