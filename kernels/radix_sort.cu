@@ -566,29 +566,41 @@ template <class K> __device__ __forceinline__ void top_next_chunk(K (&ks)[SCATTE
     for (int u = 0; u + TOP_CHUNK < SCATTER_ITEMS; ++u) ks[u] = ks[u + TOP_CHUNK];
 }
 
-// top_count over quantile bins, loading its own keys (not inlined: see top_quantile_table).
-template <class K>
-__device__ __noinline__ void top_count_quantile(const K *keys, u64 n, u64 i0, u64 stride, const TopBins *shared_bins,
-                                                u32 *sh) {
+// The quantile loops of the histogram and the scatter: f(key, position, bin) by one lane for
+// each pair from i0 on (the first round's keys in `ks`) whose coordinate is below `limit`,
+// gathered a chunk at a time.
+template <class K, class F>
+__device__ __forceinline__ void top_each_gathered(const K *keys, u64 n, u64 i0, u64 stride, K (&ks)[SCATTER_ITEMS],
+                                                  const TopBins &bins, u64 limit, F f) {
     __shared__ TopGathered<K> g;
-    const TopBins bins = *shared_bins; // its table is top_window's, in shared memory
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u64 limit = bins.q[bins.m]; // above: the last bin, not counted
-    K ks[SCATTER_ITEMS];
-    load_strided_keys(keys, n, i0, ks);
     for (; i0 < n; i0 += stride) {
 #pragma unroll 1
         for (int u0 = 0; u0 < SCATTER_ITEMS; u0 += TOP_CHUNK) {
             const u32 count = top_gather(ks, n, i0 + (u64)u0 * RSORT_THREADS, bins, limit, g);
             for (u32 j = lane; j < count; j += 32) {
-                const u32 bin = bins.bin_of<true>(top_word(g.key[warp][j]), g.pos[warp][j]);
-                if (bin < TOP_BINS - 1) atomicAdd(&sh[bin], 1u);
+                const K key = g.key[warp][j];
+                const u32 pos = g.pos[warp][j];
+                f(key, pos, bins.bin_of<true>(top_word(key), pos));
             }
             __syncwarp();
             top_next_chunk(ks);
         }
         load_strided_keys(keys, n, i0 + stride, ks);
     }
+}
+
+// top_count over quantile bins, loading its own keys (not inlined: see top_quantile_table).
+template <class K>
+__device__ __noinline__ void top_count_quantile(const K *keys, u64 n, u64 i0, u64 stride, const TopBins *shared_bins,
+                                                u32 *sh) {
+    const TopBins bins = *shared_bins; // its table is top_window's, in shared memory
+    K ks[SCATTER_ITEMS];
+    load_strided_keys(keys, n, i0, ks);
+    // Above the table's end: the last bin, not counted.
+    top_each_gathered(keys, n, i0, stride, ks, bins, bins.q[bins.m], [&](const K &, u32, u32 bin) {
+        if (bin < TOP_BINS - 1) atomicAdd(&sh[bin], 1u);
+    });
 }
 
 // The histogram: every block computes the bins from the sample itself (one launch less: a
@@ -759,10 +771,8 @@ __device__ __forceinline__ void top_place(const K *keys, u64 n, u64 i0, u64 stri
 template <class K>
 __device__ __noinline__ void top_place_quantile(const K *keys, u64 n, u64 i0, u64 stride, const TopBins *shared_bins,
                                                 u32 bound, const u32 *start, u32 *fill, K *out_keys, u64 *out_ids) {
-    __shared__ TopGathered<K> g;
     __shared__ u64 s_limit;
     TopBins bins = *shared_bins;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     K ks[SCATTER_ITEMS];
     load_strided_keys(keys, n, i0, ks);
     bins.q = top_table_in_shared(bins.q, bins.m);
@@ -778,26 +788,13 @@ __device__ __noinline__ void top_place_quantile(const K *keys, u64 n, u64 i0, u6
         s_limit = bound < TOP_LOW ? bins.q[0] : bins.q[p + 1];
     }
     __syncthreads();
-    const u64 limit = s_limit;
-    for (; i0 < n; i0 += stride) {
-#pragma unroll 1
-        for (int u0 = 0; u0 < SCATTER_ITEMS; u0 += TOP_CHUNK) {
-            const u32 count = top_gather(ks, n, i0 + (u64)u0 * RSORT_THREADS, bins, limit, g);
-            for (u32 j = lane; j < count; j += 32) {
-                const K key = g.key[warp][j];
-                const u32 pos = g.pos[warp][j];
-                const u32 bin = bins.bin_of<true>(top_word(key), pos);
-                if (bin <= bound) {
-                    const u32 slot = start[bin] + atomicAdd(&fill[bin * TOP_FILL_STRIDE], 1u);
-                    out_keys[slot] = key;
-                    out_ids[slot] = pos;
-                }
-            }
-            __syncwarp();
-            top_next_chunk(ks);
+    top_each_gathered(keys, n, i0, stride, ks, bins, s_limit, [&](const K &key, u32 pos, u32 bin) {
+        if (bin <= bound) {
+            const u32 slot = start[bin] + atomicAdd(&fill[bin * TOP_FILL_STRIDE], 1u);
+            out_keys[slot] = key;
+            out_ids[slot] = pos;
         }
-        load_strided_keys(keys, n, i0 + stride, ks);
-    }
+    });
 }
 
 template <class K>
