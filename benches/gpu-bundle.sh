@@ -7,7 +7,8 @@
 # four), where per-file xz -6 would exceed the 64 MiB carry limit.
 #
 # KERNELS_ONLY=1: only the kernel and fusion benchmarks and the integration tests (a few
-# minutes to pack), for runs of the device work.
+# minutes to pack), for runs of the device work. EXTRA="NAME=PATH …": more executables packed
+# under NAME (e.g. an earlier build's benchmark, to compare against in the same call).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -34,6 +35,7 @@ for line in open(src):
     shutil.copy2(m["executable"], os.path.join(stage, name))
     print(f"  {name:24s} {os.path.getsize(m['executable']) / 2**20:8.1f} MiB")
 PY
+for e in ${EXTRA:-}; do cp "${e#*=}" "$stage/${e%%=*}"; done
 for f in "$stage"/*; do strip "$f" 2>/dev/null || true; done
 tar -C "$stage" -cf - . | xz -T1 --lzma2=preset=6,dict=768MiB > .gpu/bundle.tar.xz
 ls -la .gpu/bundle.tar.xz

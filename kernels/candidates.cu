@@ -169,6 +169,69 @@ template <class K> __device__ void threshold_from(const K *keys, const u64 *ids,
     }
 }
 
+// ---- a large k's candidates as one 64-bit word each ------------------------------------------
+//
+// A fused selection's candidates for a large k all beat one threshold, so their keys share most
+// bits. `key_span` finds the bits that vary (per key word, the OR of the complemented keys and
+// the OR of the keys); the host reads them back with the count, and where the varying field
+// [lo, lo + width) and the row id's bits fit one 64-bit word, each pair becomes the word
+// (field << id_bits) | row id (common.cuh `packed_word`; the bits outside the field are the same
+// in every key). merge_sort.cu packs them as its tile sort loads them and merges the words keys
+// only (half the bytes of 64-bit keys' pairs a round moves); `unpack_words` turns the first m
+// back into (key, row id) pairs.
+
+// span[j] |= OR of ~word j, span[N + j] |= OR of word j, over keys [0, min(*count, cap)).
+template <class K> __device__ void key_span(const K *keys, const u64 *count, u64 cap, u64 *span) {
+    const u64 m = min(*count, cap);
+    u64 nand[K::N], any[K::N];
+#pragma unroll
+    for (int j = 0; j < K::N; ++j) nand[j] = any[j] = 0;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (u64)gridDim.x * blockDim.x) {
+        const K k = keys[i];
+#pragma unroll
+        for (int j = 0; j < K::N; ++j) {
+            nand[j] |= (u64)(typename K::Word)~k.w[j];
+            any[j] |= (u64)k.w[j];
+        }
+    }
+    // One global atomic per block and word: per warp they serialised on the two words' L2
+    // slice (18 µs over 1.27M keys, ncu).
+    __shared__ u64 s_span[2 * K::N];
+    if (threadIdx.x < 2 * K::N) s_span[threadIdx.x] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < K::N; ++j) {
+        nand[j] = warp_or(nand[j]);
+        any[j] = warp_or(any[j]);
+        if (lane_id() == 0 && (nand[j] | any[j]) != 0) {
+            atomicOr(&s_span[j], nand[j]);
+            atomicOr(&s_span[K::N + j], any[j]);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 2 * K::N && s_span[threadIdx.x] != 0) atomicOr(&span[threadIdx.x], s_span[threadIdx.x]);
+}
+
+// Pairs [0, m) from words [0, m): the fixed bits (the AND of the keys, from `span`, outside
+// the field) and the field, and the row id below id_bits.
+template <class K>
+__device__ void unpack_words(const u64 *words, u64 m, const u64 *span, u32 lo, u32 width, u32 id_bits, K *keys,
+                             u64 *ids) {
+    K fixed;
+#pragma unroll
+    for (int j = 0; j < K::N; ++j) fixed.w[j] = (typename K::Word)~span[j];
+    const u64 field_mask = width >= 64 ? ~0ull : (1ull << width) - 1ull;
+    const K clear = key_with_field(key_zero<K>(), field_mask, lo);
+#pragma unroll
+    for (int j = 0; j < K::N; ++j) fixed.w[j] &= ~clear.w[j];
+    const u64 id_mask = id_bits >= 64 ? ~0ull : (1ull << id_bits) - 1ull;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (u64)gridDim.x * blockDim.x) {
+        const u64 w = words[i];
+        keys[i] = key_with_field(fixed, id_bits >= 64 ? 0ull : w >> id_bits, lo);
+        ids[i] = w & id_mask;
+    }
+}
+
 #define CANDIDATE_ENTRIES(K, S)                                                                                   \
     extern "C" __global__ void                                                                                    \
         append_##S(const K *keys, const u64 *ids, u64 id_start, u64 n, const Threshold<K> *thr, K *cand_keys,     \
@@ -192,5 +255,14 @@ template <class K> __device__ void threshold_from(const K *keys, const u64 *ids,
     }                                                                                                             \
     extern "C" __global__ void threshold_from_##S(const K *keys, const u64 *ids, u64 index, Threshold<K> *thr) {  \
         threshold_from<K>(keys, ids, index, thr);                                                                 \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) key_span_##S(const K *keys, const u64 *count, u64 cap,    \
+                                                                   u64 *span) {                                \
+        key_span<K>(keys, count, cap, span);                                                                      \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256)                                                             \
+        unpack_words_##S(const u64 *words, u64 m, const u64 *span, u32 lo, u32 width, u32 id_bits, K *keys,      \
+                         u64 *ids) {                                                                              \
+        unpack_words<K>(words, m, span, lo, width, id_bits, keys, ids);                                           \
     }
 INSTANTIATE_KEYS(CANDIDATE_ENTRIES)

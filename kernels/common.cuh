@@ -93,6 +93,39 @@ __device__ __forceinline__ u32 vbits(const K &k, u64 id, int lo, int nbits) {
     return (u32)(v & ((1ull << nbits) - 1));
 }
 
+// ---- packed words: a pair as one 64-bit word (candidates.cu, merge_sort.cu) ----
+
+// Bits [lo, lo + width) of the key as one word, width ≤ 64 (word j holds bits [jW, jW + W)).
+template <class K> __device__ __forceinline__ u64 key_field(const K &k, u32 lo, u32 width) {
+    constexpr int W = 8 * sizeof(typename K::Word);
+    u64 v = 0;
+#pragma unroll
+    for (int j = 0; j < K::N; ++j) {
+        const int at = j * W - (int)lo; // where word j's bit 0 lands in the field
+        if (at >= 64 || at <= -W) continue;
+        const u64 w = (u64)k.w[j];
+        v |= at >= 0 ? w << at : w >> -at;
+    }
+    return width >= 64 ? v : v & ((1ull << width) - 1ull);
+}
+
+// The key whose bits outside the field are `fixed`'s and whose field is `field`.
+template <class K> __device__ __forceinline__ K key_with_field(K k, u64 field, u32 lo) {
+    constexpr int W = 8 * sizeof(typename K::Word);
+#pragma unroll
+    for (int j = 0; j < K::N; ++j) {
+        const int at = j * W - (int)lo;
+        if (at >= 64 || at <= -W) continue;
+        k.w[j] |= (typename K::Word)(at >= 0 ? field >> at : field << -at);
+    }
+    return k;
+}
+
+// The word of pair (k, id): its key's field above the row id's `id_bits` bits (id < 2^id_bits).
+template <class K> __device__ __forceinline__ u64 packed_word(const K &k, u64 id, u32 lo, u32 width, u32 id_bits) {
+    return (key_field(k, lo, width) << id_bits) | id;
+}
+
 // Loads bypassing L1, for data other blocks of the same kernel wrote (read in a last block).
 template <class K> __device__ __forceinline__ K load_cg(const K *p) {
     K k;

@@ -17,6 +17,10 @@
 //                 diagonal (a 32-way search, ~4 dependent L2 round trips for 10^6 pairs where a
 //                 binary search takes ~20), the block loads both runs' parts into shared memory
 //                 and merges as in msort_tiles, and writes the tile out coalesced.
+// Packed words (a large k's candidates, candidates.cu): `msort_tiles_packed` packs each pair
+// into its 64-bit word as it loads it, and `msort_merge_words` merges the words keys only (no
+// row ids: every id reads as 0), half the bytes of 64-bit keys' pairs (H100, 1.27M of Q2's
+// candidates, ncu: tiles 37 µs and rounds ~14 µs against 50 and ~20 for the pairs, session 26).
 // Run j of a round (input span s, the sort's k) starts at j · min(s, k) and holds
 // min(k, pairs of the input positions [j·s, (j+1)·s) below m): a function of m alone, so every
 // round can be enqueued before m is known (m = *m_dev, a selection's survivor count).
@@ -56,19 +60,23 @@ __device__ __forceinline__ u32 run_length(u64 j, u64 span, u64 m, u64 k) {
 // V consecutive pairs each (lane l at l·V + e) hit distinct banks.
 template <class W> __device__ __forceinline__ u32 spad(u32 i) { return i + i / (128 / (u32)sizeof(W)); }
 
-template <class K, bool Padded> struct Run {
+// Keys only (`KO`): 64-bit words that are whole pairs (candidates.cu `pack_words`), no row ids
+// (every id reads as 0, none is stored).
+template <class K, bool Padded, bool KO = false> struct Run {
     K *keys;
     u64 *ids;
     u32 off;
     __device__ __forceinline__ K key(u32 i) const { return Padded ? keys[spad<K>(off + i)] : keys[off + i]; }
-    __device__ __forceinline__ u64 id(u32 i) const { return Padded ? ids[spad<u64>(off + i)] : ids[off + i]; }
+    __device__ __forceinline__ u64 id(u32 i) const {
+        return KO ? 0ull : Padded ? ids[spad<u64>(off + i)] : ids[off + i];
+    }
     __device__ __forceinline__ void put(u32 i, const K &k, u64 id_) const {
         if (Padded) {
             keys[spad<K>(off + i)] = k;
-            ids[spad<u64>(off + i)] = id_;
+            if (!KO) ids[spad<u64>(off + i)] = id_;
         } else {
             keys[off + i] = k;
-            ids[off + i] = id_;
+            if (!KO) ids[off + i] = id_;
         }
     }
 };
@@ -173,33 +181,54 @@ template <class K, int V> __device__ __forceinline__ void sort_items(K (&key)[V]
 }
 
 // Dynamic shared memory as a padded run of `n` pairs (keys, then row ids).
-template <class K> __device__ __forceinline__ Run<K, true> tile_smem(u32 n) {
+template <class K, bool KO> __device__ __forceinline__ Run<K, true, KO> tile_smem(u32 n) {
     extern __shared__ __align__(16) u8 msort_smem[];
     K *keys = reinterpret_cast<K *>(msort_smem);
     return {keys, reinterpret_cast<u64 *>(msort_smem + ((u64)spad<K>(n) * sizeof(K) + 15) / 16 * 16), 0u};
 }
 
 // Writes each thread's V pairs (positions t·V …) to shared memory.
-template <class K, int V>
-__device__ __forceinline__ void put_items(const Run<K, true> &s, const K (&key)[V], const u64 (&id)[V]) {
+template <class K, int V, bool KO>
+__device__ __forceinline__ void put_items(const Run<K, true, KO> &s, const K (&key)[V], const u64 (&id)[V]) {
 #pragma unroll
     for (int e = 0; e < V; ++e) s.put(threadIdx.x * V + e, key[e], id[e]);
 }
 
 // Writes each thread's V pairs to shared memory, then the block's first `valid` positions to
 // `out`, coalesced.
-template <class K, int V>
-__device__ __forceinline__ void store_tile_out(const Run<K, true> &s, const K (&key)[V], const u64 (&id)[V],
-                                               u32 valid, const Run<K, false> &out) {
+template <class K, int V, bool KO>
+__device__ __forceinline__ void store_tile_out(const Run<K, true, KO> &s, const K (&key)[V], const u64 (&id)[V],
+                                               u32 valid, const Run<K, false, KO> &out) {
     __syncthreads();
-    put_items<K, V>(s, key, id);
+    put_items<K, V, KO>(s, key, id);
     __syncthreads();
     for (u32 t = threadIdx.x; t < valid; t += MSORT_THREADS) out.put(t, s.key(t), s.id(t));
 }
 
-template <class K>
-__device__ void msort_tiles(const K *keys, const u64 *ids, u64 m_host, const u64 *m_dev, u64 cap, K *out_keys,
-                            u64 *out_ids, u32 *status) {
+// Pair g of a tile sort's input: (key, row id) from arrays (row ids null: positions)…
+template <class K> struct LoadPairs {
+    const K *keys;
+    const u64 *ids;
+    __device__ __forceinline__ void operator()(u64 g, K &k, u64 &id) const {
+        k = keys[g];
+        id = ids ? ids[g] : g;
+    }
+};
+
+// … or the packed word of pair g (common.cuh `packed_word`), keys only.
+template <class K> struct LoadPacked {
+    const K *keys;
+    const u64 *ids;
+    u32 lo, width, id_bits;
+    __device__ __forceinline__ void operator()(u64 g, K64 &k, u64 &id) const {
+        k.w[0] = packed_word(keys[g], ids[g], lo, width, id_bits);
+        id = 0;
+    }
+};
+
+template <class K, bool KO, class Load>
+__device__ void msort_tiles(Load load, u64 m_host, const u64 *m_dev, u64 cap, K *out_keys, u64 *out_ids,
+                            u32 *status) {
     constexpr int V = MergeItems<K>::V;
     constexpr u32 TILE = MSORT_THREADS * V;
     // Both words loaded before either is tested: one round trip.
@@ -213,11 +242,13 @@ __device__ void msort_tiles(const K *keys, const u64 *ids, u64 m_host, const u64
     const u64 base = (u64)blockIdx.x * TILE;
     if (base >= m) return;
     const u32 valid = (u32)min(m - base, (u64)TILE);
-    const Run<K, true> s = tile_smem<K>(TILE);
+    const Run<K, true, KO> s = tile_smem<K, KO>(TILE);
     // Coalesced loads into shared memory, then each thread takes V consecutive pairs.
     for (u32 t = threadIdx.x; t < TILE; t += MSORT_THREADS) {
-        const bool real = t < valid;
-        s.put(t, real ? keys[base + t] : key_max<K>(), real ? (ids ? ids[base + t] : base + t) : ~0ull);
+        K k = key_max<K>();
+        u64 id = ~0ull;
+        if (t < valid) load(base + t, k, id);
+        s.put(t, k, id);
     }
     __syncthreads();
     K key[V];
@@ -231,17 +262,17 @@ __device__ void msort_tiles(const K *keys, const u64 *ids, u64 m_host, const u64
     // Rounds of pairwise merges of runs of `run` pairs in shared memory.
     for (u32 run = V; run < TILE; run <<= 1) {
         __syncthreads();
-        put_items<K, V>(s, key, id);
+        put_items<K, V, KO>(s, key, id);
         __syncthreads();
         const u32 pos = threadIdx.x * V, d = pos & (2 * run - 1), first = pos - d;
-        const Run<K, true> a{s.keys, s.ids, first}, b{s.keys, s.ids, first + run};
+        const Run<K, true, KO> a{s.keys, s.ids, first}, b{s.keys, s.ids, first + run};
         const u32 i = merge_path(a, run, b, run, d);
         merge_items<K, V>(a, run, b, run, i, d - i, V, key, id);
     }
-    store_tile_out<K, V>(s, key, id, valid, Run<K, false>{out_keys + base, out_ids + base, 0u});
+    store_tile_out<K, V, KO>(s, key, id, valid, Run<K, false, KO>{out_keys + base, KO ? nullptr : out_ids + base, 0u});
 }
 
-template <class K>
+template <class K, bool KO>
 __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, const u64 *m_dev, u64 cap, u64 k,
                             u64 span, K *out_keys, u64 *out_ids, const u32 *status) {
     constexpr int V = MergeItems<K>::V;
@@ -263,8 +294,9 @@ __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, con
     const u32 d1 = (u32)min(d0 + TILE, (u64)out_len);
     const u32 alen = run_length(2 * q, span, m, k), blen = run_length(2 * q + 1, span, m, k);
     const u64 a_at = 2 * q * in_stride;
-    const Run<K, false> a{const_cast<K *>(in_keys) + a_at, const_cast<u64 *>(in_ids) + a_at, 0u};
-    const Run<K, false> b{a.keys + in_stride, a.ids + in_stride, 0u};
+    u64 *ids_at = KO ? nullptr : const_cast<u64 *>(in_ids) + a_at;
+    const Run<K, false, KO> a{const_cast<K *>(in_keys) + a_at, ids_at, 0u};
+    const Run<K, false, KO> b{a.keys + in_stride, KO ? nullptr : ids_at + in_stride, 0u};
     const u32 warp = threadIdx.x / 32;
     if (warp < 2) {
         const u32 i = merge_path_warp(a, alen, b, blen, warp == 0 ? (u32)d0 : d1);
@@ -273,7 +305,7 @@ __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, con
     __syncthreads();
     const u32 a0 = s_split[0], a1 = s_split[1], b0 = (u32)d0 - a0, b1 = d1 - a1;
     const u32 na = a1 - a0, nb = b1 - b0, n = na + nb;
-    const Run<K, true> s = tile_smem<K>(TILE);
+    const Run<K, true, KO> s = tile_smem<K, KO>(TILE);
     for (u32 t = threadIdx.x; t < n; t += MSORT_THREADS) {
         if (t < na) {
             s.put(t, a.key(a0 + t), a.id(a0 + t));
@@ -285,22 +317,35 @@ __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, con
     K key[V];
     u64 id[V];
     const u32 d = min(threadIdx.x * V, n);
-    const Run<K, true> sa{s.keys, s.ids, 0u}, sb{s.keys, s.ids, na};
+    const Run<K, true, KO> sa{s.keys, s.ids, 0u}, sb{s.keys, s.ids, na};
     const u32 i = merge_path(sa, na, sb, nb, d);
     merge_items<K, V>(sa, na, sb, nb, i, d - i, min((u32)V, n - d), key, id);
     const u64 o = q * out_stride + d0;
-    store_tile_out<K, V>(s, key, id, n, Run<K, false>{out_keys + o, out_ids + o, 0u});
+    store_tile_out<K, V, KO>(s, key, id, n, Run<K, false, KO>{out_keys + o, KO ? nullptr : out_ids + o, 0u});
 }
 
 #define MERGE_SORT_ENTRIES(K, S)                                                                                  \
     extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
         msort_tiles_##S(const K *keys, const u64 *ids, u64 m_host, const u64 *m_dev, u64 cap, K *out_keys,        \
                         u64 *out_ids, u32 *status) {                                                              \
-        msort_tiles<K>(keys, ids, m_host, m_dev, cap, out_keys, out_ids, status);                                 \
+        msort_tiles<K, false>(LoadPairs<K>{keys, ids}, m_host, m_dev, cap, out_keys, out_ids, status);           \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
         msort_merge_##S(const K *in_keys, const u64 *in_ids, u64 m_host, const u64 *m_dev, u64 cap, u64 k,       \
                         u64 span, K *out_keys, u64 *out_ids, const u32 *status) {                                 \
-        msort_merge<K>(in_keys, in_ids, m_host, m_dev, cap, k, span, out_keys, out_ids, status);                  \
+        msort_merge<K, false>(in_keys, in_ids, m_host, m_dev, cap, k, span, out_keys, out_ids, status);           \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
+        msort_tiles_packed_##S(const K *keys, const u64 *ids, u32 lo, u32 width, u32 id_bits, u64 m_host,         \
+                               const u64 *m_dev, u64 cap, K64 *out_words, u32 *status) {                          \
+        msort_tiles<K64, true>(LoadPacked<K>{keys, ids, lo, width, id_bits}, m_host, m_dev, cap, out_words,      \
+                               nullptr, status);                                                                  \
     }
 INSTANTIATE_KEYS(MERGE_SORT_ENTRIES)
+
+// The rounds over packed words (keys only), after msort_tiles_packed.
+extern "C" __global__ void __launch_bounds__(MSORT_THREADS)
+    msort_merge_words(const K64 *in_keys, u64 m_host, const u64 *m_dev, u64 cap, u64 k, u64 span, K64 *out_keys,
+                      const u32 *status) {
+    msort_merge<K64, true>(in_keys, nullptr, m_host, m_dev, cap, k, span, out_keys, nullptr, status);
+}

@@ -56,6 +56,8 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
             "threshold_from",
             "filter_below",
             "filter_fraction",
+            "key_span",
+            "unpack_words",
         ],
     ),
     ("radix.cu", &["radix_masks", "radix_hist", "radix_filter"]),
@@ -88,7 +90,10 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
             "rsort_top_scatter",
         ],
     ),
-    ("merge_sort.cu", &["msort_tiles", "msort_merge"]),
+    (
+        "merge_sort.cu",
+        &["msort_tiles", "msort_merge", "msort_tiles_packed"],
+    ),
     ("delegate.cu", &["delegate_min", "delegate_gather"]),
 ];
 
@@ -96,6 +101,7 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
 const PLAIN_ENTRIES: &[(&str, &[&str])] = &[
     ("radix.cu", &["radix_init"]),
     ("radix_sort.cu", &["rsort_scan"]),
+    ("merge_sort.cu", &["msort_merge_words"]),
     ("read_floor.cu", &["read_floor_w32", "read_floor_w64"]),
 ];
 

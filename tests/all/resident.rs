@@ -5,7 +5,9 @@
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::{ArrayRef, AsArray, Int32Array, Int64Array, RecordBatch};
+use datafusion::arrow::array::{
+    ArrayRef, AsArray, Float64Array, Int32Array, Int64Array, RecordBatch,
+};
 use datafusion::arrow::compute::concat_batches;
 use datafusion::arrow::datatypes::{DataType, Field, Int64Type, Schema};
 use datafusion::physical_plan::ExecutionPlan;
@@ -240,14 +242,19 @@ async fn resident_top_k_matches_datafusion_on_the_tweet_queries() {
 
 #[tokio::test]
 async fn a_large_k_without_a_sampled_threshold_sorts_every_row_exactly() {
-    // k beyond half the rows: no sampled threshold, every row a candidate, merge-sorted on the
-    // device's count. Few distinct values: long runs of ties, whose order is the rows'.
+    // k beyond half the rows: no sampled threshold, every row a candidate, sorted whole. Few
+    // distinct values: long runs of ties, whose order is the rows'. The key bits that vary
+    // and the row id's 21 bits fit one word for the first three orders (packed, merge-sorted
+    // keys only; the third's field crosses its 128-bit key's words: bits 33 to 66), not for
+    // the fourth (doubles that vary in every mantissa bit: merge-sorted as pairs).
     let rows = 2_000_000usize;
     let k = 1_600_000;
     let schema = Arc::new(Schema::new(vec![
         Field::new("id", DataType::Int64, false),
         Field::new("v64", DataType::Int64, false),
         Field::new("v32", DataType::Int32, false),
+        Field::new("wide", DataType::Float64, false),
+        Field::new("s", DataType::Int32, false),
     ]));
     let columns: Vec<ArrayRef> = vec![
         Arc::new(Int64Array::from_iter_values((0..rows).map(|r| r as i64))),
@@ -257,14 +264,27 @@ async fn a_large_k_without_a_sampled_threshold_sorts_every_row_exactly() {
         Arc::new(Int32Array::from_iter_values(
             (0..rows).map(|r| ((r as i32).wrapping_mul(48271) >> 8) % 997),
         )),
+        Arc::new(Float64Array::from_iter_values((0..rows).map(|r| {
+            let h = (r as u64 % 40_000).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            (h >> 11) as f64 / (1u64 << 53) as f64 - 0.5
+        }))),
+        Arc::new(Int32Array::from_iter_values(
+            (0..rows).map(|r| (r % 5) as i32),
+        )),
     ];
-    let (whole, ids, planned) = plan_descending(&schema, columns, &["v64", "v32"], k).await;
-    assert_eq!(planned[0].program.key_kind, KeyKind::K64);
-    assert_eq!(planned[1].program.key_kind, KeyKind::K32);
+    let orders = ["v64", "v32", "s DESC, v64", "wide"];
+    let (whole, ids, planned) = plan_descending(&schema, columns, &orders, k).await;
+    let kinds: Vec<KeyKind> = planned.iter().map(|p| p.program.key_kind).collect();
+    assert_eq!(
+        kinds,
+        [KeyKind::K64, KeyKind::K32, KeyKind::K128, KeyKind::K64]
+    );
     if let Some(reports) = run_on_device(&whole, &ids, &planned) {
         for report in &reports {
             assert_eq!((report.candidates, report.reruns), (rows, 0), "{reports:?}");
         }
+        let packed: Vec<bool> = reports.iter().map(|r| r.packed_bits > 0).collect();
+        assert_eq!(packed, [true, true, true, false], "{reports:?}");
     }
 }
 

@@ -108,6 +108,7 @@ impl TopKEngine {
         let (passed_at, count_at) = (out.ptr(), out.ptr() + 16);
         let (sample_passed_at, sample_count_at) = (out.ptr() + 24, out.ptr() + 40);
         let (dense_passed_at, dense_count_at) = (out.ptr() + 56, out.ptr() + 72);
+        let span_at = out.ptr() + FUSED_SPAN_OFFSET;
         let parse = |b: &[u8]| {
             let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
             (word(0), word(8) as u32, word(16) as usize)
@@ -237,17 +238,30 @@ impl TopKEngine {
             // A sampled selection of few enough pairs is enqueued on the device's count before
             // the host knows it; its control block then brings the pass's words back with its
             // own, in one read-back.
-            // Or, for a large k, the merge sort of every candidate (truncated at k) on the
-            // device's count, without a sampled level.
-            let direct = if algorithm == DeviceAlgorithm::Sample
+            // Or, for a large k, every candidate is sorted: the key bits that vary among them
+            // are found on the device's count and read back with the pass's words, and the
+            // candidates packed into 64-bit words for a keys-only merge sort where those bits
+            // and the row id's fit one word (see `sort_packed`), else merge-sorted as pairs.
+            let large = algorithm == DeviceAlgorithm::Sample
                 && k > self.small_sort_capacity()
-                && candidates.capacity() <= MERGE_SORT_MAX
-            {
-                Some(self.merge_sort(&candidates, 0, count_at, candidates.capacity(), k, 0)?)
-            } else {
-                None
-            };
-            let pending = if direct.is_none()
+                && candidates.capacity() <= MERGE_SORT_MAX;
+            let span_words = 2 * self.kind.key_words();
+            if large {
+                self.memset_zero(span_at, 8 * span_words)?;
+                self.launch(
+                    &self.kernel("key_span"),
+                    self.grid_for(candidates.capacity(), 8),
+                    THREADS,
+                    0,
+                    args![
+                        candidates.key_at(0),
+                        count_at,
+                        candidates.capacity(),
+                        span_at
+                    ],
+                )?;
+            }
+            let pending = if !large
                 && algorithm == DeviceAlgorithm::Sample
                 && self.sample_sorts_on_device(candidates.capacity(), k)
             {
@@ -265,8 +279,14 @@ impl TopKEngine {
                     (passed, error, count, Some(b))
                 }
                 None => {
-                    let (passed, error, count) = parse(&self.read_bytes(out.ptr(), 24)?);
-                    (passed, error, count, None)
+                    let len = if large {
+                        FUSED_SPAN_OFFSET as usize + 8 * span_words
+                    } else {
+                        24
+                    };
+                    let b = self.read_bytes(out.ptr(), len)?;
+                    let (passed, error, count) = parse(&b);
+                    (passed, error, count, Some(b))
                 }
             };
             report.passed = passed;
@@ -294,9 +314,28 @@ impl TopKEngine {
                 candidates.set_ids_below(rows as u64);
                 continue;
             }
-            let selected = match (direct, pending, ctl) {
-                (Some(sorted), _, _) => Some((sorted.into_pairs(count), count.min(k))),
-                (None, Some(mut run), Some(bytes)) => {
+            let selected = match (large, pending, ctl) {
+                (true, _, Some(bytes)) => {
+                    let at = FUSED_SPAN_OFFSET as usize;
+                    let span: Vec<u64> = bytes[at..at + 8 * span_words]
+                        .chunks_exact(8)
+                        .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+                        .collect();
+                    let id_bits = 64 - (rows as u64).saturating_sub(1).leading_zeros();
+                    let m = count.min(k);
+                    match packed_field(self.kind, &span, id_bits) {
+                        Some((lo, width)) => {
+                            report.packed_bits = width + id_bits;
+                            let field = (lo, width, id_bits);
+                            Some((self.sort_packed(&candidates, count, m, field, span_at)?, m))
+                        }
+                        None => {
+                            let sorted = self.merge_sort(&candidates, count, 0, count, k, 0)?;
+                            Some((sorted.into_pairs(count), m))
+                        }
+                    }
+                }
+                (false, Some(mut run), Some(bytes)) => {
                     // Planned for the buffer's capacity; the count decides what is complete.
                     run.n = count;
                     self.sample_complete_read(run, &bytes)?
@@ -316,4 +355,69 @@ impl TopKEngine {
             return Ok((sorted, m, report));
         }
     }
+
+    /// The first m of `count` candidates sorted, through 64-bit words (common.cuh
+    /// `packed_word`): each pair's key bits `[lo, lo + width)` (the others are the same in every
+    /// candidate's key, `key_span`'s words at `span` say which) above its row id's `id_bits`
+    /// bits, merge-sorted keys only (each round moves 8 bytes a candidate where the pairs' sort
+    /// moves 12–40), truncated at m, then unpacked. Words are unique, as row ids are: their
+    /// order is the pairs' (key, row id).
+    fn sort_packed(
+        &self,
+        candidates: &DevicePairs,
+        count: usize,
+        m: usize,
+        (lo, width, id_bits): (u32, u32, u32),
+        span: u64,
+    ) -> GpuResult<DevicePairs> {
+        let out = self.alloc_pairs(m)?;
+        if m == 0 {
+            return Ok(out);
+        }
+        let sorted = self.merge_sort_packed(candidates, count, m, (lo, width, id_bits))?;
+        self.launch(
+            &self.kernel("unpack_words"),
+            self.grid_for(m, 4),
+            THREADS,
+            0,
+            args![
+                sorted.ptr(),
+                m,
+                span,
+                lo,
+                width,
+                id_bits,
+                out.key_at(0),
+                out.id_at(0)
+            ],
+        )?;
+        Ok(out)
+    }
+}
+
+/// The field of key bits that vary among a selection's candidates, `(lo, width)`, from
+/// candidates.cu `key_span`'s words (per key word, the OR of the complemented keys, then per
+/// key word the OR of the keys): bits lo up to the highest that varies. `None` when it and
+/// `id_bits` bits of row id do not fit one 64-bit word.
+pub fn packed_field(kind: KeyKind, span: &[u64], id_bits: u32) -> Option<(u32, u32)> {
+    let words = kind.key_words();
+    let word_bits = (8 * kind.key_bytes() / words) as u32;
+    let mask = if word_bits == 64 {
+        u64::MAX
+    } else {
+        (1 << word_bits) - 1
+    };
+    let (mut lo, mut hi) = (None, 0);
+    for j in 0..words {
+        // Bits set in some key (OR) but not in all (AND = the complement of the first OR).
+        let varies = (span[words + j] ^ !span[j]) & mask;
+        if varies != 0 {
+            let at = j as u32 * word_bits;
+            lo.get_or_insert(at + varies.trailing_zeros());
+            hi = at + 64 - varies.leading_zeros();
+        }
+    }
+    let lo = lo.unwrap_or(0);
+    let width = hi.saturating_sub(lo);
+    (width + id_bits <= 64).then_some((lo, width))
 }

@@ -81,6 +81,11 @@ impl KeyKind {
         self.bits() as usize / 8
     }
 
+    /// Words of a key in device memory (common.cuh `K::N`: 32-bit words for K32, else 64-bit).
+    pub fn key_words(self) -> usize {
+        self.bits().div_ceil(64) as usize
+    }
+
     /// Suffix of the kernels' entry points for this kind.
     pub fn suffix(self) -> &'static str {
         match self {
@@ -298,6 +303,7 @@ mod select;
 mod sort;
 mod top_bits;
 
+pub use fused::packed_field;
 use top_bits::TopBitsRun;
 pub use top_bits::{top_bits_capacity, top_bits_sorts};
 
@@ -381,8 +387,12 @@ const _: () = assert!(
         && SAMPLE_CALLER_OFFSET + 24 <= SAMPLE_STATUS_OFFSET
 );
 /// [`TopKEngine::fused_select`]'s device words: the full pass's (passed, errors, appended),
-/// the sample pass's, the sample threshold's status, and the denser sample's pass's.
-const FUSED_WORDS: usize = 80;
+/// the sample pass's, the sample threshold's status, the denser sample's pass's, and the
+/// candidates' key span.
+const FUSED_WORDS: usize = FUSED_SPAN_OFFSET as usize + 16 * 4;
+/// Where [`FUSED_WORDS`] keep the candidates' key span (candidates.cu `key_span`: two words
+/// per key word), read back with the full pass's words.
+const FUSED_SPAN_OFFSET: u64 = 80;
 
 /// The fused selection's denser sample ([`TopKEngine::fused_select`], for k beyond the rank
 /// sort): this many times the first sample's rows, of which only those below its threshold are
@@ -681,6 +691,9 @@ pub struct FusedReport {
     pub candidates: usize,
     /// Full passes repeated because the sampled threshold missed.
     pub reruns: usize,
+    /// Bits of the 64-bit words a large k's candidates were packed into for their keys-only
+    /// radix sort (the key bits that vary, then the row id's); 0 when they were not packed.
+    pub packed_bits: u32,
     /// Device time (ms, CUDA events; host waits in between included) of each phase: the
     /// sample pass, the sample's threshold, the full pass(es), the final selection (with the
     /// read-back, and a rerun's).
@@ -1367,6 +1380,54 @@ pub fn bitonic_chunk(max_shared: usize, kind: KeyKind) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// candidates.cu `key_span`'s words for keys given as little-endian words.
+    fn span_of(kind: KeyKind, keys: &[Vec<u64>]) -> Vec<u64> {
+        let n = kind.key_words();
+        let mask = if kind == KeyKind::K32 {
+            u32::MAX as u64
+        } else {
+            u64::MAX
+        };
+        let mut span = vec![0u64; 2 * n];
+        for key in keys {
+            for j in 0..n {
+                span[j] |= !key[j] & mask;
+                span[n + j] |= key[j];
+            }
+        }
+        span
+    }
+
+    #[test]
+    fn the_packed_field_spans_the_key_bits_that_vary_and_keeps_room_for_the_row_ids() {
+        // One bit varies: bit 5.
+        let span = span_of(KeyKind::K64, &[vec![0x10], vec![0x30], vec![0x30]]);
+        assert_eq!(packed_field(KeyKind::K64, &span, 28), Some((5, 1)));
+        // Bits 4 and 40 vary: the field runs from 4 up to 40, whatever lies between.
+        let span = span_of(KeyKind::K64, &[vec![0x10], vec![1 << 40]]);
+        assert_eq!(packed_field(KeyKind::K64, &span, 27), Some((4, 37)));
+        assert_eq!(
+            packed_field(KeyKind::K64, &span, 28),
+            None,
+            "37 + 28 bits > 64"
+        );
+        // All keys equal: an empty field, the row ids alone.
+        let span = span_of(KeyKind::K32, &[vec![7], vec![7]]);
+        assert_eq!(packed_field(KeyKind::K32, &span, 40), Some((0, 0)));
+        // 32-bit keys: the complement's high word is not a varying bit.
+        let span = span_of(KeyKind::K32, &[vec![0xffff_fff0], vec![0xffff_ffff]]);
+        assert_eq!(packed_field(KeyKind::K32, &span, 30), Some((0, 4)));
+        // 128-bit keys: a field across the two words (bits 60 to 67).
+        let span = span_of(KeyKind::K128, &[vec![1 << 60, 5], vec![0, 5 | 8]]);
+        assert_eq!(packed_field(KeyKind::K128, &span, 20), Some((60, 8)));
+        // 256-bit keys: the top word's bits alone.
+        let span = span_of(
+            KeyKind::K256,
+            &[vec![1, 2, 3, 1 << 63], vec![1, 2, 3, 1 << 62]],
+        );
+        assert_eq!(packed_field(KeyKind::K256, &span, 30), Some((254, 2)));
+    }
 
     #[test]
     fn sample_plans_shrink_to_one_block_sort_or_stop_where_sampling_stops_paying() {

@@ -127,13 +127,7 @@ impl TopKEngine {
     ) -> GpuResult<SortedPairs> {
         let tile = merge_sort_tile(self.kind);
         let cap = cap.max(1);
-        let tiles = cap.div_ceil(tile);
-        let rounds = tiles.next_power_of_two().trailing_zeros();
-        // The tile's shared memory: keys then row ids, each with a spare slot per 128 bytes.
-        let key_bytes = self.kind.key_bytes();
-        let padded = |n: usize, size: usize| n + n / (128 / size);
-        let shared =
-            (padded(tile, key_bytes) * key_bytes).next_multiple_of(16) + padded(tile, 8) * 8;
+        let rounds = cap.div_ceil(tile).next_power_of_two().trailing_zeros();
         let out = self.alloc_pairs(cap)?;
         let tmp = if rounds > 0 {
             Some(self.alloc_pairs(cap)?)
@@ -143,52 +137,100 @@ impl TopKEngine {
         // Buffers alternate: the tiles in `out`, round r writes bufs[(r + 1) % 2].
         let bufs = [&out, tmp.as_ref().unwrap_or(&out)];
         let ids = if input.positional { 0 } else { input.id_at(0) };
-        self.launch(
-            &self.kernel("msort_tiles"),
-            tiles as u32,
-            MSORT_THREADS,
-            shared,
-            args![
-                input.key_at(0),
-                ids,
-                m,
-                count,
-                cap,
-                bufs[0].key_at(0),
-                bufs[0].id_at(0),
-                status
-            ],
+        self.merge_launches(
+            Some(self.kind),
+            (&self.kernel("msort_tiles"), args![input.key_at(0), ids]),
+            (m, count, cap, k, status),
+            bufs.map(|b| [b.key_at(0), b.id_at(0)]),
         )?;
+        Ok(SortedPairs {
+            tiles: out,
+            other: tmp,
+            tile,
+        })
+    }
+
+    /// The first min(m, k) of pairs `[0, m)` sorted as packed 64-bit words (common.cuh
+    /// `packed_word` with `field` = (lo, width, id_bits), which must hold every pair's
+    /// varying key bits and row id): the merge sort's tiles pack the pairs as they load them
+    /// (merge_sort.cu `msort_tiles_packed`), its rounds merge the words keys only
+    /// (`msort_merge_words`: half the bytes of 64-bit keys' pairs). Returns the buffer whose
+    /// start holds the sorted words.
+    pub(super) fn merge_sort_packed(
+        &self,
+        input: &DevicePairs,
+        m: usize,
+        k: usize,
+        (lo, width, id_bits): (u32, u32, u32),
+    ) -> GpuResult<PooledBuffer> {
+        let tile = merge_sort_tile(KeyKind::K64);
+        let m = m.max(1);
+        let rounds = m.div_ceil(tile).next_power_of_two().trailing_zeros();
+        let bufs = [
+            self.device.pool.alloc(8 * m, &self.stream)?,
+            self.device.pool.alloc(8 * m, &self.stream)?,
+        ];
+        let [a, b] = [bufs[0].ptr(), bufs[1].ptr()];
+        let tiles = self.kernel("msort_tiles_packed");
+        let input = args![input.key_at(0), input.id_at(0), lo, width, id_bits];
+        self.merge_launches(None, (&tiles, input), (m, 0, m, k, 0), [[a, 0], [b, 0]])?;
+        let [tiles, other] = bufs;
+        Ok(if rounds % 2 == 1 { other } else { tiles })
+    }
+
+    /// The merge sort's launches: the tile sort `tiles` (its kernel and its input's
+    /// arguments) into `bufs[0]`, then the rounds alternating between the two buffers (keys,
+    /// row ids) for `kind`'s keys, or for 64-bit words keys only (None). `counts`: (m, device
+    /// count or 0, cap, k, status), as [`merge_sort`](Self::merge_sort) takes them.
+    fn merge_launches(
+        &self,
+        kind: Option<KeyKind>,
+        (tiles_kernel, input): (&str, &[Arg]),
+        (m, count, cap, k, status): (usize, u64, usize, usize, u64),
+        bufs: [[u64; 2]; 2],
+    ) -> GpuResult<()> {
+        let tile = merge_sort_tile(kind.unwrap_or(KeyKind::K64));
+        let tiles = cap.div_ceil(tile);
+        let rounds = tiles.next_power_of_two().trailing_zeros();
+        // The tile's shared memory: keys then row ids, each with a spare slot per 128 bytes.
+        let key_bytes = kind.map_or(8, KeyKind::key_bytes);
+        let padded = |n: usize, size: usize| n + n / (128 / size);
+        let keys_shared = (padded(tile, key_bytes) * key_bytes).next_multiple_of(16);
+        let shared = keys_shared
+            + if kind.is_some() {
+                padded(tile, 8) * 8
+            } else {
+                0
+            };
+        // A buffer as kernel arguments: keys, then row ids unless keys only.
+        let buffer = |b: [u64; 2]| -> Vec<Arg> {
+            match kind {
+                Some(_) => vec![Arg::from(b[0]), Arg::from(b[1])],
+                None => vec![Arg::from(b[0])],
+            }
+        };
+        let merge = match kind {
+            Some(kind) => format!("msort_merge_{}", kind.suffix()),
+            None => "msort_merge_words".to_string(),
+        };
+        let mut args = input.to_vec();
+        args.extend_from_slice(args![m, count, cap]);
+        args.extend(buffer(bufs[0]));
+        args.push(Arg::from(status));
+        self.launch(tiles_kernel, tiles as u32, MSORT_THREADS, shared, &args)?;
         let keep = k.max(tile);
         for r in 0..rounds {
             let span = tile << r;
             let (src, dst) = (bufs[r as usize % 2], bufs[(r as usize + 1) % 2]);
             let tiles_per_run = (2 * span).min(keep).div_ceil(tile);
             let grid = cap.div_ceil(2 * span) * tiles_per_run;
-            self.launch(
-                &self.kernel("msort_merge"),
-                grid as u32,
-                MSORT_THREADS,
-                shared,
-                args![
-                    src.key_at(0),
-                    src.id_at(0),
-                    m,
-                    count,
-                    cap,
-                    k,
-                    span,
-                    dst.key_at(0),
-                    dst.id_at(0),
-                    status
-                ],
-            )?;
+            let mut args = buffer(src);
+            args.extend_from_slice(args![m, count, cap, k, span]);
+            args.extend(buffer(dst));
+            args.push(Arg::from(status));
+            self.launch(&merge, grid as u32, MSORT_THREADS, shared, &args)?;
         }
-        Ok(SortedPairs {
-            tiles: out,
-            other: tmp,
-            tile,
-        })
+        Ok(())
     }
 
     /// LSD radix sort of pairs `[0, m)` (radix_sort.cu): one histogram kernel, then per digit
