@@ -46,6 +46,16 @@ template <class K> struct MergeItems {
     enum { V = K::BITS <= 64 ? 8 : K::BITS == 128 ? 4 : 2 };
 };
 
+// Whether a block loads its tile with all of a thread's loads issued before its shared-memory
+// stores (one round trip; the loop over the tile kept them in groups of 4): for the packed
+// words and 32-bit keys. For 64-bit keys' pairs the loads' registers (msort_merge_k64 48 → 64)
+// cost a block an SM and more than the round trip: H100, session 26, the rounds' loads batched
+// took Q2's packed words at k = 10^6 from 0.189–0.193 to 0.178–0.179 ms and i32 at n = 2^24,
+// k = 2^20 from 271–275 to 262 µs, but i64 / f64 there from 324–359 to 355–387 µs.
+template <class K, bool KO> struct BatchedLoads {
+    enum { V = KO || K::BITS == 32 };
+};
+
 // The pair count: `*m_dev` when given, else `m_host`.
 __device__ __forceinline__ u64 msort_count(u64 m_host, const u64 *m_dev) { return m_dev ? __ldcg(m_dev) : m_host; }
 
@@ -244,11 +254,25 @@ __device__ void msort_tiles(Load load, u64 m_host, const u64 *m_dev, u64 cap, K 
     const u32 valid = (u32)min(m - base, (u64)TILE);
     const Run<K, true, KO> s = tile_smem<K, KO>(TILE);
     // Coalesced loads into shared memory, then each thread takes V consecutive pairs.
-    for (u32 t = threadIdx.x; t < TILE; t += MSORT_THREADS) {
-        K k = key_max<K>();
-        u64 id = ~0ull;
-        if (t < valid) load(base + t, k, id);
-        s.put(t, k, id);
+    if (BatchedLoads<K, KO>::V) {
+        K kk[V];
+        u64 ii[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+            const u32 t = threadIdx.x + e * MSORT_THREADS;
+            kk[e] = key_max<K>();
+            ii[e] = ~0ull;
+            if (t < valid) load(base + t, kk[e], ii[e]);
+        }
+#pragma unroll
+        for (int e = 0; e < V; ++e) s.put(threadIdx.x + e * MSORT_THREADS, kk[e], ii[e]);
+    } else {
+        for (u32 t = threadIdx.x; t < TILE; t += MSORT_THREADS) {
+            K k = key_max<K>();
+            u64 id = ~0ull;
+            if (t < valid) load(base + t, k, id);
+            s.put(t, k, id);
+        }
     }
     __syncthreads();
     K key[V];
@@ -306,11 +330,34 @@ __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, con
     const u32 a0 = s_split[0], a1 = s_split[1], b0 = (u32)d0 - a0, b1 = d1 - a1;
     const u32 na = a1 - a0, nb = b1 - b0, n = na + nb;
     const Run<K, true, KO> s = tile_smem<K, KO>(TILE);
-    for (u32 t = threadIdx.x; t < n; t += MSORT_THREADS) {
-        if (t < na) {
-            s.put(t, a.key(a0 + t), a.id(a0 + t));
-        } else {
-            s.put(t, b.key(b0 + t - na), b.id(b0 + t - na));
+    if (BatchedLoads<K, KO>::V) {
+        // All V loads of a thread issued before any store: one round trip (a loop over t kept
+        // them in groups of 4).
+        K kk[V];
+        u64 ii[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+            const u32 t = threadIdx.x + e * MSORT_THREADS;
+            if (t < na) {
+                kk[e] = a.key(a0 + t);
+                ii[e] = a.id(a0 + t);
+            } else if (t < n) {
+                kk[e] = b.key(b0 + t - na);
+                ii[e] = b.id(b0 + t - na);
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+            const u32 t = threadIdx.x + e * MSORT_THREADS;
+            if (t < n) s.put(t, kk[e], ii[e]);
+        }
+    } else {
+        for (u32 t = threadIdx.x; t < n; t += MSORT_THREADS) {
+            if (t < na) {
+                s.put(t, a.key(a0 + t), a.id(a0 + t));
+            } else {
+                s.put(t, b.key(b0 + t - na), b.id(b0 + t - na));
+            }
         }
     }
     __syncthreads();
