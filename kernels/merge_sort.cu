@@ -190,6 +190,33 @@ template <class K, int V> __device__ __forceinline__ void sort_items(K (&key)[V]
     }
 }
 
+// Positions [0, fill) of a tile in shared memory: position t < n from get(t, key, id), the
+// others padding (the largest pair). A thread takes positions threadIdx.x + e·MSORT_THREADS.
+template <class K, int V, bool KO, class Get>
+__device__ __forceinline__ void fill_tile(const Run<K, true, KO> &s, u32 n, u32 fill, Get get) {
+    if (BatchedLoads<K, KO>::V) {
+        K kk[V];
+        u64 ii[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+            kk[e] = key_max<K>();
+            ii[e] = ~0ull;
+            if (threadIdx.x + e * MSORT_THREADS < n) get(threadIdx.x + e * MSORT_THREADS, kk[e], ii[e]);
+        }
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+            if (threadIdx.x + e * MSORT_THREADS < fill) s.put(threadIdx.x + e * MSORT_THREADS, kk[e], ii[e]);
+        }
+    } else {
+        for (u32 t = threadIdx.x; t < fill; t += MSORT_THREADS) {
+            K k = key_max<K>();
+            u64 id = ~0ull;
+            if (t < n) get(t, k, id);
+            s.put(t, k, id);
+        }
+    }
+}
+
 // Dynamic shared memory as a padded run of `n` pairs (keys, then row ids).
 template <class K, bool KO> __device__ __forceinline__ Run<K, true, KO> tile_smem(u32 n) {
     extern __shared__ __align__(16) u8 msort_smem[];
@@ -254,26 +281,7 @@ __device__ void msort_tiles(Load load, u64 m_host, const u64 *m_dev, u64 cap, K 
     const u32 valid = (u32)min(m - base, (u64)TILE);
     const Run<K, true, KO> s = tile_smem<K, KO>(TILE);
     // Coalesced loads into shared memory, then each thread takes V consecutive pairs.
-    if (BatchedLoads<K, KO>::V) {
-        K kk[V];
-        u64 ii[V];
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-            const u32 t = threadIdx.x + e * MSORT_THREADS;
-            kk[e] = key_max<K>();
-            ii[e] = ~0ull;
-            if (t < valid) load(base + t, kk[e], ii[e]);
-        }
-#pragma unroll
-        for (int e = 0; e < V; ++e) s.put(threadIdx.x + e * MSORT_THREADS, kk[e], ii[e]);
-    } else {
-        for (u32 t = threadIdx.x; t < TILE; t += MSORT_THREADS) {
-            K k = key_max<K>();
-            u64 id = ~0ull;
-            if (t < valid) load(base + t, k, id);
-            s.put(t, k, id);
-        }
-    }
+    fill_tile<K, V>(s, valid, TILE, [&](u32 t, K &k, u64 &id) { load(base + t, k, id); });
     __syncthreads();
     K key[V];
     u64 id[V];
@@ -330,36 +338,15 @@ __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, con
     const u32 a0 = s_split[0], a1 = s_split[1], b0 = (u32)d0 - a0, b1 = d1 - a1;
     const u32 na = a1 - a0, nb = b1 - b0, n = na + nb;
     const Run<K, true, KO> s = tile_smem<K, KO>(TILE);
-    if (BatchedLoads<K, KO>::V) {
-        // All V loads of a thread issued before any store: one round trip (a loop over t kept
-        // them in groups of 4).
-        K kk[V];
-        u64 ii[V];
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-            const u32 t = threadIdx.x + e * MSORT_THREADS;
-            if (t < na) {
-                kk[e] = a.key(a0 + t);
-                ii[e] = a.id(a0 + t);
-            } else if (t < n) {
-                kk[e] = b.key(b0 + t - na);
-                ii[e] = b.id(b0 + t - na);
-            }
+    fill_tile<K, V>(s, n, n, [&](u32 t, K &k, u64 &id) {
+        if (t < na) {
+            k = a.key(a0 + t);
+            id = a.id(a0 + t);
+        } else {
+            k = b.key(b0 + t - na);
+            id = b.id(b0 + t - na);
         }
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-            const u32 t = threadIdx.x + e * MSORT_THREADS;
-            if (t < n) s.put(t, kk[e], ii[e]);
-        }
-    } else {
-        for (u32 t = threadIdx.x; t < n; t += MSORT_THREADS) {
-            if (t < na) {
-                s.put(t, a.key(a0 + t), a.id(a0 + t));
-            } else {
-                s.put(t, b.key(b0 + t - na), b.id(b0 + t - na));
-            }
-        }
-    }
+    });
     __syncthreads();
     K key[V];
     u64 id[V];
