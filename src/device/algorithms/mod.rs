@@ -12,6 +12,9 @@
 //!   (candidates.cu);
 //! - [`fused_append`](TopKEngine::fused_append): a generated kernel ([`crate::fusion`]):
 //!   predicate, keys and append in one pass over the raw input columns;
+//!   [`fused_select`](TopKEngine::fused_select): that pass over device-resident columns behind
+//!   a sampled threshold, then the candidates' selection (for a large k, their sort as packed
+//!   64-bit words where the key bits that vary and the row id fit one, [`packed_field`]);
 //! - [`radix_select`](TopKEngine::radix_select): exactly the k smallest pairs, unordered, any k
 //!   (radix.cu);
 //! - [`bitonic_select`](TopKEngine::bitonic_select): the k smallest, sorted, for
@@ -24,7 +27,8 @@
 //!   (bitonic.cu); [`sort_pairs`](TopKEngine::sort_pairs): the sort for m pairs (a register
 //!   tile, the chunk rank sort, the LSD radix sort of radix_sort.cu or the merge sort of
 //!   merge_sort.cu); [`merge_sort`](TopKEngine::merge_sort): the first k of m pairs, sorted,
-//!   m known to the host or only to the device;
+//!   m known to the host or only to the device (`merge_sort_packed`: the same over packed
+//!   words, keys only);
 //! - [`select_sorted`](TopKEngine::select_sorted): one of the selections, then sorted; or in
 //!   two steps, [`enqueue_select`](TopKEngine::enqueue_select) (a small-k sampled selection is
 //!   enqueued whole, no host round trip inside) and [`finish`](TopKEngine::finish) (reads its
