@@ -480,7 +480,7 @@ pub fn merge_sort_tile(kind: KeyKind) -> usize {
 
 /// Whether [`TopKEngine::sort_pairs`] takes the merge sort for m pairs whose ids are below
 /// `id_bound` (1: they ascend in input order): beyond the chunk rank sort and up to
-/// [`MERGE_SORT_MAX`], unless the key's radix passes alone sort them ([`key_passes_sort`]).
+/// [`MERGE_SORT_MAX`], unless the key's radix passes alone sort them (`key_passes_sort`).
 /// The cost model asks the same.
 pub fn merge_sorts(kind: KeyKind, m: usize, id_bound: u64) -> bool {
     m > chunk_rank_max(kind) && m <= MERGE_SORT_MAX && !(id_bound <= 1 && key_passes_sort(kind, m))
