@@ -70,7 +70,7 @@ __device__ __forceinline__ u32 run_length(u64 j, u64 span, u64 m, u64 k) {
 // V consecutive pairs each (lane l at l·V + e) hit distinct banks.
 template <class W> __device__ __forceinline__ u32 spad(u32 i) { return i + i / (128 / (u32)sizeof(W)); }
 
-// Keys only (`KO`): 64-bit words that are whole pairs (candidates.cu `pack_words`), no row ids
+// Keys only (`KO`): 64-bit words that are whole pairs (common.cuh `packed_word`), no row ids
 // (every id reads as 0, none is stored).
 template <class K, bool Padded, bool KO = false> struct Run {
     K *keys;
