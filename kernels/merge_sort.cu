@@ -20,7 +20,8 @@
 // Packed words (a large k's candidates, candidates.cu): `msort_tiles_packed` packs each pair
 // into its 64-bit word as it loads it, and `msort_merge_words` merges the words keys only (no
 // row ids: every id reads as 0), half the bytes of 64-bit keys' pairs (H100, 1.27M of Q2's
-// candidates, ncu: tiles 37 µs and rounds ~14 µs against 50 and ~20 for the pairs, session 26).
+// candidates, ncu: the packing tile sort 41 µs and rounds ~14 µs against 50 and ~20 for the pairs,
+// session 26).
 // Run j of a round (input span s, the sort's k) starts at j · min(s, k) and holds
 // min(k, pairs of the input positions [j·s, (j+1)·s) below m): a function of m alone, so every
 // round can be enqueued before m is known (m = *m_dev, a selection's survivor count).
