@@ -743,44 +743,44 @@ __device__ void chunk_scatter(const K *tile_keys, const u64 *tile_ids, const u64
 
 #define BITONIC_ENTRIES(K, S)                                                                                     \
     extern "C" __global__ void __launch_bounds__(BITONIC_THREADS)                                                 \
-        bitonic_topk_##S(const K *keys, const u64 *ids, u64 n, K *out_keys, u64 *out_ids, u32 k2, u32 c) {        \
+        bitonic_topk_##S(const K *keys, const u64 *ids, u64 n, K *out_keys, u64 *out_ids, u32 k2, u32 c) { grid_dependency_wait(); \
         topk<K>(keys, ids, n, out_keys, out_ids, k2, c);                                                          \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(SORT_THREADS)                                                    \
-        bitonic_sort_local_##S(const K *keys, const u64 *ids, u64 n, K *out_keys, u64 *out_ids, u64 m) {          \
+        bitonic_sort_local_##S(const K *keys, const u64 *ids, u64 n, K *out_keys, u64 *out_ids, u64 m) { grid_dependency_wait(); \
         sort_local<K>(keys, ids, n, out_keys, out_ids, m);                                                        \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256)                                                             \
-        bitonic_sort_step_##S(K *keys, u64 *ids, u64 m, u64 size, u64 stride) {                                   \
+        bitonic_sort_step_##S(K *keys, u64 *ids, u64 m, u64 size, u64 stride) { grid_dependency_wait();           \
         sort_step<K>(keys, ids, m, size, stride);                                                                 \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(SORT_THREADS)                                                    \
-        bitonic_merge_local_##S(K *keys, u64 *ids, u64 m, u64 size) {                                             \
+        bitonic_merge_local_##S(K *keys, u64 *ids, u64 m, u64 size) { grid_dependency_wait();                     \
         merge_local<K>(keys, ids, m, size);                                                                       \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RANK_THREADS)                                                    \
         bitonic_rank_sort_##S(const K *keys, const u64 *ids, const u64 *n_ptr, u64 cap, K *out_keys, u64 *out_ids, \
-                              u32 *status, u32 *ranks, u32 *row_done) {                                           \
+                              u32 *status, u32 *ranks, u32 *row_done) { grid_dependency_wait();                   \
         rank_sort<K>(keys, ids, n_ptr, cap, out_keys, out_ids, status, ranks, row_done);                          \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)                                                   \
         bitonic_chunk_sort_##S(const K *keys, const u64 *ids, const u64 *n_ptr, u64 cap, K *tile_keys,            \
-                               u64 *tile_ids, u32 *status) {                                                      \
+                               u64 *tile_ids, u32 *status) { grid_dependency_wait();                              \
         chunk_sort<K>(keys, ids, n_ptr, cap, tile_keys, tile_ids, status);                                        \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)                                                   \
         bitonic_chunk_rank_##S(const K *tile_keys, const u64 *tile_ids, const u64 *n_ptr, u64 cap, u32 *below,    \
-                               const u32 *status) {                                                               \
+                               const u32 *status) { grid_dependency_wait();                                       \
         chunk_rank<K>(tile_keys, tile_ids, n_ptr, cap, below, status);                                            \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256)                                                             \
         bitonic_chunk_scatter_##S(const K *tile_keys, const u64 *tile_ids, const u64 *n_ptr, u64 cap,             \
-                                  const u32 *below, K *out_keys, u64 *out_ids, const u32 *status) {               \
+                                  const u32 *below, K *out_keys, u64 *out_ids, const u32 *status) { grid_dependency_wait(); \
         chunk_scatter<K>(tile_keys, tile_ids, n_ptr, cap, below, out_keys, out_ids, status);                      \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(SEGMENT_THREADS, 4)                                               \
         bitonic_sort_segments_##S(const K *keys, const u64 *ids, const u32 *top, const u32 *seg,                  \
-                                  K *out_keys, u64 *out_ids) {                                                    \
+                                  K *out_keys, u64 *out_ids) { grid_dependency_wait();                            \
         sort_segments<K>(keys, ids, top, seg, out_keys, out_ids);                                                 \
     }
 INSTANTIATE_KEYS(BITONIC_ENTRIES)

@@ -235,34 +235,34 @@ __device__ void unpack_words(const u64 *words, u64 m, const u64 *span, u32 lo, u
 #define CANDIDATE_ENTRIES(K, S)                                                                                   \
     extern "C" __global__ void                                                                                    \
         append_##S(const K *keys, const u64 *ids, u64 id_start, u64 n, const Threshold<K> *thr, K *cand_keys,     \
-                   u64 *cand_ids, u64 *count, u64 cap) {                                                          \
+                   u64 *cand_ids, u64 *count, u64 cap) { grid_dependency_wait();                                  \
         append<K>(keys, ids, id_start, n, thr, cand_keys, cand_ids, count, cap);                                  \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256)                                                             \
         filter_below_##S(const K *keys, u64 n, const Threshold<K> *thr, K *cand_keys, u64 *cand_ids, u64 *count, \
-                         u64 cap) {                                                                               \
+                         u64 cap) { grid_dependency_wait();                                                       \
         filter_keys<K>(keys, n, BelowThreshold<K>{thr->valid != 0, thr->key, thr->id}, cand_keys, cand_ids, count, \
                        cap);                                                                                      \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256)                                                             \
-        filter_fraction_##S(const K *keys, u64 n, u32 cut, K *cand_keys, u64 *cand_ids, u64 *count, u64 cap) {   \
+        filter_fraction_##S(const K *keys, u64 n, u32 cut, K *cand_keys, u64 *cand_ids, u64 *count, u64 cap) { grid_dependency_wait(); \
         filter_keys<K>(keys, n, HashedFraction{cut}, cand_keys, cand_ids, count, cap);                            \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256)                                                             \
         pair_max_##S(const K *keys, const u64 *ids, u64 n, K *partial_keys, u64 *partial_ids, u32 *counter,      \
-                     Threshold<K> *thr) {                                                                         \
+                     Threshold<K> *thr) { grid_dependency_wait();                                                 \
         pair_max<K>(keys, ids, n, partial_keys, partial_ids, counter, thr);                                       \
     }                                                                                                             \
-    extern "C" __global__ void threshold_from_##S(const K *keys, const u64 *ids, u64 index, Threshold<K> *thr) {  \
+    extern "C" __global__ void threshold_from_##S(const K *keys, const u64 *ids, u64 index, Threshold<K> *thr) { grid_dependency_wait(); \
         threshold_from<K>(keys, ids, index, thr);                                                                 \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256) key_span_##S(const K *keys, const u64 *count, u64 cap,    \
-                                                                   u64 *span) {                                \
+                                                                   u64 *span) { grid_dependency_wait();           \
         key_span<K>(keys, count, cap, span);                                                                      \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256)                                                             \
         unpack_words_##S(const u64 *words, u64 m, const u64 *span, u32 lo, u32 width, u32 id_bits, K *keys,      \
-                         u64 *ids) {                                                                              \
+                         u64 *ids) { grid_dependency_wait();                                                      \
         unpack_words<K>(words, m, span, lo, width, id_bits, keys, ids);                                           \
     }
 INSTANTIATE_KEYS(CANDIDATE_ENTRIES)

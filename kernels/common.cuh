@@ -164,6 +164,18 @@ __device__ __forceinline__ u64 shifted_word(U128 v, int shift, int j) {
 
 #define FULL_MASK 0xffffffffu
 
+// Programmatic dependent launch (Hopper on): the engine launches each kernel with programmatic
+// stream serialisation (device/algorithms `launch_function`), so the driver stages it while
+// the previous kernel drains, and it may start before that kernel's writes are visible. Every
+// kernel calls this before its first access to global memory (a unit test checks the sources);
+// it returns once the previous kernel has completed and its writes are visible, at once when
+// the kernel was launched without the attribute.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ u32 lane_id() { return threadIdx.x & 31u; }
 
 __device__ __forceinline__ u64 warp_or(u64 v) {

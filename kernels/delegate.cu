@@ -87,12 +87,12 @@ __device__ void delegate_gather(const K *keys, const u64 *ids, u64 n, u32 s, con
 }
 
 #define DELEGATE_ENTRIES(K, S)                                                                                    \
-    extern "C" __global__ void delegate_min_##S(const K *keys, const u64 *ids, u64 n, u32 s, K *dkeys, u64 *dids) { \
+    extern "C" __global__ void delegate_min_##S(const K *keys, const u64 *ids, u64 n, u32 s, K *dkeys, u64 *dids) { grid_dependency_wait(); \
         delegate_min<K>(keys, ids, n, s, dkeys, dids);                                                            \
     }                                                                                                             \
     extern "C" __global__ void delegate_gather_##S(const K *keys, const u64 *ids, u64 n, u32 s, const K *dkeys,   \
                                                    const u64 *dids, const Threshold<K> *thr, K *cand_keys,        \
-                                                   u64 *cand_ids, u64 *count, u64 cap) {                          \
+                                                   u64 *cand_ids, u64 *count, u64 cap) { grid_dependency_wait();  \
         delegate_gather<K>(keys, ids, n, s, dkeys, dids, thr, cand_keys, cand_ids, count, cap);                   \
     }
 INSTANTIATE_KEYS(DELEGATE_ENTRIES)

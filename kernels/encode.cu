@@ -151,7 +151,7 @@ __device__ void encode_column(const u8 *values, u64 value_bit_offset, const u8 *
     extern "C" __global__ void __launch_bounds__(256)                                                             \
         encode_column_##S(const u8 *values, u64 value_bit_offset, const u8 *validity, u64 validity_bit_offset,    \
                           u64 n, u32 native, u32 value_bits, u32 shift, u64 xor_lo, u64 xor_hi, u32 flags,        \
-                          K *out) {                                                                               \
+                          K *out) { grid_dependency_wait();                                                       \
         encode_column<K>(values, value_bit_offset, validity, validity_bit_offset, n, native, value_bits, shift,   \
                          xor_lo, xor_hi, flags, out);                                                             \
     }

@@ -362,17 +362,17 @@ __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, con
 #define MERGE_SORT_ENTRIES(K, S)                                                                                  \
     extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
         msort_tiles_##S(const K *keys, const u64 *ids, u64 m_host, const u64 *m_dev, u64 cap, K *out_keys,        \
-                        u64 *out_ids, u32 *status) {                                                              \
+                        u64 *out_ids, u32 *status) { grid_dependency_wait();                                      \
         msort_tiles<K, false>(LoadPairs<K>{keys, ids}, m_host, m_dev, cap, out_keys, out_ids, status);           \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
         msort_merge_##S(const K *in_keys, const u64 *in_ids, u64 m_host, const u64 *m_dev, u64 cap, u64 k,       \
-                        u64 span, K *out_keys, u64 *out_ids, const u32 *status) {                                 \
+                        u64 span, K *out_keys, u64 *out_ids, const u32 *status) { grid_dependency_wait();         \
         msort_merge<K, false>(in_keys, in_ids, m_host, m_dev, cap, k, span, out_keys, out_ids, status);           \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
         msort_tiles_packed_##S(const K *keys, const u64 *ids, u32 lo, u32 width, u32 id_bits, u64 m_host,         \
-                               const u64 *m_dev, u64 cap, K64 *out_words, u32 *status) {                          \
+                               const u64 *m_dev, u64 cap, K64 *out_words, u32 *status) { grid_dependency_wait();  \
         msort_tiles<K64, true>(LoadPacked<K>{keys, ids, lo, width, id_bits}, m_host, m_dev, cap, out_words,      \
                                nullptr, status);                                                                  \
     }
@@ -381,6 +381,6 @@ INSTANTIATE_KEYS(MERGE_SORT_ENTRIES)
 // The rounds over packed words (keys only), after msort_tiles_packed.
 extern "C" __global__ void __launch_bounds__(MSORT_THREADS)
     msort_merge_words(const K64 *in_keys, u64 m_host, const u64 *m_dev, u64 cap, u64 k, u64 span, K64 *out_keys,
-                      const u32 *status) {
+                      const u32 *status) { grid_dependency_wait();
     msort_merge<K64, true>(in_keys, nullptr, m_host, m_dev, cap, k, span, out_keys, nullptr, status);
 }

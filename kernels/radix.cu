@@ -45,7 +45,7 @@ struct RadixCtl {
 };
 
 // Resets the control block for a selection of k among n (k < n).
-extern "C" __global__ void radix_init(RadixCtl *ctl, u64 n, u64 k) {
+extern "C" __global__ void radix_init(RadixCtl *ctl, u64 n, u64 k) { grid_dependency_wait();
     for (u32 b = threadIdx.x; b < RADIX; b += blockDim.x) ctl->hist[b] = 0;
     if (threadIdx.x == 0) {
         ctl->n = n;
@@ -234,16 +234,16 @@ __device__ void filter(RadixCtl *ctl, const K *keys, const u64 *ids, K *out_keys
 
 #define RADIX_ENTRIES(K, S)                                                                                       \
     extern "C" __global__ void __launch_bounds__(RADIX_THREADS)                                                   \
-        radix_masks_##S(RadixCtl *ctl, const K *keys, const u64 *ids) {                                           \
+        radix_masks_##S(RadixCtl *ctl, const K *keys, const u64 *ids) { grid_dependency_wait();                   \
         masks<K>(ctl, keys, ids);                                                                                 \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RADIX_THREADS)                                                   \
-        radix_hist_##S(RadixCtl *ctl, const K *keys, const u64 *ids) {                                            \
+        radix_hist_##S(RadixCtl *ctl, const K *keys, const u64 *ids) { grid_dependency_wait();                    \
         hist<K>(ctl, keys, ids);                                                                                  \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RADIX_THREADS)                                                   \
         radix_filter_##S(RadixCtl *ctl, const K *keys, const u64 *ids, K *out_keys, u64 *out_ids, K *next_keys,   \
-                         u64 *next_ids) {                                                                         \
+                         u64 *next_ids) { grid_dependency_wait();                                                 \
         filter<K>(ctl, keys, ids, out_keys, out_ids, next_keys, next_ids);                                        \
     }
 INSTANTIATE_KEYS(RADIX_ENTRIES)

@@ -1277,20 +1277,20 @@ __device__ void scan_tile_counts(u32 p, const u32 *plan, u32 *counts, u32 tiles,
 }
 
 extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
-    rsort_scan(u32 p, const u32 *plan, u32 *counts, u32 tiles, const u32 *offsets) {
+    rsort_scan(u32 p, const u32 *plan, u32 *counts, u32 tiles, const u32 *offsets) { grid_dependency_wait();
     scan_tile_counts(p, plan, counts, tiles, offsets);
 }
 
 #define RADIX_SORT_ENTRIES(K, S)                                                                                  \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
         rsort_hist_##S(const K *keys, const u64 *ids, u64 m, u32 id_digits, u32 *hist, u32 *plan, u32 *lookback,  \
-                       u64 lookback_words, u32 *done) {                                                           \
+                       u64 lookback_words, u32 *done) { grid_dependency_wait();                                   \
         rsort_hist<K>(keys, ids, m, id_digits, hist, plan, lookback, lookback_words, done);                       \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
         rsort_pass_##S(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, K *tmp_keys, u64 *tmp_ids,      \
                        K *out_keys, u64 *out_ids, u64 m, const u32 *offsets, const u32 *plan, u32 *lookback,      \
-                       u32 *tickets, const u32 *tile_offsets) {                                                   \
+                       u32 *tickets, const u32 *tile_offsets) { grid_dependency_wait();                           \
         rsort_pass<K>(p, id_digits, in_keys, in_ids, tmp_keys, tmp_ids, out_keys, out_ids, m, offsets, plan,      \
                       lookback + (u64)p * (((m + SortItems<K>::V * RSORT_THREADS - 1) /                           \
                                             (SortItems<K>::V * RSORT_THREADS)) * RSORT_RADIX),                    \
@@ -1299,7 +1299,7 @@ extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS, 2)                                                \
         rsort_pass_wide_##S(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, K *tmp_keys, u64 *tmp_ids, \
                             K *out_keys, u64 *out_ids, u64 m, const u32 *offsets, const u32 *plan, u32 *lookback, \
-                            u32 *tickets) {                                                                       \
+                            u32 *tickets) { grid_dependency_wait();                                               \
         rsort_pass_wide<K>(p, id_digits, in_keys, in_ids, tmp_keys, tmp_ids, out_keys, out_ids, m, offsets, plan, \
                            lookback + (u64)p * group_lookback_words((m + WideItems<K>::V * RSORT_THREADS - 1) /   \
                                                                      (WideItems<K>::V * RSORT_THREADS)),          \
@@ -1308,16 +1308,16 @@ extern "C" __global__ void __launch_bounds__(RSORT_THREADS)
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
         rsort_count_##S(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, const K *tmp_keys,             \
                         const u64 *tmp_ids, const K *out_keys, const u64 *out_ids, u64 m, const u32 *plan,        \
-                        u32 *counts) {                                                                            \
+                        u32 *counts) { grid_dependency_wait();                                                    \
         rsort_count<K>(p, id_digits, in_keys, in_ids, tmp_keys, tmp_ids, out_keys, out_ids, m, plan, counts);     \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
-        rsort_top_hist_##S(const K *keys, u64 n, u64 k, u32 *top) {                                               \
+        rsort_top_hist_##S(const K *keys, u64 n, u64 k, u32 *top) { grid_dependency_wait();                       \
         rsort_top_hist<K>(keys, n, k, top);                                                                       \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(RSORT_THREADS)                                                   \
         rsort_top_scatter_##S(const K *keys, u64 n, u64 k, u64 cap, u32 *top, u32 *fill, u64 span, u32 *seg,      \
-                              K *out_keys, u64 *out_ids) {                                                        \
+                              K *out_keys, u64 *out_ids) { grid_dependency_wait();                                \
         rsort_top_scatter<K>(keys, n, k, cap, top, fill, span, seg, out_keys, out_ids);                           \
     }
 INSTANTIATE_KEYS(RADIX_SORT_ENTRIES)

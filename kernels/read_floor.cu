@@ -55,10 +55,10 @@ __device__ __forceinline__ void read_floor(const W *__restrict__ words, u64 n, W
     }
 }
 
-extern "C" __global__ void __launch_bounds__(READ_FLOOR_THREADS) read_floor_w32(const u32 *words, u64 n, u32 *out) {
+extern "C" __global__ void __launch_bounds__(READ_FLOOR_THREADS) read_floor_w32(const u32 *words, u64 n, u32 *out) { grid_dependency_wait();
     read_floor<u32, uint4>(words, n, out);
 }
 
-extern "C" __global__ void __launch_bounds__(READ_FLOOR_THREADS) read_floor_w64(const u64 *words, u64 n, u64 *out) {
+extern "C" __global__ void __launch_bounds__(READ_FLOOR_THREADS) read_floor_w64(const u64 *words, u64 n, u64 *out) { grid_dependency_wait();
     read_floor<u64, ulonglong2>(words, n, out);
 }

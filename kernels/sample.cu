@@ -233,17 +233,17 @@ __device__ void refine_threshold(const K *keys, const u64 *ids, const u64 *n_ptr
 #define SAMPLE_ENTRIES(K, S)                                                                                      \
     extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)                                                  \
         sample_threshold_##S(const K *keys, const u64 *ids, u64 n, const u64 *n_ptr, u64 cap, u64 k, u32 s_max,   \
-                             u64 seed, Threshold<K> *thr, u32 *status) {                                          \
+                             u64 seed, Threshold<K> *thr, u32 *status) { grid_dependency_wait();                  \
         sample_threshold<K>(keys, ids, n, n_ptr, cap, k, s_max, seed, thr, status);                               \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256)                                                             \
         filter_pairs_##S(const K *keys, const u64 *ids, u64 n, const u64 *n_ptr, const Threshold<K> *thr,         \
-                         K *out_keys, u64 *out_ids, u64 *count, u64 cap, const u32 *status) {                     \
+                         K *out_keys, u64 *out_ids, u64 *count, u64 cap, const u32 *status) { grid_dependency_wait(); \
         filter_pairs<K>(keys, ids, n, n_ptr, thr, out_keys, out_ids, count, cap, status);                         \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)                                                  \
         refine_threshold_##S(const K *keys, const u64 *ids, const u64 *n_ptr, u64 cap, u64 r, Threshold<K> *thr,  \
-                             u32 *status) {                                                                       \
+                             u32 *status) { grid_dependency_wait();                                               \
         refine_threshold<K>(keys, ids, n_ptr, cap, r, thr, status);                                               \
     }
 INSTANTIATE_KEYS(SAMPLE_ENTRIES)

@@ -132,6 +132,34 @@ pub fn entry_points(file: &str) -> Vec<String> {
     keyed.chain(plain).collect()
 }
 
+/// The `__global__` functions of a CUDA source whose body does not begin with
+/// `grid_dependency_wait();` (common.cuh), by the start of their signature. The engine
+/// launches kernels with programmatic stream serialisation: a kernel that touched memory before
+/// that wait could read what the previous kernel has not yet made visible.
+pub fn kernels_without_dependency_wait(source: &str) -> Vec<String> {
+    let mut missing = Vec::new();
+    let mut rest = source;
+    while let Some(at) = rest.find("__global__") {
+        let from = &rest[at..];
+        let Some(open) = from.find('{') else {
+            missing.push(from.chars().take(80).collect());
+            break;
+        };
+        // Continuation backslashes of a macro definition are not statements.
+        let body = from[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+        if !body.starts_with("grid_dependency_wait();") {
+            missing.push(
+                from[..open]
+                    .split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            );
+        }
+        rest = &from[open..];
+    }
+    missing
+}
+
 /// The kernel files' texts, by file name.
 #[derive(Debug, Clone)]
 pub struct KernelSources {

@@ -25,6 +25,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
+/// Set to `0` to launch kernels without programmatic dependent launch
+/// ([`GpuDevice::programmatic_launch`]).
+pub const PDL_ENV: &str = "GPU_TOPK_PDL";
+
 pub use algorithms::{
     DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_ROWS, FusedReport, KeyKind, SortedPairs, TopKEngine,
 };
@@ -82,6 +86,9 @@ pub struct GpuDevice {
     pub max_shared_per_block: usize,
     /// The driver's CUDA version, e.g. 13000 (part of the kernel cache key).
     pub driver_version: i32,
+    /// Whether kernels launch with programmatic stream serialisation (compute capability 9.0
+    /// on, unless `GPU_TOPK_PDL=0`; see [`Self::programmatic_launch`]).
+    programmatic_launch: bool,
     /// Device buffers, reused by size class across selections.
     pub pool: Arc<BufferPool>,
     /// Pinned host staging buffers, reused across selections.
@@ -112,6 +119,14 @@ impl GpuDevice {
     pub fn arch(&self) -> String {
         let (major, minor) = self.compute_capability;
         format!("sm_{major}{minor}")
+    }
+
+    /// Whether the engines launch kernels with programmatic dependent launch (Hopper on):
+    /// each kernel is staged while the one before it drains and waits for its writes in its
+    /// first statement (common.cuh `grid_dependency_wait`). `GPU_TOPK_PDL=0` turns it off (to
+    /// measure it, or to rule it out).
+    pub fn programmatic_launch(&self) -> bool {
+        self.programmatic_launch
     }
 
     pub fn describe(&self) -> String {
@@ -266,6 +281,8 @@ fn detect() -> Result<GpuDevice, String> {
         sm_count: sm_count.max(1) as usize,
         max_shared_per_block: max_shared_per_block.max(0) as usize,
         driver_version,
+        programmatic_launch: compute_capability.0 >= 9
+            && std::env::var(PDL_ENV).map_or(true, |v| v != "0"),
         kernels: OnceLock::new(),
         cache_dir: OnceLock::new(),
         generated: Mutex::new(HashMap::new()),

@@ -468,6 +468,7 @@ __device__ __forceinline__ void fused_rows(
 extern "C" __global__ void __launch_bounds__(256, FUSED_MIN_BLOCKS) {ENTRY}(
 {params}    u64 n, u64 step, u64 id_start, const Threshold<Key> *thr, Key *cand_keys, u64 *cand_ids, u64 *count,
     u64 capacity, u64 *passed, u32 *error, u32 *kept) {{
+    grid_dependency_wait();
     // Each warp's write buffer (common.cuh): one counter atomic per ~WARP_BUFFER appends.
     __shared__ Key buffer_keys[8][WARP_BUFFER];
     __shared__ u64 buffer_ids[8][WARP_BUFFER];

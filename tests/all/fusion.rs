@@ -11,7 +11,7 @@ use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_gpu_topk::datasets::{QUERIES, TABLE_NAME, TweetsSpec, tweets_mem_table};
 use datafusion_gpu_topk::device::kernels::{
     GENERATED_MIN_BLOCKS, GENERATED_SPILL_ALLOWANCE, GeneratedCompile, KernelSources,
-    compile_generated, nvrtc_available,
+    compile_generated, kernels_without_dependency_wait, nvrtc_available,
 };
 use datafusion_gpu_topk::fusion::{FusedProgram, KernelInput, Part};
 use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
@@ -48,6 +48,13 @@ async fn placement(ctx: &SessionContext, sql: &str) -> (String, String, Option<S
         fusion.keys == Part::Gpu,
         "{sql}: a program exactly when the keys run on the GPU"
     );
+    if let Some(program) = &fusion.program {
+        let missing = kernels_without_dependency_wait(&program.source);
+        assert!(
+            missing.is_empty(),
+            "{sql}: no grid_dependency_wait first in {missing:?}"
+        );
+    }
     (
         filter,
         name(&fusion.keys),

@@ -18,7 +18,7 @@ use datafusion::arrow::datatypes::DataType;
 use datafusion_gpu_topk::config::Algorithm;
 use datafusion_gpu_topk::device::kernels::{
     self, KernelSources, cache_key, compile_cubin, compile_program, cubin_cached, entry_points,
-    nvrtc_available, read_cache_file, write_cache_file,
+    kernels_without_dependency_wait, nvrtc_available, read_cache_file, write_cache_file,
 };
 use datafusion_gpu_topk::device::{DeviceAlgorithm, GpuDevice, GpuStatus, gpu, gpu_status};
 use datafusion_gpu_topk::keys::{EncodedKeys, KeyLayout, KeySpec, U256};
@@ -97,6 +97,33 @@ fn tmp_dir(name: &str) -> std::path::PathBuf {
 }
 
 // ---- NVRTC (no GPU needed) --------------------------------------------------------------------
+
+/// The engine launches kernels with programmatic stream serialisation (Hopper on): each kernel
+/// must wait for the previous one's writes before it touches memory.
+#[test]
+fn every_kernel_waits_for_the_previous_kernel_first() {
+    let sources = KernelSources::embedded();
+    let mut kernels = 0;
+    for (name, source) in sources.programs() {
+        kernels += source.matches("__global__").count();
+        let missing = kernels_without_dependency_wait(source);
+        assert!(
+            missing.is_empty(),
+            "{name}: no grid_dependency_wait first in {missing:?}"
+        );
+    }
+    assert!(kernels >= 39, "{kernels} kernel definitions");
+    // The check itself: a wait after a store, or none, is reported; one first (in a macro too) is not.
+    let late = "extern \"C\" __global__ void f(int *p) { *p = 1; grid_dependency_wait(); }";
+    assert_eq!(kernels_without_dependency_wait(late).len(), 1);
+    let none = "extern \"C\" __global__ void g(int *p) {}\n__global__ void h() { grid_dependency_wait(); }";
+    assert_eq!(
+        kernels_without_dependency_wait(none),
+        vec!["__global__ void g(int *p)"]
+    );
+    let macro_def = "#define E(S) \\\n    extern \"C\" __global__ void e_##S() { \\\n  grid_dependency_wait(); }";
+    assert!(kernels_without_dependency_wait(macro_def).is_empty());
+}
 
 #[test]
 fn every_kernel_compiles_for_sm_90_without_spills_or_stack() {

@@ -1,0 +1,88 @@
+// Run on the GPU machine: nvcc -O3 -arch=sm_90 benches/micro/launch_chain.cu -o /tmp/l && /tmp/l
+// (session 27: what a chain of dependent kernels pays per launch, with and without programmatic
+// dependent launch (PDL) and CUDA graphs; the host enqueue time per launch beside it).
+#include <cstdio>
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <vector>
+#include <algorithm>
+#include <chrono>
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
+
+template <bool WAIT, bool TRIGGER>
+__global__ void step(const unsigned *in, unsigned *out, unsigned n, unsigned spin) {
+    if (TRIGGER) asm volatile("griddepcontrol.launch_dependents;");
+    if (WAIT) asm volatile("griddepcontrol.wait;" ::: "memory");
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        unsigned v = in[i];
+        for (unsigned s = 0; s < spin; ++s) v = v * 1664525u + 1013904223u;
+        out[i] = v + 1;
+    }
+}
+
+int main() {
+    unsigned *a, *b;
+    const unsigned N = 1u << 24;
+    CK(cudaMalloc(&a, N * 4)); CK(cudaMalloc(&b, N * 4));
+    CK(cudaMemset(a, 0, N * 4)); CK(cudaMemset(b, 0, N * 4));
+    cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+    struct Case { const char *name; unsigned n, grid, spin; };
+    Case cases[] = {{"tiny n=4096 grid=16", 4096, 16, 0},
+                    {"n=2^20 grid=528", 1u << 20, 528, 0},
+                    {"n=2^21 grid=1056 (one 8MB rw)", 1u << 21, 1056, 0},
+                    {"n=2^20 grid=132 spin=200", 1u << 20, 132, 200}};
+    const int CHAIN = 32;
+    for (auto &c : cases) {
+        for (int mode = 0; mode < 5; ++mode) {
+            // 0 plain, 1 PDL wait-only, 2 PDL trigger+wait, 3 graph of plain, 4 graph of PDL trigger+wait
+            auto enqueue = [&](cudaStream_t s) {
+                for (int i = 0; i < CHAIN; ++i) {
+                    const unsigned *in = (i & 1) ? b : a; unsigned *out = (i & 1) ? a : b;
+                    cudaLaunchConfig_t cfg = {};
+                    cfg.gridDim = dim3(c.grid); cfg.blockDim = dim3(256); cfg.stream = s;
+                    cudaLaunchAttribute attr[1];
+                    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                    attr[0].val.programmaticStreamSerializationAllowed = 1;
+                    cfg.attrs = attr; cfg.numAttrs = (mode == 0 || mode == 3) ? 0 : 1;
+                    if (mode == 0 || mode == 3) CK(cudaLaunchKernelEx(&cfg, step<true, false>, in, out, c.n, c.spin));
+                    else if (mode == 1) CK(cudaLaunchKernelEx(&cfg, step<true, false>, in, out, c.n, c.spin));
+                    else CK(cudaLaunchKernelEx(&cfg, step<true, true>, in, out, c.n, c.spin));
+                }
+            };
+            cudaGraphExec_t exec = nullptr;
+            if (mode >= 3) {
+                cudaGraph_t g;
+                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+                enqueue(st);
+                CK(cudaStreamEndCapture(st, &g));
+                CK(cudaGraphInstantiate(&exec, g, 0));
+            }
+            std::vector<float> ts; double host_us = 0;
+            for (int r = 0; r < 25; ++r) {
+                CK(cudaEventRecord(e0, st));
+                auto h0 = std::chrono::steady_clock::now();
+                if (exec) CK(cudaGraphLaunch(exec, st)); else enqueue(st);
+                host_us += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count();
+                CK(cudaEventRecord(e1, st));
+                CK(cudaEventSynchronize(e1));
+                float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
+                if (r >= 5) ts.push_back(ms);
+            }
+            std::sort(ts.begin(), ts.end());
+            static const char *names[] = {"plain", "pdl-wait", "pdl-trigger", "graph-plain", "graph-pdl"};
+            printf("%-34s %-12s per kernel %7.2f us (median of 20 chains of %d); host enqueue %.2f us/kernel\n", c.name, names[mode], ts[10] * 1000 / CHAIN, CHAIN, host_us / 25 / CHAIN);
+        }
+        // single kernel duration
+        std::vector<float> ts;
+        for (int r = 0; r < 25; ++r) {
+            CK(cudaEventRecord(e0, st));
+            step<false, false><<<c.grid, 256, 0, st>>>(a, b, c.n, c.spin);
+            CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
+            float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); if (r >= 5) ts.push_back(ms);
+        }
+        std::sort(ts.begin(), ts.end());
+        printf("%-34s single kernel alone %7.2f us\n", c.name, ts[10] * 1000);
+    }
+    return 0;
+}
