@@ -177,8 +177,8 @@ template <class K> __device__ void threshold_from(const K *keys, const u64 *ids,
 // [lo, lo + width) and the row id's bits fit one 64-bit word, each pair becomes the word
 // (field << id_bits) | row id (common.cuh `packed_word`; the bits outside the field are the same
 // in every key). merge_sort.cu packs them as its tile sort loads them and merges the words keys
-// only (half the bytes of 64-bit keys' pairs a round moves); `unpack_words` turns the first m
-// back into (key, row id) pairs.
+// only (half the bytes of 64-bit keys' pairs a round moves); its last round unpacks the first m
+// back into (key, row id) pairs (`UnpackWords`).
 
 // span[j] |= OR of ~word j, span[N + j] |= OR of word j, over keys [0, min(*count, cap)).
 template <class K> __device__ void key_span(const K *keys, const u64 *count, u64 cap, u64 *span) {
@@ -212,24 +212,43 @@ template <class K> __device__ void key_span(const K *keys, const u64 *count, u64
     if (threadIdx.x < 2 * K::N && s_span[threadIdx.x] != 0) atomicOr(&span[threadIdx.x], s_span[threadIdx.x]);
 }
 
-// Pairs [0, m) from words [0, m): the fixed bits (the AND of the keys, from `span`, outside
-// the field) and the field, and the row id below id_bits.
+// The packed sort's plan, made on the device so that no host round trip separates the pass
+// from the sort: plan[0..3] = (lo, width, id_bits) of the words (the rule of fused.rs
+// `packed_field`, from key_span's words), plan[3] = a status word the sort's kernels skip on:
+// bit 0 the pass flagged an error, 1 more candidates than the buffer holds, 2 fewer than k
+// while more rows passed (the threshold missed), 3 no more than `min_count` candidates (too
+// few for a merge round), 4 the field and the row id do not fit one word. `pass`: the pass's
+// words (rows passed u64, error flags u32 at byte 8, candidates u64 at byte 16). One thread.
 template <class K>
-__device__ void unpack_words(const u64 *words, u64 m, const u64 *span, u32 lo, u32 width, u32 id_bits, K *keys,
-                             u64 *ids) {
-    K fixed;
+__device__ void packed_plan(const u64 *span, const u64 *pass, u64 cap, u64 k, u32 id_bits, u64 min_count,
+                            u32 *plan) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const u64 passed = __ldcg(pass), count = __ldcg(pass + 2);
+    const u32 error = (u32)__ldcg(pass + 1);
+    u32 status = 0;
+    if (error != 0) status |= 1u;
+    if (count > cap) status |= 2u;
+    if (count < k && count < passed) status |= 4u;
+    if (count <= min_count) status |= 8u;
+    constexpr int WORD_BITS = 8 * (int)sizeof(typename K::Word);
+    const u64 mask = WORD_BITS == 64 ? ~0ull : (1ull << WORD_BITS) - 1ull;
+    int lo = -1, hi = 0;
 #pragma unroll
-    for (int j = 0; j < K::N; ++j) fixed.w[j] = (typename K::Word)~span[j];
-    const u64 field_mask = width >= 64 ? ~0ull : (1ull << width) - 1ull;
-    const K clear = key_with_field(key_zero<K>(), field_mask, lo);
-#pragma unroll
-    for (int j = 0; j < K::N; ++j) fixed.w[j] &= ~clear.w[j];
-    const u64 id_mask = id_bits >= 64 ? ~0ull : (1ull << id_bits) - 1ull;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (u64)gridDim.x * blockDim.x) {
-        const u64 w = words[i];
-        keys[i] = key_with_field(fixed, id_bits >= 64 ? 0ull : w >> id_bits, lo);
-        ids[i] = w & id_mask;
+    for (int j = 0; j < K::N; ++j) {
+        // Set in some key (the OR) but not in all (the AND: the complement of the first OR).
+        const u64 varies = (__ldcg(span + K::N + j) ^ ~__ldcg(span + j)) & mask;
+        if (varies != 0) {
+            if (lo < 0) lo = j * WORD_BITS + __ffsll((long long)varies) - 1;
+            hi = j * WORD_BITS + 64 - __clzll((long long)varies);
+        }
     }
+    if (lo < 0) lo = 0;
+    const u32 width = (u32)max(hi - lo, 0);
+    if (width + id_bits > 64) status |= 16u;
+    plan[0] = (u32)lo;
+    plan[1] = width;
+    plan[2] = id_bits;
+    plan[3] = status;
 }
 
 #define CANDIDATE_ENTRIES(K, S)                                                                                   \
@@ -260,9 +279,8 @@ __device__ void unpack_words(const u64 *words, u64 m, const u64 *span, u32 lo, u
                                                                    u64 *span) { grid_dependency_wait();           \
         key_span<K>(keys, count, cap, span);                                                                      \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256)                                                             \
-        unpack_words_##S(const u64 *words, u64 m, const u64 *span, u32 lo, u32 width, u32 id_bits, K *keys,      \
-                         u64 *ids) { grid_dependency_wait();                                                      \
-        unpack_words<K>(words, m, span, lo, width, id_bits, keys, ids);                                           \
+    extern "C" __global__ void packed_plan_##S(const u64 *span, const u64 *pass, u64 cap, u64 k, u32 id_bits,     \
+                                               u64 min_count, u32 *plan) { grid_dependency_wait();                \
+        packed_plan<K>(span, pass, cap, k, id_bits, min_count, plan);                                             \
     }
 INSTANTIATE_KEYS(CANDIDATE_ENTRIES)

@@ -18,10 +18,11 @@
 //                 binary search takes ~20), the block loads both runs' parts into shared memory
 //                 and merges as in msort_tiles, and writes the tile out coalesced.
 // Packed words (a large k's candidates, candidates.cu): `msort_tiles_packed` packs each pair
-// into its 64-bit word as it loads it, and `msort_merge_words` merges the words keys only (no
-// row ids: every id reads as 0), half the bytes of 64-bit keys' pairs (H100, 1.27M of Q2's
-// candidates, ncu: the packing tile sort 41 µs and rounds ~14 µs against 50 and ~20 for the pairs,
-// session 26).
+// into its 64-bit word as it loads it (the field from `packed_plan`'s words on the device), and
+// `msort_merge_unpack` merges the words keys only (no row ids: every id reads as 0), half the
+// bytes of 64-bit keys' pairs (H100, 1.27M of Q2's candidates, ncu: the packing tile sort 41 µs
+// and rounds ~14 µs against 50 and ~20 for the pairs, session 26); the round that leaves one
+// run stores it unpacked into (key, row id) pairs (`UnpackWords`).
 // Run j of a round (input span s, the sort's k) starts at j · min(s, k) and holds
 // min(k, pairs of the input positions [j·s, (j+1)·s) below m): a function of m alone, so every
 // round can be enqueued before m is known (m = *m_dev, a selection's survivor count).
@@ -232,16 +233,54 @@ __device__ __forceinline__ void put_items(const Run<K, true, KO> &s, const K (&k
     for (int e = 0; e < V; ++e) s.put(threadIdx.x * V + e, key[e], id[e]);
 }
 
-// Writes each thread's V pairs to shared memory, then the block's first `valid` positions to
-// `out`, coalesced.
-template <class K, int V, bool KO>
-__device__ __forceinline__ void store_tile_out(const Run<K, true, KO> &s, const K (&key)[V], const u64 (&id)[V],
-                                               u32 valid, const Run<K, false, KO> &out) {
+// Writes each thread's V pairs to shared memory, then hands the block's first `valid`
+// positions to put(t, key, row id), coalesced.
+template <class K, int V, bool KO, class Put>
+__device__ __forceinline__ void store_tile_with(const Run<K, true, KO> &s, const K (&key)[V], const u64 (&id)[V],
+                                                u32 valid, Put put) {
     __syncthreads();
     put_items<K, V, KO>(s, key, id);
     __syncthreads();
-    for (u32 t = threadIdx.x; t < valid; t += MSORT_THREADS) out.put(t, s.key(t), s.id(t));
+    for (u32 t = threadIdx.x; t < valid; t += MSORT_THREADS) put(t, s.key(t), s.id(t));
 }
+
+// … to `out`.
+template <class K, int V, bool KO>
+__device__ __forceinline__ void store_tile_out(const Run<K, true, KO> &s, const K (&key)[V], const u64 (&id)[V],
+                                               u32 valid, const Run<K, false, KO> &out) {
+    store_tile_with<K, V, KO>(s, key, id, valid, [&](u32 t, const K &k, u64 i) { out.put(t, k, i); });
+}
+
+// Where the rounds' words go in the round that leaves one run: nowhere special (`None`)…
+struct KeepWords {
+    enum { ENABLED = 0 };
+    __device__ __forceinline__ void operator()(u64, const K64 &) const {}
+};
+
+// … or unpacked into (key, row id) pairs (as a round's store: a separate unpacking kernel took
+// 9 µs of the packed sort at Q2 k = 10^6, session 26): `fixed` holds the bits every
+// candidate's key shares (key_span's words), the word's field goes at `lo`, below it the row id.
+template <class K> struct UnpackWords {
+    enum { ENABLED = 1 };
+    K *keys;
+    u64 *ids;
+    K fixed;
+    u32 lo, id_bits;
+    __device__ __forceinline__ UnpackWords(K *keys_, u64 *ids_, const u64 *span, u32 lo_, u32 width, u32 id_bits_)
+        : keys(keys_), ids(ids_), lo(lo_), id_bits(id_bits_) {
+#pragma unroll
+        for (int j = 0; j < K::N; ++j) fixed.w[j] = (typename K::Word)~span[j];
+        const u64 field_mask = width >= 64 ? ~0ull : (1ull << width) - 1ull;
+        const K clear = key_with_field(key_zero<K>(), field_mask, lo);
+#pragma unroll
+        for (int j = 0; j < K::N; ++j) fixed.w[j] &= ~clear.w[j];
+    }
+    __device__ __forceinline__ void operator()(u64 at, const K64 &word) const {
+        const u64 w = word.w[0];
+        keys[at] = key_with_field(fixed, id_bits >= 64 ? 0ull : w >> id_bits, lo);
+        ids[at] = id_bits >= 64 ? w : w & ((1ull << id_bits) - 1ull);
+    }
+};
 
 // Pair g of a tile sort's input: (key, row id) from arrays (row ids null: positions)…
 template <class K> struct LoadPairs {
@@ -305,9 +344,9 @@ __device__ void msort_tiles(Load load, u64 m_host, const u64 *m_dev, u64 cap, K 
     store_tile_out<K, V, KO>(s, key, id, valid, Run<K, false, KO>{out_keys + base, KO ? nullptr : out_ids + base, 0u});
 }
 
-template <class K, bool KO>
+template <class K, bool KO, class Final = KeepWords>
 __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, const u64 *m_dev, u64 cap, u64 k,
-                            u64 span, K *out_keys, u64 *out_ids, const u32 *status) {
+                            u64 span, K *out_keys, u64 *out_ids, const u32 *status, Final final = Final()) {
     constexpr int V = MergeItems<K>::V;
     constexpr u32 TILE = MSORT_THREADS * V;
     __shared__ u32 s_split[2];
@@ -356,6 +395,13 @@ __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, con
     const u32 i = merge_path(sa, na, sb, nb, d);
     merge_items<K, V>(sa, na, sb, nb, i, d - i, min((u32)V, n - d), key, id);
     const u64 o = q * out_stride + d0;
+    if constexpr (Final::ENABLED) {
+        if (2 * span >= m) {
+            // This round leaves one run: the sort's result, stored as `final` takes it.
+            store_tile_with<K, V, KO>(s, key, id, n, [&](u32 t, const K &w, u64) { final(o + t, w); });
+            return;
+        }
+    }
     store_tile_out<K, V, KO>(s, key, id, n, Run<K, false, KO>{out_keys + o, KO ? nullptr : out_ids + o, 0u});
 }
 
@@ -371,16 +417,16 @@ __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, con
         msort_merge<K, false>(in_keys, in_ids, m_host, m_dev, cap, k, span, out_keys, out_ids, status);           \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
-        msort_tiles_packed_##S(const K *keys, const u64 *ids, u32 lo, u32 width, u32 id_bits, u64 m_host,         \
-                               const u64 *m_dev, u64 cap, K64 *out_words, u32 *status) { grid_dependency_wait();  \
-        msort_tiles<K64, true>(LoadPacked<K>{keys, ids, lo, width, id_bits}, m_host, m_dev, cap, out_words,      \
-                               nullptr, status);                                                                  \
+        msort_tiles_packed_##S(const K *keys, const u64 *ids, const u32 *plan, u64 m_host, const u64 *m_dev,      \
+                               u64 cap, K64 *out_words, u32 *status) { grid_dependency_wait();                    \
+        msort_tiles<K64, true>(LoadPacked<K>{keys, ids, plan[0], plan[1], plan[2]}, m_host, m_dev, cap,           \
+                               out_words, nullptr, status);                                                       \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
+        msort_merge_unpack_##S(const K64 *in_words, u64 m_host, const u64 *m_dev, u64 cap, u64 k, u64 span,       \
+                               K64 *out_words, const u32 *status, const u64 *span_words, const u32 *plan,         \
+                               K *out_keys, u64 *out_ids) { grid_dependency_wait();                               \
+        msort_merge<K64, true>(in_words, nullptr, m_host, m_dev, cap, k, span, out_words, nullptr, status,        \
+                               UnpackWords<K>(out_keys, out_ids, span_words, plan[0], plan[1], plan[2]));         \
     }
 INSTANTIATE_KEYS(MERGE_SORT_ENTRIES)
-
-// The rounds over packed words (keys only), after msort_tiles_packed.
-extern "C" __global__ void __launch_bounds__(MSORT_THREADS)
-    msort_merge_words(const K64 *in_keys, u64 m_host, const u64 *m_dev, u64 cap, u64 k, u64 span, K64 *out_keys,
-                      const u32 *status) { grid_dependency_wait();
-    msort_merge<K64, true>(in_keys, nullptr, m_host, m_dev, cap, k, span, out_keys, nullptr, status);
-}

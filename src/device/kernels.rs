@@ -57,7 +57,7 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
             "filter_below",
             "filter_fraction",
             "key_span",
-            "unpack_words",
+            "packed_plan",
         ],
     ),
     ("radix.cu", &["radix_masks", "radix_hist", "radix_filter"]),
@@ -92,7 +92,12 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
     ),
     (
         "merge_sort.cu",
-        &["msort_tiles", "msort_merge", "msort_tiles_packed"],
+        &[
+            "msort_tiles",
+            "msort_merge",
+            "msort_tiles_packed",
+            "msort_merge_unpack",
+        ],
     ),
     ("delegate.cu", &["delegate_min", "delegate_gather"]),
 ];
@@ -101,7 +106,6 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
 const PLAIN_ENTRIES: &[(&str, &[&str])] = &[
     ("radix.cu", &["radix_init"]),
     ("radix_sort.cu", &["rsort_scan"]),
-    ("merge_sort.cu", &["msort_merge_words"]),
     ("read_floor.cu", &["read_floor_w32", "read_floor_w64"]),
 ];
 

@@ -224,6 +224,14 @@ async fn resident_top_k_matches_datafusion_on_the_tweet_queries() {
             "SELECT id FROM tweets WHERE lang = 'en' OR lang = 'es' ORDER BY retweet_count DESC{tie} LIMIT 40 OFFSET 10"
         )
     };
+    // A large k over few passing rows: fewer candidates than one merge tile, which the packed
+    // sort's plan leaves to the pairs' merge sort.
+    let q1_large_k = |tie: &str| {
+        format!(
+            "SELECT id FROM tweets WHERE tweet_time < '{}' ORDER BY retweet_count DESC{tie} LIMIT 100000",
+            tweets::time_bound_for_selectivity(0.001)
+        )
+    };
     let mut planned = Vec::new();
     for (sql, oracle) in [
         (q1(0.3, ""), q1(0.3, ", id")),
@@ -233,10 +241,16 @@ async fn resident_top_k_matches_datafusion_on_the_tweet_queries() {
         (q2(1000, ""), q2(1000, ", id")),
         (q2(100_000, ""), q2(100_000, ", id")),
         (q3(""), q3(", id")),
+        (q1_large_k(""), q1_large_k(", id")),
     ] {
         planned.push(plan(&ours, &plain, &schema, &sql, &oracle).await);
     }
     assert!(planned[1].want.is_empty() && planned[5].want.len() == 100_000);
+    assert!(
+        (1..=2048).contains(&planned[7].want.len()),
+        "{}",
+        planned[7].want.len()
+    );
     run_on_device(&whole, &ids, &planned);
 }
 

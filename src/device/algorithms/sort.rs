@@ -138,7 +138,7 @@ impl TopKEngine {
         let bufs = [&out, tmp.as_ref().unwrap_or(&out)];
         let ids = if input.positional { 0 } else { input.id_at(0) };
         self.merge_launches(
-            Some(self.kind),
+            MergeRounds::Pairs(self.kind),
             (&self.kernel("msort_tiles"), args![input.key_at(0), ids]),
             (m, count, cap, k, status),
             bufs.map(|b| [b.key_at(0), b.id_at(0)]),
@@ -150,45 +150,57 @@ impl TopKEngine {
         })
     }
 
-    /// The first min(m, k) of pairs `[0, m)` sorted as packed 64-bit words (common.cuh
-    /// `packed_word` with `field` = (lo, width, id_bits), which must hold every pair's
-    /// varying key bits and row id): the merge sort's tiles pack the pairs as they load them
-    /// (merge_sort.cu `msort_tiles_packed`), its rounds merge the words keys only
-    /// (`msort_merge_words`: half the bytes of 64-bit keys' pairs). Returns the buffer whose
-    /// start holds the sorted words.
+    /// The first min(m, k) of pairs `[0, m)` (m = `*count`, at most `cap`) sorted, through
+    /// packed 64-bit words (common.cuh `packed_word`), planned on the device: `plan` holds
+    /// candidates.cu `packed_plan`'s words (lo, width, id_bits of the field, and a status that
+    /// turns every kernel here into a no-op), `span` key_span's words (the bits every key
+    /// shares). The merge sort's tiles pack the pairs as they load them (merge_sort.cu
+    /// `msort_tiles_packed`), its rounds merge the words keys only (half the bytes of 64-bit
+    /// keys' pairs), and the round that leaves one run stores them unpacked
+    /// (`msort_merge_unpack`; rounds are planned for `cap`, the later ones do nothing). The
+    /// plan's status requires more than a tile's pairs: fewer leave no round to unpack.
     pub(super) fn merge_sort_packed(
         &self,
         input: &DevicePairs,
-        m: usize,
+        (count, cap): (u64, usize),
         k: usize,
-        (lo, width, id_bits): (u32, u32, u32),
-    ) -> GpuResult<PooledBuffer> {
-        let tile = merge_sort_tile(KeyKind::K64);
-        let m = m.max(1);
-        let rounds = m.div_ceil(tile).next_power_of_two().trailing_zeros();
+        plan: u64,
+        span: u64,
+    ) -> GpuResult<DevicePairs> {
+        let out = self.alloc_pairs(cap.min(k).max(1))?;
         let bufs = [
-            self.device.pool.alloc(8 * m, &self.stream)?,
-            self.device.pool.alloc(8 * m, &self.stream)?,
+            self.device.pool.alloc(8 * cap.max(1), &self.stream)?,
+            self.device.pool.alloc(8 * cap.max(1), &self.stream)?,
         ];
         let [a, b] = [bufs[0].ptr(), bufs[1].ptr()];
         let tiles = self.kernel("msort_tiles_packed");
-        let input = args![input.key_at(0), input.id_at(0), lo, width, id_bits];
-        self.merge_launches(None, (&tiles, input), (m, 0, m, k, 0), [[a, 0], [b, 0]])?;
-        let [tiles, other] = bufs;
-        Ok(if rounds % 2 == 1 { other } else { tiles })
+        let input = args![input.key_at(0), input.id_at(0), plan];
+        let rounds = self.kernel("msort_merge_unpack");
+        let unpack = args![span, plan, out.key_at(0), out.id_at(0)];
+        self.merge_launches(
+            MergeRounds::Words(&rounds, unpack),
+            (&tiles, input),
+            (cap, count, cap, k, plan + 12),
+            [[a, 0], [b, 0]],
+        )?;
+        Ok(out)
     }
 
     /// The merge sort's launches: the tile sort `tiles` (its kernel and its input's
     /// arguments) into `bufs[0]`, then the rounds alternating between the two buffers (keys,
-    /// row ids) for `kind`'s keys, or for 64-bit words keys only (None). `counts`: (m, device
-    /// count or 0, cap, k, status), as [`merge_sort`](Self::merge_sort) takes them.
+    /// row ids): [`MergeRounds`]. `counts`: (m, device count or 0, cap, k, status), as
+    /// [`merge_sort`](Self::merge_sort) takes them.
     fn merge_launches(
         &self,
-        kind: Option<KeyKind>,
+        rounds_kernel: MergeRounds,
         (tiles_kernel, input): (&str, &[Arg]),
         (m, count, cap, k, status): (usize, u64, usize, usize, u64),
         bufs: [[u64; 2]; 2],
     ) -> GpuResult<()> {
+        let kind = match rounds_kernel {
+            MergeRounds::Pairs(kind) => Some(kind),
+            MergeRounds::Words(..) => None,
+        };
         let tile = merge_sort_tile(kind.unwrap_or(KeyKind::K64));
         let tiles = cap.div_ceil(tile);
         let rounds = tiles.next_power_of_two().trailing_zeros();
@@ -209,9 +221,9 @@ impl TopKEngine {
                 None => vec![Arg::from(b[0])],
             }
         };
-        let merge = match kind {
-            Some(kind) => format!("msort_merge_{}", kind.suffix()),
-            None => "msort_merge_words".to_string(),
+        let (merge, extra) = match rounds_kernel {
+            MergeRounds::Pairs(kind) => (format!("msort_merge_{}", kind.suffix()), &[][..]),
+            MergeRounds::Words(name, extra) => (name.to_string(), extra),
         };
         let mut args = input.to_vec();
         args.extend_from_slice(args![m, count, cap]);
@@ -228,6 +240,7 @@ impl TopKEngine {
             args.extend_from_slice(args![m, count, cap, k, span]);
             args.extend(buffer(dst));
             args.push(Arg::from(status));
+            args.extend_from_slice(extra);
             self.launch(&merge, grid as u32, MSORT_THREADS, shared, &args)?;
         }
         Ok(())
@@ -394,4 +407,11 @@ impl TopKEngine {
         }
         Ok(buf)
     }
+}
+
+/// What the merge sort's rounds merge: (key, row id) pairs of a key type, or 64-bit words keys
+/// only, by the named kernel with these arguments after the rounds' own.
+enum MergeRounds<'a> {
+    Pairs(KeyKind),
+    Words(&'a str, &'a [Arg]),
 }
