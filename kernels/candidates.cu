@@ -212,45 +212,6 @@ template <class K> __device__ void key_span(const K *keys, const u64 *count, u64
     if (threadIdx.x < 2 * K::N && s_span[threadIdx.x] != 0) atomicOr(&span[threadIdx.x], s_span[threadIdx.x]);
 }
 
-// The packed sort's plan, made on the device so that no host round trip separates the pass
-// from the sort: plan[0..3] = (lo, width, id_bits) of the words (the rule of fused.rs
-// `packed_field`, from key_span's words), plan[3] = a status word the sort's kernels skip on:
-// bit 0 the pass flagged an error, 1 more candidates than the buffer holds, 2 fewer than k
-// while more rows passed (the threshold missed), 3 no more than `min_count` candidates (too
-// few for a merge round), 4 the field and the row id do not fit one word. `pass`: the pass's
-// words (rows passed u64, error flags u32 at byte 8, candidates u64 at byte 16). One thread.
-template <class K>
-__device__ void packed_plan(const u64 *span, const u64 *pass, u64 cap, u64 k, u32 id_bits, u64 min_count,
-                            u32 *plan) {
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    const u64 passed = __ldcg(pass), count = __ldcg(pass + 2);
-    const u32 error = (u32)__ldcg(pass + 1);
-    u32 status = 0;
-    if (error != 0) status |= 1u;
-    if (count > cap) status |= 2u;
-    if (count < k && count < passed) status |= 4u;
-    if (count <= min_count) status |= 8u;
-    constexpr int WORD_BITS = 8 * (int)sizeof(typename K::Word);
-    const u64 mask = WORD_BITS == 64 ? ~0ull : (1ull << WORD_BITS) - 1ull;
-    int lo = -1, hi = 0;
-#pragma unroll
-    for (int j = 0; j < K::N; ++j) {
-        // Set in some key (the OR) but not in all (the AND: the complement of the first OR).
-        const u64 varies = (__ldcg(span + K::N + j) ^ ~__ldcg(span + j)) & mask;
-        if (varies != 0) {
-            if (lo < 0) lo = j * WORD_BITS + __ffsll((long long)varies) - 1;
-            hi = j * WORD_BITS + 64 - __clzll((long long)varies);
-        }
-    }
-    if (lo < 0) lo = 0;
-    const u32 width = (u32)max(hi - lo, 0);
-    if (width + id_bits > 64) status |= 16u;
-    plan[0] = (u32)lo;
-    plan[1] = width;
-    plan[2] = id_bits;
-    plan[3] = status;
-}
-
 #define CANDIDATE_ENTRIES(K, S)                                                                                   \
     extern "C" __global__ void                                                                                    \
         append_##S(const K *keys, const u64 *ids, u64 id_start, u64 n, const Threshold<K> *thr, K *cand_keys,     \
@@ -278,9 +239,5 @@ __device__ void packed_plan(const u64 *span, const u64 *pass, u64 cap, u64 k, u3
     extern "C" __global__ void __launch_bounds__(256) key_span_##S(const K *keys, const u64 *count, u64 cap,    \
                                                                    u64 *span) { grid_dependency_wait();           \
         key_span<K>(keys, count, cap, span);                                                                      \
-    }                                                                                                             \
-    extern "C" __global__ void packed_plan_##S(const u64 *span, const u64 *pass, u64 cap, u64 k, u32 id_bits,     \
-                                               u64 min_count, u32 *plan) { grid_dependency_wait();                \
-        packed_plan<K>(span, pass, cap, k, id_bits, min_count, plan);                                             \
     }
 INSTANTIATE_KEYS(CANDIDATE_ENTRIES)

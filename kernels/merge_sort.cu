@@ -18,11 +18,11 @@
 //                 binary search takes ~20), the block loads both runs' parts into shared memory
 //                 and merges as in msort_tiles, and writes the tile out coalesced.
 // Packed words (a large k's candidates, candidates.cu): `msort_tiles_packed` packs each pair
-// into its 64-bit word as it loads it (the field from `packed_plan`'s words on the device), and
-// `msort_merge_unpack` merges the words keys only (no row ids: every id reads as 0), half the
-// bytes of 64-bit keys' pairs (H100, 1.27M of Q2's candidates, ncu: the packing tile sort 41 µs
-// and rounds ~14 µs against 50 and ~20 for the pairs, session 26); the round that leaves one
-// run stores it unpacked into (key, row id) pairs (`UnpackWords`).
+// into its 64-bit word as it loads it, and `msort_merge_words` merges the words keys only (no
+// row ids: every id reads as 0), half the bytes of 64-bit keys' pairs (H100, 1.27M of Q2's
+// candidates, ncu: the packing tile sort 41 µs and rounds ~14 µs against 50 and ~20 for the pairs,
+// session 26); the last round, `msort_merge_unpack`, stores them unpacked into (key, row id)
+// pairs.
 // Run j of a round (input span s, the sort's k) starts at j · min(s, k) and holds
 // min(k, pairs of the input positions [j·s, (j+1)·s) below m): a function of m alone, so every
 // round can be enqueued before m is known (m = *m_dev, a selection's survivor count).
@@ -251,15 +251,16 @@ __device__ __forceinline__ void store_tile_out(const Run<K, true, KO> &s, const 
     store_tile_with<K, V, KO>(s, key, id, valid, [&](u32 t, const K &k, u64 i) { out.put(t, k, i); });
 }
 
-// Where the rounds' words go in the round that leaves one run: nowhere special (`None`)…
+// Where a round's merged pairs go: its output buffer (`KeepWords`)…
 struct KeepWords {
     enum { ENABLED = 0 };
     __device__ __forceinline__ void operator()(u64, const K64 &) const {}
 };
 
-// … or unpacked into (key, row id) pairs (as a round's store: a separate unpacking kernel took
-// 9 µs of the packed sort at Q2 k = 10^6, session 26): `fixed` holds the bits every
-// candidate's key shares (key_span's words), the word's field goes at `lo`, below it the row id.
+// … or, in the round that leaves one run, unpacked into (key, row id) pairs (as the round's
+// store: a separate unpacking kernel took 9 µs of the packed sort at Q2 k = 10^6, session 26):
+// `fixed` holds the bits every candidate's key shares (candidates.cu `key_span`'s words), the
+// word's field goes at `lo`, below it the row id.
 template <class K> struct UnpackWords {
     enum { ENABLED = 1 };
     K *keys;
@@ -417,16 +418,23 @@ __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, con
         msort_merge<K, false>(in_keys, in_ids, m_host, m_dev, cap, k, span, out_keys, out_ids, status);           \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
-        msort_tiles_packed_##S(const K *keys, const u64 *ids, const u32 *plan, u64 m_host, const u64 *m_dev,      \
-                               u64 cap, K64 *out_words, u32 *status) { grid_dependency_wait();                    \
-        msort_tiles<K64, true>(LoadPacked<K>{keys, ids, plan[0], plan[1], plan[2]}, m_host, m_dev, cap,           \
-                               out_words, nullptr, status);                                                       \
+        msort_tiles_packed_##S(const K *keys, const u64 *ids, u32 lo, u32 width, u32 id_bits, u64 m_host,         \
+                               const u64 *m_dev, u64 cap, K64 *out_words, u32 *status) { grid_dependency_wait();  \
+        msort_tiles<K64, true>(LoadPacked<K>{keys, ids, lo, width, id_bits}, m_host, m_dev, cap, out_words,      \
+                               nullptr, status);                                                                  \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
         msort_merge_unpack_##S(const K64 *in_words, u64 m_host, const u64 *m_dev, u64 cap, u64 k, u64 span,       \
-                               K64 *out_words, const u32 *status, const u64 *span_words, const u32 *plan,         \
-                               K *out_keys, u64 *out_ids) { grid_dependency_wait();                               \
+                               K64 *out_words, const u32 *status, const u64 *span_words, u32 lo, u32 width,       \
+                               u32 id_bits, K *out_keys, u64 *out_ids) { grid_dependency_wait();                  \
         msort_merge<K64, true>(in_words, nullptr, m_host, m_dev, cap, k, span, out_words, nullptr, status,        \
-                               UnpackWords<K>(out_keys, out_ids, span_words, plan[0], plan[1], plan[2]));         \
+                               UnpackWords<K>(out_keys, out_ids, span_words, lo, width, id_bits));                \
     }
 INSTANTIATE_KEYS(MERGE_SORT_ENTRIES)
+
+// The rounds over packed words (keys only), after msort_tiles_packed.
+extern "C" __global__ void __launch_bounds__(MSORT_THREADS)
+    msort_merge_words(const K64 *in_keys, u64 m_host, const u64 *m_dev, u64 cap, u64 k, u64 span, K64 *out_keys,
+                      const u32 *status) { grid_dependency_wait();
+    msort_merge<K64, true>(in_keys, nullptr, m_host, m_dev, cap, k, span, out_keys, nullptr, status);
+}

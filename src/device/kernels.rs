@@ -57,7 +57,6 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
             "filter_below",
             "filter_fraction",
             "key_span",
-            "packed_plan",
         ],
     ),
     ("radix.cu", &["radix_masks", "radix_hist", "radix_filter"]),
@@ -106,6 +105,7 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
 const PLAIN_ENTRIES: &[(&str, &[&str])] = &[
     ("radix.cu", &["radix_init"]),
     ("radix_sort.cu", &["rsort_scan"]),
+    ("merge_sort.cu", &["msort_merge_words"]),
     ("read_floor.cu", &["read_floor_w32", "read_floor_w64"]),
 ];
 

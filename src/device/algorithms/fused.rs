@@ -85,15 +85,15 @@ impl TopKEngine {
     /// input beat it; selected on the device by sample.cu's one-block threshold; for k beyond
     /// the rank sort, refined by a denser sample of the rows below it, see `FUSED_REFINE`),
     /// and the full pass appends only the rows that beat it, so filtered rows and losing keys
-    /// never reach device memory. The rest is enqueued on the candidates' count on the
-    /// device, so the whole chain runs with one read-back at its end: for k up to the rank
-    /// sort a sampled selection of the candidates; beyond, the candidates sorted whole, packed
-    /// into 64-bit words where the key bits that vary among them and the row id fit one
-    /// (`merge_sort_packed`, planned by candidates.cu `packed_plan`; else merge-sorted as
-    /// pairs after the read-back). The estimate is checked, not trusted: fewer than k appended
-    /// rows while more passed, or more than the buffer holds, reruns the full pass (without
-    /// the threshold, or with room for all) — exact either way. With 0 (the unfused baseline),
-    /// the pass appends every passing row, and the selection follows.
+    /// never reach device memory. For k up to the rank sort the final selection of the
+    /// candidates is enqueued on their count on the device (a sampled selection), so the whole
+    /// chain runs with one read-back at its end; beyond, the read-back brings the count and
+    /// the key bits that vary among the candidates, and the candidates are sorted whole,
+    /// packed into 64-bit words where those bits and the row id fit one (`merge_sort_packed`).
+    /// The estimate is checked, not trusted: fewer than k appended rows while more passed, or
+    /// more than the buffer holds, reruns the full pass (without the threshold, or with room
+    /// for all) — exact either way. With 0 (the unfused baseline), the pass appends every
+    /// passing row, and the selection follows.
     pub fn fused_select(
         &mut self,
         kernel: &GeneratedKernel,
@@ -112,7 +112,6 @@ impl TopKEngine {
         let (sample_passed_at, sample_count_at) = (out.ptr() + 24, out.ptr() + 40);
         let (dense_passed_at, dense_count_at) = (out.ptr() + 56, out.ptr() + 72);
         let span_at = out.ptr() + FUSED_SPAN_OFFSET;
-        let plan_at = out.ptr() + FUSED_PLAN_OFFSET;
         let parse = |b: &[u8]| {
             let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
             (word(0), word(8) as u32, word(16) as usize)
@@ -242,18 +241,14 @@ impl TopKEngine {
             // A sampled selection of few enough pairs is enqueued on the device's count before
             // the host knows it; its control block then brings the pass's words back with its
             // own, in one read-back.
-            // Or, for a large k, every candidate is sorted, enqueued before the read-back too:
-            // the key bits that vary among them are found on the device's count, and where
-            // those bits and the row id's fit one word (candidates.cu `packed_plan`, on the
-            // device) the candidates are packed into 64-bit words for a keys-only merge sort
-            // planned for the buffer's capacity (see `merge_sort_packed`); else the plan stops
-            // that sort, and after the read-back they are merge-sorted as pairs.
+            // Or, for a large k, every candidate is sorted: the key bits that vary among them
+            // are found on the device's count and read back with the pass's words, and the
+            // candidates packed into 64-bit words for a keys-only merge sort where those bits
+            // and the row id's fit one word (see `merge_sort_packed`), else merge-sorted as pairs.
             let large = algorithm == DeviceAlgorithm::Sample
                 && k > self.small_sort_capacity()
                 && candidates.capacity() <= MERGE_SORT_MAX;
             let span_words = 2 * self.kind.key_words();
-            let id_bits = 64 - (rows as u64).saturating_sub(1).leading_zeros();
-            let mut packed = None;
             if large {
                 self.memset_zero(span_at, 8 * span_words)?;
                 self.launch(
@@ -268,28 +263,6 @@ impl TopKEngine {
                         span_at
                     ],
                 )?;
-                self.launch(
-                    &self.kernel("packed_plan"),
-                    1,
-                    32,
-                    0,
-                    args![
-                        span_at,
-                        out.ptr(),
-                        candidates.capacity(),
-                        k,
-                        id_bits,
-                        merge_sort_tile(KeyKind::K64),
-                        plan_at
-                    ],
-                )?;
-                packed = Some(self.merge_sort_packed(
-                    &candidates,
-                    (count_at, candidates.capacity()),
-                    k,
-                    plan_at,
-                    span_at,
-                )?);
             }
             let pending = if !large
                 && algorithm == DeviceAlgorithm::Sample
@@ -309,7 +282,11 @@ impl TopKEngine {
                     (passed, error, count, Some(b))
                 }
                 None => {
-                    let len = if large { FUSED_WORDS } else { 24 };
+                    let len = if large {
+                        FUSED_SPAN_OFFSET as usize + 8 * span_words
+                    } else {
+                        24
+                    };
                     let b = self.read_bytes(out.ptr(), len)?;
                     let (passed, error, count) = parse(&b);
                     (passed, error, count, Some(b))
@@ -342,32 +319,25 @@ impl TopKEngine {
             }
             let selected = match (large, pending, ctl) {
                 (true, _, Some(bytes)) => {
-                    let word = |at: usize| {
-                        u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"))
-                    };
                     let at = FUSED_SPAN_OFFSET as usize;
                     let span: Vec<u64> = bytes[at..at + 8 * span_words]
                         .chunks_exact(8)
                         .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
                         .collect();
-                    let plan = FUSED_PLAN_OFFSET as usize;
-                    let (lo, width, status) = (word(plan), word(plan + 4), word(plan + 12));
+                    let id_bits = 64 - (rows as u64).saturating_sub(1).leading_zeros();
                     let m = count.min(k);
-                    // The device's plan follows the host's rule (`packed_field`); a mismatch is
-                    // a defect, and the caller's fallback answers on the host.
-                    let fits = packed_field(self.kind, &span, id_bits);
-                    if (status & PLAN_NO_FIT == 0).then_some((lo, width)) != fits {
-                        return Err(GpuError(format!(
-                            "the packed sort's plan (field {lo}+{width}) differs from the host's \
-                             ({fits:?}) for key span {span:x?}"
-                        )));
-                    }
-                    match packed {
-                        Some(sorted) if status == 0 => {
+                    // (A tile's candidates or fewer leave the packed sort no round to unpack.)
+                    let field = packed_field(self.kind, &span, id_bits)
+                        .filter(|_| count > merge_sort_tile(KeyKind::K64));
+                    match field {
+                        Some((lo, width)) => {
                             report.packed_bits = width + id_bits;
+                            let field = (lo, width, id_bits);
+                            let sorted =
+                                self.merge_sort_packed(&candidates, count, k, field, span_at)?;
                             Some((sorted, m))
                         }
-                        _ => {
+                        None => {
                             let sorted = self.merge_sort(&candidates, count, 0, count, k, 0)?;
                             Some((sorted.into_pairs(count), m))
                         }

@@ -391,18 +391,12 @@ const _: () = assert!(
         && SAMPLE_CALLER_OFFSET + 24 <= SAMPLE_STATUS_OFFSET
 );
 /// [`TopKEngine::fused_select`]'s device words: the full pass's (passed, errors, appended),
-/// the sample pass's, the sample threshold's status, the denser sample's pass's, the
-/// candidates' key span and the packed sort's plan.
-const FUSED_WORDS: usize = FUSED_PLAN_OFFSET as usize + 16;
+/// the sample pass's, the sample threshold's status, the denser sample's pass's, and the
+/// candidates' key span.
+const FUSED_WORDS: usize = FUSED_SPAN_OFFSET as usize + 16 * 4;
 /// Where [`FUSED_WORDS`] keep the candidates' key span (candidates.cu `key_span`: two words
 /// per key word), read back with the full pass's words.
 const FUSED_SPAN_OFFSET: u64 = 80;
-/// Where [`FUSED_WORDS`] keep the packed sort's plan (candidates.cu `packed_plan`: lo, width,
-/// id_bits, status; u32 each), after the span's room (two words for each of up to 4 key words).
-const FUSED_PLAN_OFFSET: u64 = FUSED_SPAN_OFFSET + 16 * 4;
-/// The plan's status bit for a field and row id that do not fit one word (candidates.cu
-/// `packed_plan`).
-const PLAN_NO_FIT: u32 = 16;
 
 /// The fused selection's denser sample ([`TopKEngine::fused_select`], for k beyond the rank
 /// sort): this many times the first sample's rows, of which only those below its threshold are

@@ -150,37 +150,42 @@ impl TopKEngine {
         })
     }
 
-    /// The first min(m, k) of pairs `[0, m)` (m = `*count`, at most `cap`) sorted, through
-    /// packed 64-bit words (common.cuh `packed_word`), planned on the device: `plan` holds
-    /// candidates.cu `packed_plan`'s words (lo, width, id_bits of the field, and a status that
-    /// turns every kernel here into a no-op), `span` key_span's words (the bits every key
-    /// shares). The merge sort's tiles pack the pairs as they load them (merge_sort.cu
-    /// `msort_tiles_packed`), its rounds merge the words keys only (half the bytes of 64-bit
-    /// keys' pairs), and the round that leaves one run stores them unpacked
-    /// (`msort_merge_unpack`; rounds are planned for `cap`, the later ones do nothing). The
-    /// plan's status requires more than a tile's pairs: fewer leave no round to unpack.
+    /// The first min(m, k) of pairs `[0, m)` sorted, through packed 64-bit words (common.cuh
+    /// `packed_word` with `field` = (lo, width, id_bits), which must hold every pair's
+    /// varying key bits and row id; `span`: candidates.cu `key_span`'s words, the bits every
+    /// key shares): the merge sort's tiles pack the pairs as they load them (merge_sort.cu
+    /// `msort_tiles_packed`), its rounds merge the words keys only (`msort_merge_words`: half
+    /// the bytes of 64-bit keys' pairs), and the last round stores them unpacked
+    /// (`msort_merge_unpack`). Takes more than a tile's pairs (m > [`merge_sort_tile`]): fewer
+    /// leave no round to unpack.
     pub(super) fn merge_sort_packed(
         &self,
         input: &DevicePairs,
-        (count, cap): (u64, usize),
+        m: usize,
         k: usize,
-        plan: u64,
+        (lo, width, id_bits): (u32, u32, u32),
         span: u64,
     ) -> GpuResult<DevicePairs> {
-        let out = self.alloc_pairs(cap.min(k).max(1))?;
+        let tile = merge_sort_tile(KeyKind::K64);
+        if m <= tile {
+            return Err(GpuError(format!(
+                "the packed merge sort takes more than a tile ({tile} pairs), not {m}"
+            )));
+        }
+        let out = self.alloc_pairs(m.min(k))?;
         let bufs = [
-            self.device.pool.alloc(8 * cap.max(1), &self.stream)?,
-            self.device.pool.alloc(8 * cap.max(1), &self.stream)?,
+            self.device.pool.alloc(8 * m, &self.stream)?,
+            self.device.pool.alloc(8 * m, &self.stream)?,
         ];
         let [a, b] = [bufs[0].ptr(), bufs[1].ptr()];
         let tiles = self.kernel("msort_tiles_packed");
-        let input = args![input.key_at(0), input.id_at(0), plan];
-        let rounds = self.kernel("msort_merge_unpack");
-        let unpack = args![span, plan, out.key_at(0), out.id_at(0)];
+        let input = args![input.key_at(0), input.id_at(0), lo, width, id_bits];
+        let unpack = self.kernel("msort_merge_unpack");
+        let last = args![span, lo, width, id_bits, out.key_at(0), out.id_at(0)];
         self.merge_launches(
-            MergeRounds::Words(&rounds, unpack),
+            MergeRounds::Words(&unpack, last),
             (&tiles, input),
-            (cap, count, cap, k, plan + 12),
+            (m, 0, m, k, 0),
             [[a, 0], [b, 0]],
         )?;
         Ok(out)
@@ -221,9 +226,9 @@ impl TopKEngine {
                 None => vec![Arg::from(b[0])],
             }
         };
-        let (merge, extra) = match rounds_kernel {
-            MergeRounds::Pairs(kind) => (format!("msort_merge_{}", kind.suffix()), &[][..]),
-            MergeRounds::Words(name, extra) => (name.to_string(), extra),
+        let merge = match kind {
+            Some(kind) => format!("msort_merge_{}", kind.suffix()),
+            None => "msort_merge_words".to_string(),
         };
         let mut args = input.to_vec();
         args.extend_from_slice(args![m, count, cap]);
@@ -240,8 +245,14 @@ impl TopKEngine {
             args.extend_from_slice(args![m, count, cap, k, span]);
             args.extend(buffer(dst));
             args.push(Arg::from(status));
-            args.extend_from_slice(extra);
-            self.launch(&merge, grid as u32, MSORT_THREADS, shared, &args)?;
+            let name = match rounds_kernel {
+                MergeRounds::Words(last, extra) if r + 1 == rounds => {
+                    args.extend_from_slice(extra);
+                    last
+                }
+                _ => &merge,
+            };
+            self.launch(name, grid as u32, MSORT_THREADS, shared, &args)?;
         }
         Ok(())
     }
@@ -410,7 +421,8 @@ impl TopKEngine {
 }
 
 /// What the merge sort's rounds merge: (key, row id) pairs of a key type, or 64-bit words keys
-/// only, by the named kernel with these arguments after the rounds' own.
+/// only (`msort_merge_words`), the last round by the named kernel with these arguments after
+/// the rounds' own.
 enum MergeRounds<'a> {
     Pairs(KeyKind),
     Words(&'a str, &'a [Arg]),
