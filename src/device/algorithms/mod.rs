@@ -41,7 +41,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaStream, DriverError, LaunchConfig, PushKernelArg, result};
+use cudarc::driver::{CudaFunction, CudaStream, DriverError, result};
 
 use super::kernels::{GENERATED_THREADS, GeneratedKernel, Kernels};
 use super::memory::{PinnedLease, PooledBuffer};
@@ -808,26 +808,6 @@ impl TopKEngine {
         args: &[Arg],
     ) -> GpuResult<()> {
         let failed = |e: DriverError| GpuError(format!("launching {name} failed: {e}"));
-        if !self.device.programmatic_launch() {
-            let mut builder = self.stream.launch_builder(function);
-            for arg in args {
-                match arg {
-                    Arg::U64(v) => builder.arg(v),
-                    Arg::U32(v) => builder.arg(v),
-                };
-            }
-            let cfg = LaunchConfig {
-                grid_dim: (grid.max(1), 1, 1),
-                block_dim: (block, 1, 1),
-                shared_mem_bytes: shared as u32,
-            };
-            // SAFETY: every kernel's parameters are device pointers (u64) and scalars whose
-            // order and types the callers below match to the .cu signatures; the buffers behind
-            // the pointers are alive until the work is ordered before their release (pool
-            // events).
-            unsafe { builder.launch(cfg) }.map_err(failed)?;
-            return Ok(());
-        }
         use cudarc::driver::sys;
         self.device.context.bind_to_thread().map_err(failed)?;
         // The driver copies the values behind these pointers at the launch.
@@ -856,10 +836,13 @@ impl TopKEngine {
             sharedMemBytes: shared as u32,
             hStream: self.stream.cu_stream(),
             attrs: &mut attribute,
-            numAttrs: 1,
+            // Without it, a plain launch (cuLaunchKernelEx with no attribute).
+            numAttrs: u32::from(self.device.programmatic_launch()),
         };
-        // SAFETY: as for the builder's launch above; `params` points at `args`, alive for the
-        // call, and `config` at `attribute`, alive for the call.
+        // SAFETY: every kernel's parameters are device pointers (u64) and scalars whose order
+        // and types the callers below match to the .cu signatures; the buffers behind the
+        // pointers are alive until the work is ordered before their release (pool events).
+        // `params` points at `args` and `config` at `attribute`, both alive for the call.
         unsafe {
             sys::cuLaunchKernelEx(
                 &config,
