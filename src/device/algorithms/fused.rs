@@ -333,8 +333,9 @@ impl TopKEngine {
                         Some((lo, width)) => {
                             report.packed_bits = width + id_bits;
                             let field = (lo, width, id_bits);
-                            let sorted =
-                                self.merge_sort_packed(&candidates, count, k, field, span_at)?;
+                            let (sorted, sampled) =
+                                self.sort_packed(&candidates, count, k, field, span_at)?;
+                            report.sample_sorted = sampled;
                             Some((sorted, m))
                         }
                         None => {
