@@ -191,7 +191,7 @@ async fn main() -> Result<()> {
     println!("{:>124}", "sample pass/sample select/pass/select");
     let mut lines = vec![
         "query,rows,passed,read_bytes,floor_ms,fused_ms,unfused_ms,datafusion_ms,candidates,reruns,\
-         sample_pass_ms,sample_select_ms,pass_ms,select_ms,packed_bits,sample_sorted"
+         sample_pass_ms,sample_select_ms,pass_ms,select_ms,packed_bits"
             .to_string(),
     ];
     let mut engine_cache: Vec<(datafusion_gpu_topk::device::KeyKind, TopKEngine)> = Vec::new();
@@ -355,7 +355,7 @@ async fn main() -> Result<()> {
             phases[3]
         );
         lines.push(format!(
-            "{},{rows},{},{bytes},{f:.4},{a:.4},{b:.4},{d:.2},{},{},{:.4},{:.4},{:.4},{:.4},{},{}",
+            "{},{rows},{},{bytes},{f:.4},{a:.4},{b:.4},{d:.2},{},{},{:.4},{:.4},{:.4},{:.4},{}",
             query.name,
             report.passed,
             report.candidates,
@@ -364,8 +364,7 @@ async fn main() -> Result<()> {
             phases[1],
             phases[2],
             phases[3],
-            report.packed_bits,
-            report.sample_sorted
+            report.packed_bits
         ));
     }
     if !csv.is_empty() {

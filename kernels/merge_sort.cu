@@ -22,7 +22,13 @@
 // row ids: every id reads as 0), half the bytes of 64-bit keys' pairs (H100, 1.27M of Q2's
 // candidates, ncu: the packing tile sort 41 µs and rounds ~14 µs against 50 and ~20 for the pairs,
 // session 26); the last round, `msort_merge_unpack`, stores them unpacked into (key, row id)
-// pairs.
+// pairs. Words compare without branches (`item_less`, and `merge_items` loads both runs' next
+// word every step): the pairs' branchy steps diverge within a warp and serialise both sides'
+// loads (Q2 k = 10^6 of 250M rows, H100, session 28: its selection 0.171–0.176 → 0.151–0.155 ms).
+// A sample sort of the words (a sorted 16K sample's splitters, a scatter into 1024 buckets,
+// a block's sort per bucket) took 0.187–0.243 ms there: a block's shared-memory sort of a
+// bucket takes as long as a tile's, and the scatter's global reservations took 74 µs
+// (branch `sample-sort-packed`).
 // Run j of a round (input span s, the sort's k) starts at j · min(s, k) and holds
 // min(k, pairs of the input positions [j·s, (j+1)·s) below m): a function of m alone, so every
 // round can be enqueued before m is known (m = *m_dev, a selection's survivor count).
@@ -75,6 +81,7 @@ template <class W> __device__ __forceinline__ u32 spad(u32 i) { return i + i / (
 // Keys only (`KO`): 64-bit words that are whole pairs (common.cuh `packed_word`), no row ids
 // (every id reads as 0, none is stored).
 template <class K, bool Padded, bool KO = false> struct Run {
+    enum { KEYS_ONLY = KO };
     K *keys;
     u64 *ids;
     u32 off;
@@ -93,10 +100,19 @@ template <class K, bool Padded, bool KO = false> struct Run {
     }
 };
 
+// (a, ia) < (b, ib); for packed words (`KO`) the words alone, compared without a branch.
+template <bool KO, class K> __device__ __forceinline__ bool item_less(const K &a, u64 ia, const K &b, u64 ib) {
+    if constexpr (KO) {
+        return a.w[0] < b.w[0];
+    } else {
+        return pair_less(a, ia, b, ib);
+    }
+}
+
 // Whether pair i of run A goes before pair j of run B in their merge (A first on equal pairs,
 // which only padding has).
 template <class R> __device__ __forceinline__ bool a_first(const R &a, u32 i, const R &b, u32 j) {
-    return !pair_less(b.key(j), b.id(j), a.key(i), a.id(i));
+    return !item_less<R::KEYS_ONLY>(b.key(j), b.id(j), a.key(i), a.id(i));
 }
 
 // Merge path: how many of A's pairs are among the first d of merge(A, B). Binary search (one
@@ -140,6 +156,27 @@ __device__ __forceinline__ void merge_items(const R &a, u32 alen, const R &b, u3
                                             K (&key)[V], u64 (&id)[V]) {
     K ka = i < alen ? a.key(i) : key_max<K>(), kb = j < blen ? b.key(j) : key_max<K>();
     u64 ia = i < alen ? a.id(i) : ~0ull, ib = j < blen ? b.id(j) : ~0ull;
+    if constexpr (R::KEYS_ONLY) {
+        // Words: each step loads the next word of both runs (in range; past a run's end its
+        // word reads as the largest) and keeps the one the step needs, so that lanes whose
+        // steps take different runs do not diverge (the branches of the pairs' loop below
+        // serialised both sides' loads in every step).
+        const u32 last_a = alen ? alen - 1 : 0u, last_b = blen ? blen - 1 : 0u;
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+            const bool take_a = j >= blen || (i < alen && !(kb.w[0] < ka.w[0]));
+            if ((u32)e < count) key[e] = take_a ? ka : kb;
+            i += take_a;
+            j += !take_a;
+            const K na = a.key(min(i, last_a)), nb = b.key(min(j, last_b));
+            if (take_a) {
+                ka = i < alen ? na : key_max<K>();
+            } else {
+                kb = j < blen ? nb : key_max<K>();
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int e = 0; e < V; ++e) {
         if ((u32)e >= count) continue; // (a `break` here made msort_merge_k256 spill)
@@ -163,7 +200,13 @@ __device__ __forceinline__ void merge_items(const R &a, u32 alen, const R &b, u3
 }
 
 // Compare-exchange of registers: (ka, ia) becomes the smaller pair.
-template <class K> __device__ __forceinline__ void order_pair(K &ka, u64 &ia, K &kb, u64 &ib) {
+template <bool KO, class K> __device__ __forceinline__ void order_pair(K &ka, u64 &ia, K &kb, u64 &ib) {
+    if constexpr (KO) {
+        const u64 lo = min(ka.w[0], kb.w[0]), hi = max(ka.w[0], kb.w[0]);
+        ka.w[0] = lo;
+        kb.w[0] = hi;
+        return;
+    }
     if (pair_less(kb, ib, ka, ia)) {
         const K tk = ka;
         const u64 ti = ia;
@@ -176,19 +219,19 @@ template <class K> __device__ __forceinline__ void order_pair(K &ka, u64 &ia, K 
 
 // Sorts a thread's V pairs in registers: Batcher's odd-even merge sort (19 compare-exchanges
 // for 8 pairs, 5 for 4, 1 for 2).
-template <class K, int V> __device__ __forceinline__ void sort_items(K (&key)[V], u64 (&id)[V]) {
+template <class K, int V, bool KO = false> __device__ __forceinline__ void sort_items(K (&key)[V], u64 (&id)[V]) {
     static_assert(V == 2 || V == 4 || V == 8, "MergeItems");
     constexpr int N8[19][2] = {{0, 1}, {2, 3}, {4, 5}, {6, 7}, {0, 2}, {1, 3}, {4, 6}, {5, 7}, {1, 2}, {5, 6},
                                {0, 4}, {1, 5}, {2, 6}, {3, 7}, {2, 4}, {3, 5}, {1, 2}, {3, 4}, {5, 6}};
     constexpr int N4[5][2] = {{0, 1}, {2, 3}, {0, 2}, {1, 3}, {1, 2}};
     if (V == 8) {
 #pragma unroll
-        for (int c = 0; c < 19; ++c) order_pair(key[N8[c][0] % V], id[N8[c][0] % V], key[N8[c][1] % V], id[N8[c][1] % V]);
+        for (int c = 0; c < 19; ++c) order_pair<KO>(key[N8[c][0] % V], id[N8[c][0] % V], key[N8[c][1] % V], id[N8[c][1] % V]);
     } else if (V == 4) {
 #pragma unroll
-        for (int c = 0; c < 5; ++c) order_pair(key[N4[c][0] % V], id[N4[c][0] % V], key[N4[c][1] % V], id[N4[c][1] % V]);
+        for (int c = 0; c < 5; ++c) order_pair<KO>(key[N4[c][0] % V], id[N4[c][0] % V], key[N4[c][1] % V], id[N4[c][1] % V]);
     } else if (V == 2) {
-        order_pair(key[0], id[0], key[V - 1], id[V - 1]);
+        order_pair<KO>(key[0], id[0], key[V - 1], id[V - 1]);
     }
 }
 
@@ -304,36 +347,6 @@ template <class K> struct LoadPacked {
     }
 };
 
-// Sorts positions [0, fill) of a tile in shared memory (fill a power of two, at least V; the
-// block's threads from 0 up to fill / V take part, the others only meet the barriers): each
-// thread sorts its V pairs in registers, then log2(fill / V) rounds merge runs pairwise, each
-// thread producing its V pairs of the merged run after a merge path search (the split of its
-// output diagonal between the two runs). Ends with each taking thread's V pairs of the sorted
-// run in `key` / `id` (positions t·V …), shared memory as the last round left it.
-template <class K, int V, bool KO>
-__device__ __forceinline__ void sort_block(const Run<K, true, KO> &s, u32 fill, K (&key)[V], u64 (&id)[V]) {
-    const bool takes_part = threadIdx.x * V < fill;
-    if (takes_part) {
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-            key[e] = s.key(threadIdx.x * V + e);
-            id[e] = s.id(threadIdx.x * V + e);
-        }
-        sort_items<K, V>(key, id);
-    }
-    for (u32 run = V; run < fill; run <<= 1) {
-        __syncthreads();
-        if (takes_part) put_items<K, V, KO>(s, key, id);
-        __syncthreads();
-        if (takes_part) {
-            const u32 pos = threadIdx.x * V, d = pos & (2 * run - 1), first = pos - d;
-            const Run<K, true, KO> a{s.keys, s.ids, first}, b{s.keys, s.ids, first + run};
-            const u32 i = merge_path(a, run, b, run, d);
-            merge_items<K, V>(a, run, b, run, i, d - i, V, key, id);
-        }
-    }
-}
-
 template <class K, bool KO, class Load>
 __device__ void msort_tiles(Load load, u64 m_host, const u64 *m_dev, u64 cap, K *out_keys, u64 *out_ids,
                             u32 *status) {
@@ -356,7 +369,22 @@ __device__ void msort_tiles(Load load, u64 m_host, const u64 *m_dev, u64 cap, K 
     __syncthreads();
     K key[V];
     u64 id[V];
-    sort_block<K, V>(s, TILE, key, id);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+        key[e] = s.key(threadIdx.x * V + e);
+        id[e] = s.id(threadIdx.x * V + e);
+    }
+    sort_items<K, V, KO>(key, id);
+    // Rounds of pairwise merges of runs of `run` pairs in shared memory.
+    for (u32 run = V; run < TILE; run <<= 1) {
+        __syncthreads();
+        put_items<K, V, KO>(s, key, id);
+        __syncthreads();
+        const u32 pos = threadIdx.x * V, d = pos & (2 * run - 1), first = pos - d;
+        const Run<K, true, KO> a{s.keys, s.ids, first}, b{s.keys, s.ids, first + run};
+        const u32 i = merge_path(a, run, b, run, d);
+        merge_items<K, V>(a, run, b, run, i, d - i, V, key, id);
+    }
     store_tile_out<K, V, KO>(s, key, id, valid, Run<K, false, KO>{out_keys + base, KO ? nullptr : out_ids + base, 0u});
 }
 
@@ -453,197 +481,3 @@ extern "C" __global__ void __launch_bounds__(MSORT_THREADS)
                       const u32 *status) { grid_dependency_wait();
     msort_merge<K64, true>(in_keys, nullptr, m_host, m_dev, cap, k, span, out_keys, nullptr, status);
 }
-
-// ---- the sample sort of packed words -----------------------------------------------------------
-//
-// A large k's candidates (packed words, as msort_tiles_packed makes them) sorted without the
-// merge rounds: at 1.27M of Q2's candidates (k = 10^6) the tile sort and ten rounds over all of
-// them took ~176 µs, each round a latency-bound pass of ~13.5 µs (H100, ncu, session 27). Four
-// launches instead:
-//   ssort_sample     SSORT_SAMPLE_TILES blocks: a strided sample of SSORT_SAMPLES words (sample
-//                    i is word ⌊i·m / SSORT_SAMPLES⌋), each block sorting a tile of it as
-//                    msort_tiles does; also zeroes the bucket counters;
-//   ssort_splitters  each sample's rank among all (its position in its tile plus its count of
-//                    smaller words in the other tiles); the samples of rank j · (samples per
-//                    bucket) become the B − 1 splitters (splitter 0: zero, below every word);
-//   ssort_scatter    each word's bucket (the last splitter at or below it: a branchless
-//                    search of the splitters in shared memory), counted per block in shared
-//                    memory, then one global atomic per bucket and block reserves the block's
-//                    slots in the bucket's region of SSORT_BUCKET words;
-//   ssort_buckets    block b sums the counts of the buckets before it (its output offset), and
-//                    when that is below k sorts its bucket in shared memory (sort_block) and
-//                    stores the first words it owns of the first k unpacked (UnpackWords).
-// Words are distinct (row ids are), so buckets are disjoint ranges and the order within a bucket
-// (the scatter's atomics) does not matter. The host picks B (a power of two, ≥ 8 samples per
-// bucket) for a mean bucket of at most a quarter of SSORT_BUCKET; a bucket that overflows its
-// region anyway (a sample that missed a crowd) sets SSORT_OVERFLOW in the status word, the
-// bucket sort then does nothing, and the host sorts by the merge sort.
-
-#define SSORT_THREADS 512
-#define SSORT_BUCKET (SSORT_THREADS * 8)
-#define SSORT_SAMPLE_TILES 4
-#define SSORT_SAMPLES (SSORT_SAMPLE_TILES * SSORT_BUCKET)
-#define SSORT_MAX_BUCKETS (SSORT_SAMPLES / 8)
-// u32 words between two buckets' counters (a 32-byte sector each: the scatter's atomics on
-// neighbouring counters would otherwise queue on one L2 line).
-#define SSORT_COUNT_STRIDE 8
-#define SSORT_SCATTER_THREADS 256
-#define SSORT_SCATTER_ITEMS 8
-#define SSORT_OVERFLOW 1u
-
-template <class K> __device__ void ssort_sample(LoadPacked<K> load, u64 m, K64 *samples, u32 *counts, u32 count_words) {
-    constexpr int V = 8;
-    for (u32 i = blockIdx.x * SSORT_THREADS + threadIdx.x; i < count_words; i += gridDim.x * SSORT_THREADS) counts[i] = 0;
-    const Run<K64, true, true> s = tile_smem<K64, true>(SSORT_BUCKET);
-    for (u32 t = threadIdx.x; t < SSORT_BUCKET; t += SSORT_THREADS) {
-        const u64 i = (u64)blockIdx.x * SSORT_BUCKET + t;
-        K64 w;
-        u64 id;
-        load(i * m / SSORT_SAMPLES, w, id);
-        s.put(t, w, 0);
-    }
-    __syncthreads();
-    K64 key[V];
-    u64 id[V];
-    sort_block<K64, V>(s, SSORT_BUCKET, key, id);
-#pragma unroll
-    for (int e = 0; e < V; ++e) samples[(u64)blockIdx.x * SSORT_BUCKET + threadIdx.x * V + e] = key[e];
-}
-
-// Words of sorted `run` (n of them) below w.
-__device__ __forceinline__ u32 count_below(const K64 *run, u32 n, u64 w) {
-    u32 lo = 0, hi = n;
-    while (lo < hi) {
-        const u32 mid = (lo + hi) >> 1;
-        if (__ldg(&run[mid].w[0]) < w) {
-            lo = mid + 1;
-        } else {
-            hi = mid;
-        }
-    }
-    return lo;
-}
-
-extern "C" __global__ void __launch_bounds__(256) ssort_splitters(const K64 *samples, u32 buckets, u64 *splitters) {
-    grid_dependency_wait();
-    const u32 i = blockIdx.x * 256 + threadIdx.x;
-    if (i >= SSORT_SAMPLES) return;
-    const u64 w = samples[i].w[0];
-    const u32 tile = i / SSORT_BUCKET;
-    u32 rank = i % SSORT_BUCKET;
-#pragma unroll
-    for (u32 t = 0; t < SSORT_SAMPLE_TILES; ++t) {
-        if (t != tile) rank += count_below(samples + t * SSORT_BUCKET, SSORT_BUCKET, w);
-    }
-    const u32 per_bucket = SSORT_SAMPLES / buckets;
-    if (rank % per_bucket == 0) splitters[rank / per_bucket] = rank == 0 ? 0ull : w;
-}
-
-template <class K>
-__device__ void ssort_scatter(LoadPacked<K> load, u64 m, const u64 *splitters, u32 buckets, K64 *regions, u32 *counts,
-                              u32 *status) {
-    constexpr u32 TILE = SSORT_SCATTER_THREADS * SSORT_SCATTER_ITEMS;
-    __shared__ u64 s_split[SSORT_MAX_BUCKETS];
-    __shared__ u32 s_count[SSORT_MAX_BUCKETS];
-    __shared__ u32 s_base[SSORT_MAX_BUCKETS];
-    for (u32 j = threadIdx.x; j < buckets; j += SSORT_SCATTER_THREADS) {
-        s_split[j] = splitters[j];
-        s_count[j] = 0;
-    }
-    __syncthreads();
-    const u64 base = (u64)blockIdx.x * TILE;
-    u64 word[SSORT_SCATTER_ITEMS];
-    u32 bucket[SSORT_SCATTER_ITEMS], slot[SSORT_SCATTER_ITEMS];
-#pragma unroll
-    for (int e = 0; e < SSORT_SCATTER_ITEMS; ++e) {
-        const u64 g = base + e * SSORT_SCATTER_THREADS + threadIdx.x;
-        if (g < m) {
-            K64 w;
-            u64 id;
-            load(g, w, id);
-            word[e] = w.w[0];
-        }
-    }
-#pragma unroll
-    for (int e = 0; e < SSORT_SCATTER_ITEMS; ++e) {
-        if (base + e * SSORT_SCATTER_THREADS + threadIdx.x < m) {
-            u32 j = 0;
-            for (u32 half = buckets >> 1; half > 0; half >>= 1) {
-                if (s_split[j + half] <= word[e]) j += half;
-            }
-            bucket[e] = j;
-            slot[e] = atomicAdd(&s_count[j], 1u);
-        }
-    }
-    __syncthreads();
-    for (u32 j = threadIdx.x; j < buckets; j += SSORT_SCATTER_THREADS) {
-        const u32 c = s_count[j];
-        if (c != 0) s_base[j] = atomicAdd(&counts[j * SSORT_COUNT_STRIDE], c);
-    }
-    __syncthreads();
-    bool overflow = false;
-#pragma unroll
-    for (int e = 0; e < SSORT_SCATTER_ITEMS; ++e) {
-        if (base + e * SSORT_SCATTER_THREADS + threadIdx.x < m) {
-            const u32 at = s_base[bucket[e]] + slot[e];
-            if (at < SSORT_BUCKET) {
-                regions[(u64)bucket[e] * SSORT_BUCKET + at].w[0] = word[e];
-            } else {
-                overflow = true;
-            }
-        }
-    }
-    if (overflow) atomicOr(status, SSORT_OVERFLOW);
-}
-
-template <class K>
-__device__ void ssort_buckets(const K64 *regions, const u32 *counts, u64 k, const u32 *status, UnpackWords<K> final) {
-    constexpr int V = 8;
-    __shared__ u64 s_part[SSORT_THREADS / 32];
-    const u32 b = blockIdx.x;
-    u64 part = 0;
-    for (u32 j = threadIdx.x; j < b; j += SSORT_THREADS) part += counts[j * SSORT_COUNT_STRIDE];
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) part += __shfl_xor_sync(FULL_MASK, part, d);
-    if (lane_id() == 0) s_part[threadIdx.x / 32] = part;
-    __syncthreads();
-    u64 offset = 0;
-#pragma unroll
-    for (int w = 0; w < SSORT_THREADS / 32; ++w) offset += s_part[w];
-    const u32 n = counts[b * SSORT_COUNT_STRIDE];
-    if (__ldcg(status) != 0 || offset >= k || n == 0) return; // uniform per block
-    const u32 fill = n <= (u32)V ? (u32)V : 1u << (32 - __clz(n - 1));
-    const Run<K64, true, true> s = tile_smem<K64, true>(SSORT_BUCKET);
-    const K64 *region = regions + (u64)b * SSORT_BUCKET;
-    for (u32 t = threadIdx.x; t < fill; t += SSORT_THREADS) s.put(t, t < n ? region[t] : key_max<K64>(), 0);
-    __syncthreads();
-    K64 key[V];
-    u64 id[V];
-    sort_block<K64, V>(s, fill, key, id);
-    __syncthreads();
-    if (threadIdx.x * V < fill) put_items<K64, V, true>(s, key, id);
-    __syncthreads();
-    const u32 valid = (u32)min((u64)n, k - offset);
-    for (u32 t = threadIdx.x; t < valid; t += SSORT_THREADS) final(offset + t, s.key(t));
-}
-
-#define SAMPLE_SORT_ENTRIES(K, S)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(SSORT_THREADS)                                                   \
-        ssort_sample_##S(const K *keys, const u64 *ids, u32 lo, u32 width, u32 id_bits, u64 m, K64 *samples,      \
-                         u32 *counts, u32 count_words) { grid_dependency_wait();                                  \
-        ssort_sample<K>(LoadPacked<K>{keys, ids, lo, width, id_bits}, m, samples, counts, count_words);           \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(SSORT_SCATTER_THREADS)                                           \
-        ssort_scatter_##S(const K *keys, const u64 *ids, u32 lo, u32 width, u32 id_bits, u64 m,                   \
-                          const u64 *splitters, u32 buckets, K64 *regions, u32 *counts, u32 *status) {            \
-        grid_dependency_wait();                                                                                   \
-        ssort_scatter<K>(LoadPacked<K>{keys, ids, lo, width, id_bits}, m, splitters, buckets, regions, counts,    \
-                         status);                                                                                 \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(SSORT_THREADS)                                                   \
-        ssort_buckets_##S(const K64 *regions, const u32 *counts, u64 k, const u32 *status, const u64 *span_words, \
-                          u32 lo, u32 width, u32 id_bits, K *out_keys, u64 *out_ids) { grid_dependency_wait();     \
-        ssort_buckets<K>(regions, counts, k, status, UnpackWords<K>(out_keys, out_ids, span_words, lo, width,     \
-                                                                     id_bits));                                   \
-    }
-INSTANTIATE_KEYS(SAMPLE_SORT_ENTRIES)

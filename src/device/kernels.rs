@@ -96,9 +96,6 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
             "msort_merge",
             "msort_tiles_packed",
             "msort_merge_unpack",
-            "ssort_sample",
-            "ssort_scatter",
-            "ssort_buckets",
         ],
     ),
     ("delegate.cu", &["delegate_min", "delegate_gather"]),
@@ -108,7 +105,7 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
 const PLAIN_ENTRIES: &[(&str, &[&str])] = &[
     ("radix.cu", &["radix_init"]),
     ("radix_sort.cu", &["rsort_scan"]),
-    ("merge_sort.cu", &["msort_merge_words", "ssort_splitters"]),
+    ("merge_sort.cu", &["msort_merge_words"]),
     ("read_floor.cu", &["read_floor_w32", "read_floor_w64"]),
 ];
 

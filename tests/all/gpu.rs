@@ -1517,27 +1517,22 @@ fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
 }
 
 #[test]
-fn gpu_packed_sorts_match_the_oracle_and_an_overflowing_bucket_falls_back() {
-    use datafusion_gpu_topk::device::algorithms::SAMPLE_SORT_MIN;
+fn gpu_packed_merge_sort_matches_the_oracle() {
     use datafusion_gpu_topk::device::{KeyKind, TopKEngine};
-    let Some(device) =
-        gpu_or_skip("gpu_packed_sorts_match_the_oracle_and_an_overflowing_bucket_falls_back")
-    else {
+    let Some(device) = gpu_or_skip("gpu_packed_merge_sort_matches_the_oracle") else {
         return;
     };
     // Pairs whose varying key bits and row ids fit a 64-bit word, sorted through packed words
-    // (a fused selection's large-k route): the sample sort from 2^17 words (a few to 2048
-    // buckets), the merge sort below; ties, runs and shuffled ids; truncated at k. Then keys
-    // laid out against the strided sample (the sampled positions hold the smallest keys), so
-    // every other word falls in the last bucket: it overflows, and the merge sort sorts.
+    // (a fused selection's large-k route) with the count known to the host: ties, runs, all
+    // equal and shuffled ids, from two tiles (one round, the unpacking one) to 2.6M words
+    // (eleven); whole and truncated at k.
     for kind in [KeyKind::K32, KeyKind::K64] {
         for (n, dist) in [
             (1_000_003, "uniform"),
             (2_600_000, "ties"),
             (300_007, "runs"),
             (200_000, "equal"),
-            (100_000, "uniform"),
-            (1 << 20, "against the sample"),
+            (4097, "uniform"),
         ] {
             let mut rng = Rng::new(n as u64 ^ 97);
             let mut ids: Vec<u64> = (0..n as u64).collect();
@@ -1549,9 +1544,7 @@ fn gpu_packed_sorts_match_the_oracle_and_an_overflowing_bucket_falls_back() {
                     "uniform" => 0x5a00_0000 | rng.below(1 << 24),
                     "ties" => 0x5a00_0000 | u64::from(rng.next().leading_zeros()),
                     "runs" => 0x5a00_0000 | (i as u64 / 977),
-                    "equal" => 0x5a00_0000,
-                    _ if i % (n / 16384) == 0 => i as u64,
-                    _ => 0x5a00_0000 | i as u64,
+                    _ => 0x5a00_0000,
                 })
                 .map(|v| if kind == KeyKind::K64 { v << 29 } else { v })
                 .collect();
@@ -1570,14 +1563,12 @@ fn gpu_packed_sorts_match_the_oracle_and_an_overflowing_bucket_falls_back() {
             let pairs = engine.upload_pairs(&bytes, &ids).unwrap();
             for k in [n, n / 2 + 7, 5000, 1] {
                 let what = format!("{kind:?} {dist} n={n} k={k}");
-                let (sorted, sampled) = engine
+                let sorted = engine
                     .sort_pairs_packed(&pairs, n, k, n as u64)
                     .unwrap()
                     .unwrap_or_else(|| panic!("{what}: not packed"));
-                let want_sampled = n >= SAMPLE_SORT_MIN && dist != "against the sample";
-                assert_eq!(sampled, want_sampled, "{what}: the sort that ran");
                 let got = engine.download_ids(&sorted, k).unwrap();
-                assert!(got == expected[..k], "{what}: packed sort");
+                assert!(got == expected[..k], "{what}: packed merge sort");
             }
         }
     }

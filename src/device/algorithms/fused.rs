@@ -333,9 +333,8 @@ impl TopKEngine {
                         Some((lo, width)) => {
                             report.packed_bits = width + id_bits;
                             let field = (lo, width, id_bits);
-                            let (sorted, sampled) =
-                                self.sort_packed(&candidates, count, k, field, span_at)?;
-                            report.sample_sorted = sampled;
+                            let sorted =
+                                self.merge_sort_packed(&candidates, count, k, field, span_at)?;
                             Some((sorted, m))
                         }
                         None => {

@@ -478,37 +478,6 @@ pub fn merge_sort_tile(kind: KeyKind) -> usize {
     radix_sort_tile(kind)
 }
 
-/// Threads of the sample sort's bucket blocks (merge_sort.cu `SSORT_THREADS`); a bucket's
-/// region holds 8 words a thread ([`SSORT_BUCKET`]).
-const SSORT_THREADS: u32 = 512;
-const SSORT_BUCKET: usize = 8 * SSORT_THREADS as usize;
-/// The sample: this many tiles of [`SSORT_BUCKET`] words (merge_sort.cu `SSORT_SAMPLE_TILES`).
-const SSORT_SAMPLE_TILES: usize = 4;
-const SSORT_SAMPLES: usize = SSORT_SAMPLE_TILES * SSORT_BUCKET;
-/// u32 words between two buckets' counters (merge_sort.cu `SSORT_COUNT_STRIDE`).
-const SSORT_COUNT_STRIDE: usize = 8;
-/// The scatter's blocks: threads and words a thread (`SSORT_SCATTER_THREADS`, `_ITEMS`).
-const SSORT_SCATTER_THREADS: u32 = 256;
-const SSORT_SCATTER_ITEMS: usize = 8;
-/// Status bit of a bucket that overflowed its region (merge_sort.cu `SSORT_OVERFLOW`).
-const SSORT_OVERFLOW: u32 = 1;
-/// The sample sort takes at least this many packed words: fewer leave the merge sort few
-/// rounds.
-pub const SAMPLE_SORT_MIN: usize = 1 << 17;
-
-/// The sample sort's buckets for m packed words: a power of two with a mean bucket of at most
-/// a third of a bucket's region and at least 8 samples a bucket; `None` (the merge sort) for
-/// m outside [`SAMPLE_SORT_MIN`] and the most that many buckets take (~2.8M), or where
-/// `GPU_TOPK_SAMPLE_SORT=0`. The 8 or more samples below each splitter make a bucket of 3× the
-/// mean unlikely (for 16 samples, as at 1.27M words, ~10^-11 a bucket); one that overflows
-/// anyway costs the merge sort after it.
-pub fn sample_sort_buckets(m: usize) -> Option<usize> {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var("GPU_TOPK_SAMPLE_SORT").as_deref() == Ok("0"));
-    let buckets = (3 * m).div_ceil(SSORT_BUCKET).next_power_of_two().max(2);
-    (!off && m >= SAMPLE_SORT_MIN && buckets <= SSORT_SAMPLES / 8).then_some(buckets)
-}
-
 /// Whether [`TopKEngine::sort_pairs`] takes the merge sort for m pairs whose ids are below
 /// `id_bound` (1: they ascend in input order): beyond the chunk rank sort and up to
 /// [`MERGE_SORT_MAX`], unless the key's radix passes alone sort them (`key_passes_sort`).
@@ -727,12 +696,8 @@ pub struct FusedReport {
     /// Full passes repeated because the sampled threshold missed.
     pub reruns: usize,
     /// Bits of the 64-bit words a large k's candidates were packed into for their keys-only
-    /// merge or sample sort (the key bits that vary, then the row id's); 0 when they were not
-    /// packed.
+    /// merge sort (the key bits that vary, then the row id's); 0 when they were not packed.
     pub packed_bits: u32,
-    /// Whether the sample sort sorted the packed words ([`TopKEngine::sort_packed`]); false
-    /// when the merge sort did, or nothing was packed.
-    pub sample_sorted: bool,
     /// Device time (ms, CUDA events; host waits in between included) of each phase: the
     /// sample pass, the sample's threshold, the full pass(es), the final selection (with the
     /// read-back, and a rerun's).

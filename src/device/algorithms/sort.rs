@@ -150,6 +150,51 @@ impl TopKEngine {
         })
     }
 
+    /// The first min(m, k) of pairs `[0, m)` (row ids below `id_bound`) sorted through packed
+    /// words, as a fused selection sorts a large k's candidates: their key span
+    /// (candidates.cu `key_span`, read back), the field of bits that vary, then
+    /// [`merge_sort_packed`](Self::merge_sort_packed). `None` when the field and the row ids'
+    /// bits do not fit one word, or m is a merge tile or less.
+    pub fn sort_pairs_packed(
+        &mut self,
+        input: &DevicePairs,
+        m: usize,
+        k: usize,
+        id_bound: u64,
+    ) -> GpuResult<Option<DevicePairs>> {
+        let id_bits = 64 - id_bound.saturating_sub(1).leading_zeros();
+        let span_words = 2 * self.kind.key_words();
+        // The count (u64), then the span's words.
+        let words = self.device.pool.alloc(8 + 8 * span_words, &self.stream)?;
+        self.memset_zero(words.ptr(), 8 + 8 * span_words)?;
+        self.write_u64(words.ptr(), m as u64)?;
+        self.launch(
+            &self.kernel("key_span"),
+            self.grid_for(m, 8),
+            THREADS,
+            0,
+            args![input.key_at(0), words.ptr(), m, words.ptr() + 8],
+        )?;
+        let bytes = self.read_bytes(words.ptr() + 8, 8 * span_words)?;
+        let span: Vec<u64> = bytes
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+            .collect();
+        let Some((lo, width)) =
+            packed_field(self.kind, &span, id_bits).filter(|_| m > merge_sort_tile(KeyKind::K64))
+        else {
+            return Ok(None);
+        };
+        let field = (lo, width, id_bits);
+        Ok(Some(self.merge_sort_packed(
+            input,
+            m,
+            k,
+            field,
+            words.ptr() + 8,
+        )?))
+    }
+
     /// The first min(m, k) of pairs `[0, m)` sorted, through packed 64-bit words (common.cuh
     /// `packed_word` with `field` = (lo, width, id_bits), which must hold every pair's
     /// varying key bits and row id; `span`: candidates.cu `key_span`'s words, the bits every
@@ -189,149 +234,6 @@ impl TopKEngine {
             [[a, 0], [b, 0]],
         )?;
         Ok(out)
-    }
-
-    /// The first min(m, k) of pairs `[0, m)` (row ids below `id_bound`) sorted through packed
-    /// words, as a fused selection sorts a large k's candidates: their key span
-    /// (candidates.cu `key_span`, read back), the field of bits that vary, then
-    /// [`sort_packed`](Self::sort_packed). `None` when the field and the row ids' bits do not
-    /// fit one word, or m is a merge tile or less; else the pairs and whether the sample sort
-    /// sorted them.
-    pub fn sort_pairs_packed(
-        &mut self,
-        input: &DevicePairs,
-        m: usize,
-        k: usize,
-        id_bound: u64,
-    ) -> GpuResult<Option<(DevicePairs, bool)>> {
-        let id_bits = 64 - id_bound.saturating_sub(1).leading_zeros();
-        let span_words = 2 * self.kind.key_words();
-        // The count (u64), then the span's words.
-        let words = self.device.pool.alloc(8 + 8 * span_words, &self.stream)?;
-        self.memset_zero(words.ptr(), 8 + 8 * span_words)?;
-        self.write_u64(words.ptr(), m as u64)?;
-        self.launch(
-            &self.kernel("key_span"),
-            self.grid_for(m, 8),
-            THREADS,
-            0,
-            args![input.key_at(0), words.ptr(), m, words.ptr() + 8],
-        )?;
-        let bytes = self.read_bytes(words.ptr() + 8, 8 * span_words)?;
-        let span: Vec<u64> = bytes
-            .chunks_exact(8)
-            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
-            .collect();
-        let Some((lo, width)) =
-            packed_field(self.kind, &span, id_bits).filter(|_| m > merge_sort_tile(KeyKind::K64))
-        else {
-            return Ok(None);
-        };
-        let sorted = self.sort_packed(input, m, k, (lo, width, id_bits), words.ptr() + 8)?;
-        Ok(Some(sorted))
-    }
-
-    /// The first min(m, k) of pairs `[0, m)` sorted, through packed 64-bit words (`field` and
-    /// `span` as [`merge_sort_packed`](Self::merge_sort_packed) takes them): the sample sort
-    /// (merge_sort.cu `ssort_*`: a sorted sample's splitters, one scatter into buckets, a
-    /// block's sort per bucket before k) where [`sample_sort_buckets`] gives its buckets, else,
-    /// or when a bucket overflowed its region, the merge sort. Reads the sample sort's status
-    /// back (a synchronisation). Returns the pairs and whether the sample sort sorted them.
-    pub fn sort_packed(
-        &mut self,
-        input: &DevicePairs,
-        m: usize,
-        k: usize,
-        field: (u32, u32, u32),
-        span: u64,
-    ) -> GpuResult<(DevicePairs, bool)> {
-        if let Some(buckets) = sample_sort_buckets(m) {
-            let (out, status) = self.sample_sort_packed(input, m, k, field, span, buckets)?;
-            let bytes = self.read_bytes(status.ptr(), 4)?;
-            if u32::from_le_bytes(bytes.try_into().expect("4 bytes")) & SSORT_OVERFLOW == 0 {
-                return Ok((out, true));
-            }
-        }
-        Ok((self.merge_sort_packed(input, m, k, field, span)?, false))
-    }
-
-    /// The sample sort's four launches over `buckets` buckets (see merge_sort.cu): the sorted
-    /// first min(m, k) pairs, valid unless the status word (the second buffer) has
-    /// `SSORT_OVERFLOW` set.
-    fn sample_sort_packed(
-        &self,
-        input: &DevicePairs,
-        m: usize,
-        k: usize,
-        (lo, width, id_bits): (u32, u32, u32),
-        span: u64,
-        buckets: usize,
-    ) -> GpuResult<(DevicePairs, PooledBuffer)> {
-        debug_assert!(m >= SSORT_SAMPLES && buckets.is_power_of_two());
-        let out = self.alloc_pairs(m.min(k))?;
-        let status = self.device.pool.alloc(4, &self.stream)?;
-        self.memset_zero(status.ptr(), 4)?;
-        let samples = self.device.pool.alloc(8 * SSORT_SAMPLES, &self.stream)?;
-        let splitters = self.device.pool.alloc(8 * buckets, &self.stream)?;
-        let count_words = buckets * SSORT_COUNT_STRIDE;
-        let counts = self.device.pool.alloc(4 * count_words, &self.stream)?;
-        let regions = self
-            .device
-            .pool
-            .alloc(8 * buckets * SSORT_BUCKET, &self.stream)?;
-        let pairs = args![input.key_at(0), input.id_at(0), lo, width, id_bits, m];
-        // A tile's words in shared memory, with a spare slot per 128 bytes.
-        let shared = (SSORT_BUCKET + SSORT_BUCKET / 16) * 8;
-        let mut args = pairs.to_vec();
-        args.extend_from_slice(args![samples.ptr(), counts.ptr(), count_words as u32]);
-        self.launch(
-            &self.kernel("ssort_sample"),
-            SSORT_SAMPLE_TILES as u32,
-            SSORT_THREADS,
-            shared,
-            &args,
-        )?;
-        self.launch(
-            "ssort_splitters",
-            SSORT_SAMPLES.div_ceil(256) as u32,
-            256,
-            0,
-            args![samples.ptr(), buckets as u32, splitters.ptr()],
-        )?;
-        let mut args = pairs.to_vec();
-        args.extend_from_slice(args![
-            splitters.ptr(),
-            buckets as u32,
-            regions.ptr(),
-            counts.ptr(),
-            status.ptr()
-        ]);
-        self.launch(
-            &self.kernel("ssort_scatter"),
-            m.div_ceil(SSORT_SCATTER_THREADS as usize * SSORT_SCATTER_ITEMS) as u32,
-            SSORT_SCATTER_THREADS,
-            0,
-            &args,
-        )?;
-        self.launch(
-            &self.kernel("ssort_buckets"),
-            buckets as u32,
-            SSORT_THREADS,
-            shared,
-            args![
-                regions.ptr(),
-                counts.ptr(),
-                k,
-                status.ptr(),
-                span,
-                lo,
-                width,
-                id_bits,
-                out.key_at(0),
-                out.id_at(0)
-            ],
-        )?;
-        Ok((out, status))
     }
 
     /// The merge sort's launches: the tile sort `tiles` (its kernel and its input's
