@@ -1567,8 +1567,9 @@ fn gpu_packed_merge_sort_matches_the_oracle() {
                     .sort_pairs_packed(&pairs, n, k, n as u64)
                     .unwrap()
                     .unwrap_or_else(|| panic!("{what}: not packed"));
-                let got = engine.download_ids(&sorted, k).unwrap();
-                assert!(got == expected[..k], "{what}: packed merge sort");
+                let m = k.min(n);
+                let got = engine.download_ids(&sorted, m).unwrap();
+                assert!(got == expected[..m], "{what}: packed merge sort");
             }
         }
     }
