@@ -400,7 +400,9 @@ __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, con
     // One run holds every pair (the rounds were planned for `cap`): it stays where it is (the
     // host picks the buffer by the count).
     if (span >= m) return;
-    // Runs are at least a tile (msort_tiles wrote whole tiles).
+    // Runs are at least a tile (msort_tiles wrote whole tiles); the result is the first
+    // `wanted` (`final`'s buffer holds no more).
+    const u64 wanted = k;
     k = max(k, (u64)TILE);
     const u64 in_stride = min(span, k), out_stride = min(2 * span, k);
     const u64 tiles_per_run = (out_stride + TILE - 1) / TILE;
@@ -441,8 +443,10 @@ __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, con
     const u64 o = q * out_stride + d0;
     if constexpr (Final::ENABLED) {
         if (2 * span >= m) {
-            // This round leaves one run: the sort's result, stored as `final` takes it.
-            store_tile_with<K, V, KO>(s, key, id, n, [&](u32 t, const K &w, u64) { final(o + t, w); });
+            // This round leaves one run: the sort's result, its first `wanted` stored as `final`
+            // takes them.
+            const u32 valid = (u32)min((u64)n, wanted > o ? wanted - o : 0ull);
+            store_tile_with<K, V, KO>(s, key, id, valid, [&](u32 t, const K &w, u64) { final(o + t, w); });
             return;
         }
     }
