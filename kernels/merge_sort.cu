@@ -47,9 +47,6 @@
 #include "common.cuh"
 
 #define MSORT_THREADS 256
-// The packed words' tile sort: blocks of this many threads, runs of 8 words a thread (4096),
-// which the rounds (MSORT_THREADS blocks, 2048 words out each) then merge: one round fewer.
-#define MSORT_WORD_THREADS 512
 #define MSORT_FINAL_LARGE 4u
 
 // Pairs per thread: the tile is MSORT_THREADS × this (2048 for keys of up to 64 bits).
@@ -239,8 +236,8 @@ template <class K, int V, bool KO = false> __device__ __forceinline__ void sort_
 }
 
 // Positions [0, fill) of a tile in shared memory: position t < n from get(t, key, id), the
-// others padding (the largest pair). A thread of the T takes positions threadIdx.x + e·T.
-template <class K, int V, int T = MSORT_THREADS, bool KO, class Get>
+// others padding (the largest pair). A thread takes positions threadIdx.x + e·MSORT_THREADS.
+template <class K, int V, bool KO, class Get>
 __device__ __forceinline__ void fill_tile(const Run<K, true, KO> &s, u32 n, u32 fill, Get get) {
     if (BatchedLoads<K, KO>::V) {
         K kk[V];
@@ -249,14 +246,14 @@ __device__ __forceinline__ void fill_tile(const Run<K, true, KO> &s, u32 n, u32 
         for (int e = 0; e < V; ++e) {
             kk[e] = key_max<K>();
             ii[e] = ~0ull;
-            if (threadIdx.x + e * T < n) get(threadIdx.x + e * T, kk[e], ii[e]);
+            if (threadIdx.x + e * MSORT_THREADS < n) get(threadIdx.x + e * MSORT_THREADS, kk[e], ii[e]);
         }
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-            if (threadIdx.x + e * T < fill) s.put(threadIdx.x + e * T, kk[e], ii[e]);
+            if (threadIdx.x + e * MSORT_THREADS < fill) s.put(threadIdx.x + e * MSORT_THREADS, kk[e], ii[e]);
         }
     } else {
-        for (u32 t = threadIdx.x; t < fill; t += T) {
+        for (u32 t = threadIdx.x; t < fill; t += MSORT_THREADS) {
             K k = key_max<K>();
             u64 id = ~0ull;
             if (t < n) get(t, k, id);
@@ -280,21 +277,21 @@ __device__ __forceinline__ void put_items(const Run<K, true, KO> &s, const K (&k
 }
 
 // Writes each thread's V pairs to shared memory, then hands the block's first `valid`
-// positions to put(t, key, row id), coalesced (blocks of T threads).
-template <class K, int V, bool KO, int T = MSORT_THREADS, class Put>
+// positions to put(t, key, row id), coalesced.
+template <class K, int V, bool KO, class Put>
 __device__ __forceinline__ void store_tile_with(const Run<K, true, KO> &s, const K (&key)[V], const u64 (&id)[V],
                                                 u32 valid, Put put) {
     __syncthreads();
     put_items<K, V, KO>(s, key, id);
     __syncthreads();
-    for (u32 t = threadIdx.x; t < valid; t += T) put(t, s.key(t), s.id(t));
+    for (u32 t = threadIdx.x; t < valid; t += MSORT_THREADS) put(t, s.key(t), s.id(t));
 }
 
 // … to `out`.
-template <class K, int V, bool KO, int T = MSORT_THREADS>
+template <class K, int V, bool KO>
 __device__ __forceinline__ void store_tile_out(const Run<K, true, KO> &s, const K (&key)[V], const u64 (&id)[V],
                                                u32 valid, const Run<K, false, KO> &out) {
-    store_tile_with<K, V, KO, T>(s, key, id, valid, [&](u32 t, const K &k, u64 i) { out.put(t, k, i); });
+    store_tile_with<K, V, KO>(s, key, id, valid, [&](u32 t, const K &k, u64 i) { out.put(t, k, i); });
 }
 
 // Where a round's merged pairs go: its output buffer (`KeepWords`)…
@@ -350,12 +347,11 @@ template <class K> struct LoadPacked {
     }
 };
 
-// Blocks of T threads.
-template <class K, bool KO, int T = MSORT_THREADS, class Load>
+template <class K, bool KO, class Load>
 __device__ void msort_tiles(Load load, u64 m_host, const u64 *m_dev, u64 cap, K *out_keys, u64 *out_ids,
                             u32 *status) {
     constexpr int V = MergeItems<K>::V;
-    constexpr u32 TILE = T * V;
+    constexpr u32 TILE = MSORT_THREADS * V;
     // Both words loaded before either is tested: one round trip.
     const u32 st = status ? __ldcg(status) : 0u;
     const u64 m = msort_count(m_host, m_dev);
@@ -369,7 +365,7 @@ __device__ void msort_tiles(Load load, u64 m_host, const u64 *m_dev, u64 cap, K 
     const u32 valid = (u32)min(m - base, (u64)TILE);
     const Run<K, true, KO> s = tile_smem<K, KO>(TILE);
     // Coalesced loads into shared memory, then each thread takes V consecutive pairs.
-    fill_tile<K, V, T>(s, valid, TILE, [&](u32 t, K &k, u64 &id) { load(base + t, k, id); });
+    fill_tile<K, V>(s, valid, TILE, [&](u32 t, K &k, u64 &id) { load(base + t, k, id); });
     __syncthreads();
     K key[V];
     u64 id[V];
@@ -389,8 +385,7 @@ __device__ void msort_tiles(Load load, u64 m_host, const u64 *m_dev, u64 cap, K 
         const u32 i = merge_path(a, run, b, run, d);
         merge_items<K, V>(a, run, b, run, i, d - i, V, key, id);
     }
-    store_tile_out<K, V, KO, T>(s, key, id, valid,
-                                Run<K, false, KO>{out_keys + base, KO ? nullptr : out_ids + base, 0u});
+    store_tile_out<K, V, KO>(s, key, id, valid, Run<K, false, KO>{out_keys + base, KO ? nullptr : out_ids + base, 0u});
 }
 
 template <class K, bool KO, class Final = KeepWords>
@@ -469,11 +464,11 @@ __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, con
                         u64 span, K *out_keys, u64 *out_ids, const u32 *status) { grid_dependency_wait();         \
         msort_merge<K, false>(in_keys, in_ids, m_host, m_dev, cap, k, span, out_keys, out_ids, status);           \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(MSORT_WORD_THREADS)                                              \
+    extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
         msort_tiles_packed_##S(const K *keys, const u64 *ids, u32 lo, u32 width, u32 id_bits, u64 m_host,         \
                                const u64 *m_dev, u64 cap, K64 *out_words, u32 *status) { grid_dependency_wait();  \
-        msort_tiles<K64, true, MSORT_WORD_THREADS>(LoadPacked<K>{keys, ids, lo, width, id_bits}, m_host, m_dev,  \
-                                                   cap, out_words, nullptr, status);                              \
+        msort_tiles<K64, true>(LoadPacked<K>{keys, ids, lo, width, id_bits}, m_host, m_dev, cap, out_words,      \
+                               nullptr, status);                                                                  \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
         msort_merge_unpack_##S(const K64 *in_words, u64 m_host, const u64 *m_dev, u64 cap, u64 k, u64 span,       \

@@ -1525,7 +1525,7 @@ fn gpu_packed_merge_sort_matches_the_oracle() {
     // Pairs whose varying key bits and row ids fit a 64-bit word, sorted through packed words
     // (a fused selection's large-k route) with the count known to the host: ties, runs, all
     // equal and shuffled ids, from two tiles (one round, the unpacking one) to 2.6M words
-    // (ten); whole and truncated at k.
+    // (eleven); whole and truncated at k.
     for kind in [KeyKind::K32, KeyKind::K64] {
         for (n, dist) in [
             (1_000_003, "uniform"),

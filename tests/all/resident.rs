@@ -224,8 +224,8 @@ async fn resident_top_k_matches_datafusion_on_the_tweet_queries() {
             "SELECT id FROM tweets WHERE lang = 'en' OR lang = 'es' ORDER BY retweet_count DESC{tie} LIMIT 40 OFFSET 10"
         )
     };
-    // A large k over few passing rows: fewer candidates than one packed tile sort's run, which
-    // the packed sort's plan leaves to the pairs' merge sort.
+    // A large k over few passing rows: fewer candidates than one merge tile, which the packed
+    // sort's plan leaves to the pairs' merge sort.
     let q1_large_k = |tie: &str| {
         format!(
             "SELECT id FROM tweets WHERE tweet_time < '{}' ORDER BY retweet_count DESC{tie} LIMIT 100000",

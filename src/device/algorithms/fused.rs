@@ -328,7 +328,7 @@ impl TopKEngine {
                     let m = count.min(k);
                     // (A tile's candidates or fewer leave the packed sort no round to unpack.)
                     let field = packed_field(self.kind, &span, id_bits)
-                        .filter(|_| count > packed_sort_tile());
+                        .filter(|_| count > merge_sort_tile(KeyKind::K64));
                     match field {
                         Some((lo, width)) => {
                             report.packed_bits = width + id_bits;

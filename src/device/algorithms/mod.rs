@@ -478,16 +478,6 @@ pub fn merge_sort_tile(kind: KeyKind) -> usize {
     radix_sort_tile(kind)
 }
 
-/// The packed words' tile sort's block size (merge_sort.cu `MSORT_WORD_THREADS`): runs of
-/// [`packed_sort_tile`] words, which the rounds' blocks of [`MSORT_THREADS`] merge.
-const MSORT_WORD_THREADS: u32 = 512;
-
-/// Words per run of the packed merge sort's tile sort (8 a thread): twice a round's tile, one
-/// round fewer.
-pub fn packed_sort_tile() -> usize {
-    8 * MSORT_WORD_THREADS as usize
-}
-
 /// Whether [`TopKEngine::sort_pairs`] takes the merge sort for m pairs whose ids are below
 /// `id_bound` (1: they ascend in input order): beyond the chunk rank sort and up to
 /// [`MERGE_SORT_MAX`], unless the key's radix passes alone sort them (`key_passes_sort`).

@@ -181,7 +181,7 @@ impl TopKEngine {
             .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
             .collect();
         let Some((lo, width)) =
-            packed_field(self.kind, &span, id_bits).filter(|_| m > packed_sort_tile())
+            packed_field(self.kind, &span, id_bits).filter(|_| m > merge_sort_tile(KeyKind::K64))
         else {
             return Ok(None);
         };
@@ -201,9 +201,8 @@ impl TopKEngine {
     /// key shares): the merge sort's tiles pack the pairs as they load them (merge_sort.cu
     /// `msort_tiles_packed`), its rounds merge the words keys only (`msort_merge_words`: half
     /// the bytes of 64-bit keys' pairs), and the last round stores them unpacked
-    /// (`msort_merge_unpack`). The tile sort's runs are twice a round's tile
-    /// ([`packed_sort_tile`]: one round fewer). Takes more than one run's words
-    /// (m > [`packed_sort_tile`]): fewer leave no round to unpack.
+    /// (`msort_merge_unpack`). Takes more than a tile's pairs (m > [`merge_sort_tile`]): fewer
+    /// leave no round to unpack.
     pub(super) fn merge_sort_packed(
         &self,
         input: &DevicePairs,
@@ -212,7 +211,7 @@ impl TopKEngine {
         (lo, width, id_bits): (u32, u32, u32),
         span: u64,
     ) -> GpuResult<DevicePairs> {
-        let tile = packed_sort_tile();
+        let tile = merge_sort_tile(KeyKind::K64);
         if m <= tile {
             return Err(GpuError(format!(
                 "the packed merge sort takes more than a tile ({tile} pairs), not {m}"
@@ -252,23 +251,19 @@ impl TopKEngine {
             MergeRounds::Pairs(kind) => Some(kind),
             MergeRounds::Words(..) => None,
         };
-        // A round's blocks produce `tile` pairs each; the tile sort's runs (`sort_tile`, blocks
-        // of `sort_threads`) are twice that for the words.
         let tile = merge_sort_tile(kind.unwrap_or(KeyKind::K64));
-        let (sort_tile, sort_threads) = match kind {
-            Some(_) => (tile, MSORT_THREADS),
-            None => (packed_sort_tile(), MSORT_WORD_THREADS),
-        };
-        let tiles = cap.div_ceil(sort_tile);
+        let tiles = cap.div_ceil(tile);
         let rounds = tiles.next_power_of_two().trailing_zeros();
-        // A tile's shared memory: keys then row ids, each with a spare slot per 128 bytes.
+        // The tile's shared memory: keys then row ids, each with a spare slot per 128 bytes.
         let key_bytes = kind.map_or(8, KeyKind::key_bytes);
         let padded = |n: usize, size: usize| n + n / (128 / size);
-        let shared_for = |n: usize| {
-            (padded(n, key_bytes) * key_bytes).next_multiple_of(16)
-                + if kind.is_some() { padded(n, 8) * 8 } else { 0 }
-        };
-        let shared = shared_for(tile);
+        let keys_shared = (padded(tile, key_bytes) * key_bytes).next_multiple_of(16);
+        let shared = keys_shared
+            + if kind.is_some() {
+                padded(tile, 8) * 8
+            } else {
+                0
+            };
         // A buffer as kernel arguments: keys, then row ids unless keys only.
         let buffer = |b: [u64; 2]| -> Vec<Arg> {
             match kind {
@@ -284,16 +279,10 @@ impl TopKEngine {
         args.extend_from_slice(args![m, count, cap]);
         args.extend(buffer(bufs[0]));
         args.push(Arg::from(status));
-        self.launch(
-            tiles_kernel,
-            tiles as u32,
-            sort_threads,
-            shared_for(sort_tile),
-            &args,
-        )?;
+        self.launch(tiles_kernel, tiles as u32, MSORT_THREADS, shared, &args)?;
         let keep = k.max(tile);
         for r in 0..rounds {
-            let span = sort_tile << r;
+            let span = tile << r;
             let (src, dst) = (bufs[r as usize % 2], bufs[(r as usize + 1) % 2]);
             let tiles_per_run = (2 * span).min(keep).div_ceil(tile);
             let grid = cap.div_ceil(2 * span) * tiles_per_run;
