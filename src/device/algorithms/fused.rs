@@ -320,19 +320,11 @@ impl TopKEngine {
             let selected = match (large, pending, ctl) {
                 (true, _, Some(bytes)) => {
                     let at = FUSED_SPAN_OFFSET as usize;
-                    let span: Vec<u64> = bytes[at..at + 8 * span_words]
-                        .chunks_exact(8)
-                        .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
-                        .collect();
-                    let id_bits = 64 - (rows as u64).saturating_sub(1).leading_zeros();
+                    let span = &bytes[at..at + 8 * span_words];
                     let m = count.min(k);
-                    // (A tile's candidates or fewer leave the packed sort no round to unpack.)
-                    let field = packed_field(self.kind, &span, id_bits)
-                        .filter(|_| count > merge_sort_tile(KeyKind::K64));
-                    match field {
-                        Some((lo, width)) => {
+                    match packed_sort_field(self.kind, span, rows as u64, count) {
+                        Some(field @ (_, width, id_bits)) => {
                             report.packed_bits = width + id_bits;
-                            let field = (lo, width, id_bits);
                             let sorted =
                                 self.merge_sort_packed(&candidates, count, k, field, span_at)?;
                             Some((sorted, m))
@@ -363,6 +355,24 @@ impl TopKEngine {
             return Ok((sorted, m, report));
         }
     }
+}
+
+/// The packed merge sort's field for m pairs with row ids below `id_bound`, `(lo, width,
+/// id_bits)`, from candidates.cu `key_span`'s words as read back (little-endian bytes): `None`
+/// where [`packed_field`] has none, or m is a merge tile or less (no round would unpack them).
+pub(super) fn packed_sort_field(
+    kind: KeyKind,
+    span_bytes: &[u8],
+    id_bound: u64,
+    m: usize,
+) -> Option<(u32, u32, u32)> {
+    let span: Vec<u64> = span_bytes
+        .chunks_exact(8)
+        .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+        .collect();
+    let id_bits = 64 - id_bound.saturating_sub(1).leading_zeros();
+    let (lo, width) = packed_field(kind, &span, id_bits)?;
+    (m > merge_sort_tile(KeyKind::K64)).then_some((lo, width, id_bits))
 }
 
 /// The field of key bits that vary among a selection's candidates, `(lo, width)`, from

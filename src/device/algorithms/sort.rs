@@ -162,7 +162,6 @@ impl TopKEngine {
         k: usize,
         id_bound: u64,
     ) -> GpuResult<Option<DevicePairs>> {
-        let id_bits = 64 - id_bound.saturating_sub(1).leading_zeros();
         let span_words = 2 * self.kind.key_words();
         // The count (u64), then the span's words.
         let words = self.device.pool.alloc(8 + 8 * span_words, &self.stream)?;
@@ -176,23 +175,16 @@ impl TopKEngine {
             args![input.key_at(0), words.ptr(), m, words.ptr() + 8],
         )?;
         let bytes = self.read_bytes(words.ptr() + 8, 8 * span_words)?;
-        let span: Vec<u64> = bytes
-            .chunks_exact(8)
-            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
-            .collect();
-        let Some((lo, width)) =
-            packed_field(self.kind, &span, id_bits).filter(|_| m > merge_sort_tile(KeyKind::K64))
-        else {
-            return Ok(None);
-        };
-        let field = (lo, width, id_bits);
-        Ok(Some(self.merge_sort_packed(
-            input,
-            m,
-            k,
-            field,
-            words.ptr() + 8,
-        )?))
+        match fused::packed_sort_field(self.kind, &bytes, id_bound, m) {
+            Some(field) => Ok(Some(self.merge_sort_packed(
+                input,
+                m,
+                k,
+                field,
+                words.ptr() + 8,
+            )?)),
+            None => Ok(None),
+        }
     }
 
     /// The first min(m, k) of pairs `[0, m)` sorted, through packed 64-bit words (common.cuh
