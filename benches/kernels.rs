@@ -784,6 +784,7 @@ fn grid_point(row: &Row, kept: usize) -> GridPoint {
         n: row.n,
         k: row.k,
         kind: row.key.kind(),
+        key: row.key.name().to_string(),
         dist: row.dist.name().to_string(),
         sel: row.sel,
         kept,
