@@ -56,11 +56,7 @@ impl GridPoint {
     fn describe(&self) -> String {
         format!(
             "n={} k={} {} {} sel={}",
-            self.n,
-            self.k,
-            self.key,
-            self.dist,
-            self.sel
+            self.n, self.k, self.key, self.dist, self.sel
         )
     }
 }
