@@ -18,6 +18,7 @@ Exit status 0 whatever the outcome: this prints, it does not judge a build.
 """
 
 import csv
+import signal
 import sys
 from collections import defaultdict
 
@@ -129,4 +130,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # quiet under `| head`
     sys.exit(main(sys.argv[1:]))
