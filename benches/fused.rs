@@ -44,9 +44,7 @@ use datafusion::physical_plan::ExecutionPlan;
 use datafusion_gpu_topk::Backend;
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
 use datafusion_gpu_topk::device::measure::{ReadFloor, median};
-use datafusion_gpu_topk::device::{
-    DeviceAlgorithm, FUSED_SAMPLE_ROWS, FusedReport, GpuTimer, TopKEngine, gpu,
-};
+use datafusion_gpu_topk::device::{DeviceAlgorithm, FUSED_SAMPLE_ROWS, GpuTimer, TopKEngine, gpu};
 use datafusion_gpu_topk::exec::GpuTopKExec;
 use datafusion_gpu_topk::fusion::{ENTRY, Part};
 use datafusion_gpu_topk::select::resident::ResidentColumns;
@@ -281,16 +279,19 @@ async fn main() -> Result<()> {
         let mut df_ms = Vec::new();
         let mut phase_ms: [Vec<f64>; 4] = Default::default();
         for rep in 0..=runs {
-            let timed = |engine: &mut TopKEngine, fused: bool| -> Result<(f64, FusedReport)> {
+            let timed = |engine: &mut TopKEngine, fused: bool| -> Result<(f64, [f64; 4])> {
                 floor
                     .flush_l2(engine)
                     .map_err(|e| bench_error(e.to_string()))?;
                 let timer =
                     GpuTimer::start(engine.stream()).map_err(|e| bench_error(e.to_string()))?;
                 let sample = if fused { sample_rows } else { 0 };
-                let (_, _, report) = resident.run(engine, &kernel, k, algorithm, sample)?;
+                resident.run(engine, &kernel, k, algorithm, sample)?;
                 let ms = f64::from(timer.stop().map_err(|e| bench_error(e.to_string()))?);
-                Ok((ms, report))
+                let phases = engine
+                    .fused_phases_ms()
+                    .map_err(|e| bench_error(e.to_string()))?;
+                Ok((ms, phases))
             };
             floor
                 .flush_l2(engine)
@@ -311,7 +312,7 @@ async fn main() -> Result<()> {
                 floor_ms.push(f);
                 fused_ms.push(a);
                 unfused_ms.push(b);
-                for (p, t) in phase_ms.iter_mut().zip(phases.phases_ms) {
+                for (p, t) in phase_ms.iter_mut().zip(phases) {
                     p.push(t);
                 }
             }

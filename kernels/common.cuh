@@ -267,20 +267,35 @@ __device__ __forceinline__ u64 warp_append(bool want, u64 *counter) {
 // moves ≥ WARP_BUFFER − 32 pairs per atomic. Past `cap` the count still grows and nothing is
 // written: the host sees the overflow.
 #define WARP_BUFFER 128
+// With `span`, a flush also ORs each key it stores into the 2 · K::N words after the buffer's
+// row ids (`span_words`; the caller zeroes them): per key word the OR of the complemented keys,
+// then the OR of the keys (candidates.cu `key_span`'s words), so that a fused pass's candidates
+// need no second read for them. Shared atomics rather than registers: the generated passes
+// have none to spare.
 template <class K> struct WarpBuffer {
     K *keys;
     u64 *ids;
     u32 fill; // warp-uniform
 
-    __device__ __forceinline__ void flush(K *out_keys, u64 *out_ids, u64 *count, u64 cap) {
+    __device__ __forceinline__ u64 *span_words() const { return ids + WARP_BUFFER; }
+
+    __device__ __forceinline__ void flush(K *out_keys, u64 *out_ids, u64 *count, u64 cap, bool span = false) {
         __syncwarp();
         u64 base = 0;
         if (lane_id() == 0 && fill > 0) base = atomicAdd(count, (u64)fill);
         base = __shfl_sync(FULL_MASK, base, 0);
         for (u32 i = lane_id(); i < fill; i += 32) {
             if (base + i < cap) {
-                out_keys[base + i] = keys[i];
+                const K k = keys[i];
+                out_keys[base + i] = k;
                 out_ids[base + i] = ids[i];
+                if (span) {
+#pragma unroll
+                    for (int j = 0; j < K::N; ++j) {
+                        atomicOr((unsigned long long *)&span_words()[j], (u64)(typename K::Word)~k.w[j]);
+                        atomicOr((unsigned long long *)&span_words()[K::N + j], (u64)k.w[j]);
+                    }
+                }
             }
         }
         __syncwarp();
@@ -289,7 +304,7 @@ template <class K> struct WarpBuffer {
 
     // Every lane calls this (all 32 active).
     __device__ __forceinline__ void push(bool keep, const K &k, u64 id, K *out_keys, u64 *out_ids, u64 *count,
-                                         u64 cap) {
+                                         u64 cap, bool span = false) {
         const u32 mask = __ballot_sync(FULL_MASK, keep);
         // Most rows of a round that appends something append nothing (Q2 at k = 10^6: 0.5% of
         // rows, ~0.6 a warp's round of 128): one uniform branch skips the buffer's bookkeeping,
@@ -302,7 +317,7 @@ template <class K> struct WarpBuffer {
             ids[slot] = id;
         }
         fill += __popc(mask);
-        if (fill > WARP_BUFFER - 32) flush(out_keys, out_ids, count, cap);
+        if (fill > WARP_BUFFER - 32) flush(out_keys, out_ids, count, cap, span);
     }
 };
 

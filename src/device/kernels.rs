@@ -690,7 +690,10 @@ pub const GENERATED_MIN_BLOCKS: u32 = 5;
 pub const GENERATED_SPILL_ALLOWANCE: u64 = 64;
 
 /// The cache entry of a generated program names the rule that compiled it.
-const GENERATED_CACHE_OPTIONS: &[&str] = &["--fmad=false", "-DFUSED_MIN_BLOCKS=5,spill<=64"];
+const GENERATED_CACHE_OPTIONS: &[&str] = &[
+    "--fmad=false",
+    "-DFUSED_PIPELINE=1?,FUSED_MIN_BLOCKS=5,spill<=64",
+];
 const _: () = assert!(
     GENERATED_MIN_BLOCKS == 5 && GENERATED_SPILL_ALLOWANCE == 64,
     "GENERATED_CACHE_OPTIONS names the rule"
@@ -704,31 +707,44 @@ pub struct GeneratedCompile {
     pub min_blocks: u32,
     /// Bytes of spill stores and loads that ptxas reported.
     pub spill_bytes: u64,
+    /// Whether its full pass fetches a round ahead (`FUSED_PIPELINE`).
+    pub pipelined: bool,
 }
 
-/// Compiles a generated program with [`GENERATED_MIN_BLOCKS`]; when that spills more than
-/// [`GENERATED_SPILL_ALLOWANCE`], again without it, and keeps the one that spills less (the
+/// Compiles a generated program with [`GENERATED_MIN_BLOCKS`], its full pass pipelined
+/// (`FUSED_PIPELINE`: each round's loads issued before the previous round is evaluated) where
+/// that fits the hint without spilling more than [`GENERATED_SPILL_ALLOWANCE`], else not; when
+/// that still spills more, again without the hint, and keeps the one that spills less (the
 /// hinted one on a tie). NVRTC only.
 pub fn compile_generated(
     source: &str,
     headers: &[(&str, &str)],
     arch: &str,
 ) -> Result<GeneratedCompile, String> {
-    let variant = |min_blocks: u32| {
+    let variant = |min_blocks: u32, pipelined: bool| {
         let define = format!("-DFUSED_MIN_BLOCKS={min_blocks}");
+        let pipeline = format!("-DFUSED_PIPELINE={}", u8::from(pipelined));
         let mut opts = GENERATED_OPTIONS.to_vec();
-        opts.extend([define.as_str(), "--ptxas-options=-v"]);
+        opts.extend([define.as_str(), pipeline.as_str(), "--ptxas-options=-v"]);
         compile_program("generated.cu", source, headers, arch, &opts).map(|c| GeneratedCompile {
             spill_bytes: spill_bytes(&c.log),
             cubin: c.cubin,
             min_blocks,
+            pipelined,
         })
     };
-    let hinted = variant(GENERATED_MIN_BLOCKS)?;
+    // Pipelined where it fits: Q2's pass 669–670 → 649–651 µs over 2 GB (its read floor,
+    // 651), 707 → 681–683 at k = 10^6 (H100, session 31). At 4 blocks a SM it measured no
+    // better than at 5.
+    let pipelined = variant(GENERATED_MIN_BLOCKS, true)?;
+    if pipelined.spill_bytes <= GENERATED_SPILL_ALLOWANCE {
+        return Ok(pipelined);
+    }
+    let hinted = variant(GENERATED_MIN_BLOCKS, false)?;
     if hinted.spill_bytes <= GENERATED_SPILL_ALLOWANCE {
         return Ok(hinted);
     }
-    let plain = variant(1)?;
+    let plain = variant(1, false)?;
     Ok(if plain.spill_bytes < hinted.spill_bytes {
         plain
     } else {

@@ -11,15 +11,20 @@
 //!
 //! The generated kernel (one per distinct program text; NVRTC-compiled and cached like the
 //! static kernels, see [`crate::device`], with a minimum of resident blocks a SM unless that
-//! spills, [`crate::device::kernels::compile_generated`]) takes each input column's Arrow buffers as they are
-//! (values, validity bitmap, bit offsets), and for each row: evaluates the predicate; if it
-//! holds, builds the composite key field by field (bit for bit [`crate::keys`]); appends the
-//! (key, row id) pair to the candidate buffer when it beats the threshold; and records in a
+//! spills, and its full pass pipelined where that still fits,
+//! [`crate::device::kernels::compile_generated`]) takes each input column's Arrow buffers as
+//! they are (values, validity bitmap, bit offsets), and for each row: evaluates the predicate;
+//! if it holds, builds the composite key field by field (bit for bit [`crate::keys`]); appends
+//! the (key, row id) pair to the candidate buffer when it beats the threshold; and records in a
 //! bitmap which rows it appended, so the host keeps only those rows' output columns.
+//! Pipelined, a thread issues the loads of its next round of rows before it evaluates and
+//! appends the current one, so its loads stay in flight while it computes.
 //!
 //! On columns already in device memory ([`crate::select::resident`]) the same program is the
 //! first pass of a sampled selection: run on a strided sample it sets the threshold, then its
-//! full pass appends only the rows that beat it ([`crate::device::TopKEngine::fused_select`]).
+//! full pass appends only the rows that beat it ([`crate::device::TopKEngine::fused_select`]);
+//! for a large k that pass also ORs its appended keys into the key span words that decide how
+//! they are packed for their sort.
 
 pub mod translate;
 
@@ -294,14 +299,12 @@ fn kernel_source(
     // `fetch` reads row i; with consecutive rows per thread, `fetch_vector` loads a plain
     // column's values for all of them at once and `fetch_rest` reads the rest per row.
     let (mut declare, mut fetch, mut take) = (String::new(), String::new(), String::new());
+    let mut hold = String::new();
     let (mut fetch_vector, mut fetch_rest) = (String::new(), String::new());
     let mut aligned = Vec::new();
     for l in loads {
         let (t, v, nv) = (&l.ctype, &l.value, &l.valid);
-        let _ = writeln!(
-            declare,
-            "        {t} {v}_r[ROWS];\n        bool {nv}_r[ROWS];"
-        );
+        let _ = writeln!(declare, "    {t} {v}_r[ROWS];\n    bool {nv}_r[ROWS];");
         let _ = writeln!(
             fetch,
             "                {v}_r[r] = {};\n                {nv}_r[r] = !NULLS || ({});",
@@ -325,8 +328,13 @@ fn kernel_source(
             l.valid_read
         );
         let _ = writeln!(
+            hold,
+            "        {t} {v}_c[ROWS];\n        bool {nv}_c[ROWS];\n#pragma unroll\n        \
+             for (int r = 0; r < ROWS; ++r) {{ {v}_c[r] = {v}_r[r]; {nv}_c[r] = {nv}_r[r]; }}"
+        );
+        let _ = writeln!(
             take,
-            "            const {t} {v} = {v}_r[r];\n            const bool {nv} = {nv}_r[r];"
+            "            const {t} {v} = {v}_c[r];\n            const bool {nv} = {nv}_c[r];"
         );
     }
     let aligned = if aligned.is_empty() {
@@ -375,28 +383,35 @@ typedef {key} Key;
 #ifndef FUSED_MIN_BLOCKS
 #define FUSED_MIN_BLOCKS 1
 #endif
+#ifndef FUSED_PIPELINE
+#define FUSED_PIPELINE 0
+#endif
 
 // Evaluates rows i = j · step for j < n (STRIDED; else i = j: the full pass); NULLS: some
 // input has a validity bitmap. Each thread takes ROWS rows per round (FULL_ROWS in the full
 // pass; 1 in the strided sample, whose few thousand rows lie far apart and want as many
 // threads as they can get) and issues every input load of them before evaluating anything,
-// so that their loads are in flight together; counts and error flags stay in registers until
-// the end (no barrier per round). A block's round covers 256 · ROWS rows: with VEC a thread's
+// so that their loads are in flight together; with FUSED_PIPELINE (set by the loader where
+// the registers allow) the full pass issues the next round's loads before it evaluates this
+// one. Counts and error flags stay in registers until the end (no barrier per round). A block's round covers 256 · ROWS rows: with VEC a thread's
 // ROWS rows are consecutive and each plain column's values come in one vector load
 // (`load_rows`), else row r of the round is r · 256 + the thread (coalesced scalar loads).
 template <bool STRIDED, bool NULLS, bool VEC, int ROWS>
 __device__ __forceinline__ void fused_rows(
 {params}    u64 n, u64 step, u64 id_start, const Threshold<Key> *thr, Key *cand_keys, u64 *cand_ids, u64 *count,
-    u64 capacity, u64 *passed, u32 *error, u32 *kept, Key *buffer_keys, u64 *buffer_ids) {{
+    u64 capacity, u64 *passed, u32 *error, u32 *kept, u64 *span, Key *buffer_keys, u64 *buffer_ids) {{
     const bool have_thr = thr->valid != 0;
     const Key tk = thr->key;
     const u64 tid = thr->id;
     u32 my_passed = 0, my_error = 0;
     WarpBuffer<Key> buffer = {{buffer_keys, buffer_ids, 0}};
-    for (u64 j0 = (u64)blockIdx.x * (256 * ROWS); j0 < n; j0 += (u64)gridDim.x * (256 * ROWS)) {{
-        bool keeps[ROWS];
-        Key keys[ROWS];
-{declare}        const u64 jb = j0 + (u64)threadIdx.x * ROWS; // VEC: the thread's first row
+    // With `span`, the buffer's flushes OR the appended keys into its span words (common.cuh),
+    // and the warp adds them to `span` at the end.
+    if (span != nullptr && lane_id() < 2 * Key::N) buffer.span_words()[lane_id()] = 0;
+    __syncwarp();
+    // The values of the round that starts at row j0, into the arrays below.
+{declare}    auto fetch = [&](u64 j0) {{
+        const u64 jb = j0 + (u64)threadIdx.x * ROWS; // VEC: the thread's first row
         if (VEC && jb + ROWS <= n) {{
 {fetch_vector}#pragma unroll
             for (int r = 0; r < ROWS; ++r) {{
@@ -411,6 +426,19 @@ __device__ __forceinline__ void fused_rows(
 {fetch}            }}
             }}
         }}
+    }};
+    // The full pass fetches the next round before it evaluates this one, so that a warp's
+    // loads stay in flight while it evaluates and appends.
+    constexpr bool PIPELINED = !STRIDED && FUSED_PIPELINE;
+    const u64 stride = (u64)gridDim.x * (256 * ROWS);
+    u64 j0 = (u64)blockIdx.x * (256 * ROWS);
+    if (PIPELINED && j0 < n) fetch(j0);
+    for (; j0 < n; j0 += stride) {{
+        bool keeps[ROWS];
+        Key keys[ROWS];
+        if (!PIPELINED) fetch(j0);
+{hold}        if (PIPELINED && j0 + stride < n) fetch(j0 + stride);
+        const u64 jb = j0 + (u64)threadIdx.x * ROWS; // VEC: the thread's first row
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {{
             const u64 j = VEC ? jb + r : j0 + (u64)r * 256 + threadIdx.x;
@@ -453,10 +481,15 @@ __device__ __forceinline__ void fused_rows(
                 const u32 keep_mask = __ballot_sync(FULL_MASK, keeps[r]);
                 if (lane_id() == 0 && j < n) kept[j >> 5] = keep_mask;
             }}
-            buffer.push(keeps[r], keys[r], id_start + (STRIDED ? j * step : j), cand_keys, cand_ids, count, capacity);
+            buffer.push(keeps[r], keys[r], id_start + (STRIDED ? j * step : j), cand_keys, cand_ids, count, capacity, span != nullptr);
         }}
     }}
-    buffer.flush(cand_keys, cand_ids, count, capacity);
+    buffer.flush(cand_keys, cand_ids, count, capacity, span != nullptr);
+    if (span != nullptr) {{
+        __syncwarp();
+        const u64 w = lane_id() < 2 * Key::N ? buffer.span_words()[lane_id()] : 0;
+        if (w != 0) atomicOr((unsigned long long *)&span[lane_id()], w);
+    }}
     const u32 warp_passed = __reduce_add_sync(FULL_MASK, my_passed);
     const u32 warp_error = __reduce_or_sync(FULL_MASK, my_error);
     if (lane_id() == 0) {{
@@ -467,23 +500,23 @@ __device__ __forceinline__ void fused_rows(
 
 extern "C" __global__ void __launch_bounds__(256, FUSED_MIN_BLOCKS) {ENTRY}(
 {params}    u64 n, u64 step, u64 id_start, const Threshold<Key> *thr, Key *cand_keys, u64 *cand_ids, u64 *count,
-    u64 capacity, u64 *passed, u32 *error, u32 *kept) {{
+    u64 capacity, u64 *passed, u32 *error, u32 *kept, u64 *span) {{
     grid_dependency_wait();
     // Each warp's write buffer (common.cuh): one counter atomic per ~WARP_BUFFER appends.
     __shared__ Key buffer_keys[8][WARP_BUFFER];
-    __shared__ u64 buffer_ids[8][WARP_BUFFER];
+    __shared__ u64 buffer_ids[8][WARP_BUFFER + 2 * Key::N];
     Key *bk = buffer_keys[threadIdx.x / 32];
     u64 *bi = buffer_ids[threadIdx.x / 32];
     // The full pass loads a thread's rows by vectors where the columns are aligned for them,
     // and over inputs without NULLs (the common case) skips every validity test.
     if (step != 1) {{
-        fused_rows<true, true, false, 1>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
+        fused_rows<true, true, false, 1>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, span, bk, bi);
     }} else if (!({aligned})) {{
-        fused_rows<false, true, false, FULL_ROWS>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
+        fused_rows<false, true, false, FULL_ROWS>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, span, bk, bi);
     }} else if ({any_nulls}) {{
-        fused_rows<false, true, true, FULL_ROWS>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
+        fused_rows<false, true, true, FULL_ROWS>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, span, bk, bi);
     }} else {{
-        fused_rows<false, false, true, FULL_ROWS>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, bk, bi);
+        fused_rows<false, false, true, FULL_ROWS>({args}n, step, id_start, thr, cand_keys, cand_ids, count, capacity, passed, error, kept, span, bk, bi);
     }}
 }}
 "#

@@ -77,8 +77,8 @@ fn compile_or_skip(sql: &str, source: &str) -> Option<GeneratedCompile> {
         panic!("{sql}: the generated program does not compile:\n{e}\n{source}")
     });
     eprintln!(
-        "{sql}: min blocks {}, {} bytes spilled",
-        compiled.min_blocks, compiled.spill_bytes
+        "{sql}: min blocks {}, {} bytes spilled, pipelined: {}",
+        compiled.min_blocks, compiled.spill_bytes, compiled.pipelined
     );
     // For reading its SASS (cuobjdump -sass): one file per query.
     if let Some(dir) = std::env::var_os("GPU_TOPK_TEST_DUMP_CUBIN") {
@@ -247,15 +247,15 @@ async fn tweet_queries_run_their_predicates_and_keys_on_the_gpu() {
             (want_filter, want_keys),
             "{name}: {sql}"
         );
-        // Q1's and Q2's programs take the occupancy hint without spilling (Q3's spills 56
-        // bytes for it under NVRTC 13.0, near the allowance, so only the rule is checked).
+        // Q1's and Q2's programs take the occupancy hint, Q2's with its pass pipelined (36
+        // bytes of spills under NVRTC 13.0, within the allowance); Q3's spills 56 bytes for it,
+        // near the allowance, so only the rule is checked.
         if let Some(compiled) = compile_or_skip(name, &source.expect("keys on the GPU")) {
             if matches!(*name, "Q1" | "Q2") {
-                assert_eq!(
-                    (compiled.min_blocks, compiled.spill_bytes),
-                    (GENERATED_MIN_BLOCKS, 0),
-                    "{name}: {sql}"
-                );
+                assert_eq!(compiled.min_blocks, GENERATED_MIN_BLOCKS, "{name}: {sql}");
+            }
+            if *name == "Q2" {
+                assert!(compiled.pipelined, "{name}: {sql}");
             }
             if compiled.min_blocks == GENERATED_MIN_BLOCKS {
                 assert!(

@@ -22,11 +22,15 @@ impl TopKEngine {
         out: u64,
     ) -> GpuResult<()> {
         let count = self.scalars.ptr() + COUNT_OFFSET;
-        self.fused_pass(kernel, inputs, n, 1, id_start, candidates, count, out, true)
+        self.fused_pass(
+            kernel, inputs, n, 1, id_start, candidates, count, out, true, 0,
+        )
     }
 
     /// [`fused_append`](Self::fused_append) over the rows `i · step` (`i < rows / step`
-    /// rounded up; step > 1: a strided sample), counting the appended rows at `count` (u64).
+    /// rounded up; step > 1: a strided sample), counting the appended rows at `count` (u64);
+    /// with `span` (not 0) the appended keys' span words are ORed there (candidates.cu
+    /// `key_span`'s words, from the pass's own flushes: no second read of the candidates).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn fused_pass(
         &self,
@@ -39,6 +43,7 @@ impl TopKEngine {
         count: u64,
         out: u64,
         kept_bits: bool,
+        span: u64,
     ) -> GpuResult<()> {
         let n = rows.div_ceil(step.max(1));
         if n == 0 {
@@ -58,6 +63,7 @@ impl TopKEngine {
             out,
             out + 8,
             if kept_bits { out + 16 } else { 0 },
+            span,
         ]);
         // One wave of resident blocks: a second, partial wave leaves SMs short of loads in
         // flight at the pass's end (the generated kernels' registers allow 4–5 blocks a SM).
@@ -150,6 +156,7 @@ impl TopKEngine {
                     sample_count_at,
                     sample_passed_at,
                     false,
+                    0,
                 )?;
                 report.sampled = sampled;
                 marks.push((0, event(self)?));
@@ -198,6 +205,7 @@ impl TopKEngine {
                         dense_count_at,
                         dense_passed_at,
                         false,
+                        0,
                     )?;
                     // Keeps the threshold when too few, or too many, rows came below it.
                     self.launch(
@@ -226,6 +234,17 @@ impl TopKEngine {
         let mut candidates = self.alloc_pairs(capacity)?;
         candidates.set_ids_below(rows as u64);
         loop {
+            // For a large k every candidate is sorted: the pass also ORs the key bits that vary
+            // among them (read back with its words), and the candidates are packed into 64-bit
+            // words for a keys-only merge sort where those bits and the row id's fit one word
+            // (see `merge_sort_packed`), else merge-sorted as pairs.
+            let large = algorithm == DeviceAlgorithm::Sample
+                && k > self.small_sort_capacity()
+                && candidates.capacity() <= MERGE_SORT_MAX;
+            let span_words = 2 * self.kind.key_words();
+            if large {
+                self.memset_zero(span_at, 8 * span_words)?;
+            }
             self.fused_pass(
                 kernel,
                 inputs,
@@ -236,34 +255,12 @@ impl TopKEngine {
                 count_at,
                 passed_at,
                 false,
+                if large { span_at } else { 0 },
             )?;
             marks.push((2, event(self)?));
             // A sampled selection of few enough pairs is enqueued on the device's count before
             // the host knows it; its control block then brings the pass's words back with its
             // own, in one read-back.
-            // Or, for a large k, every candidate is sorted: the key bits that vary among them
-            // are found on the device's count and read back with the pass's words, and the
-            // candidates packed into 64-bit words for a keys-only merge sort where those bits
-            // and the row id's fit one word (see `merge_sort_packed`), else merge-sorted as pairs.
-            let large = algorithm == DeviceAlgorithm::Sample
-                && k > self.small_sort_capacity()
-                && candidates.capacity() <= MERGE_SORT_MAX;
-            let span_words = 2 * self.kind.key_words();
-            if large {
-                self.memset_zero(span_at, 8 * span_words)?;
-                self.launch(
-                    &self.kernel("key_span"),
-                    self.grid_for(candidates.capacity(), 8),
-                    THREADS,
-                    0,
-                    args![
-                        candidates.key_at(0),
-                        count_at,
-                        candidates.capacity(),
-                        span_at
-                    ],
-                )?;
-            }
             let pending = if !large
                 && algorithm == DeviceAlgorithm::Sample
                 && self.sample_sorts_on_device(candidates.capacity(), k)
@@ -348,12 +345,26 @@ impl TopKEngine {
                 None => self.select_sorted(&candidates, count, k, algorithm)?,
             };
             marks.push((3, event(self)?));
-            self.stream.synchronize()?;
-            for pair in marks.windows(2) {
-                report.phases_ms[pair[1].0] += f64::from(pair[0].1.elapsed_ms(&pair[1].1)?);
-            }
+            // Not waited for here: the result stays on the device, and its reader waits.
+            self.fused_marks = marks;
             return Ok((sorted, m, report));
         }
+    }
+}
+
+impl TopKEngine {
+    /// Device time (ms, CUDA events; host waits in between included) of each phase of the last
+    /// [`fused_select`](Self::fused_select): the sample pass, the sample's threshold, the full
+    /// pass(es), the final selection (with the read-back, and a rerun's). Waits for its end.
+    pub fn fused_phases_ms(&self) -> GpuResult<[f64; 4]> {
+        let mut phases = [0.0; 4];
+        if let Some((_, last)) = self.fused_marks.last() {
+            last.synchronize()?;
+        }
+        for pair in self.fused_marks.windows(2) {
+            phases[pair[1].0] += f64::from(pair[0].1.elapsed_ms(&pair[1].1)?);
+        }
+        Ok(phases)
     }
 }
 

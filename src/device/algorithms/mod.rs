@@ -698,10 +698,6 @@ pub struct FusedReport {
     /// Bits of the 64-bit words a large k's candidates were packed into for their keys-only
     /// merge sort (the key bits that vary, then the row id's); 0 when they were not packed.
     pub packed_bits: u32,
-    /// Device time (ms, CUDA events; host waits in between included) of each phase: the
-    /// sample pass, the sample's threshold, the full pass(es), the final selection (with the
-    /// read-back, and a rerun's).
-    pub phases_ms: [f64; 4],
 }
 
 /// Threads per block of the grid-stride kernels; of the bitonic top-k's blocks.
@@ -727,6 +723,9 @@ pub struct TopKEngine {
     /// Device buffer that staged batch data lands in (overwritten by each `stage`).
     staging: Option<PooledBuffer>,
     readback: Option<PinnedLease>,
+    /// The last fused selection's phase events (phase, event at its end; the first marks its
+    /// start), read by [`TopKEngine::fused_phases_ms`].
+    fused_marks: Vec<(usize, cudarc::driver::CudaEvent)>,
 }
 
 impl std::fmt::Debug for TopKEngine {
@@ -755,6 +754,7 @@ impl TopKEngine {
             next_upload: 0,
             staging: None,
             readback: None,
+            fused_marks: Vec::new(),
         };
         engine.memset_zero(engine.scalars.ptr(), SCALAR_BYTES)?;
         Ok(engine)
