@@ -735,12 +735,21 @@ pub fn compile_generated(
     };
     // Pipelined where it fits: Q2's pass 669–670 → 649–651 µs over 2 GB (its read floor,
     // 651), 707 → 681–683 at k = 10^6 (H100, session 31). At 4 blocks a SM it measured no
-    // better than at 5.
-    let pipelined = variant(GENERATED_MIN_BLOCKS, true)?;
+    // better than at 5. Both hinted variants compile at once, so that a program that does not
+    // fit pipelined waits for one compile, not two.
+    let (pipelined, hinted) = std::thread::scope(|scope| {
+        let other = scope.spawn(|| variant(GENERATED_MIN_BLOCKS, false));
+        let pipelined = variant(GENERATED_MIN_BLOCKS, true);
+        let hinted = other
+            .join()
+            .unwrap_or_else(|_| Err("the NVRTC compile thread panicked".to_string()));
+        (pipelined, hinted)
+    });
+    let pipelined = pipelined?;
     if pipelined.spill_bytes <= GENERATED_SPILL_ALLOWANCE {
         return Ok(pipelined);
     }
-    let hinted = variant(GENERATED_MIN_BLOCKS, false)?;
+    let hinted = hinted?;
     if hinted.spill_bytes <= GENERATED_SPILL_ALLOWANCE {
         return Ok(hinted);
     }
