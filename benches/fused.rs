@@ -25,7 +25,9 @@
 //! - **DataFusion**: the SQL on plain DataFusion over the `MemTable`, all cores.
 //!
 //! Device times are CUDA-event times of the whole selection after an L2 flush, host round
-//! trips inside it included; every time is the median of R runs after a warm-up. Before timing,
+//! trips inside it included, up to the GPU's end of its last kernel (the phase times are read
+//! after that, `TopKEngine::fused_phases_ms`); every time is the median of R runs after a
+//! warm-up. Before timing,
 //! both device results are checked against DataFusion's answer to the query with `, id`
 //! appended to its ORDER BY (ids ascend with the row position: our tie order): the same ids in
 //! the same order, or the run fails. Q1 sweeps the selectivity 0–1 in steps of 0.1 (k = 50), Q2

@@ -173,7 +173,8 @@ template <class K> __device__ void threshold_from(const K *keys, const u64 *ids,
 //
 // A fused selection's candidates for a large k all beat one threshold, so their keys share most
 // bits. `key_span` finds the bits that vary (per key word, the OR of the complemented keys and
-// the OR of the keys); the host reads them back with the count, and where the varying field
+// the OR of the keys; a fused pass ORs the same words as it flushes its candidates, common.cuh
+// `WarpBuffer`); the host reads them back with the count, and where the varying field
 // [lo, lo + width) and the row id's bits fit one 64-bit word, each pair becomes the word
 // (field << id_bits) | row id (common.cuh `packed_word`; the bits outside the field are the same
 // in every key). merge_sort.cu packs them as its tile sort loads them and merges the words keys

@@ -94,12 +94,14 @@ impl TopKEngine {
     /// never reach device memory. For k up to the rank sort the final selection of the
     /// candidates is enqueued on their count on the device (a sampled selection), so the whole
     /// chain runs with one read-back at its end; beyond, the read-back brings the count and
-    /// the key bits that vary among the candidates, and the candidates are sorted whole,
+    /// the key bits that vary among the candidates (ORed by the pass as it appends them), and
+    /// the candidates are sorted whole,
     /// packed into 64-bit words where those bits and the row id fit one (`merge_sort_packed`).
     /// The estimate is checked, not trusted: fewer than k appended rows while more passed, or
     /// more than the buffer holds, reruns the full pass (without the threshold, or with room
     /// for all) — exact either way. With 0 (the unfused baseline), the pass appends every
-    /// passing row, and the selection follows.
+    /// passing row, and the selection follows. Returns without waiting for the device (the
+    /// result's reader waits); [`fused_phases_ms`](Self::fused_phases_ms) times the phases.
     pub fn fused_select(
         &mut self,
         kernel: &GeneratedKernel,
