@@ -393,9 +393,10 @@ typedef {key} Key;
 // threads as they can get) and issues every input load of them before evaluating anything,
 // so that their loads are in flight together; with FUSED_PIPELINE (set by the loader where
 // the registers allow) the full pass issues the next round's loads before it evaluates this
-// one. Counts and error flags stay in registers until the end (no barrier per round). A block's round covers 256 · ROWS rows: with VEC a thread's
-// ROWS rows are consecutive and each plain column's values come in one vector load
-// (`load_rows`), else row r of the round is r · 256 + the thread (coalesced scalar loads).
+// one. Counts and error flags stay in registers until the end (no barrier per round). A
+// block's round covers 256 · ROWS rows: with VEC a thread's ROWS rows are consecutive and each
+// plain column's values come in one vector load (`load_rows`), else row r of the round is
+// r · 256 + the thread (coalesced scalar loads).
 template <bool STRIDED, bool NULLS, bool VEC, int ROWS>
 __device__ __forceinline__ void fused_rows(
 {params}    u64 n, u64 step, u64 id_start, const Threshold<Key> *thr, Key *cand_keys, u64 *cand_ids, u64 *count,
