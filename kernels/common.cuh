@@ -268,7 +268,8 @@ __device__ __forceinline__ u64 warp_append(bool want, u64 *counter) {
 // written: the host sees the overflow.
 #define WARP_BUFFER 128
 // With `span`, a flush also ORs each key it stores into the 2 · K::N words after the buffer's
-// row ids (`span_words`; the caller zeroes them): per key word the OR of the complemented keys,
+// row ids (`span_words`: the caller's ids array then holds WARP_BUFFER + 2 · K::N words, and
+// the caller zeroes them): per key word the OR of the complemented keys,
 // then the OR of the keys (candidates.cu `key_span`'s words), so that a fused pass's candidates
 // need no second read for them. Shared atomics rather than registers: the generated passes
 // have none to spare.

@@ -352,9 +352,7 @@ impl TopKEngine {
             return Ok((sorted, m, report));
         }
     }
-}
 
-impl TopKEngine {
     /// Device time (ms, CUDA events; host waits in between included) of each phase of the last
     /// [`fused_select`](Self::fused_select): the sample pass, the sample's threshold, the full
     /// pass(es), the final selection (with the read-back, and a rerun's). Waits for its end.
