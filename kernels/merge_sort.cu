@@ -28,7 +28,10 @@
 // A sample sort of the words (a sorted 16K sample's splitters, a scatter into 1024 buckets,
 // a block's sort per bucket) took 0.187–0.243 ms there: a block's shared-memory sort of a
 // bucket takes as long as a tile's, and the scatter's global reservations took 74 µs
-// (branch `sample-sort-packed`).
+// (branch `sample-sort-packed`). Cutting the candidates into 32 key bands by the denser
+// sample's splitters and sorting each band on its own (five rounds instead of ten) measured no
+// faster there: the two passes that count and move the bands cost what the rounds saved
+// (session 32, branch `key-bands`).
 // Run j of a round (input span s, the sort's k) starts at j · min(s, k) and holds
 // min(k, pairs of the input positions [j·s, (j+1)·s) below m): a function of m alone, so every
 // round can be enqueued before m is known (m = *m_dev, a selection's survivor count).
