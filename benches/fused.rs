@@ -29,8 +29,9 @@
 //! after that, `TopKEngine::fused_phases_ms`); every time is the median of R runs after a
 //! warm-up. Before timing, both device results are checked against DataFusion's answer to the
 //! query with `, id` appended to its ORDER BY (ids ascend with the row position: our tie
-//! order): the same ids in the same order, or the run fails. Q1 sweeps the selectivity 0–1 in steps of 0.1 (k = 50), Q2
-//! sweeps k, Q3 runs at k = 50 and 1000. Without a GPU it says so and exits 0.
+//! order): the same ids in the same order, or the run fails. Q1 sweeps the selectivity 0–1 in
+//! steps of 0.1 (k = 50), Q2 sweeps k, Q3 runs at k = 50 and 1000. Without a GPU it says so and
+//! exits 0.
 
 mod common;
 

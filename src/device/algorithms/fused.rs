@@ -95,8 +95,8 @@ impl TopKEngine {
     /// candidates is enqueued on their count on the device (a sampled selection), so the whole
     /// chain runs with one read-back at its end; beyond, the read-back brings the count and
     /// the key bits that vary among the candidates (ORed by the pass as it appends them), and
-    /// the candidates are sorted whole,
-    /// packed into 64-bit words where those bits and the row id fit one (`merge_sort_packed`).
+    /// the candidates are sorted whole, packed into 64-bit words where those bits and the row id
+    /// fit one (`merge_sort_packed`).
     /// The estimate is checked, not trusted: fewer than k appended rows while more passed, or
     /// more than the buffer holds, reruns the full pass (without the threshold, or with room
     /// for all) — exact either way. With 0 (the unfused baseline), the pass appends every

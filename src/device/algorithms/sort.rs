@@ -153,8 +153,8 @@ impl TopKEngine {
     /// The first min(m, k) of pairs `[0, m)` (row ids below `id_bound`) sorted through packed
     /// words, as a fused selection sorts a large k's candidates: their key span
     /// (candidates.cu `key_span`, read back), the field of bits that vary, then
-    /// `merge_sort_packed`. `None` when the field and the row ids'
-    /// bits do not fit one word, or m is a merge tile or less.
+    /// `merge_sort_packed`. `None` when the field and the row ids' bits do not fit one word, or
+    /// m is a merge tile or less.
     pub fn sort_pairs_packed(
         &mut self,
         input: &DevicePairs,
