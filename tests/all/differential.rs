@@ -678,7 +678,7 @@ async fn empty_table() {
 }
 
 /// Random expression trees (SQL text) over the table's typed columns: numeric expressions of
-/// columns and edge literals under `+ − * /`, negation, CASE, casts, floor/ceil/round/abs; and
+/// columns and edge literals under `+ − * / %`, negation, CASE, casts, floor/ceil/round/abs; and
 /// predicates of comparisons, AND/OR/NOT, IS [NOT] NULL, IN lists (with NULLs), BETWEEN and
 /// dictionary-string comparisons. Each random query runs through our operator and through
 /// plain DataFusion; results (or errors) must be identical. With the CUDA backend the parts the
@@ -704,7 +704,7 @@ impl ExprGen {
             };
         }
         let d = depth - 1;
-        match self.0.below(6) {
+        match self.0.below(7) {
             0 => format!("({} + {})", self.int(d), self.int(d)),
             1 => format!("({} - {})", self.int(d), self.int(d)),
             2 => format!("({} * {})", self.int(d), self.int(d)),
@@ -713,6 +713,12 @@ impl ExprGen {
                 "({} % {})",
                 self.int(d),
                 self.pick(&["3", "7", "100", "g", "nn"])
+            ),
+            // Divisors that can be 0 (g, nn, i8) or −1 (MIN / −1): DataFusion's errors.
+            5 => format!(
+                "({} / {})",
+                self.int(d),
+                self.pick(&["3", "-1", "100", "g", "nn", "i8"])
             ),
             _ => format!(
                 "CASE WHEN {} THEN {} ELSE {} END",
