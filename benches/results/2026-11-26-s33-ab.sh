@@ -6,37 +6,58 @@
 # Here (no GPU), from a clean checkout of that tree:
 #   1. build the tree as it is:  cargo build --release --bench fused;
 #      cp target/release/deps/fused-<hash> /tmp/fused-old
-#   2. git apply benches/results/2026-11-26-s33-*.patch (both); touch src/**/*.rs kernels/*
-#      (cargo's fingerprint), cargo test --release --no-run --test sqllogictests, then
+#   2. git apply benches/results/2026-11-26-s33-device-sort-enqueue.patch, then the other two
+#      (merge-group-search applies on top of the first; translator-casts-fmod on its own);
+#      touch src/**/*.rs kernels/* (cargo's fingerprint); cargo test --release --no-run --test
+#      sqllogictests; then
 #      KERNELS_ONLY=1 EXTRA="fused-old=/tmp/fused-old sqllogictests=target/release/deps/sqllogictests-<hash>" \
 #        bash benches/gpu-bundle.sh
-#   3. mkdir -p .gpu/kernels-oldsample && cp kernels/* .gpu/kernels-oldsample/ &&
-#      git show 14e748a:kernels/sample.cu > .gpu/kernels-oldsample/sample.cu
-#      (the patched host code with the old one-block threshold: isolates sample.cu's change)
-# There (device tool, carry [".gpu"]):  bash benches/results/2026-11-26-s33-ab.sh
+#   3. kernel directories that undo one change each, for the same binary:
+#      mkdir -p .gpu/kernels-oldsample .gpu/kernels-nogroup
+#      cp kernels/* .gpu/kernels-oldsample/ && git show 14e748a:kernels/sample.cu > .gpu/kernels-oldsample/sample.cu
+#      cp kernels/* .gpu/kernels-nogroup/ && sed -i '1i #define MSORT_GROUP_SEARCH 0' .gpu/kernels-nogroup/merge_sort.cu
+# There (device tool, carry [".gpu"]), two calls (each fits the 600 s limit; a cold machine's
+# CUDA suite took 285–310 s in sessions 31–32):
+#   bash benches/results/2026-11-26-s33-ab.sh tests
+#   bash benches/results/2026-11-26-s33-ab.sh bench
 # Each fused invocation pays ~8 s of data generation and ~20 s of DataFusion's oracle at k = 10^6.
 set -uo pipefail
 OUT=${OUT:-/tmp/s33-ab}
-mkdir -p "$OUT" .b && tar xJf .gpu/bundle.tar.xz -C .b || exit 1
+mkdir -p "$OUT" .b
+[ -x .b/fused ] || tar xJf .gpu/bundle.tar.xz -C .b || exit 1
 export GPU_TOPK_CACHE_DIR=$PWD/.kernel-cache
-GPU_TOPK_TEST_BACKEND=cuda timeout 400 .b/all > "$OUT/tests-cuda.log" 2>&1
-echo "CUDA suite (rc $?): $(grep -h 'test result' "$OUT/tests-cuda.log")"
-GPU_TOPK_TEST_BACKEND=cuda timeout 200 .b/sqllogictests > "$OUT/slt-cuda.log" 2>&1
-echo "sqllogictests, CUDA (rc $?): $(tail -n 1 "$OUT/slt-cuda.log")"
-q() { timeout 150 "$@" --rows 250000000 --only "Q2 k=1000000" --runs 5 --device-only; }
-for i in 1 2; do
-    q .b/fused --csv "$OUT/new-$i.csv" > "$OUT/new-$i.log" 2>&1; echo "new $i rc $?"
-    GPU_TOPK_SORT_ON_DEVICE=0 q .b/fused --csv "$OUT/hostsort-$i.csv" > "$OUT/hostsort-$i.log" 2>&1
-    echo "hostsort $i rc $?"
-    GPU_TOPK_KERNEL_DIR=$PWD/.gpu/kernels-oldsample q .b/fused --csv "$OUT/oldsample-$i.csv" \
-        > "$OUT/oldsample-$i.log" 2>&1
-    echo "oldsample $i rc $?"
-    q .b/fused-old --csv "$OUT/old-$i.csv" > "$OUT/old-$i.log" 2>&1; echo "old $i rc $?"
-done
-timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum \
-    -k regex:"sample_threshold|refine_threshold|msort|fused_append" \
-    .b/fused --rows 250000000 --only "Q2 k=1000000" --runs 1 --device-only > "$OUT/ncu-new.log" 2>&1
-echo "ncu rc $?"
-for f in new hostsort oldsample old; do
-    for i in 1 2; do echo "== $f $i"; grep "^Q2" "$OUT/$f-$i.log"; done
-done
+case "${1:-}" in
+tests)
+    GPU_TOPK_TEST_BACKEND=cuda timeout 420 .b/all > "$OUT/tests-cuda.log" 2>&1
+    echo "CUDA suite (rc $?): $(grep -h 'test result' "$OUT/tests-cuda.log")"
+    GPU_TOPK_TEST_BACKEND=cuda timeout 150 .b/sqllogictests > "$OUT/slt-cuda.log" 2>&1
+    echo "sqllogictests, CUDA (rc $?): $(tail -n 1 "$OUT/slt-cuda.log")"
+    ;;
+bench)
+    q() { timeout 120 "$@" --rows 250000000 --only "Q2 k=1000000" --runs 5 --device-only; }
+    run() { # name, then the command
+        local name=$1
+        shift
+        q "$@" --csv "$OUT/$name.csv" > "$OUT/$name.log" 2>&1
+        echo "$name rc $?"
+    }
+    run new-1 .b/fused
+    run old-1 .b/fused-old
+    GPU_TOPK_SORT_ON_DEVICE=0 run hostsort .b/fused
+    GPU_TOPK_KERNEL_DIR=$PWD/.gpu/kernels-oldsample run oldsample .b/fused
+    GPU_TOPK_KERNEL_DIR=$PWD/.gpu/kernels-nogroup run nogroup .b/fused
+    run new-2 .b/fused
+    run old-2 .b/fused-old
+    timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum \
+        -k regex:"sample_threshold|refine_threshold|msort|fused_append" \
+        .b/fused --rows 250000000 --only "Q2 k=1000000" --runs 1 --device-only > "$OUT/ncu-new.log" 2>&1
+    echo "ncu rc $?"
+    for f in new-1 old-1 hostsort oldsample nogroup new-2 old-2; do
+        echo "== $f: $(grep '^Q2' "$OUT/$f.log")"
+    done
+    ;;
+*)
+    echo "usage: $0 tests|bench" >&2
+    exit 2
+    ;;
+esac
