@@ -4,18 +4,21 @@
 # whose device code is 14e748a's).
 #
 # Here (no GPU), from a clean checkout of that tree:
-#   1. build the tree as it is:  cargo build --release --bench fused;
-#      cp target/release/deps/fused-<hash> /tmp/fused-old
+#   1. (optional: the unpatched binary, as a second baseline) cargo build --release --bench
+#      fused; cp target/release/deps/fused-<hash> /tmp/fused-old
 #   2. git apply benches/results/2026-11-26-s33-device-sort-enqueue.patch, then the other two
 #      (merge-group-search applies on top of the first; translator-casts-fmod on its own);
-#      touch src/**/*.rs kernels/* (cargo's fingerprint); cargo test --release --no-run --test
-#      sqllogictests; then
-#      KERNELS_ONLY=1 EXTRA="fused-old=/tmp/fused-old sqllogictests=target/release/deps/sqllogictests-<hash>" \
+#      touch src/**/*.rs kernels/* (cargo's fingerprint, after step 1); cargo test --release
+#      --no-run --test sqllogictests; then
+#      KERNELS_ONLY=1 EXTRA="sqllogictests=target/release/deps/sqllogictests-<hash> [fused-old=/tmp/fused-old]" \
 #        bash benches/gpu-bundle.sh
-#   3. kernel directories that undo one change each, for the same binary:
-#      mkdir -p .gpu/kernels-oldsample .gpu/kernels-nogroup
+#   3. kernel directories that undo one change each, and all of them, for the same binary:
+#      mkdir -p .gpu/kernels-oldsample .gpu/kernels-nogroup .gpu/kernels-allold
 #      cp kernels/* .gpu/kernels-oldsample/ && git show 14e748a:kernels/sample.cu > .gpu/kernels-oldsample/sample.cu
 #      cp kernels/* .gpu/kernels-nogroup/ && sed -i '1i #define MSORT_GROUP_SEARCH 0' .gpu/kernels-nogroup/merge_sort.cu
+#      cp .gpu/kernels-nogroup/* .gpu/kernels-allold/ && cp .gpu/kernels-oldsample/sample.cu .gpu/kernels-allold/
+#   ("allold", with GPU_TOPK_SORT_ON_DEVICE=0, runs 14e748a's Q2 k = 10^6 path in the patched
+#   binary: the host-planned sort, the old threshold select and the warps' search.)
 # There (device tool, carry [".gpu"]), two calls (each fits the 600 s limit; a cold machine's
 # CUDA suite took 285–310 s in sessions 31–32):
 #   bash benches/results/2026-11-26-s33-ab.sh tests
@@ -41,18 +44,24 @@ bench)
         q "$@" --csv "$OUT/$name.csv" > "$OUT/$name.log" 2>&1
         echo "$name rc $?"
     }
+    allold() { GPU_TOPK_SORT_ON_DEVICE=0 GPU_TOPK_KERNEL_DIR=$PWD/.gpu/kernels-allold run "$@"; }
+    variants="new-1 allold-1 hostsort oldsample nogroup new-2 allold-2"
     run new-1 .b/fused
-    run old-1 .b/fused-old
+    allold allold-1 .b/fused
     GPU_TOPK_SORT_ON_DEVICE=0 run hostsort .b/fused
     GPU_TOPK_KERNEL_DIR=$PWD/.gpu/kernels-oldsample run oldsample .b/fused
     GPU_TOPK_KERNEL_DIR=$PWD/.gpu/kernels-nogroup run nogroup .b/fused
     run new-2 .b/fused
-    run old-2 .b/fused-old
+    allold allold-2 .b/fused
+    if [ -x .b/fused-old ]; then
+        run old .b/fused-old
+        variants="$variants old"
+    fi
     timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum \
         -k regex:"sample_threshold|refine_threshold|msort|fused_append" \
         .b/fused --rows 250000000 --only "Q2 k=1000000" --runs 1 --device-only > "$OUT/ncu-new.log" 2>&1
     echo "ncu rc $?"
-    for f in new-1 old-1 hostsort oldsample nogroup new-2 old-2; do
+    for f in $variants; do
         echo "== $f: $(grep '^Q2' "$OUT/$f.log")"
     done
     ;;
