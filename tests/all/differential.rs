@@ -723,18 +723,22 @@ impl ExprGen {
             ),
             // Narrowing and float-to-integer casts: values that do not fit are DataFusion's
             // error (CAST) or NULL (TRY_CAST).
-            6 if self.0.chance(0.5) => format!(
-                "{}({} AS {})",
-                self.pick(&["CAST", "TRY_CAST"]),
-                self.float(d),
-                self.pick(&["INT", "SMALLINT", "BIGINT", "INT UNSIGNED"])
-            ),
-            6 => format!(
-                "{}({} AS {})",
-                self.pick(&["CAST", "TRY_CAST"]),
-                self.int(d),
-                self.pick(&["TINYINT", "SMALLINT", "INT", "TINYINT UNSIGNED"])
-            ),
+            6 => {
+                let from_float = self.0.chance(0.5);
+                let cast = self.pick(&["CAST", "TRY_CAST"]);
+                let (value, targets) = if from_float {
+                    (
+                        self.float(d),
+                        &["INT", "SMALLINT", "BIGINT", "INT UNSIGNED"],
+                    )
+                } else {
+                    (
+                        self.int(d),
+                        &["TINYINT", "SMALLINT", "INT", "TINYINT UNSIGNED"],
+                    )
+                };
+                format!("{cast}({value} AS {})", self.pick(targets))
+            }
             _ => format!(
                 "CASE WHEN {} THEN {} ELSE {} END",
                 self.pred(d),
@@ -759,7 +763,6 @@ impl ExprGen {
             1 => format!("({} - {})", self.float(d), self.float(d)),
             2 => format!("({} * {})", self.float(d), self.float(d)),
             3 => format!("({} / {})", self.float(d), self.float(d)),
-            9 => format!("({} % {})", self.float(d), self.float(d)),
             4 => format!("(- {})", self.float(d)),
             5 => format!("CAST({} AS DOUBLE)", self.int(d)),
             6 => format!(
@@ -779,6 +782,7 @@ impl ExprGen {
                 self.float(d),
                 self.float(d)
             ),
+            9 => format!("({} % {})", self.float(d), self.float(d)),
             _ => format!("({} + {})", self.float(d), self.int(d)),
         }
     }
