@@ -60,6 +60,11 @@ FLOAT_COMMUTATIVE(add_f64, double, quiet_f64, __double_as_longlong, host_nan_f64
 FLOAT_BINARY(sub_f64, double, quiet_f64, host_nan_f64, __dsub_rn(a, b))
 FLOAT_COMMUTATIVE(mul_f64, double, quiet_f64, __double_as_longlong, host_nan_f64, __dmul_rn(a, b))
 FLOAT_BINARY(div_f64, double, quiet_f64, host_nan_f64, __ddiv_rn(a, b))
+// The remainder `%`: fmod, exact on the device (0 ulp) as in the host's libm, which returns
+// (x·y)/(x·y) for a NaN operand (the first NaN, quieted) and the default NaN for x = ±inf or
+// y = 0: the same as the pattern above.
+FLOAT_BINARY(rem_f32, float, quiet_f32, host_nan_f32, fmodf(a, b))
+FLOAT_BINARY(rem_f64, double, quiet_f64, host_nan_f64, fmod(a, b))
 #undef FLOAT_BINARY
 #undef FLOAT_COMMUTATIVE
 

@@ -4,15 +4,17 @@
 //!
 //! Only what the device reproduces *exactly* is translated (see kernels/fused.cuh for the
 //! arithmetic): columns and literals of boolean, integer, float and temporal types;
-//! `+ − *` on integers (wrapping, as DataFusion's default) and floats, `/` on floats, integer
-//! `/` and `%`; comparisons of equal types (floats
+//! `+ − *` on integers (wrapping, as DataFusion's default) and floats, `/` and `%` (fmod) on
+//! floats, integer `/` and `%`; comparisons of equal types (floats
 //! in total order with −0.0 = 0.0, as DataFusion's `apply_cmp`); `AND`, `OR`, `NOT`,
 //! `IS [NOT] NULL`; negation; `[NOT] IN` literal lists (floats by bit pattern, as DataFusion's
 //! static filter); `CASE` (searched, or simple on a non-float value); `floor`, `ceil`, `round`,
-//! `sqrt` and `abs` of floats, `abs` of integers; lossless casts (integer widening,
-//! integer → float, f32 → f64, timestamp time zone changes). `BETWEEN` arrives as two
+//! `sqrt` and `abs` of floats, `abs` of integers; casts and `TRY_CAST`s among numeric types
+//! (integer widening, integer → float, f32 → f64, narrowing integer and float → integer casts
+//! by arrow's ranges) and timestamp time zone changes. `BETWEEN` arrives as two
 //! comparisons. Operations DataFusion fails on for some inputs (integer `/` and `%`, `sqrt`,
-//! signed `abs`, timestamp ± interval) are translated with a guard: a row that would fail sets `host_only`, and the
+//! signed `abs`, timestamp ± interval, a `CAST` whose value does not fit) are translated with
+//! a guard: a row that would fail sets `host_only`, and the
 //! query reruns on the host, where DataFusion reports its own error. Anything else is declined
 //! with the reason (e.g. `ln`, whose last bit CUDA's libm does not promise), and the part of
 //! the query it belongs to runs on the host.
@@ -359,10 +361,10 @@ impl<'a> Emitter<'a> {
             return Ok(self.define(a.data_type, a.ctype, value, a.valid));
         }
         if let Some(cast) = any.downcast_ref::<CastExpr>() {
-            return self.cast(cast.expr(), cast.cast_type());
+            return self.cast(cast.expr(), cast.cast_type(), false);
         }
         if let Some(cast) = any.downcast_ref::<TryCastExpr>() {
-            return self.cast(cast.expr(), cast.cast_type());
+            return self.cast(cast.expr(), cast.cast_type(), true);
         }
         if let Some(in_list) = any.downcast_ref::<InListExpr>() {
             if let Some((c, codes, values, negated)) = self.dictionary_membership(expr) {
@@ -940,7 +942,8 @@ impl<'a> Emitter<'a> {
                         Operator::Minus => "sub",
                         Operator::Multiply => "mul",
                         Operator::Divide => "div",
-                        _ => return Err(format!("{op} of {}", l.data_type)),
+                        // fmod: exact on both sides (the host's Rust `%` calls libm's fmod).
+                        _ => "rem",
                     };
                     let flag = if matches!(op, Operator::Plus | Operator::Multiply) {
                         ", ambiguous"
@@ -988,7 +991,19 @@ impl<'a> Emitter<'a> {
         }
     }
 
-    fn cast(&mut self, input: &Arc<dyn PhysicalExpr>, to: &DataType) -> Result<Value, Declined> {
+    /// `CAST` (`safe` false) or `TRY_CAST` (`safe` true) among numeric types, as arrow's cast
+    /// kernel: integers widen exactly and go to floats by rounding, f32 widens to f64, and a
+    /// narrowing integer cast or a float-to-integer cast (truncating towards zero) takes the
+    /// value only where it fits, by num-traits' `NumCast` ranges (for floats the exclusive
+    /// range (MIN − 1, MAX + 1), or [MIN, MAX + 1) where the float cannot hold MIN − 1; NaN
+    /// never fits). A value that does not fit is NULL under `TRY_CAST` and DataFusion's error
+    /// under `CAST`: its row sets `host_only`, so the host reports that error.
+    fn cast(
+        &mut self,
+        input: &Arc<dyn PhysicalExpr>,
+        to: &DataType,
+        safe: bool,
+    ) -> Result<Value, Declined> {
         let a = self.emit(input)?;
         let from = &a.data_type;
         let to_c = CType::for_data_type(to).ok_or_else(|| format!("CAST to {to}"))?;
@@ -996,6 +1011,16 @@ impl<'a> Emitter<'a> {
         let lossless_int = (f.is_signed() && t.is_signed() && t.bits() > f.bits())
             || (f.is_unsigned() && (t.is_signed() || t.is_unsigned()) && t.bits() > f.bits());
         let int_type = |d: &DataType| d.is_integer();
+        let plain_float = |d: &DataType| matches!(d, DataType::Float32 | DataType::Float64);
+        // Where the value must fit the target (a C condition on `a.value`), if anywhere.
+        let fits = match (from, to) {
+            _ if from == to => None,
+            _ if int_type(from) && int_type(to) && !lossless_int => {
+                Some(int_range_check(&a.value, f, t))
+            }
+            _ if plain_float(from) && int_type(to) => Some(float_range_check(&a.value, f, t)),
+            _ => None,
+        };
         let value = match (from, to) {
             _ if from == to => a.value.clone(),
             (DataType::Timestamp(u1, _), DataType::Timestamp(u2, _)) if u1 == u2 => a.value.clone(),
@@ -1004,7 +1029,20 @@ impl<'a> Emitter<'a> {
             }
             _ if int_type(from) && t.is_float() => format!("({})({})", t.name(), a.value),
             (DataType::Float32, DataType::Float64) => format!("f32_to_f64({})", a.value),
+            // The conversion only where the value fits (out of range it is undefined in C).
+            _ if fits.is_some() => {
+                let fits = fits.as_deref().expect("checked");
+                format!("(({fits}) ? ({})({}) : ({})0)", t.name(), a.value, t.name())
+            }
             _ => return Err(format!("CAST from {from} to {to}")),
+        };
+        let valid = match &fits {
+            Some(fits) if safe => format!("({} && ({fits}))", a.valid),
+            Some(fits) => {
+                self.line(format!("host_only |= {} && !({fits});", a.valid));
+                a.valid.clone()
+            }
+            None => a.valid.clone(),
         };
         let finite_bound = if int_type(from) && t.is_float() {
             Some(f.bits() as i32)
@@ -1013,9 +1051,65 @@ impl<'a> Emitter<'a> {
         } else {
             None
         };
-        let mut v = self.define(to.clone(), t, value, a.valid);
+        let mut v = self.define(to.clone(), t, value, valid);
         v.finite_bound = finite_bound;
         Ok(v)
+    }
+}
+
+/// C condition: integer `x` of type `from` lies in the range of integer type `to`.
+fn int_range_check(x: &str, from: CType, to: CType) -> String {
+    let to_max: u64 = if to.is_signed() {
+        (1u64 << (to.bits() - 1)) - 1
+    } else if to.bits() == 64 {
+        u64::MAX
+    } else {
+        (1u64 << to.bits()) - 1
+    };
+    if from.is_signed() {
+        let to_min: i64 = if to.is_signed() {
+            -(1i64 << (to.bits() - 1))
+        } else {
+            0
+        };
+        let hi = to_max.min(i64::MAX as u64);
+        // (i64::MIN's literal is no C literal: 9223372036854775808 does not fit a long long.)
+        let lo = if to_min == i64::MIN {
+            "(-9223372036854775807ll - 1)".to_string()
+        } else {
+            format!("{to_min}ll")
+        };
+        format!("((i64)({x}) >= {lo} && (i64)({x}) <= {hi}ll)")
+    } else {
+        format!("((u64)({x}) <= {to_max}ull)")
+    }
+}
+
+/// C condition: float `x` of type `from` converts to integer type `to` by arrow's cast
+/// (num-traits' `NumCast`): truncation towards zero where the result is in range, NaN never.
+fn float_range_check(x: &str, from: CType, to: CType) -> String {
+    let bits = to.bits() as i32;
+    // 2^e, exactly, as a C double literal (every bound below is exact in both float types).
+    let pow2 = |e: i32| format!("{:?}", 2f64.powi(e));
+    let float_bits = from.bits();
+    if to.is_unsigned() {
+        // (−1, MAX + 1) = (−1, 2^bits).
+        return format!("((double)({x}) > -1.0 && (double)({x}) < {})", pow2(bits));
+    }
+    if float_bits > to.bits() {
+        // (MIN − 1, MAX + 1), exact in the wider float.
+        format!(
+            "((double)({x}) > -{} - 1.0 && (double)({x}) < {})",
+            pow2(bits - 1),
+            pow2(bits - 1)
+        )
+    } else {
+        // [MIN, MAX + 1): MIN − 1 is not a float of this width, and no fraction is left there.
+        format!(
+            "((double)({x}) >= -{} && (double)({x}) < {})",
+            pow2(bits - 1),
+            pow2(bits - 1)
+        )
     }
 }
 

@@ -205,12 +205,28 @@ async fn each_part_runs_where_it_translates_and_every_program_compiles() {
         ("WHERE i32 / g > 1 OR i8 % i8 = 0", "i64 / g", "gpu", "gpu"),
         ("", "ln(f64) DESC", "-", "host"),
         ("", "exp(f64), power(f32, 2)", "-", "host"),
-        // not translated (yet): a float remainder (fmod), narrowing and float-to-integer casts
-        // (DataFusion errors where a value does not fit; TRY_CAST gives NULL)
-        ("WHERE f64 % 2.0 > 0.5", "f32 % -1.5", "host", "host"),
-        ("", "CAST(i64 AS INT) DESC", "-", "host"),
-        ("", "TRY_CAST(i64 AS INT)", "-", "host"),
-        ("WHERE CAST(f64 AS BIGINT) > 0", "g", "host", "gpu"),
+        // a float remainder (fmod); narrowing and float-to-integer casts (DataFusion errors
+        // where a value does not fit: the row goes to the host; TRY_CAST gives NULL)
+        ("WHERE f64 % 2.0 > 0.5", "f32 % -1.5", "gpu", "gpu"),
+        (
+            "",
+            "CAST(i64 AS INT) DESC, CAST(i8 AS TINYINT UNSIGNED)",
+            "-",
+            "gpu",
+        ),
+        ("", "TRY_CAST(i64 AS INT), TRY_CAST(u32 AS INT)", "-", "gpu"),
+        (
+            "WHERE CAST(f64 AS BIGINT) > 0",
+            "CAST(f32 AS INT), TRY_CAST(f64 AS SMALLINT)",
+            "gpu",
+            "gpu",
+        ),
+        (
+            "",
+            "CAST(f64 AS INT UNSIGNED), TRY_CAST(f32 AS BIGINT UNSIGNED)",
+            "-",
+            "gpu",
+        ),
         ("", "CASE f64 WHEN 1.0 THEN g END", "-", "host"),
         ("WHERE i32 IN (g, 3)", "g", "host", "gpu"),
         ("", "dec DESC", "-", "host"),
