@@ -267,18 +267,49 @@ __device__ __forceinline__ u64 warp_append(bool want, u64 *counter) {
 // moves ≥ WARP_BUFFER − 32 pairs per atomic. Past `cap` the count still grows and nothing is
 // written: the host sees the overflow.
 #define WARP_BUFFER 128
-// With `span`, a flush also ORs each key it stores into the 2 · K::N words after the buffer's
-// row ids (`span_words`: the caller's ids array then holds WARP_BUFFER + 2 · K::N words, and
-// the caller zeroes them): per key word the OR of the complemented keys,
-// then the OR of the keys (candidates.cu `key_span`'s words), so that a fused pass's candidates
-// need no second read for them. Shared atomics rather than registers: the generated passes
-// have none to spare.
+// With `span`, a flush also ORs each key it stores into its lane's words after the buffer's
+// row ids (`span_words`: the caller's ids array then holds WARP_BUFFER + SPAN_WORDS words; the
+// caller zeroes them, `clear_span`, and ORs them into its span at the end, `span_to`): per key
+// word j, `span_word(j)` the OR of the complemented keys, `span_word(K::N + j)` the OR of the
+// keys (candidates.cu `key_span`'s words), so that a fused pass's candidates need no second read for
+// them. Shared words rather than registers: the generated passes have none to spare (registers
+// within a flush cost Q3's program its occupancy hint, its pass 681 → 762 µs, H100, session
+// 34); a lane's own words rather than shared atomics on two words, which serialised the
+// warp's lanes at every flush (Q2 k = 10^6's pass ~7 µs slower, same session).
 template <class K> struct WarpBuffer {
     K *keys;
     u64 *ids;
     u32 fill; // warp-uniform
 
+    // Keys of up to two words keep a lane's own span words; wider ones (whose buffers leave no
+    // room under the 48 KB of static shared memory for 32 lanes' words) share two per key word
+    // through atomics.
+    static constexpr bool LANE_SPAN = K::N <= 2;
+    static constexpr u32 SPAN_WORDS = (LANE_SPAN ? 64 : 2) * K::N;
     __device__ __forceinline__ u64 *span_words() const { return ids + WARP_BUFFER; }
+    // Span word w (< 2 · K::N) of this lane.
+    __device__ __forceinline__ u64 &span_word(u32 w) const { return span_words()[LANE_SPAN ? 32 * w + lane_id() : w]; }
+
+    // Zeroes the span words (every lane calls this).
+    __device__ __forceinline__ void clear_span() const {
+        if (LANE_SPAN) {
+#pragma unroll
+            for (u32 w = 0; w < 2 * K::N; ++w) span_word(w) = 0;
+        } else if (lane_id() < 2 * K::N) {
+            span_words()[lane_id()] = 0;
+        }
+        __syncwarp();
+    }
+
+    // ORs the span words into `span` (global; every lane calls this).
+    __device__ __forceinline__ void span_to(u64 *span) const {
+        __syncwarp();
+#pragma unroll
+        for (u32 w = 0; w < 2 * K::N; ++w) {
+            const u64 words = LANE_SPAN ? warp_or(span_word(w)) : span_words()[w];
+            if (lane_id() == 0 && words != 0) atomicOr((unsigned long long *)&span[w], words);
+        }
+    }
 
     __device__ __forceinline__ void flush(K *out_keys, u64 *out_ids, u64 *count, u64 cap, bool span = false) {
         __syncwarp();
@@ -291,10 +322,18 @@ template <class K> struct WarpBuffer {
                 out_keys[base + i] = k;
                 out_ids[base + i] = ids[i];
                 if (span) {
+                    // The lane's own words: no atomics (the warp's 32 lanes serialised on two
+                    // shared words) and no registers held across the pass.
 #pragma unroll
                     for (int j = 0; j < K::N; ++j) {
-                        atomicOr((unsigned long long *)&span_words()[j], (u64)(typename K::Word)~k.w[j]);
-                        atomicOr((unsigned long long *)&span_words()[K::N + j], (u64)k.w[j]);
+                        const u64 nand = (u64)(typename K::Word)~k.w[j], any = (u64)k.w[j];
+                        if (LANE_SPAN) {
+                            span_word(j) |= nand;
+                            span_word(K::N + j) |= any;
+                        } else {
+                            atomicOr((unsigned long long *)&span_word(j), nand);
+                            atomicOr((unsigned long long *)&span_word(K::N + j), any);
+                        }
                     }
                 }
             }

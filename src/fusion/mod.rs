@@ -407,9 +407,8 @@ __device__ __forceinline__ void fused_rows(
     u32 my_passed = 0, my_error = 0;
     WarpBuffer<Key> buffer = {{buffer_keys, buffer_ids, 0}};
     // With `span`, the buffer's flushes OR the appended keys into its span words (common.cuh),
-    // and the warp adds them to `span` at the end.
-    if (span != nullptr && lane_id() < 2 * Key::N) buffer.span_words()[lane_id()] = 0;
-    __syncwarp();
+    // and the warp ORs them into `span` at the end.
+    if (span != nullptr) buffer.clear_span();
     // The values of the round that starts at row j0, into the arrays below.
 {declare}    auto fetch = [&](u64 j0) {{
         const u64 jb = j0 + (u64)threadIdx.x * ROWS; // VEC: the thread's first row
@@ -486,11 +485,7 @@ __device__ __forceinline__ void fused_rows(
         }}
     }}
     buffer.flush(cand_keys, cand_ids, count, capacity, span != nullptr);
-    if (span != nullptr) {{
-        __syncwarp();
-        const u64 w = lane_id() < 2 * Key::N ? buffer.span_words()[lane_id()] : 0;
-        if (w != 0) atomicOr((unsigned long long *)&span[lane_id()], w);
-    }}
+    if (span != nullptr) buffer.span_to(span);
     const u32 warp_passed = __reduce_add_sync(FULL_MASK, my_passed);
     const u32 warp_error = __reduce_or_sync(FULL_MASK, my_error);
     if (lane_id() == 0) {{
@@ -505,7 +500,7 @@ extern "C" __global__ void __launch_bounds__(256, FUSED_MIN_BLOCKS) {ENTRY}(
     grid_dependency_wait();
     // Each warp's write buffer (common.cuh): one counter atomic per ~WARP_BUFFER appends.
     __shared__ Key buffer_keys[8][WARP_BUFFER];
-    __shared__ u64 buffer_ids[8][WARP_BUFFER + 2 * Key::N];
+    __shared__ u64 buffer_ids[8][WARP_BUFFER + WarpBuffer<Key>::SPAN_WORDS];
     Key *bk = buffer_keys[threadIdx.x / 32];
     u64 *bi = buffer_ids[threadIdx.x / 32];
     // The full pass loads a thread's rows by vectors where the columns are aligned for them,
