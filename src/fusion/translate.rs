@@ -1096,21 +1096,15 @@ fn float_range_check(x: &str, from: CType, to: CType) -> String {
         // (−1, MAX + 1) = (−1, 2^bits).
         return format!("((double)({x}) > -1.0 && (double)({x}) < {})", pow2(bits));
     }
-    if float_bits > to.bits() {
-        // (MIN − 1, MAX + 1), exact in the wider float.
-        format!(
-            "((double)({x}) > -{} - 1.0 && (double)({x}) < {})",
-            pow2(bits - 1),
-            pow2(bits - 1)
-        )
+    let max_plus_one = pow2(bits - 1);
+    // (MIN − 1, MAX + 1), exact in a wider float; else [MIN, MAX + 1): MIN − 1 is not a float
+    // of this width, and no fraction is left there.
+    let low = if float_bits > to.bits() {
+        format!("> -{max_plus_one} - 1.0")
     } else {
-        // [MIN, MAX + 1): MIN − 1 is not a float of this width, and no fraction is left there.
-        format!(
-            "((double)({x}) >= -{} && (double)({x}) < {})",
-            pow2(bits - 1),
-            pow2(bits - 1)
-        )
-    }
+        format!(">= -{max_plus_one}")
+    };
+    format!("((double)({x}) {low} && (double)({x}) < {max_plus_one})")
 }
 
 /// The smallest e with |x| ≤ 2^e, for a finite x.
