@@ -269,10 +269,10 @@ __device__ __forceinline__ u64 warp_append(bool want, u64 *counter) {
 #define WARP_BUFFER 128
 // With `span`, a flush also ORs each key it stores into its lane's words after the buffer's
 // row ids (`span_words`: the caller's ids array then holds WARP_BUFFER + SPAN_WORDS words; the
-// caller zeroes them, `clear_span`, and ORs them into its span at the end, `span_to`): per key
-// word j, `span_word(j)` the OR of the complemented keys, `span_word(K::N + j)` the OR of the
-// keys (candidates.cu `key_span`'s words), so that a fused pass's candidates need no second
-// read for them. Shared words rather than registers: the generated passes have none to spare (registers
+// caller zeroes them, `clear_span`, and ORs the warp's, `warp_span`, into its span at the
+// end): per key word j, `span_word(j)` the OR of the complemented keys, `span_word(K::N + j)`
+// the OR of the keys (candidates.cu `key_span`'s words), so that a fused pass's candidates
+// need no second read for them. Shared words rather than registers: the generated passes have none to spare (registers
 // within a flush cost Q3's program its occupancy hint, its pass 681 → 762 µs on the H100,
 // session 34); a lane's own words rather than two shared words and an atomic per key word and
 // pair, which serialised the warp's lanes at every flush (same session, same binaries: Q2's
@@ -304,14 +304,10 @@ template <class K> struct WarpBuffer {
         __syncwarp();
     }
 
-    // ORs the span words into `span` (global; every lane calls this).
-    __device__ __forceinline__ void span_to(u64 *span) const {
+    // The warp's span word w (< 2 · K::N): the OR of its lanes' (every lane calls this).
+    __device__ __forceinline__ u64 warp_span(u32 w) const {
         __syncwarp();
-#pragma unroll
-        for (u32 w = 0; w < 2 * K::N; ++w) {
-            const u64 words = LANE_SPAN ? warp_or(span_word(w)) : span_words()[w];
-            if (lane_id() == 0 && words != 0) atomicOr((unsigned long long *)&span[w], words);
-        }
+        return LANE_SPAN ? warp_or(span_word(w)) : span_words()[w];
     }
 
     __device__ __forceinline__ void flush(K *out_keys, u64 *out_ids, u64 *count, u64 cap, bool span = false) {

@@ -114,6 +114,9 @@ fn run_on_device(
     for q in planned {
         let input = whole.project(&q.projection).unwrap();
         let mut engine = TopKEngine::new(&device, q.program.key_kind).unwrap();
+        // The denser sample wherever k and the rows allow it (by default only where the
+        // candidates might not fit the packed sort's one wave: not at these sizes).
+        engine.set_refine_above(Some(0));
         let (kernel, _) = device.generated_kernel(&q.program.source, ENTRY).unwrap();
         let arrays = ResidentColumns::program_inputs(&q.program, &input).unwrap();
         let resident = ResidentColumns::upload(&mut engine, &q.program, &arrays).unwrap();

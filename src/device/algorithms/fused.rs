@@ -89,7 +89,8 @@ impl TopKEngine {
     /// runs on a strided sample of about that many rows, the sample's r-th best passing pair
     /// becomes the threshold (r chosen so that about k · (1 + 4/√(k/step)) rows of the whole
     /// input beat it; selected on the device by sample.cu's one-block threshold; for k beyond
-    /// the rank sort, refined by a denser sample of the rows below it, see `FUSED_REFINE`),
+    /// the rank sort where the candidates it leaves might not fit the packed sort's one wave,
+    /// refined by a denser sample of the rows below it, see `FUSED_REFINE`),
     /// and the full pass appends only the rows that beat it, so filtered rows and losing keys
     /// never reach device memory. For k up to the rank sort the final selection of the
     /// candidates is enqueued on their count on the device (a sampled selection), so the whole
@@ -184,15 +185,21 @@ impl TopKEngine {
                         out.ptr() + 48
                     ],
                 )?;
-                // A large k's candidates are merge-sorted whole, in rounds over all of them:
-                // a denser sample (FUSED_REFINE times the rows, below the threshold only, so
-                // ~16 r pairs) puts the threshold 4σ above k's expected rank with σ 4× smaller
-                // relative to k. k = 10^5 of 250M rows: rank 11 with a step of 30518 rows
-                // (~3.4·k rows below it), then rank 82 with a step of 1907 (~1.6·k).
+                // A large k's candidates are merge-sorted whole, in one wave of the packed
+                // sort's tiles where they fit it (its time barely grows with them there, and
+                // doubles past it). Where the rows expected to beat this threshold (r · step,
+                // 2σ above: σ = √r sample rows) might not fit, a denser sample (FUSED_REFINE
+                // times the rows, below the threshold only, so ~16 r pairs) puts the threshold
+                // 4σ above k's expected rank with σ 4× smaller relative to k. 250M rows: at
+                // k = 10^5 rank 12 with a step of 30518 rows (~3.7·k rows expected below it)
+                // fits, and the denser sample would cost ~20 µs for nothing; at k = 10^6 rank
+                // 57 (~1.7·k) does not, and it gives rank 616 with a step of 1907 (~1.2·k).
                 let dense_step = step / FUSED_REFINE;
+                let expected_rows = r as f64 * step as f64 * (1.0 + 2.0 / (r as f64).sqrt());
                 if algorithm == DeviceAlgorithm::Sample
                     && k > self.small_sort_capacity()
                     && dense_step >= 8
+                    && expected_rows > self.refine_above()? as f64
                 {
                     let expected = k as f64 / dense_step as f64;
                     let rank = (expected + 4.0 * expected.sqrt()).ceil() as usize;
@@ -350,6 +357,21 @@ impl TopKEngine {
             // Not waited for here: the result stays on the device, and its reader waits.
             self.fused_marks = marks;
             return Ok((sorted, m, report));
+        }
+    }
+
+    /// Sets the expected candidate count above which a fused selection at large k refines
+    /// its sampled threshold by the denser sample (`None`: the default, the packed sort's one
+    /// wave of tiles; `Some(0)`: wherever k is beyond the rank sort and the rows allow it, as
+    /// tests of the refinement want at sizes where it would not pay).
+    pub fn set_refine_above(&mut self, candidates: Option<usize>) {
+        self.refine_above = candidates;
+    }
+
+    fn refine_above(&self) -> GpuResult<usize> {
+        match self.refine_above {
+            Some(candidates) => Ok(candidates),
+            None => self.packed_sort_wave(),
         }
     }
 

@@ -399,10 +399,13 @@ const FUSED_WORDS: usize = FUSED_SPAN_OFFSET as usize + 16 * 4;
 const FUSED_SPAN_OFFSET: u64 = 80;
 
 /// The fused selection's denser sample ([`TopKEngine::fused_select`], for k beyond the rank
-/// sort): this many times the first sample's rows, of which only those below its threshold are
-/// kept (~16 r of them, far below what the one-block threshold holds). H100, Q2 at 250M rows:
-/// k = 10^6 1.27M candidates instead of 1.45M (1.61–1.63× the floor, was 1.67×); at k = 10^5
-/// the second sample's ~22 µs cost what the shorter sort saves.
+/// sort where the first threshold's candidates might not fit the packed sort's one wave): this
+/// many times the first sample's rows, of which only those below its threshold are kept (~16 r
+/// of them, far below what the one-block threshold holds). H100, Q2 at 250M rows, session 35:
+/// at k = 10^6 1.27M candidates where the first threshold's 4σ margin expects 1.74M (past the
+/// wave's 1.62M: its draw left 1.45M), the sample phase 39 against 16 µs; at k = 10^5 (165K
+/// candidates against 281K, both in one wave) the selection took as long either way, and the
+/// denser sample's ~20 µs went for nothing (1.18–1.21× the floor with it, 1.17 without).
 const FUSED_REFINE: usize = 16;
 const SAMPLE_SCRATCH_BYTES: usize = SAMPLE_CTL_BYTES + 4 * RANK_SORT_MAX;
 const SAMPLE_STATUS_FINAL_LARGE: u32 = 4;
@@ -726,6 +729,9 @@ pub struct TopKEngine {
     /// The last fused selection's phase events (phase, event at its end; the first marks its
     /// start), read by [`TopKEngine::fused_phases_ms`].
     fused_marks: Vec<(usize, cudarc::driver::CudaEvent)>,
+    /// Expected candidates above which a fused selection refines its threshold by the denser
+    /// sample; `None`: the packed sort's one wave ([`TopKEngine::set_refine_above`]).
+    refine_above: Option<usize>,
 }
 
 impl std::fmt::Debug for TopKEngine {
@@ -755,6 +761,7 @@ impl TopKEngine {
             staging: None,
             readback: None,
             fused_marks: Vec::new(),
+            refine_above: None,
         };
         engine.memset_zero(engine.scalars.ptr(), SCALAR_BYTES)?;
         Ok(engine)

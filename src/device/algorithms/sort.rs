@@ -246,16 +246,7 @@ impl TopKEngine {
         let tile = merge_sort_tile(kind.unwrap_or(KeyKind::K64));
         let tiles = cap.div_ceil(tile);
         let rounds = tiles.next_power_of_two().trailing_zeros();
-        // The tile's shared memory: keys then row ids, each with a spare slot per 128 bytes.
-        let key_bytes = kind.map_or(8, KeyKind::key_bytes);
-        let padded = |n: usize, size: usize| n + n / (128 / size);
-        let keys_shared = (padded(tile, key_bytes) * key_bytes).next_multiple_of(16);
-        let shared = keys_shared
-            + if kind.is_some() {
-                padded(tile, 8) * 8
-            } else {
-                0
-            };
+        let shared = merge_tile_shared(kind);
         // A buffer as kernel arguments: keys, then row ids unless keys only.
         let buffer = |b: [u64; 2]| -> Vec<Arg> {
             match kind {
@@ -292,6 +283,28 @@ impl TopKEngine {
             self.launch(name, grid as u32, MSORT_THREADS, shared, &args)?;
         }
         Ok(())
+    }
+
+    /// The most pairs the packed merge sort takes in one wave: the tiles whose blocks are
+    /// resident on the device at once in its tile sort and its rounds (the fewer of the two).
+    /// Past it both take a second wave: H100, Q2 at k = 10^6 (session 35), the selection took
+    /// 0.171 ms for 1.60M candidates (783 tiles of 2048 words; 792 resident, 6 a SM by the tile
+    /// sort's registers) and 0.297 ms for 1.75M (856 tiles).
+    pub(super) fn packed_sort_wave(&self) -> GpuResult<usize> {
+        let shared = merge_tile_shared(None);
+        let mut per_sm = u32::MAX;
+        for name in [
+            self.kernel("msort_tiles_packed"),
+            "msort_merge_words".to_string(),
+        ] {
+            let blocks = self
+                .kernels
+                .get(&name)?
+                .occupancy_max_active_blocks_per_multiprocessor(MSORT_THREADS, shared, None)
+                .map_err(|e| GpuError(format!("occupancy of {name}: {e}")))?;
+            per_sm = per_sm.min(blocks.max(1));
+        }
+        Ok(per_sm as usize * self.device.sm_count * merge_sort_tile(KeyKind::K64))
     }
 
     /// LSD radix sort of pairs `[0, m)` (radix_sort.cu): one histogram kernel, then per digit
@@ -455,6 +468,21 @@ impl TopKEngine {
         }
         Ok(buf)
     }
+}
+
+/// The merge sort's dynamic shared memory a block (its tile): keys then row ids, each with a
+/// spare slot per 128 bytes; `None`: packed words, keys only.
+fn merge_tile_shared(kind: Option<KeyKind>) -> usize {
+    let tile = merge_sort_tile(kind.unwrap_or(KeyKind::K64));
+    let key_bytes = kind.map_or(8, KeyKind::key_bytes);
+    let padded = |n: usize, size: usize| n + n / (128 / size);
+    let keys_shared = (padded(tile, key_bytes) * key_bytes).next_multiple_of(16);
+    keys_shared
+        + if kind.is_some() {
+            padded(tile, 8) * 8
+        } else {
+            0
+        }
 }
 
 /// What the merge sort's rounds merge: (key, row id) pairs of a key type, or 64-bit words keys
