@@ -35,6 +35,20 @@ for mode in "$@"; do
             done
         done
         ;;
+    early)
+        # Call 6: the packed tile sort enqueued before the read-back (fused) against 6669bf7's
+        # binary (fused-head: the tile sort after it), Q2 at k = 10^5 and 10^6, alternating.
+        for i in 1 2; do
+            for v in head early; do
+                bin=.b/fused
+                [ $v = head ] && bin=.b/fused-head
+                timeout 120 $bin --rows 250000000 --only "Q2 k=100000" --runs 5 --device-only \
+                    --csv "$OUT/early-$v-$i.csv" > "$OUT/early-$v-$i.log" 2>&1
+                echo "== $v-$i rc $?"
+                grep -E '^Q[0-9]' "$OUT/early-$v-$i.log"
+            done
+        done
+        ;;
     sweep)
         timeout 300 .b/fused --rows 250000000 --runs 5 --device-only --csv "$OUT/sweep.csv" > "$OUT/sweep.log" 2>&1
         echo "sweep rc $?"

@@ -371,3 +371,32 @@ async fn a_missed_refined_threshold_reruns_the_pass_and_stays_exact() {
         assert_eq!(reports[0].reruns, 1, "the miss reruns the full pass once");
     }
 }
+
+#[tokio::test]
+async fn a_sampled_large_k_whose_key_bits_do_not_fit_a_word_sorts_its_pairs() {
+    // k between the rank sort and a quarter of the rows: the sampled threshold and its denser
+    // sample run, and the candidates are sorted whole. Doubles that vary in every mantissa
+    // bit and 21 bits of row id do not fit one word (`packed_field`): they are merge-sorted as
+    // pairs, exactly.
+    let rows = 1usize << 21;
+    let k = 50_000;
+    assert!(k > RANK_SORT_MAX && k < rows / 4 && rows >= 128 * FUSED_SAMPLE_ROWS);
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("wide", DataType::Float64, false),
+    ]));
+    let columns: Vec<ArrayRef> = vec![
+        Arc::new(Int64Array::from_iter_values((0..rows).map(|r| r as i64))),
+        Arc::new(Float64Array::from_iter_values((0..rows).map(|r| {
+            let h = (r as u64 % 40_000).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            (h >> 11) as f64 / (1u64 << 53) as f64 - 0.5
+        }))),
+    ];
+    let (whole, ids, planned) = plan_descending(&schema, columns, &["wide"], k).await;
+    if let Some(reports) = run_on_device(&whole, &ids, &planned) {
+        let report = &reports[0];
+        assert!(report.refined > report.sampled, "{report:?}");
+        assert!(report.candidates >= k, "{report:?}");
+        assert_eq!((report.reruns, report.packed_bits), (0, 0), "{report:?}");
+    }
+}
