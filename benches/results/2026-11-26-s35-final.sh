@@ -49,6 +49,23 @@ for mode in "$@"; do
             done
         done
         ;;
+    coarse)
+        # Call 8: the first sample 8× coarser before the denser one (fused) against 6669bf7's
+        # binary (fused-head), Q2 at k = 10^5 and 10^6, alternating; then the resident tests.
+        for i in 1 2; do
+            for v in head coarse; do
+                bin=.b/fused
+                [ $v = head ] && bin=.b/fused-head
+                timeout 120 $bin --rows 250000000 --only "Q2 k=100000" --runs 5 --device-only \
+                    --csv "$OUT/coarse-$v-$i.csv" > "$OUT/coarse-$v-$i.log" 2>&1
+                echo "== $v-$i rc $?"
+                grep -E '^Q[0-9]' "$OUT/coarse-$v-$i.log"
+            done
+        done
+        GPU_TOPK_TEST_BACKEND=cuda timeout 200 .b/all resident packed_merge_sort > "$OUT/coarse-tests.log" 2>&1
+        echo "resident tests (rc $?): $(grep -h 'test result' "$OUT/coarse-tests.log" | tail -n 1)"
+        grep -h "FAILED\|panicked" "$OUT/coarse-tests.log" | head -5
+        ;;
     sweep)
         timeout 300 .b/fused --rows 250000000 --runs 5 --device-only --csv "$OUT/sweep.csv" > "$OUT/sweep.log" 2>&1
         echo "sweep rc $?"
