@@ -272,9 +272,9 @@ __device__ __forceinline__ u64 warp_append(bool want, u64 *counter) {
 // caller zeroes them, `clear_span`, and ORs the warp's, `warp_span`, into its span at the
 // end): per key word j, `span_word(j)` the OR of the complemented keys, `span_word(K::N + j)`
 // the OR of the keys (candidates.cu `key_span`'s words), so that a fused pass's candidates
-// need no second read for them. Shared words rather than registers: the generated passes have none to spare (registers
-// within a flush cost Q3's program its occupancy hint, its pass 681 → 762 µs on the H100,
-// session 34); a lane's own words rather than two shared words and an atomic per key word and
+// need no second read for them. Shared words rather than registers: the generated passes
+// have none to spare (registers within a flush cost Q3's program its occupancy hint, its pass
+// 681 → 762 µs on the H100, session 34); a lane's own words rather than two shared words and an atomic per key word and
 // pair, which serialised the warp's lanes at every flush (same session, same binaries: Q2's
 // pass at k = 10^6 684–689 → 676–681 µs on the H100 and 670–671 → 633–635 on an H200, where
 // Q3's program, with the registers the atomics held, now keeps its pipelined variant: its pass
