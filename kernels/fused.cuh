@@ -20,6 +20,20 @@
 
 #include "common.cuh"
 
+// ---- the sample's rows -----------------------------------------------------------------------
+
+// A sample of one row in `step` takes clusters of SAMPLE_CLUSTER consecutive rows, one cluster
+// every SAMPLE_CLUSTER · step rows: a warp's lanes then read a few whole sectors of each column
+// where rows `step` apart cost a sector (and a DRAM page) each. Row sample_row(j) ≤ j · step,
+// so every position j < ⌈rows / step⌉ is a row. The generated source defines SAMPLE_CLUSTER
+// (src/device `FUSED_SAMPLE_CLUSTER`, H100 figures there).
+#ifndef SAMPLE_CLUSTER
+#define SAMPLE_CLUSTER 32
+#endif
+__device__ __forceinline__ u64 sample_row(u64 j, u64 step) {
+    return (j / SAMPLE_CLUSTER) * (SAMPLE_CLUSTER * step) + j % SAMPLE_CLUSTER;
+}
+
 // ---- float arithmetic ------------------------------------------------------------------------
 
 __device__ __forceinline__ float quiet_f32(float a) { return __uint_as_float(__float_as_uint(a) | 0x00400000u); }

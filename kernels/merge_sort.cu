@@ -7,7 +7,8 @@
 // order): 7–12 passes of a latency-bound ~9–45 µs each on the H100. A merge sort compares whole
 // pairs, so its round count depends on the pair count only (log2 of the tiles), never on the key
 // width or the row ids, and a top-k needs only the first k of every merged run:
-//   msort_tiles   block b sorts tile b (MSORT_THREADS × MergeItems pairs) in shared memory: each
+//   msort_tiles   block b sorts tiles b, b + grid, … (MSORT_THREADS × MergeItems pairs each;
+//                 one a block unless enqueued before the count was known) in shared memory: each
 //                 thread sorts its items in registers, then log2(MSORT_THREADS) rounds merge
 //                 runs pairwise, each thread producing its items of the merged run after a merge
 //                 path search (the split of its output diagonal between the two runs);
@@ -22,9 +23,14 @@
 // row ids: every id reads as 0), half the bytes of 64-bit keys' pairs (H100, 1.27M of Q2's
 // candidates, ncu: the packing tile sort 41 µs and rounds ~14 µs against 50 and ~20 for the pairs,
 // session 26); the last round, `msort_merge_unpack`, stores them unpacked into (key, row id)
-// pairs. Words compare without branches (`item_less`, and `merge_items` loads both runs' next
-// word every step): the pairs' branchy steps diverge within a warp and serialise both sides'
-// loads (Q2 k = 10^6 of 250M rows, H100, session 28: its selection 0.171–0.176 → 0.151–0.155 ms).
+// pairs. A fused selection enqueues `msort_tiles_packed` right after its pass, with the field read
+// from the span words on the device (`device_packed_field`) and the count from the device, while
+// the host reads both back on a second stream and then enqueues the rounds (H100, Q2 k = 10^6 of
+// 250M rows, session 36: its selection 146–152 → 134 µs; behind the read-back on the same stream,
+// session 35, it had gained nothing). Words compare without branches (`item_less`, and
+// `merge_items` loads both runs' next word every step): the pairs' branchy steps diverge within a
+// warp and serialise both sides' loads (Q2 k = 10^6 of 250M rows, H100, session 28: its selection
+// 0.171–0.176 → 0.151–0.155 ms).
 // A sample sort of the words (a sorted 16K sample's splitters, a scatter into 1024 buckets,
 // a block's sort per bucket) took 0.187–0.243 ms there: a block's shared-memory sort of a
 // bucket takes as long as a tile's, and the scatter's global reservations took 74 µs
@@ -51,6 +57,8 @@
 
 #define MSORT_THREADS 256
 #define MSORT_FINAL_LARGE 4u
+// `width` argument of the packed tile sort: read the field from the span words on the device.
+#define FIELD_FROM_SPAN 0xffffffffu
 
 // Pairs per thread: the tile is MSORT_THREADS × this (2048 for keys of up to 64 bits).
 template <class K> struct MergeItems {
@@ -329,6 +337,27 @@ template <class K> struct UnpackWords {
     }
 };
 
+// The packed field (lo, width) from candidates.cu `key_span`'s words, as the host's
+// `packed_field` (src/device/algorithms/fused.rs) reads them: bits lo up to the highest that
+// varies among the keys. False when it and `id_bits` bits of row id do not fit one word.
+template <class K> __device__ __forceinline__ bool device_packed_field(const u64 *span, u32 id_bits, u32 &lo,
+                                                                       u32 &width) {
+    constexpr int W = 8 * sizeof(typename K::Word);
+    const u64 mask = W == 64 ? ~0ull : (1ull << W) - 1ull;
+    int first = -1, hi = 0;
+#pragma unroll
+    for (int j = 0; j < K::N; ++j) {
+        const u64 varies = (__ldcg(&span[K::N + j]) ^ ~__ldcg(&span[j])) & mask;
+        if (varies != 0) {
+            if (first < 0) first = j * W + __ffsll((long long)varies) - 1;
+            hi = j * W + 64 - __clzll((long long)varies);
+        }
+    }
+    lo = first < 0 ? 0u : (u32)first;
+    width = hi > (int)lo ? (u32)hi - lo : 0u;
+    return width + id_bits <= 64;
+}
+
 // Pair g of a tile sort's input: (key, row id) from arrays (row ids null: positions)…
 template <class K> struct LoadPairs {
     const K *keys;
@@ -363,32 +392,38 @@ __device__ void msort_tiles(Load load, u64 m_host, const u64 *m_dev, u64 cap, K 
         if (status && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, MSORT_FINAL_LARGE);
         return;
     }
-    const u64 base = (u64)blockIdx.x * TILE;
-    if (base >= m) return;
-    const u32 valid = (u32)min(m - base, (u64)TILE);
     const Run<K, true, KO> s = tile_smem<K, KO>(TILE);
-    // Coalesced loads into shared memory, then each thread takes V consecutive pairs.
-    fill_tile<K, V>(s, valid, TILE, [&](u32 t, K &k, u64 &id) { load(base + t, k, id); });
-    __syncthreads();
-    K key[V];
-    u64 id[V];
+    // Block b sorts tiles b, b + grid, …: one each where the host planned the grid for m, and
+    // where it was planned before m was known, a grid of one wave at most (a grid for the
+    // buffer's capacity, most of its blocks returning at once, took the tile sort 41 → 46 µs,
+    // H100, session 27).
+    for (u64 base = (u64)blockIdx.x * TILE; base < m; base += (u64)gridDim.x * TILE) {
+        const u32 valid = (u32)min(m - base, (u64)TILE);
+        // Coalesced loads into shared memory, then each thread takes V consecutive pairs.
+        fill_tile<K, V>(s, valid, TILE, [&](u32 t, K &k, u64 &id) { load(base + t, k, id); });
+        __syncthreads();
+        K key[V];
+        u64 id[V];
 #pragma unroll
-    for (int e = 0; e < V; ++e) {
-        key[e] = s.key(threadIdx.x * V + e);
-        id[e] = s.id(threadIdx.x * V + e);
+        for (int e = 0; e < V; ++e) {
+            key[e] = s.key(threadIdx.x * V + e);
+            id[e] = s.id(threadIdx.x * V + e);
+        }
+        sort_items<K, V, KO>(key, id);
+        // Rounds of pairwise merges of runs of `run` pairs in shared memory.
+        for (u32 run = V; run < TILE; run <<= 1) {
+            __syncthreads();
+            put_items<K, V, KO>(s, key, id);
+            __syncthreads();
+            const u32 pos = threadIdx.x * V, d = pos & (2 * run - 1), first = pos - d;
+            const Run<K, true, KO> a{s.keys, s.ids, first}, b{s.keys, s.ids, first + run};
+            const u32 i = merge_path(a, run, b, run, d);
+            merge_items<K, V>(a, run, b, run, i, d - i, V, key, id);
+        }
+        store_tile_out<K, V, KO>(s, key, id, valid,
+                                 Run<K, false, KO>{out_keys + base, KO ? nullptr : out_ids + base, 0u});
+        __syncthreads(); // the next tile's loads overwrite the shared tile
     }
-    sort_items<K, V, KO>(key, id);
-    // Rounds of pairwise merges of runs of `run` pairs in shared memory.
-    for (u32 run = V; run < TILE; run <<= 1) {
-        __syncthreads();
-        put_items<K, V, KO>(s, key, id);
-        __syncthreads();
-        const u32 pos = threadIdx.x * V, d = pos & (2 * run - 1), first = pos - d;
-        const Run<K, true, KO> a{s.keys, s.ids, first}, b{s.keys, s.ids, first + run};
-        const u32 i = merge_path(a, run, b, run, d);
-        merge_items<K, V>(a, run, b, run, i, d - i, V, key, id);
-    }
-    store_tile_out<K, V, KO>(s, key, id, valid, Run<K, false, KO>{out_keys + base, KO ? nullptr : out_ids + base, 0u});
 }
 
 template <class K, bool KO, class Final = KeepWords>
@@ -468,8 +503,11 @@ __device__ void msort_merge(const K *in_keys, const u64 *in_ids, u64 m_host, con
         msort_merge<K, false>(in_keys, in_ids, m_host, m_dev, cap, k, span, out_keys, out_ids, status);           \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(MSORT_THREADS)                                                   \
-        msort_tiles_packed_##S(const K *keys, const u64 *ids, u32 lo, u32 width, u32 id_bits, u64 m_host,         \
-                               const u64 *m_dev, u64 cap, K64 *out_words, u32 *status) { grid_dependency_wait();  \
+        msort_tiles_packed_##S(const K *keys, const u64 *ids, const u64 *span_words, u32 lo, u32 width,          \
+                               u32 id_bits, u64 m_host, const u64 *m_dev, u64 cap, K64 *out_words, u32 *status) { \
+        grid_dependency_wait();                                                                                   \
+        /* FIELD_FROM_SPAN: enqueued before the host read the span; nothing where it does not fit. */             \
+        if (width == FIELD_FROM_SPAN && !device_packed_field<K>(span_words, id_bits, lo, width)) return;          \
         msort_tiles<K64, true>(LoadPacked<K>{keys, ids, lo, width, id_bits}, m_host, m_dev, cap, out_words,      \
                                nullptr, status);                                                                  \
     }                                                                                                             \

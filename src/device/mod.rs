@@ -30,7 +30,8 @@ use cudarc::driver::{CudaContext, CudaStream, DriverError};
 pub const PDL_ENV: &str = "GPU_TOPK_PDL";
 
 pub use algorithms::{
-    DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_ROWS, FusedReport, KeyKind, SortedPairs, TopKEngine,
+    DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_CLUSTER, FUSED_SAMPLE_ROWS, FusedReport, KeyKind,
+    SortedPairs, TopKEngine,
 };
 pub use kernels::{GeneratedKernel, Kernels};
 pub use memory::{BufferPool, PinnedBuffer, PinnedLease, PinnedPool, PooledBuffer};

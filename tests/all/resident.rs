@@ -15,7 +15,8 @@ use datafusion::prelude::SessionContext;
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
 use datafusion_gpu_topk::device::algorithms::RANK_SORT_MAX;
 use datafusion_gpu_topk::device::{
-    DeviceAlgorithm, FUSED_SAMPLE_ROWS, FusedReport, KeyKind, TopKEngine, gpu_status,
+    DeviceAlgorithm, FUSED_SAMPLE_CLUSTER, FUSED_SAMPLE_ROWS, FusedReport, KeyKind, TopKEngine,
+    gpu_status,
 };
 use datafusion_gpu_topk::exec::TopKSpec;
 use datafusion_gpu_topk::fusion::{ENTRY, FusedProgram, Part};
@@ -305,12 +306,20 @@ async fn a_large_k_without_a_sampled_threshold_sorts_every_row_exactly() {
     }
 }
 
+/// Whether a fused selection's sample of one row in `step` takes row r (fused.cuh
+/// `sample_row`: the first FUSED_SAMPLE_CLUSTER rows of every `step` · FUSED_SAMPLE_CLUSTER).
+fn sampled_at(r: usize, step: usize) -> bool {
+    r % (step * FUSED_SAMPLE_CLUSTER) < FUSED_SAMPLE_CLUSTER
+}
+
 #[tokio::test]
 async fn a_missed_sampled_threshold_reruns_the_pass_and_stays_exact() {
-    // 16 rows per sampled row: the sample sees only rows i ≡ 0 (mod 16); the other rows
-    // outnumber the smallest candidate buffer (2^16 pairs).
+    // 16 rows per sampled row: the sample sees only the first FUSED_SAMPLE_CLUSTER rows of
+    // every 16 · FUSED_SAMPLE_CLUSTER; the other rows outnumber the smallest candidate buffer
+    // (2^16 pairs).
     const STEP: usize = 16;
     let rows = STEP * FUSED_SAMPLE_ROWS;
+    let sampled = |r: usize| sampled_at(r, STEP);
     let schema = Arc::new(Schema::new(vec![
         Field::new("id", DataType::Int64, false),
         Field::new("best_sampled", DataType::Int64, false),
@@ -321,7 +330,7 @@ async fn a_missed_sampled_threshold_reruns_the_pass_and_stays_exact() {
         Arc::new(Int64Array::from_iter_values((0..rows).map(i))),
         // The sampled rows beat every other row: the sample's threshold admits too few.
         Arc::new(Int64Array::from_iter_values((0..rows).map(|r| {
-            if r % STEP == 0 {
+            if sampled(r) {
                 1_000_000 + i(r)
             } else {
                 i(r) % 1000
@@ -329,7 +338,7 @@ async fn a_missed_sampled_threshold_reruns_the_pass_and_stays_exact() {
         }))),
         // The sampled rows lose to every other row: it admits more than the buffer holds.
         Arc::new(Int64Array::from_iter_values(
-            (0..rows).map(|r| if r % STEP == 0 { -i(r) } else { i(r) % 5000 }),
+            (0..rows).map(|r| if sampled(r) { -i(r) } else { i(r) % 5000 }),
         )),
     ];
     let (whole, ids, planned) =
@@ -359,7 +368,7 @@ async fn a_missed_refined_threshold_reruns_the_pass_and_stays_exact() {
     let columns: Vec<ArrayRef> = vec![
         Arc::new(Int64Array::from_iter_values((0..rows).map(i))),
         Arc::new(Int64Array::from_iter_values((0..rows).map(|r| {
-            if r % DENSE == 0 && r % STEP != 0 && r < 30_000 {
+            if sampled_at(r, DENSE) && !sampled_at(r, STEP) && r < 30_000 {
                 1_000_000 + i(r)
             } else {
                 i(r) % 100_000

@@ -97,7 +97,9 @@ impl TopKEngine {
     /// chain runs with one read-back at its end; beyond, the read-back brings the count and
     /// the key bits that vary among the candidates (ORed by the pass as it appends them), and
     /// the candidates are sorted whole, packed into 64-bit words where those bits and the row id
-    /// fit one (`merge_sort_packed`).
+    /// fit one (`merge_sort_packed`); the packed tile sort is enqueued before that read-back,
+    /// finding the count and the bits on the device, and the read-back goes on the engine's
+    /// side stream, so that the host's round trip hides behind the tile sort.
     /// The estimate is checked, not trusted: fewer than k appended rows while more passed, or
     /// more than the buffer holds, reruns the full pass (without the threshold, or with room
     /// for all) — exact either way. With 0 (the unfused baseline), the pass appends every
@@ -143,10 +145,46 @@ impl TopKEngine {
         };
         let mut capacity = rows.max(1);
         if sample_rows > 0 && k > 0 && step >= 8 {
+            // Sample rank of the threshold at a step: k's expected rank in the sample plus 4σ.
+            let rank_at = |step: usize| {
+                let expected = k as f64 / step as f64;
+                (expected + 4.0 * expected.sqrt()).ceil() as usize + 1
+            };
+            // A large k's candidates are merge-sorted whole, in one wave of the packed sort's
+            // tiles where they fit it (its time barely grows with them there, and doubles past
+            // it). Where the rows expected to beat the sample's threshold (r · step, 2σ above:
+            // σ = √r sample rows) might not fit, a denser sample (FUSED_REFINE times the rows,
+            // below the threshold only) puts the threshold 4σ above k's expected rank with σ 4×
+            // smaller relative to k. 250M rows: at k = 10^5 rank 12 with a step of 30518 rows
+            // (~3.7·k rows expected below it) fits, and the denser sample would cost ~20 µs for
+            // nothing; at k = 10^6 rank 57 (~1.7·k) does not, and the denser sample gives rank
+            // 616 with a step of 1907 (~1.2·k).
+            let r = rank_at(step);
+            let dense_step = step / FUSED_REFINE;
+            let expected_rows = r as f64 * step as f64 * (1.0 + 2.0 / (r as f64).sqrt());
+            let refine = algorithm == DeviceAlgorithm::Sample
+                && k > self.small_sort_capacity()
+                && dense_step >= 8
+                && expected_rows > self.refine_above()? as f64;
+            // Before a denser sample the first one only bounds it: up to 8× coarser (a cheaper
+            // one-block select), as long as the denser sample expects at most a quarter of its
+            // buffer below its threshold (k = 10^6 of 250M rows: 1024 rows, rank 14, ~1800 of
+            // the denser sample's rows; H100, session 36, with the clustered sample: the
+            // sample phase 30 → 23–24 µs).
+            let step = if refine {
+                (0..=3)
+                    .rev()
+                    .map(|j| step << j)
+                    .find(|&s| {
+                        rank_at(s) * (s / dense_step) <= sample_size(self.kind) / 4
+                            && rank_at(s) < rows.div_ceil(s) / 2
+                    })
+                    .unwrap_or(step)
+            } else {
+                step
+            };
+            let r = rank_at(step);
             let sampled = rows.div_ceil(step);
-            // Sample rank of the threshold: k's expected rank in the sample plus 4σ.
-            let expected = k as f64 / step as f64;
-            let r = (expected + 4.0 * expected.sqrt()).ceil() as usize + 1;
             if r < sampled / 2 {
                 let sample = self.alloc_pairs(sampled)?;
                 self.fused_pass(
@@ -185,22 +223,7 @@ impl TopKEngine {
                         out.ptr() + 48
                     ],
                 )?;
-                // A large k's candidates are merge-sorted whole, in one wave of the packed
-                // sort's tiles where they fit it (its time barely grows with them there, and
-                // doubles past it). Where the rows expected to beat this threshold (r · step,
-                // 2σ above: σ = √r sample rows) might not fit, a denser sample (FUSED_REFINE
-                // times the rows, below the threshold only, so ~16 r pairs) puts the threshold
-                // 4σ above k's expected rank with σ 4× smaller relative to k. 250M rows: at
-                // k = 10^5 rank 12 with a step of 30518 rows (~3.7·k rows expected below it)
-                // fits, and the denser sample would cost ~20 µs for nothing; at k = 10^6 rank
-                // 57 (~1.7·k) does not, and it gives rank 616 with a step of 1907 (~1.2·k).
-                let dense_step = step / FUSED_REFINE;
-                let expected_rows = r as f64 * step as f64 * (1.0 + 2.0 / (r as f64).sqrt());
-                if algorithm == DeviceAlgorithm::Sample
-                    && k > self.small_sort_capacity()
-                    && dense_step >= 8
-                    && expected_rows > self.refine_above()? as f64
-                {
+                if refine {
                     let expected = k as f64 / dense_step as f64;
                     let rank = (expected + 4.0 * expected.sqrt()).ceil() as usize;
                     let dense = self.alloc_pairs(sample_size(self.kind))?;
@@ -236,8 +259,16 @@ impl TopKEngine {
                 }
                 marks.push((1, event(self)?));
                 // About r · step rows beat it (fewer pass, when fewer than r sample rows
-                // did, or after the denser sample); the buffer holds twice that.
-                capacity = (2 * r * step).max(1 << 16).min(capacity);
+                // did), or rank · dense_step after the denser sample; the buffer holds twice
+                // that (a refinement that kept the coarser threshold overflows it: the pass
+                // reruns with room for all).
+                let expected = if refine {
+                    let e = k as f64 / dense_step as f64;
+                    (e + 4.0 * e.sqrt()).ceil() as usize * dense_step
+                } else {
+                    r * step
+                };
+                capacity = (2 * expected).max(1 << 16).min(capacity);
             }
         }
         let mut candidates = self.alloc_pairs(capacity)?;
@@ -267,6 +298,20 @@ impl TopKEngine {
                 if large { span_at } else { 0 },
             )?;
             marks.push((2, event(self)?));
+            // A large k's packed tile sort runs while the host reads the count and the key span
+            // back on the side stream (the tile sort finds both on the device); the host then
+            // enqueues its rounds behind it.
+            let id_bits = 64 - (rows as u64).saturating_sub(1).leading_zeros();
+            let early_tiles = if large {
+                Some(self.packed_tiles_on_device(
+                    &candidates,
+                    (count_at, candidates.capacity()),
+                    span_at,
+                    id_bits,
+                )?)
+            } else {
+                None
+            };
             // A sampled selection of few enough pairs is enqueued on the device's count before
             // the host knows it; its control block then brings the pass's words back with its
             // own, in one read-back.
@@ -293,7 +338,12 @@ impl TopKEngine {
                     } else {
                         24
                     };
-                    let b = self.read_bytes(out.ptr(), len)?;
+                    let b = if early_tiles.is_some() {
+                        let after = &marks.last().expect("the pass's mark").1;
+                        self.read_bytes_after(after, out.ptr(), len)?
+                    } else {
+                        self.read_bytes(out.ptr(), len)?
+                    };
                     let (passed, error, count) = parse(&b);
                     (passed, error, count, Some(b))
                 }
@@ -331,8 +381,12 @@ impl TopKEngine {
                     match packed_sort_field(self.kind, span, rows as u64, count) {
                         Some(field @ (_, width, id_bits)) => {
                             report.packed_bits = width + id_bits;
-                            let sorted =
-                                self.merge_sort_packed(&candidates, count, k, field, span_at)?;
+                            let sorted = match &early_tiles {
+                                Some(bufs) => self.packed_rounds(bufs, count, k, field, span_at)?,
+                                None => {
+                                    self.merge_sort_packed(&candidates, count, k, field, span_at)?
+                                }
+                            };
                             Some((sorted, m))
                         }
                         None => {

@@ -139,7 +139,7 @@ impl TopKEngine {
         let ids = if input.positional { 0 } else { input.id_at(0) };
         self.merge_launches(
             MergeRounds::Pairs(self.kind),
-            (&self.kernel("msort_tiles"), args![input.key_at(0), ids]),
+            Some((&self.kernel("msort_tiles"), args![input.key_at(0), ids])),
             (m, count, cap, k, status),
             bufs.map(|b| [b.key_at(0), b.id_at(0)]),
         )?;
@@ -209,19 +209,108 @@ impl TopKEngine {
                 "the packed merge sort takes more than a tile ({tile} pairs), not {m}"
             )));
         }
-        let out = self.alloc_pairs(m.min(k))?;
-        let bufs = [
-            self.device.pool.alloc(8 * m, &self.stream)?,
-            self.device.pool.alloc(8 * m, &self.stream)?,
-        ];
-        let [a, b] = [bufs[0].ptr(), bufs[1].ptr()];
+        let bufs = self.packed_buffers(m)?;
         let tiles = self.kernel("msort_tiles_packed");
-        let input = args![input.key_at(0), input.id_at(0), lo, width, id_bits];
+        let input = args![input.key_at(0), input.id_at(0), span, lo, width, id_bits];
+        self.packed_launches(
+            &bufs,
+            Some((&tiles, input)),
+            m,
+            k,
+            (lo, width, id_bits),
+            span,
+        )
+    }
+
+    /// [`merge_sort_packed`](Self::merge_sort_packed)'s tile sort enqueued before the host knows
+    /// the pair count or the field, so that it runs while the host reads them back: m from `count`
+    /// on the device (nothing when above `cap`), the field from the `span` words (merge_sort.cu
+    /// `device_packed_field`, the host's [`packed_field`]; nothing where it does not fit a word
+    /// beside `id_bits` bits of row id), its grid of one wave at most (m ≤ `cap`; each block sorts
+    /// every grid-th tile). Returns the two word buffers, the tiles sorted into the first, for
+    /// [`packed_rounds`](Self::packed_rounds) once the host has m and the field.
+    pub(super) fn packed_tiles_on_device(
+        &self,
+        input: &DevicePairs,
+        (count, cap): (u64, usize),
+        span: u64,
+        id_bits: u32,
+    ) -> GpuResult<[PooledBuffer; 2]> {
+        let bufs = self.packed_buffers(cap)?;
+        let field_from_span = u32::MAX; // merge_sort.cu FIELD_FROM_SPAN
+        let mut args = args![
+            input.key_at(0),
+            input.id_at(0),
+            span,
+            0u32,
+            field_from_span,
+            id_bits
+        ]
+        .to_vec();
+        args.extend_from_slice(args![0usize, count, cap, bufs[0].ptr(), 0u64]);
+        // At most one wave of blocks, each sorting every grid-th tile below m.
+        let tile = merge_sort_tile(KeyKind::K64);
+        let blocks = cap
+            .div_ceil(tile)
+            .min(self.packed_sort_wave()? / tile)
+            .max(1);
+        let shared = merge_tile_shared(None);
+        self.launch(
+            &self.kernel("msort_tiles_packed"),
+            blocks as u32,
+            MSORT_THREADS,
+            shared,
+            &args,
+        )?;
+        Ok(bufs)
+    }
+
+    /// The rounds of a packed merge sort whose tiles [`packed_tiles_on_device`]
+    /// (Self::packed_tiles_on_device) sorted: m pairs (> a tile), the field as the host read it
+    /// from the same span words (the device found the same).
+    pub(super) fn packed_rounds(
+        &self,
+        bufs: &[PooledBuffer; 2],
+        m: usize,
+        k: usize,
+        field: (u32, u32, u32),
+        span: u64,
+    ) -> GpuResult<DevicePairs> {
+        let tile = merge_sort_tile(KeyKind::K64);
+        if m <= tile {
+            return Err(GpuError(format!(
+                "the packed merge sort's rounds take more than a tile ({tile} pairs), not {m}"
+            )));
+        }
+        self.packed_launches(bufs, None, m, k, field, span)
+    }
+
+    /// Two word buffers of the packed merge sort for m pairs.
+    fn packed_buffers(&self, m: usize) -> GpuResult<[PooledBuffer; 2]> {
+        Ok([
+            self.device.pool.alloc(8 * m, &self.stream)?,
+            self.device.pool.alloc(8 * m, &self.stream)?,
+        ])
+    }
+
+    /// The packed merge sort's launches into `bufs`: its tile sort (unless already enqueued)
+    /// and its rounds, the last one unpacking into the returned pairs.
+    fn packed_launches(
+        &self,
+        bufs: &[PooledBuffer; 2],
+        tiles: Option<(&str, &[Arg])>,
+        m: usize,
+        k: usize,
+        (lo, width, id_bits): (u32, u32, u32),
+        span: u64,
+    ) -> GpuResult<DevicePairs> {
+        let out = self.alloc_pairs(m.min(k))?;
+        let [a, b] = [bufs[0].ptr(), bufs[1].ptr()];
         let unpack = self.kernel("msort_merge_unpack");
         let last = args![span, lo, width, id_bits, out.key_at(0), out.id_at(0)];
         self.merge_launches(
             MergeRounds::Words(&unpack, last),
-            (&tiles, input),
+            tiles,
             (m, 0, m, k, 0),
             [[a, 0], [b, 0]],
         )?;
@@ -229,13 +318,13 @@ impl TopKEngine {
     }
 
     /// The merge sort's launches: the tile sort `tiles` (its kernel and its input's
-    /// arguments) into `bufs[0]`, then the rounds alternating between the two buffers (keys,
-    /// row ids): [`MergeRounds`]. `counts`: (m, device count or 0, cap, k, status), as
-    /// [`merge_sort`](Self::merge_sort) takes them.
+    /// arguments; `None`: already enqueued) into `bufs[0]`, then the rounds alternating
+    /// between the two buffers (keys, row ids): [`MergeRounds`]. `counts`: (m, device count or
+    /// 0, cap, k, status), as [`merge_sort`](Self::merge_sort) takes them.
     fn merge_launches(
         &self,
         rounds_kernel: MergeRounds,
-        (tiles_kernel, input): (&str, &[Arg]),
+        tiles_launch: Option<(&str, &[Arg])>,
         (m, count, cap, k, status): (usize, u64, usize, usize, u64),
         bufs: [[u64; 2]; 2],
     ) -> GpuResult<()> {
@@ -258,11 +347,13 @@ impl TopKEngine {
             Some(kind) => format!("msort_merge_{}", kind.suffix()),
             None => "msort_merge_words".to_string(),
         };
-        let mut args = input.to_vec();
-        args.extend_from_slice(args![m, count, cap]);
-        args.extend(buffer(bufs[0]));
-        args.push(Arg::from(status));
-        self.launch(tiles_kernel, tiles as u32, MSORT_THREADS, shared, &args)?;
+        if let Some((tiles_kernel, input)) = tiles_launch {
+            let mut args = input.to_vec();
+            args.extend_from_slice(args![m, count, cap]);
+            args.extend(buffer(bufs[0]));
+            args.push(Arg::from(status));
+            self.launch(tiles_kernel, tiles as u32, MSORT_THREADS, shared, &args)?;
+        }
         let keep = k.max(tile);
         for r in 0..rounds {
             let span = tile << r;
