@@ -282,7 +282,8 @@ impl TopKEngine {
                 && k > self.small_sort_capacity()
                 && candidates.capacity() <= MERGE_SORT_MAX;
             let span_words = 2 * self.kind.key_words();
-            if large {
+            // The span words start zeroed with the rest of the fused words; a rerun zeroes them.
+            if large && report.reruns > 0 {
                 self.memset_zero(span_at, 8 * span_words)?;
             }
             self.fused_pass(
