@@ -50,51 +50,6 @@ __device__ __forceinline__ u64 stratified(u64 j, u64 m, u64 s, double step, u64 
     return hi > lo ? lo + __umul64hi(h, hi - lo) : lo;
 }
 
-// The most pairs `sorted_threshold` takes: 2048 keys of 64 bits and their row ids fill 32 KB of
-// static shared memory.
-#define SAMPLE_SORT_MAX 2048
-
-// Threshold := the pair of rank r among all m ≤ SAMPLE_SORT_MAX pairs (r < m), by a bitonic sort
-// of them in shared memory (one compare-exchange a thread and step: 66 steps for 2048 pairs).
-// The radix rounds below take a chain of three barriers, a shared histogram and a scan per
-// 8-bit digit, and a large k's thresholds need many digits: Q2's denser sample of ~1800 pairs
-// resolves ties of its half-integer scores deep into the row ids.
-template <class K>
-__device__ __forceinline__ void sorted_threshold(const K *keys, const u64 *ids, u32 m, u32 r, Threshold<K> *thr) {
-    __shared__ K s_key[SAMPLE_SORT_MAX];
-    __shared__ u64 s_id[SAMPLE_SORT_MAX];
-    u32 p = 2;
-    while (p < m) p <<= 1;
-    for (u32 i = threadIdx.x; i < p; i += blockDim.x) {
-        // Padding sorts last: no real pair has the largest key and row id.
-        s_key[i] = i < m ? keys[i] : key_max<K>();
-        s_id[i] = i >= m ? ~0ull : ids ? ids[i] : i;
-    }
-    __syncthreads();
-    for (u32 size = 2; size <= p; size <<= 1) {
-        for (u32 stride = size >> 1; stride > 0; stride >>= 1) {
-            for (u32 t = threadIdx.x; t < p / 2; t += blockDim.x) {
-                const u32 i = 2 * t - (t & (stride - 1)), j = i + stride;
-                const K ki = s_key[i], kj = s_key[j];
-                const u64 ii = s_id[i], ij = s_id[j];
-                // Ascending where bit `size` of i is clear, descending where it is set.
-                if (pair_less(kj, ij, ki, ii) == ((i & size) == 0)) {
-                    s_key[i] = kj;
-                    s_key[j] = ki;
-                    s_id[i] = ij;
-                    s_id[j] = ii;
-                }
-            }
-            __syncthreads();
-        }
-    }
-    if (threadIdx.x == 0) {
-        thr->key = s_key[r];
-        thr->id = s_id[r];
-        thr->valid = 1;
-    }
-}
-
 // The level's input count: `*n_ptr` (a previous level's survivors) or `n`.
 __device__ __forceinline__ u64 level_count(u64 n, const u64 *n_ptr) { return n_ptr ? __ldcg(n_ptr) : n; }
 
@@ -125,12 +80,6 @@ __device__ void sample_threshold(const K *keys, const u64 *ids, u64 n, const u64
     if (r >= s) {
         if (threadIdx.x == 0) thr->valid = 0;
         return;
-    }
-    if constexpr (K::BITS <= 64) {
-        if (s == m && m <= SAMPLE_SORT_MAX) {
-            sorted_threshold<K>(keys, ids, (u32)m, (u32)r, thr);
-            return;
-        }
     }
     K key[PER];
     u64 id[PER];

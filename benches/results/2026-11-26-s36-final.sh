@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Session 36's closing calls on the device tool (carry [".gpu"]); the bundle is ddeef1f's
-# `fused`, `all` and `sqllogictests` (xz -T1 --lzma2=preset=6,dict=768MiB of the three).
+# Session 36's closing calls on the device tool (carry [".gpu"]); the bundle is one commit's
+# `fused`, `all` and `sqllogictests` (xz -T1 --lzma2=preset=6,dict=768MiB of the three; call 3
+# ddeef1f's, calls 4–5 f666ad7's with ddeef1f's kernels/ as k-old).
+#   ab     Q2 at k = 10^6, this tree's kernels against k-old's (the one-block thresholds by
+#          their radix rounds), one binary, alternating
 #   tests  the CUDA suite and sqllogictests with the CUDA backend forced
 #   full   the whole fused benchmark with DataFusion timed on the machine's 16 cores
 set -uo pipefail
@@ -17,6 +20,16 @@ for mode in "$@"; do
         grep -h "FAILED\|panicked" "$OUT/tests-cuda.log" | head -8
         GPU_TOPK_TEST_BACKEND=cuda timeout 150 .b/sqllogictests > "$OUT/slt-cuda.log" 2>&1
         echo "sqllogictests, CUDA (rc $?): $(tail -n 1 "$OUT/slt-cuda.log")"
+        ;;
+    ab)
+        for v in new old; do
+            dir=()
+            [ $v = old ] && dir=(env GPU_TOPK_KERNEL_DIR=$PWD/.b/k-old GPU_TOPK_CACHE_DIR=$PWD/.kc-old)
+            "${dir[@]}" timeout 120 .b/fused --rows 250000000 --only "Q2 k=1000000" --runs 5 --device-only \
+                --csv "$OUT/ab-$v.csv" > "$OUT/ab-$v.log" 2>&1
+            echo "== $v rc $?"
+            grep -E '^Q[0-9]' "$OUT/ab-$v.log"
+        done
         ;;
     full)
         timeout 560 .b/fused --rows 250000000 --runs 3 --csv "$OUT/full.csv" > "$OUT/full.log" 2>&1
