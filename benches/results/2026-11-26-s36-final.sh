@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 36's closing calls on the device tool (carry [".gpu"]); the bundle is one commit's
 # `fused`, `all` and `sqllogictests` (xz -T1 --lzma2=preset=6,dict=768MiB of the three; call 3
-# ddeef1f's, calls 4–5 f666ad7's with ddeef1f's kernels/ as k-old).
+# ddeef1f's, call 4 f666ad7's with ddeef1f's kernels/ as k-old, calls 5–6 238a8b8's).
 #   ab     Q2 at k = 10^6, this tree's kernels against k-old's (the one-block thresholds by
 #          their radix rounds), one binary, alternating
 #   tests  the CUDA suite and sqllogictests with the CUDA backend forced
