@@ -166,6 +166,8 @@ impl TopKEngine {
                 && k > self.small_sort_capacity()
                 && dense_step >= 8
                 && expected_rows > self.refine_above()? as f64;
+            // The denser sample's rank: k's expected rank in it plus 4σ.
+            let dense_rank = refine.then(|| rank_at(dense_step) - 1);
             // Before a denser sample the first one only bounds it: up to 8× coarser (a cheaper
             // one-block select), as long as the denser sample expects at most a quarter of its
             // buffer below its threshold (k = 10^6 of 250M rows: 1024 rows, rank 14, ~1800 of
@@ -223,9 +225,7 @@ impl TopKEngine {
                         out.ptr() + 48
                     ],
                 )?;
-                if refine {
-                    let expected = k as f64 / dense_step as f64;
-                    let rank = (expected + 4.0 * expected.sqrt()).ceil() as usize;
+                if let Some(rank) = dense_rank {
                     let dense = self.alloc_pairs(sample_size(self.kind))?;
                     self.fused_pass(
                         kernel,
@@ -262,12 +262,7 @@ impl TopKEngine {
                 // did), or rank · dense_step after the denser sample; the buffer holds twice
                 // that (a refinement that kept the coarser threshold overflows it: the pass
                 // reruns with room for all).
-                let expected = if refine {
-                    let e = k as f64 / dense_step as f64;
-                    (e + 4.0 * e.sqrt()).ceil() as usize * dense_step
-                } else {
-                    r * step
-                };
+                let expected = dense_rank.map_or(r * step, |rank| rank * dense_step);
                 capacity = (2 * expected).max(1 << 16).min(capacity);
             }
         }
@@ -302,13 +297,12 @@ impl TopKEngine {
             // A large k's packed tile sort runs while the host reads the count and the key span
             // back on the side stream (the tile sort finds both on the device); the host then
             // enqueues its rounds behind it.
-            let id_bits = 64 - (rows as u64).saturating_sub(1).leading_zeros();
             let early_tiles = if large {
                 Some(self.packed_tiles_on_device(
                     &candidates,
                     (count_at, candidates.capacity()),
                     span_at,
-                    id_bits,
+                    id_bits(rows as u64),
                 )?)
             } else {
                 None
@@ -458,7 +452,7 @@ pub(super) fn packed_sort_field(
         .chunks_exact(8)
         .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
         .collect();
-    let id_bits = 64 - id_bound.saturating_sub(1).leading_zeros();
+    let id_bits = id_bits(id_bound);
     let (lo, width) = packed_field(kind, &span, id_bits)?;
     (m > merge_sort_tile(KeyKind::K64)).then_some((lo, width, id_bits))
 }

@@ -668,6 +668,11 @@ pub fn delegate_subrange(n: usize, k: usize) -> Option<usize> {
     Some(s.clamp(MIN, MAX).min(prev_power_of_two(n / k)))
 }
 
+/// Bits of the row ids below `bound`.
+fn id_bits(bound: u64) -> u32 {
+    64 - bound.saturating_sub(1).leading_zeros()
+}
+
 fn prev_power_of_two(x: usize) -> usize {
     1usize << (usize::BITS - 1 - x.max(1).leading_zeros())
 }
@@ -741,6 +746,8 @@ pub struct TopKEngine {
     /// Expected candidates above which a fused selection refines its threshold by the denser
     /// sample; `None`: the packed sort's one wave ([`TopKEngine::set_refine_above`]).
     refine_above: Option<usize>,
+    /// [`TopKEngine::packed_sort_wave`], found by its occupancy queries once.
+    packed_sort_wave: std::sync::OnceLock<usize>,
 }
 
 impl std::fmt::Debug for TopKEngine {
@@ -772,6 +779,7 @@ impl TopKEngine {
             side_stream: None,
             fused_marks: Vec::new(),
             refine_above: None,
+            packed_sort_wave: std::sync::OnceLock::new(),
         };
         engine.memset_zero(engine.scalars.ptr(), SCALAR_BYTES)?;
         Ok(engine)
@@ -1051,12 +1059,8 @@ impl TopKEngine {
             self.synchronize()?;
             return Ok(vec![]);
         }
-        if self.readback.as_ref().is_none_or(|l| l.len() < len) {
-            self.readback = Some(self.device.pinned.take(len.max(4096), false)?);
-        }
-        let lease = self.readback.as_mut().expect("set above");
-        lease.download(src, len, &self.stream)?;
-        Ok(lease.as_slice()?[..len].to_vec())
+        let stream = Arc::clone(&self.stream);
+        self.read_bytes_on(&stream, src, len)
     }
 
     /// [`read_bytes`](Self::read_bytes) on the engine's side stream once `after` (an event of
@@ -1077,11 +1081,17 @@ impl TopKEngine {
             }
         };
         side.wait(after)?;
-        if self.readback.as_ref().is_none_or(|l| l.len() < len.max(1)) {
+        self.read_bytes_on(&side, src, len)
+    }
+
+    /// `len` (> 0) bytes at `src` through the engine's pinned read-back buffer, copied on
+    /// `stream`; waits for the copy.
+    fn read_bytes_on(&mut self, stream: &CudaStream, src: u64, len: usize) -> GpuResult<Vec<u8>> {
+        if self.readback.as_ref().is_none_or(|l| l.len() < len) {
             self.readback = Some(self.device.pinned.take(len.max(4096), false)?);
         }
         let lease = self.readback.as_mut().expect("set above");
-        lease.download(src, len, &side)?;
+        lease.download(src, len, stream)?;
         Ok(lease.as_slice()?[..len].to_vec())
     }
 

@@ -382,6 +382,9 @@ impl TopKEngine {
     /// 0.171 ms for 1.60M candidates (783 tiles of 2048 words; 792 resident, 6 a SM by the tile
     /// sort's registers) and 0.297 ms for 1.75M (856 tiles).
     pub(super) fn packed_sort_wave(&self) -> GpuResult<usize> {
+        if let Some(&wave) = self.packed_sort_wave.get() {
+            return Ok(wave);
+        }
         let shared = merge_tile_shared(None);
         let mut per_sm = u32::MAX;
         for name in [
@@ -395,7 +398,8 @@ impl TopKEngine {
                 .map_err(|e| GpuError(format!("occupancy of {name}: {e}")))?;
             per_sm = per_sm.min(blocks.max(1));
         }
-        Ok(per_sm as usize * self.device.sm_count * merge_sort_tile(KeyKind::K64))
+        let wave = per_sm as usize * self.device.sm_count * merge_sort_tile(KeyKind::K64);
+        Ok(*self.packed_sort_wave.get_or_init(|| wave))
     }
 
     /// LSD radix sort of pairs `[0, m)` (radix_sort.cu): one histogram kernel, then per digit
@@ -409,7 +413,7 @@ impl TopKEngine {
         m: usize,
         id_bound: u64,
     ) -> GpuResult<DevicePairs> {
-        let id_bits = 64 - id_bound.saturating_sub(1).leading_zeros();
+        let id_bits = id_bits(id_bound);
         let id_digits = id_bits.div_ceil(8) as usize;
         let positions = id_digits + self.kind.bits() as usize / 8;
         let tile = radix_sort_tile(self.kind);
