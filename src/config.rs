@@ -68,6 +68,54 @@ keyword_enum!(Algorithm, "gpu_topk.algorithm",
     Auto => "auto", Bitonic => "bitonic", Radix => "radix",
     Delegate => "delegate", Sample => "sample", Cpu => "cpu");
 
+/// A device failure injected on purpose, to test that a failing GPU selection never changes
+/// a query's answer (`SET gpu_topk.inject_fault = 'push:3'`). Off by default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FaultPoint {
+    #[default]
+    None,
+    /// Building the selector fails (as a compile or allocation failure does).
+    Create,
+    /// The n-th push of rows (1-based) fails, and every later call (as a driver error does).
+    Push(usize),
+    /// The final selection fails.
+    Finish,
+}
+
+impl fmt::Display for FaultPoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FaultPoint::None => f.write_str("none"),
+            FaultPoint::Create => f.write_str("create"),
+            FaultPoint::Push(n) => write!(f, "push:{n}"),
+            FaultPoint::Finish => f.write_str("finish"),
+        }
+    }
+}
+
+impl FromStr for FaultPoint {
+    type Err = DataFusionError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim().to_ascii_lowercase();
+        let push = s
+            .strip_prefix("push:")
+            .and_then(|n| n.parse::<usize>().ok())
+            .filter(|&n| n > 0);
+        match (s.as_str(), push) {
+            ("" | "none", _) => Ok(FaultPoint::None),
+            ("create", _) => Ok(FaultPoint::Create),
+            ("finish", _) => Ok(FaultPoint::Finish),
+            (_, Some(n)) => Ok(FaultPoint::Push(n)),
+            (other, None) => Err(DataFusionError::Configuration(format!(
+                "invalid gpu_topk.inject_fault '{other}': expected none, create, push:N \
+                 (N >= 1) or finish"
+            ))),
+        }
+    }
+}
+
+config_field!(FaultPoint);
+
 extensions_options! {
     /// Settings of the GPU top-k operator (`SET gpu_topk.<name> = <value>`).
     pub struct GpuTopKConfig {
@@ -87,6 +135,9 @@ extensions_options! {
         /// Measure the device for the cost model again (once per process while set), instead
         /// of reading the cached calibration.
         pub recalibrate: bool, default = false
+        /// Testing: make the GPU selection fail at one step (`create`, `push:N`, `finish`),
+        /// as a device fault would; the operator must still give DataFusion's answer.
+        pub inject_fault: FaultPoint, default = FaultPoint::None
     }
 }
 
@@ -117,6 +168,10 @@ impl GpuTopKConfig {
     }
     pub fn with_recalibrate(mut self, recalibrate: bool) -> Self {
         self.recalibrate = recalibrate;
+        self
+    }
+    pub fn with_inject_fault(mut self, fault: FaultPoint) -> Self {
+        self.inject_fault = fault;
         self
     }
 }

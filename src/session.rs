@@ -9,14 +9,17 @@ use datafusion::prelude::SessionConfig;
 use crate::config::GpuTopKConfig;
 use crate::rule::GpuTopKRule;
 
-/// Name of the DataFusion rule [`GpuTopKRule`] is inserted before: it pushes dynamic filters
-/// (ours included) into the scans, so our node must exist by then.
-pub const INSERT_BEFORE_RULE: &str = "FilterPushdown(Post)";
+/// Names of the DataFusion rules [`GpuTopKRule`] goes before (the first present):
+/// `PushdownSort` lets a Parquet scan read row groups in the sort's order, which would change
+/// the input order that ties are broken by; `FilterPushdown(Post)` pushes dynamic filters (ours
+/// included) into the scans, so our node must exist by then.
+pub const INSERT_BEFORE_RULES: [&str; 2] = ["PushdownSort", "FilterPushdown(Post)"];
 
 /// Adds the GPU top-k operator to a [`SessionStateBuilder`].
 pub trait SessionStateBuilderExt {
     /// Registers the `gpu_topk` settings (with `config` as their values) and inserts
-    /// [`GpuTopKRule`] into the physical optimizer just before `FilterPushdown(Post)`.
+    /// [`GpuTopKRule`] into the physical optimizer just before `PushdownSort` (and so before
+    /// `FilterPushdown(Post)`).
     fn with_gpu_topk(self, config: GpuTopKConfig) -> Self;
 }
 
@@ -29,7 +32,7 @@ impl SessionStateBuilderExt for SessionStateBuilder {
         rules.retain(|rule| rule.name() != GpuTopKRule::NAME);
         let at = rules
             .iter()
-            .position(|rule| rule.name() == INSERT_BEFORE_RULE)
+            .position(|rule| INSERT_BEFORE_RULES.contains(&rule.name()))
             .unwrap_or(rules.len());
         rules.insert(at, Arc::new(GpuTopKRule::new(config)));
         *self.physical_optimizers() = Some(PhysicalOptimizer::with_rules(rules));

@@ -492,6 +492,7 @@ fn cpu_rows_per_second() -> f64 {
         k: REFERENCE_K,
         program: None,
         final_model: None,
+        fault: Default::default(),
     };
     let mut best = f64::INFINITY;
     for _ in 0..3 {

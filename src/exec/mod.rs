@@ -37,7 +37,7 @@ use datafusion::execution::TaskContext;
 use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
 use datafusion::physical_expr::{LexOrdering, PhysicalExpr};
 use datafusion::physical_plan::execution_plan::{
-    Boundedness, ChildrenPropertiesMode, EmissionType, ReplaceChildrenOptions,
+    ChildrenPropertiesMode, EmissionType, ReplaceChildrenOptions,
 };
 use datafusion::physical_plan::filter_pushdown::{
     ChildFilterDescription, ChildPushdownResult, FilterDescription, FilterPushdownPhase,
@@ -45,10 +45,11 @@ use datafusion::physical_plan::filter_pushdown::{
 };
 use datafusion::physical_plan::metrics::{ExecutionPlanMetricsSet, MetricsSet};
 use datafusion::physical_plan::{
-    DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
-    SendableRecordBatchStream,
+    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, Partitioning,
+    PlanProperties, SendableRecordBatchStream,
 };
 
+use crate::config::FaultPoint;
 use crate::cost::{Prediction, SelectionChoice};
 use crate::fusion::FusionPlan;
 use crate::keys::KeyLayout;
@@ -75,6 +76,8 @@ pub struct TopKSpec {
     pub prediction: Option<Prediction>,
     /// Where the predicate and keys are evaluated when the selection runs on the GPU.
     pub fusion: FusionPlan,
+    /// A device failure to inject (`gpu_topk.inject_fault`, for tests of the fallback).
+    pub fault: FaultPoint,
 }
 
 /// See the module documentation.
@@ -108,7 +111,9 @@ impl GpuTopKExec {
             replaced.properties().equivalence_properties().clone(),
             Partitioning::UnknownPartitioning(1),
             EmissionType::Final,
-            Boundedness::Bounded,
+            // The rule declines unbounded inputs; should one come through another way, the
+            // sanity check still sees it.
+            input.boundedness(),
         );
         let dynamic_filter = Arc::new(new_dynamic_filter(&spec.sort_exprs));
         Ok(Self {

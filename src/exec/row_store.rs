@@ -1,13 +1,15 @@
 //! Rows retained for late materialisation.
 //!
 //! The selector decides which row ids win; the store keeps, for rows that may still win, the
-//! operator's output columns (and the first sort key, which the dynamic filter publishes).
+//! operator's output columns and the evaluated sort keys: the first key is what the dynamic
+//! filter publishes, and all of them let a CPU selector take over the rows a failed GPU
+//! selection held ([`RowStore::for_each_keys`]).
 //! Batches enter already cut down to the admitted rows; [`RowStore::retain`] drops rows the
 //! selector has since evicted, so the store stays near `k` rows however large the input is.
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::{Array, ArrayRef, AsArray, RecordBatch, UInt32Array};
+use datafusion::arrow::array::{Array, AsArray, RecordBatch, UInt32Array};
 use datafusion::arrow::compute::{
     filter_record_batch, interleave_record_batch, prep_null_mask_filter, take_record_batch,
 };
@@ -16,6 +18,8 @@ use datafusion::common::ScalarValue;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::physical_expr::PhysicalExpr;
 
+use crate::select::{RowIds, SelectInput};
+
 /// Row ids of a stored batch's rows, ascending.
 #[derive(Debug)]
 enum StoredIds {
@@ -23,11 +27,11 @@ enum StoredIds {
     List(Vec<u64>),
 }
 
-/// Rows entering the store: a batch (output columns, then the first sort key) and its ids.
+/// Rows entering the store: a batch (output columns, then the sort keys) and its ids.
 #[derive(Debug)]
 pub struct StoredBatch {
     ids: StoredIds,
-    /// Output columns, then the first sort key as the last column.
+    /// Output columns, then one column per sort key.
     batch: RecordBatch,
 }
 
@@ -188,17 +192,34 @@ impl RowStore {
         Ok(())
     }
 
-    /// The value of the last column (the first sort key) of row `id`.
-    pub fn key_value(&self, id: u64) -> Result<Option<ScalarValue>> {
+    /// The value of column `column` (the first sort key) of row `id`.
+    pub fn key_value(&self, id: u64, column: usize) -> Result<Option<ScalarValue>> {
         for entry in &self.entries {
             if let Some(row) = entry.position(id) {
-                let key: &ArrayRef = entry.batch.columns().last().ok_or_else(|| {
+                let key = entry.batch.columns().get(column).ok_or_else(|| {
                     DataFusionError::Internal("row store batch has no key column".into())
                 })?;
                 return ScalarValue::try_from_array(key, row).map(Some);
             }
         }
         Ok(None)
+    }
+
+    /// Calls `f` with every entry's sort keys (the columns from `first_key` on) and row ids.
+    pub fn for_each_keys(
+        &self,
+        first_key: usize,
+        mut f: impl FnMut(SelectInput<'_>) -> Result<()>,
+    ) -> Result<()> {
+        for entry in &self.entries {
+            let keys = &entry.batch.columns()[first_key..];
+            let row_ids = match &entry.ids {
+                StoredIds::Range(start) => RowIds::Range(*start),
+                StoredIds::List(ids) => RowIds::Explicit(ids),
+            };
+            f(SelectInput { keys, row_ids })?;
+        }
+        Ok(())
     }
 
     /// The rows `ids` in that order, as one batch of `schema` (the output columns).

@@ -24,6 +24,7 @@ use futures::StreamExt;
 use super::TopKSpec;
 use super::dynamic_filter::threshold_predicate;
 use super::row_store::{RowStore, StoredBatch};
+use crate::config::FaultPoint;
 use crate::cost::SelectionChoice;
 use crate::fusion::{self, FusedProgram, KernelInput};
 use crate::select::{
@@ -96,7 +97,7 @@ pub(super) fn execute(
     )))
 }
 
-/// One execution of the operator: what every attempt (GPU, then CPU fallback) shares.
+/// One execution of the operator.
 struct TopKRun {
     input: Arc<dyn ExecutionPlan>,
     spec: Arc<TopKSpec>,
@@ -105,26 +106,6 @@ struct TopKRun {
     metrics: TopKMetrics,
     context: Arc<TaskContext>,
     reservation: MemoryReservation,
-}
-
-impl TopKRun {
-    async fn run(&self) -> Result<RecordBatch> {
-        let _timer = self.metrics.operator_time.timer();
-        let choice = self.spec.choice;
-        let batch = match self.select_all(choice).await {
-            Ok(batch) => batch,
-            Err(e) if choice != SelectionChoice::Cpu && is_device_error(&e) => {
-                // A GPU fault never loses the query: run it again on the CPU path.
-                log::warn!("gpu-topk: {choice} failed, falling back to the CPU path: {e}");
-                self.metrics.gpu_fallbacks.add(1);
-                self.select_all(SelectionChoice::Cpu).await?
-            }
-            Err(e) => return Err(e),
-        };
-        self.dynamic_filter.mark_complete();
-        self.metrics.output_rows.add(batch.num_rows());
-        Ok(batch)
-    }
 }
 
 /// The predicate over a batch as a filter mask: NULL counts as false, as in `WHERE`.
@@ -146,14 +127,24 @@ fn is_device_error(e: &DataFusionError) -> bool {
         || e.to_string().contains(crate::select::DEVICE_ERROR_TAG)
 }
 
+/// Where the selection runs. A run starts on the GPU when the cost model chose it and moves to
+/// the CPU at the first device error ([`Shared::fall_back`]); it never moves back.
+struct Mode {
+    selector: Arc<dyn TopKSelector>,
+    /// The generated program the selector runs (predicate and keys on the device), if any.
+    program: Option<Arc<FusedProgram>>,
+    /// Whether the selector can fail like a device (the GPU's, or one with an injected fault),
+    /// to be taken over by the CPU path.
+    fallible: bool,
+}
+
 /// State shared by the partition tasks of one run.
 struct Shared {
     spec: Arc<TopKSpec>,
-    /// The generated program the selector runs (predicate and keys on the device), if any.
-    program: Option<Arc<FusedProgram>>,
-    selector: Arc<dyn TopKSelector>,
     store: Mutex<StoreState>,
     store_schema: SchemaRef,
+    /// Index of the first sort key's column in the stored batches (the keys follow it).
+    first_key: usize,
     dynamic_filter: Arc<DynamicFilterPhysicalExpr>,
     reservation: MemoryReservation,
     metrics: TopKMetrics,
@@ -161,6 +152,10 @@ struct Shared {
 
 struct StoreState {
     rows: RowStore,
+    /// Switched under this lock, so every row of the input is either stored before the switch
+    /// (and handed to the CPU selector with the rest of the store) or processed on the CPU
+    /// after it: a GPU push whose rows arrive after a switch is processed again.
+    mode: Arc<Mode>,
     /// Row id of the threshold last published to the dynamic filter.
     published: Option<u64>,
     /// That threshold as a predicate over the stored rows (their first sort key): rows failing
@@ -168,57 +163,17 @@ struct StoreState {
     prune: Option<Arc<dyn PhysicalExpr>>,
 }
 
-impl TopKRun {
-    async fn select_all(&self, choice: SelectionChoice) -> Result<RecordBatch> {
-        // The generated program runs where the selection runs: on the GPU.
-        let program = match choice {
-            SelectionChoice::Cuda(_) => self.spec.fusion.program.clone(),
-            SelectionChoice::Cpu => None,
-        };
-        let selection = SelectionSpec {
-            layout: self.spec.layout.clone(),
-            k: self.spec.k,
-            program: program.clone(),
-            final_model: self.spec.prediction.as_ref().and_then(|p| p.model),
-        };
-        let selector = select::create_selector(&selection, &choice)?;
-        if choice == self.spec.choice
-            && let Some(prediction) = &self.spec.prediction
-            && prediction.seconds.is_finite()
-        {
-            self.metrics
-                .predicted_time
-                .add_duration(std::time::Duration::from_secs_f64(prediction.seconds));
-        }
-        // (A zero duration would still count as 1 ns: DataFusion's timers never add nothing.)
-        let compile_time = selector.compile_time();
-        if !compile_time.is_zero() {
-            self.metrics.compile_time.add_duration(compile_time);
-        }
-        let input_schema = self.input.schema();
-        let first_key_type = self.spec.sort_exprs.first().expr.data_type(&input_schema)?;
-        let mut fields: Vec<Field> = self
-            .schema
-            .fields()
-            .iter()
-            .map(|f| f.as_ref().clone().with_nullable(true))
-            .collect();
-        fields.push(Field::new("__gpu_topk_first_key", first_key_type, true));
-        let shared = Arc::new(Shared {
-            spec: Arc::clone(&self.spec),
-            program,
-            selector: Arc::clone(&selector),
-            store: Mutex::new(StoreState {
-                rows: RowStore::default(),
-                published: None,
-                prune: None,
-            }),
-            store_schema: Arc::new(Schema::new(fields)),
-            dynamic_filter: Arc::clone(&self.dynamic_filter),
-            reservation: self.reservation.new_empty(),
-            metrics: self.metrics.clone(),
-        });
+/// What one partition task holds between batches.
+#[derive(Default)]
+struct PartitionState {
+    pending: Pending,
+    fused: FusedPending,
+}
 
+impl TopKRun {
+    async fn run(&self) -> Result<RecordBatch> {
+        let _timer = self.metrics.operator_time.timer();
+        let shared = Arc::new(self.start()?);
         if self.spec.k > 0 {
             // One task per input partition; dropping the JoinSet (cancellation) aborts them all.
             let mut tasks = JoinSet::new();
@@ -227,19 +182,15 @@ impl TopKRun {
                 let shared = Arc::clone(&shared);
                 tasks.spawn(async move {
                     let mut offset = 0u64;
-                    let mut pending = Pending::default();
-                    let mut fused = FusedPending::default();
+                    let mut local = PartitionState::default();
                     while let Some(batch) = stream.next().await {
                         let batch = batch?;
-                        if shared.program.is_some() {
-                            shared.process_batch_fused(partition, offset, &batch, &mut fused)?;
-                        } else {
-                            shared.process_batch(partition, offset, &batch, &mut pending)?;
-                        }
+                        let first_id = select::row_id(partition, offset);
+                        shared.offer(first_id, &batch, &mut local)?;
                         offset += batch.num_rows() as u64;
                     }
-                    shared.flush(&mut pending)?;
-                    shared.flush_fused(&mut fused)
+                    shared.flush(&mut local.pending)?;
+                    shared.flush_fused(&mut local.fused)
                 });
             }
             while let Some(result) = tasks.join_next().await {
@@ -248,15 +199,106 @@ impl TopKRun {
         }
 
         let _timer = self.metrics.gather_time.timer();
-        let winners = selector.finish()?;
+        let winners = shared.finish()?;
         let skip = self.spec.skip.min(winners.len());
-        let store = shared.store.lock().unwrap_or_else(|e| e.into_inner());
-        store.rows.gather(&winners[skip..], &self.schema)
+        let batch = shared
+            .lock_store()
+            .rows
+            .gather(&winners[skip..], &self.schema)?;
+        self.dynamic_filter.mark_complete();
+        self.metrics.output_rows.add(batch.num_rows());
+        Ok(batch)
+    }
+
+    /// The shared state, with the selector the cost model chose (the CPU one if the GPU's
+    /// cannot be built).
+    fn start(&self) -> Result<Shared> {
+        let choice = self.spec.choice;
+        let program = match choice {
+            SelectionChoice::Cuda(_) => self.spec.fusion.program.clone(),
+            SelectionChoice::Cpu => None,
+        };
+        let fault = self.spec.fault;
+        let selection = SelectionSpec {
+            fault,
+            ..selection_spec(&self.spec, program.clone())
+        };
+        let fallible = choice != SelectionChoice::Cpu || fault != FaultPoint::None;
+        let mode = match select::create_selector(&selection, &choice) {
+            Ok(selector) => Mode {
+                selector,
+                program,
+                fallible,
+            },
+            Err(e) if fallible && is_device_error(&e) => {
+                log::warn!("gpu-topk: {choice} unavailable, running on the CPU path: {e}");
+                self.metrics.gpu_fallbacks.add(1);
+                cpu_mode(&self.spec)?
+            }
+            Err(e) => return Err(e),
+        };
+        if let Some(prediction) = &self.spec.prediction
+            && prediction.seconds.is_finite()
+        {
+            self.metrics
+                .predicted_time
+                .add_duration(std::time::Duration::from_secs_f64(prediction.seconds));
+        }
+        // (A zero duration would still count as 1 ns: DataFusion's timers never add nothing.)
+        let compile_time = mode.selector.compile_time();
+        if !compile_time.is_zero() {
+            self.metrics.compile_time.add_duration(compile_time);
+        }
+        let input_schema = self.input.schema();
+        let mut fields: Vec<Field> = self
+            .schema
+            .fields()
+            .iter()
+            .map(|f| f.as_ref().clone().with_nullable(true))
+            .collect();
+        let first_key = fields.len();
+        for (i, sort) in self.spec.sort_exprs.iter().enumerate() {
+            let key_type = sort.expr.data_type(&input_schema)?;
+            fields.push(Field::new(format!("__gpu_topk_key_{i}"), key_type, true));
+        }
+        Ok(Shared {
+            spec: Arc::clone(&self.spec),
+            store: Mutex::new(StoreState {
+                rows: RowStore::default(),
+                mode: Arc::new(mode),
+                published: None,
+                prune: None,
+            }),
+            store_schema: Arc::new(Schema::new(fields)),
+            first_key,
+            dynamic_filter: Arc::clone(&self.dynamic_filter),
+            reservation: self.reservation.new_empty(),
+            metrics: self.metrics.clone(),
+        })
     }
 }
 
+/// What the selector selects; `program`: the generated program it runs, if any.
+fn selection_spec(spec: &TopKSpec, program: Option<Arc<FusedProgram>>) -> SelectionSpec {
+    SelectionSpec {
+        layout: spec.layout.clone(),
+        k: spec.k,
+        program,
+        final_model: spec.prediction.as_ref().and_then(|p| p.model),
+        fault: FaultPoint::None,
+    }
+}
+
+fn cpu_mode(spec: &TopKSpec) -> Result<Mode> {
+    Ok(Mode {
+        selector: select::create_selector(&selection_spec(spec, None), &SelectionChoice::Cpu)?,
+        program: None,
+        fallible: false,
+    })
+}
+
 /// Key columns of one partition waiting to be pushed as one larger batch (for selectors that
-/// admit every row and prefer large pushes, i.e. the GPU).
+/// admit every row and prefer large pushes, i.e. the GPU). Their rows are already stored.
 #[derive(Default)]
 struct Pending {
     keys: Vec<Vec<ArrayRef>>,
@@ -294,15 +336,83 @@ struct FusedPending {
     rows: usize,
 }
 
+impl FusedPending {
+    /// The batches with the row id of each one's first row.
+    fn with_ids(&self) -> impl Iterator<Item = (u64, &RecordBatch)> {
+        self.batches.iter().scan(self.first_id, |next, batch| {
+            let first = *next;
+            *next += batch.num_rows() as u64;
+            Some((first, batch))
+        })
+    }
+}
+
 impl Shared {
     fn lock_store(&self) -> std::sync::MutexGuard<'_, StoreState> {
         self.store.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Pushes the pending rows of a partition as one batch.
+    fn mode(&self) -> Arc<Mode> {
+        Arc::clone(&self.lock_store().mode)
+    }
+
+    /// Offers one input batch of a partition, whose first row has id `first_id`.
+    fn offer(&self, first_id: u64, batch: &RecordBatch, local: &mut PartitionState) -> Result<()> {
+        if batch.num_rows() == 0 {
+            return Ok(());
+        }
+        self.metrics.rows_in.add(batch.num_rows());
+        let mode = self.mode();
+        if mode.program.is_some() {
+            return self.process_batch_fused(&mode, first_id, batch, &mut local.fused);
+        }
+        if !mode.fallible {
+            // Batches this partition held for the GPU's program go first (row ids keep order).
+            self.flush_fused(&mut local.fused)?;
+            local.pending = Pending::default(); // stored before the switch: the CPU has them
+        }
+        self.process_batch(&mode, first_id, batch, &mut local.pending)
+    }
+
+    /// Moves the selection to the CPU after a device error: a CPU selector takes over every
+    /// stored row (a superset of the GPU's candidates: the GPU only ever drops rows that cannot
+    /// win) and selects the rest of the input. Idempotent: the first caller switches.
+    fn fall_back(&self, error: &DataFusionError) -> Result<()> {
+        let mut store = self.lock_store();
+        if !store.mode.fallible {
+            return Ok(());
+        }
+        log::warn!("gpu-topk: the GPU selection failed, the CPU path continues it: {error}");
+        self.metrics.gpu_fallbacks.add(1);
+        let mode = cpu_mode(&self.spec)?;
+        store
+            .rows
+            .for_each_keys(self.first_key, |input| mode.selector.push(input).map(drop))?;
+        store.mode = Arc::new(mode);
+        self.publish_threshold(&mut store)
+    }
+
+    /// Ends the selection: the winners' row ids in output order.
+    fn finish(&self) -> Result<Vec<u64>> {
+        let mode = self.mode();
+        match mode.selector.finish() {
+            Err(e) if mode.fallible && is_device_error(&e) => {
+                self.fall_back(&e)?;
+                self.mode().selector.finish()
+            }
+            result => result,
+        }
+    }
+
+    /// Pushes the pending rows of a partition as one batch (their rows are stored already).
     fn flush(&self, pending: &mut Pending) -> Result<()> {
         if pending.rows() == 0 {
             return Ok(());
+        }
+        let pending = std::mem::take(pending);
+        let mode = self.mode();
+        if !mode.fallible {
+            return Ok(()); // stored before the switch: the CPU selector has them
         }
         let _timer = self.metrics.select_time.timer();
         let columns = (0..self.spec.sort_exprs.len())
@@ -316,35 +426,33 @@ impl Shared {
         } else {
             RowIds::Explicit(&pending.ids)
         };
-        let admitted = self.selector.push(SelectInput {
+        let admitted = match mode.selector.push(SelectInput {
             keys: &columns,
             row_ids,
-        })?;
+        }) {
+            Ok(admitted) => admitted,
+            Err(e) if is_device_error(&e) => return self.fall_back(&e),
+            Err(e) => return Err(e),
+        };
         if admitted != Admitted::All {
             return datafusion::common::internal_err!(
                 "a selector that prefers batched pushes must admit every row"
             );
         }
-        *pending = Pending::default();
         // A push may have moved the threshold (the partition's last push included).
         self.publish_threshold(&mut self.lock_store())
     }
 
-    /// Filter, key evaluation, selection and retention of one input batch.
+    /// Filter, key evaluation, selection and retention of one input batch, with the selector
+    /// of `mode` (which evaluates no program).
     fn process_batch(
         &self,
-        partition: usize,
-        offset: u64,
+        mode: &Arc<Mode>,
+        first_id: u64,
         batch: &RecordBatch,
         pending: &mut Pending,
     ) -> Result<()> {
-        let n = batch.num_rows();
-        if n == 0 {
-            return Ok(());
-        }
         let metrics = &self.metrics;
-        metrics.rows_in.add(n);
-        let first_id = select::row_id(partition, offset);
 
         // 1. The fused predicate.
         let mut explicit_ids: Option<Vec<u64>> = None;
@@ -357,7 +465,7 @@ impl Shared {
                 if passed == 0 {
                     return Ok(());
                 }
-                if passed == n {
+                if passed == batch.num_rows() {
                     batch.clone()
                 } else {
                     explicit_ids = Some(
@@ -371,7 +479,6 @@ impl Shared {
             }
         };
         let m = filtered.num_rows();
-        metrics.rows_passed_filter.add(m);
 
         // 2. The ranking keys, on the surviving rows only (as DataFusion evaluates them).
         let keys: Vec<ArrayRef> = {
@@ -383,43 +490,50 @@ impl Shared {
                 .collect::<Result<_>>()?
         };
 
-        // 3. Selection.
+        // 3. Selection: a selector that prefers large pushes admits every row, and gets the
+        //    keys once the rows are stored (step 5).
         let row_ids = match &explicit_ids {
             Some(ids) => RowIds::Explicit(ids),
             None => RowIds::Range(first_id),
         };
-        let batched = self.selector.preferred_push_rows();
-        let admitted = if batched > 0 {
-            pending.add(keys.clone(), row_ids, m);
-            if pending.rows() >= batched {
-                self.flush(pending)?;
-            }
+        let batched = mode.selector.preferred_push_rows() > 0;
+        let admitted = if batched {
             Admitted::All
         } else {
             let _timer = metrics.select_time.timer();
-            self.selector.push(SelectInput {
+            match mode.selector.push(SelectInput {
                 keys: &keys,
                 row_ids,
-            })?
+            }) {
+                Ok(admitted) => admitted,
+                Err(e) if mode.fallible && is_device_error(&e) => {
+                    // Nothing of this batch is stored yet: the CPU path takes it whole.
+                    self.fall_back(&e)?;
+                    return self.process_batch(&self.mode(), first_id, batch, pending);
+                }
+                Err(e) => return Err(e),
+            }
         };
 
-        // 4. Late materialisation: keep the output columns of admitted rows only.
-        let _timer = metrics.retain_time.timer();
+        // 4. Late materialisation: keep the output columns (and keys) of admitted rows only.
+        let retain_timer = metrics.retain_time.timer();
         let mut columns: Vec<ArrayRef> = self
             .spec
             .output_exprs
             .iter()
             .map(|e| e.evaluate(&filtered)?.into_array(m))
             .collect::<Result<_>>()?;
-        columns.push(Arc::clone(&keys[0]));
-        let admitted_all = admitted == Admitted::All;
-        let (columns, ids) = match admitted {
+        columns.extend(keys.iter().cloned());
+        let (columns, ids) = match &admitted {
             Admitted::All => (columns, None),
-            Admitted::Indices(indices) if indices.is_empty() => return Ok(()),
+            Admitted::Indices(indices) if indices.is_empty() => {
+                metrics.rows_passed_filter.add(m);
+                return Ok(());
+            }
             Admitted::Indices(indices) if indices.len() == m => (columns, None),
             Admitted::Indices(indices) => {
                 let ids: Vec<u64> = indices.iter().map(|&i| row_ids.get(i as usize)).collect();
-                let indices = UInt32Array::from(indices);
+                let indices = UInt32Array::from(indices.clone());
                 let columns = columns
                     .iter()
                     .map(|c| take(c.as_ref(), &indices, None))
@@ -428,44 +542,62 @@ impl Shared {
             }
         };
         let retained = RecordBatch::try_new(Arc::clone(&self.store_schema), columns)?;
-        let mut rows = match (ids, explicit_ids) {
+        let mut rows = Some(match (ids, explicit_ids.clone()) {
             (Some(ids), _) | (None, Some(ids)) => StoredBatch::list(ids, retained),
             (None, None) => StoredBatch::range(first_id, retained),
-        };
+        });
         let prune = self.lock_store().prune.clone();
-        if admitted_all && let Some(prune) = prune {
-            match rows.filter(&prune)? {
-                Some(kept) => rows = kept,
-                None => return Ok(()),
+        if batched
+            && let Some(prune) = prune
+            && let Some(all) = rows.take()
+        {
+            rows = all.filter(&prune)?;
+        }
+        {
+            let mut store = self.lock_store();
+            if !Arc::ptr_eq(&store.mode, mode) {
+                // The selection moved to the CPU while this batch was on its way: the CPU
+                // selector has not seen it.
+                drop(store);
+                drop(retain_timer);
+                let mode = self.mode();
+                return self.process_batch(&mode, first_id, batch, pending);
+            }
+            metrics.rows_passed_filter.add(m);
+            if let Some(rows) = rows {
+                store.rows.insert(rows);
+                if store.rows.wants_retain(self.spec.k)
+                    && let Some(live) = mode.selector.live_row_ids()?
+                {
+                    store.rows.retain(&live)?;
+                }
+                self.reservation.try_resize(store.rows.bytes())?;
+            }
+            self.publish_threshold(&mut store)?;
+        }
+        drop(retain_timer);
+
+        // 5. The batched push, after the rows are stored: should it fail, the CPU selector
+        //    takes them over from the store.
+        if batched {
+            pending.add(keys, row_ids, m);
+            if pending.rows() >= mode.selector.preferred_push_rows() {
+                self.flush(pending)?;
             }
         }
-        let mut store = self.lock_store();
-        store.rows.insert(rows);
-        if store.rows.wants_retain(self.spec.k)
-            && let Some(live) = self.selector.live_row_ids()?
-        {
-            store.rows.retain(&live)?;
-        }
-        self.reservation.try_resize(store.rows.bytes())?;
-        self.publish_threshold(&mut store)
+        Ok(())
     }
 
     /// The fused path's per-batch work: the predicate on the host only when the program does
     /// not evaluate it; everything else happens in [`flush_fused`](Self::flush_fused).
     fn process_batch_fused(
         &self,
-        partition: usize,
-        offset: u64,
+        mode: &Arc<Mode>,
+        first_id: u64,
         batch: &RecordBatch,
         pending: &mut FusedPending,
     ) -> Result<()> {
-        let n = batch.num_rows();
-        if n == 0 {
-            return Ok(());
-        }
-        self.metrics.rows_in.add(n);
-        let program = self.program.as_ref().expect("the fused path has a program");
-        let first_id = select::row_id(partition, offset);
+        let program = mode.program.as_ref().expect("the fused path has a program");
         let predicate = match (&self.spec.filter, program.host_predicate()) {
             (Some(predicate), true) => {
                 let _timer = self.metrics.filter_time.timer();
@@ -488,21 +620,54 @@ impl Shared {
         }
         pending.batches.push(batch.clone());
         pending.predicates.extend(predicate);
-        pending.rows += n;
-        if pending.rows >= self.selector.preferred_push_rows() {
+        pending.rows += batch.num_rows();
+        if pending.rows >= mode.selector.preferred_push_rows() {
             self.flush_fused(pending)?;
         }
         Ok(())
     }
 
-    /// Pushes a partition's pending batches to the program, then keeps the output columns of
-    /// the rows it appended.
+    /// Pushes a partition's pending batches to the program, then keeps the output columns and
+    /// keys of the rows it appended. After a device error (this push's or another's) the
+    /// batches go through the CPU path instead.
     fn flush_fused(&self, pending: &mut FusedPending) -> Result<()> {
         if pending.rows == 0 {
             return Ok(());
         }
         let pending = std::mem::take(pending);
-        let program = self.program.as_ref().expect("the fused path has a program");
+        let mode = self.mode();
+        match &mode.program {
+            Some(program) => match self.push_fused(&mode, program, &pending) {
+                Ok(true) => Ok(()),
+                // The selection moved to the CPU meanwhile: these rows are not stored.
+                Ok(false) => self.process_on_cpu(&pending),
+                Err(e) if is_device_error(&e) => {
+                    self.fall_back(&e)?;
+                    self.process_on_cpu(&pending)
+                }
+                Err(e) => Err(e),
+            },
+            None => self.process_on_cpu(&pending),
+        }
+    }
+
+    /// The batches of a push, through the CPU path (its selector is the current one).
+    fn process_on_cpu(&self, pending: &FusedPending) -> Result<()> {
+        let mode = self.mode();
+        for (first_id, batch) in pending.with_ids() {
+            self.process_batch(&mode, first_id, batch, &mut Pending::default())?;
+        }
+        Ok(())
+    }
+
+    /// One push to the generated program. `Ok(false)`: the rows were not stored, because the
+    /// selection moved to the CPU while the push ran.
+    fn push_fused(
+        &self,
+        mode: &Arc<Mode>,
+        program: &FusedProgram,
+        pending: &FusedPending,
+    ) -> Result<bool> {
         let admitted = {
             let _timer = self.metrics.select_time.timer();
             let columns: Vec<Vec<ArrayRef>> = program
@@ -531,15 +696,14 @@ impl Shared {
                     })
                 })
                 .collect::<Result<_>>()?;
-            self.selector.push_columns(ColumnsInput {
+            mode.selector.push_columns(ColumnsInput {
                 columns: &columns,
                 first_id: pending.first_id,
             })?
         };
-        self.metrics.rows_passed_filter.add(admitted.passed);
 
         // Late materialisation of the appended rows, batch by batch.
-        let _timer = self.metrics.retain_time.timer();
+        let retain_timer = self.metrics.retain_time.timer();
         let mut rows = admitted.rows.as_slice();
         let mut stored = Vec::new();
         let mut base = 0u32;
@@ -551,20 +715,13 @@ impl Shared {
                 let indices = UInt32Array::from_iter_values(mine.iter().map(|r| r - base));
                 let taken = take_record_batch(batch, &indices)?;
                 let m = taken.num_rows();
-                let mut columns: Vec<ArrayRef> = self
+                let columns: Vec<ArrayRef> = self
                     .spec
                     .output_exprs
                     .iter()
+                    .chain(self.spec.sort_exprs.iter().map(|s| &s.expr))
                     .map(|e| e.evaluate(&taken)?.into_array(m))
                     .collect::<Result<_>>()?;
-                columns.push(
-                    self.spec
-                        .sort_exprs
-                        .first()
-                        .expr
-                        .evaluate(&taken)?
-                        .into_array(m)?,
-                );
                 let retained = RecordBatch::try_new(Arc::clone(&self.store_schema), columns)?;
                 let ids = mine
                     .iter()
@@ -575,35 +732,47 @@ impl Shared {
             base += len;
         }
         let mut store = self.lock_store();
+        if !Arc::ptr_eq(&store.mode, mode) {
+            return Ok(false);
+        }
+        self.metrics.rows_passed_filter.add(admitted.passed);
         for rows in stored {
             store.rows.insert(rows);
         }
         self.reservation.try_resize(store.rows.bytes())?;
-        self.publish_threshold(&mut store)
+        self.publish_threshold(&mut store)?;
+        drop(retain_timer);
+        Ok(true)
     }
 
     /// Tightens the dynamic filter when the selector's threshold moved.
     fn publish_threshold(&self, store: &mut StoreState) -> Result<()> {
-        let Some(id) = self.selector.threshold_row_id() else {
+        let Some(id) = store.mode.selector.threshold_row_id() else {
             return Ok(());
         };
         if store.published == Some(id) {
             return Ok(());
         }
-        let Some(value) = store.rows.key_value(id)? else {
+        let Some(value) = store.rows.key_value(id, self.first_key)? else {
             return Ok(()); // not stored yet: its push is still in flight
         };
         store.published = Some(id);
         let first = self.spec.sort_exprs.first();
-        if let Some(predicate) = threshold_predicate(first, &value)? {
+        // Not for floats: Parquet statistics leave NaNs out, so a scan would prune row groups
+        // whose NaNs (greatest, or as −NaN smallest) belong in the answer.
+        let float_key = self
+            .store_schema
+            .field(self.first_key)
+            .data_type()
+            .is_floating();
+        if !float_key && let Some(predicate) = threshold_predicate(first, &value)? {
             self.dynamic_filter.update(predicate)?;
         }
         // The same bound over the stored rows' key column drops rows that can no longer win.
-        let key_index = self.store_schema.fields().len() - 1;
         let stored_key = PhysicalSortExpr::new(
             Arc::new(Column::new(
-                self.store_schema.field(key_index).name(),
-                key_index,
+                self.store_schema.field(self.first_key).name(),
+                self.first_key,
             )),
             first.options,
         );

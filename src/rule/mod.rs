@@ -18,7 +18,13 @@
 //!
 //! Round-robin repartitioning and partition coalescing directly below are dropped: our operator
 //! reads every partition itself, and without them the input order (partition, batch, row) is
-//! deterministic, which is what makes ties deterministic.
+//! deterministic, which is what makes ties deterministic. For the same reason the file scans
+//! below read each partition's own files in order (DataFusion lets idle partitions steal unread
+//! files at run time). An input whose own order varies between runs (rows merged from several
+//! partitions by a hash repartition, as below a join or an aggregation) breaks its ties in the
+//! order it delivers, as DataFusion's TopK does.
+//!
+//! Unbounded inputs are left to DataFusion (a top-k emits only once its input ends).
 //!
 //! A shape or type the operator cannot take leaves the plan untouched (the rule never errors);
 //! the reason is logged and kept in [`GpuTopKRule::last_decisions`].
@@ -27,11 +33,13 @@ use std::sync::{Arc, Mutex};
 
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
+use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::Result;
 use datafusion::physical_expr::expressions::{Column, Literal};
 use datafusion::physical_expr::{LexOrdering, PhysicalExpr, PhysicalSortExpr};
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
 use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::limit::GlobalLimitExec;
 use datafusion::physical_plan::projection::ProjectionExec;
@@ -175,7 +183,14 @@ fn match_top_k(
         return because(format!("k = {k} exceeds gpu_topk.max_k = {}", config.max_k));
     }
 
-    let absorbed = absorb_below(sort.input(), sort.expr(), above_sort)?;
+    let mut absorbed = absorb_below(sort.input(), sort.expr(), above_sort)?;
+    absorbed.input = without_round_robin(Arc::clone(&absorbed.input))
+        .and_then(scans_in_order)
+        .or_else(|e| because(format!("cannot fix the input's order: {e}")))?;
+    if absorbed.input.boundedness().is_unbounded() {
+        // A top-k emits only at the end of its input: DataFusion's sanity check decides.
+        return because("the input is unbounded");
+    }
     let input_schema = absorbed.input.schema();
     let mut specs = Vec::with_capacity(absorbed.sort_exprs.len());
     for sort_expr in absorbed.sort_exprs.iter() {
@@ -242,6 +257,7 @@ fn match_top_k(
         choice,
         reason,
         prediction,
+        fault: config.inject_fault,
     };
     let exec = GpuTopKExec::try_new(absorbed.input, spec, node.as_ref())
         .or_else(|e| because(format!("cannot build the operator: {e}")))?;
@@ -327,6 +343,55 @@ fn absorb_below(
         }
     }
     Ok(absorbed)
+}
+
+/// The input without the round-robin repartitioning (or partition coalescing) that row-wise
+/// nodes left above it (a computed projection, a second filter) read from: which partition a
+/// batch goes to there depends on timing.
+fn without_round_robin(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+    if let Some(repartition) = plan.downcast_ref::<RepartitionExec>()
+        && matches!(repartition.partitioning(), Partitioning::RoundRobinBatch(_))
+        && !repartition.preserve_order()
+    {
+        return without_round_robin(Arc::clone(repartition.input()));
+    }
+    if let Some(coalesce) = plan.downcast_ref::<CoalescePartitionsExec>()
+        && coalesce.fetch().is_none()
+    {
+        return without_round_robin(Arc::clone(coalesce.input()));
+    }
+    let row_wise = plan.downcast_ref::<ProjectionExec>().is_some()
+        || plan.downcast_ref::<FilterExec>().is_some();
+    if !row_wise {
+        return Ok(plan);
+    }
+    let child = Arc::clone(plan.children()[0]);
+    let new_child = without_round_robin(Arc::clone(&child))?;
+    if Arc::ptr_eq(&child, &new_child) {
+        return Ok(plan);
+    }
+    plan.replace_children(
+        vec![new_child],
+        ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute),
+    )
+}
+
+/// The input with every file scan reading its own file groups in order. By default a scan's
+/// partitions steal unread files from each other at run time, so which partition (and thus
+/// which input position) a row has depends on timing; ties are broken by input position, which
+/// must not.
+fn scans_in_order(input: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+    input
+        .transform_up(|node| {
+            if node.downcast_ref::<DataSourceExec>().is_none() {
+                return Ok(Transformed::no(node));
+            }
+            Ok(match node.with_preserve_order(true) {
+                Some(ordered) => Transformed::yes(ordered),
+                None => Transformed::no(node),
+            })
+        })
+        .data()
 }
 
 /// Columns and literals only: a computed column must be evaluated on every row, as DataFusion

@@ -13,6 +13,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod fault;
 pub mod resident;
 
 use std::fmt::Debug;
@@ -21,6 +22,7 @@ use std::sync::Arc;
 use datafusion::arrow::array::ArrayRef;
 use datafusion::error::{DataFusionError, Result};
 
+use crate::config::FaultPoint;
 use crate::cost::{CostModel, SelectionChoice};
 use crate::fusion::FusedProgram;
 use crate::keys::KeyLayout;
@@ -149,20 +151,32 @@ pub struct SelectionSpec {
     /// With `gpu_topk.algorithm = 'auto'`: the cost model, which picks the device algorithm of
     /// the final selection once the number of candidates is known.
     pub final_model: Option<CostModel>,
+    /// A device failure to inject ([`fault`]); `FaultPoint::None` in normal use.
+    pub fault: FaultPoint,
 }
 
-/// The single entry point: builds the selector the cost model chose.
+/// The single entry point: builds the selector the cost model chose (wrapped to fail at
+/// `spec.fault` when a fault is injected).
 pub fn create_selector(
     spec: &SelectionSpec,
     choice: &SelectionChoice,
 ) -> Result<Arc<dyn TopKSelector>> {
-    match choice {
-        SelectionChoice::Cpu => Ok(cpu::new_selector(spec)),
-        SelectionChoice::Cuda(_) => match crate::device::gpu() {
-            Some(device) => cuda::new_cuda_selector(spec, device, choice.setting()),
-            None => Err(DataFusionError::External(
-                format!("{DEVICE_ERROR_TAG} no GPU available").into(),
-            )),
-        },
+    if spec.fault == FaultPoint::Create {
+        return Err(fault::injected(spec.fault));
     }
+    let selector = match choice {
+        SelectionChoice::Cpu => cpu::new_selector(spec),
+        SelectionChoice::Cuda(_) => match crate::device::gpu() {
+            Some(device) => cuda::new_cuda_selector(spec, device, choice.setting())?,
+            None => {
+                return Err(DataFusionError::External(
+                    format!("{DEVICE_ERROR_TAG} no GPU available").into(),
+                ));
+            }
+        },
+    };
+    Ok(match spec.fault {
+        FaultPoint::None => selector,
+        point => Arc::new(fault::FaultInjector::new(selector, point)),
+    })
 }

@@ -36,6 +36,23 @@ pub fn session(enabled: bool, partitions: usize, batch_size: usize) -> SessionCo
     SessionContext::new_with_state(state)
 }
 
+/// Plain DataFusion as the oracle over `storage`. Over Parquet its TopK's dynamic filter can
+/// prune row groups holding rows that belong in the answer (NaN halves, DataFusion 55), so
+/// the oracle sorts without it there.
+pub fn plain_session(partitions: usize, storage: Storage) -> SessionContext {
+    let ctx = session(false, partitions, 100);
+    if storage != Storage::Memory {
+        let state = ctx.state_ref();
+        let mut state = state.write();
+        state
+            .config_mut()
+            .options_mut()
+            .optimizer
+            .enable_topk_dynamic_filter_pushdown = false;
+    }
+    ctx
+}
+
 pub fn register(ctx: &SessionContext, name: &str, partitions: Vec<Vec<RecordBatch>>) {
     let schema = partitions
         .iter()
@@ -147,4 +164,106 @@ impl Rng {
     pub fn chance(&mut self, p: f64) -> bool {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64 <= p
     }
+}
+
+/// Where a test table lives: the kinds of input users query.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Storage {
+    /// A `MemTable`, one partition per input partition.
+    Memory,
+    /// One Parquet file per input partition, row groups of `ROW_GROUP_ROWS` rows.
+    Parquet,
+    /// One CSV file per input partition, with a header.
+    Csv,
+}
+
+pub const STORAGES: [Storage; 3] = [Storage::Memory, Storage::Parquet, Storage::Csv];
+
+/// Rows per Parquet row group in file-backed test tables (several per file).
+pub const ROW_GROUP_ROWS: usize = 64;
+
+/// A directory of its own for one test's files, emptied first.
+pub fn test_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("gpu-topk-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("test directory");
+    dir
+}
+
+/// Registers `partitions` as table `name` stored as `storage`. Files go under `dir`, named in
+/// partition order, so the table's input order is the partitions' order however DataFusion
+/// groups the files.
+pub async fn register_as(
+    ctx: &SessionContext,
+    name: &str,
+    partitions: &[Vec<RecordBatch>],
+    storage: Storage,
+    dir: &std::path::Path,
+) {
+    use datafusion::prelude::{CsvReadOptions, ParquetReadOptions};
+    let schema = partitions
+        .iter()
+        .flatten()
+        .next()
+        .map(|b| b.schema())
+        .expect("at least one batch to take the schema from");
+    if storage == Storage::Memory {
+        register(ctx, name, partitions.to_vec());
+        return;
+    }
+    let dir = dir.join(format!("{name}-{storage:?}").to_lowercase());
+    if !dir.exists() {
+        std::fs::create_dir_all(&dir).expect("table directory");
+        for (p, batches) in partitions.iter().enumerate() {
+            write_file(&dir, p, &schema, batches, storage);
+        }
+    }
+    let path = dir.to_str().expect("utf-8 path");
+    match storage {
+        Storage::Parquet => ctx
+            .register_parquet(name, path, ParquetReadOptions::default())
+            .await
+            .expect("register parquet"),
+        Storage::Csv => ctx
+            .register_csv(name, path, CsvReadOptions::new().schema(&schema))
+            .await
+            .expect("register csv"),
+        Storage::Memory => unreachable!(),
+    }
+}
+
+fn write_file(
+    dir: &std::path::Path,
+    partition: usize,
+    schema: &datafusion::arrow::datatypes::SchemaRef,
+    batches: &[RecordBatch],
+    storage: Storage,
+) {
+    use datafusion::parquet::arrow::ArrowWriter;
+    use datafusion::parquet::file::properties::WriterProperties;
+    let extension = if storage == Storage::Csv {
+        "csv"
+    } else {
+        "parquet"
+    };
+    let file = std::fs::File::create(dir.join(format!("part-{partition:04}.{extension}")))
+        .expect("create test file");
+    if storage == Storage::Csv {
+        let mut writer = datafusion::arrow::csv::WriterBuilder::new()
+            .with_header(true)
+            .build(file);
+        for batch in batches {
+            writer.write(batch).expect("write csv");
+        }
+        return;
+    }
+    let properties = WriterProperties::builder()
+        .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
+        .build();
+    let mut writer =
+        ArrowWriter::try_new(file, Arc::clone(schema), Some(properties)).expect("parquet writer");
+    for batch in batches {
+        writer.write(batch).expect("write parquet");
+    }
+    writer.close().expect("close parquet");
 }

@@ -867,6 +867,7 @@ fn check_selector(
         k,
         program: None,
         final_model: None,
+        fault: Default::default(),
     };
     let cpu = cpu::new_selector(&spec);
     let gpu = new_cuda_selector_with_capacity(&spec, Arc::clone(device), algorithm, capacity)
@@ -982,6 +983,7 @@ fn gpu_selector_without_rows_or_with_k_zero() {
             k,
             program: None,
             final_model: None,
+            fault: Default::default(),
         };
         let gpu = new_cuda_selector_with_capacity(&spec, Arc::clone(&device), Algorithm::Auto, 1)
             .unwrap();
@@ -999,6 +1001,7 @@ fn gpu_selector_without_rows_or_with_k_zero() {
         k: 3,
         program: None,
         final_model: None,
+        fault: Default::default(),
     };
     let gpu =
         new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), Algorithm::Radix, 1).unwrap();
@@ -1022,6 +1025,7 @@ fn gpu_selector_rejects_mismatched_input_and_algorithms() {
         k: 5,
         program: None,
         final_model: None,
+        fault: Default::default(),
     };
     let gpu =
         new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), Algorithm::Auto, 1).unwrap();
@@ -1049,6 +1053,7 @@ fn gpu_selector_rejects_mismatched_input_and_algorithms() {
         k: bitonic_max_k(&device, &layout) + 1,
         program: None,
         final_model: None,
+        fault: Default::default(),
     };
     assert!(
         new_cuda_selector_with_capacity(&big, Arc::clone(&device), Algorithm::Bitonic, 1).is_err()
@@ -1130,6 +1135,7 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
             k,
             program: None,
             final_model: None,
+            fault: Default::default(),
         };
         let Ok(gpu) =
             new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), algorithm, capacity)
@@ -1858,6 +1864,7 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
                 k,
                 program: Some(Arc::clone(&program)),
                 final_model: None,
+                fault: Default::default(),
             };
             let gpu =
                 new_cuda_selector_with_capacity(&selection, Arc::clone(&device), algorithm, 256)

@@ -5,6 +5,7 @@
 
 mod common;
 mod differential;
+mod files;
 mod fusion;
 mod gpu;
 mod plan;
