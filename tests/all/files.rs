@@ -332,10 +332,11 @@ async fn a_failing_gpu_never_changes_the_answer_over_any_input() {
                 let (result, fallbacks) = run_counting_fallbacks(ours, sql).await;
                 // A fault at creation always fires; one at the end fires when the query
                 // reaches its end (no error of its own before).
-                // (DataFusion stacks two top-ks for some keys: each operator falls back once.)
+                // (DataFusion stacks two top-ks for some keys: each operator falls back once.
+                // Without a fault, the GPU hands a row DataFusion fails on to the host.)
                 let operators = count_gpu_topk(&plan);
                 match fault {
-                    FaultPoint::None => assert_eq!(fallbacks, 0, "{label}"),
+                    FaultPoint::None if result.is_ok() => assert_eq!(fallbacks, 0, "{label}"),
                     FaultPoint::Create => assert_eq!(fallbacks, operators, "{label}"),
                     FaultPoint::Finish if result.is_ok() => {
                         assert_eq!(fallbacks, operators, "{label}")
