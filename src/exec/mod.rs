@@ -14,9 +14,14 @@
 //!    host evaluates only a predicate that does not translate.
 //! 3. The key columns go to the selector ([`crate::select`]): CPU or GPU, chosen by
 //!    [`crate::cost`]. It keeps the best `k` `(key, row id)` pairs and a running threshold.
-//! 4. Late materialisation: only the output columns of rows the selector admitted are kept
-//!    (`row_store::RowStore`), and pruned as the selector evicts them.
+//! 4. Late materialisation: only the output columns (and sort keys) of rows the selector admitted
+//!    are kept (`row_store::RowStore`), and pruned as the selector evicts them.
 //! 5. When the input ends, the winners' rows are gathered in order, `OFFSET` applied.
+//!
+//! A device error (or a row only the host gives DataFusion's outcome for) moves the selection to
+//! the CPU mid-query without reading any input twice: a CPU selector takes over every retained
+//! row (their sort keys are kept with them) and the batches of the failed push, and the other
+//! partitions continue on the CPU path (`stream::Shared::fall_back`).
 //!
 //! The running threshold is published through a [`DynamicFilterPhysicalExpr`] that DataFusion's
 //! `FilterPushdown(Post)` hands to the scans below, so they can skip row groups that cannot win.

@@ -143,12 +143,6 @@ pub fn new_cuda_selector_with_capacity(
 }
 
 /// A device fault, tagged so the operator falls back to the CPU path.
-/// `GPU_TOPK_INJECT_FAULT` set: every push fails like a device fault (tests the CPU fallback).
-fn fault_injected() -> bool {
-    static INJECT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *INJECT.get_or_init(|| std::env::var_os("GPU_TOPK_INJECT_FAULT").is_some())
-}
-
 pub(super) fn gpu_error(e: GpuError) -> DataFusionError {
     DataFusionError::External(Box::new(GpuError(format!(
         "{DEVICE_ERROR_TAG} CUDA top-k selection failed: {e}"
@@ -302,11 +296,6 @@ impl TopKSelector for CudaSelector {
         if n == 0 || self.k == 0 {
             return Ok(Admitted::Indices(vec![]));
         }
-        if fault_injected() {
-            return Err(gpu_error(GpuError(
-                "fault injected by GPU_TOPK_INJECT_FAULT".into(),
-            )));
-        }
         let columns = plan_columns(&self.layout, input.keys)?;
         let (k, algorithm, min_capacity) = (self.k, self.algorithm, self.min_capacity);
         let mut state = self.state()?;
@@ -360,11 +349,6 @@ impl TopKSelector for CudaSelector {
                 passed: 0,
                 rows: vec![],
             });
-        }
-        if fault_injected() {
-            return Err(gpu_error(GpuError(
-                "fault injected by GPU_TOPK_INJECT_FAULT".into(),
-            )));
         }
         if input.columns.len() != inputs.len()
             || input

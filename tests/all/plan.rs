@@ -7,6 +7,7 @@ use datafusion::arrow::datatypes::{DataType, Field, Int64Type, Schema};
 use datafusion::execution::SessionStateBuilder;
 use datafusion::physical_plan::{ExecutionPlan, collect};
 use datafusion::prelude::{SessionConfig, SessionContext};
+use datafusion_gpu_topk::config::FaultPoint;
 use datafusion_gpu_topk::device::gpu;
 use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
 use futures::StreamExt;
@@ -374,29 +375,27 @@ async fn cuda_threshold_is_published_after_device_reductions() {
     );
 }
 
-/// A device fault during a query reruns it on the CPU path, visibly (metrics, EXPLAIN ANALYZE).
-/// The fault is injected by an environment variable, so the check runs in a child process.
+/// A device fault during a query moves it to the CPU path, visibly (metrics, EXPLAIN ANALYZE).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_fault_falls_back_to_the_cpu_path() {
     if gpu().is_none() {
         eprintln!("SKIP gpu_fault_falls_back_to_the_cpu_path: no GPU");
         return;
     }
-    if std::env::var_os("GPU_TOPK_INJECT_FAULT").is_none() {
-        let status = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "plan::gpu_fault_falls_back_to_the_cpu_path",
-                "--exact",
-                "--nocapture",
-            ])
-            .env("GPU_TOPK_INJECT_FAULT", "1")
-            .env("GPU_TOPK_TEST_BACKEND", "cuda")
-            .status()
-            .unwrap();
-        assert!(status.success(), "the fault-injected child failed");
-        return;
-    }
-    let ctx = session(true, 2, 1024);
+    let state = SessionStateBuilder::new()
+        .with_config(
+            SessionConfig::new()
+                .with_target_partitions(2)
+                .with_batch_size(1024),
+        )
+        .with_default_features()
+        .with_gpu_topk(
+            GpuTopKConfig::default()
+                .with_backend(Backend::Cuda)
+                .with_inject_fault(FaultPoint::Push(1)),
+        )
+        .build();
+    let ctx = SessionContext::new_with_state(state);
     register(&ctx, "t", numbers(2, 10_000));
     let sql = "SELECT id, v FROM t ORDER BY v DESC, id LIMIT 5";
     let plan = physical_plan(&ctx, sql).await.unwrap();
