@@ -53,13 +53,18 @@ pub fn plain_session(partitions: usize, storage: Storage) -> SessionContext {
     ctx
 }
 
-pub fn register(ctx: &SessionContext, name: &str, partitions: Vec<Vec<RecordBatch>>) {
-    let schema = partitions
+/// The schema of a table given as partitions of batches.
+fn schema_of(partitions: &[Vec<RecordBatch>]) -> datafusion::arrow::datatypes::SchemaRef {
+    partitions
         .iter()
         .flatten()
         .next()
         .map(|b| b.schema())
-        .expect("at least one batch to take the schema from");
+        .expect("at least one batch to take the schema from")
+}
+
+pub fn register(ctx: &SessionContext, name: &str, partitions: Vec<Vec<RecordBatch>>) {
+    let schema = schema_of(&partitions);
     let table = MemTable::try_new(schema, partitions).expect("mem table");
     ctx.register_table(name, Arc::new(table)).expect("register");
 }
@@ -201,16 +206,11 @@ pub async fn register_as(
     dir: &std::path::Path,
 ) {
     use datafusion::prelude::{CsvReadOptions, ParquetReadOptions};
-    let schema = partitions
-        .iter()
-        .flatten()
-        .next()
-        .map(|b| b.schema())
-        .expect("at least one batch to take the schema from");
     if storage == Storage::Memory {
         register(ctx, name, partitions.to_vec());
         return;
     }
+    let schema = schema_of(partitions);
     let dir = dir.join(format!("{name}-{storage:?}").to_lowercase());
     if !dir.exists() {
         std::fs::create_dir_all(&dir).expect("table directory");
