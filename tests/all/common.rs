@@ -91,6 +91,31 @@ pub async fn run(ctx: &SessionContext, sql: &str) -> Result<Vec<RecordBatch>> {
     ctx.sql(sql).await?.collect().await
 }
 
+/// The rows of `oracle` (plain DataFusion) as [`exact_rows`]. A trailing `LIMIT n [OFFSET m]`
+/// is applied to the full sort instead of running DataFusion's TopK, which can rank 0.0 rows
+/// before −0.0 ones depending on batch arrival (DataFusion 55).
+pub async fn run_oracle(ctx: &SessionContext, oracle: &str) -> Result<Vec<String>> {
+    let window = oracle.rfind(" LIMIT ").and_then(|at| {
+        let words: Vec<&str> = oracle[at..].split_whitespace().collect();
+        let number = |w: &str| w.parse::<usize>().ok();
+        match words.as_slice() {
+            ["LIMIT", n] => Some((at, 0, number(n)?)),
+            ["LIMIT", n, "OFFSET", m] => Some((at, number(m)?, number(n)?)),
+            _ => None,
+        }
+    });
+    let Some((at, offset, limit)) = window else {
+        return Ok(exact_rows(&run(ctx, oracle).await?));
+    };
+    let rows = exact_rows(&run(ctx, &oracle[..at]).await?);
+    let body: Vec<String> = rows.iter().skip(1 + offset).take(limit).cloned().collect();
+    // `exact_rows` writes the types' line only above rows.
+    Ok(match body.is_empty() {
+        true => body,
+        false => rows.into_iter().take(1).chain(body).collect(),
+    })
+}
+
 /// Every row as text, exact: floats also by their bits (so -0.0, NaN payloads and the like
 /// must match, not just print alike). Column types are part of the first line.
 pub fn exact_rows(batches: &[RecordBatch]) -> Vec<String> {
