@@ -7,6 +7,7 @@
 //! - Faults: a device failure injected at each step of the selection (`gpu_topk.inject_fault`)
 //!   never changes the answer, an error included, whatever the input.
 //! - Unbounded inputs: DataFusion's outcome (its sanity check's error).
+//! - Concurrency: 64 queries at once, half of them on a session whose GPU selection fails.
 
 use std::hash::{Hash, Hasher};
 use std::path::Path;
@@ -146,22 +147,37 @@ fn labels() -> Vec<Vec<RecordBatch>> {
     vec![vec![batch.slice(0, 5)], vec![batch.slice(5, 4)]]
 }
 
-/// `sql` with the operator and `oracle` without it: the same rows, or the same error (the
-/// failing value a cast names aside: it is the first one read).
+/// `sql` with the operator and `oracle` without it: the same rows, or the same error.
 async fn same_as_datafusion(
     ours: &SessionContext,
     plain: &SessionContext,
     sql: &str,
     oracle: &str,
 ) {
-    match (run(ours, sql).await, run(plain, oracle).await) {
-        (Ok(got), Ok(want)) => assert_eq!(exact_rows(&got), exact_rows(&want), "{sql}"),
+    let got = run(ours, sql).await.map(|b| exact_rows(&b));
+    let want = run_oracle(plain, oracle).await;
+    assert_same(
+        sql,
+        got.map_err(|e| e.to_string()),
+        want.map_err(|e| e.to_string()),
+    );
+}
+
+/// The same rows, or the same error (the failing value a cast names aside: it is the first one
+/// read).
+fn assert_same(
+    sql: &str,
+    got: std::result::Result<Vec<String>, String>,
+    want: std::result::Result<Vec<String>, String>,
+) {
+    match (got, want) {
+        (Ok(got), Ok(want)) => assert_eq!(got, want, "{sql}"),
         (Err(a), Err(b)) => {
             let strip = |e: String| match (e.find("Can't cast value "), e.find(" to type ")) {
                 (Some(at), Some(to)) if to > at => format!("{}…{}", &e[..at], &e[to..]),
                 _ => e,
             };
-            assert_eq!(strip(a.to_string()), strip(b.to_string()), "{sql}");
+            assert_eq!(strip(a), strip(b), "{sql}");
         }
         (a, b) => panic!("{sql}: ours {a:?}\nDataFusion {b:?}"),
     }
@@ -419,6 +435,51 @@ async fn file_tables_keep_the_partitions_order() {
                 .sum::<usize>(),
             0
         );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Many queries at once on one session (and as many on a session whose GPU selection fails at
+/// its second push): every answer DataFusion's, none stuck.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_queries_of_mixed_shapes_all_get_their_answer() {
+    let data = ties_table(53);
+    let dir = test_dir("concurrent");
+    let plain = plain_session(4, Storage::Parquet);
+    let sessions = [
+        session_with_fault(4, FaultPoint::None),
+        session_with_fault(4, FaultPoint::Push(2)),
+    ];
+    register_tables(&[&plain], Storage::Parquet, &dir, &data).await;
+    register_tables(
+        &sessions.iter().collect::<Vec<_>>(),
+        Storage::Parquet,
+        &dir,
+        &data,
+    )
+    .await;
+    let queries: Vec<(&str, &str)> = TIE_QUERIES
+        .iter()
+        .chain(FAULT_QUERIES)
+        .copied()
+        .filter(|(sql, _)| !sql.contains("jitter"))
+        .collect();
+    let mut wanted = Vec::new();
+    for (_, oracle) in &queries {
+        wanted.push(run_oracle(&plain, oracle).await.map_err(|e| e.to_string()));
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..64 {
+        let ctx = sessions[i % 2].clone();
+        let (sql, _) = queries[i % queries.len()];
+        let want = wanted[i % queries.len()].clone();
+        tasks.spawn(async move {
+            let got = run(&ctx, sql).await.map(|b| exact_rows(&b));
+            assert_same(sql, got.map_err(|e| e.to_string()), want);
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.expect("a concurrent query panicked");
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
