@@ -175,6 +175,31 @@ pub fn exact_rows(batches: &[RecordBatch]) -> Vec<String> {
     out
 }
 
+/// A table of partitions of batches of the given sizes, made by `batch(rng, first_rid, rows)`
+/// in partition order, so that `rid` (the first row's id, counted across partitions) is the
+/// input position.
+pub fn partitioned(
+    seed: u64,
+    sizes: &[&[usize]],
+    mut batch: impl FnMut(&mut Rng, i64, usize) -> RecordBatch,
+) -> Vec<Vec<RecordBatch>> {
+    let mut rng = Rng::new(seed);
+    let mut rid = 0i64;
+    sizes
+        .iter()
+        .map(|batches| {
+            batches
+                .iter()
+                .map(|&n| {
+                    let b = batch(&mut rng, rid, n);
+                    rid += n as i64;
+                    b
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// A tiny deterministic PRNG (xorshift64*), so test data is reproducible without a crate.
 pub struct Rng(u64);
 

@@ -20,8 +20,8 @@ use half::f16;
 use std::path::Path;
 
 use crate::common::{
-    Rng, Storage, count_gpu_topk, exact_rows, physical_plan, plain_session, plan_text, register,
-    register_as, run, run_oracle, session, test_dir,
+    Rng, Storage, count_gpu_topk, exact_rows, partitioned, physical_plan, plain_session, plan_text,
+    register, register_as, run, run_oracle, session, test_dir,
 };
 
 const KEY_COLUMNS: &[&str] = &[
@@ -269,21 +269,7 @@ fn batch(rng: &mut Rng, first_rid: i64, n: usize) -> RecordBatch {
 /// Partitions of uneven sizes (one empty), in batches of uneven sizes; `rid` counts rows in
 /// partition order.
 pub fn table(seed: u64, sizes: &[&[usize]]) -> Vec<Vec<RecordBatch>> {
-    let mut rng = Rng::new(seed);
-    let mut rid = 0i64;
-    sizes
-        .iter()
-        .map(|batches| {
-            batches
-                .iter()
-                .map(|&n| {
-                    let b = batch(&mut rng, rid, n);
-                    rid += n as i64;
-                    b
-                })
-                .collect()
-        })
-        .collect()
+    partitioned(seed, sizes, batch)
 }
 
 struct Case {

@@ -29,7 +29,7 @@ use datafusion_gpu_topk::config::FaultPoint;
 use datafusion_gpu_topk::{GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
 
 use crate::common::{
-    Rng, STORAGES, Storage, count_gpu_topk, exact_rows, plain_session, register_as, run,
+    STORAGES, Storage, count_gpu_topk, exact_rows, partitioned, plain_session, register_as, run,
     run_oracle, session, test_backend, test_dir,
 };
 
@@ -102,37 +102,26 @@ fn ties_table(seed: u64) -> Vec<Vec<RecordBatch>> {
         Field::new("f", DataType::Float64, true),
         Field::new("w", DataType::Int64, true),
     ]));
-    let mut rng = Rng::new(seed);
-    let mut rid = 0i64;
     let sizes: &[&[usize]] = &[&[150, 90], &[200], &[], &[60, 140, 10], &[300], &[1, 120]];
-    sizes
-        .iter()
-        .map(|batches| {
-            batches
-                .iter()
-                .map(|&n| {
-                    let floats = [0.0, -0.0, 1.5, f64::NAN, -2.0];
-                    let columns: Vec<ArrayRef> = vec![
-                        Arc::new(Int64Array::from_iter_values(rid..rid + n as i64)),
-                        Arc::new(Int32Array::from_iter_values(
-                            (0..n).map(|_| rng.below(5) as i32),
-                        )),
-                        Arc::new(Int32Array::from_iter(
-                            (0..n).map(|_| (!rng.chance(0.05)).then(|| rng.below(40) as i32)),
-                        )),
-                        Arc::new(Float64Array::from_iter((0..n).map(|_| {
-                            (!rng.chance(0.1)).then(|| floats[rng.below(5) as usize])
-                        }))),
-                        Arc::new(Int64Array::from_iter_values(
-                            (0..n).map(|_| rng.next_u64() as i64 >> 8),
-                        )),
-                    ];
-                    rid += n as i64;
-                    RecordBatch::try_new(Arc::clone(&schema), columns).expect("batch")
-                })
-                .collect()
-        })
-        .collect()
+    partitioned(seed, sizes, |rng, rid, n| {
+        let floats = [0.0, -0.0, 1.5, f64::NAN, -2.0];
+        let columns: Vec<ArrayRef> = vec![
+            Arc::new(Int64Array::from_iter_values(rid..rid + n as i64)),
+            Arc::new(Int32Array::from_iter_values(
+                (0..n).map(|_| rng.below(5) as i32),
+            )),
+            Arc::new(Int32Array::from_iter(
+                (0..n).map(|_| (!rng.chance(0.05)).then(|| rng.below(40) as i32)),
+            )),
+            Arc::new(Float64Array::from_iter((0..n).map(|_| {
+                (!rng.chance(0.1)).then(|| floats[rng.below(5) as usize])
+            }))),
+            Arc::new(Int64Array::from_iter_values(
+                (0..n).map(|_| rng.next_u64() as i64 >> 8),
+            )),
+        ];
+        RecordBatch::try_new(Arc::clone(&schema), columns).expect("batch")
+    })
 }
 
 /// A small table to join with: `g` → `label`, two rows per value of `g` but one.
