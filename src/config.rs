@@ -8,6 +8,8 @@ use datafusion::common::config::ConfigExtension;
 use datafusion::common::{config_field, extensions_options};
 use datafusion::error::DataFusionError;
 
+pub use crate::device::watch::DeviceOp;
+
 /// Where the top-k selection runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Backend {
@@ -80,6 +82,10 @@ pub enum FaultPoint {
     Push(usize),
     /// The final selection fails.
     Finish,
+    /// The n-th device operation of one kind (allocation, compile, kernel launch, upload,
+    /// read-back) of the query fails: `alloc:N`, `compile:N`, `launch:N`, `upload:N`,
+    /// `download:N`. Only a GPU selection performs them.
+    Device(DeviceOp, usize),
 }
 
 impl fmt::Display for FaultPoint {
@@ -89,6 +95,7 @@ impl fmt::Display for FaultPoint {
             FaultPoint::Create => f.write_str("create"),
             FaultPoint::Push(n) => write!(f, "push:{n}"),
             FaultPoint::Finish => f.write_str("finish"),
+            FaultPoint::Device(op, n) => write!(f, "{op}:{n}"),
         }
     }
 }
@@ -97,18 +104,21 @@ impl FromStr for FaultPoint {
     type Err = DataFusionError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let s = s.trim().to_ascii_lowercase();
-        let push = s
-            .strip_prefix("push:")
-            .and_then(|n| n.parse::<usize>().ok())
-            .filter(|&n| n > 0);
-        match (s.as_str(), push) {
+        let counted = s.split_once(':').and_then(|(what, n)| {
+            let n = n.trim().parse::<usize>().ok().filter(|&n| n > 0)?;
+            match what.trim() {
+                "push" => Some(FaultPoint::Push(n)),
+                op => op.parse().ok().map(|op| FaultPoint::Device(op, n)),
+            }
+        });
+        match (s.as_str(), counted) {
             ("" | "none", _) => Ok(FaultPoint::None),
             ("create", _) => Ok(FaultPoint::Create),
             ("finish", _) => Ok(FaultPoint::Finish),
-            (_, Some(n)) => Ok(FaultPoint::Push(n)),
+            (_, Some(point)) => Ok(point),
             (other, None) => Err(DataFusionError::Configuration(format!(
-                "invalid gpu_topk.inject_fault '{other}': expected none, create, push:N \
-                 (N >= 1) or finish"
+                "invalid gpu_topk.inject_fault '{other}': expected none, create, finish, or \
+                 push, alloc, compile, launch, upload or download followed by :N (N >= 1)"
             ))),
         }
     }
@@ -135,9 +145,13 @@ extensions_options! {
         /// Measure the device for the cost model again (once per process while set), instead
         /// of reading the cached calibration.
         pub recalibrate: bool, default = false
-        /// Testing: make the GPU selection fail at one step (`create`, `push:N`, `finish`),
-        /// as a device fault would; the operator must still give DataFusion's answer.
+        /// Testing: make the GPU selection fail at one step (`create`, `push:N`, `finish`), or
+        /// one device operation fail (`alloc:N`, `compile:N`, `launch:N`, `upload:N`,
+        /// `download:N`); the operator must still give DataFusion's answer.
         pub inject_fault: FaultPoint, default = FaultPoint::None
+        /// Most device memory, in bytes, one query's selection may hold (0: no limit but the
+        /// device's). A query that needs more falls back to the CPU path.
+        pub device_memory_limit: usize, default = 0
     }
 }
 
@@ -168,6 +182,10 @@ impl GpuTopKConfig {
     }
     pub fn with_recalibrate(mut self, recalibrate: bool) -> Self {
         self.recalibrate = recalibrate;
+        self
+    }
+    pub fn with_device_memory_limit(mut self, bytes: usize) -> Self {
+        self.device_memory_limit = bytes;
         self
     }
     pub fn with_inject_fault(mut self, fault: FaultPoint) -> Self {

@@ -493,6 +493,7 @@ fn cpu_rows_per_second() -> f64 {
         program: None,
         final_model: None,
         fault: Default::default(),
+        watch: None,
     };
     let mut best = f64::INFINITY;
     for _ in 0..3 {

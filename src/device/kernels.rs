@@ -530,8 +530,16 @@ fn cubin_cached_with(
         driver_version,
         cache_dir,
     )?;
-    if let Some(cubin) = path.as_deref().and_then(|p| read_cache_file(p, key)) {
-        return Ok(cubin);
+    if let Some(path) = path.as_deref()
+        && path.exists()
+    {
+        match read_cache_file(path, key) {
+            Some(cubin) => return Ok(cubin),
+            None => log::warn!(
+                "kernel cache file {} is corrupt or stale: compiling it again",
+                path.display()
+            ),
+        }
     }
     let cubin = compile(&headers)?;
     if let Some(path) = &path

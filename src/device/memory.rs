@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys::{CU_MEMHOSTALLOC_WRITECOMBINED, CUdeviceptr};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, result};
 
+use super::watch::{self, DeviceOp, Held};
 use super::{GpuError, GpuResult};
 
 /// The size class of a request: the next multiple of 1/8 of the enclosing power of two
@@ -140,6 +141,7 @@ impl BufferPool {
         stream: &Arc<CudaStream>,
     ) -> GpuResult<PooledBuffer> {
         let class = size_class(bytes);
+        let held = Held::device(class)?;
         let reused = {
             let mut state = self.state();
             let hit = state.by_class.get_mut(&class).and_then(Vec::pop);
@@ -175,6 +177,7 @@ impl BufferPool {
             bytes,
             pool: Arc::clone(self),
             stream: Arc::clone(stream),
+            _held: held,
         })
     }
 
@@ -218,6 +221,8 @@ pub struct PooledBuffer {
     bytes: usize,
     pool: Arc<BufferPool>,
     stream: Arc<CudaStream>,
+    /// Its bytes, accounted to the query that took it ([`watch`]).
+    _held: Held,
 }
 
 impl fmt::Debug for PooledBuffer {
@@ -334,6 +339,7 @@ impl PinnedBuffer {
 
     /// Enqueues a copy of the first `len` bytes to device address `dst` on `stream`.
     pub fn upload(&mut self, len: usize, dst: u64, stream: &CudaStream) -> GpuResult<()> {
+        watch::check(DeviceOp::Upload)?;
         if len > self.bytes {
             return Err(GpuError(format!(
                 "upload of {len} bytes from a {}-byte pinned buffer",
@@ -353,6 +359,7 @@ impl PinnedBuffer {
 
     /// Enqueues a copy of `len` bytes from device address `src` into the first `len` bytes.
     pub fn download(&mut self, src: u64, len: usize, stream: &CudaStream) -> GpuResult<()> {
+        watch::check(DeviceOp::Download)?;
         if len > self.bytes {
             return Err(GpuError(format!(
                 "download of {len} bytes into a {}-byte pinned buffer",
@@ -416,6 +423,15 @@ impl PinnedPool {
                 .map(|(i, _)| i);
             best.map(|i| free.swap_remove(i))
         };
+        let held = match Held::pinned(hit.as_ref().map_or(size_class(bytes), |b| b.bytes)) {
+            Ok(held) => held,
+            Err(e) => {
+                if let Some(b) = hit {
+                    self.release(b);
+                }
+                return Err(e);
+            }
+        };
         let buffer = match hit {
             Some(b) => b,
             None => PinnedBuffer::new(&self.ctx, size_class(bytes), write_combined)?,
@@ -423,6 +439,7 @@ impl PinnedPool {
         Ok(PinnedLease {
             buffer: Some(buffer),
             pool: Arc::clone(self),
+            _held: held,
         })
     }
 
@@ -440,6 +457,8 @@ impl PinnedPool {
 pub struct PinnedLease {
     buffer: Option<PinnedBuffer>,
     pool: Arc<PinnedPool>,
+    /// Its bytes, accounted to the query that took it ([`watch`]).
+    _held: Held,
 }
 
 impl std::ops::Deref for PinnedLease {

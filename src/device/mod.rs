@@ -9,13 +9,15 @@
 //! - [`kernels`]: the `kernels/*.cu` sources, NVRTC compilation to CUBIN, the on-disk cache;
 //! - [`algorithms`]: the host side of each kernel (encode, append, radix select, bitonic top-k,
 //!   sort), on one stream;
-//! - [`timer`]: CUDA events for timing.
+//! - [`timer`]: CUDA events for timing;
+//! - [`watch`]: one query's device bytes, its device memory limit, injected device faults.
 
 pub mod algorithms;
 pub mod kernels;
 pub mod measure;
 pub mod memory;
 pub mod timer;
+pub mod watch;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -173,6 +175,7 @@ impl GpuDevice {
         source: &str,
         entry: &str,
     ) -> GpuResult<(Arc<GeneratedKernel>, std::time::Duration)> {
+        watch::check(watch::DeviceOp::Compile)?;
         let mut loaded = self.generated.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(kernel) = loaded.get(source) {
             return Ok((Arc::clone(kernel), std::time::Duration::ZERO));

@@ -32,7 +32,7 @@ mod row_store;
 mod stream;
 
 use std::fmt::{self, Formatter};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::common::config::ConfigOptions;
@@ -83,6 +83,9 @@ pub struct TopKSpec {
     pub fusion: FusionPlan,
     /// A device failure to inject (`gpu_topk.inject_fault`, for tests of the fallback).
     pub fault: FaultPoint,
+    /// Most device bytes one execution's selection may hold (`gpu_topk.device_memory_limit`;
+    /// 0: no limit).
+    pub device_memory_limit: usize,
 }
 
 /// See the module documentation.
@@ -94,6 +97,8 @@ pub struct GpuTopKExec {
     dynamic_filter: Arc<DynamicFilterPhysicalExpr>,
     metrics: ExecutionPlanMetricsSet,
     properties: Arc<PlanProperties>,
+    /// Why the last execution left the GPU for the CPU path, if it did (EXPLAIN ANALYZE).
+    fallback: Arc<Mutex<Option<String>>>,
 }
 
 impl GpuTopKExec {
@@ -128,6 +133,7 @@ impl GpuTopKExec {
             dynamic_filter,
             metrics: ExecutionPlanMetricsSet::new(),
             properties: Arc::new(properties),
+            fallback: Arc::default(),
         })
     }
 
@@ -137,6 +143,12 @@ impl GpuTopKExec {
 
     pub fn spec(&self) -> &TopKSpec {
         &self.spec
+    }
+
+    /// Why the last execution moved from the GPU to the CPU path (a device error, the device
+    /// memory limit, a failed compile), if it did.
+    pub fn fallback_reason(&self) -> Option<String> {
+        self.fallback.lock().ok().and_then(|r| r.clone())
     }
 
     /// The threshold filter this operator publishes to the scans below.
@@ -153,6 +165,7 @@ impl GpuTopKExec {
             dynamic_filter: Arc::clone(&self.dynamic_filter),
             metrics: self.metrics.clone(),
             properties: Arc::clone(&self.properties),
+            fallback: Arc::clone(&self.fallback),
         }
     }
 }
@@ -196,6 +209,9 @@ impl DisplayAs for GpuTopKExec {
                     && !current.eq(&lit(true))
                 {
                     write!(f, ", threshold=[{current}]")?;
+                }
+                if let Some(reason) = self.fallback_reason() {
+                    write!(f, ", fell_back=[{reason}]")?;
                 }
                 Ok(())
             }
@@ -305,6 +321,7 @@ impl ExecutionPlan for GpuTopKExec {
             Arc::clone(&self.schema),
             Arc::clone(&self.dynamic_filter),
             &self.metrics,
+            Arc::clone(&self.fallback),
             context,
         )
     }

@@ -14,7 +14,9 @@ use datafusion::execution::TaskContext;
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::physical_expr::expressions::{Column, DynamicFilterPhysicalExpr};
 use datafusion::physical_expr::{PhysicalExpr, PhysicalSortExpr};
-use datafusion::physical_plan::metrics::{Count, ExecutionPlanMetricsSet, MetricBuilder, Time};
+use datafusion::physical_plan::metrics::{
+    Count, ExecutionPlanMetricsSet, Gauge, MetricBuilder, Time,
+};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     ExecutionPlan, ExecutionPlanProperties, SendableRecordBatchStream,
@@ -26,6 +28,7 @@ use super::dynamic_filter::threshold_predicate;
 use super::row_store::{RowStore, StoredBatch};
 use crate::config::FaultPoint;
 use crate::cost::SelectionChoice;
+use crate::device::watch::DeviceWatch;
 use crate::fusion::{self, FusedProgram, KernelInput};
 use crate::select::{
     self, Admitted, ColumnsInput, RowIds, SelectInput, SelectionSpec, TopKSelector,
@@ -38,6 +41,11 @@ struct TopKMetrics {
     rows_passed_filter: Count,
     output_rows: Count,
     gpu_fallbacks: Count,
+    /// Device and pinned host bytes the selection holds now (zero once a run is over) and
+    /// the most device bytes it held at once.
+    device_bytes_held: Gauge,
+    pinned_bytes_held: Gauge,
+    device_peak_bytes: Gauge,
     filter_time: Time,
     key_eval_time: Time,
     select_time: Time,
@@ -62,6 +70,9 @@ impl TopKMetrics {
             rows_passed_filter: MetricBuilder::new(set).counter("rows_passed_filter", 0),
             output_rows: MetricBuilder::new(set).output_rows(0),
             gpu_fallbacks: MetricBuilder::new(set).counter("gpu_fallbacks", 0),
+            device_bytes_held: MetricBuilder::new(set).gauge("device_bytes_held", 0),
+            pinned_bytes_held: MetricBuilder::new(set).gauge("pinned_bytes_held", 0),
+            device_peak_bytes: MetricBuilder::new(set).gauge("device_peak_bytes", 0),
             filter_time: time("filter_time"),
             key_eval_time: time("key_eval_time"),
             select_time: time("select_time"),
@@ -80,9 +91,14 @@ pub(super) fn execute(
     schema: SchemaRef,
     dynamic_filter: Arc<DynamicFilterPhysicalExpr>,
     metrics: &ExecutionPlanMetricsSet,
+    fallback: Arc<Mutex<Option<String>>>,
     context: Arc<TaskContext>,
 ) -> Result<SendableRecordBatchStream> {
+    if let Ok(mut reason) = fallback.lock() {
+        *reason = None;
+    }
     let run = TopKRun {
+        fallback,
         reservation: MemoryConsumer::new("GpuTopKExec").register(context.memory_pool()),
         input,
         spec,
@@ -99,6 +115,8 @@ pub(super) fn execute(
 
 /// One execution of the operator.
 struct TopKRun {
+    /// Where the reason of a fallback is reported (EXPLAIN ANALYZE).
+    fallback: Arc<Mutex<Option<String>>>,
     input: Arc<dyn ExecutionPlan>,
     spec: Arc<TopKSpec>,
     schema: SchemaRef,
@@ -127,6 +145,20 @@ fn is_device_error(e: &DataFusionError) -> bool {
         || e.to_string().contains(crate::select::DEVICE_ERROR_TAG)
 }
 
+/// Records why a run left the GPU (the device error's text, without the tag).
+fn report_fallback(fallback: &Mutex<Option<String>>, error: &DataFusionError) {
+    let text = error.to_string();
+    let text = match text.find(crate::select::DEVICE_ERROR_TAG) {
+        Some(at) => text[at + crate::select::DEVICE_ERROR_TAG.len()..]
+            .trim()
+            .to_string(),
+        None => text,
+    };
+    if let Ok(mut reason) = fallback.lock() {
+        reason.get_or_insert(text);
+    }
+}
+
 /// Where the selection runs. A run starts on the GPU when the cost model chose it and moves to
 /// the CPU at the first device error ([`Shared::fall_back`]); it never moves back.
 struct Mode {
@@ -148,6 +180,7 @@ struct Shared {
     dynamic_filter: Arc<DynamicFilterPhysicalExpr>,
     reservation: MemoryReservation,
     metrics: TopKMetrics,
+    fallback: Arc<Mutex<Option<String>>>,
 }
 
 struct StoreState {
@@ -170,6 +203,19 @@ struct PartitionState {
     fused: FusedPending,
 }
 
+impl PartitionState {
+    /// Host memory of the held columns and batches.
+    fn bytes(&self) -> usize {
+        let keys = self.pending.keys.iter().flatten();
+        let arrays = keys.chain(&self.fused.predicates);
+        arrays.map(|a| a.get_array_memory_size()).sum::<usize>()
+            + 8 * self.pending.ids.capacity()
+            + (self.fused.batches.iter())
+                .map(RecordBatch::get_array_memory_size)
+                .sum::<usize>()
+    }
+}
+
 impl TopKRun {
     async fn run(&self) -> Result<RecordBatch> {
         let _timer = self.metrics.operator_time.timer();
@@ -183,10 +229,13 @@ impl TopKRun {
                 tasks.spawn(async move {
                     let mut offset = 0u64;
                     let mut local = PartitionState::default();
+                    // The batches this partition holds for its next push, in the memory pool.
+                    let held = shared.reservation.new_empty();
                     while let Some(batch) = stream.next().await {
                         let batch = batch?;
                         let first_id = select::row_id(partition, offset);
                         shared.offer(first_id, &batch, &mut local)?;
+                        held.try_resize(local.bytes())?;
                         offset += batch.num_rows() as u64;
                     }
                     shared.flush(&mut local.pending)?;
@@ -219,8 +268,20 @@ impl TopKRun {
             SelectionChoice::Cpu => None,
         };
         let fault = self.spec.fault;
+        let device_fault = match fault {
+            FaultPoint::Device(op, n) => Some((op, n)),
+            _ => None,
+        };
+        let watch = DeviceWatch::new(
+            self.spec.device_memory_limit,
+            device_fault,
+            self.metrics.device_bytes_held.clone(),
+            self.metrics.device_peak_bytes.clone(),
+            self.metrics.pinned_bytes_held.clone(),
+        );
         let selection = SelectionSpec {
             fault,
+            watch: Some(Arc::new(watch)),
             ..selection_spec(&self.spec, program.clone())
         };
         let fallible = choice != SelectionChoice::Cpu || fault != FaultPoint::None;
@@ -232,6 +293,7 @@ impl TopKRun {
             },
             Err(e) if fallible && is_device_error(&e) => {
                 log::warn!("gpu-topk: {choice} unavailable, running on the CPU path: {e}");
+                report_fallback(&self.fallback, &e);
                 self.metrics.gpu_fallbacks.add(1);
                 cpu_mode(&self.spec)?
             }
@@ -274,6 +336,7 @@ impl TopKRun {
             dynamic_filter: Arc::clone(&self.dynamic_filter),
             reservation: self.reservation.new_empty(),
             metrics: self.metrics.clone(),
+            fallback: Arc::clone(&self.fallback),
         })
     }
 }
@@ -286,6 +349,7 @@ fn selection_spec(spec: &TopKSpec, program: Option<Arc<FusedProgram>>) -> Select
         program,
         final_model: spec.prediction.as_ref().and_then(|p| p.model),
         fault: FaultPoint::None,
+        watch: None,
     }
 }
 
@@ -383,6 +447,7 @@ impl Shared {
             return Ok(());
         }
         log::warn!("gpu-topk: the GPU selection failed, the CPU path continues it: {error}");
+        report_fallback(&self.fallback, error);
         self.metrics.gpu_fallbacks.add(1);
         let mode = cpu_mode(&self.spec)?;
         store

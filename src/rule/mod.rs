@@ -258,6 +258,7 @@ fn match_top_k(
         reason,
         prediction,
         fault: config.inject_fault,
+        device_memory_limit: config.device_memory_limit,
     };
     let exec = GpuTopKExec::try_new(absorbed.input, spec, node.as_ref())
         .or_else(|e| because(format!("cannot build the operator: {e}")))?;

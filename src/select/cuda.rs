@@ -33,6 +33,7 @@ use crate::cost::{CostModel, final_algorithm};
 use crate::device::algorithms::{
     ENCODE_FIRST, ENCODE_NULLABLE, ENCODE_NULLS_FIRST, EncodeColumn, NativeCode, fill_staging,
 };
+use crate::device::watch::{DeviceWatch, Entered};
 use crate::device::{
     DeviceAlgorithm, DevicePairs, GeneratedKernel, GpuDevice, GpuError, GpuResult, KeyKind,
     PooledBuffer, TopKEngine,
@@ -96,6 +97,7 @@ pub fn new_cuda_selector_with_capacity(
     min_capacity: usize,
 ) -> Result<Arc<dyn TopKSelector>> {
     let kind = key_kind(&spec.layout);
+    let _entered = spec.watch.as_ref().map(DeviceWatch::enter);
     let algorithm = device_algorithm(&device, &spec.layout, spec.k, algorithm)?;
     let engine = TopKEngine::new(&device, kind).map_err(gpu_error)?;
     let mut compile_time = std::time::Duration::ZERO;
@@ -128,6 +130,7 @@ pub fn new_cuda_selector_with_capacity(
         final_model: spec.final_model,
         arch: device.arch(),
         min_capacity: min_capacity.max(1),
+        watch: spec.watch.clone(),
         threshold: AtomicU64::new(u64::MAX),
         state: Mutex::new(State {
             engine,
@@ -169,6 +172,8 @@ pub struct CudaSelector {
     final_model: Option<CostModel>,
     arch: String,
     min_capacity: usize,
+    /// The query's device accounting, entered around every call's device work.
+    watch: Option<Arc<DeviceWatch>>,
     /// Row id of the device threshold read back after the last reduction (`u64::MAX`: none).
     threshold: AtomicU64,
     state: Mutex<State>,
@@ -201,6 +206,10 @@ impl fmt::Debug for CudaSelector {
 }
 
 impl CudaSelector {
+    fn enter(&self) -> Option<Entered> {
+        self.watch.as_ref().map(DeviceWatch::enter)
+    }
+
     fn state(&self) -> Result<MutexGuard<'_, State>> {
         let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         match &state.failed {
@@ -298,6 +307,7 @@ impl TopKSelector for CudaSelector {
         }
         let columns = plan_columns(&self.layout, input.keys)?;
         let (k, algorithm, min_capacity) = (self.k, self.algorithm, self.min_capacity);
+        let _entered = self.enter();
         let mut state = self.state()?;
         state.run(|state| {
             state.ensure_room(n, k, algorithm, min_capacity)?;
@@ -382,6 +392,7 @@ impl TopKSelector for CudaSelector {
         for b in &buffers {
             b.parts(&mut parts);
         }
+        let _entered = self.enter();
         let mut staged = fill_staging(&self.device, &parts).map_err(gpu_error)?;
         let (k, algorithm, min_capacity) = (self.k, self.algorithm, self.min_capacity);
         let mut state = self.state()?;
@@ -450,6 +461,7 @@ impl TopKSelector for CudaSelector {
 
     fn finish(&self) -> Result<Vec<u64>> {
         let (k, algorithm) = (self.k, self.algorithm);
+        let _entered = self.enter();
         let mut state = self.state()?;
         state.run(|state| {
             let Some(candidates) = state.candidates.take() else {

@@ -24,6 +24,7 @@ use datafusion::error::{DataFusionError, Result};
 
 use crate::config::FaultPoint;
 use crate::cost::{CostModel, SelectionChoice};
+use crate::device::watch::DeviceWatch;
 use crate::fusion::FusedProgram;
 use crate::keys::KeyLayout;
 
@@ -151,8 +152,12 @@ pub struct SelectionSpec {
     /// With `gpu_topk.algorithm = 'auto'`: the cost model, which picks the device algorithm of
     /// the final selection once the number of candidates is known.
     pub final_model: Option<CostModel>,
-    /// A device failure to inject ([`fault`]); `FaultPoint::None` in normal use.
+    /// A selection failure to inject ([`fault`]); `FaultPoint::None` in normal use. Faults of
+    /// single device operations are injected by `watch` instead.
     pub fault: FaultPoint,
+    /// The query's device accounting (held bytes, memory limit, injected device faults),
+    /// entered around the selector's device work.
+    pub watch: Option<Arc<DeviceWatch>>,
 }
 
 /// The single entry point: builds the selector the cost model chose (wrapped to fail at
@@ -176,7 +181,7 @@ pub fn create_selector(
         },
     };
     Ok(match spec.fault {
-        FaultPoint::None => selector,
+        FaultPoint::None | FaultPoint::Device(..) => selector,
         point => Arc::new(fault::FaultInjector::new(selector, point)),
     })
 }

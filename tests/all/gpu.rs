@@ -868,6 +868,7 @@ fn check_selector(
         program: None,
         final_model: None,
         fault: Default::default(),
+        watch: None,
     };
     let cpu = cpu::new_selector(&spec);
     let gpu = new_cuda_selector_with_capacity(&spec, Arc::clone(device), algorithm, capacity)
@@ -984,6 +985,7 @@ fn gpu_selector_without_rows_or_with_k_zero() {
             program: None,
             final_model: None,
             fault: Default::default(),
+            watch: None,
         };
         let gpu = new_cuda_selector_with_capacity(&spec, Arc::clone(&device), Algorithm::Auto, 1)
             .unwrap();
@@ -1002,6 +1004,7 @@ fn gpu_selector_without_rows_or_with_k_zero() {
         program: None,
         final_model: None,
         fault: Default::default(),
+        watch: None,
     };
     let gpu =
         new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), Algorithm::Radix, 1).unwrap();
@@ -1026,6 +1029,7 @@ fn gpu_selector_rejects_mismatched_input_and_algorithms() {
         program: None,
         final_model: None,
         fault: Default::default(),
+        watch: None,
     };
     let gpu =
         new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), Algorithm::Auto, 1).unwrap();
@@ -1054,6 +1058,7 @@ fn gpu_selector_rejects_mismatched_input_and_algorithms() {
         program: None,
         final_model: None,
         fault: Default::default(),
+        watch: None,
     };
     assert!(
         new_cuda_selector_with_capacity(&big, Arc::clone(&device), Algorithm::Bitonic, 1).is_err()
@@ -1136,6 +1141,7 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
             program: None,
             final_model: None,
             fault: Default::default(),
+            watch: None,
         };
         let Ok(gpu) =
             new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), algorithm, capacity)
@@ -1865,6 +1871,7 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
                 program: Some(Arc::clone(&program)),
                 final_model: None,
                 fault: Default::default(),
+                watch: None,
             };
             let gpu =
                 new_cuda_selector_with_capacity(&selection, Arc::clone(&device), algorithm, 256)

@@ -9,4 +9,5 @@ mod files;
 mod fusion;
 mod gpu;
 mod plan;
+mod reliability;
 mod resident;

@@ -46,6 +46,7 @@ use cudarc::driver::{CudaFunction, CudaStream, DriverError, result};
 use super::kernels::{GENERATED_THREADS, GeneratedKernel, Kernels};
 use super::memory::{PinnedLease, PooledBuffer};
 use super::timer::GpuTimer;
+use super::watch::{self, DeviceOp};
 use super::{GpuDevice, GpuError, GpuResult};
 
 /// The device layout of composite keys: the narrowest of four that holds the layout's bits
@@ -834,6 +835,7 @@ impl TopKEngine {
     ) -> GpuResult<()> {
         let failed = |e: DriverError| GpuError(format!("launching {name} failed: {e}"));
         use cudarc::driver::sys;
+        watch::check(DeviceOp::Launch).map_err(|e| GpuError(format!("launching {name}: {e}")))?;
         self.device.context.bind_to_thread().map_err(failed)?;
         // The driver copies the values behind these pointers at the launch.
         let mut params: Vec<*mut std::ffi::c_void> = args
@@ -932,6 +934,7 @@ impl TopKEngine {
     /// Enqueues a write of one u64 (from pageable memory: the driver copies it before
     /// returning, so the source may go away).
     fn write_u64(&self, dst: u64, value: u64) -> GpuResult<()> {
+        watch::check(DeviceOp::Upload)?;
         self.device.context.bind_to_thread()?;
         // SAFETY: dst is 8 live bytes of this engine's scalars; pageable source, see above.
         unsafe { result::memcpy_htod_async(dst, &[value], self.stream.cu_stream()) }?;
