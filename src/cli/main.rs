@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use datafusion::arrow::array::RecordBatch;
 use datafusion::arrow::util::pretty::pretty_format_batches;
-use datafusion::error::{DataFusionError, Result};
+use datafusion::error::Result;
 use datafusion::execution::SessionStateBuilder;
 use datafusion::physical_plan::{ExecutionPlan, collect, displayable};
 use datafusion::prelude::{CsvReadOptions, ParquetReadOptions, SessionConfig, SessionContext};
@@ -48,6 +48,22 @@ OPTIONS:
 
 const DEFAULT_ROWS: u64 = 10_000_000;
 
+/// Every option the parser knows.
+const OPTIONS: &[&str] = &[
+    "-h",
+    "--help",
+    "--rows",
+    "--backend",
+    "--out",
+    "--show",
+    "--explain",
+    "--table",
+];
+
+/// A failure after the arguments parsed: DataFusion's error, or a message of the CLI's own
+/// (printed as is, without a DataFusion category in front).
+type CliResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
 #[derive(Debug)]
 enum Command {
     Queries,
@@ -76,7 +92,12 @@ fn parse_args(raw: Vec<String>) -> std::result::Result<Args, String> {
     let mut command = match it.peek().map(String::as_str) {
         Some("query") => {
             it.next();
-            let sql = it.next().ok_or("`query` needs the SQL text")?;
+            // An option right after `query` means the SQL was left out; taking the option as
+            // the SQL would report its value as an unknown option instead.
+            let sql = it
+                .next()
+                .filter(|s| !OPTIONS.contains(&s.as_str()))
+                .ok_or("`query` needs the SQL text")?;
             Command::Query {
                 sql,
                 tables: vec![],
@@ -106,9 +127,14 @@ fn parse_args(raw: Vec<String>) -> std::result::Result<Args, String> {
                 );
             }
             "--backend" => {
-                backend = value("--backend")?
-                    .parse()
-                    .map_err(|e: DataFusionError| e.to_string())?
+                // Named after the flag: the parser's own message names the SQL setting.
+                let v = value("--backend")?;
+                backend = v.parse().map_err(|_| {
+                    format!(
+                        "--backend: '{v}' is not a backend (expected one of {})",
+                        Backend::NAMES.join(", ")
+                    )
+                })?;
             }
             "--out" => out = Some(value("--out")?),
             "--show" => {
@@ -124,7 +150,10 @@ fn parse_args(raw: Vec<String>) -> std::result::Result<Args, String> {
             },
             "--table" => {
                 let v = value("--table")?;
-                let Some((name, path)) = v.split_once('=') else {
+                let Some((name, path)) = v
+                    .split_once('=')
+                    .filter(|(n, p)| !n.is_empty() && !p.is_empty())
+                else {
                     return Err(format!("--table expects NAME=PATH, got '{v}'"));
                 };
                 match &mut command {
@@ -173,7 +202,7 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run(args: Args) -> Result<()> {
+async fn run(args: Args) -> CliResult<()> {
     let rows = args.rows.unwrap_or(DEFAULT_ROWS);
     match args.command {
         Command::Help => {
@@ -207,7 +236,7 @@ async fn run(args: Args) -> Result<()> {
         } => {
             let ctx = context(rows, args.backend, &tables).await?;
             print_gpu_status();
-            run_query(&ctx, &sql, explain, args.show).await
+            Ok(run_query(&ctx, &sql, explain, args.show).await?)
         }
     }
 }
@@ -224,7 +253,13 @@ async fn context(
     rows: u64,
     backend: Backend,
     tables: &[(String, String)],
-) -> Result<SessionContext> {
+) -> CliResult<SessionContext> {
+    // Paths are checked before the tweets table is generated, which takes seconds at the
+    // default size.
+    let kinds = tables
+        .iter()
+        .map(|(name, path)| table_kind(name, path))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
     let config = GpuTopKConfig::default().with_backend(backend);
     let state = SessionStateBuilder::new()
         .with_config(SessionConfig::new())
@@ -242,36 +277,51 @@ async fn context(
         "tweets: {rows} rows generated in memory in {:.2} s",
         started.elapsed().as_secs_f64()
     );
-    for (name, path) in tables {
-        register_table(&ctx, name, path).await?;
+    for ((name, path), kind) in tables.iter().zip(kinds) {
+        // DataFusion's message (a corrupt footer, a short row) does not say which table.
+        let registered = match kind {
+            TableKind::Csv => ctx.register_csv(name, path, CsvReadOptions::new()).await,
+            TableKind::Parquet => {
+                ctx.register_parquet(name, path, ParquetReadOptions::default())
+                    .await
+            }
+        };
+        registered.map_err(|e| format!("--table {name}={path}: {e}"))?;
     }
     Ok(ctx)
 }
 
-async fn register_table(ctx: &SessionContext, name: &str, path: &str) -> Result<()> {
+#[derive(Debug, Clone, Copy)]
+enum TableKind {
+    Csv,
+    Parquet,
+}
+
+/// How `--table NAME=PATH` is read, or why it cannot be.
+fn table_kind(name: &str, path: &str) -> std::result::Result<TableKind, String> {
     let p = Path::new(path);
     if !p.exists() {
-        return Err(DataFusionError::Plan(format!(
-            "--table {name}: no such file or directory: {path}"
-        )));
+        return Err(format!("--table {name}: no such file or directory: {path}"));
     }
     let lower = path.to_ascii_lowercase();
     let is_csv = lower.ends_with(".csv")
         || (p.is_dir()
-            && std::fs::read_dir(p)?.flatten().any(|e| {
-                e.path()
-                    .extension()
-                    .is_some_and(|x| x.eq_ignore_ascii_case("csv"))
-            }));
+            && std::fs::read_dir(p)
+                .map_err(|e| format!("--table {name}: cannot read directory {path}: {e}"))?
+                .flatten()
+                .any(|e| {
+                    e.path()
+                        .extension()
+                        .is_some_and(|x| x.eq_ignore_ascii_case("csv"))
+                }));
     if is_csv {
-        ctx.register_csv(name, path, CsvReadOptions::new()).await
+        Ok(TableKind::Csv)
     } else if lower.ends_with(".parquet") || p.is_dir() {
-        ctx.register_parquet(name, path, ParquetReadOptions::default())
-            .await
+        Ok(TableKind::Parquet)
     } else {
-        Err(DataFusionError::Plan(format!(
+        Err(format!(
             "--table {name}: '{path}' is neither a .parquet nor a .csv file, nor a directory"
-        )))
+        ))
     }
 }
 
@@ -409,6 +459,16 @@ mod tests {
             matches!(a.command, Command::Query { explain: true, ref tables, .. } if tables.len() == 1)
         );
         assert!(args(&["query"]).unwrap_err().contains("SQL"));
+        assert!(
+            args(&["query", "--backend", "cpu"])
+                .unwrap_err()
+                .contains("SQL")
+        );
+        assert!(
+            args(&["query", "x", "--table", "=t.csv"])
+                .unwrap_err()
+                .contains("NAME=PATH")
+        );
         assert!(
             args(&["--backend", "tpu"])
                 .unwrap_err()
