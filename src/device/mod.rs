@@ -76,6 +76,9 @@ impl From<String> for GpuError {
 
 pub type GpuResult<T> = Result<T, GpuError>;
 
+/// A generated program's place in [`GpuDevice`]'s map: empty until it compiled.
+type GeneratedSlot = Arc<Mutex<Option<Arc<GeneratedKernel>>>>;
+
 /// One CUDA device and its context, with the device-wide buffer pools and the kernels.
 pub struct GpuDevice {
     pub context: Arc<CudaContext>,
@@ -100,8 +103,9 @@ pub struct GpuDevice {
     /// The CUBIN cache directory the kernels were loaded with (generated code uses it too).
     cache_dir: OnceLock<Option<PathBuf>>,
     /// Generated programs loaded so far, by source text: the second run of a query compiles
-    /// nothing.
-    generated: Mutex<HashMap<String, Arc<GeneratedKernel>>>,
+    /// nothing. Each entry has its own lock, so that different programs compile in parallel
+    /// and one program compiles once.
+    generated: Mutex<HashMap<String, GeneratedSlot>>,
     /// How long the last compile (or disk-cache load) of a generated program took.
     last_compile: Mutex<Option<std::time::Duration>>,
 }
@@ -176,8 +180,12 @@ impl GpuDevice {
         entry: &str,
     ) -> GpuResult<(Arc<GeneratedKernel>, std::time::Duration)> {
         watch::check(watch::DeviceOp::Compile)?;
-        let mut loaded = self.generated.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(kernel) = loaded.get(source) {
+        let cell = {
+            let mut loaded = self.generated.lock().unwrap_or_else(|e| e.into_inner());
+            Arc::clone(loaded.entry(source.to_string()).or_default())
+        };
+        let mut slot = cell.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(kernel) = slot.as_ref() {
             return Ok((Arc::clone(kernel), std::time::Duration::ZERO));
         }
         let started = std::time::Instant::now();
@@ -191,7 +199,7 @@ impl GpuDevice {
             entry,
             cache_dir.as_deref(),
         )?);
-        loaded.insert(source.to_string(), Arc::clone(&kernel));
+        *slot = Some(Arc::clone(&kernel));
         let took = started.elapsed();
         *self.last_compile.lock().unwrap_or_else(|e| e.into_inner()) = Some(took);
         Ok((kernel, took))
@@ -200,8 +208,12 @@ impl GpuDevice {
     /// Whether the generated program with this source is loaded in this process, or its
     /// CUBIN is in the disk cache: running it then compiles nothing.
     pub fn has_generated_kernel(&self, source: &str) -> bool {
-        let loaded = self.generated.lock().unwrap_or_else(|e| e.into_inner());
-        loaded.contains_key(source) || {
+        let entry = {
+            let loaded = self.generated.lock().unwrap_or_else(|e| e.into_inner());
+            loaded.get(source).cloned()
+        };
+        let in_memory = entry.is_some_and(|e| e.lock().map(|k| k.is_some()).unwrap_or(false));
+        in_memory || {
             let cache_dir = self.cache_dir.get().cloned().flatten();
             kernels::generated_on_disk(
                 &self.arch(),

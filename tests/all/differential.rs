@@ -731,17 +731,17 @@ async fn empty_table() {
 /// plain DataFusion; results (or errors) must be identical. With the CUDA backend the parts the
 /// translator takes run in generated kernels, so this checks the translation's semantics on
 /// NULLs, NaNs, −0.0, wrapping and edge values; on the CPU path it checks the operator.
-struct ExprGen(Rng);
+pub struct ExprGen(pub Rng);
 
 impl ExprGen {
-    const INTS: &'static [&'static str] = &["i8", "i16", "i32", "i64", "u8", "u32", "g", "nn"];
-    const FLOATS: &'static [&'static str] = &["f32", "f64", "nan_only"];
+    pub const INTS: &'static [&'static str] = &["i8", "i16", "i32", "i64", "u8", "u32", "g", "nn"];
+    pub const FLOATS: &'static [&'static str] = &["f32", "f64", "nan_only"];
 
-    fn pick<'a>(&mut self, options: &[&'a str]) -> &'a str {
+    pub fn pick<'a>(&mut self, options: &[&'a str]) -> &'a str {
         options[self.0.below(options.len() as u64) as usize]
     }
 
-    fn int(&mut self, depth: u32) -> String {
+    pub fn int(&mut self, depth: u32) -> String {
         if depth == 0 || self.0.chance(0.3) {
             return match self.0.below(4) {
                 0 => self
@@ -794,7 +794,7 @@ impl ExprGen {
         }
     }
 
-    fn float(&mut self, depth: u32) -> String {
+    pub fn float(&mut self, depth: u32) -> String {
         if depth == 0 || self.0.chance(0.3) {
             return match self.0.below(4) {
                 0 => self
@@ -833,7 +833,7 @@ impl ExprGen {
         }
     }
 
-    fn pred(&mut self, depth: u32) -> String {
+    pub fn pred(&mut self, depth: u32) -> String {
         if depth == 0 || self.0.chance(0.3) {
             let cmp = self.pick(&["=", "<>", "<", "<=", ">", ">="]);
             return match self.0.below(8) {
@@ -924,7 +924,7 @@ async fn same_as_full_sort(
 
 /// An error's text without the value a failing cast names: that is the first failing value
 /// of the batch DataFusion was casting, which depends on the plan's partitions and batches.
-fn same_error_text(error: &str) -> String {
+pub fn same_error_text(error: &str) -> String {
     const CAST: &str = "Can't cast value ";
     match (error.find(CAST), error.find(" to type ")) {
         (Some(at), Some(to)) if to > at => {
@@ -974,7 +974,13 @@ async fn random_expressions_match_datafusion() {
     register(&plain, "t", data);
     let mut generator = ExprGen(Rng::new(0xe4b7));
     let (mut compared, mut errors, mut taken) = (0, 0, 0);
-    for q in 0..120 {
+    // With the CUDA backend every query compiles a program of its own: the fuzzer
+    // (`fuzz::fuzz_budget`) runs the large counts there.
+    let queries = match crate::common::test_backend() {
+        datafusion_gpu_topk::Backend::Cuda => 40,
+        _ => 120,
+    };
+    for q in 0..queries {
         let filter = match q % 4 {
             0 => String::new(),
             _ => format!("WHERE {}", generator.pred(3)),
@@ -1010,9 +1016,12 @@ async fn random_expressions_match_datafusion() {
         "random expressions: {compared} results and {errors} errors matched; {taken} queries \
          taken by the operator"
     );
-    assert!(compared > 80, "only {compared} random queries ran");
     assert!(
-        taken > 80,
+        compared > queries * 2 / 3,
+        "only {compared} random queries ran"
+    );
+    assert!(
+        taken > queries * 2 / 3,
         "only {taken} random queries reached the operator"
     );
 }

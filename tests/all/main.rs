@@ -8,7 +8,10 @@ mod common;
 mod differential;
 mod files;
 mod fusion;
+mod fuzz;
 mod gpu;
 mod plan;
 mod reliability;
 mod resident;
+#[path = "../shared/slt_format.rs"]
+mod slt_format;
