@@ -271,6 +271,6 @@ mod tests {
         }
         assert_eq!((watch.device_bytes(), watch.pinned_bytes()), (0, 0));
         assert_eq!(watch.device_peak.value(), 1000);
-        assert_eq!(watch.count(DeviceOp::Alloc), 5);
+        assert_eq!(watch.count(DeviceOp::Alloc), 4);
     }
 }

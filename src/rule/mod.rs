@@ -129,6 +129,42 @@ fn because<T>(why: impl Into<String>) -> std::result::Result<T, Declined> {
     Err(Declined::Because(why.into()))
 }
 
+/// `expr` with every column `i` replaced by `exprs[i]` (the expressions a projection computes).
+fn substitute_columns(
+    expr: &Arc<dyn PhysicalExpr>,
+    exprs: &[Arc<dyn PhysicalExpr>],
+) -> std::result::Result<Arc<dyn PhysicalExpr>, Declined> {
+    Arc::clone(expr)
+        .transform_down(|e| match e.downcast_ref::<Column>() {
+            Some(col) => match exprs.get(col.index()) {
+                Some(replacement) => Ok(Transformed::new(
+                    Arc::clone(replacement),
+                    true,
+                    datafusion::common::tree_node::TreeNodeRecursion::Jump,
+                )),
+                None => datafusion::common::internal_err!("column {col} out of range"),
+            },
+            None => Ok(Transformed::no(e)),
+        })
+        .data()
+        .or_else(|e| because(format!("cannot rewrite expression: {e}")))
+}
+
+/// [`substitute_columns`] over an ordering.
+fn substitute_ordering(
+    ordering: &LexOrdering,
+    exprs: &[Arc<dyn PhysicalExpr>],
+) -> std::result::Result<LexOrdering, Declined> {
+    let mut sort_exprs = Vec::with_capacity(ordering.len());
+    for s in ordering.iter() {
+        sort_exprs.push(PhysicalSortExpr::new(
+            substitute_columns(&s.expr, exprs)?,
+            s.options,
+        ));
+    }
+    LexOrdering::new(sort_exprs).ok_or_else(|| Declined::Because("empty ordering".into()))
+}
+
 /// Recognises a top-k subtree rooted at `node` and builds its replacement.
 fn match_top_k(
     node: &Arc<dyn ExecutionPlan>,
@@ -142,7 +178,12 @@ fn match_top_k(
     // SortPreservingMergeExec over SortExec(preserve_partitioning), or a lone SortExec.
     // DataFusion may put a column projection between the merge and the sorts.
     let mut above_sort: Option<&ProjectionExec> = None;
+    // The merge's ordering is the query's; the sorts below may carry a shorter one that
+    // DataFusion normalised with the filter's equalities (for floats `x = -0.0` also holds for
+    // 0.0, so a key it drops as constant can still order rows).
+    let mut merge_order: Option<&LexOrdering> = None;
     let (sort, fetch) = if let Some(merge) = below_limit.downcast_ref::<SortPreservingMergeExec>() {
+        merge_order = Some(merge.expr());
         let mut below_merge = merge.input();
         if let Some(projection) = below_merge.downcast_ref::<ProjectionExec>() {
             if !is_column_projection(projection) {
@@ -183,7 +224,19 @@ fn match_top_k(
         return because(format!("k = {k} exceeds gpu_topk.max_k = {}", config.max_k));
     }
 
-    let mut absorbed = absorb_below(sort.input(), sort.expr(), above_sort)?;
+    let order = match (merge_order, above_sort) {
+        (Some(order), None) if order.len() > sort.expr().len() => order.clone(),
+        (Some(order), Some(projection)) if order.len() > sort.expr().len() => {
+            let exprs: Vec<_> = projection
+                .expr()
+                .iter()
+                .map(|p| Arc::clone(&p.expr))
+                .collect();
+            substitute_ordering(order, &exprs)?
+        }
+        _ => sort.expr().clone(),
+    };
+    let mut absorbed = absorb_below(sort.input(), &order, above_sort)?;
     absorbed.input = without_round_robin(Arc::clone(&absorbed.input))
         .and_then(scans_in_order)
         .or_else(|e| because(format!("cannot fix the input's order: {e}")))?;
@@ -407,29 +460,8 @@ fn is_column_projection(projection: &ProjectionExec) -> bool {
 impl Absorbed {
     /// Rewrites every expression through a projection: column `i` becomes `exprs[i]`.
     fn substitute(&mut self, exprs: &[Arc<dyn PhysicalExpr>]) -> std::result::Result<(), Declined> {
-        let rewrite =
-            |expr: &Arc<dyn PhysicalExpr>| -> std::result::Result<Arc<dyn PhysicalExpr>, Declined> {
-                Arc::clone(expr)
-                    .transform_down(|e| match e.downcast_ref::<Column>() {
-                        Some(col) => match exprs.get(col.index()) {
-                            Some(replacement) => Ok(Transformed::new(
-                                Arc::clone(replacement),
-                                true,
-                                datafusion::common::tree_node::TreeNodeRecursion::Jump,
-                            )),
-                            None => datafusion::common::internal_err!("column {col} out of range"),
-                        },
-                        None => Ok(Transformed::no(e)),
-                    })
-                    .data()
-                    .or_else(|e| because(format!("cannot rewrite expression: {e}")))
-            };
-        let mut sort_exprs = Vec::with_capacity(self.sort_exprs.len());
-        for s in self.sort_exprs.iter() {
-            sort_exprs.push(PhysicalSortExpr::new(rewrite(&s.expr)?, s.options));
-        }
-        self.sort_exprs = LexOrdering::new(sort_exprs)
-            .ok_or_else(|| Declined::Because("empty ordering".into()))?;
+        let rewrite = |expr: &Arc<dyn PhysicalExpr>| substitute_columns(expr, exprs);
+        self.sort_exprs = substitute_ordering(&self.sort_exprs, exprs)?;
         if let Some(filter) = &self.filter {
             self.filter = Some(rewrite(filter)?);
         }
