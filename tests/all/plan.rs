@@ -562,17 +562,22 @@ fn the_calibration_is_cached_and_can_be_forced() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The model against the committed H100 grid (benches/results, session 9): replayed with the
-/// committed calibration, its choices and predictions meet the cost-model issue's targets. A
-/// change to the model's structure that loses accuracy fails here, without a GPU.
+/// The model against a recorded H100 grid (`tests/fixtures`, embedded so the test binary
+/// runs anywhere): replayed with the calibration recorded beside it, its choices and
+/// predictions meet the cost model's targets. A change to the model's structure that loses
+/// accuracy fails here, without a GPU.
 #[test]
 fn the_model_meets_its_targets_on_the_recorded_h100_grid() {
     use datafusion_gpu_topk::cost::calibration::model_from_file;
     use datafusion_gpu_topk::cost::validation::{assess, parse_grid_csv};
-    let dir = std::path::Path::new("benches/results");
-    let model = model_from_file(&dir.join("2026-11-22-s9-calibration-h100.txt"))
-        .expect("the recorded calibration parses");
-    let text = std::fs::read_to_string(dir.join("2026-11-22-s9-cost-model-grid.csv")).unwrap();
+    const CALIBRATION: &str = include_str!("../fixtures/h100-calibration.txt");
+    const GRID: &str = include_str!("../fixtures/h100-cost-model-grid.csv");
+    let dir = crate::common::test_dir("recorded-grid");
+    let calibration = dir.join("calibration.txt");
+    std::fs::write(&calibration, CALIBRATION).unwrap();
+    let model = model_from_file(&calibration).expect("the recorded calibration parses");
+    let _ = std::fs::remove_dir_all(&dir);
+    let text = GRID;
     let points = parse_grid_csv(&text).unwrap();
     assert_eq!(points.len(), 1566);
     let predicted: Vec<Option<f64>> = points.iter().map(|p| p.predict(&model)).collect();
