@@ -283,6 +283,9 @@ impl CostModel {
     fn work(&self, algorithm: DeviceAlgorithm, case: &Case) -> Option<(Work, Fit)> {
         let m = &self.machine;
         let (n, k) = (case.n, case.k);
+        if algorithm == DeviceAlgorithm::Bitonic && k > self.bitonic_max_k(case.kind) {
+            return None; // whatever n is: an empty input must not pick what cannot run
+        }
         if k == 0 || n == 0 {
             return Some((Work::default(), self.fits.sample));
         }
@@ -643,6 +646,10 @@ mod tests {
         for k in [1, 1000, 1 << 16, 1 << 20, 1 << 24, 1 << 25] {
             assert!(m.predict(DeviceAlgorithm::Radix, &case(k)).is_some(), "{k}");
         }
+        // Nor on an empty input, where every algorithm costs nothing.
+        let empty = Case::positional(0, limit + 1, KeyKind::K32);
+        assert!(m.predict(DeviceAlgorithm::Bitonic, &empty).is_none());
+        assert_ne!(m.best_device(&empty).0, DeviceAlgorithm::Bitonic);
     }
 
     #[test]

@@ -98,7 +98,9 @@ pub fn new_cuda_selector_with_capacity(
 ) -> Result<Arc<dyn TopKSelector>> {
     let kind = key_kind(&spec.layout);
     let _entered = spec.watch.as_ref().map(DeviceWatch::enter);
-    let algorithm = device_algorithm(&device, &spec.layout, spec.k, algorithm)?;
+    // A device the choice does not fit (bitonic beyond its k) is the CPU path's, not an error.
+    let algorithm = device_algorithm(&device, &spec.layout, spec.k, algorithm)
+        .map_err(|e| gpu_error(GpuError(e.strip_backtrace())))?;
     let engine = TopKEngine::new(&device, kind).map_err(gpu_error)?;
     let mut compile_time = std::time::Duration::ZERO;
     let program = match &spec.program {

@@ -973,9 +973,13 @@ struct Counts {
 }
 
 /// Runs `queries` random queries from `seed`; minimises and writes every mismatch.
-async fn fuzz(seed: u64, queries: usize, seconds: Option<u64>, programs: usize) -> Counts {
+async fn fuzz(
+    seed: u64,
+    queries: usize,
+    seconds: Option<u64>,
+    programs: Arc<std::sync::Mutex<Programs>>,
+) -> Counts {
     let mut rng = Rng::new(seed);
-    let mut programs = Programs::new(programs);
     let mut counts = Counts::default();
     let out = std::env::var_os("GPU_TOPK_FUZZ_OUT")
         .map(PathBuf::from)
@@ -989,7 +993,7 @@ async fn fuzz(seed: u64, queries: usize, seconds: Option<u64>, programs: usize) 
         let ctx = sessions(&setup, &format!("{seed}-{}", counts.tables)).await;
         counts.tables += 1;
         for _ in 0..QUERIES_PER_TABLE.min(queries - counts.queries) {
-            let query = random_query(&mut rng, rows, &mut programs);
+            let query = random_query(&mut rng, rows, &mut programs.lock().unwrap());
             counts.queries += 1;
             let found = check(&ctx, &query, &mut counts.taken, &mut counts.tied).await;
             if found.is_none() {
@@ -1033,7 +1037,8 @@ async fn fuzz(seed: u64, queries: usize, seconds: Option<u64>, programs: usize) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fuzz_slice_matches_datafusion() {
-    let counts = fuzz(0xf022, 300, None, program_limit(16)).await;
+    let programs = Arc::new(std::sync::Mutex::new(Programs::new(program_limit(16))));
+    let counts = fuzz(0xf022, 300, None, programs).await;
     assert!(
         counts.mismatches.is_empty(),
         "mismatches: {:?}",
@@ -1046,8 +1051,9 @@ async fn fuzz_slice_matches_datafusion() {
     );
 }
 
-/// The full run (see the module documentation).
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+/// The full run (see the module documentation; `GPU_TOPK_FUZZ_TASKS` runs that many sequences
+/// at once, seeds `SEED + 1000 i`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 16)]
 #[ignore]
 async fn fuzz_budget() {
     let env = |name: &str, default: u64| {
@@ -1061,12 +1067,30 @@ async fn fuzz_budget() {
     let seconds = std::env::var("GPU_TOPK_FUZZ_SECONDS")
         .ok()
         .map(|v| v.parse().expect("GPU_TOPK_FUZZ_SECONDS: a number"));
-    let counts = fuzz(seed, queries, seconds, program_limit(150)).await;
-    assert!(
-        counts.mismatches.is_empty(),
-        "mismatches: {:?}",
-        counts.mismatches
+    // Several fuzzing tasks share one pool of programs (each compiles once) and the GPU.
+    let tasks = env("GPU_TOPK_FUZZ_TASKS", 1).max(1);
+    let programs = Arc::new(std::sync::Mutex::new(Programs::new(program_limit(150))));
+    let mut running = tokio::task::JoinSet::new();
+    for task in 0..tasks {
+        let share = (queries as u64).div_ceil(tasks) as usize;
+        running.spawn(fuzz(
+            seed + 1000 * task,
+            share,
+            seconds,
+            Arc::clone(&programs),
+        ));
+    }
+    let (mut total, mut mismatches) = (0, Vec::new());
+    while let Some(counts) = running.join_next().await {
+        let counts = counts.expect("a fuzzing task panicked");
+        total += counts.queries;
+        mismatches.extend(counts.mismatches);
+    }
+    eprintln!(
+        "fuzz: {total} queries in {tasks} tasks, {} mismatches",
+        mismatches.len()
     );
+    assert!(mismatches.is_empty(), "mismatches: {mismatches:?}");
 }
 
 /// Found by the fuzzer: `WHERE -0.0 = f64` holds for 0.0 too, yet DataFusion's sorts below the
