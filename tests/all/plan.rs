@@ -578,7 +578,7 @@ fn the_model_meets_its_targets_on_the_recorded_h100_grid() {
     let model = model_from_file(&calibration).expect("the recorded calibration parses");
     let _ = std::fs::remove_dir_all(&dir);
     let text = GRID;
-    let points = parse_grid_csv(&text).unwrap();
+    let points = parse_grid_csv(text).unwrap();
     assert_eq!(points.len(), 1566);
     let predicted: Vec<Option<f64>> = points.iter().map(|p| p.predict(&model)).collect();
     let a = assess(&points, &predicted);
