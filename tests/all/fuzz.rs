@@ -254,32 +254,30 @@ const DIRECTIONS: &[&str] = &[
     " ASC NULLS FIRST",
 ];
 
-/// The (sort keys, predicate) pairs queries draw from: at most `limit` distinct ones. With
-/// the CUDA backend each distinct pair is a generated program to compile (about a second), so
-/// a bounded pool lets a run reach many queries; the tables, projections, k and OFFSET still
-/// vary per query.
+/// The (sort keys, predicate) pairs queries draw from: at most `limit` distinct ones, drawn
+/// up front from their own seed, so that every fuzzing task's sequence depends on its seed
+/// alone. With the CUDA backend each distinct pair is a generated program to compile (about a
+/// second), so a bounded pool lets a run reach many queries; the tables, projections, k and
+/// OFFSET still vary per query. Unbounded (the CPU path), every query draws a fresh pair.
 struct Programs {
-    limit: usize,
     drawn: Vec<(Vec<String>, Option<String>)>,
 }
 
 impl Programs {
-    fn new(limit: usize) -> Self {
-        Self {
-            limit,
-            drawn: Vec::new(),
-        }
+    fn new(limit: usize, seed: u64) -> Self {
+        let mut rng = Rng::new(seed ^ 0x5eed_0f_9a0_9a3);
+        let drawn = match limit {
+            usize::MAX => vec![],
+            n => (0..n.max(1)).map(|_| random_program(&mut rng)).collect(),
+        };
+        Self { drawn }
     }
 
-    fn draw(&mut self, rng: &mut Rng) -> (Vec<String>, Option<String>) {
-        if self.drawn.len() >= self.limit {
-            return self.drawn[rng.below(self.drawn.len() as u64) as usize].clone();
+    fn draw(&self, rng: &mut Rng) -> (Vec<String>, Option<String>) {
+        match self.drawn.len() {
+            0 => random_program(rng),
+            n => self.drawn[rng.below(n as u64) as usize].clone(),
         }
-        let program = random_program(rng);
-        if self.limit < usize::MAX {
-            self.drawn.push(program.clone());
-        }
-        program
     }
 }
 
@@ -342,7 +340,7 @@ fn random_program(rng: &mut Rng) -> (Vec<String>, Option<String>) {
     (keys, filter)
 }
 
-fn random_query(rng: &mut Rng, rows: usize, programs: &mut Programs) -> Query {
+fn random_query(rng: &mut Rng, rows: usize, programs: &Programs) -> Query {
     let names = columns();
     let mut generator = ExprGen(Rng::new(rng.next_u64()));
     let (keys, filter) = programs.draw(rng);
@@ -1015,12 +1013,7 @@ struct Counts {
 }
 
 /// Runs `queries` random queries from `seed`; minimises and writes every mismatch.
-async fn fuzz(
-    seed: u64,
-    queries: usize,
-    seconds: Option<u64>,
-    programs: Arc<std::sync::Mutex<Programs>>,
-) -> Counts {
+async fn fuzz(seed: u64, queries: usize, seconds: Option<u64>, programs: Arc<Programs>) -> Counts {
     let mut rng = Rng::new(seed);
     let mut counts = Counts::default();
     let out = std::env::var_os("GPU_TOPK_FUZZ_OUT")
@@ -1035,7 +1028,7 @@ async fn fuzz(
         let ctx = sessions(&setup, &format!("{seed}-{}", counts.tables)).await;
         counts.tables += 1;
         for _ in 0..QUERIES_PER_TABLE.min(queries - counts.queries) {
-            let query = random_query(&mut rng, rows, &mut programs.lock().unwrap());
+            let query = random_query(&mut rng, rows, &programs);
             counts.queries += 1;
             let found = check(&ctx, &query, &mut counts.taken, &mut counts.tied).await;
             if found.is_none() {
@@ -1079,7 +1072,7 @@ async fn fuzz(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fuzz_slice_matches_datafusion() {
-    let programs = Arc::new(std::sync::Mutex::new(Programs::new(program_limit(16))));
+    let programs = Arc::new(Programs::new(program_limit(16), 0xf022));
     let counts = fuzz(0xf022, 300, None, programs).await;
     assert!(
         counts.mismatches.is_empty(),
@@ -1111,7 +1104,7 @@ async fn fuzz_budget() {
         .map(|v| v.parse().expect("GPU_TOPK_FUZZ_SECONDS: a number"));
     // Several fuzzing tasks share one pool of programs (each compiles once) and the GPU.
     let tasks = env("GPU_TOPK_FUZZ_TASKS", 1).max(1);
-    let programs = Arc::new(std::sync::Mutex::new(Programs::new(program_limit(150))));
+    let programs = Arc::new(Programs::new(program_limit(150), seed));
     let mut running = tokio::task::JoinSet::new();
     for task in 0..tasks {
         let share = (queries as u64).div_ceil(tasks) as usize;
