@@ -265,7 +265,7 @@ struct Programs {
 
 impl Programs {
     fn new(limit: usize, seed: u64) -> Self {
-        let mut rng = Rng::new(seed ^ 0x5eed_0f_9a0_9a3);
+        let mut rng = Rng::new(seed ^ 0x5eed_0f9a_09a3);
         let drawn = match limit {
             usize::MAX => vec![],
             n => (0..n.max(1)).map(|_| random_program(&mut rng)).collect(),
