@@ -22,18 +22,63 @@ pub fn test_backend() -> Backend {
 
 /// A session with the rule (`enabled`) or plain DataFusion (`!enabled`).
 pub fn session(enabled: bool, partitions: usize, batch_size: usize) -> SessionContext {
-    let config = SessionConfig::new()
-        .with_target_partitions(partitions)
-        .with_batch_size(batch_size);
     let gpu = GpuTopKConfig::default()
         .with_enabled(enabled)
         .with_backend(test_backend());
+    session_with(partitions, batch_size, gpu)
+}
+
+/// A session with the operator configured as `gpu`.
+pub fn session_with(partitions: usize, batch_size: usize, gpu: GpuTopKConfig) -> SessionContext {
+    let config = SessionConfig::new()
+        .with_target_partitions(partitions)
+        .with_batch_size(batch_size);
     let state = SessionStateBuilder::new()
         .with_config(config)
         .with_default_features()
         .with_gpu_topk(gpu)
         .build();
     SessionContext::new_with_state(state)
+}
+
+/// What the operator nodes of an executed plan report.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub operators: usize,
+    pub fallbacks: usize,
+    pub device_bytes_held: usize,
+    pub pinned_bytes_held: usize,
+    /// Why each operator that fell back did.
+    pub reasons: Vec<String>,
+}
+
+/// The metrics of every `GpuTopKExec` in `plan` (after it ran), summed.
+pub fn report(plan: &Arc<dyn ExecutionPlan>) -> Report {
+    fn walk(plan: &Arc<dyn ExecutionPlan>, report: &mut Report) {
+        if let Some(exec) = plan.downcast_ref::<GpuTopKExec>() {
+            let metric = |name: &str| {
+                exec.metrics()
+                    .and_then(|m| m.sum_by_name(name))
+                    .map_or(0, |v| v.as_usize())
+            };
+            report.operators += 1;
+            report.fallbacks += metric("gpu_fallbacks");
+            report.device_bytes_held += metric("device_bytes_held");
+            report.pinned_bytes_held += metric("pinned_bytes_held");
+            report.reasons.extend(exec.fallback_reason());
+        }
+        plan.children().into_iter().for_each(|c| walk(c, report));
+    }
+    let mut report = Report::default();
+    walk(plan, &mut report);
+    report
+}
+
+/// Runs `sql`, with what its operators report.
+pub async fn run_reporting(ctx: &SessionContext, sql: &str) -> (Result<Vec<RecordBatch>>, Report) {
+    let plan = physical_plan(ctx, sql).await.unwrap();
+    let result = datafusion::physical_plan::collect(Arc::clone(&plan), ctx.task_ctx()).await;
+    (result, report(&plan))
 }
 
 /// Plain DataFusion as the oracle over `storage`. Over Parquet its TopK's dynamic filter can

@@ -19,34 +19,24 @@ use datafusion::arrow::array::{
 };
 use datafusion::arrow::datatypes::{DataType, Field, Int64Type, Schema};
 use datafusion::error::Result;
-use datafusion::execution::SessionStateBuilder;
 use datafusion::logical_expr::{
     ColumnarValue, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl, Signature, Volatility,
 };
-use datafusion::physical_plan::{ExecutionPlan, collect};
-use datafusion::prelude::{SessionConfig, SessionContext};
+use datafusion::prelude::SessionContext;
+use datafusion_gpu_topk::GpuTopKConfig;
 use datafusion_gpu_topk::config::FaultPoint;
-use datafusion_gpu_topk::{GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
 
 use crate::common::{
-    STORAGES, Storage, count_gpu_topk, exact_rows, partitioned, plain_session, register_as, run,
-    run_oracle, session, test_backend, test_dir,
+    STORAGES, Storage, count_gpu_topk, exact_rows, partitioned, physical_plan, plain_session,
+    register_as, run, run_oracle, run_reporting, session, session_with, test_backend, test_dir,
 };
 
 /// A session with the operator (injecting `fault`) and the `jitter` function.
 fn session_with_fault(partitions: usize, fault: FaultPoint) -> SessionContext {
-    let config = SessionConfig::new()
-        .with_target_partitions(partitions)
-        .with_batch_size(100);
     let gpu = GpuTopKConfig::default()
         .with_backend(test_backend())
         .with_inject_fault(fault);
-    let state = SessionStateBuilder::new()
-        .with_config(config)
-        .with_default_features()
-        .with_gpu_topk(gpu)
-        .build();
-    let ctx = SessionContext::new_with_state(state);
+    let ctx = session_with(partitions, 100, gpu);
     ctx.register_udf(ScalarUDF::from(Jitter::new()));
     ctx
 }
@@ -283,31 +273,6 @@ const FAULT_QUERIES: &[(&str, &str)] = &[
     ),
 ];
 
-/// The operator's `gpu_fallbacks` metric after running `plan`, with the result.
-async fn run_counting_fallbacks(
-    ctx: &SessionContext,
-    sql: &str,
-) -> (Result<Vec<RecordBatch>>, usize) {
-    let plan = ctx
-        .sql(sql)
-        .await
-        .unwrap()
-        .create_physical_plan()
-        .await
-        .unwrap();
-    let result = collect(Arc::clone(&plan), ctx.task_ctx()).await;
-    fn fallbacks(plan: &Arc<dyn ExecutionPlan>) -> usize {
-        let here = plan
-            .downcast_ref::<GpuTopKExec>()
-            .and_then(|e| e.metrics())
-            .and_then(|m| m.sum_by_name("gpu_fallbacks"))
-            .map_or(0, |v| v.as_usize());
-        here + plan.children().into_iter().map(fallbacks).sum::<usize>()
-    }
-    let count = fallbacks(&plan);
-    (result, count)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failing_gpu_never_changes_the_answer_over_any_input() {
     let data = ties_table(43);
@@ -326,7 +291,7 @@ async fn a_failing_gpu_never_changes_the_answer_over_any_input() {
         register_tables(&[&plain], storage, &dir, &data).await;
         register_tables(&contexts.iter().collect::<Vec<_>>(), storage, &dir, &data).await;
         for (sql, oracle) in FAULT_QUERIES {
-            let plan = ctx_plan(&contexts[0], sql).await;
+            let plan = physical_plan(&contexts[0], sql).await.unwrap();
             assert!(
                 count_gpu_topk(&plan) >= 1,
                 "{sql}: the operator should run it"
@@ -334,7 +299,8 @@ async fn a_failing_gpu_never_changes_the_answer_over_any_input() {
             for (fault, ours) in faults.iter().zip(&contexts) {
                 let label = format!("{sql} over {storage:?} with fault {fault}");
                 same_as_datafusion(ours, &plain, sql, oracle).await;
-                let (result, fallbacks) = run_counting_fallbacks(ours, sql).await;
+                let (result, report) = run_reporting(ours, sql).await;
+                let fallbacks = report.fallbacks;
                 // A fault at creation always fires; one at the end fires when the query
                 // reaches its end (no error of its own before).
                 // (DataFusion stacks two top-ks for some keys: each operator falls back once.
@@ -352,15 +318,6 @@ async fn a_failing_gpu_never_changes_the_answer_over_any_input() {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-async fn ctx_plan(ctx: &SessionContext, sql: &str) -> Arc<dyn ExecutionPlan> {
-    ctx.sql(sql)
-        .await
-        .unwrap()
-        .create_physical_plan()
-        .await
-        .unwrap()
 }
 
 /// A top-k over an unbounded source never finishes: DataFusion rejects the plan, and so must

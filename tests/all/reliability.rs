@@ -20,16 +20,17 @@ use datafusion::arrow::datatypes::{DataType, Field, Schema};
 use datafusion::error::Result;
 use datafusion::execution::SessionStateBuilder;
 use datafusion::execution::runtime_env::RuntimeEnvBuilder;
-use datafusion::physical_plan::{ExecutionPlan, collect};
+use datafusion::physical_plan::collect;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_gpu_topk::config::{DeviceOp, FaultPoint};
 use datafusion_gpu_topk::device::{GpuStatus, gpu_status};
-use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
+use datafusion_gpu_topk::{Backend, GpuTopKConfig, SessionStateBuilderExt};
 use futures::StreamExt;
 
 use crate::common::{
-    Rng, Storage, count_gpu_topk, exact_rows, partitioned, plain_session, register, register_as,
-    run, run_oracle, test_backend, test_dir,
+    self, Report, Rng, Storage, count_gpu_topk, exact_rows, partitioned, physical_plan,
+    plain_session, register, register_as, report, run, run_oracle, session_with, test_backend,
+    test_dir,
 };
 use crate::differential::table;
 
@@ -44,61 +45,10 @@ fn gpu_or_skip(test: &str) -> bool {
     }
 }
 
-fn session_with(partitions: usize, config: GpuTopKConfig) -> SessionContext {
-    let state = SessionStateBuilder::new()
-        .with_config(
-            SessionConfig::new()
-                .with_target_partitions(partitions)
-                .with_batch_size(100),
-        )
-        .with_default_features()
-        .with_gpu_topk(config)
-        .build();
-    SessionContext::new_with_state(state)
-}
-
-/// What the operator nodes of an executed plan report.
-#[derive(Debug, Default)]
-struct Report {
-    operators: usize,
-    fallbacks: usize,
-    device_bytes_held: usize,
-    pinned_bytes_held: usize,
-    reasons: Vec<String>,
-}
-
-fn report(plan: &Arc<dyn ExecutionPlan>) -> Report {
-    let mut report = Report::default();
-    fn walk(plan: &Arc<dyn ExecutionPlan>, report: &mut Report) {
-        if let Some(exec) = plan.downcast_ref::<GpuTopKExec>() {
-            let metric = |name: &str| {
-                exec.metrics()
-                    .and_then(|m| m.sum_by_name(name))
-                    .map_or(0, |v| v.as_usize())
-            };
-            report.operators += 1;
-            report.fallbacks += metric("gpu_fallbacks");
-            report.device_bytes_held += metric("device_bytes_held");
-            report.pinned_bytes_held += metric("pinned_bytes_held");
-            report.reasons.extend(exec.fallback_reason());
-        }
-        plan.children().into_iter().for_each(|c| walk(c, report));
-    }
-    walk(plan, &mut report);
-    report
-}
-
-/// Runs `sql`, with what its operators report.
+/// Runs `sql`, with what its operators report; the rows as `exact_rows`.
 async fn run_reporting(ctx: &SessionContext, sql: &str) -> (Result<Vec<String>>, Report) {
-    let plan = ctx
-        .sql(sql)
-        .await
-        .unwrap()
-        .create_physical_plan()
-        .await
-        .unwrap();
-    let result = collect(Arc::clone(&plan), ctx.task_ctx()).await;
-    (result.map(|b| exact_rows(&b)), report(&plan))
+    let (result, report) = common::run_reporting(ctx, sql).await;
+    (result.map(|b| exact_rows(&b)), report)
 }
 
 /// Queries over `differential::table`, each with its oracle (the full sort with `rid` last).
@@ -138,7 +88,7 @@ async fn a_fault_at_any_device_operation_gives_datafusions_answer_and_frees_memo
                             .with_algorithm(algorithm.parse().unwrap())
                             .with_fuse_expressions(fuse)
                             .with_inject_fault(FaultPoint::Device(op, n));
-                        let ctx = session_with(4, config);
+                        let ctx = session_with(4, 100, config);
                         register(&ctx, "t", data.clone());
                         let label = format!("{sql} [{algorithm}, fused {fuse}, {op}:{n}]");
                         let (got, report) = run_reporting(&ctx, sql).await;
@@ -194,7 +144,7 @@ async fn a_query_over_the_device_memory_limit_falls_back_and_says_why() {
             let config = GpuTopKConfig::default()
                 .with_backend(Backend::Cuda)
                 .with_device_memory_limit(limit);
-            let ctx = session_with(2, config);
+            let ctx = session_with(2, 100, config);
             register(&ctx, "t", data.clone());
             let (got, report) = run_reporting(&ctx, sql).await;
             assert_eq!(got.map_err(|e| e.to_string()), want, "{sql} limit {limit}");
@@ -263,13 +213,7 @@ async fn under_a_memory_limit_large_k_completes_or_reports_resources_exhausted()
                 .build();
             let ctx = SessionContext::new_with_state(state);
             register_as(&ctx, "t", &data, storage, &dir).await;
-            let plan = ctx
-                .sql(sql)
-                .await
-                .unwrap()
-                .create_physical_plan()
-                .await
-                .unwrap();
+            let plan = physical_plan(&ctx, sql).await.unwrap();
             assert_eq!(count_gpu_topk(&plan), 1, "{sql}");
             match collect(plan, ctx.task_ctx()).await {
                 Ok(got) => {
@@ -301,18 +245,16 @@ async fn cancelled_queries_release_what_they_held() {
     let sqls = [FAULT_QUERIES[0], FAULT_QUERIES[1]];
     for storage in [Storage::Memory, Storage::Parquet] {
         let plain = plain_session(3, storage);
-        let ctx = session_with(3, GpuTopKConfig::default().with_backend(test_backend()));
+        let ctx = session_with(
+            3,
+            100,
+            GpuTopKConfig::default().with_backend(test_backend()),
+        );
         register_as(&plain, "t", &data, storage, &dir).await;
         register_as(&ctx, "t", &data, storage, &dir).await;
         for round in 0..24 {
             let (sql, oracle) = sqls[round % sqls.len()];
-            let plan = ctx
-                .sql(sql)
-                .await
-                .unwrap()
-                .create_physical_plan()
-                .await
-                .unwrap();
+            let plan = physical_plan(&ctx, sql).await.unwrap();
             let mut stream =
                 datafusion::physical_plan::execute_stream(Arc::clone(&plan), ctx.task_ctx())
                     .unwrap();
@@ -367,7 +309,7 @@ async fn concurrent_queries_under_a_small_device_budget() {
     let config = GpuTopKConfig::default()
         .with_backend(test_backend())
         .with_device_memory_limit(96 << 10);
-    let ctx = session_with(4, config);
+    let ctx = session_with(4, 100, config);
     register(&ctx, "t", data);
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..64 {
