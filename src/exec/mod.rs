@@ -39,7 +39,7 @@ use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::Result;
 use datafusion::execution::TaskContext;
-use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
+use datafusion::physical_expr::expressions::{Column, DynamicFilterPhysicalExpr, lit};
 use datafusion::physical_expr::{LexOrdering, PhysicalExpr};
 use datafusion::physical_plan::execution_plan::{
     ChildrenPropertiesMode, EmissionType, ReplaceChildrenOptions,
@@ -86,6 +86,55 @@ pub struct TopKSpec {
     /// Most device bytes one execution's selection may hold (`gpu_topk.device_memory_limit`;
     /// 0: no limit).
     pub device_memory_limit: usize,
+}
+
+impl TopKSpec {
+    /// Whether the scans below may skip the rows the threshold rules out: only when nothing
+    /// evaluated on a row can fail (every sort key a column, the filter made of comparisons of
+    /// columns and literals). A row whose key or predicate fails (an overflow, a division by
+    /// zero, a failing cast) must reach the operator, which then fails with DataFusion's
+    /// error, whichever rows came first.
+    pub fn scans_may_skip_rows(&self) -> bool {
+        let keys = self
+            .sort_exprs
+            .iter()
+            .all(|s| s.expr.downcast_ref::<Column>().is_some());
+        keys && self.filter.as_ref().is_none_or(infallible)
+    }
+}
+
+/// An expression that cannot fail on any row: columns, literals, comparisons, `AND`, `OR`,
+/// `NOT`, `IS [NOT] NULL` and `IN` lists of those.
+fn infallible(expr: &Arc<dyn PhysicalExpr>) -> bool {
+    use datafusion::logical_expr::Operator;
+    use datafusion::physical_expr::expressions::{
+        BinaryExpr, InListExpr, IsNotNullExpr, IsNullExpr, Literal, NotExpr,
+    };
+    let children_infallible = || expr.children().into_iter().all(infallible);
+    if expr.downcast_ref::<Column>().is_some() || expr.downcast_ref::<Literal>().is_some() {
+        return true;
+    }
+    if let Some(binary) = expr.downcast_ref::<BinaryExpr>() {
+        let safe = matches!(
+            binary.op(),
+            Operator::Eq
+                | Operator::NotEq
+                | Operator::Lt
+                | Operator::LtEq
+                | Operator::Gt
+                | Operator::GtEq
+                | Operator::And
+                | Operator::Or
+                | Operator::IsDistinctFrom
+                | Operator::IsNotDistinctFrom
+        );
+        return safe && children_infallible();
+    }
+    let logical = expr.downcast_ref::<NotExpr>().is_some()
+        || expr.downcast_ref::<IsNullExpr>().is_some()
+        || expr.downcast_ref::<IsNotNullExpr>().is_some()
+        || expr.downcast_ref::<InListExpr>().is_some();
+    logical && children_infallible()
 }
 
 /// See the module documentation.

@@ -830,11 +830,8 @@ impl Shared {
             .field(self.first_key)
             .data_type()
             .is_floating();
-        // Only for a column: a computed key can fail on a row (an overflow, a division by
-        // zero), and a scan that skips the row because of the threshold would skip its error.
-        let column_key = first.expr.downcast_ref::<Column>().is_some();
         if !float_key
-            && column_key
+            && self.spec.scans_may_skip_rows()
             && let Some(predicate) = threshold_predicate(first, &value)?
         {
             self.dynamic_filter.update(predicate)?;
