@@ -487,6 +487,21 @@ async fn a_missing_path_with_a_declared_schema_answers_as_datafusion() {
 
 /// Runs the CLI with `args` (and extra environment variables); a panic would print its
 /// backtrace, which the checks would see.
+/// `gpu-topk query TOP4 --table NAME=PATH` over a 1000-row in-memory table, on `backend`.
+fn top4_over(table: &str, backend: &str, env: &[(&str, &Path)]) -> Output {
+    let args = [
+        "query",
+        TOP4,
+        "--table",
+        table,
+        "--rows",
+        "1000",
+        "--backend",
+        backend,
+    ];
+    cli(&args, env)
+}
+
 fn cli(args: &[&str], env: &[(&str, &Path)]) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_gpu-topk"));
     command.args(args).env("RUST_BACKTRACE", "1");
@@ -661,19 +676,7 @@ fn cli_answers_over_good_files() {
     write_parquet(&parquet, 1000);
     for path in [&csv, &parquet] {
         let t = format!("t={}", path.display());
-        let out = cli(
-            &[
-                "query",
-                TOP4,
-                "--table",
-                &t,
-                "--rows",
-                "1000",
-                "--backend",
-                "cpu",
-            ],
-            &[],
-        );
+        let out = top4_over(&t, "cpu", &[]);
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
@@ -725,17 +728,9 @@ fn broken_kernel_sources_fall_back_to_the_cpu_path_and_name_the_file() {
         }
         // A cache of its own: the shared one is not written with these sources.
         let cache = dir.join(format!("cache-{what}"));
-        let out = cli(
-            &[
-                "query",
-                TOP4,
-                "--table",
-                &t,
-                "--rows",
-                "1000",
-                "--backend",
-                "cuda",
-            ],
+        let out = top4_over(
+            &t,
+            "cuda",
             &[(KERNEL_DIR_ENV, &kernels), ("GPU_TOPK_CACHE_DIR", &cache)],
         );
         let stdout = String::from_utf8_lossy(&out.stdout);

@@ -85,7 +85,16 @@ pub async fn run_reporting(ctx: &SessionContext, sql: &str) -> (Result<Vec<Recor
 /// prune row groups holding rows that belong in the answer (NaN halves, DataFusion 55), so
 /// the oracle sorts without it there.
 pub fn plain_session(partitions: usize, storage: Storage) -> SessionContext {
-    let ctx = session(false, partitions, 100);
+    plain_session_with(partitions, 100, storage)
+}
+
+/// [`plain_session`] with batches of `batch_size` rows.
+pub fn plain_session_with(
+    partitions: usize,
+    batch_size: usize,
+    storage: Storage,
+) -> SessionContext {
+    let ctx = session(false, partitions, batch_size);
     if storage != Storage::Memory {
         let state = ctx.state_ref();
         let mut state = state.write();

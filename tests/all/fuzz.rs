@@ -30,13 +30,12 @@ use datafusion::arrow::array::{ArrayRef, RecordBatch, UInt32Array};
 use datafusion::arrow::compute::{cast, take};
 use datafusion::arrow::datatypes::DataType;
 use datafusion::common::ScalarValue;
-use datafusion::execution::SessionStateBuilder;
 use datafusion::physical_plan::collect;
-use datafusion::prelude::{SessionConfig, SessionContext};
-use datafusion_gpu_topk::{GpuTopKConfig, SessionStateBuilderExt};
+use datafusion::prelude::SessionContext;
 
 use crate::common::{
-    Rng, Storage, count_gpu_topk, exact_rows, register_as, run, run_oracle, test_backend, test_dir,
+    Rng, Storage, count_gpu_topk, exact_rows, plain_session_with, register_as, run, run_oracle,
+    session, test_backend, test_dir,
 };
 use crate::differential::{ExprGen, same_error_text, schema, table};
 use crate::slt_format::{column_type, format_rows};
@@ -385,33 +384,18 @@ fn random_query(rng: &mut Rng, rows: usize, programs: &Programs) -> Query {
     }
 }
 
+/// Ours (`enabled`) or the oracle, which reads every row of files (see
+/// `common::plain_session`).
 fn context(
     enabled: bool,
     partitions: usize,
     batch_size: usize,
     storage: Storage,
 ) -> SessionContext {
-    let config = SessionConfig::new()
-        .with_target_partitions(partitions)
-        .with_batch_size(batch_size);
-    let state = SessionStateBuilder::new()
-        .with_config(config)
-        .with_default_features()
-        .with_gpu_topk(
-            GpuTopKConfig::default()
-                .with_enabled(enabled)
-                .with_backend(test_backend()),
-        )
-        .build();
-    let ctx = SessionContext::new_with_state(state);
-    if !enabled && storage != Storage::Memory {
-        // The oracle reads every row (see `common::plain_session`).
-        let state = ctx.state_ref();
-        let mut state = state.write();
-        let options = state.config_mut().options_mut();
-        options.optimizer.enable_topk_dynamic_filter_pushdown = false;
+    match enabled {
+        true => session(true, partitions, batch_size),
+        false => plain_session_with(partitions, batch_size, storage),
     }
-    ctx
 }
 
 /// The sessions of one setup: ours, the oracle's, and plain DataFusion as is.
