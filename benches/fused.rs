@@ -323,7 +323,7 @@ async fn main() -> Result<()> {
         // returns, and that work (page unmapping shoots down TLBs on every core of the process)
         // stalled a device run's host thread for 1.2–2.4 ms at Q2 k = 10^6 when the device ran
         // right after it. Interleaved with a 300 ms pause, the device's short selections still
-        // took longer beside it (H100, session 30: Q2 k = 10^4's sample phase 27.3 µs against
+        // took longer beside it (H100, Q2 k = 10^4's sample phase 27.3 µs against
         // 14.5 device-only).
         if !device_only {
             for rep in 0..=runs {

@@ -277,7 +277,7 @@ __device__ void sort_local(const K *keys, const u64 *ids, u64 n, K *out_keys, u6
 // each bin at most three quarters of a tile of SEGMENT_TILE pairs. Block j sorts the bins that
 // start in [j·T/4, (j+1)·T/4) (at most a tile; its first bin and that bin's start from `seg`,
 // radix_sort.cu `top_segments`) by (key, row id), into the same positions of `out`. (Spans of
-// half a tile held bins up to half a tile: H100, n = 2^20, session 21, quarter spans took i64
+// half a tile held bins up to half a tile: H100, n = 2^20, quarter spans took i64
 // keys at k = 2^18 57 → 52 µs, i64 zipf ties at 2^16 106 → 41 and, with quantile bins to
 // rank 84, NaN mixes at 3·2^16 124 / 227 → 81 µs (f32 / f64); f32 uniform at 2^18 +3.) Nothing
 // when the status is set. Each bin is split in 2^bits parts by its pairs' coordinates

@@ -274,7 +274,7 @@ __device__ __forceinline__ u64 warp_append(bool want, u64 *counter) {
 // the OR of the keys (candidates.cu `key_span`'s words), so that a fused pass's candidates
 // need no second read for them. Shared words rather than registers: the generated passes
 // have none to spare (registers within a flush cost Q3's program its occupancy hint, its pass
-// 681 → 762 µs on the H100, session 34); a lane's own words rather than two shared words and an atomic per key word and
+// 681 → 762 µs on the H100); a lane's own words rather than two shared words and an atomic per key word and
 // pair, which serialised the warp's lanes at every flush (same session, same binaries: Q2's
 // pass at k = 10^6 684–689 → 676–681 µs on the H100 and 670–671 → 633–635 on an H200, where
 // Q3's program, with the registers the atomics held, now keeps its pipelined variant: its pass
@@ -348,7 +348,7 @@ template <class K> struct WarpBuffer {
         // Most rows of a round that appends something append nothing (Q2 at k = 10^6: 0.5% of
         // rows, ~0.6 a warp's round of 128): one uniform branch skips the buffer's bookkeeping,
         // whose instructions delayed the next round's loads (H100, Q2 k = 10^6, 250M rows: the
-        // pass 714.5 / 716.2 → 707.2 / 708.7 µs, session 29).
+        // pass 714.5 / 716.2 → 707.2 / 708.7 µs).
         if (mask == 0) return;
         if (keep) {
             const u32 slot = fill + __popc(mask & ((1u << lane_id()) - 1u));

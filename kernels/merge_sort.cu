@@ -21,15 +21,15 @@
 // Packed words (a large k's candidates, candidates.cu): `msort_tiles_packed` packs each pair
 // into its 64-bit word as it loads it, and `msort_merge_words` merges the words keys only (no
 // row ids: every id reads as 0), half the bytes of 64-bit keys' pairs (H100, 1.27M of Q2's
-// candidates, ncu: the packing tile sort 41 µs and rounds ~14 µs against 50 and ~20 for the pairs,
-// session 26); the last round, `msort_merge_unpack`, stores them unpacked into (key, row id)
+// candidates, ncu: the packing tile sort 41 µs and rounds ~14 µs against 50 and ~20 for the pairs);
+// the last round, `msort_merge_unpack`, stores them unpacked into (key, row id)
 // pairs. A fused selection enqueues `msort_tiles_packed` right after its pass, with the field read
 // from the span words on the device (`device_packed_field`) and the count from the device, while
 // the host reads both back on a second stream and then enqueues the rounds (H100, Q2 k = 10^6 of
-// 250M rows, session 36: its selection 146–152 → 134 µs; behind the read-back on the same stream,
-// session 35, it had gained nothing). Words compare without branches (`item_less`, and
+// 250M rows, its selection 146–152 → 134 µs; behind the read-back on the same stream
+// it had gained nothing). Words compare without branches (`item_less`, and
 // `merge_items` loads both runs' next word every step): the pairs' branchy steps diverge within a
-// warp and serialise both sides' loads (Q2 k = 10^6 of 250M rows, H100, session 28: its selection
+// warp and serialise both sides' loads (Q2 k = 10^6 of 250M rows, H100, its selection
 // 0.171–0.176 → 0.151–0.155 ms).
 // A sample sort of the words (a sorted 16K sample's splitters, a scatter into 1024 buckets,
 // a block's sort per bucket) took 0.187–0.243 ms there: a block's shared-memory sort of a
@@ -37,7 +37,7 @@
 // (branch `sample-sort-packed`). Cutting the candidates into 32 key bands by the denser
 // sample's splitters and sorting each band on its own (five rounds instead of ten) measured no
 // faster there: the two passes that count and move the bands cost what the rounds saved
-// (session 32, benches/results/2026-11-25-s32-key-bands.patch).
+// (benches/results/2026-11-25-s32-key-bands.patch).
 // Run j of a round (input span s, the sort's k) starts at j · min(s, k) and holds
 // min(k, pairs of the input positions [j·s, (j+1)·s) below m): a function of m alone, so every
 // round can be enqueued before m is known (m = *m_dev, a selection's survivor count).
@@ -51,7 +51,7 @@
 // round is a thread's serial search and merge), a merge round ~9 µs over 10^5 pairs and ~15 µs
 // over 10^6. Blocks of 512 threads × 4 pairs (the same tile) measured 0–12% slower, tiles of
 // 4096 pairs (512 × 8) from 1% faster to 12% slower, and tiles of 16 × 4096 pairs sorted by a
-// thread-block cluster through distributed shared memory (session 13) up to 44% slower.
+// thread-block cluster through distributed shared memory up to 44% slower.
 
 #include "common.cuh"
 
@@ -68,7 +68,7 @@ template <class K> struct MergeItems {
 // Whether a block loads its tile with all of a thread's loads issued before its shared-memory
 // stores (one round trip; the loop over the tile kept them in groups of 4): for the packed
 // words and 32-bit keys. For 64-bit keys' pairs the loads' registers (msort_merge_k64 48 → 64)
-// cost a block an SM and more than the round trip: H100, session 26, the rounds' loads batched
+// cost a block an SM and more than the round trip: H100, the rounds' loads batched
 // took Q2's packed words at k = 10^6 from 0.189–0.193 to 0.178–0.179 ms and i32 at n = 2^24,
 // k = 2^20 from 271–275 to 262 µs, but i64 / f64 there from 324–359 to 355–387 µs.
 template <class K, bool KO> struct BatchedLoads {
@@ -312,7 +312,7 @@ struct KeepWords {
 };
 
 // … or, in the round that leaves one run, unpacked into (key, row id) pairs (as the round's
-// store: a separate unpacking kernel took 9 µs of the packed sort at Q2 k = 10^6, session 26):
+// store: a separate unpacking kernel took 9 µs of the packed sort at Q2 k = 10^6):
 // `fixed` holds the bits every candidate's key shares (candidates.cu `key_span`'s words), the
 // word's field goes at `lo`, below it the row id.
 template <class K> struct UnpackWords {
@@ -396,7 +396,7 @@ __device__ void msort_tiles(Load load, u64 m_host, const u64 *m_dev, u64 cap, K 
     // Block b sorts tiles b, b + grid, …: one each where the host planned the grid for m, and
     // where it was planned before m was known, a grid of one wave at most (a grid for the
     // buffer's capacity, most of its blocks returning at once, took the tile sort 41 → 46 µs,
-    // H100, session 27).
+    // H100).
     for (u64 base = (u64)blockIdx.x * TILE; base < m; base += (u64)gridDim.x * TILE) {
         const u32 valid = (u32)min(m - base, (u64)TILE);
         // Coalesced loads into shared memory, then each thread takes V consecutive pairs.

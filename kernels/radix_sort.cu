@@ -73,7 +73,7 @@ __device__ __forceinline__ void st_relaxed(u32 *p, u32 v) {
 // The lanes of the warp whose digit (0..256) equals this lane's: one ballot per bit. Per bit:
 // test, ballot, complement where the bit is clear, and (CUB's MatchAny, written in PTX; the
 // compiler's form of the same loop took ~7 instructions a bit). H100, n = k = 2^20, the whole
-// sort (session 16): i32 uniform 89.9 → 85.8 µs against the compiler's form, where
+// sort: i32 uniform 89.9 → 85.8 µs against the compiler's form, where
 // __match_any_sync took 107 µs (it won only on heavy ties: zipf-ties 69 against 76 µs).
 __device__ __forceinline__ u32 match_digit(u32 d) {
     u32 peers = FULL_MASK;
@@ -95,7 +95,7 @@ __device__ __forceinline__ u32 match_digit(u32 d) {
 // Adds a pair's digit of every position to the positions' histograms in shared memory
 // (`sh`, positions × 256), one shared atomic each: warp_hist_add's check for a digit shared by
 // the whole warp cost more than the conflicts it saves here, even on all-equal keys (H100,
-// n = k = 2^20, i32: the sort 95.7 → 90.2 µs uniform, 43.4 → 36.6 µs all equal; session 16).
+// n = k = 2^20, i32: the sort 95.7 → 90.2 µs uniform, 43.4 → 36.6 µs all equal).
 template <class K>
 __device__ __forceinline__ void hist_add_all(u32 *sh, const K &k, u64 id, u32 id_digits, bool valid) {
     constexpr int D = SortDigits<K>::MAX;
@@ -222,7 +222,7 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // octaves of encodings for the one that holds the k-th smallest, and crowding was foreseen: f32 /
 // f64 sorted-asc took 130 / 223 µs against 49 / 50 now, f64 uniform 147 against 52, and i32 sorted,
 // narrow and all-equal keys 4–6 µs more; i64 keys at n/4 take ~3 µs more in the segment sort, the
-// same instructions, more shared-memory wavefronts. H100, n = 2^20, session 21.) The sample is
+// same instructions, more shared-memory wavefronts. H100, n = 2^20.) The sample is
 // sorted by a network (ranking each key against all 256, twice, took most of a one-block kernel's
 // 10.3 µs, ncu). The bins are linear, unless four consecutive sample intervals near the k-th
 // smallest span under 1/64 of their share of the range (each interval stands for ~n/256 keys, which
@@ -233,14 +233,14 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // stay linear. Up to rank 104 (k ≤ n/4): NaN mixes kept at most 296–387 keys a bin at
 // k = 2^17, 445–544 at 3·2^16 and 540–648 at 2^18 (three seeds and the benchmark's; the segment
 // sort takes 768): f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 / 231, at 3·2^16 81 / 81
-// against 124 / 227 (H100, session 21). Tie groups without a sampled key crowd a bin whatever its
+// against 124 / 227 (H100). Tie groups without a sampled key crowd a bin whatever its
 // edges (one holds 5580 keys of a value between two sampled ones, f32 zipf ties at 2^16,
-// simulation): the big bins' blocks sort those (bitonic.cu `sort_big_bin`). (Session 22, H100,
+// simulation): the big bins' blocks sort those (bitonic.cu `sort_big_bin`). (H100,
 // n = 2^20, same call as main before: quantile bins for tie samples beyond rank 48 took i32 zipf
 // ties at k = 3·2^15 / 2^17 / 3·2^16 / 2^18 in 70 / 73 / 77 / 92 µs against 113–116 for the whole
 // sort after crowding was foreseen, i64 68 / 85 / 77 / 80 against 130–209; f32 zipf ties at
 // 3·2^16 and 2^18 145 / 148 against 121–123.) Rank 144 (was 104) reaches k = 3n/8, where 64-bit
-// keys with clusters or ties took the whole sort after crowding was foreseen (session 23, same
+// keys with clusters or ties took the whole sort after crowding was foreseen (same
 // call: f64 NaN mix 230 → 125 µs, f64 sorted-asc 221 → 78, i64 zipf ties 210 → 91; ~25 bins an
 // interval there, ≥ 34 up to rank 104).
 #define TOP_QWANT 144u
@@ -416,13 +416,13 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     // rank checked; their bins are span / TOP_LINEAR coordinates wide. Doubles of uniform values
     // double their density every octave of encodings: at k = 5n/16 and 3n/8 of f64 keys in
     // [0, 1) the kept bins of the top octave held ~500–700 keys, near the segment sort's big bins
-    // (its kernel 76–80 µs against 19–20 for i64 keys; H100, n = 2^20, session 25). Four
-    // intervals and 384 keys, for all 64-bit keys (session 25, call 7), took f64 uniform keys
+    // (its kernel 76–80 µs against 19–20 for i64 keys; H100, n = 2^20). Four
+    // intervals and 384 keys, for all 64-bit keys, took f64 uniform keys
     // there from 108.8 / 127.0 to 90.5 / 97.8 µs, but sampling noise alone crossed that line for
     // evenly spread keys: i64 uniform 60.8 / 64.7 → 82.8 / 108.0, i64 and f64 narrow 62–67 →
     // 81–95. Sixteen intervals (a CPU simulation of the sample, 300 seeds): evenly spread words
     // at most 431 / 478 keys a bin at 5n/16 / 3n/8, f64 keys in [0, 1) over 512 in 91 / 99%;
-    // measured (call 8, against the rule's absence): f64 uniform 110.1 / 127.9 → 91.1 / 98.9 µs,
+    // measured (against the rule's absence): f64 uniform 110.1 / 127.9 → 91.1 / 98.9 µs,
     // the other 64-bit cells from n/16 to 7n/16 within noise (median −0.2 µs over 66).
     if (K::BITS <= 64 && bins.scale != 0 &&
         ((t + 4 <= reach && __ull2float_rz(s_coord[t + 4] - s_coord[t]) * (64.0f * want) <
@@ -449,7 +449,7 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     // bins. Only from k = n/16: below, the few kept pairs merge-sorted after the read-back beat
     // sorting all n (H100, n = 2^20, NaN mixes at k = 2^12 / 2^13 / 2^15: 82 / 90 / 114 µs against
     // 125 / 125 / 123). (4 samples, before the big bins' blocks: i64 zipf ties at k = 2^17 took
-    // 214 µs against 86, session 22.)
+    // 214 µs against 86.)
     const u32 bin = bins.bin(w, pos);
     s_bin[t] = bin;
     __syncthreads();
@@ -461,8 +461,8 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     // alone in a gap ~2^20·n coordinates wide, where the groups the sample misses or samples once
     // crowd big bins whatever the bins' edges, and from k ≈ n/6 the whole sort after the
     // read-back is faster: f32 zipf ties at 3·2^16 / 2^18 in 123.6 / 123.2 µs against 134.8 /
-    // 136.3; at 2^17 121.8 against 117.4, at 2^16 118.5 against 84.0 (H100, n = 2^20, same call,
-    // session 24).
+    // 136.3; at 2^17 121.8 against 117.4, at 2^16 118.5 against 84.0 (H100, n = 2^20,
+    // same call).
     if (K::BITS == 32 && 6 * k >= n) {
         const bool apart = t >= 1 && t + 2 <= want && sample[t - 1] == sample[t] && sample[t + 1] == sample[t + 2] &&
                            sample[t + 1] - sample[t] > TOP_APART_WORDS;
@@ -560,7 +560,7 @@ __device__ __forceinline__ u32 top_gather(const K (&ks)[SCATTER_ITEMS], u64 n, u
 // rolled (the key indices constant: registers). Unrolled, its four copies of the gather and the
 // lookups made the quantile histogram's loop ~40 KB of instructions, the scatter's more: most
 // issue slots stalled on instruction fetch (no_instruction 4.8 cycles an instruction against
-// 0.27 for linear bins; ncu, H100, f32 NaN mix, n = 2^20, k = 2^16, session 24).
+// 0.27 for linear bins; ncu, H100, f32 NaN mix, n = 2^20, k = 2^16).
 template <class K> __device__ __forceinline__ void top_next_chunk(K (&ks)[SCATTER_ITEMS]) {
 #pragma unroll
     for (int u = 0; u + TOP_CHUNK < SCATTER_ITEMS; ++u) ks[u] = ks[u + TOP_CHUNK];
@@ -708,7 +708,7 @@ __device__ __forceinline__ TopBound top_bound(const u32 *top, u64 k, u64 cap, u3
 // turn: their entry is (bin, its start, TOP_BIG_SLICE | slice, its end; common.cuh); there are at least as
 // many of them as slices (⌊c/span⌋ − 1 ≥ ⌈c/(2·span)⌉ for c > 3·span), so that no block is
 // launched for big bins (one for each possible slice, in front of the launch, made the segment
-// sort of uniform keys 1–6 µs slower, session 22). Every thread of block 0.
+// sort of uniform keys 1–6 µs slower). Every thread of block 0.
 __device__ __forceinline__ void top_segments(const u32 *start, TopBound b, u64 span, u32 *seg) {
     if (threadIdx.x == 0) seg[0] = seg[1] = 0;
     for (u32 i = threadIdx.x; i <= b.bound; i += RSORT_THREADS) {
@@ -741,7 +741,7 @@ __device__ __forceinline__ void top_segments(const u32 *start, TopBound b, u64 s
 // row id. A thread loads all its keys, then takes all its slots, then writes: in a loop of
 // loads, slot atomics and writes, each round waited on the last one's atomics. (A big bin's
 // slots taken a block round at a time, one global atomic per big bin and round, saved 1–3% of
-// f32 zipf ties' time at k ≥ 2^16 and cost ~1 µs on uniform keys: not kept; session 22.)
+// f32 zipf ties' time at k ≥ 2^16 and cost ~1 µs on uniform keys: not kept.)
 template <class K>
 __device__ __forceinline__ void top_place(const K *keys, u64 n, u64 i0, u64 stride, K (&ks)[SCATTER_ITEMS],
                                           const TopBins &bins, u32 bound, const u32 *start, u32 *fill, K *out_keys,
@@ -1007,7 +1007,7 @@ __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in
 // Grouped look-back of the wide pass: the tiles of a pass run in about one wave and publish
 // their counts together, so the windowed look-back walked ~8 windows of 32 earlier tiles per
 // digit before meeting an inclusive prefix: 38% of a wide pass's instructions and a third of
-// its stall samples (ncu SASS sampling, n = k = 2^20, i32; session 16). Here a tile also adds
+// its stall samples (ncu SASS sampling, n = k = 2^20, i32). Here a tile also adds
 // its counts into its group's sums (LOOKBACK_GROUP tiles a group) and counts itself done in
 // the group; its prefix is the sums of the earlier groups plus the words of the earlier tiles
 // of its own group: at most groups + LOOKBACK_GROUP − 1 loads per digit, issued together, one

@@ -131,7 +131,7 @@ __device__ void sample_threshold(const K *keys, const u64 *ids, u64 n, const u64
     // starts there, so windows of bits every sampled pair shares are never histogrammed: Q2's
     // half-integer f64 scores share their low mantissa bits, rounds that each took a block-wide
     // histogram to learn nothing before the row id's digits (H100 ncu, Q2 k = 10^6: the denser
-    // sample's threshold 19.3 → 11.0 µs, session 29).
+    // sample's threshold 19.3 → 11.0 µs).
     const auto differing_below = [&](int hi) {
         for (int q = (hi - 1) >> 6; q >= 0; --q) {
             u64 differ = s_or[q] ^ s_and[q];

@@ -683,8 +683,8 @@ impl Kernels {
 pub const GENERATED_OPTIONS: &[&str] = &["--fmad=false"];
 
 /// The generated kernel's `__launch_bounds__` minimum of resident blocks a SM
-/// (`FUSED_MIN_BLOCKS`): ptxas then keeps a thread to 51 registers. On the H100 (session 14,
-/// 250M rows, one call), against no minimum: Q3's program went from 57 registers and 4 blocks
+/// (`FUSED_MIN_BLOCKS`): ptxas then keeps a thread to 51 registers. On the H100
+/// (250M rows, one call), against no minimum: Q3's program went from 57 registers and 4 blocks
 /// a SM to 5 blocks with 56 bytes of spill traffic, and its pass from 1.067 to 1.034× its read
 /// floor; Q1's and Q2's (48 registers or fewer already) within noise; 6 blocks (40 registers)
 /// made Q1's pass 4% slower. A program that spills more than [`GENERATED_SPILL_ALLOWANCE`]
@@ -742,7 +742,7 @@ pub fn compile_generated(
         })
     };
     // Pipelined where it fits: Q2's pass 669–670 → 649–651 µs over 2 GB (its read floor,
-    // 651), 707 → 681–683 at k = 10^6 (H100, session 31). At 4 blocks a SM it measured no
+    // 651), 707 → 681–683 at k = 10^6 (H100). At 4 blocks a SM it measured no
     // better than at 5. Both hinted variants compile at once, so that a program that does not
     // fit pipelined waits for one compile, not two.
     let (pipelined, hinted) = std::thread::scope(|scope| {

@@ -290,8 +290,8 @@ fn kernel_source(
         KeyKind::K256 => "K256",
     };
     // Rows per thread and round of the full pass: enough loads in flight for the memory
-    // system, fewer for wide keys (registers). 8 measured no better on the H100 (session 13:
-    // Q3 2.5% faster, Q1 and Q2 up to 2% slower).
+    // system, fewer for wide keys (registers). 8 measured no better on the H100
+    // (Q3 2.5% faster, Q1 and Q2 up to 2% slower).
     let rows = match kind {
         KeyKind::K32 | KeyKind::K64 => 4,
         KeyKind::K128 | KeyKind::K256 => 2,
@@ -489,7 +489,7 @@ __device__ __forceinline__ void fused_rows(
     buffer.flush(cand_keys, cand_ids, count, capacity, span != nullptr);
     // The block's totals meet in shared memory, then one atomic per word and block: the warps'
     // own atomics on the same few words (~5000 each in a full pass) queued at the pass's end
-    // (H100, Q2 at k = 10^5, 250M rows, session 35: its pass 656–657 → 650–651 µs). Every
+    // (H100, Q2 at k = 10^5, 250M rows, its pass 656–657 → 650–651 µs). Every
     // thread gets here: the loop's bounds are the block's.
     constexpr u32 TOTALS = 2 + 2 * Key::N;
     __shared__ u64 totals[8][TOTALS];

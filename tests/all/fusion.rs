@@ -247,8 +247,8 @@ async fn each_part_runs_where_it_translates_and_every_program_compiles() {
         }
     }
     // Most programs take the occupancy hint. (Which ones spill past the allowance depends on
-    // the machine: 11 here with NVRTC 13.0.88, none on the H100 machine with the same NVRTC,
-    // session 14.)
+    // the machine: 11 here with NVRTC 13.0.88, none on the H100 machine with the
+    // same NVRTC.)
     let hinted = min_blocks
         .iter()
         .filter(|&&b| b == GENERATED_MIN_BLOCKS)

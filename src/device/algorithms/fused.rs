@@ -171,7 +171,7 @@ impl TopKEngine {
             // Before a denser sample the first one only bounds it: up to 8× coarser (a cheaper
             // one-block select), as long as the denser sample expects at most a quarter of its
             // buffer below its threshold (k = 10^6 of 250M rows: 1024 rows, rank 14, ~1800 of
-            // the denser sample's rows; H100, session 36, with the clustered sample: the
+            // the denser sample's rows; H100, with the clustered sample: the
             // sample phase 30 → 23–24 µs).
             let step = if refine {
                 (0..=3)

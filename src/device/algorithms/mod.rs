@@ -402,7 +402,7 @@ const FUSED_SPAN_OFFSET: u64 = 80;
 /// The fused selection's denser sample ([`TopKEngine::fused_select`], for k beyond the rank
 /// sort where the first threshold's candidates might not fit the packed sort's one wave): this
 /// many times the first sample's rows, of which only those below its threshold are kept (~16 r
-/// of them, far below what the one-block threshold holds). H100, Q2 at 250M rows, session 35:
+/// of them, far below what the one-block threshold holds). H100, Q2 at 250M rows:
 /// at k = 10^6 1.27M candidates where the first threshold's 4σ margin expects 1.74M (past the
 /// wave's 1.62M: its draw left 1.45M), the sample phase 39 against 16 µs; at k = 10^5 (165K
 /// candidates against 281K, both in one wave) the selection took as long either way, and the
@@ -470,7 +470,7 @@ pub fn radix_sort_wide_tile(kind: KeyKind) -> usize {
 }
 
 /// The merge sort's block size (merge_sort.cu `MSORT_THREADS`). Twice the threads with half
-/// the pairs each (the same tile) measured 0–12% slower (H100, session 12).
+/// the pairs each (the same tile) measured 0–12% slower (H100).
 const MSORT_THREADS: u32 = 256;
 /// The merge sort (merge_sort.cu) takes up to this many pairs: the survivors of a sampled
 /// selection beyond the chunk rank sort's capacity, a fused pass's candidates at large k, and
@@ -493,7 +493,7 @@ pub fn merge_sorts(kind: KeyKind, m: usize, id_bound: u64) -> bool {
 /// Whether the key's radix passes alone (row ids ascending in input order) sort m pairs
 /// faster than the merge sort: always for 32-bit keys (4 passes); for 64-bit keys over wide
 /// tiles, where the grouped look-back keeps a pass near 20 µs and digit positions that every
-/// pair shares are skipped (H100, n = 2^20, session 16: 48–189 µs against 138–190 µs for the
+/// pair shares are skipped (H100, n = 2^20, 48–189 µs against 138–190 µs for the
 /// merge sort, losing only on keys that vary in all 8 bytes).
 fn key_passes_sort(kind: KeyKind, m: usize) -> bool {
     match kind {
@@ -542,7 +542,7 @@ const SORT_THREADS: u32 = 1024;
 
 /// The tile of the sort kernels (bitonic.cu `SORT_TILE`): 1024 threads holding 4 pairs each in
 /// registers (2 for 256-bit keys). A 16384-pair shared-memory chunk sorted by one block of 512
-/// threads took 0.3 ms (measured in session 2).
+/// threads took 0.3 ms (measured).
 pub fn sort_tile(kind: KeyKind) -> usize {
     if kind == KeyKind::K256 { 2048 } else { 4096 }
 }
@@ -684,13 +684,13 @@ const SAMPLE_MAX_LEVELS: usize = 8;
 /// Rows the fused selection's sample pass evaluates ([`TopKEngine::fused_select`]), at most:
 /// as many as sample.cu's one-block threshold holds for 64-bit keys ([`sample_size`]; wider
 /// keys sample fewer), so that the threshold is exact and costs one launch. 8192 measured best
-/// on the H100 in session 7, against 16384 and 4096 (the sample's selection grows with its
+/// on the H100, against 16384 and 4096 (the sample's selection grows with its
 /// pairs, the final selection with the candidates a coarser sample admits).
 pub const FUSED_SAMPLE_ROWS: usize = RANK_SORT_MAX / 2;
 
 /// Consecutive rows the fused selection's samples take at a time (fused.cuh `sample_row`: a
 /// sample of one row in `step` takes this many consecutive rows every `this · step` rows), so
-/// that a warp's loads take whole sectors. H100, Q2 at k = 10^6 of 250M rows (session 36): the
+/// that a warp's loads take whole sectors. H100, Q2 at k = 10^6 of 250M rows: the
 /// sample phase 37 → 30 µs against rows `step` apart, 8 rows measuring as 32.
 pub const FUSED_SAMPLE_CLUSTER: usize = 32;
 
@@ -822,7 +822,7 @@ impl TopKEngine {
     /// driver stages the launch while the previous kernel drains, and the kernel's first
     /// statement (common.cuh `grid_dependency_wait`) waits for that kernel's writes. A chain of
     /// dependent kernels then pays less of the ~4–5 µs each launch costs between kernels (H100
-    /// of the device tool, session 27: 32 chained kernels of n = 2^21 took 5.13 µs each, 3.89
+    /// of the device tool, 32 chained kernels of n = 2^21 took 5.13 µs each, 3.89
     /// with the attribute).
     fn launch_function(
         &self,
@@ -1384,7 +1384,7 @@ impl TopKEngine {
                 Some((sorted, more)) => Ok((sorted, n.min(k), more)),
                 // A cluster the sample foresaw crowding a bin, or more kept pairs than the
                 // buffers: all pairs by the key's radix passes where those take one kernel a
-                // pass (H100, n = 2^20, session 17: after a foreseen crowding, 81–119 µs for
+                // pass (H100, n = 2^20, after a foreseen crowding, 81–119 µs for
                 // 32-bit ties against 113–163 µs by the sampled levels), else radix select.
                 None if radix_sort_is_wide(self.kind, n) => {
                     Ok((self.sort_pairs(input, n, 1)?, n.min(k), true))

@@ -53,26 +53,26 @@ pub fn top_bits_capacity(n: usize, k: usize) -> usize {
 /// Whether a sampled selection of k among n pairs takes the top-bits selection: positional 32- and
 /// 64-bit keys (the scatter writes positions as row ids) of the sizes whose whole sort runs one
 /// kernel a pass (up to ~1.5M rows), for k from n / 256 up to n / 4 (32-bit keys) or below 3n / 4
-/// (64-bit). H100, n = 2^20 (session 19, the uniform keys' time against that of the sampled levels
+/// (64-bit). H100, n = 2^20 (the uniform keys' time against that of the sampled levels
 /// or the whole sort): i32 k = 2^12 / 2^15 / 2^16 / 2^17 / 2^18 in 31 / 34 / 37 / 41 / 52 µs
 /// against 47 / 71 / 86 / 86 / 85; i64 32 / 36 / 40 / 47 / 53 against 59 / 76 / 97 / 193 / 194, and
 /// 75 / 89 µs at 2^19 / 5·2^17 against 194 / 193. Past those, 32-bit keys lose: their whole sort
 /// takes 83–88 µs, and f32 keys in [0, 1) crowd a bin (180 µs at 2^19). Where the sample shows
-/// clusters, the bins follow the sample's quantiles (session 20: f32 NaN mixes at k = 2^12 / 2^13 /
+/// clusters, the bins follow the sample's quantiles (f32 NaN mixes at k = 2^12 / 2^13 /
 /// 2^15 / 2^16 in 55 / 55 / 59 / 69 µs against 66 / 77 / 96 / 125, f64 59 / 61 / 69 / 77 against
 /// 111–240, i32 zipf ties at 2^15 / 2^16 38 / 60 against 85 / 112), and up to k = n / 4 where the
-/// sampled keys are distinct (session 21: f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 /
+/// sampled keys are distinct (f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 /
 /// 231, at 3·2^16 81 / 81 against 124 / 227, at 2^18 84 / 89 against 119 / 226); with tie groups
-/// the sample missed sorted on the device as big bins (session 22: i32 zipf ties at 3·2^15 – 2^18
+/// the sample missed sorted on the device as big bins (i32 zipf ties at 3·2^15 – 2^18
 /// in 70–92 µs against 113–116, i64 68–85 against 130–209, f32 / f64 at 2^15 60 / 57 against 93 /
 /// 97); f64 keys' ties, whose coordinates are words alone, by tie pieces, and clusters and ties
-/// of 64-bit keys up to k = 3n / 8 by quantile bins (session 23, same call: f64 zipf ties at
+/// of 64-bit keys up to k = 3n / 8 by quantile bins (same call: f64 zipf ties at
 /// k = 2^16 – 2^18 in 92–113 µs against 204–216 for the whole sort after crowding was foreseen,
 /// at 3n / 8 128 against 209; f64 NaN mixes at 3n / 8 114 against 230, f64 sorted 77 against 221,
 /// i64 zipf ties 84 against 210); f32 zipf counts from k = n / 16 still take 84–118 µs (their
 /// tie groups between sampled counts crowd big bins), where the routes before top bits took
-/// 74–97 for 32-bit keys (session 19), and from n / 6 the whole sort after the sample foresees
-/// crowding, 123 µs against 135–136 (session 24); and
+/// 74–97 for 32-bit keys, and from n / 6 the whole sort after the sample foresees
+/// crowding, 123 µs against 135–136; and
 /// all-equal 32-bit keys at n / 4 take 45 µs against 34 for the whole sort, which skips the digits
 /// they share. The cost model asks the same. `GPU_TOPK_TOP_BITS=0` turns it off, `=1` takes it
 /// wherever it applies (A/B runs).
