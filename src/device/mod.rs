@@ -238,9 +238,39 @@ impl GpuDevice {
 /// The process's GPU, detected on first call.
 pub fn gpu_status() -> &'static GpuStatus {
     static STATUS: OnceLock<GpuStatus> = OnceLock::new();
-    STATUS.get_or_init(|| match detect() {
-        Ok(device) => GpuStatus::Available(Arc::new(device)),
-        Err(reason) => GpuStatus::Unavailable(reason),
+    STATUS.get_or_init(|| match contain_panics(detect) {
+        Ok(Ok(device)) => GpuStatus::Available(Arc::new(device)),
+        Ok(Err(reason)) => GpuStatus::Unavailable(reason),
+        Err(panic) => GpuStatus::Unavailable(format!("the CUDA libraries are unusable: {panic}")),
+    })
+}
+
+/// Runs `work`, turning a panic into its message. The CUDA bindings load their functions
+/// lazily and panic when a library lacks one (a wrong or broken `libcuda`/`libnvrtc`), which
+/// must make the GPU unusable, not take the process down.
+/// The panic is reported as an error, so the default hook's message is kept off stderr.
+pub fn contain_panics<T>(work: impl FnOnce() -> T) -> Result<T, String> {
+    thread_local! {
+        static CONTAINED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !CONTAINED.with(|c| c.get()) {
+                previous(info)
+            }
+        }));
+    });
+    let outer = CONTAINED.with(|c| c.replace(true));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
+    CONTAINED.with(|c| c.set(outer));
+    result.map_err(|payload| {
+        payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "panic without a message".into())
     })
 }
 
@@ -264,6 +294,12 @@ fn detect() -> Result<GpuDevice, String> {
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err("no NVRTC library (libnvrtc) found".into());
     }
+    // Resolve NVRTC now, so that a broken library is found here rather than at a query's compile.
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: both out-pointers are valid for the call.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| format!("cannot read the NVRTC version: {e:?}"))?;
     let count = CudaContext::device_count().map_err(|e| format!("CUDA driver error: {e}"))?;
     if count < 1 {
         return Err("the CUDA driver reports no device".into());

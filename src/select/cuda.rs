@@ -36,7 +36,7 @@ use crate::device::algorithms::{
 use crate::device::watch::{DeviceWatch, Entered};
 use crate::device::{
     DeviceAlgorithm, DevicePairs, GeneratedKernel, GpuDevice, GpuError, GpuResult, KeyKind,
-    PooledBuffer, TopKEngine,
+    PooledBuffer, TopKEngine, contain_panics,
 };
 use crate::fusion::{FusedProgram, KernelInput};
 use crate::keys::{EncodedKeys, KeyLayout, KeyWidth, U256};
@@ -223,8 +223,11 @@ impl CudaSelector {
 
 impl State {
     /// Runs device work; the first error poisons the selection.
+    /// A panic in the CUDA bindings counts as a device error.
     fn run<T>(&mut self, work: impl FnOnce(&mut Self) -> GpuResult<T>) -> Result<T> {
-        work(self).map_err(|e| {
+        let result = contain_panics(|| work(self))
+            .unwrap_or_else(|panic| Err(GpuError(format!("the CUDA bindings panicked: {panic}"))));
+        result.map_err(|e| {
             self.failed = Some(e.clone());
             gpu_error(e)
         })

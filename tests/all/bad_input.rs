@@ -10,6 +10,7 @@
 //!   error on stderr (with the usage for argument errors), no panic.
 //! - A kernel directory (`GPU_TOPK_KERNEL_DIR`) with a broken or missing `.cu` file: on a GPU,
 //!   the query still answers, on the CPU path, and the CLI says which file is at fault.
+//! - A wrong or broken CUDA library: the GPU is unusable, with the reason; no crash.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -750,5 +751,80 @@ fn broken_kernel_sources_fall_back_to_the_cpu_path_and_name_the_file() {
         assert!(reason.contains("the GPU kernels are unusable"), "{context}");
         assert!(reason.contains(says), "{context}");
         assert!(reason.contains(file), "{context}");
+    }
+}
+
+// ---- 6. The CUDA libraries -------------------------------------------------------------------
+
+/// A shared library this process has loaded, found in `/proc/self/maps`.
+fn loaded_library(prefix: &str) -> Option<PathBuf> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|path| {
+            Path::new(path)
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(prefix))
+        })
+        .map(PathBuf::from)
+}
+
+/// A wrong or broken CUDA library (here another shared library under CUDA's names, first on
+/// the library path: it loads, but has none of CUDA's functions) makes the GPU unusable, with
+/// the reason: the process neither crashes nor prints a panic, and a query forced onto the
+/// GPU answers on the CPU path.
+#[test]
+fn a_broken_cuda_library_leaves_the_gpu_unusable_with_a_reason() {
+    let Some(impostor) = loaded_library("libm.so").or_else(|| loaded_library("libgcc_s.so")) else {
+        eprintln!(
+            "SKIP: a_broken_cuda_library_leaves_the_gpu_unusable_with_a_reason: no shared library to copy"
+        );
+        return;
+    };
+    let dir = test_dir("bad-input-libcuda");
+    let csv = dir.join("t.csv");
+    write_lines(&csv, &csv_lines(1000));
+    let t = format!("t={}", csv.display());
+    // (Libraries replaced, what the reason may say: with only the driver replaced, a machine
+    // without NVRTC stops at the missing NVRTC first.)
+    let cases: [(&str, &[&str], &[&str]); 2] = [
+        (
+            "both",
+            &["libcuda.so", "libcuda.so.1", "libnvrtc.so"],
+            &["the CUDA libraries are unusable"],
+        ),
+        (
+            "driver",
+            &["libcuda.so", "libcuda.so.1"],
+            &["the CUDA libraries are unusable", "no NVRTC library"],
+        ),
+    ];
+    for (what, names, says) in cases {
+        let libs = dir.join(format!("lib-{what}"));
+        std::fs::create_dir_all(&libs).unwrap();
+        for name in names {
+            std::fs::copy(&impostor, libs.join(name)).unwrap();
+        }
+        let out = top4_over(&t, "cuda", &[("LD_LIBRARY_PATH", &libs)]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let context = format!("{what}:\nstdout:\n{stdout}\nstderr:\n{stderr}");
+        assert_eq!(out.status.code(), Some(0), "{context}");
+        assert!(!stderr.contains("panicked"), "{context}");
+        assert_eq!(table_rows(&stdout), expected_top4(1000), "{context}");
+        let gpu_line = stdout
+            .lines()
+            .find(|l| l.starts_with("GPU: "))
+            .unwrap_or("");
+        assert!(gpu_line.starts_with("GPU: none ("), "{context}");
+        assert!(says.iter().any(|s| gpu_line.contains(s)), "{context}");
+        let top_k = stdout
+            .lines()
+            .find(|l| l.starts_with("top-k: "))
+            .unwrap_or("");
+        assert!(
+            top_k.starts_with("top-k: GpuTopKExec, backend=cpu") && top_k.contains("no GPU found"),
+            "{context}"
+        );
     }
 }
