@@ -4,7 +4,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use datafusion::common::config::ConfigExtension;
+use datafusion::common::config::{ConfigEntry, ConfigExtension, ExtensionOptions};
 use datafusion::common::{config_field, extensions_options};
 use datafusion::error::DataFusionError;
 
@@ -127,8 +127,8 @@ impl FromStr for FaultPoint {
 config_field!(FaultPoint);
 
 extensions_options! {
-    /// Settings of the GPU top-k operator (`SET gpu_topk.<name> = <value>`).
-    pub struct GpuTopKConfig {
+    /// The settings' values; [`GpuTopKConfig`] dereferences to them.
+    pub struct GpuTopKSettings {
         /// Replace DataFusion's TopK with the GPU top-k operator where the query's shape allows.
         pub enabled: bool, default = true
         /// `auto` (GPU when present, else DataFusion's TopK), `cuda` or `cpu`.
@@ -152,6 +152,60 @@ extensions_options! {
         /// Most device memory, in bytes, one query's selection may hold (0: no limit but the
         /// device's). A query that needs more falls back to the CPU path.
         pub device_memory_limit: usize, default = 0
+    }
+}
+
+/// Settings of the GPU top-k operator (`SET gpu_topk.<name> = <value>`): the fields of
+/// [`GpuTopKSettings`], registered under the `gpu_topk` namespace. A rejected `SET` names the
+/// setting and the value.
+#[derive(Debug, Clone, Default)]
+pub struct GpuTopKConfig(GpuTopKSettings);
+
+impl std::ops::Deref for GpuTopKConfig {
+    type Target = GpuTopKSettings;
+    fn deref(&self) -> &GpuTopKSettings {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for GpuTopKConfig {
+    fn deref_mut(&mut self) -> &mut GpuTopKSettings {
+        &mut self.0
+    }
+}
+
+impl ExtensionOptions for GpuTopKConfig {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+    fn cloned(&self) -> Box<dyn ExtensionOptions> {
+        Box::new(self.clone())
+    }
+    fn set(&mut self, key: &str, value: &str) -> datafusion::error::Result<()> {
+        let entries = self.0.entries();
+        if !entries.iter().any(|e| e.key == key) {
+            let names: Vec<_> = entries.iter().map(|e| e.key.as_str()).collect();
+            return Err(DataFusionError::Configuration(format!(
+                "unknown setting gpu_topk.{key}: expected one of {}",
+                names.join(", ")
+            )));
+        }
+        self.0.set(key, value).map_err(|e| match e {
+            // The keyword settings' own messages name the setting already.
+            DataFusionError::Configuration(m) if m.contains("gpu_topk.") => {
+                DataFusionError::Configuration(m)
+            }
+            e => DataFusionError::Configuration(format!(
+                "invalid gpu_topk.{key} '{value}': {}",
+                e.strip_backtrace()
+            )),
+        })
+    }
+    fn entries(&self) -> Vec<ConfigEntry> {
+        self.0.entries()
     }
 }
 

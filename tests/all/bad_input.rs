@@ -152,13 +152,17 @@ async fn bad_settings_name_the_setting_and_the_accepted_values() {
                 "auto, bitonic, radix, delegate, sample, cpu",
             ],
         ),
-        // Numbers and booleans are parsed by DataFusion's own code, whose message names the
-        // value and the type but not the setting.
-        ("SET gpu_topk.max_k = -1", &["'-1' as usize"]),
-        ("SET gpu_topk.max_k = 'lots'", &["'lots' as usize"]),
+        (
+            "SET gpu_topk.max_k = -1",
+            &["invalid gpu_topk.max_k '-1'", "as usize"],
+        ),
+        (
+            "SET gpu_topk.device_memory_limit = 'lots'",
+            &["invalid gpu_topk.device_memory_limit 'lots'", "as usize"],
+        ),
         (
             "SET gpu_topk.enabled = 'maybe'",
-            &["'maybe' as bool", "not `true` or `false`"],
+            &["invalid gpu_topk.enabled 'maybe'", "not `true` or `false`"],
         ),
         (
             "SET gpu_topk.inject_fault = 'bogus'",
@@ -170,7 +174,10 @@ async fn bad_settings_name_the_setting_and_the_accepted_values() {
         ),
         (
             "SET gpu_topk.no_such_setting = 1",
-            &["\"no_such_setting\" not found on GpuTopKConfig"],
+            &[
+                "unknown setting gpu_topk.no_such_setting",
+                "enabled, backend, algorithm, max_k",
+            ],
         ),
     ];
     for (statement, fragments) in cases {
