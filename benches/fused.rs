@@ -194,7 +194,7 @@ async fn main() -> Result<()> {
          sample_pass_ms,sample_select_ms,pass_ms,select_ms,packed_bits"
             .to_string(),
     ];
-    let mut engine_cache: Vec<(datafusion_gpu_topk::device::KeyKind, TopKEngine)> = Vec::new();
+    let mut engine_cache: Vec<(datafusion_gpu_topk::device::KeyWidth, TopKEngine)> = Vec::new();
     for query in queries(quick) {
         if !query.name.starts_with(&only) {
             continue;

@@ -61,7 +61,7 @@ use datafusion_gpu_topk::device::measure::{
     FLUSH_BYTES, ReadFloor, fraction_cut, fraction_hash, median, time_selection,
 };
 use datafusion_gpu_topk::device::{
-    DeviceAlgorithm, DevicePairs, GpuDevice, GpuError, GpuResult, GpuStatus, KeyKind, TopKEngine,
+    DeviceAlgorithm, DevicePairs, GpuDevice, GpuError, GpuResult, GpuStatus, KeyWidth, TopKEngine,
     gpu_status,
 };
 use datafusion_gpu_topk::keys::{EncodedKeys, KeyLayout, KeySpec};
@@ -101,10 +101,10 @@ impl KeyType {
         matches!(self, KeyType::F32 | KeyType::F64)
     }
 
-    fn kind(self) -> KeyKind {
+    fn kind(self) -> KeyWidth {
         match self {
-            KeyType::F32 | KeyType::I32 => KeyKind::K32,
-            KeyType::F64 | KeyType::I64 => KeyKind::K64,
+            KeyType::F32 | KeyType::I32 => KeyWidth::W32,
+            KeyType::F64 | KeyType::I64 => KeyWidth::W64,
         }
     }
 }
@@ -503,7 +503,7 @@ fn generate<W: Word>(key: KeyType, dist: Dist, n: usize, seed: u64) -> Result<Ve
         false,
     );
     let layout = KeyLayout::try_new(vec![spec])?;
-    if KeyKind::for_total_bits(layout.total_bits()) != key.kind()
+    if KeyWidth::for_total_bits(layout.total_bits()) != key.kind()
         || key.kind().key_bytes() != W::BYTES
     {
         return Err(format!(
@@ -734,7 +734,7 @@ fn measure_floor(
 /// Device bytes one (n, key width) needs: the input pairs, the radix scratch (2 × n pairs),
 /// bitonic's first-round output (≤ n/4 pairs), the sort of ≤ 2 k pairs (twice), the flush
 /// buffer, and 1 GiB of slack.
-fn device_bytes_needed(n: usize, kind: KeyKind, kmax: usize, sel: f64) -> usize {
+fn device_bytes_needed(n: usize, kind: KeyWidth, kmax: usize, sel: f64) -> usize {
     let pair = kind.key_bytes() + 8;
     let kmax = kmax.min(n).next_power_of_two();
     // A filter's kept pairs (below selectivity 1) and their selection's scratch.
@@ -915,7 +915,7 @@ impl Sweep {
         let device = Arc::clone(&self.device);
         let ns = self.opts.ns.clone();
         let keys = self.opts.keys.clone();
-        let mut engines: Vec<(KeyKind, TopKEngine)> = Vec::new();
+        let mut engines: Vec<(KeyWidth, TopKEngine)> = Vec::new();
         let mut floor: Option<ReadFloor> = None;
         for &n in &ns {
             for &key in &keys {
@@ -961,7 +961,7 @@ impl Sweep {
                     continue;
                 }
                 match kind {
-                    KeyKind::K32 => self.run_key::<u32>(engine, floor, n, key)?,
+                    KeyWidth::W32 => self.run_key::<u32>(engine, floor, n, key)?,
                     _ => self.run_key::<u64>(engine, floor, n, key)?,
                 }
             }
@@ -1271,7 +1271,7 @@ fn host_check() -> usize {
         for key in KeyType::ALL {
             for dist in Dist::ALL.into_iter().filter(|d| d.applies_to(key)) {
                 let outcome = match key.kind() {
-                    KeyKind::K32 => one::<u32>(key, dist, n, &ks),
+                    KeyWidth::W32 => one::<u32>(key, dist, n, &ks),
                     _ => one::<u64>(key, dist, n, &ks),
                 };
                 let what = format!("n={n} {} {}", key.name(), dist.name());

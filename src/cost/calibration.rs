@@ -25,11 +25,11 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys::CUdevice_attribute;
 
 use super::model::{Case, CostModel, Fit, Fits, Machine, Part, solve_fit};
-use crate::device::algorithms::fill_staging;
+use crate::device::engine::fill_staging;
 use crate::device::kernels::{KernelSources, cache_key, default_cache_dir};
 use crate::device::measure::{ReadFloor, time_selection};
 use crate::device::{
-    DeviceAlgorithm, GpuDevice, GpuError, GpuResult, GpuTimer, KeyKind, TopKEngine,
+    DeviceAlgorithm, GpuDevice, GpuError, GpuResult, GpuTimer, KeyWidth, TopKEngine,
 };
 
 /// What the device reports about itself.
@@ -250,7 +250,7 @@ fn measure(
     params: &DeviceParams,
 ) -> GpuResult<(CostModel, Vec<Reference>, f64)> {
     let mut spread = 1.0f64;
-    let mut engine = TopKEngine::new(device, KeyKind::K32)?;
+    let mut engine = TopKEngine::new(device, KeyWidth::W32)?;
     let floor = ReadFloor::new(device, &engine)?;
     // Uniform 32-bit keys (xorshift), uploaded once with row ids 0..n.
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
@@ -322,7 +322,7 @@ fn measure(
     let small_sort = 1 << 15;
     let t_small = times(&mut engine, &mut spread, |e| sort_ms(e, small_sort))?;
     let t_large = times(&mut engine, &mut spread, |e| sort_ms(e, kept))?;
-    let sort_case = |m| Case::pairs(m, m, KeyKind::K32, LARGE);
+    let sort_case = |m| Case::pairs(m, m, KeyWidth::W32, LARGE);
     model.fits.sort = fit(
         &model,
         Part::Sort,
@@ -349,7 +349,8 @@ fn measure(
         e.filter_fraction(&input, LARGE, 1.0 / 32.0, &scratch)?;
         Ok(f64::from(timer.stop()?))
     })?;
-    let filter_case = |rows: usize, kept: usize| Case::pairs(kept, REFERENCE_K, KeyKind::K32, rows);
+    let filter_case =
+        |rows: usize, kept: usize| Case::pairs(kept, REFERENCE_K, KeyWidth::W32, rows);
     model.fits.filter = fit(
         &model,
         Part::Filter,
@@ -378,7 +379,7 @@ fn measure(
     references.push(Reference {
         what: format!("filter (n = kept pairs), n = {}", LARGE / 2),
         measured_s: t_large,
-        predicted_s: model.filter_time(LARGE, LARGE / 2, KeyKind::K32),
+        predicted_s: model.filter_time(LARGE, LARGE / 2, KeyWidth::W32),
     });
 
     // Sample before delegate: the delegates' selection is a sampled one.
@@ -394,7 +395,7 @@ fn measure(
         };
         let t_small = times(&mut engine, &mut spread, |e| run(e, SMALL))?;
         let t_large = times(&mut engine, &mut spread, |e| run(e, LARGE))?;
-        let case = |n| Case::positional(n, REFERENCE_K, KeyKind::K32);
+        let case = |n| Case::positional(n, REFERENCE_K, KeyWidth::W32);
         let fitted = fit(
             &model,
             Part::Algorithm(algorithm),
@@ -491,7 +492,7 @@ fn cpu_rows_per_second() -> f64 {
         layout,
         k: REFERENCE_K,
         program: None,
-        final_model: None,
+        final_choice: None,
         fault: Default::default(),
         watch: None,
     };

@@ -18,59 +18,19 @@ pub mod calibration;
 pub mod model;
 pub mod validation;
 
-use std::fmt;
 use std::path::Path;
 use std::time::Duration;
 
+use datafusion::error::{DataFusionError, Result};
+
 use crate::config::{Algorithm, Backend};
-use crate::device::{DeviceAlgorithm, GpuDevice, GpuStatus, KeyKind, gpu_status};
+use crate::device::plan::reduction;
+use crate::device::{DeviceAlgorithm, GpuDevice, GpuStatus, KeyWidth, gpu_status};
 use crate::keys::KeyLayout;
-use crate::select::cuda::{MIN_CAPACITY, device_algorithm, key_kind};
+use crate::select::FinalChoice;
+pub use crate::select::SelectionChoice;
+use crate::select::cuda::{MIN_CAPACITY, bitonic_max_k};
 pub use model::{Case, CostModel};
-
-/// The resolved choice for one query.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SelectionChoice {
-    /// This crate's CPU selector.
-    Cpu,
-    /// The CUDA selector with this algorithm.
-    Cuda(DeviceAlgorithm),
-}
-
-impl SelectionChoice {
-    /// `cpu` or `cuda`.
-    pub fn backend(&self) -> &'static str {
-        match self {
-            SelectionChoice::Cpu => "cpu",
-            SelectionChoice::Cuda(_) => "cuda",
-        }
-    }
-
-    /// The selection algorithm, e.g. `select-nth` (the CPU's) or `radix`.
-    pub fn algorithm(&self) -> &'static str {
-        match self {
-            SelectionChoice::Cpu => "select-nth",
-            SelectionChoice::Cuda(algorithm) => algorithm.name(),
-        }
-    }
-
-    /// The setting that selects this algorithm, for building the selector.
-    pub fn setting(&self) -> Algorithm {
-        match self {
-            SelectionChoice::Cpu => Algorithm::Cpu,
-            SelectionChoice::Cuda(DeviceAlgorithm::Bitonic) => Algorithm::Bitonic,
-            SelectionChoice::Cuda(DeviceAlgorithm::Radix) => Algorithm::Radix,
-            SelectionChoice::Cuda(DeviceAlgorithm::Sample) => Algorithm::Sample,
-            SelectionChoice::Cuda(DeviceAlgorithm::Delegate) => Algorithm::Delegate,
-        }
-    }
-}
-
-impl fmt::Display for SelectionChoice {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} {}", self.backend(), self.algorithm())
-    }
-}
 
 /// What the planner knows of the input.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -300,7 +260,7 @@ fn predict_options(
     with_cpu: bool,
 ) -> Vec<(SelectionChoice, f64)> {
     let n = estimate.rows.unwrap_or(ASSUMED_ROWS);
-    let kind = key_kind(layout);
+    let kind = layout.width();
     let mut options: Vec<(SelectionChoice, f64)> = DeviceAlgorithm::ALL
         .iter()
         .filter_map(|&a| {
@@ -321,14 +281,14 @@ pub fn operator_seconds(
     algorithm: DeviceAlgorithm,
     n: usize,
     k: usize,
-    kind: KeyKind,
+    kind: KeyWidth,
     estimate: &Estimate,
 ) -> Option<f64> {
     let capacity = (2 * k).max(MIN_CAPACITY);
     let candidates = n.min(capacity);
     let selection = model.predict(algorithm, &Case::pairs(candidates, k, kind, n))?;
     let reductions = if n > capacity && k < capacity {
-        model.predict(DeviceAlgorithm::Radix, &Case::pairs(capacity, k, kind, n))?
+        model.predict(reduction(algorithm), &Case::pairs(capacity, k, kind, n))?
     } else {
         0.0
     };
@@ -349,15 +309,36 @@ pub fn operator_seconds(
     )
 }
 
-/// The device algorithm an `auto` selector runs for its final selection of k among the
-/// `candidates` it holds.
-pub fn final_algorithm(
-    model: &CostModel,
-    candidates: usize,
+/// An `auto` selector's final selection of k among the candidates it holds: the device
+/// algorithm the model predicts fastest for that many.
+impl FinalChoice for CostModel {
+    fn final_algorithm(&self, candidates: usize, k: usize, width: KeyWidth) -> DeviceAlgorithm {
+        self.best_device(&Case::pairs(candidates, k, width, candidates))
+            .0
+    }
+}
+
+/// Resolves a device algorithm setting: `auto` without a model is the rule of thumb (bitonic
+/// top-k up to its k limit, radix select beyond); a forced bitonic beyond its limit is an
+/// error.
+pub fn device_algorithm(
+    device: &GpuDevice,
+    layout: &KeyLayout,
     k: usize,
-    kind: KeyKind,
-) -> DeviceAlgorithm {
-    model
-        .best_device(&Case::pairs(candidates, k, kind, candidates))
-        .0
+    algorithm: Algorithm,
+) -> Result<DeviceAlgorithm> {
+    let limit = bitonic_max_k(device, layout);
+    match algorithm {
+        Algorithm::Auto if k <= limit => Ok(DeviceAlgorithm::Bitonic),
+        Algorithm::Auto | Algorithm::Radix => Ok(DeviceAlgorithm::Radix),
+        Algorithm::Bitonic if k <= limit => Ok(DeviceAlgorithm::Bitonic),
+        Algorithm::Bitonic => Err(DataFusionError::Plan(format!(
+            "the CUDA bitonic top-k supports k up to {limit} for these keys, not {k}"
+        ))),
+        Algorithm::Sample => Ok(DeviceAlgorithm::Sample),
+        Algorithm::Delegate => Ok(DeviceAlgorithm::Delegate),
+        Algorithm::Cpu => Err(DataFusionError::Plan(
+            "algorithm 'cpu' does not run on the GPU".into(),
+        )),
+    }
 }

@@ -40,13 +40,12 @@
 //! The two constants per algorithm (`fixed`, `efficiency`) come from the calibration's two
 //! reference runs of it ([`super::calibration`]); everything else is structure.
 
-use crate::device::algorithms::{
-    DIRECT_SORT_FACTOR, DIRECT_SORT_MIN, ONESWEEP_MAX_TILES, RADIX_SORT_MAX, RANK_SORT_MAX,
-    bitonic_chunk, delegate_subrange, merge_sort_tile, merge_sorts, plan_sample_levels,
-    radix_sort_tile, sample_level_bounds, sample_size, sample_sorts_whole, sort_tile,
-    top_bits_sorts,
+use crate::device::plan::{
+    DIRECT_SORT_FACTOR, DIRECT_SORT_MIN, ONESWEEP_MAX_TILES, RADIX_SORT_MAX, RANK_SORT_MAX, Route,
+    bitonic_chunk, merge_sort_tile, merge_sorts, plan_sample_levels, radix_sort_tile, route,
+    sample_level_bounds, sample_size, sort_tile,
 };
-use crate::device::{DeviceAlgorithm, KeyKind};
+use crate::device::{DeviceAlgorithm, KeyWidth};
 
 /// One selection, as the model sees it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -54,7 +53,7 @@ pub struct Case {
     /// Pairs the selection reads.
     pub n: usize,
     pub k: usize,
-    pub kind: KeyKind,
+    pub kind: KeyWidth,
     /// Keys only, row ids implied by position (device-resident input); else (key, row id)
     /// pairs, e.g. the candidates a filter left.
     pub positional: bool,
@@ -68,7 +67,7 @@ pub struct Case {
 
 impl Case {
     /// A device-resident column of n distinct keys.
-    pub fn positional(n: usize, k: usize, kind: KeyKind) -> Self {
+    pub fn positional(n: usize, k: usize, kind: KeyWidth) -> Self {
         Self {
             n,
             k,
@@ -80,7 +79,7 @@ impl Case {
     }
 
     /// Candidates: n pairs whose ids index `rows` rows.
-    pub fn pairs(n: usize, k: usize, kind: KeyKind, rows: usize) -> Self {
+    pub fn pairs(n: usize, k: usize, kind: KeyWidth, rows: usize) -> Self {
         Self {
             n,
             k,
@@ -242,13 +241,13 @@ impl CostModel {
 
     /// A pass over n rows that keeps `kept` of them as candidates (a `WHERE` filter on the
     /// device): reads the keys, writes the survivors' pairs.
-    pub fn filter_time(&self, n: usize, kept: usize, kind: KeyKind) -> f64 {
+    pub fn filter_time(&self, n: usize, kept: usize, kind: KeyWidth) -> f64 {
         self.filter_work(n, kept, kind)
             .time(&self.machine, self.fits.filter)
     }
 
     /// The sort of m pairs (ids below `rows`), in seconds.
-    pub fn sort_time(&self, m: usize, kind: KeyKind, rows: usize, source: usize) -> f64 {
+    pub fn sort_time(&self, m: usize, kind: KeyWidth, rows: usize, source: usize) -> f64 {
         self.sort_work(m, kind, rows, source)
             .time(&self.machine, self.fits.sort)
     }
@@ -264,7 +263,7 @@ impl CostModel {
     }
 
     /// The largest k bitonic top-k takes for these keys.
-    pub fn bitonic_max_k(&self, kind: KeyKind) -> usize {
+    pub fn bitonic_max_k(&self, kind: KeyWidth) -> usize {
         bitonic_chunk(self.machine.max_shared_per_block, kind) / 4
     }
 
@@ -286,159 +285,145 @@ impl CostModel {
         if algorithm == DeviceAlgorithm::Bitonic && k > self.bitonic_max_k(case.kind) {
             return None; // whatever n is: an empty input must not pick what cannot run
         }
-        if k == 0 || n == 0 {
-            return Some((Work::default(), self.fits.sample));
-        }
-        // Few pairs: the sampled selection is its rank sort alone (one launch after the
-        // control block's memset and count).
-        if algorithm == DeviceAlgorithm::Sample && n <= RANK_SORT_MAX {
-            let work = Work {
-                launches: 3.0,
-                steps: 1.0,
-                bytes: n as f64 * case.pair_bytes(),
-                ..Work::default()
-            };
-            return Some((work, self.fits.sample));
-        }
-        // The top-bits selection: a memset, two reads of the keys (the sampled bins and their
-        // histogram, the scatter of the pairs at or below the k-th smallest's bin), the
-        // segment sort of those (about k), and the read-back of its status.
-        if algorithm == DeviceAlgorithm::Sample && top_bits_sorts(case.kind, n, k, case.positional)
-        {
-            let work = Work {
-                launches: 4.0,
-                readbacks: 1.0,
-                steps: 3.0,
-                bytes: 2.0 * n as f64 * case.kind.key_bytes() as f64
-                    + 2.0 * k as f64 * case.pair_bytes(),
-                ..Work::default()
-            };
-            return Some((work, self.fits.sort));
-        }
-        // k ≥ n: every pair, sorted by the radix sort (bitonic top-k still runs its rounds);
-        // so does a sampled selection of a large fraction of positional pairs.
-        let whole = algorithm == DeviceAlgorithm::Sample
-            && sample_sorts_whole(case.kind, n, k, case.positional);
-        if (k >= n && algorithm != DeviceAlgorithm::Bitonic) || whole {
-            let rows = if case.positional { 1 } else { case.rows };
-            let work = Work {
-                nested_s: self.sort_time(n, case.kind, rows, n),
-                ..Work::default()
-            };
-            return Some((work, self.fits.sort));
-        }
-        match algorithm {
-            DeviceAlgorithm::Sample => {
-                let plan = plan_sample_levels(n, k, sample_size(case.kind), RANK_SORT_MAX);
-                if plan.is_empty() {
-                    return self.work(DeviceAlgorithm::Radix, case);
-                }
-                let s_max = sample_size(case.kind) as f64;
-                let mut w = Work {
-                    launches: 1.0, // the control block's memset
-                    ..Work::default()
-                };
-                let mut level_n = n;
-                for (i, level) in plan.iter().enumerate() {
-                    let expected = sample_level_bounds(level_n, k, level.s.min(level_n))
-                        .map_or(k, |(e, _)| e.max(k));
-                    w.launches += 2.0;
-                    // The one-block threshold costs in proportion to its sample, on top of a
-                    // fixed part (ncu: 10.5 µs at 2048 pairs, 16.5 µs at 10240).
-                    w.steps += 0.6 + 0.4 * (level.s as f64 / s_max).min(1.0);
-                    let read = if i == 0 {
-                        case.input_bytes()
-                    } else {
-                        case.pair_bytes()
+        // The route the engine takes (A/B switches aside: the model predicts the default),
+        // with the fit of the algorithm whose route it is.
+        let sorted_rows = if case.positional { 1 } else { case.rows };
+        let rows = if case.positional { n } else { case.rows };
+        Some(
+            match route(algorithm, case.kind, n, k, case.positional, None) {
+                Route::Empty => (Work::default(), self.fits.sample),
+                // One launch after the control block's memset and count.
+                Route::RankSort => {
+                    let work = Work {
+                        launches: 3.0,
+                        steps: 1.0,
+                        bytes: n as f64 * case.pair_bytes(),
+                        ..Work::default()
                     };
-                    w.bytes += level_n as f64 * read + expected as f64 * case.pair_bytes();
-                    level_n = expected;
+                    (work, self.fits.sample)
                 }
-                w.readbacks += 1.0;
-                if k <= RANK_SORT_MAX {
-                    w.launches += 1.0;
-                    w.steps += 1.0;
-                } else {
-                    w.nested_s += self.finish_survivors(level_n, case);
+                // A memset, two reads of the keys (the sampled bins and their histogram, the
+                // scatter of the pairs at or below the k-th smallest's bin), the segment sort of
+                // those (about k), and the read-back of its status.
+                Route::TopBits => {
+                    let work = Work {
+                        launches: 4.0,
+                        readbacks: 1.0,
+                        steps: 3.0,
+                        bytes: 2.0 * n as f64 * case.kind.key_bytes() as f64
+                            + 2.0 * k as f64 * case.pair_bytes(),
+                        ..Work::default()
+                    };
+                    (work, self.fits.sort)
                 }
-                Some((w, self.fits.sample))
-            }
-            DeviceAlgorithm::Radix => {
-                let mut w = self.radix_select_work(case);
-                let rows = if case.positional { n } else { case.rows };
-                w.nested_s += self.sort_time(k, case.kind, rows, n);
-                Some((w, self.fits.radix))
-            }
-            DeviceAlgorithm::Bitonic => {
-                if k > self.bitonic_max_k(case.kind) {
-                    return None;
+                Route::SortAll | Route::WholeSort => {
+                    let work = Work {
+                        nested_s: self.sort_time(n, case.kind, sorted_rows, n),
+                        ..Work::default()
+                    };
+                    (work, self.fits.sort)
                 }
-                let k2 = k.next_power_of_two();
-                let chunk = bitonic_chunk(m.max_shared_per_block, case.kind);
-                let lk = (k2 as f64).log2();
-                // Plus a fixed part per pair (loading the chunk, the runs' first steps, the
-                // write-out): about 9 exchanges' worth (H100 grid, k = 1 against k = 1024).
-                let exchanges = lk * (lk + 1.0) / 2.0 + 2.0 * (lk + 1.0) + 9.0;
-                let mut w = Work::default();
-                let mut len = n;
-                loop {
-                    let blocks = len.div_ceil(chunk).max(1);
-                    // The rounds read (key, row id) pairs, positional input too.
-                    let global =
-                        len as f64 * case.pair_bytes() + (blocks * k2) as f64 * case.pair_bytes();
-                    // Each compare-exchange step reads and writes every pair in shared memory.
-                    let shared = len as f64 * exchanges * 2.0 * case.pair_bytes();
-                    // One block per chunk: fewer blocks than SMs leave the rest idle.
-                    let occupancy = (blocks as f64 / m.sm_count.max(1) as f64).min(1.0);
-                    w.bytes += global.max(shared * m.read_bw / m.shared_bw) / occupancy;
-                    w.launches += 1.0;
-                    w.steps += 1.0;
-                    len = blocks * k2;
-                    if blocks == 1 {
-                        break;
+                Route::SampleLevels => {
+                    let plan = plan_sample_levels(n, k, sample_size(case.kind), RANK_SORT_MAX);
+                    let s_max = sample_size(case.kind) as f64;
+                    let mut w = Work {
+                        launches: 1.0, // the control block's memset
+                        ..Work::default()
+                    };
+                    let mut level_n = n;
+                    for (i, level) in plan.iter().enumerate() {
+                        let expected = sample_level_bounds(level_n, k, level.s.min(level_n))
+                            .map_or(k, |(e, _)| e.max(k));
+                        w.launches += 2.0;
+                        // The one-block threshold costs in proportion to its sample, on top of a
+                        // fixed part.
+                        w.steps += 0.6 + 0.4 * (level.s as f64 / s_max).min(1.0);
+                        let read = if i == 0 {
+                            case.input_bytes()
+                        } else {
+                            case.pair_bytes()
+                        };
+                        w.bytes += level_n as f64 * read + expected as f64 * case.pair_bytes();
+                        level_n = expected;
                     }
+                    w.readbacks += 1.0;
+                    if k <= RANK_SORT_MAX {
+                        w.launches += 1.0;
+                        w.steps += 1.0;
+                    } else {
+                        w.nested_s += self.finish_survivors(level_n, case);
+                    }
+                    (w, self.fits.sample)
                 }
-                Some((w, self.fits.bitonic))
-            }
-            DeviceAlgorithm::Delegate => {
-                let Some(s) = delegate_subrange(n, k) else {
-                    return self.work(DeviceAlgorithm::Sample, case);
-                };
-                let delegates = n.div_ceil(s);
-                let rows = if case.positional { n } else { case.rows };
-                let mut w = Work {
-                    launches: 4.0, // delegates, threshold, count reset, gather
-                    steps: 2.0,
-                    readbacks: 1.0,
-                    ..Work::default()
-                };
-                w.bytes += n as f64 * case.input_bytes() + delegates as f64 * case.pair_bytes();
-                let best = Case::pairs(delegates, k, case.kind, rows);
-                w.nested_s += self.predict(DeviceAlgorithm::Sample, &best)?;
-                // The winning subranges hold the k best delegates; about 2k of their pairs
-                // fall at or below the k-th delegate (more when keys tie).
-                let gathered = (k * s).min(n);
-                let count = ((2 * k) as f64)
-                    .max(case.ties * n as f64)
-                    .min(gathered as f64);
-                w.bytes += gathered as f64 * case.input_bytes() + count * case.pair_bytes();
-                let count = count as usize;
-                let candidates = Case {
-                    ties: 0.0,
-                    ..Case::pairs(count, k, case.kind, rows)
-                };
-                w.nested_s += if count <= DIRECT_SORT_FACTOR * k.max(DIRECT_SORT_MIN) {
-                    self.sort_time(count, case.kind, rows, n)
-                } else {
-                    self.predict(DeviceAlgorithm::Sample, &candidates)?
-                };
-                Some((w, self.fits.delegate))
-            }
-        }
+                Route::RadixSelect => {
+                    let mut w = self.radix_select_work(case);
+                    w.nested_s += self.sort_time(k, case.kind, rows, n);
+                    (w, self.fits.radix)
+                }
+                Route::Bitonic => {
+                    let k2 = k.next_power_of_two();
+                    let chunk = bitonic_chunk(m.max_shared_per_block, case.kind);
+                    let lk = (k2 as f64).log2();
+                    // Plus a fixed part per pair (loading the chunk, the runs' first steps, the
+                    // write-out): about 9 exchanges' worth.
+                    let exchanges = lk * (lk + 1.0) / 2.0 + 2.0 * (lk + 1.0) + 9.0;
+                    let mut w = Work::default();
+                    let mut len = n;
+                    loop {
+                        let blocks = len.div_ceil(chunk).max(1);
+                        // The rounds read (key, row id) pairs, positional input too.
+                        let global = len as f64 * case.pair_bytes()
+                            + (blocks * k2) as f64 * case.pair_bytes();
+                        // Each compare-exchange step reads and writes every pair in shared memory.
+                        let shared = len as f64 * exchanges * 2.0 * case.pair_bytes();
+                        // One block per chunk: fewer blocks than SMs leave the rest idle.
+                        let occupancy = (blocks as f64 / m.sm_count.max(1) as f64).min(1.0);
+                        w.bytes += global.max(shared * m.read_bw / m.shared_bw) / occupancy;
+                        w.launches += 1.0;
+                        w.steps += 1.0;
+                        len = blocks * k2;
+                        if blocks == 1 {
+                            break;
+                        }
+                    }
+                    (w, self.fits.bitonic)
+                }
+                Route::Delegate(s) => {
+                    let delegates = n.div_ceil(s);
+                    let mut w = Work {
+                        launches: 4.0, // delegates, threshold, count reset, gather
+                        steps: 2.0,
+                        readbacks: 1.0,
+                        ..Work::default()
+                    };
+                    w.bytes += n as f64 * case.input_bytes() + delegates as f64 * case.pair_bytes();
+                    let best = Case::pairs(delegates, k, case.kind, rows);
+                    w.nested_s += self.predict(DeviceAlgorithm::Sample, &best)?;
+                    // The winning subranges hold the k best delegates; about 2k of their pairs
+                    // fall at or below the k-th delegate (more when keys tie).
+                    let gathered = (k * s).min(n);
+                    let count = ((2 * k) as f64)
+                        .max(case.ties * n as f64)
+                        .min(gathered as f64);
+                    w.bytes += gathered as f64 * case.input_bytes() + count * case.pair_bytes();
+                    let count = count as usize;
+                    let candidates = Case {
+                        ties: 0.0,
+                        ..Case::pairs(count, k, case.kind, rows)
+                    };
+                    w.nested_s += if count <= DIRECT_SORT_FACTOR * k.max(DIRECT_SORT_MIN) {
+                        self.sort_time(count, case.kind, rows, n)
+                    } else {
+                        self.predict(DeviceAlgorithm::Sample, &candidates)?
+                    };
+                    (w, self.fits.delegate)
+                }
+            },
+        )
     }
 
     /// A sampled selection's end for large k: sort the survivors, or radix-select k of them
-    /// and sort those (device/algorithms/sample.rs `sample_complete`).
+    /// and sort those (the engine's `sample_complete`).
     fn finish_survivors(&self, survivors: usize, case: &Case) -> f64 {
         let k = case.k;
         let rows = if case.positional { case.n } else { case.rows };
@@ -495,7 +480,7 @@ impl CostModel {
     /// The sort of m pairs whose ids are below `rows` (1: ids ascend in input order,
     /// no id digit), taken from a selection over `source` pairs (their keys then share the
     /// high bits that the top m of `source` uniform keys share).
-    fn sort_work(&self, m: usize, kind: KeyKind, rows: usize, source: usize) -> Work {
+    fn sort_work(&self, m: usize, kind: KeyWidth, rows: usize, source: usize) -> Work {
         if m <= 1 {
             return Work::default();
         }
@@ -553,7 +538,7 @@ impl CostModel {
         }
     }
 
-    fn filter_work(&self, n: usize, kept: usize, kind: KeyKind) -> Work {
+    fn filter_work(&self, n: usize, kept: usize, kind: KeyWidth) -> Work {
         Work {
             launches: 2.0, // the count reset and the filter
             steps: 1.0,
@@ -624,11 +609,11 @@ mod tests {
     #[test]
     fn large_inputs_are_bandwidth_bound_and_small_ones_latency_bound() {
         let m = h100_like();
-        let big = Case::positional(1 << 29, 32, KeyKind::K32);
+        let big = Case::positional(1 << 29, 32, KeyWidth::W32);
         let floor = (4usize << 29) as f64 / m.machine.read_bw;
         let t = m.predict(DeviceAlgorithm::Sample, &big).unwrap();
         assert!(t > floor && t < 1.6 * floor, "{t} vs floor {floor}");
-        let small = Case::positional(1 << 16, 32, KeyKind::K32);
+        let small = Case::positional(1 << 16, 32, KeyWidth::W32);
         let t = m.predict(DeviceAlgorithm::Sample, &small).unwrap();
         assert!(t > 10.0 * (4 << 16) as f64 / m.machine.read_bw);
     }
@@ -636,8 +621,8 @@ mod tests {
     #[test]
     fn bitonic_has_a_k_limit_and_radix_takes_everything() {
         let m = h100_like();
-        let limit = m.bitonic_max_k(KeyKind::K32);
-        let case = |k| Case::positional(1 << 24, k, KeyKind::K32);
+        let limit = m.bitonic_max_k(KeyWidth::W32);
+        let case = |k| Case::positional(1 << 24, k, KeyWidth::W32);
         assert!(m.predict(DeviceAlgorithm::Bitonic, &case(limit)).is_some());
         assert!(
             m.predict(DeviceAlgorithm::Bitonic, &case(limit + 1))
@@ -647,7 +632,7 @@ mod tests {
             assert!(m.predict(DeviceAlgorithm::Radix, &case(k)).is_some(), "{k}");
         }
         // Nor on an empty input, where every algorithm costs nothing.
-        let empty = Case::positional(0, limit + 1, KeyKind::K32);
+        let empty = Case::positional(0, limit + 1, KeyWidth::W32);
         assert!(m.predict(DeviceAlgorithm::Bitonic, &empty).is_none());
         assert_ne!(m.best_device(&empty).0, DeviceAlgorithm::Bitonic);
     }
@@ -655,7 +640,7 @@ mod tests {
     #[test]
     fn ties_penalise_radix_only() {
         let m = h100_like();
-        let plain = Case::positional(1 << 26, 1024, KeyKind::K32);
+        let plain = Case::positional(1 << 26, 1024, KeyWidth::W32);
         let tied = Case { ties: 0.5, ..plain };
         let radix = |c| m.predict(DeviceAlgorithm::Radix, c).unwrap();
         let sample = |c| m.predict(DeviceAlgorithm::Sample, c).unwrap();
@@ -677,16 +662,16 @@ mod tests {
             let mut last = 0.0;
             for log_n in [16, 20, 24, 27, 29] {
                 let t = m
-                    .predict(algorithm, &Case::positional(1 << log_n, 32, KeyKind::K32))
+                    .predict(algorithm, &Case::positional(1 << log_n, 32, KeyWidth::W32))
                     .unwrap();
                 assert!(t > last, "{algorithm:?} at 2^{log_n}: {t} after {last}");
                 last = t;
             }
             let narrow = m
-                .predict(algorithm, &Case::positional(1 << 27, 32, KeyKind::K32))
+                .predict(algorithm, &Case::positional(1 << 27, 32, KeyWidth::W32))
                 .unwrap();
             let wide = m
-                .predict(algorithm, &Case::positional(1 << 27, 32, KeyKind::K64))
+                .predict(algorithm, &Case::positional(1 << 27, 32, KeyWidth::W64))
                 .unwrap();
             assert!(wide > narrow, "{algorithm:?}");
         }
@@ -695,8 +680,8 @@ mod tests {
     #[test]
     fn the_fit_reproduces_its_two_references() {
         let m = h100_like();
-        let small = Case::positional(1 << 16, 32, KeyKind::K32);
-        let large = Case::positional(1 << 24, 32, KeyKind::K32);
+        let small = Case::positional(1 << 16, 32, KeyWidth::W32);
+        let large = Case::positional(1 << 24, 32, KeyWidth::W32);
         let truth = Fit {
             fixed_s: 7e-6,
             efficiency: 1.4,
@@ -722,7 +707,7 @@ mod tests {
         let gpu = m.transfer_time(4 * n)
             + m.predict(
                 DeviceAlgorithm::Sample,
-                &Case::positional(n, 10, KeyKind::K32),
+                &Case::positional(n, 10, KeyWidth::W32),
             )
             .unwrap();
         assert!(m.cpu_time(n) < gpu);
@@ -730,7 +715,7 @@ mod tests {
         let gpu = m.transfer_time(4 * n)
             + m.predict(
                 DeviceAlgorithm::Sample,
-                &Case::positional(n, 10, KeyKind::K32),
+                &Case::positional(n, 10, KeyWidth::W32),
             )
             .unwrap();
         assert!(m.cpu_time(n) > gpu);

@@ -4,7 +4,7 @@
 //! regret, and the median |predicted − measured| / measured.
 
 use crate::device::measure::median;
-use crate::device::{DeviceAlgorithm, KeyKind};
+use crate::device::{DeviceAlgorithm, KeyWidth};
 
 use super::model::{Case, CostModel};
 
@@ -14,7 +14,7 @@ pub struct GridPoint {
     /// Rows of the device-resident input.
     pub n: usize,
     pub k: usize,
-    pub kind: KeyKind,
+    pub kind: KeyWidth,
     /// The key type's name (`f32`, `i64`, …): types of one kind are different inputs (f64 and
     /// i64 zipf ties at n = 2^20 take 88 and 38 µs), so different cases.
     pub key: String,
@@ -186,8 +186,8 @@ pub fn parse_grid_csv(text: &str) -> Result<Vec<GridPoint>, String> {
             continue;
         }
         let kind = match get(&key)? {
-            "f32" | "i32" => KeyKind::K32,
-            "f64" | "i64" => KeyKind::K64,
+            "f32" | "i32" => KeyWidth::W32,
+            "f64" | "i64" => KeyWidth::W64,
             other => return Err(format!("{line}: unknown key type {other}")),
         };
         let algorithm = DeviceAlgorithm::ALL
@@ -230,7 +230,7 @@ mod tests {
         GridPoint {
             n,
             k: 32,
-            kind: KeyKind::K32,
+            kind: KeyWidth::W32,
             key: "i32".into(),
             dist: "uniform".into(),
             sel: 1.0,
@@ -274,7 +274,7 @@ mod tests {
     fn key_types_of_one_kind_are_separate_cases() {
         use DeviceAlgorithm::{Radix, Sample};
         let typed = |key: &str, algorithm, ms| GridPoint {
-            kind: KeyKind::K64,
+            kind: KeyWidth::W64,
             key: key.into(),
             ..point(1 << 20, algorithm, ms)
         };
@@ -300,7 +300,7 @@ mod tests {
                     65536,32,i32,uniform,radix,5,nan,nan,nan,0.004,nan,60,n/a,1,,0\n";
         let points = parse_grid_csv(text).unwrap();
         assert_eq!(points.len(), 2);
-        assert_eq!(points[1].kind, KeyKind::K64);
+        assert_eq!(points[1].kind, KeyWidth::W64);
         assert_eq!(points[1].key, "i64");
         assert_eq!(points[1].kept, 6553);
         assert_eq!(points[1].ties, 0.25);

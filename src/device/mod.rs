@@ -7,15 +7,18 @@
 //! The rest of the runtime, one module each:
 //! - [`memory`]: pooled device buffers (reused by size class) and pinned staging buffers;
 //! - [`kernels`]: the `kernels/*.cu` sources, NVRTC compilation to CUBIN, the on-disk cache;
-//! - [`algorithms`]: the host side of each kernel (encode, append, radix select, bitonic top-k,
-//!   sort), on one stream;
+//! - [`plan`]: pure planning (key widths, algorithms, tuning constants, routes), no CUDA;
+//! - [`engine`]: the host side of each kernel (encode, append, radix select, bitonic top-k,
+//!   sampled selection, sorts), on one stream, with staging and the one dispatch over routes;
 //! - [`timer`]: CUDA events for timing;
 //! - [`watch`]: one query's device bytes, its device memory limit, injected device faults.
 
-pub mod algorithms;
+pub mod engine;
 pub mod kernels;
 pub mod measure;
 pub mod memory;
+pub mod options;
+pub mod plan;
 pub mod timer;
 pub mod watch;
 
@@ -27,16 +30,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
-/// Set to `0` to launch kernels without programmatic dependent launch
-/// ([`GpuDevice::programmatic_launch`]).
-pub const PDL_ENV: &str = "GPU_TOPK_PDL";
+pub use options::{DeviceOptions, PDL_ENV};
 
-pub use algorithms::{
-    DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_CLUSTER, FUSED_SAMPLE_ROWS, FusedReport, KeyKind,
-    SortedPairs, TopKEngine,
-};
+pub use engine::{DevicePairs, FusedReport, SortedPairs, TopKEngine};
 pub use kernels::{GeneratedKernel, Kernels};
 pub use memory::{BufferPool, PinnedBuffer, PinnedLease, PinnedPool, PooledBuffer};
+pub use plan::{DeviceAlgorithm, FUSED_SAMPLE_CLUSTER, FUSED_SAMPLE_ROWS, KeyWidth};
 pub use timer::GpuTimer;
 
 /// What the process knows about its GPU.
@@ -95,6 +94,8 @@ pub struct GpuDevice {
     /// Whether kernels launch with programmatic stream serialisation (compute capability 9.0
     /// on, unless `GPU_TOPK_PDL=0`; see [`Self::programmatic_launch`]).
     programmatic_launch: bool,
+    /// The process's device switches, read once at detection.
+    pub options: DeviceOptions,
     /// Device buffers, reused by size class across selections.
     pub pool: Arc<BufferPool>,
     /// Pinned host staging buffers, reused across selections.
@@ -283,8 +284,9 @@ pub fn gpu() -> Option<Arc<GpuDevice>> {
 }
 
 fn detect() -> Result<GpuDevice, String> {
-    if std::env::var_os("GPU_TOPK_DISABLE_CUDA").is_some() {
-        return Err("CUDA disabled by GPU_TOPK_DISABLE_CUDA".into());
+    let options = DeviceOptions::process().clone();
+    if options.disabled {
+        return Err(format!("CUDA disabled by {}", options::DISABLE_ENV));
     }
     // SAFETY: only probes whether the shared library can be loaded.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -295,11 +297,7 @@ fn detect() -> Result<GpuDevice, String> {
         return Err("no NVRTC library (libnvrtc) found".into());
     }
     // Resolve NVRTC now, so that a broken library is found here rather than at a query's compile.
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: both out-pointers are valid for the call.
-    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
-        .result()
-        .map_err(|e| format!("cannot read the NVRTC version: {e:?}"))?;
+    kernels::nvrtc_version()?;
     let count = CudaContext::device_count().map_err(|e| format!("CUDA driver error: {e}"))?;
     if count < 1 {
         return Err("the CUDA driver reports no device".into());
@@ -333,8 +331,8 @@ fn detect() -> Result<GpuDevice, String> {
         sm_count: sm_count.max(1) as usize,
         max_shared_per_block: max_shared_per_block.max(0) as usize,
         driver_version,
-        programmatic_launch: compute_capability.0 >= 9
-            && std::env::var(PDL_ENV).map_or(true, |v| v != "0"),
+        programmatic_launch: compute_capability.0 >= 9 && options.programmatic_launch,
+        options,
         kernels: OnceLock::new(),
         cache_dir: OnceLock::new(),
         generated: Mutex::new(HashMap::new()),

@@ -347,7 +347,11 @@ fn selection_spec(spec: &TopKSpec, program: Option<Arc<FusedProgram>>) -> Select
         layout: spec.layout.clone(),
         k: spec.k,
         program,
-        final_model: spec.prediction.as_ref().and_then(|p| p.model),
+        final_choice: spec
+            .prediction
+            .as_ref()
+            .and_then(|p| p.model)
+            .map(|m| Arc::new(m) as Arc<dyn select::FinalChoice>),
         fault: FaultPoint::None,
         watch: None,
     }

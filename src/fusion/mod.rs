@@ -37,13 +37,13 @@ use datafusion::arrow::datatypes::Schema;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::physical_expr::{LexOrdering, PhysicalExpr};
 
-use crate::device::KeyKind;
+use crate::device::KeyWidth;
 use crate::keys::KeyLayout;
 pub use translate::KernelInput;
 use translate::{Declined, Emitter, emit_key_field};
 
 /// Name of the generated kernel's entry point.
-pub const ENTRY: &str = "fused_append";
+pub const ENTRY: &str = crate::device::kernels::GENERATED_ENTRY;
 
 /// Error flags the generated kernel reports: a NULL in a sort key declared not nullable …
 pub const ERROR_NULL_KEY: u32 = 1;
@@ -116,7 +116,7 @@ pub struct FusedProgram {
     /// The kernel's inputs, in parameter order.
     pub inputs: Vec<KernelInput>,
     /// The composite key type the kernel writes.
-    pub key_kind: KeyKind,
+    pub key_kind: KeyWidth,
 }
 
 impl FusedProgram {
@@ -209,7 +209,7 @@ pub fn plan(
     let (keys_part, program) = match keys {
         Err(why) => (Part::Host(why), None),
         Ok(key_code) => {
-            let kind = KeyKind::for_total_bits(layout.total_bits());
+            let kind = KeyWidth::for_total_bits(layout.total_bits());
             let source = kernel_source(
                 &emitter.inputs,
                 kind,
@@ -274,7 +274,7 @@ pub fn host_default_nan() -> (u32, u64) {
 
 fn kernel_source(
     inputs: &[KernelInput],
-    kind: KeyKind,
+    kind: KeyWidth,
     loads: &[translate::Load],
     filter_code: &str,
     pass: &str,
@@ -284,17 +284,17 @@ fn kernel_source(
     let cluster = crate::device::FUSED_SAMPLE_CLUSTER;
     let (null_key, ambiguous, host_only) = (ERROR_NULL_KEY, ERROR_AMBIGUOUS_NAN, ERROR_HOST_ONLY);
     let key = match kind {
-        KeyKind::K32 => "K32",
-        KeyKind::K64 => "K64",
-        KeyKind::K128 => "K128",
-        KeyKind::K256 => "K256",
+        KeyWidth::W32 => "K32",
+        KeyWidth::W64 => "K64",
+        KeyWidth::W128 => "K128",
+        KeyWidth::W256 => "K256",
     };
     // Rows per thread and round of the full pass: enough loads in flight for the memory
     // system, fewer for wide keys (registers). 8 measured no better on the H100
     // (Q3 2.5% faster, Q1 and Q2 up to 2% slower).
     let rows = match kind {
-        KeyKind::K32 | KeyKind::K64 => 4,
-        KeyKind::K128 | KeyKind::K256 => 2,
+        KeyWidth::W32 | KeyWidth::W64 => 4,
+        KeyWidth::W128 | KeyWidth::W256 => 2,
     };
     // Per input: the rows' values fetched first (arrays over the round's rows), then taken.
     // `fetch` reads row i; with consecutive rows per thread, `fetch_vector` loads a plain

@@ -91,7 +91,7 @@ impl KeySpec {
 
     /// Number of value bits (null bit excluded); `None` when the type is not supported.
     pub fn value_bits(&self) -> Option<u32> {
-        native_kind(&self.data_type).map(Native::bits)
+        Native::for_data_type(&self.data_type).map(Native::bits)
     }
 
     /// Number of bits of this key's field in the composite: value bits plus one null bit when
@@ -101,36 +101,7 @@ impl KeySpec {
     }
 }
 
-/// The smallest unsigned container that holds a composite key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum KeyWidth {
-    /// `u64`: up to 64 bits.
-    W64,
-    /// `u128`: up to 128 bits.
-    W128,
-    /// [`U256`]: up to 256 bits.
-    W256,
-}
-
-impl KeyWidth {
-    /// The smallest width holding `bits` bits (`bits` ≤ [`MAX_KEY_BITS`]).
-    pub fn for_bits(bits: u32) -> Self {
-        match bits {
-            0..=64 => Self::W64,
-            65..=128 => Self::W128,
-            _ => Self::W256,
-        }
-    }
-
-    /// Size of the container in bits.
-    pub fn bits(self) -> u32 {
-        match self {
-            Self::W64 => 64,
-            Self::W128 => 128,
-            Self::W256 => 256,
-        }
-    }
-}
+pub use crate::device::plan::{KeyWidth, Native};
 
 /// A 256-bit unsigned integer, ordered by `hi` then `lo` (field order makes the derived `Ord`
 /// lexicographic, which is numeric order).
@@ -275,9 +246,9 @@ impl KeyLayout {
         self.total_bits
     }
 
-    /// The smallest container that holds `total_bits`.
+    /// The narrowest key width that holds `total_bits`.
     pub fn width(&self) -> KeyWidth {
-        KeyWidth::for_bits(self.total_bits)
+        KeyWidth::for_total_bits(self.total_bits)
     }
 
     /// Offset of the lowest bit of key `key`'s field in the composite (the last key is at 0).
@@ -314,7 +285,7 @@ impl KeyLayout {
                 c.len()
             )));
         }
-        if out.width() != self.width() {
+        if out.width() != self.width().host() {
             *out = EncodedKeys::new(self.width());
         }
         match out {
@@ -352,10 +323,10 @@ pub enum EncodedKeys {
 }
 
 impl EncodedKeys {
-    /// No rows, in `width`.
+    /// No rows, in the host container of `width` (`u64` up to 64 bits).
     pub fn new(width: KeyWidth) -> Self {
         match width {
-            KeyWidth::W64 => Self::W64(Vec::new()),
+            KeyWidth::W32 | KeyWidth::W64 => Self::W64(Vec::new()),
             KeyWidth::W128 => Self::W128(Vec::new()),
             KeyWidth::W256 => Self::W256(Vec::new()),
         }
@@ -375,7 +346,7 @@ impl EncodedKeys {
         self.len() == 0
     }
 
-    /// The container width.
+    /// The container's width (`W64` for keys of up to 64 bits).
     pub fn width(&self) -> KeyWidth {
         match self {
             Self::W64(_) => KeyWidth::W64,
@@ -413,74 +384,6 @@ fn unsupported_reason(key: usize, data_type: &DataType) -> String {
 
 fn exec_error(message: String) -> DataFusionError {
     DataFusionError::Execution(message)
-}
-
-/// How a key type's values are stored natively (one per supported type family). The device
-/// encoder (encode.cu) reads columns by this code, so the discriminants are part of its ABI.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u32)]
-pub enum Native {
-    Bool = 0,
-    U8 = 1,
-    U16 = 2,
-    U32 = 3,
-    U64 = 4,
-    I8 = 5,
-    I16 = 6,
-    I32 = 7,
-    I64 = 8,
-    I128 = 9,
-    F16 = 10,
-    F32 = 11,
-    F64 = 12,
-}
-
-impl Native {
-    /// The native representation of a key type, `None` when keys do not support it.
-    pub fn for_data_type(data_type: &DataType) -> Option<Self> {
-        native_kind(data_type)
-    }
-
-    /// Value bits.
-    pub fn bits(self) -> u32 {
-        match self {
-            Self::Bool => 1,
-            Self::U8 | Self::I8 => 8,
-            Self::U16 | Self::I16 | Self::F16 => 16,
-            Self::U32 | Self::I32 | Self::F32 => 32,
-            Self::U64 | Self::I64 | Self::F64 => 64,
-            Self::I128 => 128,
-        }
-    }
-
-    /// Bytes per value, `None` for bit-packed booleans.
-    pub fn byte_width(self) -> Option<usize> {
-        (self != Self::Bool).then(|| self.bits() as usize / 8)
-    }
-}
-
-/// The supported types; everything else (strings, binary, nested, dictionaries, `Decimal256`,
-/// intervals, …) is `None`. Must agree with the dispatch in [`encode_values`].
-fn native_kind(data_type: &DataType) -> Option<Native> {
-    use DataType::*;
-    Some(match data_type {
-        Boolean => Native::Bool,
-        UInt8 => Native::U8,
-        UInt16 => Native::U16,
-        UInt32 => Native::U32,
-        UInt64 => Native::U64,
-        Int8 => Native::I8,
-        Int16 => Native::I16,
-        Int32 | Date32 | Decimal32(..) => Native::I32,
-        Time32(TimeUnit::Second | TimeUnit::Millisecond) => Native::I32,
-        Int64 | Date64 | Timestamp(..) | Duration(_) | Decimal64(..) => Native::I64,
-        Time64(TimeUnit::Microsecond | TimeUnit::Nanosecond) => Native::I64,
-        Decimal128(..) => Native::I128,
-        Float16 => Native::F16,
-        Float32 => Native::F32,
-        Float64 => Native::F64,
-        _ => return None,
-    })
 }
 
 /// A native value's ascending value bits (zero-extended), see the module table.

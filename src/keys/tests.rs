@@ -155,7 +155,7 @@ fn float_edges(e: u32, m: u32) -> Vec<u128> {
 
 /// Edge bit patterns for every supported type: MIN, MAX, 0, ±1, ±0.0, ±inf, ±NaN, subnormals.
 fn edge_bits(dt: &DataType) -> Vec<u128> {
-    let kind = native_kind(dt).expect("supported type");
+    let kind = Native::for_data_type(dt).expect("supported type");
     let w = kind.bits();
     let float = |e: u32, m: u32| {
         let sign = 1u128 << (w - 1);
@@ -238,7 +238,7 @@ fn check_order(columns: &[ArrayRef], specs: Vec<KeySpec>, context: &str) {
     let keys = layout.encode(columns).expect("encode");
     let n = columns[0].len();
     assert_eq!(keys.len(), n, "{context}");
-    assert_eq!(keys.width(), layout.width(), "{context}");
+    assert_eq!(keys.width(), layout.width().host(), "{context}");
 
     // Bits at and above total_bits stay zero (selectors may rely on the range).
     let limit = U256::shl_u128(1, layout.total_bits() % 256);
@@ -437,8 +437,8 @@ fn layout_widths_and_fields() {
     assert_eq!((full.total_bits(), full.width()), (256, KeyWidth::W256));
     let bool_key = l(vec![spec(DataType::Boolean, false, false, false)]);
     assert_eq!(
-        (bool_key.total_bits(), bool_key.width()),
-        (1, KeyWidth::W64)
+        (bool_key.total_bits(), bool_key.width(), bool_key.width().host()),
+        (1, KeyWidth::W32, KeyWidth::W64)
     );
 
     // Key 0 is most significant; the last key sits at bit 0.

@@ -41,7 +41,7 @@ composite_key!(U256, W256);
 /// Builds the CPU selector for the layout's composite width.
 pub fn new_selector(spec: &SelectionSpec) -> Arc<dyn TopKSelector> {
     match spec.layout.width() {
-        KeyWidth::W64 => Arc::new(CpuSelector::<u64>::new(spec)),
+        KeyWidth::W32 | KeyWidth::W64 => Arc::new(CpuSelector::<u64>::new(spec)),
         KeyWidth::W128 => Arc::new(CpuSelector::<u128>::new(spec)),
         KeyWidth::W256 => Arc::new(CpuSelector::<U256>::new(spec)),
     }

@@ -25,57 +25,27 @@ use datafusion::arrow::datatypes::DataType;
 use datafusion::error::{DataFusionError, Result};
 
 use super::{
-    Admitted, ColumnsInput, DEVICE_ERROR_TAG, FusedAdmitted, RowIds, SelectInput, SelectionSpec,
-    TopKSelector,
+    Admitted, ColumnsInput, DEVICE_ERROR_TAG, FinalChoice, FusedAdmitted, RowIds, SelectInput,
+    SelectionSpec, TopKSelector,
 };
-use crate::config::Algorithm;
-use crate::cost::{CostModel, final_algorithm};
-use crate::device::algorithms::{
+use crate::device::engine::{
     ENCODE_FIRST, ENCODE_NULLABLE, ENCODE_NULLS_FIRST, EncodeColumn, NativeCode, fill_staging,
 };
+use crate::device::plan::{bitonic_chunk, reduction};
 use crate::device::watch::{DeviceWatch, Entered};
 use crate::device::{
-    DeviceAlgorithm, DevicePairs, GeneratedKernel, GpuDevice, GpuError, GpuResult, KeyKind,
+    DeviceAlgorithm, DevicePairs, GeneratedKernel, GpuDevice, GpuError, GpuResult, KeyWidth,
     PooledBuffer, TopKEngine, contain_panics,
 };
 use crate::fusion::{FusedProgram, KernelInput};
-use crate::keys::{EncodedKeys, KeyLayout, KeyWidth, U256};
+use crate::keys::{EncodedKeys, KeyLayout, U256};
 
 /// Candidates kept on the device before a reduction to k: at least this many pairs.
 pub const MIN_CAPACITY: usize = 1 << 22;
 
-/// The device layout of a key layout's composites.
-pub fn key_kind(layout: &KeyLayout) -> KeyKind {
-    KeyKind::for_total_bits(layout.total_bits())
-}
-
 /// The largest k the bitonic top-k takes for `layout` on `device`.
 pub fn bitonic_max_k(device: &GpuDevice, layout: &KeyLayout) -> usize {
-    crate::device::algorithms::bitonic_chunk(device.max_shared_per_block, key_kind(layout)) / 4
-}
-
-/// Resolves the configured algorithm: `auto` is bitonic top-k up to [`bitonic_max_k`], radix
-/// select beyond.
-pub fn device_algorithm(
-    device: &GpuDevice,
-    layout: &KeyLayout,
-    k: usize,
-    algorithm: Algorithm,
-) -> Result<DeviceAlgorithm> {
-    let limit = bitonic_max_k(device, layout);
-    match algorithm {
-        Algorithm::Auto if k <= limit => Ok(DeviceAlgorithm::Bitonic),
-        Algorithm::Auto | Algorithm::Radix => Ok(DeviceAlgorithm::Radix),
-        Algorithm::Bitonic if k <= limit => Ok(DeviceAlgorithm::Bitonic),
-        Algorithm::Bitonic => Err(DataFusionError::Plan(format!(
-            "the CUDA bitonic top-k supports k up to {limit} for these keys, not {k}"
-        ))),
-        Algorithm::Sample => Ok(DeviceAlgorithm::Sample),
-        Algorithm::Delegate => Ok(DeviceAlgorithm::Delegate),
-        Algorithm::Cpu => Err(DataFusionError::Plan(
-            "algorithm 'cpu' does not run on the GPU".into(),
-        )),
-    }
+    bitonic_chunk(device.max_shared_per_block, layout.width()) / 4
 }
 
 /// Builds the CUDA selector (compiles or loads the kernels on first use, which may fail: the
@@ -83,7 +53,7 @@ pub fn device_algorithm(
 pub fn new_cuda_selector(
     spec: &SelectionSpec,
     device: Arc<GpuDevice>,
-    algorithm: Algorithm,
+    algorithm: DeviceAlgorithm,
 ) -> Result<Arc<dyn TopKSelector>> {
     new_cuda_selector_with_capacity(spec, device, algorithm, MIN_CAPACITY)
 }
@@ -93,14 +63,19 @@ pub fn new_cuda_selector(
 pub fn new_cuda_selector_with_capacity(
     spec: &SelectionSpec,
     device: Arc<GpuDevice>,
-    algorithm: Algorithm,
+    algorithm: DeviceAlgorithm,
     min_capacity: usize,
 ) -> Result<Arc<dyn TopKSelector>> {
-    let kind = key_kind(&spec.layout);
+    let kind = spec.layout.width();
     let _entered = spec.watch.as_ref().map(DeviceWatch::enter);
     // A device the choice does not fit (bitonic beyond its k) is the CPU path's, not an error.
-    let algorithm = device_algorithm(&device, &spec.layout, spec.k, algorithm)
-        .map_err(|e| gpu_error(GpuError(e.strip_backtrace())))?;
+    let limit = bitonic_max_k(&device, &spec.layout);
+    if algorithm == DeviceAlgorithm::Bitonic && spec.k > limit {
+        return Err(gpu_error(GpuError(format!(
+            "the CUDA bitonic top-k supports k up to {limit} for these keys, not {}",
+            spec.k
+        ))));
+    }
     let engine = TopKEngine::new(&device, kind).map_err(gpu_error)?;
     let mut compile_time = std::time::Duration::ZERO;
     let program = match &spec.program {
@@ -129,7 +104,7 @@ pub fn new_cuda_selector_with_capacity(
         layout: spec.layout.clone(),
         k: spec.k,
         algorithm,
-        final_model: spec.final_model,
+        final_choice: spec.final_choice.clone(),
         arch: device.arch(),
         min_capacity: min_capacity.max(1),
         watch: spec.watch.clone(),
@@ -171,7 +146,7 @@ pub struct CudaSelector {
     k: usize,
     algorithm: DeviceAlgorithm,
     /// Picks the final selection's algorithm (`auto`); else `algorithm` runs it.
-    final_model: Option<CostModel>,
+    final_choice: Option<Arc<dyn FinalChoice>>,
     arch: String,
     min_capacity: usize,
     /// The query's device accounting, entered around every call's device work.
@@ -272,8 +247,7 @@ impl State {
             return Ok(());
         }
         let candidates = self.candidates.take().expect("reduce needs candidates");
-        let reduced = match algorithm {
-            // Streaming reductions cut a buffer the threshold already filtered: radix select.
+        let reduced = match reduction(algorithm) {
             DeviceAlgorithm::Radix | DeviceAlgorithm::Sample | DeviceAlgorithm::Delegate => {
                 let winners = self
                     .engine
@@ -473,8 +447,8 @@ impl TopKSelector for CudaSelector {
                 return Ok(vec![]);
             };
             let count = state.engine.candidate_count()?;
-            let algorithm = match &self.final_model {
-                Some(model) => final_algorithm(model, count, k, state.engine.kind()),
+            let algorithm = match &self.final_choice {
+                Some(choice) => choice.final_algorithm(count, k, state.engine.kind()),
                 None => algorithm,
             };
             log::debug!("final selection of k = {k} among {count} candidates: {algorithm:?}");
@@ -818,12 +792,12 @@ impl HostKeys<'_> {
         self.len() == 0
     }
 
-    pub fn kind(&self) -> KeyKind {
+    pub fn kind(&self) -> KeyWidth {
         match self {
-            HostKeys::U32(_) => KeyKind::K32,
-            HostKeys::U64(_) => KeyKind::K64,
-            HostKeys::U128(_) => KeyKind::K128,
-            HostKeys::U256(_) => KeyKind::K256,
+            HostKeys::U32(_) => KeyWidth::W32,
+            HostKeys::U64(_) => KeyWidth::W64,
+            HostKeys::U128(_) => KeyWidth::W128,
+            HostKeys::U256(_) => KeyWidth::W256,
         }
     }
 
@@ -880,7 +854,7 @@ pub fn encode_keys_device(
 ) -> Result<EncodedKeys> {
     let plans = plan_columns(layout, columns)?;
     let n = columns.first().map_or(0, |c| c.len());
-    let kind = key_kind(layout);
+    let kind = layout.width();
     let bytes = (|| {
         let mut engine = TopKEngine::new(device, kind)?;
         if n == 0 {
@@ -893,7 +867,7 @@ pub fn encode_keys_device(
     .map_err(gpu_error)?;
     let words = |size: usize| bytes.chunks_exact(size);
     Ok(match layout.width() {
-        KeyWidth::W64 if kind == KeyKind::K32 => EncodedKeys::W64(
+        KeyWidth::W32 => EncodedKeys::W64(
             words(4)
                 .map(|c| u64::from(u32::from_le_bytes(c.try_into().unwrap())))
                 .collect(),

@@ -6,8 +6,8 @@
 //! [`row_id`]), so every pair is unique, ties are broken by input order, and the result is the
 //! first `k` rows of a stable sort: deterministic, and exactly DataFusion's order.
 //!
-//! *Which*: [`create_selector`] is the single entry point. The cost model ([`crate::cost`])
-//! resolves the backend and algorithm; every implementation of [`TopKSelector`] returns the
+//! *Which*: [`create_selector`] is the single entry point. It builds the selector the cost
+//! model chose (a [`SelectionChoice`]; the selectors decide nothing); every implementation of [`TopKSelector`] returns the
 //! same thing, the winners' row ids in output order. [`resident`] runs a generated program's
 //! selection on columns already in device memory (the fusion benchmark, tests).
 
@@ -16,15 +16,15 @@ pub mod cuda;
 pub mod fault;
 pub mod resident;
 
-use std::fmt::Debug;
+use std::fmt::{self, Debug};
 use std::sync::Arc;
 
 use datafusion::arrow::array::ArrayRef;
 use datafusion::error::{DataFusionError, Result};
 
 use crate::config::FaultPoint;
-use crate::cost::{CostModel, SelectionChoice};
 use crate::device::watch::DeviceWatch;
+use crate::device::{DeviceAlgorithm, KeyWidth};
 use crate::fusion::FusedProgram;
 use crate::keys::KeyLayout;
 
@@ -142,6 +142,45 @@ pub trait TopKSelector: Send + Sync + Debug {
     fn finish(&self) -> Result<Vec<u64>>;
 }
 
+/// The resolved choice for one query.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SelectionChoice {
+    /// This crate's CPU selector.
+    Cpu,
+    /// The CUDA selector with this algorithm.
+    Cuda(DeviceAlgorithm),
+}
+
+impl SelectionChoice {
+    /// `cpu` or `cuda`.
+    pub fn backend(&self) -> &'static str {
+        match self {
+            SelectionChoice::Cpu => "cpu",
+            SelectionChoice::Cuda(_) => "cuda",
+        }
+    }
+
+    /// The selection algorithm, e.g. `select-nth` (the CPU's) or `radix`.
+    pub fn algorithm(&self) -> &'static str {
+        match self {
+            SelectionChoice::Cpu => "select-nth",
+            SelectionChoice::Cuda(algorithm) => algorithm.name(),
+        }
+    }
+}
+
+impl fmt::Display for SelectionChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.backend(), self.algorithm())
+    }
+}
+
+/// Picks the device algorithm of a selection's final step once its candidate count is known.
+/// The cost model implements it (`gpu_topk.algorithm = 'auto'`): selectors never choose.
+pub trait FinalChoice: Send + Sync + Debug {
+    fn final_algorithm(&self, candidates: usize, k: usize, width: KeyWidth) -> DeviceAlgorithm;
+}
+
 /// What to select: the key layout and `k` (the query's fetch plus its offset), and the
 /// generated program when the device evaluates the predicate and keys itself.
 #[derive(Debug, Clone)]
@@ -151,7 +190,7 @@ pub struct SelectionSpec {
     pub program: Option<Arc<FusedProgram>>,
     /// With `gpu_topk.algorithm = 'auto'`: the cost model, which picks the device algorithm of
     /// the final selection once the number of candidates is known.
-    pub final_model: Option<CostModel>,
+    pub final_choice: Option<Arc<dyn FinalChoice>>,
     /// A selection failure to inject ([`fault`]); `FaultPoint::None` in normal use. Faults of
     /// single device operations are injected by `watch` instead.
     pub fault: FaultPoint,
@@ -171,8 +210,8 @@ pub fn create_selector(
     }
     let selector = match choice {
         SelectionChoice::Cpu => cpu::new_selector(spec),
-        SelectionChoice::Cuda(_) => match crate::device::gpu() {
-            Some(device) => cuda::new_cuda_selector(spec, device, choice.setting())?,
+        SelectionChoice::Cuda(algorithm) => match crate::device::gpu() {
+            Some(device) => cuda::new_cuda_selector(spec, device, *algorithm)?,
             None => {
                 return Err(DataFusionError::External(
                     format!("{DEVICE_ERROR_TAG} no GPU available").into(),

@@ -23,7 +23,7 @@ use datafusion_gpu_topk::device::kernels::{
 use datafusion_gpu_topk::device::{DeviceAlgorithm, GpuDevice, GpuStatus, gpu, gpu_status};
 use datafusion_gpu_topk::keys::{EncodedKeys, KeyLayout, KeySpec, U256};
 use datafusion_gpu_topk::select::cuda::{
-    HostKeys, bitonic_max_k, encode_keys_device, key_kind, new_cuda_selector_with_capacity,
+    HostKeys, bitonic_max_k, encode_keys_device, new_cuda_selector_with_capacity,
     select_topk_device,
 };
 use datafusion_gpu_topk::select::{RowIds, SelectInput, SelectionSpec, cpu, row_id};
@@ -394,10 +394,8 @@ fn check_select(device: &Arc<GpuDevice>, dist: Dist, n: usize, k: usize, seed: u
             DeviceAlgorithm::Sample,
             DeviceAlgorithm::Delegate,
         ];
-        let chunk = datafusion_gpu_topk::device::algorithms::bitonic_chunk(
-            device.max_shared_per_block,
-            kind,
-        );
+        let chunk =
+            datafusion_gpu_topk::device::plan::bitonic_chunk(device.max_shared_per_block, kind);
         if k.max(1).next_power_of_two() * 4 <= chunk {
             algorithms.push(DeviceAlgorithm::Bitonic);
         }
@@ -797,7 +795,7 @@ fn gpu_encoding_matches_for_composite_layouts_of_every_width() {
         let Ok(layout) = KeyLayout::try_new(specs.clone()) else {
             continue; // over 256 bits
         };
-        kinds_seen.insert(key_kind(&layout));
+        kinds_seen.insert(layout.width());
         let n = 1 + rng.below(3000) as usize;
         let columns: Vec<ArrayRef> = specs
             .iter()
@@ -866,11 +864,12 @@ fn check_selector(
         layout,
         k,
         program: None,
-        final_model: None,
+        final_choice: None,
         fault: Default::default(),
         watch: None,
     };
     let cpu = cpu::new_selector(&spec);
+    let algorithm = resolve(device, &spec, algorithm).expect("a device algorithm for this k");
     let gpu = new_cuda_selector_with_capacity(&spec, Arc::clone(device), algorithm, capacity)
         .unwrap_or_else(|e| panic!("{e}"));
     std::thread::scope(|scope| {
@@ -983,12 +982,13 @@ fn gpu_selector_without_rows_or_with_k_zero() {
             layout: layout.clone(),
             k,
             program: None,
-            final_model: None,
+            final_choice: None,
             fault: Default::default(),
             watch: None,
         };
-        let gpu = new_cuda_selector_with_capacity(&spec, Arc::clone(&device), Algorithm::Auto, 1)
-            .unwrap();
+        let gpu =
+            new_cuda_selector_with_capacity(&spec, Arc::clone(&device), DeviceAlgorithm::Radix, 1)
+                .unwrap();
         let empty: ArrayRef = Arc::new(Int64Array::from(Vec::<i64>::new()));
         gpu.push(SelectInput {
             keys: &[empty],
@@ -1002,12 +1002,13 @@ fn gpu_selector_without_rows_or_with_k_zero() {
         layout,
         k: 3,
         program: None,
-        final_model: None,
+        final_choice: None,
         fault: Default::default(),
         watch: None,
     };
     let gpu =
-        new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), Algorithm::Radix, 1).unwrap();
+        new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), DeviceAlgorithm::Radix, 1)
+            .unwrap();
     let nulls: ArrayRef = Arc::new(Int64Array::from(vec![None::<i64>; 10]));
     gpu.push(SelectInput {
         keys: &[nulls],
@@ -1027,12 +1028,13 @@ fn gpu_selector_rejects_mismatched_input_and_algorithms() {
         layout: layout.clone(),
         k: 5,
         program: None,
-        final_model: None,
+        final_choice: None,
         fault: Default::default(),
         watch: None,
     };
     let gpu =
-        new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), Algorithm::Auto, 1).unwrap();
+        new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), DeviceAlgorithm::Bitonic, 1)
+            .unwrap();
     let wrong: ArrayRef = Arc::new(Int32Array::from(vec![1, 2, 3]));
     assert!(
         gpu.push(SelectInput {
@@ -1049,22 +1051,22 @@ fn gpu_selector_rejects_mismatched_input_and_algorithms() {
         })
         .is_err()
     );
-    assert!(
-        new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), Algorithm::Cpu, 1).is_err()
-    );
+    assert_eq!(resolve(&device, &spec1, Algorithm::Cpu), None);
     let big = SelectionSpec {
         layout: layout.clone(),
         k: bitonic_max_k(&device, &layout) + 1,
         program: None,
-        final_model: None,
+        final_choice: None,
         fault: Default::default(),
         watch: None,
     };
     assert!(
-        new_cuda_selector_with_capacity(&big, Arc::clone(&device), Algorithm::Bitonic, 1).is_err()
+        new_cuda_selector_with_capacity(&big, Arc::clone(&device), DeviceAlgorithm::Bitonic, 1)
+            .is_err()
     );
-    let auto =
-        new_cuda_selector_with_capacity(&big, Arc::clone(&device), Algorithm::Auto, 1).unwrap();
+    assert_eq!(resolve(&device, &big, Algorithm::Bitonic), None);
+    let algorithm = resolve(&device, &big, Algorithm::Auto).unwrap();
+    let auto = new_cuda_selector_with_capacity(&big, Arc::clone(&device), algorithm, 1).unwrap();
     assert!(
         auto.describe().starts_with("cuda radix"),
         "{}",
@@ -1139,15 +1141,15 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
             layout: layout.clone(),
             k,
             program: None,
-            final_model: None,
+            final_choice: None,
             fault: Default::default(),
             watch: None,
         };
-        let Ok(gpu) =
-            new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), algorithm, capacity)
-        else {
+        let Some(algorithm) = resolve(&device, &spec1, algorithm) else {
             continue; // bitonic with too large a k
         };
+        let gpu = new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), algorithm, capacity)
+            .unwrap();
         let cpu = cpu::new_selector(&spec1);
         let all = std::sync::Mutex::new(Vec::<(U256, u64)>::new());
         std::thread::scope(|scope| {
@@ -1208,10 +1210,10 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
 /// took before it grew to 16384 pairs; k = n sorts the positional input by its keys alone.
 /// The low 32 bits of each primary value, and the little-endian bytes of the keys of `kind`
 /// (those 32 bits for `K32`, the whole value for `K64`).
-fn keys_as(kind: datafusion_gpu_topk::device::KeyKind, p: &[u64]) -> (Vec<u32>, Vec<u8>) {
+fn keys_as(kind: datafusion_gpu_topk::device::KeyWidth, p: &[u64]) -> (Vec<u32>, Vec<u8>) {
     let k32: Vec<u32> = p.iter().map(|&v| v as u32).collect();
     let bytes = match kind {
-        datafusion_gpu_topk::device::KeyKind::K32 => {
+        datafusion_gpu_topk::device::KeyWidth::W32 => {
             k32.iter().flat_map(|v| v.to_le_bytes()).collect()
         }
         _ => p.iter().flat_map(|v| v.to_le_bytes()).collect(),
@@ -1221,7 +1223,7 @@ fn keys_as(kind: datafusion_gpu_topk::device::KeyKind, p: &[u64]) -> (Vec<u32>, 
 
 #[test]
 fn gpu_enqueued_selections_finish_with_the_oracle_result() {
-    use datafusion_gpu_topk::device::{KeyKind, TopKEngine};
+    use datafusion_gpu_topk::device::{KeyWidth, TopKEngine};
     let Some(device) = gpu_or_skip("gpu_enqueued_selections_finish_with_the_oracle_result") else {
         return;
     };
@@ -1229,10 +1231,10 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
     for dist in DISTS {
         let (p, _) = generate(dist, n, true, 17);
         let ids: Vec<u64> = (0..n as u64).collect();
-        for kind in [KeyKind::K32, KeyKind::K64] {
+        for kind in [KeyWidth::W32, KeyWidth::W64] {
             let (k32, bytes) = keys_as(kind, p.as_slice());
             let expected_of = |k| match kind {
-                KeyKind::K32 => oracle(&k32, &ids, k),
+                KeyWidth::W32 => oracle(&k32, &ids, k),
                 _ => oracle(&p, &ids, k),
             };
             let mut engine = TopKEngine::new(&device, kind).unwrap();
@@ -1250,7 +1252,7 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
                 (50_000, DeviceAlgorithm::Sample, true),
                 (100_000, DeviceAlgorithm::Sample, true),
                 (200_000, DeviceAlgorithm::Sample, true),
-                (300_000, DeviceAlgorithm::Sample, kind == KeyKind::K64),
+                (300_000, DeviceAlgorithm::Sample, kind == KeyWidth::W64),
                 (800_000, DeviceAlgorithm::Sample, false),
                 // All of them: positional ids let the radix sort skip the id digits.
                 (n, DeviceAlgorithm::Radix, false),
@@ -1278,8 +1280,8 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
 /// crowded bin.
 #[test]
 fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
-    use datafusion_gpu_topk::device::algorithms::top_bits_sorts;
-    use datafusion_gpu_topk::device::{KeyKind, TopKEngine};
+    use datafusion_gpu_topk::device::plan::top_bits_sorts;
+    use datafusion_gpu_topk::device::{KeyWidth, TopKEngine};
     let Some(device) = gpu_or_skip("gpu_top_bits_selection_matches_the_oracle") else {
         return;
     };
@@ -1412,8 +1414,8 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
     for (dist, n, ks, p) in &inputs {
         let n = *n;
         let ids: Vec<u64> = (0..n as u64).collect();
-        for kind in [KeyKind::K32, KeyKind::K64] {
-            if dist == "zipf-double" && kind == KeyKind::K32 {
+        for kind in [KeyWidth::W32, KeyWidth::W64] {
+            if dist == "zipf-double" && kind == KeyWidth::W32 {
                 continue;
             }
             let (k32, bytes) = keys_as(kind, p.as_slice());
@@ -1421,12 +1423,12 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
             let mut pairs = engine.upload_pairs(&bytes, &ids).unwrap();
             pairs.set_positional(true);
             for &k in ks {
-                if !top_bits_sorts(kind, n, k, true) {
+                if !top_bits_sorts(kind, n, k, true, None) {
                     continue;
                 }
                 let what = format!("{dist} {kind:?} n={n} k={k}");
                 let expected = match kind {
-                    KeyKind::K32 => oracle(&k32, &ids, k),
+                    KeyWidth::W32 => oracle(&k32, &ids, k),
                     _ => oracle(p, &ids, k),
                 };
                 let selection = engine
@@ -1444,7 +1446,7 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
                     | "zipf-double" => {
                         assert!(!more, "{what}: the segment sort")
                     }
-                    "zipf-float" if kind == KeyKind::K32 && 6 * k >= n => {
+                    "zipf-float" if kind == KeyWidth::W32 && 6 * k >= n => {
                         assert!(more, "{what}: foreseen crowding")
                     }
                     "zipf-float" if k <= 1 << 17 => assert!(!more, "{what}: the segment sort"),
@@ -1459,7 +1461,7 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
 
 #[test]
 fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
-    use datafusion_gpu_topk::device::{KeyKind, TopKEngine};
+    use datafusion_gpu_topk::device::{KeyWidth, TopKEngine};
     let Some(device) =
         gpu_or_skip("gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation")
     else {
@@ -1469,7 +1471,7 @@ fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
     // of a few, ties, sorted inputs and shuffled or positional ids; the sort called directly
     // (host count), whole and truncated at k, then the device-counted sort of a sampled
     // selection's survivors.
-    for kind in [KeyKind::K32, KeyKind::K64, KeyKind::K128, KeyKind::K256] {
+    for kind in [KeyWidth::W32, KeyWidth::W64, KeyWidth::W128, KeyWidth::W256] {
         let big = if kind.bits() <= 64 {
             3_000_017
         } else {
@@ -1530,7 +1532,7 @@ fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
 
 #[test]
 fn gpu_packed_merge_sort_matches_the_oracle() {
-    use datafusion_gpu_topk::device::{KeyKind, TopKEngine};
+    use datafusion_gpu_topk::device::{KeyWidth, TopKEngine};
     let Some(device) = gpu_or_skip("gpu_packed_merge_sort_matches_the_oracle") else {
         return;
     };
@@ -1538,7 +1540,7 @@ fn gpu_packed_merge_sort_matches_the_oracle() {
     // (a fused selection's large-k route) with the count known to the host: ties, runs, all
     // equal and shuffled ids, from two tiles (one round, the unpacking one) to 2.6M words
     // (eleven); whole and truncated at k.
-    for kind in [KeyKind::K32, KeyKind::K64] {
+    for kind in [KeyWidth::W32, KeyWidth::W64] {
         for (n, dist) in [
             (1_000_003, "uniform"),
             (2_600_000, "ties"),
@@ -1558,10 +1560,10 @@ fn gpu_packed_merge_sort_matches_the_oracle() {
                     "runs" => 0x5a00_0000 | (i as u64 / 977),
                     _ => 0x5a00_0000,
                 })
-                .map(|v| if kind == KeyKind::K64 { v << 29 } else { v })
+                .map(|v| if kind == KeyWidth::W64 { v << 29 } else { v })
                 .collect();
             let (bytes, expected) = match kind {
-                KeyKind::K32 => {
+                KeyWidth::W32 => {
                     let k32: Vec<u32> = keys.iter().map(|&v| v as u32).collect();
                     let bytes = k32.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>();
                     (bytes, oracle(&k32, &ids, n))
@@ -1590,27 +1592,27 @@ fn gpu_packed_merge_sort_matches_the_oracle() {
 /// Keys of `kind` derived from the 64-bit words `p` (as the merge sort's test spreads them
 /// over the wider widths): their bytes, and the ids of all n pairs in sorted order.
 fn keys_of_width(
-    kind: datafusion_gpu_topk::device::KeyKind,
+    kind: datafusion_gpu_topk::device::KeyWidth,
     p: &[u64],
     ids: &[u64],
 ) -> (Vec<u8>, Vec<u64>) {
-    use datafusion_gpu_topk::device::KeyKind;
+    use datafusion_gpu_topk::device::KeyWidth;
     let n = p.len();
     let words: Vec<[u64; 4]> = p
         .iter()
         .map(|&v| [v.rotate_left(29), v.rotate_left(7), v >> 3, v])
         .collect();
     match kind {
-        KeyKind::K32 => {
+        KeyWidth::W32 => {
             let keys: Vec<u32> = p.iter().map(|&v| (v >> 32) as u32).collect();
             let bytes = keys.iter().flat_map(|v| v.to_le_bytes()).collect();
             (bytes, oracle(&keys, ids, n))
         }
-        KeyKind::K64 => {
+        KeyWidth::W64 => {
             let bytes = p.iter().flat_map(|v| v.to_le_bytes()).collect();
             (bytes, oracle(p, ids, n))
         }
-        KeyKind::K128 => {
+        KeyWidth::W128 => {
             let keys: Vec<u128> = words
                 .iter()
                 .map(|w| (u128::from(w[3]) << 64) | u128::from(w[2]))
@@ -1618,7 +1620,7 @@ fn keys_of_width(
             let bytes = keys.iter().flat_map(|v| v.to_le_bytes()).collect();
             (bytes, oracle(&keys, ids, n))
         }
-        KeyKind::K256 => {
+        KeyWidth::W256 => {
             let keys: Vec<U256> = words
                 .iter()
                 .map(|w| U256 {
@@ -1637,10 +1639,10 @@ fn keys_of_width(
 
 #[test]
 fn gpu_radix_sort_matches_the_oracle_through_every_pass_kind() {
-    use datafusion_gpu_topk::device::algorithms::{
+    use datafusion_gpu_topk::device::plan::{
         ONESWEEP_MAX_TILES, ONESWEEP_WIDE_MAX_TILES, radix_sort_tile, radix_sort_wide_tile,
     };
-    use datafusion_gpu_topk::device::{KeyKind, TopKEngine};
+    use datafusion_gpu_topk::device::{KeyWidth, TopKEngine};
     let Some(device) = gpu_or_skip("gpu_radix_sort_matches_the_oracle_through_every_pass_kind")
     else {
         return;
@@ -1649,7 +1651,7 @@ fn gpu_radix_sort_matches_the_oracle_through_every_pass_kind() {
     // the grouped look-back (one group, a partial last group, the most tiles), and
     // reduce-then-scan; ties, sorted inputs, positional ids (key digits only) and shuffled
     // ones (row id digits too).
-    for kind in [KeyKind::K32, KeyKind::K64, KeyKind::K128, KeyKind::K256] {
+    for kind in [KeyWidth::W32, KeyWidth::W64, KeyWidth::W128, KeyWidth::W256] {
         let narrow = ONESWEEP_MAX_TILES * radix_sort_tile(kind);
         let wide = radix_sort_wide_tile(kind);
         for (n, dist, positional) in [
@@ -1694,23 +1696,23 @@ fn gpu_radix_sort_matches_the_oracle_through_every_pass_kind() {
 #[test]
 #[ignore]
 fn gpu_timing_of_select_sorted() {
-    use datafusion_gpu_topk::device::{GpuTimer, KeyKind, TopKEngine};
+    use datafusion_gpu_topk::device::{GpuTimer, KeyWidth, TopKEngine};
     let Some(device) = gpu_or_skip("gpu_timing_of_select_sorted") else {
         return;
     };
     device.pool.set_poison(false);
     let n = 1 << 27;
     for (dist, kind) in [
-        (Dist::Uniform, KeyKind::K32),
-        (Dist::Uniform, KeyKind::K64),
-        (Dist::Narrow, KeyKind::K64),
-        (Dist::AllEqual, KeyKind::K64),
-        (Dist::Uniform, KeyKind::K128),
+        (Dist::Uniform, KeyWidth::W32),
+        (Dist::Uniform, KeyWidth::W64),
+        (Dist::Narrow, KeyWidth::W64),
+        (Dist::AllEqual, KeyWidth::W64),
+        (Dist::Uniform, KeyWidth::W128),
     ] {
-        let (p, ids) = generate(dist, n, kind != KeyKind::K32, 3);
+        let (p, ids) = generate(dist, n, kind != KeyWidth::W32, 3);
         let bytes: Vec<u8> = match kind {
-            KeyKind::K32 => p.iter().flat_map(|&v| (v as u32).to_le_bytes()).collect(),
-            KeyKind::K64 => p.iter().flat_map(|&v| v.to_le_bytes()).collect(),
+            KeyWidth::W32 => p.iter().flat_map(|&v| (v as u32).to_le_bytes()).collect(),
+            KeyWidth::W64 => p.iter().flat_map(|&v| v.to_le_bytes()).collect(),
             _ => p
                 .iter()
                 .flat_map(|&v| (u128::from(v) << 64).to_le_bytes())
@@ -1869,13 +1871,17 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
                 layout: spec.layout.clone(),
                 k,
                 program: Some(Arc::clone(&program)),
-                final_model: None,
+                final_choice: None,
                 fault: Default::default(),
                 watch: None,
             };
-            let gpu =
-                new_cuda_selector_with_capacity(&selection, Arc::clone(&device), algorithm, 256)
-                    .unwrap_or_else(|e| panic!("{sql}: {e}"));
+            let gpu = new_cuda_selector_with_capacity(
+                &selection,
+                Arc::clone(&device),
+                resolve(&device, &selection, algorithm).unwrap(),
+                256,
+            )
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
             let cpu = cpu::new_selector(&selection);
             let (mut first_id, mut passed_gpu, mut passed_cpu) = (0u64, 0usize, 0usize);
             for batch in &data[0] {
@@ -1979,4 +1985,14 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
         }
     }
     assert!(compared >= 10, "only {compared} of 14 selections compared");
+}
+
+/// The device algorithm a setting resolves to for `spec`, as the cost model resolves it
+/// (`None`: it cannot run this k).
+fn resolve(
+    device: &GpuDevice,
+    spec: &SelectionSpec,
+    algorithm: Algorithm,
+) -> Option<DeviceAlgorithm> {
+    datafusion_gpu_topk::cost::device_algorithm(device, &spec.layout, spec.k, algorithm).ok()
 }

@@ -13,9 +13,9 @@ use datafusion::arrow::datatypes::{DataType, Field, Int64Type, Schema};
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::SessionContext;
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
-use datafusion_gpu_topk::device::algorithms::RANK_SORT_MAX;
+use datafusion_gpu_topk::device::plan::RANK_SORT_MAX;
 use datafusion_gpu_topk::device::{
-    DeviceAlgorithm, FUSED_SAMPLE_CLUSTER, FUSED_SAMPLE_ROWS, FusedReport, KeyKind, TopKEngine,
+    DeviceAlgorithm, FUSED_SAMPLE_CLUSTER, FUSED_SAMPLE_ROWS, FusedReport, KeyWidth, TopKEngine,
     gpu_status,
 };
 use datafusion_gpu_topk::exec::TopKSpec;
@@ -292,10 +292,10 @@ async fn a_large_k_without_a_sampled_threshold_sorts_every_row_exactly() {
     ];
     let orders = ["v64", "v32", "s DESC, v64", "wide"];
     let (whole, ids, planned) = plan_descending(&schema, columns, &orders, k).await;
-    let kinds: Vec<KeyKind> = planned.iter().map(|p| p.program.key_kind).collect();
+    let kinds: Vec<KeyWidth> = planned.iter().map(|p| p.program.key_kind).collect();
     assert_eq!(
         kinds,
-        [KeyKind::K64, KeyKind::K32, KeyKind::K128, KeyKind::K64]
+        [KeyWidth::W64, KeyWidth::W32, KeyWidth::W128, KeyWidth::W64]
     );
     if let Some(reports) = run_on_device(&whole, &ids, &planned) {
         for report in &reports {

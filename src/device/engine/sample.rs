@@ -45,7 +45,7 @@ impl TopKEngine {
             levels: Vec::new(),
             sorted_small: None,
             phases: Vec::new(),
-            timer: trace_enabled()
+            timer: (self.device.options.trace)
                 .then(|| GpuTimer::start(&self.stream))
                 .transpose()?,
         };
@@ -300,5 +300,34 @@ impl TopKEngine {
         plan_sample_levels(n, k, sample_size(self.kind), small)
             .last()
             .is_some_and(|last| k <= small || last.cap <= MERGE_SORT_MAX)
+    }
+}
+
+/// A sampled selection enqueued on the device (`sample_enqueue`): its plan, its control block
+/// (counts, status, rank-sort scratch) and its buffers, kept until it is read back.
+#[derive(Debug)]
+pub(super) struct SampleRun {
+    pub(super) n: usize,
+    pub(super) k: usize,
+    /// The input's bound on its row ids ([`DevicePairs::id_bound`]).
+    pub(super) id_bound: u64,
+    pub(super) plan: Vec<SampleLevel>,
+    pub(super) ctl: PooledBuffer,
+    pub(super) levels: Vec<DevicePairs>,
+    /// The sorted survivors, when a sort that reads their count on the device took them (the
+    /// rank sort for small k, the chunk rank sort for few survivors, else the merge sort).
+    pub(super) sorted_small: Option<SortedPairs>,
+    /// `GPU_TOPK_TRACE`: each phase's device time (synchronising after each).
+    pub(super) phases: Vec<(String, f32)>,
+    pub(super) timer: Option<GpuTimer>,
+}
+
+impl SampleRun {
+    fn lap(&mut self, name: String, stream: &Arc<CudaStream>) -> GpuResult<()> {
+        if let Some(t) = self.timer.take() {
+            self.phases.push((name, t.stop()?));
+            self.timer = Some(GpuTimer::start(stream)?);
+        }
+        Ok(())
     }
 }

@@ -203,7 +203,7 @@ impl TopKEngine {
         (lo, width, id_bits): (u32, u32, u32),
         span: u64,
     ) -> GpuResult<DevicePairs> {
-        let tile = merge_sort_tile(KeyKind::K64);
+        let tile = merge_sort_tile(KeyWidth::W64);
         if m <= tile {
             return Err(GpuError(format!(
                 "the packed merge sort takes more than a tile ({tile} pairs), not {m}"
@@ -249,7 +249,7 @@ impl TopKEngine {
         .to_vec();
         args.extend_from_slice(args![0usize, count, cap, bufs[0].ptr(), 0u64]);
         // At most one wave of blocks, each sorting every grid-th tile below m.
-        let tile = merge_sort_tile(KeyKind::K64);
+        let tile = merge_sort_tile(KeyWidth::W64);
         let blocks = cap
             .div_ceil(tile)
             .min(self.packed_sort_wave()? / tile)
@@ -276,7 +276,7 @@ impl TopKEngine {
         field: (u32, u32, u32),
         span: u64,
     ) -> GpuResult<DevicePairs> {
-        let tile = merge_sort_tile(KeyKind::K64);
+        let tile = merge_sort_tile(KeyWidth::W64);
         if m <= tile {
             return Err(GpuError(format!(
                 "the packed merge sort's rounds take more than a tile ({tile} pairs), not {m}"
@@ -332,7 +332,7 @@ impl TopKEngine {
             MergeRounds::Pairs(kind) => Some(kind),
             MergeRounds::Words(..) => None,
         };
-        let tile = merge_sort_tile(kind.unwrap_or(KeyKind::K64));
+        let tile = merge_sort_tile(kind.unwrap_or(KeyWidth::W64));
         let tiles = cap.div_ceil(tile);
         let rounds = tiles.next_power_of_two().trailing_zeros();
         let shared = merge_tile_shared(kind);
@@ -398,7 +398,7 @@ impl TopKEngine {
                 .map_err(|e| GpuError(format!("occupancy of {name}: {e}")))?;
             per_sm = per_sm.min(blocks.max(1));
         }
-        let wave = per_sm as usize * self.device.sm_count * merge_sort_tile(KeyKind::K64);
+        let wave = per_sm as usize * self.device.sm_count * merge_sort_tile(KeyWidth::W64);
         Ok(*self.packed_sort_wave.get_or_init(|| wave))
     }
 
@@ -567,9 +567,9 @@ impl TopKEngine {
 
 /// The merge sort's dynamic shared memory a block (its tile): keys then row ids, each with a
 /// spare slot per 128 bytes; `None`: packed words, keys only.
-fn merge_tile_shared(kind: Option<KeyKind>) -> usize {
-    let tile = merge_sort_tile(kind.unwrap_or(KeyKind::K64));
-    let key_bytes = kind.map_or(8, KeyKind::key_bytes);
+fn merge_tile_shared(kind: Option<KeyWidth>) -> usize {
+    let tile = merge_sort_tile(kind.unwrap_or(KeyWidth::W64));
+    let key_bytes = kind.map_or(8, KeyWidth::key_bytes);
     let padded = |n: usize, size: usize| n + n / (128 / size);
     let keys_shared = (padded(tile, key_bytes) * key_bytes).next_multiple_of(16);
     keys_shared
@@ -584,6 +584,6 @@ fn merge_tile_shared(kind: Option<KeyKind>) -> usize {
 /// only (`msort_merge_words`), the last round by the named kernel with these arguments after
 /// the rounds' own.
 enum MergeRounds<'a> {
-    Pairs(KeyKind),
+    Pairs(KeyWidth),
     Words(&'a str, &'a [Arg]),
 }

@@ -72,7 +72,7 @@ impl TopKEngine {
         let grid = self.grid_for(n, if step > 1 { 1 } else { 4 }).min(one_wave);
         self.launch_function(
             &kernel.function,
-            crate::fusion::ENTRY,
+            crate::device::kernels::GENERATED_ENTRY,
             grid,
             GENERATED_THREADS,
             0,
@@ -443,7 +443,7 @@ impl TopKEngine {
 /// id_bits)`, from candidates.cu `key_span`'s words as read back (little-endian bytes): `None`
 /// where [`packed_field`] has none, or m is a merge tile or less (no round would unpack them).
 pub(super) fn packed_sort_field(
-    kind: KeyKind,
+    kind: KeyWidth,
     span_bytes: &[u8],
     id_bound: u64,
     m: usize,
@@ -454,32 +454,26 @@ pub(super) fn packed_sort_field(
         .collect();
     let id_bits = id_bits(id_bound);
     let (lo, width) = packed_field(kind, &span, id_bits)?;
-    (m > merge_sort_tile(KeyKind::K64)).then_some((lo, width, id_bits))
+    (m > merge_sort_tile(KeyWidth::W64)).then_some((lo, width, id_bits))
 }
 
-/// The field of key bits that vary among a selection's candidates, `(lo, width)`, from
-/// candidates.cu `key_span`'s words (per key word, the OR of the complemented keys, then per
-/// key word the OR of the keys): bits lo up to the highest that varies. `None` when it and
-/// `id_bits` bits of row id do not fit one 64-bit word.
-pub fn packed_field(kind: KeyKind, span: &[u64], id_bits: u32) -> Option<(u32, u32)> {
-    let words = kind.key_words();
-    let word_bits = (8 * kind.key_bytes() / words) as u32;
-    let mask = if word_bits == 64 {
-        u64::MAX
-    } else {
-        (1 << word_bits) - 1
-    };
-    let (mut lo, mut hi) = (None, 0);
-    for j in 0..words {
-        // Bits set in some key (OR) but not in all (AND = the complement of the first OR).
-        let varies = (span[words + j] ^ !span[j]) & mask;
-        if varies != 0 {
-            let at = j as u32 * word_bits;
-            lo.get_or_insert(at + varies.trailing_zeros());
-            hi = at + 64 - varies.leading_zeros();
-        }
-    }
-    let lo = lo.unwrap_or(0);
-    let width = hi.saturating_sub(lo);
-    (width + id_bits <= 64).then_some((lo, width))
+/// How a [`TopKEngine::fused_select`] went.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct FusedReport {
+    /// Rows that passed the predicate.
+    pub passed: u64,
+    /// The program's error flags ([`crate::fusion::ERROR_NULL_KEY`] and co.); when not 0 the
+    /// selection stopped and its result is empty.
+    pub error: u32,
+    /// Rows of the sample pass (0: no sample).
+    pub sampled: usize,
+    /// Rows of the denser sample that refined its threshold (0: none).
+    pub refined: usize,
+    /// Rows the (last) full pass appended.
+    pub candidates: usize,
+    /// Full passes repeated because the sampled threshold missed.
+    pub reruns: usize,
+    /// Bits of the 64-bit words a large k's candidates were packed into for their keys-only
+    /// merge sort (the key bits that vary, then the row id's); 0 when they were not packed.
+    pub packed_bits: u32,
 }

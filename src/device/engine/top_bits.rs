@@ -43,63 +43,6 @@ const SCATTER_ITEMS: usize = 16;
 /// Words between the scatter's per-bin fill counters (radix_sort.cu `TOP_FILL_STRIDE`).
 const TOP_FILL_STRIDE: usize = 8;
 
-/// The buffer of kept pairs for a top-bits selection of k among n: uniform keys keep k plus
-/// one bin (a few hundred pairs at n = 2^20); this leaves half of k and n / 256 more for
-/// keys that crowd their bins.
-pub fn top_bits_capacity(n: usize, k: usize) -> usize {
-    (k + k / 2 + n / 256).min(n)
-}
-
-/// Whether a sampled selection of k among n pairs takes the top-bits selection: positional 32- and
-/// 64-bit keys (the scatter writes positions as row ids) of the sizes whose whole sort runs one
-/// kernel a pass (up to ~1.5M rows), for k from n / 256 up to n / 4 (32-bit keys) or below 3n / 4
-/// (64-bit). H100, n = 2^20 (the uniform keys' time against that of the sampled levels
-/// or the whole sort): i32 k = 2^12 / 2^15 / 2^16 / 2^17 / 2^18 in 31 / 34 / 37 / 41 / 52 µs
-/// against 47 / 71 / 86 / 86 / 85; i64 32 / 36 / 40 / 47 / 53 against 59 / 76 / 97 / 193 / 194, and
-/// 75 / 89 µs at 2^19 / 5·2^17 against 194 / 193. Past those, 32-bit keys lose: their whole sort
-/// takes 83–88 µs, and f32 keys in [0, 1) crowd a bin (180 µs at 2^19). Where the sample shows
-/// clusters, the bins follow the sample's quantiles (f32 NaN mixes at k = 2^12 / 2^13 /
-/// 2^15 / 2^16 in 55 / 55 / 59 / 69 µs against 66 / 77 / 96 / 125, f64 59 / 61 / 69 / 77 against
-/// 111–240, i32 zipf ties at 2^15 / 2^16 38 / 60 against 85 / 112), and up to k = n / 4 where the
-/// sampled keys are distinct (f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 /
-/// 231, at 3·2^16 81 / 81 against 124 / 227, at 2^18 84 / 89 against 119 / 226); with tie groups
-/// the sample missed sorted on the device as big bins (i32 zipf ties at 3·2^15 – 2^18
-/// in 70–92 µs against 113–116, i64 68–85 against 130–209, f32 / f64 at 2^15 60 / 57 against 93 /
-/// 97); f64 keys' ties, whose coordinates are words alone, by tie pieces, and clusters and ties
-/// of 64-bit keys up to k = 3n / 8 by quantile bins (same call: f64 zipf ties at
-/// k = 2^16 – 2^18 in 92–113 µs against 204–216 for the whole sort after crowding was foreseen,
-/// at 3n / 8 128 against 209; f64 NaN mixes at 3n / 8 114 against 230, f64 sorted 77 against 221,
-/// i64 zipf ties 84 against 210); f32 zipf counts from k = n / 16 still take 84–118 µs (their
-/// tie groups between sampled counts crowd big bins), where the routes before top bits took
-/// 74–97 for 32-bit keys, and from n / 6 the whole sort after the sample foresees
-/// crowding, 123 µs against 135–136; and
-/// all-equal 32-bit keys at n / 4 take 45 µs against 34 for the whole sort, which skips the digits
-/// they share. The cost model asks the same. `GPU_TOPK_TOP_BITS=0` turns it off, `=1` takes it
-/// wherever it applies (A/B runs).
-pub fn top_bits_sorts(kind: KeyKind, n: usize, k: usize, positional: bool) -> bool {
-    static FORCED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    let forced = FORCED.get_or_init(|| std::env::var("GPU_TOPK_TOP_BITS").ok());
-    // Its buffers (at most n pairs) then fit the merge sort of its crowded route.
-    // Positions below 2^21: 32-bit keys' coordinates then always hold them (common.cuh
-    // `TopBins`: (word − w0) · n + position below 2^63).
-    let applies = positional
-        && k > 0
-        && n < 1 << 21
-        && matches!(kind, KeyKind::K32 | KeyKind::K64)
-        && radix_sort_is_wide(kind, n);
-    match forced.as_deref() {
-        Some("0") => false,
-        Some("1") => applies,
-        _ => {
-            let below = match kind {
-                KeyKind::K32 => k.saturating_mul(4) <= n,
-                _ => k.saturating_mul(4) < n.saturating_mul(3),
-            };
-            applies && k.saturating_mul(256) >= n && below
-        }
-    }
-}
-
 /// A top-bits selection enqueued by [`TopKEngine::top_bits_enqueue`]: its control words, its
 /// kept pairs, and their sort, valid when the status read back is clear.
 #[derive(Debug)]

@@ -1,0 +1,319 @@
+//! The kernels: plain CUDA C files in `kernels/`, compiled at run time by NVRTC to CUBIN for
+//! the device's own architecture (`sm_90` on the H100; a virtual `compute_XY` target would give
+//! PTX, not CUBIN), cached on disk, and loaded as one module per file.
+//!
+//! The sources are embedded with `include_str!`; setting `GPU_TOPK_KERNEL_DIR` reads them from
+//! that directory instead, to iterate on kernels without rebuilding the crate. Headers (`.cuh`)
+//! are handed to NVRTC by name, so `#include "common.cuh"` works as with nvcc.
+//!
+//! Cache: one file per (kernel file, architecture) in `GPU_TOPK_CACHE_DIR`, else
+//! `$XDG_CACHE_HOME/datafusion-gpu-topk`, else `~/.cache/datafusion-gpu-topk` (or a directory
+//! passed in). The file name carries a hash of everything the CUBIN depends on (the program
+//! and header texts, the options, the architecture, the NVRTC and driver versions); a header
+//! with that key, the length and a checksum of the CUBIN detects truncated, corrupt or stale
+//! files, which are rebuilt. Writes go to a temporary file renamed into place, so concurrent
+//! processes never read a partial file.
+
+use std::collections::HashMap;
+use std::ffi::{CString, c_char};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::{Ptx, sys as nvrtc};
+
+use super::{GpuError, GpuResult};
+
+use super::options::DeviceOptions;
+pub use super::options::{CACHE_DIR_ENV, KERNEL_DIR_ENV};
+
+/// Every file of `kernels/`, embedded at build time.
+pub const EMBEDDED: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../../../kernels/common.cuh")),
+    ("fused.cuh", include_str!("../../../kernels/fused.cuh")),
+    ("encode.cu", include_str!("../../../kernels/encode.cu")),
+    (
+        "candidates.cu",
+        include_str!("../../../kernels/candidates.cu"),
+    ),
+    ("radix.cu", include_str!("../../../kernels/radix.cu")),
+    ("bitonic.cu", include_str!("../../../kernels/bitonic.cu")),
+    (
+        "read_floor.cu",
+        include_str!("../../../kernels/read_floor.cu"),
+    ),
+    ("sample.cu", include_str!("../../../kernels/sample.cu")),
+    (
+        "radix_sort.cu",
+        include_str!("../../../kernels/radix_sort.cu"),
+    ),
+    (
+        "merge_sort.cu",
+        include_str!("../../../kernels/merge_sort.cu"),
+    ),
+    ("delegate.cu", include_str!("../../../kernels/delegate.cu")),
+];
+
+/// Entry points instantiated once per key type (`NAME_k32` … `NAME_k256`), per file.
+const KEYED_ENTRIES: &[(&str, &[&str])] = &[
+    ("encode.cu", &["encode_column"]),
+    (
+        "candidates.cu",
+        &[
+            "append",
+            "pair_max",
+            "threshold_from",
+            "filter_below",
+            "filter_fraction",
+            "key_span",
+        ],
+    ),
+    ("radix.cu", &["radix_masks", "radix_hist", "radix_filter"]),
+    (
+        "bitonic.cu",
+        &[
+            "bitonic_topk",
+            "bitonic_sort_local",
+            "bitonic_sort_step",
+            "bitonic_merge_local",
+            "bitonic_rank_sort",
+            "bitonic_chunk_sort",
+            "bitonic_chunk_rank",
+            "bitonic_chunk_scatter",
+            "bitonic_sort_segments",
+        ],
+    ),
+    (
+        "sample.cu",
+        &["sample_threshold", "filter_pairs", "refine_threshold"],
+    ),
+    (
+        "radix_sort.cu",
+        &[
+            "rsort_hist",
+            "rsort_pass",
+            "rsort_pass_wide",
+            "rsort_count",
+            "rsort_top_hist",
+            "rsort_top_scatter",
+        ],
+    ),
+    (
+        "merge_sort.cu",
+        &[
+            "msort_tiles",
+            "msort_merge",
+            "msort_tiles_packed",
+            "msort_merge_unpack",
+        ],
+    ),
+    ("delegate.cu", &["delegate_min", "delegate_gather"]),
+];
+
+/// Entry points without a key type.
+const PLAIN_ENTRIES: &[(&str, &[&str])] = &[
+    ("radix.cu", &["radix_init"]),
+    ("radix_sort.cu", &["rsort_scan"]),
+    ("merge_sort.cu", &["msort_merge_words"]),
+    ("read_floor.cu", &["read_floor_w32", "read_floor_w64"]),
+];
+
+/// Entry points that take more than 48 KiB of dynamic shared memory.
+const LARGE_SHARED: &[&str] = &[
+    "bitonic_topk",
+    "bitonic_sort_local",
+    "bitonic_merge_local",
+    "bitonic_chunk_sort",
+    "bitonic_chunk_rank",
+    "rsort_pass_wide",
+];
+
+/// Suffixes of the key types, see `INSTANTIATE_KEYS` in common.cuh.
+pub const KEY_SUFFIXES: &[&str] = &["k32", "k64", "k128", "k256"];
+
+/// The names of a kernel file's entry points.
+pub fn entry_points(file: &str) -> Vec<String> {
+    let keyed = KEYED_ENTRIES
+        .iter()
+        .filter(|(f, _)| *f == file)
+        .flat_map(|(_, names)| names.iter())
+        .flat_map(|name| KEY_SUFFIXES.iter().map(move |s| format!("{name}_{s}")));
+    let plain = PLAIN_ENTRIES
+        .iter()
+        .filter(|(f, _)| *f == file)
+        .flat_map(|(_, names)| names.iter().map(|n| n.to_string()));
+    keyed.chain(plain).collect()
+}
+
+/// The `__global__` functions of a CUDA source whose body does not begin with
+/// `grid_dependency_wait();` (common.cuh), by the start of their signature. The engine
+/// launches kernels with programmatic stream serialisation: a kernel that touched memory before
+/// that wait could read what the previous kernel has not yet made visible.
+pub fn kernels_without_dependency_wait(source: &str) -> Vec<String> {
+    let mut missing = Vec::new();
+    let mut rest = source;
+    while let Some(at) = rest.find("__global__") {
+        let from = &rest[at..];
+        let Some(open) = from.find('{') else {
+            missing.push(from.chars().take(80).collect());
+            break;
+        };
+        // Continuation backslashes of a macro definition are not statements.
+        let body = from[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+        if !body.starts_with("grid_dependency_wait();") {
+            missing.push(
+                from[..open]
+                    .split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            );
+        }
+        rest = &from[open..];
+    }
+    missing
+}
+
+/// The kernel files' texts, by file name.
+#[derive(Debug, Clone)]
+pub struct KernelSources {
+    files: Vec<(String, String)>,
+}
+
+impl KernelSources {
+    /// The sources embedded in the binary.
+    pub fn embedded() -> Self {
+        Self {
+            files: EMBEDDED
+                .iter()
+                .map(|(n, t)| (n.to_string(), t.to_string()))
+                .collect(),
+        }
+    }
+
+    /// The same files read from `dir`.
+    pub fn from_dir(dir: &Path) -> Result<Self, String> {
+        let files = EMBEDDED
+            .iter()
+            .map(|(name, _)| {
+                let path = dir.join(name);
+                std::fs::read_to_string(&path)
+                    .map(|text| (name.to_string(), text))
+                    .map_err(|e| format!("cannot read kernel source {}: {e}", path.display()))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self { files })
+    }
+
+    /// From `GPU_TOPK_KERNEL_DIR` when set, else embedded.
+    pub fn load() -> Result<Self, String> {
+        match &DeviceOptions::process().kernel_dir {
+            Some(dir) => Self::from_dir(dir),
+            None => Ok(Self::embedded()),
+        }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.files
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t.as_str())
+    }
+
+    /// The headers (`.cuh`), as (include name, text).
+    pub fn headers(&self) -> Vec<(&str, &str)> {
+        self.files
+            .iter()
+            .filter(|(n, _)| n.ends_with(".cuh"))
+            .map(|(n, t)| (n.as_str(), t.as_str()))
+            .collect()
+    }
+
+    /// The programs (`.cu`), as (file name, text).
+    pub fn programs(&self) -> Vec<(&str, &str)> {
+        self.files
+            .iter()
+            .filter(|(n, _)| n.ends_with(".cu"))
+            .map(|(n, t)| (n.as_str(), t.as_str()))
+            .collect()
+    }
+}
+
+mod cache;
+mod compile;
+mod generated;
+
+pub use cache::*;
+pub use compile::*;
+pub use generated::*;
+
+// ---- loaded modules --------------------------------------------------------------------------
+
+/// Every kernel, loaded into a context, by entry-point name.
+pub struct Kernels {
+    functions: HashMap<String, CudaFunction>,
+    _modules: Vec<Arc<CudaModule>>,
+    arch: String,
+}
+
+impl std::fmt::Debug for Kernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kernels")
+            .field("arch", &self.arch)
+            .field("functions", &self.functions.len())
+            .finish()
+    }
+}
+
+impl Kernels {
+    /// Compiles (or reads from the cache) and loads every kernel file for `arch`, and lets the
+    /// shared-memory-hungry kernels use up to `max_shared` bytes.
+    pub fn load(
+        ctx: &Arc<CudaContext>,
+        arch: &str,
+        driver_version: i32,
+        max_shared: usize,
+        cache_dir: Option<&Path>,
+    ) -> GpuResult<Self> {
+        let sources = KernelSources::load()?;
+        let mut functions = HashMap::new();
+        let mut modules = Vec::new();
+        for (name, _) in sources.programs() {
+            let cubin = cubin_cached(name, &sources, arch, &[], driver_version, cache_dir)?;
+            let module = ctx
+                .load_module(Ptx::from_binary(cubin))
+                .map_err(|e| GpuError(format!("cannot load the {name} module: {e}")))?;
+            for entry in entry_points(name) {
+                let function = module
+                    .load_function(&entry)
+                    .map_err(|e| GpuError(format!("kernel {entry} is missing from {name}: {e}")))?;
+                if LARGE_SHARED.iter().any(|p| entry.starts_with(p)) && max_shared > 48 * 1024 {
+                    // The block's static shared memory counts against the same limit.
+                    let fixed = function.shared_size_bytes()?.max(0) as usize;
+                    function.set_attribute(
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        max_shared.saturating_sub(fixed) as i32,
+                    )?;
+                }
+                functions.insert(entry, function);
+            }
+            modules.push(module);
+        }
+        Ok(Self {
+            functions,
+            _modules: modules,
+            arch: arch.to_string(),
+        })
+    }
+
+    /// The kernel named `name`.
+    pub fn get(&self, name: &str) -> GpuResult<&CudaFunction> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| GpuError(format!("no kernel named {name} is loaded")))
+    }
+
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+}
