@@ -37,7 +37,7 @@
 // (branch `sample-sort-packed`). Cutting the candidates into 32 key bands by the denser
 // sample's splitters and sorting each band on its own (five rounds instead of ten) measured no
 // faster there: the two passes that count and move the bands cost what the rounds saved
-// (benches/results/2026-11-25-s32-key-bands.patch).
+// ("Key bands" in benches/PERFORMANCE.md).
 // Run j of a round (input span s, the sort's k) starts at j · min(s, k) and holds
 // min(k, pairs of the input positions [j·s, (j+1)·s) below m): a function of m alone, so every
 // round can be enqueued before m is known (m = *m_dev, a selection's survivor count).
