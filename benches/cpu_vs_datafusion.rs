@@ -20,7 +20,7 @@ use datafusion::arrow::util::display::{ArrayFormatter, FormatOptions};
 use datafusion::error::Result;
 use datafusion_gpu_topk::Backend;
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
-use datafusion_gpu_topk::device::gpu;
+use datafusion_gpu_topk::internal::device::gpu;
 
 use common::{arg, session, time_sql};
 

@@ -45,11 +45,13 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion_gpu_topk::Backend;
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
-use datafusion_gpu_topk::device::measure::{ReadFloor, median};
-use datafusion_gpu_topk::device::{DeviceAlgorithm, FUSED_SAMPLE_ROWS, GpuTimer, TopKEngine, gpu};
-use datafusion_gpu_topk::exec::GpuTopKExec;
-use datafusion_gpu_topk::fusion::{ENTRY, Part};
-use datafusion_gpu_topk::select::resident::ResidentColumns;
+use datafusion_gpu_topk::internal::device::measure::{ReadFloor, median};
+use datafusion_gpu_topk::internal::device::{
+    DeviceAlgorithm, FUSED_SAMPLE_ROWS, GpuTimer, TopKEngine, gpu,
+};
+use datafusion_gpu_topk::internal::exec::GpuTopKExec;
+use datafusion_gpu_topk::internal::fusion::{ENTRY, Part};
+use datafusion_gpu_topk::internal::select::resident::ResidentColumns;
 
 use common::{arg, session, time_sql};
 
@@ -194,7 +196,8 @@ async fn main() -> Result<()> {
          sample_pass_ms,sample_select_ms,pass_ms,select_ms,packed_bits"
             .to_string(),
     ];
-    let mut engine_cache: Vec<(datafusion_gpu_topk::device::KeyWidth, TopKEngine)> = Vec::new();
+    let mut engine_cache: Vec<(datafusion_gpu_topk::internal::device::KeyWidth, TopKEngine)> =
+        Vec::new();
     for query in queries(quick) {
         if !query.name.starts_with(&only) {
             continue;

@@ -53,18 +53,22 @@ use cudarc::driver::result;
 use datafusion::arrow::array::{ArrayRef, Float32Array, Float64Array, Int32Array, Int64Array};
 use datafusion::arrow::compute::SortOptions;
 use datafusion::arrow::datatypes::DataType;
-use datafusion_gpu_topk::cost::CostModel;
-use datafusion_gpu_topk::cost::calibration::{calibration, model_from_file as calibration_model};
-use datafusion_gpu_topk::cost::validation::{Assessment, GridPoint, assess, parse_grid_csv};
-use datafusion_gpu_topk::device::GpuTimer;
-use datafusion_gpu_topk::device::measure::{
+use datafusion_gpu_topk::internal::cost::CostModel;
+use datafusion_gpu_topk::internal::cost::calibration::{
+    calibration, model_from_file as calibration_model,
+};
+use datafusion_gpu_topk::internal::cost::validation::{
+    Assessment, GridPoint, assess, parse_grid_csv,
+};
+use datafusion_gpu_topk::internal::device::GpuTimer;
+use datafusion_gpu_topk::internal::device::measure::{
     FLUSH_BYTES, ReadFloor, fraction_cut, fraction_hash, median, time_selection,
 };
-use datafusion_gpu_topk::device::{
+use datafusion_gpu_topk::internal::device::{
     DeviceAlgorithm, DevicePairs, GpuDevice, GpuError, GpuResult, GpuStatus, KeyWidth, TopKEngine,
     gpu_status,
 };
-use datafusion_gpu_topk::keys::{EncodedKeys, KeyLayout, KeySpec};
+use datafusion_gpu_topk::internal::keys::{EncodedKeys, KeyLayout, KeySpec};
 
 // ---- command line -------------------------------------------------------------------------------
 

@@ -6,19 +6,49 @@
 //! [`cost`] chooses the algorithm → [`select`] runs the selection on the CPU or the device
 //! ([`device`] holds the CUDA runtime and the kernels).
 
-pub mod config;
-pub mod cost;
+mod config;
+mod cost;
 #[path = "../datasets/mod.rs"]
 pub mod datasets;
-pub mod device;
-pub mod exec;
-pub mod fusion;
-pub mod keys;
-pub mod rule;
-pub mod select;
-pub mod session;
+mod device;
+mod exec;
+mod fusion;
+mod keys;
+mod rule;
+mod select;
+mod session;
 
-pub use config::{Backend, GpuTopKConfig};
+pub use config::{Algorithm, Backend, FaultPoint, GpuTopKConfig, GpuTopKSettings};
 pub use exec::GpuTopKExec;
 pub use rule::GpuTopKRule;
 pub use session::SessionStateBuilderExt;
+
+/// The crate's internals, for its own CLI, tests and benchmarks: not part of the API, and
+/// free to change.
+#[doc(hidden)]
+pub mod internal {
+    pub mod config {
+        pub use crate::config::*;
+    }
+    pub mod cost {
+        pub use crate::cost::*;
+    }
+    pub mod device {
+        pub use crate::device::*;
+    }
+    pub mod exec {
+        pub use crate::exec::*;
+    }
+    pub mod fusion {
+        pub use crate::fusion::*;
+    }
+    pub mod keys {
+        pub use crate::keys::*;
+    }
+    pub mod rule {
+        pub use crate::rule::*;
+    }
+    pub mod select {
+        pub use crate::select::*;
+    }
+}

@@ -19,9 +19,9 @@ use datafusion::execution::SessionStateBuilder;
 use datafusion::physical_plan::{ExecutionPlan, collect, displayable};
 use datafusion::prelude::{CsvReadOptions, ParquetReadOptions, SessionConfig, SessionContext};
 
-use datafusion_gpu_topk::cost::SelectionChoice;
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
-use datafusion_gpu_topk::device::{GpuStatus, gpu_status};
+use datafusion_gpu_topk::internal::cost::SelectionChoice;
+use datafusion_gpu_topk::internal::device::{GpuStatus, gpu_status};
 use datafusion_gpu_topk::{
     Backend, GpuTopKConfig, GpuTopKExec, GpuTopKRule, SessionStateBuilderExt,
 };
@@ -388,7 +388,7 @@ fn report_operators(ctx: &SessionContext, plan: &Arc<dyn ExecutionPlan>) {
                     format!(
                         ", {}, operator_time={}",
                         p.describe(false),
-                        datafusion_gpu_topk::cost::format_seconds(measured)
+                        datafusion_gpu_topk::internal::cost::format_seconds(measured)
                     )
                 }
                 None => String::new(),

@@ -437,7 +437,11 @@ fn layout_widths_and_fields() {
     assert_eq!((full.total_bits(), full.width()), (256, KeyWidth::W256));
     let bool_key = l(vec![spec(DataType::Boolean, false, false, false)]);
     assert_eq!(
-        (bool_key.total_bits(), bool_key.width(), bool_key.width().host()),
+        (
+            bool_key.total_bits(),
+            bool_key.width(),
+            bool_key.width().host()
+        ),
         (1, KeyWidth::W32, KeyWidth::W64)
     );
 

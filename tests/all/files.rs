@@ -24,7 +24,7 @@ use datafusion::logical_expr::{
 };
 use datafusion::prelude::SessionContext;
 use datafusion_gpu_topk::GpuTopKConfig;
-use datafusion_gpu_topk::config::FaultPoint;
+use datafusion_gpu_topk::internal::config::FaultPoint;
 
 use crate::common::{
     STORAGES, Storage, count_gpu_topk, exact_rows, partitioned, physical_plan, plain_session,

@@ -9,11 +9,11 @@ use datafusion::execution::SessionStateBuilder;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_gpu_topk::datasets::{QUERIES, TABLE_NAME, TweetsSpec, tweets_mem_table};
-use datafusion_gpu_topk::device::kernels::{
+use datafusion_gpu_topk::internal::device::kernels::{
     GENERATED_MIN_BLOCKS, GENERATED_SPILL_ALLOWANCE, GeneratedCompile, KernelSources,
     compile_generated, kernels_without_dependency_wait, nvrtc_available,
 };
-use datafusion_gpu_topk::fusion::{FusedProgram, KernelInput, Part};
+use datafusion_gpu_topk::internal::fusion::{FusedProgram, KernelInput, Part};
 use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
 
 use crate::common::{physical_plan, register};
@@ -342,7 +342,7 @@ async fn an_or_of_string_equalities_on_one_dictionary_column_is_one_lookup() {
 
 #[test]
 fn the_generated_nan_is_the_hosts() {
-    let (f32_nan, f64_nan) = datafusion_gpu_topk::fusion::host_default_nan();
+    let (f32_nan, f64_nan) = datafusion_gpu_topk::internal::fusion::host_default_nan();
     let zero = std::hint::black_box(0.0f64);
     assert_eq!(f64_nan, (zero / zero).to_bits());
     assert!(f32::from_bits(f32_nan).is_nan() && f64::from_bits(f64_nan).is_nan());

@@ -15,18 +15,20 @@ use datafusion::arrow::array::{
     UInt64Array,
 };
 use datafusion::arrow::datatypes::DataType;
-use datafusion_gpu_topk::config::Algorithm;
-use datafusion_gpu_topk::device::kernels::{
+use datafusion_gpu_topk::internal::config::Algorithm;
+use datafusion_gpu_topk::internal::device::kernels::{
     self, KernelSources, cache_key, compile_cubin, compile_program, cubin_cached, entry_points,
     kernels_without_dependency_wait, nvrtc_available, read_cache_file, write_cache_file,
 };
-use datafusion_gpu_topk::device::{DeviceAlgorithm, GpuDevice, GpuStatus, gpu, gpu_status};
-use datafusion_gpu_topk::keys::{EncodedKeys, KeyLayout, KeySpec, U256};
-use datafusion_gpu_topk::select::cuda::{
+use datafusion_gpu_topk::internal::device::{
+    DeviceAlgorithm, GpuDevice, GpuStatus, gpu, gpu_status,
+};
+use datafusion_gpu_topk::internal::keys::{EncodedKeys, KeyLayout, KeySpec, U256};
+use datafusion_gpu_topk::internal::select::cuda::{
     HostKeys, bitonic_max_k, encode_keys_device, new_cuda_selector_with_capacity,
     select_topk_device,
 };
-use datafusion_gpu_topk::select::{RowIds, SelectInput, SelectionSpec, cpu, row_id};
+use datafusion_gpu_topk::internal::select::{RowIds, SelectInput, SelectionSpec, cpu, row_id};
 
 // ---- helpers ----------------------------------------------------------------------------------
 
@@ -394,8 +396,10 @@ fn check_select(device: &Arc<GpuDevice>, dist: Dist, n: usize, k: usize, seed: u
             DeviceAlgorithm::Sample,
             DeviceAlgorithm::Delegate,
         ];
-        let chunk =
-            datafusion_gpu_topk::device::plan::bitonic_chunk(device.max_shared_per_block, kind);
+        let chunk = datafusion_gpu_topk::internal::device::plan::bitonic_chunk(
+            device.max_shared_per_block,
+            kind,
+        );
         if k.max(1).next_power_of_two() * 4 <= chunk {
             algorithms.push(DeviceAlgorithm::Bitonic);
         }
@@ -1210,10 +1214,13 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
 /// took before it grew to 16384 pairs; k = n sorts the positional input by its keys alone.
 /// The low 32 bits of each primary value, and the little-endian bytes of the keys of `kind`
 /// (those 32 bits for `K32`, the whole value for `K64`).
-fn keys_as(kind: datafusion_gpu_topk::device::KeyWidth, p: &[u64]) -> (Vec<u32>, Vec<u8>) {
+fn keys_as(
+    kind: datafusion_gpu_topk::internal::device::KeyWidth,
+    p: &[u64],
+) -> (Vec<u32>, Vec<u8>) {
     let k32: Vec<u32> = p.iter().map(|&v| v as u32).collect();
     let bytes = match kind {
-        datafusion_gpu_topk::device::KeyWidth::W32 => {
+        datafusion_gpu_topk::internal::device::KeyWidth::W32 => {
             k32.iter().flat_map(|v| v.to_le_bytes()).collect()
         }
         _ => p.iter().flat_map(|v| v.to_le_bytes()).collect(),
@@ -1223,7 +1230,7 @@ fn keys_as(kind: datafusion_gpu_topk::device::KeyWidth, p: &[u64]) -> (Vec<u32>,
 
 #[test]
 fn gpu_enqueued_selections_finish_with_the_oracle_result() {
-    use datafusion_gpu_topk::device::{KeyWidth, TopKEngine};
+    use datafusion_gpu_topk::internal::device::{KeyWidth, TopKEngine};
     let Some(device) = gpu_or_skip("gpu_enqueued_selections_finish_with_the_oracle_result") else {
         return;
     };
@@ -1280,8 +1287,8 @@ fn gpu_enqueued_selections_finish_with_the_oracle_result() {
 /// crowded bin.
 #[test]
 fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
-    use datafusion_gpu_topk::device::plan::top_bits_sorts;
-    use datafusion_gpu_topk::device::{KeyWidth, TopKEngine};
+    use datafusion_gpu_topk::internal::device::plan::top_bits_sorts;
+    use datafusion_gpu_topk::internal::device::{KeyWidth, TopKEngine};
     let Some(device) = gpu_or_skip("gpu_top_bits_selection_matches_the_oracle") else {
         return;
     };
@@ -1461,7 +1468,7 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
 
 #[test]
 fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
-    use datafusion_gpu_topk::device::{KeyWidth, TopKEngine};
+    use datafusion_gpu_topk::internal::device::{KeyWidth, TopKEngine};
     let Some(device) =
         gpu_or_skip("gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation")
     else {
@@ -1532,7 +1539,7 @@ fn gpu_merge_sort_matches_the_oracle_at_every_width_and_truncation() {
 
 #[test]
 fn gpu_packed_merge_sort_matches_the_oracle() {
-    use datafusion_gpu_topk::device::{KeyWidth, TopKEngine};
+    use datafusion_gpu_topk::internal::device::{KeyWidth, TopKEngine};
     let Some(device) = gpu_or_skip("gpu_packed_merge_sort_matches_the_oracle") else {
         return;
     };
@@ -1592,11 +1599,11 @@ fn gpu_packed_merge_sort_matches_the_oracle() {
 /// Keys of `kind` derived from the 64-bit words `p` (as the merge sort's test spreads them
 /// over the wider widths): their bytes, and the ids of all n pairs in sorted order.
 fn keys_of_width(
-    kind: datafusion_gpu_topk::device::KeyWidth,
+    kind: datafusion_gpu_topk::internal::device::KeyWidth,
     p: &[u64],
     ids: &[u64],
 ) -> (Vec<u8>, Vec<u64>) {
-    use datafusion_gpu_topk::device::KeyWidth;
+    use datafusion_gpu_topk::internal::device::KeyWidth;
     let n = p.len();
     let words: Vec<[u64; 4]> = p
         .iter()
@@ -1639,10 +1646,10 @@ fn keys_of_width(
 
 #[test]
 fn gpu_radix_sort_matches_the_oracle_through_every_pass_kind() {
-    use datafusion_gpu_topk::device::plan::{
+    use datafusion_gpu_topk::internal::device::plan::{
         ONESWEEP_MAX_TILES, ONESWEEP_WIDE_MAX_TILES, radix_sort_tile, radix_sort_wide_tile,
     };
-    use datafusion_gpu_topk::device::{KeyWidth, TopKEngine};
+    use datafusion_gpu_topk::internal::device::{KeyWidth, TopKEngine};
     let Some(device) = gpu_or_skip("gpu_radix_sort_matches_the_oracle_through_every_pass_kind")
     else {
         return;
@@ -1696,7 +1703,7 @@ fn gpu_radix_sort_matches_the_oracle_through_every_pass_kind() {
 #[test]
 #[ignore]
 fn gpu_timing_of_select_sorted() {
-    use datafusion_gpu_topk::device::{GpuTimer, KeyWidth, TopKEngine};
+    use datafusion_gpu_topk::internal::device::{GpuTimer, KeyWidth, TopKEngine};
     let Some(device) = gpu_or_skip("gpu_timing_of_select_sorted") else {
         return;
     };
@@ -1923,7 +1930,7 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
                     .unwrap();
                 }
                 // The program reads the raw columns (and the host predicate, when it has one).
-                use datafusion_gpu_topk::fusion::{self, KernelInput};
+                use datafusion_gpu_topk::internal::fusion::{self, KernelInput};
                 // Two chunks per row input (the operator pushes several batches at once); one
                 // lookup table per dictionary input.
                 let h = n / 3;
@@ -1952,23 +1959,24 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
                         vec![whole.slice(0, h), whole.slice(h, n - h)]
                     })
                     .collect();
-                let admitted = match gpu.push_columns(datafusion_gpu_topk::select::ColumnsInput {
-                    columns: &columns,
-                    first_id,
-                }) {
-                    Ok(_) if datafusion_fails => {
-                        panic!("{sql}: DataFusion fails on this batch, the program did not")
-                    }
-                    Ok(admitted) => admitted,
-                    // Two different NaNs added or multiplied, or a row DataFusion fails on: the
-                    // operator reruns such a query on the host (the differential tests check
-                    // that end to end).
-                    Err(e) if e.to_string().contains("only the host reproduces") => {
-                        eprintln!("{sql}: rerun on the host: {e}");
-                        continue 'queries;
-                    }
-                    Err(e) => panic!("{sql}: {e}"),
-                };
+                let admitted =
+                    match gpu.push_columns(datafusion_gpu_topk::internal::select::ColumnsInput {
+                        columns: &columns,
+                        first_id,
+                    }) {
+                        Ok(_) if datafusion_fails => {
+                            panic!("{sql}: DataFusion fails on this batch, the program did not")
+                        }
+                        Ok(admitted) => admitted,
+                        // Two different NaNs added or multiplied, or a row DataFusion fails on: the
+                        // operator reruns such a query on the host (the differential tests check
+                        // that end to end).
+                        Err(e) if e.to_string().contains("only the host reproduces") => {
+                            eprintln!("{sql}: rerun on the host: {e}");
+                            continue 'queries;
+                        }
+                        Err(e) => panic!("{sql}: {e}"),
+                    };
                 passed_gpu += admitted.passed;
                 assert!(
                     admitted.rows.windows(2).all(|w| w[0] < w[1])
@@ -1994,5 +2002,6 @@ fn resolve(
     spec: &SelectionSpec,
     algorithm: Algorithm,
 ) -> Option<DeviceAlgorithm> {
-    datafusion_gpu_topk::cost::device_algorithm(device, &spec.layout, spec.k, algorithm).ok()
+    datafusion_gpu_topk::internal::cost::device_algorithm(device, &spec.layout, spec.k, algorithm)
+        .ok()
 }

@@ -7,8 +7,8 @@ use datafusion::arrow::datatypes::{DataType, Field, Int64Type, Schema};
 use datafusion::execution::SessionStateBuilder;
 use datafusion::physical_plan::{ExecutionPlan, collect};
 use datafusion::prelude::{SessionConfig, SessionContext};
-use datafusion_gpu_topk::config::FaultPoint;
-use datafusion_gpu_topk::device::gpu;
+use datafusion_gpu_topk::internal::config::FaultPoint;
+use datafusion_gpu_topk::internal::device::gpu;
 use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
 use futures::StreamExt;
 
@@ -545,7 +545,7 @@ async fn the_cost_model_chooses_and_explains() {
 /// cache file when the GPU was quiet.
 #[test]
 fn the_calibration_is_cached_and_can_be_forced() {
-    use datafusion_gpu_topk::cost::calibration::calibration;
+    use datafusion_gpu_topk::internal::cost::calibration::calibration;
     let Some(device) = gpu() else {
         eprintln!("SKIP the_calibration_is_cached_and_can_be_forced: no GPU");
         return;
@@ -592,8 +592,8 @@ fn the_calibration_is_cached_and_can_be_forced() {
 /// accuracy fails here, without a GPU.
 #[test]
 fn the_model_meets_its_targets_on_the_recorded_h100_grid() {
-    use datafusion_gpu_topk::cost::calibration::model_from_file;
-    use datafusion_gpu_topk::cost::validation::{assess, parse_grid_csv};
+    use datafusion_gpu_topk::internal::cost::calibration::model_from_file;
+    use datafusion_gpu_topk::internal::cost::validation::{assess, parse_grid_csv};
     const CALIBRATION: &str = include_str!("../fixtures/h100-calibration.txt");
     const GRID: &str = include_str!("../fixtures/h100-cost-model-grid.csv");
     let dir = crate::common::test_dir("recorded-grid");

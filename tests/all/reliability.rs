@@ -22,8 +22,8 @@ use datafusion::execution::SessionStateBuilder;
 use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::physical_plan::collect;
 use datafusion::prelude::{SessionConfig, SessionContext};
-use datafusion_gpu_topk::config::{DeviceOp, FaultPoint};
-use datafusion_gpu_topk::device::{GpuStatus, gpu_status};
+use datafusion_gpu_topk::internal::config::{DeviceOp, FaultPoint};
+use datafusion_gpu_topk::internal::device::{GpuStatus, gpu_status};
 use datafusion_gpu_topk::{Backend, GpuTopKConfig, SessionStateBuilderExt};
 use futures::StreamExt;
 

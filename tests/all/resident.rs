@@ -13,14 +13,14 @@ use datafusion::arrow::datatypes::{DataType, Field, Int64Type, Schema};
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::SessionContext;
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
-use datafusion_gpu_topk::device::plan::RANK_SORT_MAX;
-use datafusion_gpu_topk::device::{
+use datafusion_gpu_topk::internal::device::plan::RANK_SORT_MAX;
+use datafusion_gpu_topk::internal::device::{
     DeviceAlgorithm, FUSED_SAMPLE_CLUSTER, FUSED_SAMPLE_ROWS, FusedReport, KeyWidth, TopKEngine,
     gpu_status,
 };
-use datafusion_gpu_topk::exec::TopKSpec;
-use datafusion_gpu_topk::fusion::{ENTRY, FusedProgram, Part};
-use datafusion_gpu_topk::select::resident::ResidentColumns;
+use datafusion_gpu_topk::internal::exec::TopKSpec;
+use datafusion_gpu_topk::internal::fusion::{ENTRY, FusedProgram, Part};
+use datafusion_gpu_topk::internal::select::resident::ResidentColumns;
 use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
 
 fn sessions() -> (SessionContext, SessionContext) {
@@ -105,8 +105,8 @@ fn run_on_device(
     planned: &[Planned],
 ) -> Option<Vec<FusedReport>> {
     let device = match gpu_status() {
-        datafusion_gpu_topk::device::GpuStatus::Available(d) => Arc::clone(d),
-        datafusion_gpu_topk::device::GpuStatus::Unavailable(why) => {
+        datafusion_gpu_topk::internal::device::GpuStatus::Available(d) => Arc::clone(d),
+        datafusion_gpu_topk::internal::device::GpuStatus::Unavailable(why) => {
             eprintln!("SKIP: resident top-k on the device: no GPU ({why})");
             return None;
         }
