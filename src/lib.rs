@@ -1,10 +1,20 @@
 //! datafusion-gpu-topk: run DataFusion's `ORDER BY … LIMIT k` on NVIDIA GPUs.
 //!
-//! Data flow (one module each): [`rule`] rewrites the physical plan → [`exec`] runs the
-//! fused top-k operator → [`keys`] encodes sort keys into order-preserving integers, and
-//! [`fusion`] generates the CUDA code that evaluates the predicate and keys on the device →
-//! [`cost`] chooses the algorithm → [`select`] runs the selection on the CPU or the device
-//! ([`device`] holds the CUDA runtime and the kernels).
+//! An application adds the operator to its session with one line,
+//! [`SessionStateBuilderExt::with_gpu_topk`], and tunes it with [`GpuTopKConfig`] (also from
+//! SQL: `SET gpu_topk.backend = 'cpu'`). The rule ([`GpuTopKRule`]) replaces DataFusion's
+//! TopK by [`GpuTopKExec`] wherever the query's shape allows; results are exactly DataFusion's,
+//! and a GPU failure falls back to the operator's CPU path. [`datasets`] generates the tweets
+//! table of the benchmarks and the CLI.
+//!
+//! Inside, one module per step of the data flow: `rule` rewrites the physical plan → `exec`
+//! runs the operator → `keys` encodes sort keys into order-preserving integers and `fusion`
+//! generates the CUDA code that evaluates the predicate and keys on the device → `cost`
+//! chooses where and with which algorithm → `select` runs the selection on the CPU or the
+//! device → `device` holds the CUDA runtime, its planning and the kernels' host side.
+
+// Internal docs link internal items: contributors read them with --document-private-items.
+#![allow(rustdoc::private_intra_doc_links)]
 
 mod config;
 mod cost;
@@ -18,7 +28,7 @@ mod rule;
 mod select;
 mod session;
 
-pub use config::{Algorithm, Backend, FaultPoint, GpuTopKConfig, GpuTopKSettings};
+pub use config::{Algorithm, Backend, DeviceOp, FaultPoint, GpuTopKConfig, GpuTopKSettings};
 pub use exec::GpuTopKExec;
 pub use rule::GpuTopKRule;
 pub use session::SessionStateBuilderExt;

@@ -13,7 +13,7 @@ use crate::rule::GpuTopKRule;
 /// `PushdownSort` lets a Parquet scan read row groups in the sort's order, which would change
 /// the input order that ties are broken by; `FilterPushdown(Post)` pushes dynamic filters (ours
 /// included) into the scans, so our node must exist by then.
-pub const INSERT_BEFORE_RULES: [&str; 2] = ["PushdownSort", "FilterPushdown(Post)"];
+pub(crate) const INSERT_BEFORE_RULES: [&str; 2] = ["PushdownSort", "FilterPushdown(Post)"];
 
 /// Adds the GPU top-k operator to a [`SessionStateBuilder`].
 pub trait SessionStateBuilderExt {
@@ -41,7 +41,10 @@ impl SessionStateBuilderExt for SessionStateBuilder {
 }
 
 /// Sets (or replaces) the `gpu_topk` extension of a session config.
-pub fn with_config_extension(mut session: SessionConfig, config: GpuTopKConfig) -> SessionConfig {
+pub(crate) fn with_config_extension(
+    mut session: SessionConfig,
+    config: GpuTopKConfig,
+) -> SessionConfig {
     match session.options_mut().extensions.get_mut::<GpuTopKConfig>() {
         Some(existing) => *existing = config,
         None => session = session.with_option_extension(config),

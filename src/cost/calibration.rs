@@ -50,7 +50,7 @@ pub struct DeviceParams {
 }
 
 impl DeviceParams {
-    pub fn read(device: &GpuDevice) -> Self {
+    pub(crate) fn read(device: &GpuDevice) -> Self {
         let attribute = |a| device.context.attribute(a).map_or(0, |v| v.max(0) as usize);
         use CUdevice_attribute::*;
         Self {
@@ -69,7 +69,7 @@ impl DeviceParams {
 
     /// Shared-memory bandwidth of all SMs: 128 bytes per clock each (1.75 GHz when the
     /// driver does not report the clock).
-    pub fn shared_bandwidth(&self) -> f64 {
+    pub(crate) fn shared_bandwidth(&self) -> f64 {
         let hz = if self.clock_khz > 0 {
             self.clock_khz as f64 * 1e3
         } else {
@@ -79,7 +79,7 @@ impl DeviceParams {
     }
 
     /// The DRAM's nominal bandwidth (double data rate × bus width), when reported.
-    pub fn nominal_bandwidth(&self) -> Option<f64> {
+    pub(crate) fn nominal_bandwidth(&self) -> Option<f64> {
         (self.memory_clock_khz > 0 && self.bus_width_bits > 0)
             .then(|| 2.0 * self.memory_clock_khz as f64 * 1e3 * self.bus_width_bits as f64 / 8.0)
     }

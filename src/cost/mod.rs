@@ -15,7 +15,7 @@
 //! number of candidates.
 
 pub mod calibration;
-pub mod model;
+pub(crate) mod model;
 pub mod validation;
 
 use std::path::Path;
@@ -34,7 +34,7 @@ pub use model::{Case, CostModel};
 
 /// What the planner knows of the input.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Estimate {
+pub(crate) struct Estimate {
     /// Input rows (before the filter), when the statistics say.
     pub rows: Option<usize>,
     /// Bytes per row the operator moves to the device (the columns it reads).
@@ -45,7 +45,7 @@ pub struct Estimate {
 }
 
 /// Rows assumed when the statistics do not say.
-pub const ASSUMED_ROWS: usize = 1 << 24;
+pub(crate) const ASSUMED_ROWS: usize = 1 << 24;
 /// A generated program's NVRTC compile, when this process has not timed one yet.
 const COMPILE_ESTIMATE: Duration = Duration::from_millis(200);
 
@@ -98,7 +98,7 @@ pub fn format_seconds(s: f64) -> String {
 
 /// What the rule decided for a query's backend.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Placement {
+pub(crate) enum Placement {
     /// Run our operator with this selection.
     Run {
         choice: SelectionChoice,
@@ -113,7 +113,7 @@ pub enum Placement {
 
 /// The settings [`choose`] resolves.
 #[derive(Debug, Clone, Copy)]
-pub struct Settings<'a> {
+pub(crate) struct Settings<'a> {
     pub backend: Backend,
     pub algorithm: Algorithm,
     pub kernel_cache_dir: Option<&'a Path>,
@@ -124,7 +124,7 @@ pub struct Settings<'a> {
 /// the kernels are loaded here (compiled by NVRTC on first use, cached in the kernel cache
 /// directory), so a compile failure shows in EXPLAIN and the query runs on the CPU path; so is
 /// the calibration (measured once per device, then read from the same directory).
-pub fn choose(
+pub(crate) fn choose(
     settings: Settings<'_>,
     layout: &KeyLayout,
     k: usize,
@@ -275,7 +275,7 @@ fn predict_options(
 }
 
 /// The operator's predicted time on the GPU with `algorithm` (see the module documentation).
-pub fn operator_seconds(
+pub(crate) fn operator_seconds(
     model: &CostModel,
     device: &GpuDevice,
     algorithm: DeviceAlgorithm,

@@ -553,7 +553,11 @@ impl CostModel {
 /// Solves `t = c + fixed · a + efficiency · b` at two reference runs for (fixed, efficiency),
 /// kept within physical bounds (no negative fixed time; efficiency between 0.25 and 50). A
 /// singular system keeps `fallback`.
-pub fn solve_fit(small: (f64, f64, f64, f64), large: (f64, f64, f64, f64), fallback: Fit) -> Fit {
+pub(crate) fn solve_fit(
+    small: (f64, f64, f64, f64),
+    large: (f64, f64, f64, f64),
+    fallback: Fit,
+) -> Fit {
     let (c1, a1, b1, t1) = small;
     let (c2, a2, b2, t2) = large;
     let (r1, r2) = (t1 - c1, t2 - c2);

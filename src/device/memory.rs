@@ -27,7 +27,7 @@ use super::{GpuError, GpuResult};
 
 /// The size class of a request: the next multiple of 1/8 of the enclosing power of two
 /// (at least 4 KiB).
-pub fn size_class(bytes: usize) -> usize {
+pub(crate) fn size_class(bytes: usize) -> usize {
     const MIN: usize = 4096;
     if bytes <= MIN {
         return MIN;
@@ -126,7 +126,7 @@ impl BufferPool {
     }
 
     /// Bytes held in released buffers.
-    pub fn cached_bytes(&self) -> usize {
+    pub(crate) fn cached_bytes(&self) -> usize {
         self.state().cached_bytes
     }
 
@@ -135,7 +135,7 @@ impl BufferPool {
     }
 
     /// A buffer of at least `bytes` bytes (contents undefined), for use on `stream`.
-    pub fn alloc(
+    pub(crate) fn alloc(
         self: &Arc<Self>,
         bytes: usize,
         stream: &Arc<CudaStream>,
@@ -216,7 +216,7 @@ impl Drop for BufferPool {
 
 /// A device buffer lent by a [`BufferPool`]; goes back to it on drop, ordered after the work
 /// enqueued so far on its stream.
-pub struct PooledBuffer {
+pub(crate) struct PooledBuffer {
     allocation: Option<DeviceAllocation>,
     bytes: usize,
     pool: Arc<BufferPool>,
@@ -233,18 +233,13 @@ impl fmt::Debug for PooledBuffer {
 
 impl PooledBuffer {
     /// The device address.
-    pub fn ptr(&self) -> u64 {
+    pub(crate) fn ptr(&self) -> u64 {
         self.allocation.as_ref().map_or(0, |a| a.ptr)
     }
 
     /// The requested size in bytes.
-    pub fn bytes(&self) -> usize {
+    pub(crate) fn bytes(&self) -> usize {
         self.bytes
-    }
-
-    /// The stream this buffer is used on.
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
     }
 }
 
@@ -262,7 +257,7 @@ impl Drop for PooledBuffer {
 }
 
 /// Page-locked host memory with an event recorded after its last asynchronous copy.
-pub struct PinnedBuffer {
+pub(crate) struct PinnedBuffer {
     ptr: *mut u8,
     bytes: usize,
     write_combined: bool,
@@ -310,20 +305,12 @@ impl PinnedBuffer {
         })
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.bytes
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.bytes == 0
-    }
-
-    pub fn is_write_combined(&self) -> bool {
-        self.write_combined
-    }
-
     /// The host bytes, once the last copy from or into them is done.
-    pub fn as_mut_slice(&mut self) -> GpuResult<&mut [u8]> {
+    pub(crate) fn as_mut_slice(&mut self) -> GpuResult<&mut [u8]> {
         self.event.synchronize()?;
         // SAFETY: `bytes` bytes allocated at `ptr`, no copy in flight, exclusive borrow.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) })
@@ -331,7 +318,7 @@ impl PinnedBuffer {
 
     /// The host bytes, once the last copy is done (not for write-combined buffers: reading
     /// them is very slow, though correct).
-    pub fn as_slice(&self) -> GpuResult<&[u8]> {
+    pub(crate) fn as_slice(&self) -> GpuResult<&[u8]> {
         self.event.synchronize()?;
         // SAFETY: as above, shared borrow.
         Ok(unsafe { std::slice::from_raw_parts(self.ptr, self.bytes) })
@@ -358,7 +345,7 @@ impl PinnedBuffer {
     }
 
     /// Enqueues a copy of `len` bytes from device address `src` into the first `len` bytes.
-    pub fn download(&mut self, src: u64, len: usize, stream: &CudaStream) -> GpuResult<()> {
+    pub(crate) fn download(&mut self, src: u64, len: usize, stream: &CudaStream) -> GpuResult<()> {
         watch::check(DeviceOp::Download)?;
         if len > self.bytes {
             return Err(GpuError(format!(
@@ -412,7 +399,11 @@ impl PinnedPool {
     }
 
     /// A pinned buffer of at least `bytes` bytes of the requested kind.
-    pub fn take(self: &Arc<Self>, bytes: usize, write_combined: bool) -> GpuResult<PinnedLease> {
+    pub(crate) fn take(
+        self: &Arc<Self>,
+        bytes: usize,
+        write_combined: bool,
+    ) -> GpuResult<PinnedLease> {
         let hit = {
             let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
             let best = free
@@ -454,7 +445,7 @@ impl PinnedPool {
 
 /// A [`PinnedBuffer`] lent by a [`PinnedPool`], returned on drop.
 #[derive(Debug)]
-pub struct PinnedLease {
+pub(crate) struct PinnedLease {
     buffer: Option<PinnedBuffer>,
     pool: Arc<PinnedPool>,
     /// Its bytes, accounted to the query that took it ([`watch`]).

@@ -13,14 +13,14 @@
 //! - [`timer`]: CUDA events for timing;
 //! - [`watch`]: one query's device bytes, its device memory limit, injected device faults.
 
-pub mod engine;
+pub(crate) mod engine;
 pub mod kernels;
 pub mod measure;
 pub mod memory;
 pub mod options;
 pub mod plan;
-pub mod timer;
-pub mod watch;
+pub(crate) mod timer;
+pub(crate) mod watch;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -30,11 +30,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
-pub use options::{DeviceOptions, PDL_ENV};
+pub(crate) use options::DeviceOptions;
 
-pub use engine::{DevicePairs, FusedReport, SortedPairs, TopKEngine};
+pub use engine::{DevicePairs, FusedReport, TopKEngine};
 pub use kernels::{GeneratedKernel, Kernels};
-pub use memory::{BufferPool, PinnedBuffer, PinnedLease, PinnedPool, PooledBuffer};
+pub(crate) use memory::{BufferPool, PinnedPool, PooledBuffer};
 pub use plan::{DeviceAlgorithm, FUSED_SAMPLE_CLUSTER, FUSED_SAMPLE_ROWS, KeyWidth};
 pub use timer::GpuTimer;
 
@@ -124,7 +124,7 @@ impl fmt::Debug for GpuDevice {
 
 impl GpuDevice {
     /// `sm_90` and the like: the NVRTC target for CUBIN.
-    pub fn arch(&self) -> String {
+    pub(crate) fn arch(&self) -> String {
         let (major, minor) = self.compute_capability;
         format!("sm_{major}{minor}")
     }
@@ -133,7 +133,7 @@ impl GpuDevice {
     /// each kernel is staged while the one before it drains and waits for its writes in its
     /// first statement (common.cuh `grid_dependency_wait`). `GPU_TOPK_PDL=0` turns it off (to
     /// measure it, or to rule it out).
-    pub fn programmatic_launch(&self) -> bool {
+    pub(crate) fn programmatic_launch(&self) -> bool {
         self.programmatic_launch
     }
 
@@ -154,7 +154,10 @@ impl GpuDevice {
 
     /// As [`kernels`](Self::kernels), with the CUBIN cache in `cache_dir` (when this is the
     /// first call; later calls return the kernels loaded then).
-    pub fn kernels_with_cache_dir(&self, cache_dir: Option<&Path>) -> GpuResult<Arc<Kernels>> {
+    pub(crate) fn kernels_with_cache_dir(
+        &self,
+        cache_dir: Option<&Path>,
+    ) -> GpuResult<Arc<Kernels>> {
         self.kernels
             .get_or_init(|| {
                 let _ = self.cache_dir.set(cache_dir.map(Path::to_path_buf));
@@ -208,7 +211,7 @@ impl GpuDevice {
 
     /// Whether the generated program with this source is loaded in this process, or its
     /// CUBIN is in the disk cache: running it then compiles nothing.
-    pub fn has_generated_kernel(&self, source: &str) -> bool {
+    pub(crate) fn has_generated_kernel(&self, source: &str) -> bool {
         let entry = {
             let loaded = self.generated.lock().unwrap_or_else(|e| e.into_inner());
             loaded.get(source).cloned()
@@ -226,12 +229,12 @@ impl GpuDevice {
     }
 
     /// How long this process's last compile (or cache load) of a generated program took.
-    pub fn last_compile_time(&self) -> Option<std::time::Duration> {
+    pub(crate) fn last_compile_time(&self) -> Option<std::time::Duration> {
         *self.last_compile.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// A new non-blocking stream on this device.
-    pub fn new_stream(&self) -> GpuResult<Arc<CudaStream>> {
+    pub(crate) fn new_stream(&self) -> GpuResult<Arc<CudaStream>> {
         Ok(self.context.new_stream()?)
     }
 }
@@ -250,7 +253,7 @@ pub fn gpu_status() -> &'static GpuStatus {
 /// lazily and panic when a library lacks one (a wrong or broken `libcuda`/`libnvrtc`), which
 /// must make the GPU unusable, not take the process down.
 /// The panic is reported as an error, so the default hook's message is kept off stderr.
-pub fn contain_panics<T>(work: impl FnOnce() -> T) -> Result<T, String> {
+pub(crate) fn contain_panics<T>(work: impl FnOnce() -> T) -> Result<T, String> {
     thread_local! {
         static CONTAINED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     }

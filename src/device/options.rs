@@ -7,17 +7,17 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 /// Set (to anything) to never use the GPU.
-pub const DISABLE_ENV: &str = "GPU_TOPK_DISABLE_CUDA";
+pub(crate) const DISABLE_ENV: &str = "GPU_TOPK_DISABLE_CUDA";
 /// Set to `0` to launch kernels without programmatic dependent launch.
-pub const PDL_ENV: &str = "GPU_TOPK_PDL";
+pub(crate) const PDL_ENV: &str = "GPU_TOPK_PDL";
 /// A directory to read the kernel sources from instead of the embedded ones.
 pub const KERNEL_DIR_ENV: &str = "GPU_TOPK_KERNEL_DIR";
 /// The CUBIN cache directory.
-pub const CACHE_DIR_ENV: &str = "GPU_TOPK_CACHE_DIR";
+pub(crate) const CACHE_DIR_ENV: &str = "GPU_TOPK_CACHE_DIR";
 /// Set to print each sampled selection's per-phase device times (synchronising after each).
-pub const TRACE_ENV: &str = "GPU_TOPK_TRACE";
+pub(crate) const TRACE_ENV: &str = "GPU_TOPK_TRACE";
 /// `0` never takes the top-bits selection, `1` takes it wherever it applies (A/B runs).
-pub const TOP_BITS_ENV: &str = "GPU_TOPK_TOP_BITS";
+pub(crate) const TOP_BITS_ENV: &str = "GPU_TOPK_TOP_BITS";
 
 /// See the module documentation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,7 +51,7 @@ impl Default for DeviceOptions {
 
 impl DeviceOptions {
     /// The options from `var` (an environment lookup).
-    pub fn from_vars(var: impl Fn(&str) -> Option<OsString>) -> Self {
+    pub(crate) fn from_vars(var: impl Fn(&str) -> Option<OsString>) -> Self {
         let set = |name: &str| var(name).filter(|v| !v.is_empty());
         let path = |name: &str| set(name).map(PathBuf::from);
         Self {
@@ -69,7 +69,7 @@ impl DeviceOptions {
     }
 
     /// This process's options, read from the environment on first use.
-    pub fn process() -> &'static DeviceOptions {
+    pub(crate) fn process() -> &'static DeviceOptions {
         static OPTIONS: OnceLock<DeviceOptions> = OnceLock::new();
         OPTIONS.get_or_init(|| Self::from_vars(|name| std::env::var_os(name)))
     }

@@ -95,12 +95,12 @@ pub enum Native {
 
 impl Native {
     /// The native representation of a key type, `None` when keys do not support it.
-    pub fn for_data_type(data_type: &DataType) -> Option<Self> {
+    pub(crate) fn for_data_type(data_type: &DataType) -> Option<Self> {
         native_kind(data_type)
     }
 
     /// Value bits.
-    pub fn bits(self) -> u32 {
+    pub(crate) fn bits(self) -> u32 {
         match self {
             Self::Bool => 1,
             Self::U8 | Self::I8 => 8,
@@ -112,7 +112,7 @@ impl Native {
     }
 
     /// Bytes per value, `None` for bit-packed booleans.
-    pub fn byte_width(self) -> Option<usize> {
+    pub(crate) fn byte_width(self) -> Option<usize> {
         (self != Self::Bool).then(|| self.bits() as usize / 8)
     }
 }
@@ -180,8 +180,8 @@ impl DeviceAlgorithm {
 /// Survivors of a sampled selection are sorted whole (rather than radix-selected first) up to
 /// this many times k (or times `DIRECT_SORT_MIN`): the radix sort costs about as much as the
 /// radix select's ~26 launches at a few times k.
-pub const DIRECT_SORT_FACTOR: usize = 4;
-pub const DIRECT_SORT_MIN: usize = 1 << 16;
+pub(crate) const DIRECT_SORT_FACTOR: usize = 4;
+pub(crate) const DIRECT_SORT_MIN: usize = 1 << 16;
 
 /// The rank sort that ends a sampled selection (bitonic.cu `rank_sort`): up to this many
 /// pairs, each ranked by a binary search in every sorted chunk of `RANK_THREADS`, in one
@@ -194,12 +194,12 @@ pub(crate) const CHUNK_THREADS: u32 = 512;
 pub(crate) const CHUNK_RANK_TILES: usize = 96;
 
 /// Pairs per tile of the chunk rank sort (bitonic.cu `CHUNK_TILE`): half the sort tile.
-pub fn chunk_tile(kind: KeyWidth) -> usize {
+pub(crate) fn chunk_tile(kind: KeyWidth) -> usize {
     sort_tile(kind) / 2
 }
 
 /// The most pairs the chunk rank sort takes (196608; 98304 for 256-bit keys).
-pub fn chunk_rank_max(kind: KeyWidth) -> usize {
+pub(crate) fn chunk_rank_max(kind: KeyWidth) -> usize {
     CHUNK_RANK_TILES * chunk_tile(kind)
 }
 pub(crate) const RANK_THREADS: u32 = 256;
@@ -207,7 +207,7 @@ pub(crate) const RANK_THREADS: u32 = 256;
 /// The radix sort's block size (radix_sort.cu `RSORT_THREADS`); it sorts fewer pairs than
 /// this (its look-back words hold counts below 2^30).
 pub(crate) const RSORT_THREADS: u32 = 256;
-pub const RADIX_SORT_MAX: usize = 1 << 30;
+pub(crate) const RADIX_SORT_MAX: usize = 1 << 30;
 /// Radix sort passes over at most this many tiles use Onesweep's single kernel with a
 /// look-back; larger ones take wide tiles (`ONESWEEP_WIDE_MAX_TILES`), and beyond those
 /// reduce-then-scan (three kernels, no spinning: the look-back of a 555-tile pass saturated the
@@ -218,7 +218,7 @@ pub const ONESWEEP_MAX_TILES: usize = 64;
 /// (radix_sort.cu `rsort_pass_wide`): up to 1.5M pairs of 64-bit keys.
 pub const ONESWEEP_WIDE_MAX_TILES: usize = 384;
 /// Tiles per group of the wide pass's grouped look-back (radix_sort.cu `LOOKBACK_GROUP`).
-pub const LOOKBACK_GROUP: usize = 16;
+pub(crate) const LOOKBACK_GROUP: usize = 16;
 
 /// Pairs per tile of a radix sort pass (radix_sort.cu: `RSORT_THREADS` × `SortItems`).
 pub fn radix_sort_tile(kind: KeyWidth) -> usize {
@@ -242,10 +242,10 @@ pub(crate) const MSORT_THREADS: u32 = 256;
 /// The merge sort (merge_sort.cu) takes up to this many pairs: the survivors of a sampled
 /// selection beyond the chunk rank sort's capacity, a fused pass's candidates at large k, and
 /// host-counted sorts that need more than a 32-bit key's digits.
-pub const MERGE_SORT_MAX: usize = 1 << 22;
+pub(crate) const MERGE_SORT_MAX: usize = 1 << 22;
 
 /// Pairs per tile of the merge sort (merge_sort.cu: `MSORT_THREADS` × `MergeItems`).
-pub fn merge_sort_tile(kind: KeyWidth) -> usize {
+pub(crate) fn merge_sort_tile(kind: KeyWidth) -> usize {
     radix_sort_tile(kind)
 }
 
@@ -253,7 +253,7 @@ pub fn merge_sort_tile(kind: KeyWidth) -> usize {
 /// `id_bound` (1: they ascend in input order): beyond the chunk rank sort and up to
 /// [`MERGE_SORT_MAX`], unless the key's radix passes alone sort them (`key_passes_sort`).
 /// The cost model asks the same.
-pub fn merge_sorts(kind: KeyWidth, m: usize, id_bound: u64) -> bool {
+pub(crate) fn merge_sorts(kind: KeyWidth, m: usize, id_bound: u64) -> bool {
     m > chunk_rank_max(kind) && m <= MERGE_SORT_MAX && !(id_bound <= 1 && key_passes_sort(kind, m))
 }
 
@@ -273,7 +273,7 @@ pub(crate) fn key_passes_sort(kind: KeyWidth, m: usize) -> bool {
 /// Whether the radix sort of m pairs runs its passes over wide tiles (`rsort_pass_wide`, with
 /// the grouped look-back): more than `ONESWEEP_MAX_TILES` tiles, at most
 /// `ONESWEEP_WIDE_MAX_TILES` wide ones.
-pub fn radix_sort_is_wide(kind: KeyWidth, m: usize) -> bool {
+pub(crate) fn radix_sort_is_wide(kind: KeyWidth, m: usize) -> bool {
     m.div_ceil(radix_sort_tile(kind)) > ONESWEEP_MAX_TILES
         && m.div_ceil(radix_sort_wide_tile(kind)) <= ONESWEEP_WIDE_MAX_TILES
 }
@@ -282,7 +282,7 @@ pub fn radix_sort_is_wide(kind: KeyWidth, m: usize) -> bool {
 /// key's radix passes sort them (32- or 64-bit keys, row ids ascending in input order) over
 /// wide tiles with the grouped look-back, and k is at least n / [`whole_sort_fraction`].
 /// The cost model asks the same.
-pub fn sample_sorts_whole(kind: KeyWidth, n: usize, k: usize, positional: bool) -> bool {
+pub(crate) fn sample_sorts_whole(kind: KeyWidth, n: usize, k: usize, positional: bool) -> bool {
     positional
         && whole_sort_fraction(kind).is_some_and(|f| k.saturating_mul(f) >= n)
         && radix_sort_is_wide(kind, n)
@@ -296,7 +296,7 @@ pub fn sample_sorts_whole(kind: KeyWidth, n: usize, k: usize, positional: bool) 
 ///   narrow ranges: from n / 16.
 /// - 64-bit keys (eight passes where every byte varies): the whole sort 48–189 µs; the levels
 ///   151–243 µs at k = 2^17 and 83–136 µs at k = 2^16: from n / 8.
-pub fn whole_sort_fraction(kind: KeyWidth) -> Option<usize> {
+pub(crate) fn whole_sort_fraction(kind: KeyWidth) -> Option<usize> {
     match kind {
         KeyWidth::W32 => Some(16),
         KeyWidth::W64 => Some(8),
@@ -310,13 +310,13 @@ pub(crate) const SORT_THREADS: u32 = 1024;
 /// The tile of the sort kernels (bitonic.cu `SORT_TILE`): 1024 threads holding 4 pairs each in
 /// registers (2 for 256-bit keys). A 16384-pair shared-memory chunk sorted by one block of 512
 /// threads took 0.3 ms (measured).
-pub fn sort_tile(kind: KeyWidth) -> usize {
+pub(crate) fn sort_tile(kind: KeyWidth) -> usize {
     if kind == KeyWidth::W256 { 2048 } else { 4096 }
 }
 
 /// Pairs in one level's sample: as many as one block holds in registers (sample.cu
 /// `SamplePer` × 1024 threads).
-pub fn sample_size(kind: KeyWidth) -> usize {
+pub(crate) fn sample_size(kind: KeyWidth) -> usize {
     match kind {
         KeyWidth::W32 => 10 << 10,
         KeyWidth::W64 => 8 << 10,
@@ -338,14 +338,14 @@ pub(crate) fn sample_rank(k: usize, s: usize, m: usize) -> usize {
 /// One level of a sampled selection: the capacity of its survivor buffer and the pairs its
 /// threshold samples.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SampleLevel {
+pub(crate) struct SampleLevel {
     pub cap: usize,
     pub s: usize,
 }
 
 /// A level's expected survivors and its buffer capacity (the expected count plus six of its
 /// standard deviations), for a sample of s among m; `None` when the sample rank reaches s.
-pub fn sample_level_bounds(m: usize, k: usize, s: usize) -> Option<(usize, usize)> {
+pub(crate) fn sample_level_bounds(m: usize, k: usize, s: usize) -> Option<(usize, usize)> {
     let r = sample_rank(k, s, m);
     if r >= s {
         return None;
@@ -374,7 +374,12 @@ pub fn sample_level_bounds(m: usize, k: usize, s: usize) -> Option<(usize, usize
 /// pairs, ncu), the rank sort takes the extra survivors in a few µs. An exact level (the
 /// sample is the whole level) records `s_max`, so that the device takes all of an actual
 /// count that came out above the plan. Empty: sampling cannot shrink this input.
-pub fn plan_sample_levels(n: usize, k: usize, s_max: usize, small: usize) -> Vec<SampleLevel> {
+pub(crate) fn plan_sample_levels(
+    n: usize,
+    k: usize,
+    s_max: usize,
+    small: usize,
+) -> Vec<SampleLevel> {
     const STEP: usize = 1024;
     // Survivors of a sampled level of s among m, four standard deviations above expected.
     let high = |m: usize, s: usize| {
@@ -418,7 +423,7 @@ pub fn plan_sample_levels(n: usize, k: usize, s_max: usize, small: usize) -> Vec
 /// delegates written and re-read (n/S) against the pairs gathered (≤ k·S); S is at least a
 /// warp's 32 (one coalesced load per lane) and at most 4096, and leaves at least k subranges.
 /// `None` when n/k < 32: too few subranges for the delegates to filter anything.
-pub fn delegate_subrange(n: usize, k: usize) -> Option<usize> {
+pub(crate) fn delegate_subrange(n: usize, k: usize) -> Option<usize> {
     const MIN: usize = 32;
     const MAX: usize = 4096;
     let k = k.max(1);
@@ -448,7 +453,7 @@ pub(crate) fn prev_power_of_two(x: usize) -> usize {
 /// The most levels a sampled selection plans (sample counts live in `SAMPLE_CTL_BYTES`).
 pub(crate) const SAMPLE_MAX_LEVELS: usize = 8;
 
-/// Rows the fused selection's sample pass evaluates ([`TopKEngine::fused_select`]), at most:
+/// Rows the fused selection's sample pass evaluates ([`fused_select`](super::TopKEngine::fused_select)), at most:
 /// as many as sample.cu's one-block threshold holds for 64-bit keys ([`sample_size`]; wider
 /// keys sample fewer), so that the threshold is exact and costs one launch. 8192 measured best
 /// on the H100, against 16384 and 4096 (the sample's selection grows with its
@@ -461,7 +466,7 @@ pub const FUSED_SAMPLE_ROWS: usize = RANK_SORT_MAX / 2;
 /// sample phase 37 → 30 µs against rows `step` apart, 8 rows measuring as 32.
 pub const FUSED_SAMPLE_CLUSTER: usize = 32;
 
-/// See [`TopKEngine::bitonic_chunk`]; `max_shared` is the block's opt-in shared memory.
+/// See [`bitonic_chunk`](super::TopKEngine::bitonic_chunk); `max_shared` is the block's opt-in shared memory.
 pub fn bitonic_chunk(max_shared: usize, kind: KeyWidth) -> usize {
     let budget = max_shared.max(48 * 1024);
     let mut chunk = 256;
@@ -474,7 +479,7 @@ pub fn bitonic_chunk(max_shared: usize, kind: KeyWidth) -> usize {
 /// The buffer of kept pairs for a top-bits selection of k among n: uniform keys keep k plus
 /// one bin (a few hundred pairs at n = 2^20); this leaves half of k and n / 256 more for
 /// keys that crowd their bins.
-pub fn top_bits_capacity(n: usize, k: usize) -> usize {
+pub(crate) fn top_bits_capacity(n: usize, k: usize) -> usize {
     (k + k / 2 + n / 256).min(n)
 }
 
@@ -515,7 +520,7 @@ pub fn top_bits_sorts(
 /// candidates.cu `key_span`'s words (per key word, the OR of the complemented keys, then per
 /// key word the OR of the keys): bits lo up to the highest that varies. `None` when it and
 /// `id_bits` bits of row id do not fit one 64-bit word.
-pub fn packed_field(kind: KeyWidth, span: &[u64], id_bits: u32) -> Option<(u32, u32)> {
+pub(crate) fn packed_field(kind: KeyWidth, span: &[u64], id_bits: u32) -> Option<(u32, u32)> {
     let words = kind.key_words();
     let word_bits = (8 * kind.key_bytes() / words) as u32;
     let mask = if word_bits == 64 {
@@ -541,7 +546,7 @@ pub fn packed_field(kind: KeyWidth, span: &[u64], id_bits: u32) -> Option<(u32, 
 /// The route a device algorithm takes to select k among n pairs: the one place both the
 /// dispatcher ([`super::engine`]) and the cost model read it from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Route {
+pub(crate) enum Route {
     /// Nothing to select (k = 0 or no pairs).
     Empty,
     /// Bitonic top-k in shared memory (k up to [`bitonic_chunk`] / 4).
@@ -567,7 +572,7 @@ pub enum Route {
 /// An algorithm that cannot shrink this input takes the next one's route: the delegates
 /// without k subranges the sampled selection's, a sampled selection without levels radix
 /// select's. `top_bits` forces the top-bits selection on or off (an A/B switch).
-pub fn route(
+pub(crate) fn route(
     algorithm: DeviceAlgorithm,
     width: KeyWidth,
     n: usize,
@@ -604,7 +609,7 @@ pub fn route(
 /// The algorithm that cuts a streaming selection's candidate buffer back to k when it fills:
 /// the bitonic top-k where that is the selection's algorithm (its k fits), else radix select
 /// (the buffer holds only pairs the threshold let through, so sampling it gains little).
-pub fn reduction(algorithm: DeviceAlgorithm) -> DeviceAlgorithm {
+pub(crate) fn reduction(algorithm: DeviceAlgorithm) -> DeviceAlgorithm {
     match algorithm {
         DeviceAlgorithm::Bitonic => DeviceAlgorithm::Bitonic,
         _ => DeviceAlgorithm::Radix,

@@ -32,7 +32,7 @@ impl GpuTimer {
     }
 
     /// [`stop`](Self::stop) that keeps the start, for a later, longer reading.
-    pub fn elapsed(&self) -> GpuResult<f32> {
+    pub(crate) fn elapsed(&self) -> GpuResult<f32> {
         let end = self
             .stream
             .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;

@@ -91,7 +91,7 @@ thread_local! {
 
 /// Restores the previously entered watch when dropped.
 #[must_use]
-pub struct Entered(Option<Arc<DeviceWatch>>);
+pub(crate) struct Entered(Option<Arc<DeviceWatch>>);
 
 impl Drop for Entered {
     fn drop(&mut self) {
@@ -121,22 +121,25 @@ impl DeviceWatch {
     }
 
     /// Makes this the watch of the calling thread until the guard is dropped.
-    pub fn enter(self: &Arc<Self>) -> Entered {
+    pub(crate) fn enter(self: &Arc<Self>) -> Entered {
         Entered(ENTERED.with(|e| e.borrow_mut().replace(Arc::clone(self))))
     }
 
     /// Device bytes held now.
-    pub fn device_bytes(&self) -> usize {
+    #[cfg(test)]
+    fn device_bytes(&self) -> usize {
         self.device_bytes.value()
     }
 
     /// Pinned host bytes held now.
-    pub fn pinned_bytes(&self) -> usize {
+    #[cfg(test)]
+    fn pinned_bytes(&self) -> usize {
         self.pinned_bytes.value()
     }
 
     /// How many operations of this kind were attempted.
-    pub fn count(&self, op: DeviceOp) -> usize {
+    #[cfg(test)]
+    fn count(&self, op: DeviceOp) -> usize {
         self.seen[op.index()].load(Ordering::Relaxed)
     }
 
@@ -170,7 +173,7 @@ fn entered() -> Option<Arc<DeviceWatch>> {
 }
 
 /// Counts an operation of the calling thread's query; fails where a fault is injected.
-pub fn check(op: DeviceOp) -> GpuResult<()> {
+pub(crate) fn check(op: DeviceOp) -> GpuResult<()> {
     ENTERED.with(|e| match &*e.borrow() {
         Some(watch) => watch.check(op),
         None => Ok(()),
@@ -179,7 +182,7 @@ pub fn check(op: DeviceOp) -> GpuResult<()> {
 
 /// Bytes one buffer holds for the query it was taken under; given back on drop.
 #[derive(Debug, Default)]
-pub struct Held {
+pub(crate) struct Held {
     watch: Option<Arc<DeviceWatch>>,
     bytes: usize,
     pinned: bool,
@@ -188,7 +191,7 @@ pub struct Held {
 impl Held {
     /// Accounts `bytes` of device memory to the calling thread's query (an allocation: counts
     /// as one, may fail by injection or by the query's limit).
-    pub fn device(bytes: usize) -> GpuResult<Held> {
+    pub(crate) fn device(bytes: usize) -> GpuResult<Held> {
         let Some(watch) = entered() else {
             return Ok(Held::default());
         };
@@ -202,7 +205,7 @@ impl Held {
     }
 
     /// Accounts `bytes` of pinned host memory to the calling thread's query.
-    pub fn pinned(bytes: usize) -> GpuResult<Held> {
+    pub(crate) fn pinned(bytes: usize) -> GpuResult<Held> {
         let Some(watch) = entered() else {
             return Ok(Held::default());
         };

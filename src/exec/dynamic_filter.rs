@@ -16,7 +16,7 @@ use datafusion::physical_expr::{PhysicalExpr, PhysicalSortExpr};
 
 /// The predicate that keeps every row that can still win, given the k-th candidate's first
 /// key value; `None` when every row can (nothing to publish).
-pub fn threshold_predicate(
+pub(crate) fn threshold_predicate(
     key: &PhysicalSortExpr,
     value: &ScalarValue,
 ) -> Result<Option<Arc<dyn PhysicalExpr>>> {

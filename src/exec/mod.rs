@@ -59,8 +59,6 @@ use crate::cost::{Prediction, SelectionChoice};
 use crate::fusion::FusionPlan;
 use crate::keys::KeyLayout;
 
-pub use dynamic_filter::threshold_predicate;
-
 /// Everything the rule decided about one top-k query. Expressions are over the input's schema.
 #[derive(Debug, Clone)]
 pub struct TopKSpec {

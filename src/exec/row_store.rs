@@ -29,7 +29,7 @@ enum StoredIds {
 
 /// Rows entering the store: a batch (output columns, then the sort keys) and its ids.
 #[derive(Debug)]
-pub struct StoredBatch {
+pub(super) struct StoredBatch {
     ids: StoredIds,
     /// Output columns, then one column per sort key.
     batch: RecordBatch,
@@ -37,7 +37,7 @@ pub struct StoredBatch {
 
 impl StoredBatch {
     /// Rows with the consecutive ids `first_id..`.
-    pub fn range(first_id: u64, batch: RecordBatch) -> Self {
+    pub(super) fn range(first_id: u64, batch: RecordBatch) -> Self {
         Self {
             ids: StoredIds::Range(first_id),
             batch,
@@ -45,7 +45,7 @@ impl StoredBatch {
     }
 
     /// Rows with the given ascending ids.
-    pub fn list(ids: Vec<u64>, batch: RecordBatch) -> Self {
+    pub(super) fn list(ids: Vec<u64>, batch: RecordBatch) -> Self {
         debug_assert_eq!(ids.len(), batch.num_rows());
         Self {
             ids: StoredIds::List(ids),
@@ -55,7 +55,7 @@ impl StoredBatch {
 
     /// The rows for which `predicate` is true (`None`: no row). Done before taking the store's
     /// lock, so partitions filter in parallel.
-    pub fn filter(self, predicate: &Arc<dyn PhysicalExpr>) -> Result<Option<Self>> {
+    pub(super) fn filter(self, predicate: &Arc<dyn PhysicalExpr>) -> Result<Option<Self>> {
         filter_entry(self, predicate)
     }
 
@@ -108,7 +108,7 @@ fn filter_entry(
 
 /// See the module documentation.
 #[derive(Debug, Default)]
-pub struct RowStore {
+pub(super) struct RowStore {
     entries: Vec<StoredBatch>,
     rows: usize,
     bytes: usize,
@@ -118,12 +118,12 @@ pub struct RowStore {
 
 impl RowStore {
     /// Memory held by the retained arrays.
-    pub fn bytes(&self) -> usize {
+    pub(super) fn bytes(&self) -> usize {
         self.bytes
     }
 
     /// Adds rows.
-    pub fn insert(&mut self, rows: StoredBatch) {
+    pub(super) fn insert(&mut self, rows: StoredBatch) {
         if rows.batch.num_rows() == 0 {
             return;
         }
@@ -134,12 +134,12 @@ impl RowStore {
 
     /// Whether enough rows arrived since the last [`retain`](Self::retain) to make another one
     /// worthwhile (amortised O(1) per row).
-    pub fn wants_retain(&self, k: usize) -> bool {
+    pub(super) fn wants_retain(&self, k: usize) -> bool {
         self.rows > (2 * self.rows_after_retain).max(2 * k).max(8192)
     }
 
     /// Keeps only the rows whose ids are in `live` (ascending), compacting what remains.
-    pub fn retain(&mut self, live: &[u64]) -> Result<()> {
+    pub(super) fn retain(&mut self, live: &[u64]) -> Result<()> {
         let mut kept = Vec::with_capacity(self.entries.len());
         let (mut rows, mut bytes) = (0, 0);
         for entry in self.entries.drain(..) {
@@ -178,7 +178,7 @@ impl RowStore {
 
     /// Keeps only the rows for which `predicate` (over the stored batches' schema) is true:
     /// used with the threshold predicate when the selector cannot name its live rows.
-    pub fn retain_where(&mut self, predicate: &Arc<dyn PhysicalExpr>) -> Result<()> {
+    pub(super) fn retain_where(&mut self, predicate: &Arc<dyn PhysicalExpr>) -> Result<()> {
         let entries = std::mem::take(&mut self.entries);
         (self.rows, self.bytes) = (0, 0);
         for entry in entries {
@@ -193,7 +193,7 @@ impl RowStore {
     }
 
     /// The value of column `column` (the first sort key) of row `id`.
-    pub fn key_value(&self, id: u64, column: usize) -> Result<Option<ScalarValue>> {
+    pub(super) fn key_value(&self, id: u64, column: usize) -> Result<Option<ScalarValue>> {
         for entry in &self.entries {
             if let Some(row) = entry.position(id) {
                 let key = entry.batch.columns().get(column).ok_or_else(|| {
@@ -206,7 +206,7 @@ impl RowStore {
     }
 
     /// Calls `f` with every entry's sort keys (the columns from `first_key` on) and row ids.
-    pub fn for_each_keys(
+    pub(super) fn for_each_keys(
         &self,
         first_key: usize,
         mut f: impl FnMut(SelectInput<'_>) -> Result<()>,
@@ -223,7 +223,7 @@ impl RowStore {
     }
 
     /// The rows `ids` in that order, as one batch of `schema` (the output columns).
-    pub fn gather(&self, ids: &[u64], schema: &SchemaRef) -> Result<RecordBatch> {
+    pub(super) fn gather(&self, ids: &[u64], schema: &SchemaRef) -> Result<RecordBatch> {
         if ids.is_empty() {
             return Ok(RecordBatch::new_empty(schema.clone()));
         }

@@ -26,7 +26,7 @@
 //! for a large k that pass also ORs its appended keys into the key span words that decide how
 //! they are packed for their sort.
 
-pub mod translate;
+pub(crate) mod translate;
 
 use std::fmt;
 use std::fmt::Write;
@@ -46,15 +46,15 @@ use translate::{Declined, Emitter, emit_key_field};
 pub const ENTRY: &str = crate::device::kernels::GENERATED_ENTRY;
 
 /// Error flags the generated kernel reports: a NULL in a sort key declared not nullable …
-pub const ERROR_NULL_KEY: u32 = 1;
+pub(crate) const ERROR_NULL_KEY: u32 = 1;
 /// … and two different NaNs added or multiplied, whose result the host makes depend on the
 /// row's position in its batch (see kernels/fused.cuh): only the host can reproduce it.
-pub const ERROR_AMBIGUOUS_NAN: u32 = 2;
+pub(crate) const ERROR_AMBIGUOUS_NAN: u32 = 2;
 /// … and a row on which DataFusion's evaluation fails (`sqrt` of a negative number, `abs` of
 /// a signed minimum, an integer division by zero or of the minimum by −1): the query reruns on
 /// the host, where DataFusion reports its own error (or, where it never evaluates that row, its
 /// result).
-pub const ERROR_HOST_ONLY: u32 = 4;
+pub(crate) const ERROR_HOST_ONLY: u32 = 4;
 
 /// Where one part of the query is evaluated.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -184,7 +184,7 @@ pub fn dictionary_match(column: &ArrayRef, values: &[String]) -> Result<ArrayRef
 
 /// Decides what runs where and generates the program (see the module documentation).
 /// Expressions are over `schema`; `layout` is the sort keys' layout.
-pub fn plan(
+pub(crate) fn plan(
     filter: Option<&Arc<dyn PhysicalExpr>>,
     sort_exprs: &LexOrdering,
     layout: &KeyLayout,

@@ -33,11 +33,11 @@ use datafusion::physical_expr::expressions::{
 };
 
 /// Why an expression is not translated (shown in EXPLAIN).
-pub type Declined = String;
+pub(crate) type Declined = String;
 
 /// The device type of a value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CType {
+pub(crate) enum CType {
     Bool,
     I8,
     I16,
@@ -53,7 +53,7 @@ pub enum CType {
 
 impl CType {
     /// The device representation of an Arrow type, when the device evaluates it.
-    pub fn for_data_type(data_type: &DataType) -> Option<Self> {
+    pub(crate) fn for_data_type(data_type: &DataType) -> Option<Self> {
         use DataType::*;
         Some(match data_type {
             Boolean => CType::Bool,
@@ -72,7 +72,7 @@ impl CType {
     }
 
     /// The C type (typedefs of common.cuh).
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             CType::Bool => "bool",
             CType::I8 => "i8",
@@ -89,7 +89,7 @@ impl CType {
     }
 
     /// Bytes of one value in device memory (`Bool`: bit-packed, 0).
-    pub fn bytes(self) -> usize {
+    pub(crate) fn bytes(self) -> usize {
         if self == CType::Bool {
             0
         } else {
@@ -108,7 +108,7 @@ impl CType {
     }
 
     /// The ascending value bits, as fused.cuh's `ord_*` (the key encoding's order).
-    pub fn ordered(self, value: &str) -> String {
+    pub(crate) fn ordered(self, value: &str) -> String {
         format!("ord_{}({value})", self.suffix())
     }
 
@@ -142,7 +142,7 @@ impl CType {
 
 /// A translated node: C names of its value and validity, and its Arrow type.
 #[derive(Debug, Clone)]
-pub struct Value {
+pub(crate) struct Value {
     pub data_type: DataType,
     pub ctype: CType,
     pub value: String,
@@ -178,7 +178,7 @@ impl KernelInput {
 
 /// Emits device code for expressions over one input schema. Columns are read where first
 /// used; statements go to `code`, which the caller places in the kernel body.
-pub struct Emitter<'a> {
+pub(crate) struct Emitter<'a> {
     schema: &'a Schema,
     pub inputs: Vec<KernelInput>,
     loaded: Vec<usize>,
@@ -192,7 +192,7 @@ pub struct Emitter<'a> {
 
 /// One per-row input read: `const {ctype} {value} = {read};` and its validity.
 #[derive(Debug, Clone)]
-pub struct Load {
+pub(crate) struct Load {
     pub ctype: String,
     pub value: String,
     pub valid: String,
@@ -217,7 +217,7 @@ impl<'a> Emitter<'a> {
     }
 
     /// The kernel parameter index of an input, registering it on first use.
-    pub fn input(&mut self, input: KernelInput) -> usize {
+    pub(crate) fn input(&mut self, input: KernelInput) -> usize {
         match self.inputs.iter().position(|i| *i == input) {
             Some(p) => p,
             None => {
@@ -240,7 +240,7 @@ impl<'a> Emitter<'a> {
     }
 
     /// Reads kernel input `p` of type `ctype` at row `i`.
-    pub fn read_input(&mut self, p: usize, ctype: CType) -> (String, String) {
+    pub(crate) fn read_input(&mut self, p: usize, ctype: CType) -> (String, String) {
         let (value, valid) = (format!("x{p}"), format!("x{p}v"));
         if !self.loaded.contains(&p) {
             self.loaded.push(p);
@@ -279,7 +279,7 @@ impl<'a> Emitter<'a> {
     }
 
     /// Translates `expr`, or says why it cannot be.
-    pub fn emit(&mut self, expr: &Arc<dyn PhysicalExpr>) -> Result<Value, Declined> {
+    pub(crate) fn emit(&mut self, expr: &Arc<dyn PhysicalExpr>) -> Result<Value, Declined> {
         let value = self.emit_node(expr)?;
         // The node must have the type DataFusion gives it (a safety net for coercions).
         match expr.data_type(self.schema) {
@@ -1164,7 +1164,7 @@ fn string_literal(expr: &Arc<dyn PhysicalExpr>) -> Option<Option<String>> {
 /// C source text of a key field: ORs the encoded `value` into `key` (see the keys module and
 /// encode.cu: DESC flips the value bits, NULL rows get zero value bits and the null bit per
 /// NULLS FIRST/LAST); a NULL in a key declared not nullable sets `bad`.
-pub fn emit_key_field(
+pub(crate) fn emit_key_field(
     out: &mut String,
     value: &Value,
     shift: u32,

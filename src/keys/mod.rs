@@ -63,7 +63,7 @@ use datafusion::error::{DataFusionError, Result};
 mod tests;
 
 /// The most bits a composite key may have.
-pub const MAX_KEY_BITS: u32 = 256;
+pub(crate) const MAX_KEY_BITS: u32 = 256;
 
 /// One sort key: its type and its SQL ordering options.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -360,7 +360,8 @@ impl EncodedKeys {
 /// spec when nullable) in the low [`KeySpec::bits`] bits. This is the single-key reference for
 /// tests and for the GPU kernels. Errors on an unsupported or mismatched type, on NULLs in a
 /// non-nullable spec, and on a field wider than 128 bits (nullable `Decimal128`).
-pub fn encode_column_u128(spec: &KeySpec, array: &dyn Array) -> Result<Vec<u128>> {
+#[cfg(test)]
+pub(crate) fn encode_column_u128(spec: &KeySpec, array: &dyn Array) -> Result<Vec<u128>> {
     let Some(value_bits) = spec.value_bits() else {
         return Err(exec_error(unsupported_reason(0, &spec.data_type)));
     };

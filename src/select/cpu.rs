@@ -16,7 +16,7 @@ use super::{Admitted, SelectInput, SelectionSpec, TopKSelector};
 use crate::keys::{EncodedKeys, KeyLayout, KeyWidth, U256};
 
 /// A composite key container (`u64`, `u128` or [`U256`]).
-pub trait CompositeKey: Ord + Copy + Send + Sync + fmt::Debug + 'static {
+pub(crate) trait CompositeKey: Ord + Copy + Send + Sync + fmt::Debug + 'static {
     fn unwrap_encoded(keys: EncodedKeys) -> Result<Vec<Self>>;
 }
 
@@ -48,7 +48,7 @@ pub fn new_selector(spec: &SelectionSpec) -> Arc<dyn TopKSelector> {
 }
 
 /// See the module documentation.
-pub struct CpuSelector<K> {
+pub(crate) struct CpuSelector<K> {
     layout: KeyLayout,
     k: usize,
     capacity: usize,

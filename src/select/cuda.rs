@@ -41,7 +41,7 @@ use crate::fusion::{FusedProgram, KernelInput};
 use crate::keys::{EncodedKeys, KeyLayout, U256};
 
 /// Candidates kept on the device before a reduction to k: at least this many pairs.
-pub const MIN_CAPACITY: usize = 1 << 22;
+pub(crate) const MIN_CAPACITY: usize = 1 << 22;
 
 /// The largest k the bitonic top-k takes for `layout` on `device`.
 pub fn bitonic_max_k(device: &GpuDevice, layout: &KeyLayout) -> usize {
@@ -50,7 +50,7 @@ pub fn bitonic_max_k(device: &GpuDevice, layout: &KeyLayout) -> usize {
 
 /// Builds the CUDA selector (compiles or loads the kernels on first use, which may fail: the
 /// caller then falls back to the CPU selector).
-pub fn new_cuda_selector(
+pub(crate) fn new_cuda_selector(
     spec: &SelectionSpec,
     device: Arc<GpuDevice>,
     algorithm: DeviceAlgorithm,
@@ -136,7 +136,7 @@ struct FusedKernel {
 }
 
 /// See the module documentation.
-pub struct CudaSelector {
+pub(crate) struct CudaSelector {
     device: Arc<GpuDevice>,
     /// The generated program, when the device evaluates predicate and keys itself.
     program: Option<FusedKernel>,
@@ -779,17 +779,13 @@ pub enum HostKeys<'a> {
 }
 
 impl HostKeys<'_> {
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match self {
             HostKeys::U32(v) => v.len(),
             HostKeys::U64(v) => v.len(),
             HostKeys::U128(v) => v.len(),
             HostKeys::U256(v) => v.len(),
         }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     pub fn kind(&self) -> KeyWidth {
@@ -802,7 +798,7 @@ impl HostKeys<'_> {
     }
 
     /// The keys in the device layout: little-endian words, least significant first.
-    pub fn device_bytes(&self) -> Vec<u8> {
+    pub(crate) fn device_bytes(&self) -> Vec<u8> {
         match self {
             HostKeys::U32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             HostKeys::U64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),

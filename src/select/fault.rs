@@ -14,13 +14,13 @@ use super::{Admitted, ColumnsInput, DEVICE_ERROR_TAG, FusedAdmitted, SelectInput
 use crate::config::FaultPoint;
 
 /// The error an injected fault raises: a device error, which the operator falls back from.
-pub fn injected(point: FaultPoint) -> DataFusionError {
+pub(crate) fn injected(point: FaultPoint) -> DataFusionError {
     DataFusionError::External(format!("{DEVICE_ERROR_TAG} fault injected at {point}").into())
 }
 
 /// See the module documentation.
 #[derive(Debug)]
-pub struct FaultInjector {
+pub(crate) struct FaultInjector {
     inner: Arc<dyn TopKSelector>,
     point: FaultPoint,
     pushes: AtomicUsize,

@@ -13,7 +13,7 @@
 
 pub mod cpu;
 pub mod cuda;
-pub mod fault;
+pub(crate) mod fault;
 pub mod resident;
 
 use std::fmt::{self, Debug};
@@ -30,10 +30,10 @@ use crate::keys::KeyLayout;
 
 /// Marks errors raised by a device selector, so the operator can tell a GPU fault (which falls
 /// back to the CPU path) from an error of the query itself.
-pub const DEVICE_ERROR_TAG: &str = "[gpu-topk device]";
+pub(crate) const DEVICE_ERROR_TAG: &str = "[gpu-topk device]";
 
 /// Bits of a row id that hold the row's position inside its input partition.
-pub const ROW_BITS: u32 = 40;
+pub(crate) const ROW_BITS: u32 = 40;
 
 /// The global row id of row `row` of input partition `partition`: sorting by it gives the input
 /// order (partition index, then batch, then row).
@@ -70,7 +70,7 @@ pub struct SelectInput<'a> {
 }
 
 impl SelectInput<'_> {
-    pub fn num_rows(&self) -> usize {
+    pub(crate) fn num_rows(&self) -> usize {
         self.keys.first().map(|a| a.len()).unwrap_or(0)
     }
 }
@@ -201,7 +201,7 @@ pub struct SelectionSpec {
 
 /// The single entry point: builds the selector the cost model chose (wrapped to fail at
 /// `spec.fault` when a fault is injected).
-pub fn create_selector(
+pub(crate) fn create_selector(
     spec: &SelectionSpec,
     choice: &SelectionChoice,
 ) -> Result<Arc<dyn TopKSelector>> {

@@ -20,7 +20,7 @@ use datafusion::arrow::array::{Float64Array, Int64Array, RecordBatch};
 use datafusion::arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use datafusion::physical_plan::collect;
 use datafusion::prelude::{CsvReadOptions, ParquetReadOptions, SessionConfig, SessionContext};
-use datafusion_gpu_topk::internal::device::kernels::KERNEL_DIR_ENV;
+use datafusion_gpu_topk::internal::device::options::KERNEL_DIR_ENV;
 use datafusion_gpu_topk::internal::device::{GpuStatus, gpu_status};
 
 use crate::common::{count_gpu_topk, exact_rows, register, run, session, test_dir};

@@ -13,10 +13,9 @@ use datafusion::arrow::datatypes::{DataType, Field, Int64Type, Schema};
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::SessionContext;
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
-use datafusion_gpu_topk::internal::device::plan::RANK_SORT_MAX;
+use datafusion_gpu_topk::internal::device::plan::{FUSED_SAMPLE_ROWS, RANK_SORT_MAX};
 use datafusion_gpu_topk::internal::device::{
-    DeviceAlgorithm, FUSED_SAMPLE_CLUSTER, FUSED_SAMPLE_ROWS, FusedReport, KeyWidth, TopKEngine,
-    gpu_status,
+    DeviceAlgorithm, FUSED_SAMPLE_CLUSTER, FusedReport, KeyWidth, TopKEngine, gpu_status,
 };
 use datafusion_gpu_topk::internal::exec::TopKSpec;
 use datafusion_gpu_topk::internal::fusion::{ENTRY, FusedProgram, Part};

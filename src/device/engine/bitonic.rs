@@ -18,7 +18,7 @@ impl TopKEngine {
 
     /// The k smallest of pairs `[0, n)`, sorted, at the start of a new buffer (its first
     /// min(n, k) pairs; the rest is padding). Needs k ≤ [`bitonic_max_k`](Self::bitonic_max_k).
-    pub fn bitonic_select(
+    pub(crate) fn bitonic_select(
         &self,
         input: &DevicePairs,
         n: usize,
@@ -66,7 +66,7 @@ impl TopKEngine {
     }
 
     /// Threshold := pair `index`.
-    pub fn threshold_from_index(&self, pairs: &DevicePairs, index: usize) -> GpuResult<()> {
+    pub(crate) fn threshold_from_index(&self, pairs: &DevicePairs, index: usize) -> GpuResult<()> {
         self.launch(
             &self.kernel("threshold_from"),
             1,

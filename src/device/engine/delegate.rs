@@ -9,7 +9,7 @@ impl TopKEngine {
     /// subranges whose delegates are ≤ it; one read-back of the candidate count, then a sort
     /// (or, when ties left more than a few times k candidates, a sampled selection) of the
     /// candidates; `s` pairs a subrange ([`delegate_subrange`]).
-    pub fn delegate_select(
+    pub(crate) fn delegate_select(
         &mut self,
         input: &DevicePairs,
         n: usize,

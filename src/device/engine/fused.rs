@@ -12,7 +12,7 @@ impl TopKEngine {
     /// `candidates` (the count keeps growing past its capacity: the caller checks). `out`
     /// receives the number of rows that passed (u64), an error flag (u32 at byte 8) and, from
     /// byte 16, one bit per row appended; the caller zeroes its first 16 bytes.
-    pub fn fused_append(
+    pub(crate) fn fused_append(
         &self,
         kernel: &GeneratedKernel,
         inputs: &[u64],
@@ -105,7 +105,7 @@ impl TopKEngine {
     /// for all) — exact either way. With 0 (the unfused baseline), the pass appends every
     /// passing row, and the selection follows. Returns without waiting for the device (the
     /// result's reader waits); [`fused_phases_ms`](Self::fused_phases_ms) times the phases.
-    pub fn fused_select(
+    pub(crate) fn fused_select(
         &mut self,
         kernel: &GeneratedKernel,
         inputs: &[u64],

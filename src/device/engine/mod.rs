@@ -54,13 +54,13 @@ use super::{GpuDevice, GpuError, GpuResult};
 pub use super::plan::Native as NativeCode;
 
 /// encode.cu flags.
-pub const ENCODE_FIRST: u32 = 1;
-pub const ENCODE_NULLABLE: u32 = 2;
-pub const ENCODE_NULLS_FIRST: u32 = 4;
+pub(crate) const ENCODE_FIRST: u32 = 1;
+pub(crate) const ENCODE_NULLABLE: u32 = 2;
+pub(crate) const ENCODE_NULLS_FIRST: u32 = 4;
 
 /// One column for [`TopKEngine::encode_column`]; pointers are device addresses.
 #[derive(Debug, Clone, Copy)]
-pub struct EncodeColumn {
+pub(crate) struct EncodeColumn {
     /// The first row's value (for booleans: the byte holding bit `value_bit_offset`).
     pub values: u64,
     pub value_bit_offset: u64,
@@ -94,7 +94,7 @@ pub struct DevicePairs {
 }
 
 impl DevicePairs {
-    pub fn capacity(&self) -> usize {
+    pub(crate) fn capacity(&self) -> usize {
         self.capacity
     }
 
@@ -104,12 +104,12 @@ impl DevicePairs {
     }
 
     /// Declares that every row id is below `bound`.
-    pub fn set_ids_below(&mut self, bound: u64) {
+    pub(crate) fn set_ids_below(&mut self, bound: u64) {
         self.ids_below = bound;
     }
 
     /// A bound on the row ids of pairs `[0, n)`: n for positional pairs.
-    pub fn id_bound(&self, n: usize) -> u64 {
+    pub(crate) fn id_bound(&self, n: usize) -> u64 {
         if self.positional {
             n as u64
         } else {
@@ -127,7 +127,7 @@ impl DevicePairs {
     }
 
     /// Device address of row id `i`.
-    pub fn id_at(&self, i: usize) -> u64 {
+    pub(crate) fn id_at(&self, i: usize) -> u64 {
         self.ids.ptr() + (i * 8) as u64
     }
 }
@@ -219,10 +219,9 @@ mod sort;
 mod staging;
 mod top_bits;
 
-pub use dispatch::Selection;
 pub use fused::FusedReport;
 use sample::SampleRun;
-pub use staging::{StagedHost, fill_staging};
+pub(crate) use staging::fill_staging;
 use top_bits::TopBitsRun;
 
 // The small device scalars of an engine, one buffer (zeroed at start).
@@ -359,7 +358,7 @@ impl TopKEngine {
         &self.stream
     }
 
-    pub fn device(&self) -> &Arc<GpuDevice> {
+    pub(crate) fn device(&self) -> &Arc<GpuDevice> {
         &self.device
     }
 
@@ -523,7 +522,7 @@ impl TopKEngine {
     }
 
     /// Copies `count` pairs from `src[from..]` to `dst[to..]`.
-    pub fn copy_pairs(
+    pub(crate) fn copy_pairs(
         &self,
         src: &DevicePairs,
         from: usize,
@@ -546,7 +545,7 @@ impl TopKEngine {
     }
 
     /// Reads `len` bytes at device address `src` (waits for all work enqueued so far).
-    pub fn read_bytes(&mut self, src: u64, len: usize) -> GpuResult<Vec<u8>> {
+    pub(crate) fn read_bytes(&mut self, src: u64, len: usize) -> GpuResult<Vec<u8>> {
         if len == 0 {
             self.synchronize()?;
             return Ok(vec![]);
@@ -558,7 +557,7 @@ impl TopKEngine {
     /// [`read_bytes`](Self::read_bytes) on the engine's side stream once `after` (an event of
     /// the engine's stream) has completed: what the engine's stream was given since then runs
     /// while the bytes come back and the host acts on them.
-    pub fn read_bytes_after(
+    pub(crate) fn read_bytes_after(
         &mut self,
         after: &cudarc::driver::CudaEvent,
         src: u64,
@@ -626,7 +625,7 @@ impl TopKEngine {
     // ---- encode and append (encode.cu, candidates.cu) -------------------------------------
 
     /// ORs (or, with `ENCODE_FIRST`, writes) one column's field into `rows` keys at `out`.
-    pub fn encode_column(&self, column: &EncodeColumn, out: u64) -> GpuResult<()> {
+    pub(crate) fn encode_column(&self, column: &EncodeColumn, out: u64) -> GpuResult<()> {
         if column.rows == 0 {
             return Ok(());
         }
@@ -695,7 +694,7 @@ impl TopKEngine {
     /// Appends the `n` pairs (keys at `keys`, row ids at `ids` or `id_start + i` when `ids` is
     /// `None`) that beat the threshold to `candidates` at the device-side candidate count. The
     /// caller guarantees room for all n.
-    pub fn append(
+    pub(crate) fn append(
         &self,
         keys: u64,
         ids: Option<u64>,
@@ -727,25 +726,25 @@ impl TopKEngine {
     }
 
     /// Zeroes `bytes` bytes at device address `dst` (stream-ordered).
-    pub fn zero(&self, dst: u64, bytes: usize) -> GpuResult<()> {
+    pub(crate) fn zero(&self, dst: u64, bytes: usize) -> GpuResult<()> {
         self.memset_zero(dst, bytes)
     }
 
     /// Empties the candidate set: count 0, no threshold.
-    pub fn reset_candidates(&self) -> GpuResult<()> {
+    pub(crate) fn reset_candidates(&self) -> GpuResult<()> {
         let base = self.scalars.ptr();
         self.memset_zero(base + THRESHOLD_OFFSET, THRESHOLD_BYTES)?;
         self.memset_zero(base + COUNT_OFFSET, 8)
     }
 
     /// The device-side candidate count (waits for the work enqueued so far).
-    pub fn candidate_count(&mut self) -> GpuResult<usize> {
+    pub(crate) fn candidate_count(&mut self) -> GpuResult<usize> {
         let base = self.scalars.ptr();
         Ok(self.read_u64(base + COUNT_OFFSET)? as usize)
     }
 
     /// The row id of the threshold pair, once a reduction set one (waits for enqueued work).
-    pub fn threshold_row_id(&mut self) -> GpuResult<Option<u64>> {
+    pub(crate) fn threshold_row_id(&mut self) -> GpuResult<Option<u64>> {
         let bytes = self.read_bytes(self.scalars.ptr() + THRESHOLD_OFFSET, THRESHOLD_BYTES)?;
         // `Threshold<K>`: the key, then the u64 id (8-aligned), then the u32 `valid` flag.
         let at = self.kind.key_bytes().max(8);
@@ -754,7 +753,7 @@ impl TopKEngine {
         Ok((valid != 0).then_some(id))
     }
 
-    pub fn set_candidate_count(&self, count: usize) -> GpuResult<()> {
+    pub(crate) fn set_candidate_count(&self, count: usize) -> GpuResult<()> {
         self.write_u64(self.scalars.ptr() + COUNT_OFFSET, count as u64)
     }
 }

@@ -6,7 +6,7 @@ use super::*;
 impl TopKEngine {
     /// Exactly the k smallest of pairs `[0, n)` (0 < k < n), unordered, in a new buffer of
     /// `out_capacity` (≥ k) pairs. Reads the control block back once, to check it.
-    pub fn radix_select(
+    pub(crate) fn radix_select(
         &mut self,
         input: &DevicePairs,
         n: usize,
@@ -78,7 +78,7 @@ impl TopKEngine {
     }
 
     /// Threshold := the largest of pairs `[0, n)` (n ≥ 1).
-    pub fn threshold_from_max(&self, pairs: &DevicePairs, n: usize) -> GpuResult<()> {
+    pub(crate) fn threshold_from_max(&self, pairs: &DevicePairs, n: usize) -> GpuResult<()> {
         let grid = self.grid_for(n, 8);
         let partial = self.alloc_pairs(grid as usize)?;
         let base = self.scalars.ptr();

@@ -274,20 +274,6 @@ impl TopKEngine {
         Ok(Some((sorted, true)))
     }
 
-    /// SampleSelect (`sample_enqueue`, then `sample_complete`): the k smallest pairs, sorted;
-    /// `None` when the sample cannot shrink the input or its estimate missed.
-    pub fn sample_select(
-        &mut self,
-        input: &DevicePairs,
-        n: usize,
-        k: usize,
-    ) -> GpuResult<Option<DevicePairs>> {
-        match self.sample_enqueue(input, n, k, None)? {
-            Some(run) => Ok(self.sample_complete(run)?.map(|(sorted, _)| sorted)),
-            None => Ok(None),
-        }
-    }
-
     /// The most pairs [`sample_select`](Self::sample_select) rank-sorts at the end.
     pub(super) fn small_sort_capacity(&self) -> usize {
         RANK_SORT_MAX

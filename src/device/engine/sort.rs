@@ -10,7 +10,7 @@ impl TopKEngine {
     /// `u64::MAX` when unknown): the radix sort skips the row id's bytes above it. A bound of 1
     /// says the ids already ascend in input order: its stable passes then take the key's
     /// digits only.
-    pub fn sort_pairs(
+    pub(crate) fn sort_pairs(
         &self,
         input: &DevicePairs,
         m: usize,
@@ -523,7 +523,7 @@ impl TopKEngine {
     /// Pairs `[0, m)` sorted ascending, at the start of a new buffer (bitonic sort, padded to
     /// a power of two with the largest pair): tiles of [`sort_tile`] pairs sorted in registers,
     /// then per larger size its global steps and one tile kernel for the strides below a tile.
-    pub fn sort(&self, input: &DevicePairs, m: usize) -> GpuResult<DevicePairs> {
+    pub(crate) fn sort(&self, input: &DevicePairs, m: usize) -> GpuResult<DevicePairs> {
         let m2 = m.max(1).next_power_of_two();
         let buf = self.alloc_pairs(m2)?;
         let tile = sort_tile(self.kind);

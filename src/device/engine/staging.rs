@@ -7,7 +7,7 @@ use super::*;
 /// [`TopKEngine::upload_staged`]. Filling needs no engine, so callers fill theirs in parallel
 /// and hold the engine only for the copy and the kernels.
 #[derive(Debug)]
-pub struct StagedHost {
+pub(crate) struct StagedHost {
     lease: PinnedLease,
     offsets: Vec<usize>,
     total: usize,
@@ -15,7 +15,10 @@ pub struct StagedHost {
 
 /// Copies `groups` into a pinned buffer from the device's pool: each group at an aligned
 /// offset, its slices back to back (one device array from several host chunks).
-pub fn fill_staging(device: &Arc<GpuDevice>, groups: &[Vec<&[u8]>]) -> GpuResult<StagedHost> {
+pub(crate) fn fill_staging(
+    device: &Arc<GpuDevice>,
+    groups: &[Vec<&[u8]>],
+) -> GpuResult<StagedHost> {
     let mut offsets = Vec::with_capacity(groups.len());
     let mut total = 0usize;
     for group in groups {
@@ -79,7 +82,7 @@ impl TopKEngine {
     /// buffer, with as few copies as possible; returns their device addresses, valid until the
     /// next `stage` (stream order makes reuse safe: the next upload runs after the kernels
     /// that read this one).
-    pub fn stage(&mut self, parts: &[&[u8]]) -> GpuResult<Vec<u64>> {
+    pub(crate) fn stage(&mut self, parts: &[&[u8]]) -> GpuResult<Vec<u64>> {
         let mut offsets = Vec::with_capacity(parts.len());
         let mut total = 0usize;
         for part in parts {
@@ -100,7 +103,7 @@ impl TopKEngine {
     /// returns its parts' device addresses, valid until the next stage. The image's pinned
     /// buffer must outlive the copy: keep it until the stream is synchronised (its event also
     /// makes host writes wait).
-    pub fn upload_staged(&mut self, staged: &mut StagedHost) -> GpuResult<Vec<u64>> {
+    pub(crate) fn upload_staged(&mut self, staged: &mut StagedHost) -> GpuResult<Vec<u64>> {
         if self
             .staging
             .as_ref()

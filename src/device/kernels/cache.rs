@@ -9,7 +9,7 @@ pub(super) const CACHE_HEADER: usize = 48;
 
 /// The cache directory when none is passed: `GPU_TOPK_CACHE_DIR`, else
 /// `$XDG_CACHE_HOME/datafusion-gpu-topk`, else `~/.cache/datafusion-gpu-topk`.
-pub fn default_cache_dir() -> Option<PathBuf> {
+pub(crate) fn default_cache_dir() -> Option<PathBuf> {
     if let Some(dir) = &DeviceOptions::process().cache_dir {
         return Some(dir.clone());
     }
@@ -187,7 +187,7 @@ pub(super) fn source_cache_file(
 }
 
 /// Whether a generated program's CUBIN is in the disk cache (a load, not a compile, away).
-pub fn generated_on_disk(
+pub(crate) fn generated_on_disk(
     arch: &str,
     driver_version: i32,
     source: &str,

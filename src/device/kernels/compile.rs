@@ -12,7 +12,7 @@ pub fn nvrtc_available() -> bool {
 }
 
 /// NVRTC's version, e.g. (13, 0).
-pub fn nvrtc_version() -> Result<(i32, i32), String> {
+pub(crate) fn nvrtc_version() -> Result<(i32, i32), String> {
     if !nvrtc_available() {
         return Err("no NVRTC library (libnvrtc) found".into());
     }

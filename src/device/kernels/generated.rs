@@ -4,11 +4,11 @@
 use super::*;
 
 /// Name of a generated program's entry point.
-pub const GENERATED_ENTRY: &str = "fused_append";
+pub(crate) const GENERATED_ENTRY: &str = "fused_append";
 
 /// NVRTC options of generated code: no contraction of `a * b + c` into an FMA, whose single
 /// rounding would differ from the host's two.
-pub const GENERATED_OPTIONS: &[&str] = &["--fmad=false"];
+pub(crate) const GENERATED_OPTIONS: &[&str] = &["--fmad=false"];
 
 /// The generated kernel's `__launch_bounds__` minimum of resident blocks a SM
 /// (`FUSED_MIN_BLOCKS`): ptxas then keeps a thread to 51 registers. On the H100
@@ -123,7 +123,7 @@ pub struct GeneratedKernel {
 }
 
 /// Threads per block of a generated kernel (its `__launch_bounds__`).
-pub const GENERATED_THREADS: u32 = 256;
+pub(crate) const GENERATED_THREADS: u32 = 256;
 
 impl std::fmt::Debug for GeneratedKernel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -134,7 +134,7 @@ impl std::fmt::Debug for GeneratedKernel {
 }
 
 /// Compiles (or reads from the disk cache) and loads a generated program with entry `entry`.
-pub fn load_generated(
+pub(crate) fn load_generated(
     ctx: &Arc<CudaContext>,
     arch: &str,
     driver_version: i32,

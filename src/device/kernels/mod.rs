@@ -26,7 +26,6 @@ use cudarc::nvrtc::{Ptx, sys as nvrtc};
 use super::{GpuError, GpuResult};
 
 use super::options::DeviceOptions;
-pub use super::options::{CACHE_DIR_ENV, KERNEL_DIR_ENV};
 
 /// Every file of `kernels/`, embedded at build time.
 pub const EMBEDDED: &[(&str, &str)] = &[
@@ -130,7 +129,7 @@ const LARGE_SHARED: &[&str] = &[
 ];
 
 /// Suffixes of the key types, see `INSTANTIATE_KEYS` in common.cuh.
-pub const KEY_SUFFIXES: &[&str] = &["k32", "k64", "k128", "k256"];
+pub(crate) const KEY_SUFFIXES: &[&str] = &["k32", "k64", "k128", "k256"];
 
 /// The names of a kernel file's entry points.
 pub fn entry_points(file: &str) -> Vec<String> {
@@ -311,9 +310,5 @@ impl Kernels {
         self.functions
             .get(name)
             .ok_or_else(|| GpuError(format!("no kernel named {name} is loaded")))
-    }
-
-    pub fn arch(&self) -> &str {
-        &self.arch
     }
 }
