@@ -18,11 +18,11 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use datafusion::arrow::array::RecordBatch;
 use datafusion::error::DataFusionError;
-use datafusion::execution::SessionStateBuilder;
 use datafusion::prelude::{CsvReadOptions, ParquetReadOptions, SessionConfig, SessionContext};
-use datafusion_gpu_topk::{Backend, GpuTopKConfig, SessionStateBuilderExt};
 use sqllogictest::{DBOutput, DefaultColumnType};
 
+#[path = "shared/sessions.rs"]
+mod sessions;
 #[path = "shared/slt_format.rs"]
 mod slt_format;
 use slt_format::{column_type, format_rows};
@@ -151,28 +151,13 @@ impl std::fmt::Display for DbError {
 }
 impl std::error::Error for DbError {}
 
-fn backend() -> Backend {
-    std::env::var("GPU_TOPK_TEST_BACKEND")
-        .ok()
-        .map(|b| b.parse().expect("GPU_TOPK_TEST_BACKEND: auto, cuda or cpu"))
-        .unwrap_or(Backend::Cpu)
-}
-
 fn new_db(rule_enabled: bool, storage: Storage, dir: PathBuf) -> Db {
     let config = SessionConfig::new()
         .with_target_partitions(4)
         .with_batch_size(64)
         .set_bool("datafusion.explain.physical_plan_only", true);
-    let gpu = GpuTopKConfig::default()
-        .with_enabled(rule_enabled)
-        .with_backend(backend());
-    let state = SessionStateBuilder::new()
-        .with_config(config)
-        .with_default_features()
-        .with_gpu_topk(gpu)
-        .build();
     Db {
-        ctx: SessionContext::new_with_state(state),
+        ctx: sessions::session_with_config(config, sessions::test_config(rule_enabled)),
         storage,
         dir,
     }

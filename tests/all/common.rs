@@ -7,25 +7,16 @@ use datafusion::arrow::datatypes::{DataType, Float16Type, Float32Type, Float64Ty
 use datafusion::arrow::util::display::{ArrayFormatter, FormatOptions};
 use datafusion::datasource::MemTable;
 use datafusion::error::Result;
-use datafusion::execution::SessionStateBuilder;
 use datafusion::physical_plan::{ExecutionPlan, displayable};
 use datafusion::prelude::{SessionConfig, SessionContext};
-use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
+use datafusion_gpu_topk::{GpuTopKConfig, GpuTopKExec};
 
-/// The backend the operator is forced to in these tests.
-pub fn test_backend() -> Backend {
-    std::env::var("GPU_TOPK_TEST_BACKEND")
-        .ok()
-        .map(|b| b.parse().expect("GPU_TOPK_TEST_BACKEND: auto, cuda or cpu"))
-        .unwrap_or(Backend::Cpu)
-}
+pub use crate::sessions::test_backend;
+use crate::sessions::{session_with_config, test_config};
 
 /// A session with the rule (`enabled`) or plain DataFusion (`!enabled`).
 pub fn session(enabled: bool, partitions: usize, batch_size: usize) -> SessionContext {
-    let gpu = GpuTopKConfig::default()
-        .with_enabled(enabled)
-        .with_backend(test_backend());
-    session_with(partitions, batch_size, gpu)
+    session_with(partitions, batch_size, test_config(enabled))
 }
 
 /// A session with the operator configured as `gpu`.
@@ -33,12 +24,7 @@ pub fn session_with(partitions: usize, batch_size: usize, gpu: GpuTopKConfig) ->
     let config = SessionConfig::new()
         .with_target_partitions(partitions)
         .with_batch_size(batch_size);
-    let state = SessionStateBuilder::new()
-        .with_config(config)
-        .with_default_features()
-        .with_gpu_topk(gpu)
-        .build();
-    SessionContext::new_with_state(state)
+    session_with_config(config, gpu)
 }
 
 /// What the operator nodes of an executed plan report.

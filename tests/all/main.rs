@@ -13,5 +13,7 @@ mod gpu;
 mod plan;
 mod reliability;
 mod resident;
+#[path = "../shared/sessions.rs"]
+mod sessions;
 #[path = "../shared/slt_format.rs"]
 mod slt_format;
