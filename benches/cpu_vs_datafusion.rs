@@ -1,6 +1,6 @@
 //! Our operator (CPU path, and CUDA when a GPU is present: with the predicate and keys in
 //! generated GPU code, and with them evaluated on the host) against DataFusion's own TopK on the
-//! tweet queries (DESIGN §9): same machine, same run, same in-memory table, end to end.
+//! tweet queries: same machine, same run, same in-memory table, end to end.
 //!
 //! ```text
 //! cargo bench --bench cpu_vs_datafusion -- [--rows N] [--runs R] [--csv FILE] [--sweep]
@@ -25,7 +25,7 @@ use datafusion_gpu_topk::internal::device::gpu;
 use common::{arg, session, time_sql};
 
 /// The tweet queries: Q1 at a few selectivities, Q2 at a few k, Q3, Q4; with `sweep`, Q1 at
-/// selectivities 0 to 1 in steps of 0.1 and Q2 over more k (the fusion issue's sweep).
+/// selectivities 0 to 1 in steps of 0.1 and Q2 over more k.
 fn queries(sweep: bool) -> Vec<(String, String)> {
     let mut q = Vec::new();
     let selectivities: Vec<f64> = if sweep {

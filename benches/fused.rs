@@ -1,5 +1,5 @@
-//! Fusion benchmark (issue "PhysicalExpr → CUDA"): the tweet queries on device-resident
-//! columns, fused vs unfused vs DataFusion on the CPU, in one run.
+//! Fusion benchmark (`PhysicalExpr` → CUDA): the tweet queries on device-resident columns,
+//! fused vs unfused vs DataFusion on the CPU, in one run.
 //!
 //! ```text
 //! cargo bench --bench fused -- [--rows N] [--runs R] [--csv FILE] [--quick] [--only PREFIX]
@@ -12,7 +12,7 @@
 //! `--device-only`: DataFusion answers once, as the oracle, and is not timed (its column reads
 //! NaN): for comparing device variants in a short run.
 //!
-//! The tweets table (DESIGN §9) is generated once: as a DataFusion `MemTable` (one partition
+//! The tweets table (`datasets/`) is generated once: as a DataFusion `MemTable` (one partition
 //! per core, 8192-row batches) and, concatenated, as one column per table column. Per query:
 //! - our rule plans it (CUDA backend, expressions fused) and its generated program is taken
 //!   from the `GpuTopKExec`; the query's input columns (only those it reads) are uploaded once;
@@ -324,10 +324,8 @@ async fn main() -> Result<()> {
         }
         // DataFusion's runs after the device's: its threads free a run's memory after it
         // returns, and that work (page unmapping shoots down TLBs on every core of the process)
-        // stalled a device run's host thread for 1.2–2.4 ms at Q2 k = 10^6 when the device ran
-        // right after it. Interleaved with a 300 ms pause, the device's short selections still
-        // took longer beside it (H100, Q2 k = 10^4's sample phase 27.3 µs against
-        // 14.5 device-only).
+        // stalls the host thread of a device run right after it and, even after a pause, slows
+        // the device's short selections.
         if !device_only {
             for rep in 0..=runs {
                 let (d, _) = time_sql(&plain, &sql).await?;

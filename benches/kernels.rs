@@ -1,5 +1,5 @@
-//! Kernel sweep of the device selection (DESIGN §9): every (n, k, key type, distribution,
-//! algorithm), timed with CUDA events on device-resident data, and reported as a multiple of
+//! Kernel sweep of the device selection: every (n, k, key type, distribution, algorithm),
+//! timed with CUDA events on device-resident data, and reported as a multiple of
 //! the *read floor* measured in the same run (a kernel that only reads the same key bytes,
 //! kernels/read_floor.cu).
 //!

@@ -206,9 +206,8 @@ __device__ void tile_network(K (&key)[SORT_PER], u64 (&id)[SORT_PER], u64 tile_b
             } else {
                 // Pair e of thread t sits at e · THREADS + t, so that a warp's stores and
                 // loads hit consecutive words (the tile's own order, t · SORT_PER + e, made
-                // them 4- to 8-way bank conflicts: 56 µs for a 4096-pair tile, ncu). Strides
-                // here are multiples of SORT_PER: the partner is pair e of thread
-                // t ^ (stride / SORT_PER).
+                // them 4- to 8-way bank conflicts). Strides here are multiples of SORT_PER: the
+                // partner is pair e of thread t ^ (stride / SORT_PER).
 #pragma unroll
                 for (int e = 0; e < SORT_PER; ++e) {
                     s.keys[e * THREADS + threadIdx.x] = key[e];
@@ -276,17 +275,15 @@ __device__ void sort_local(const K *keys, const u64 *ids, u64 n, K *out_keys, u6
 // count in `top` (the selection's control block, common.cuh), grouped by bin up to the bound,
 // each bin at most three quarters of a tile of SEGMENT_TILE pairs. Block j sorts the bins that
 // start in [j·T/4, (j+1)·T/4) (at most a tile; its first bin and that bin's start from `seg`,
-// radix_sort.cu `top_segments`) by (key, row id), into the same positions of `out`. (Spans of
-// half a tile held bins up to half a tile: H100, n = 2^20, quarter spans took i64
-// keys at k = 2^18 57 → 52 µs, i64 zipf ties at 2^16 106 → 41 and, with quantile bins to
-// rank 84, NaN mixes at 3·2^16 124 / 227 → 81 µs (f32 / f64); f32 uniform at 2^18 +3.) Nothing
-// when the status is set. Each bin is split in 2^bits parts by its pairs' coordinates
-// (TopBins::part; ~4 pairs a part), the block's pairs are counted into their parts (shared
-// atomics) and placed by part, and each pair's rank in its part (pairs below it) completes its
-// place: ranking each pair against its whole bin took 39 µs and 22M warp instructions at
-// k = n/4 (~170 pairs a bin, ncu, n = 2^20). Parts larger than SEGMENT_RANK_PART (ties of
-// 64-bit keys, whose coordinates are the keys; octave bins, which have no parts) take the
-// register network over the whole tile instead. Blocks of 256 threads.
+// radix_sort.cu `top_segments`) by (key, row id), into the same positions of `out`. (Quarter
+// spans let a block take bins of up to three quarters of a tile, where half spans allowed half:
+// the crowded bins of ties and NaN mixes then stay here.) Nothing when the status is set. Each
+// bin is split in 2^bits parts by its pairs' coordinates (TopBins::part; ~4 pairs a part), the
+// block's pairs are counted into their parts (shared atomics) and placed by part, and each
+// pair's rank in its part (pairs below it) completes its place: ranking each pair against its
+// whole bin (~170 pairs at k = n/4) costs many times the instructions. Parts larger than
+// SEGMENT_RANK_PART (ties of 64-bit keys, whose coordinates are the keys; octave bins, which
+// have no parts) take the register network over the whole tile instead. Blocks of 256 threads.
 #define SEGMENT_THREADS 256
 #define SEGMENT_TILE (SORT_PER * SEGMENT_THREADS)
 // The pairs whose bins' starts a block takes (top_bits.rs `SEGMENT_SPANS_PER_TILE`).
@@ -564,12 +561,11 @@ template <class K> __device__ void merge_local(K *keys, u64 *ids, u64 m, u64 siz
 // pair's rank; the last of the ⌈m/256⌉ blocks of row b to finish writes the row's pairs to
 // out[rank]. Pairs are distinct, so the ranks are a permutation. Only the blocks that hold
 // pairs take part (the grid is sized for cap, since m lives on the device): the others return
-// at once. Measured on the H100 (n = 2^20, ncu): comparing every pair with every other, 256
-// comparisons per thread with one block scattering all m pairs, cost ~30 µs at m = 4700;
-// chunks sorted by a shared-memory network in a launch of their own, then the searches,
-// 10 + 8.5 µs at m = 5200; a one-block bitonic sort of a 4096-pair tile 52 µs. `ranks` (cap
-// words) and `row_done` (cap/256 words) must be zero. Does nothing once `status` is set; sets
-// bit 4 when m > cap (the host then sorts with the kernels above). Blocks of RANK_THREADS.
+// at once. For a few thousand pairs this one launch of searches beats comparing every pair with
+// every other (one block then scatters all m pairs), sorting the chunks in a launch of their own,
+// and a one-block bitonic sort. `ranks` (cap words) and `row_done` (cap/256 words) must be zero.
+// Does nothing once `status` is set; sets bit 4 when m > cap (the host then sorts with the
+// kernels above). Blocks of RANK_THREADS.
 #define RANK_THREADS 256
 
 template <class K>
@@ -629,11 +625,11 @@ __device__ void rank_sort(const K *keys, const u64 *ids, const u64 *n_ptr, u64 c
 //                  pairs get counts too, never read);
 //   chunk_scatter  pair i goes to out[Σ_c below[c][i]].
 // Pairs are distinct, so the ranks are a permutation of [0, m). Tiles of 4096 pairs sorted by
-// 1024-thread blocks kept 20 of the 132 SMs busy for 50 µs at m = 80K, and adding each rank
-// with an atomic cost 25–35 µs (ncu, H100): smaller tiles spread the sort, the count matrix
-// replaces the atomics. The rank work and its L2 traffic grow with T²: the host uses it up to
-// CHUNK_RANK_MAX pairs. The kernels do nothing once `status` (when not null) is set, and
-// chunk_sort sets bit 4 when m > cap.
+// 1024-thread blocks left most SMs idle (20 blocks at m = 80K), and adding each rank with an
+// atomic was slow: smaller tiles spread the sort, the count matrix replaces the atomics. The
+// rank work and its L2 traffic grow with T²: the host uses it up to CHUNK_RANK_MAX pairs. The
+// kernels do nothing once `status` (when not null) is set, and chunk_sort sets bit 4 when
+// m > cap.
 #define CHUNK_THREADS 512
 #define CHUNK_TILE (SORT_PER * CHUNK_THREADS)
 

@@ -196,7 +196,7 @@ template <class K> __device__ void key_span(const K *keys, const u64 *count, u64
         }
     }
     // One global atomic per block and word: per warp they serialised on the two words' L2
-    // slice (18 µs over 1.27M keys, ncu).
+    // slice.
     __shared__ u64 s_span[2 * K::N];
     if (threadIdx.x < 2 * K::N) s_span[threadIdx.x] = 0;
     __syncthreads();

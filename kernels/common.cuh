@@ -165,7 +165,7 @@ __device__ __forceinline__ u64 shifted_word(U128 v, int shift, int j) {
 #define FULL_MASK 0xffffffffu
 
 // Programmatic dependent launch (Hopper on): the engine launches each kernel with programmatic
-// stream serialisation (device/algorithms `launch_function`), so the driver stages it while
+// stream serialisation (src/device/engine `launch_function`), so the driver stages it while
 // the previous kernel drains, and it may start before that kernel's writes are visible. Every
 // kernel calls this before its first access to global memory (a unit test checks the sources);
 // it returns once the previous kernel has completed and its writes are visible, at once when
@@ -262,10 +262,9 @@ __device__ __forceinline__ u64 warp_append(bool want, u64 *counter) {
 // A per-warp buffer of survivors in shared memory (RadiK's write buffer): lanes append with a
 // ballot, and the warp flushes the buffer with one global atomic and coalesced writes when it
 // may not take another full ballot. With millions of survivors (k = 2^20) one atomic per warp
-// and ballot serialised on the counter (3 ms for 3M survivors, measured; in the generated
-// kernels, 2.2 ms for 1.8M appends at Q2 k = 10^6 where the reads take 0.65); buffered, a flush
-// moves ≥ WARP_BUFFER − 32 pairs per atomic. Past `cap` the count still grows and nothing is
-// written: the host sees the overflow.
+// and ballot serialised on the counter, for several times the pass's read time; buffered, a
+// flush moves ≥ WARP_BUFFER − 32 pairs per atomic. Past `cap` the count still grows and nothing
+// is written: the host sees the overflow.
 #define WARP_BUFFER 128
 // With `span`, a flush also ORs each key it stores into its lane's words after the buffer's
 // row ids (`span_words`: the caller's ids array then holds WARP_BUFFER + SPAN_WORDS words; the
@@ -273,12 +272,10 @@ __device__ __forceinline__ u64 warp_append(bool want, u64 *counter) {
 // end): per key word j, `span_word(j)` the OR of the complemented keys, `span_word(K::N + j)`
 // the OR of the keys (candidates.cu `key_span`'s words), so that a fused pass's candidates
 // need no second read for them. Shared words rather than registers: the generated passes
-// have none to spare (registers within a flush cost Q3's program its occupancy hint, its pass
-// 681 → 762 µs on the H100); a lane's own words rather than two shared words and an atomic per key word and
-// pair, which serialised the warp's lanes at every flush (same session, same binaries: Q2's
-// pass at k = 10^6 684–689 → 676–681 µs on the H100 and 670–671 → 633–635 on an H200, where
-// Q3's program, with the registers the atomics held, now keeps its pipelined variant: its pass
-// 589–593 → 556–558).
+// have none to spare (registers held within a flush cost Q3's program its occupancy hint and
+// slowed its pass); a lane's own words rather than two shared words and an atomic per key word
+// and pair, which serialised the warp's lanes at every flush and held registers that cost Q3's
+// program its pipelined variant.
 template <class K> struct WarpBuffer {
     K *keys;
     u64 *ids;
@@ -347,8 +344,7 @@ template <class K> struct WarpBuffer {
         const u32 mask = __ballot_sync(FULL_MASK, keep);
         // Most rows of a round that appends something append nothing (Q2 at k = 10^6: 0.5% of
         // rows, ~0.6 a warp's round of 128): one uniform branch skips the buffer's bookkeeping,
-        // whose instructions delayed the next round's loads (H100, Q2 k = 10^6, 250M rows: the
-        // pass 714.5 / 716.2 → 707.2 / 708.7 µs).
+        // whose instructions would delay the next round's loads.
         if (mask == 0) return;
         if (keep) {
             const u32 slot = fill + __popc(mask & ((1u << lane_id()) - 1u));

@@ -6,7 +6,7 @@
 // runs once per column; the first column writes the composite, later ones OR their field into
 // it (fields are disjoint).
 //
-// Value bits, ascending (`native` codes match `NativeCode` in src/device/algorithms/mod.rs):
+// Value bits, ascending (`native` codes match `Native` in src/device/plan.rs):
 //   bool (bit-packed, with a bit offset)  false = 0, true = 1
 //   unsigned                              as is
 //   signed (incl. decimal128 as lo, hi)   sign bit flipped

@@ -26,7 +26,7 @@
 // every SAMPLE_CLUSTER · step rows: a warp's lanes then read a few whole sectors of each column
 // where rows `step` apart cost a sector (and a DRAM page) each. Row sample_row(j) ≤ j · step,
 // so every position j < ⌈rows / step⌉ is a row. The generated source defines SAMPLE_CLUSTER
-// (src/device `FUSED_SAMPLE_CLUSTER`, H100 figures there).
+// (src/device/plan.rs `FUSED_SAMPLE_CLUSTER`).
 #ifndef SAMPLE_CLUSTER
 #define SAMPLE_CLUSTER 32
 #endif

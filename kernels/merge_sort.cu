@@ -2,11 +2,11 @@
 // selection's survivors beyond the chunk rank sort's ~2·10^5, of a fused pass's candidates at
 // large k, and of host-counted inputs that need more than a 32-bit key's digits.
 //
-// The radix sort (radix_sort.cu) pays one pass per digit position, and a selection's survivors
-// need their row id's digits too (they arrive in atomic-append order, so ties are not in row id
-// order): 7–12 passes of a latency-bound ~9–45 µs each on the H100. A merge sort compares whole
-// pairs, so its round count depends on the pair count only (log2 of the tiles), never on the key
-// width or the row ids, and a top-k needs only the first k of every merged run:
+// The radix sort (radix_sort.cu) pays one latency-bound pass per digit position, and a
+// selection's survivors need their row id's digits too (they arrive in atomic-append order, so
+// ties are not in row id order): 7–12 passes. A merge sort compares whole pairs, so its round
+// count depends on the pair count only (log2 of the tiles), never on the key width or the row
+// ids, and a top-k needs only the first k of every merged run:
 //   msort_tiles   block b sorts tiles b, b + grid, … (MSORT_THREADS × MergeItems pairs each;
 //                 one a block unless enqueued before the count was known) in shared memory: each
 //                 thread sorts its items in registers, then log2(MSORT_THREADS) rounds merge
@@ -20,24 +20,17 @@
 //                 and merges as in msort_tiles, and writes the tile out coalesced.
 // Packed words (a large k's candidates, candidates.cu): `msort_tiles_packed` packs each pair
 // into its 64-bit word as it loads it, and `msort_merge_words` merges the words keys only (no
-// row ids: every id reads as 0), half the bytes of 64-bit keys' pairs (H100, 1.27M of Q2's
-// candidates, ncu: the packing tile sort 41 µs and rounds ~14 µs against 50 and ~20 for the pairs);
-// the last round, `msort_merge_unpack`, stores them unpacked into (key, row id)
-// pairs. A fused selection enqueues `msort_tiles_packed` right after its pass, with the field read
-// from the span words on the device (`device_packed_field`) and the count from the device, while
-// the host reads both back on a second stream and then enqueues the rounds (H100, Q2 k = 10^6 of
-// 250M rows, its selection 146–152 → 134 µs; behind the read-back on the same stream
-// it had gained nothing). Words compare without branches (`item_less`, and
-// `merge_items` loads both runs' next word every step): the pairs' branchy steps diverge within a
-// warp and serialise both sides' loads (Q2 k = 10^6 of 250M rows, H100, its selection
-// 0.171–0.176 → 0.151–0.155 ms).
-// A sample sort of the words (a sorted 16K sample's splitters, a scatter into 1024 buckets,
-// a block's sort per bucket) took 0.187–0.243 ms there: a block's shared-memory sort of a
-// bucket takes as long as a tile's, and the scatter's global reservations took 74 µs
-// (branch `sample-sort-packed`). Cutting the candidates into 32 key bands by the denser
-// sample's splitters and sorting each band on its own (five rounds instead of ten) measured no
-// faster there: the two passes that count and move the bands cost what the rounds saved
-// ("Key bands" in benches/PERFORMANCE.md).
+// row ids: every id reads as 0), moving half the bytes of 64-bit keys' pairs; the last round,
+// `msort_merge_unpack`, stores them unpacked into (key, row id) pairs. A fused selection
+// enqueues `msort_tiles_packed` right after its pass, with the field read from the span words on
+// the device (`device_packed_field`) and the count from the device, while the host reads both
+// back on a second stream and then enqueues the rounds: the tile sort overlaps the read-back
+// instead of waiting behind it. Words compare without branches (`item_less`, and `merge_items`
+// loads both runs' next word every step): the pairs' branchy steps diverge within a warp and
+// serialise both sides' loads.
+// Sample sorts and key bands of the words lost to these rounds: a block's sort of a bucket or
+// band costs as much as a tile's, and the passes that split them cost what they save
+// (benches/PERFORMANCE.md, "Approaches tried and not kept").
 // Run j of a round (input span s, the sort's k) starts at j · min(s, k) and holds
 // min(k, pairs of the input positions [j·s, (j+1)·s) below m): a function of m alone, so every
 // round can be enqueued before m is known (m = *m_dev, a selection's survivor count).
@@ -47,11 +40,9 @@
 // sample chain's "final set larger than its sort") when m > cap. Rounds are planned for `cap`;
 // those after the one that leaves a single run do nothing, so the run ends in the buffer that
 // round wrote (the host picks it by the count).
-// Measured (H100, ncu): a tile sort ~20 µs with one tile per SM (8 warps; latency-bound: each
-// round is a thread's serial search and merge), a merge round ~9 µs over 10^5 pairs and ~15 µs
-// over 10^6. Blocks of 512 threads × 4 pairs (the same tile) measured 0–12% slower, tiles of
-// 4096 pairs (512 × 8) from 1% faster to 12% slower, and tiles of 16 × 4096 pairs sorted by a
-// thread-block cluster through distributed shared memory up to 44% slower.
+// Both kernels are latency-bound (8 warps a block; each round is a thread's serial search and
+// merge), so wider blocks, larger tiles and thread-block clusters did no better
+// ("Reshaping the merge sort" in benches/PERFORMANCE.md).
 
 #include "common.cuh"
 
@@ -67,10 +58,8 @@ template <class K> struct MergeItems {
 
 // Whether a block loads its tile with all of a thread's loads issued before its shared-memory
 // stores (one round trip; the loop over the tile kept them in groups of 4): for the packed
-// words and 32-bit keys. For 64-bit keys' pairs the loads' registers (msort_merge_k64 48 → 64)
-// cost a block an SM and more than the round trip: H100, the rounds' loads batched
-// took Q2's packed words at k = 10^6 from 0.189–0.193 to 0.178–0.179 ms and i32 at n = 2^24,
-// k = 2^20 from 271–275 to 262 µs, but i64 / f64 there from 324–359 to 355–387 µs.
+// words and 32-bit keys, where it saves time. For 64-bit keys' pairs the loads' registers
+// (msort_merge_k64 48 → 64) cost a block an SM, which costs more than the round trip saves.
 template <class K, bool KO> struct BatchedLoads {
     enum { V = KO || K::BITS == 32 };
 };
@@ -312,7 +301,7 @@ struct KeepWords {
 };
 
 // … or, in the round that leaves one run, unpacked into (key, row id) pairs (as the round's
-// store: a separate unpacking kernel took 9 µs of the packed sort at Q2 k = 10^6):
+// store, which spares a separate unpacking kernel its pass over the words):
 // `fixed` holds the bits every candidate's key shares (candidates.cu `key_span`'s words), the
 // word's field goes at `lo`, below it the row id.
 template <class K> struct UnpackWords {
@@ -338,7 +327,7 @@ template <class K> struct UnpackWords {
 };
 
 // The packed field (lo, width) from candidates.cu `key_span`'s words, as the host's
-// `packed_field` (src/device/algorithms/fused.rs) reads them: bits lo up to the highest that
+// `packed_field` (src/device/plan.rs) reads them: bits lo up to the highest that
 // varies among the keys. False when it and `id_bits` bits of row id do not fit one word.
 template <class K> __device__ __forceinline__ bool device_packed_field(const u64 *span, u32 id_bits, u32 &lo,
                                                                        u32 &width) {
@@ -395,8 +384,7 @@ __device__ void msort_tiles(Load load, u64 m_host, const u64 *m_dev, u64 cap, K 
     const Run<K, true, KO> s = tile_smem<K, KO>(TILE);
     // Block b sorts tiles b, b + grid, …: one each where the host planned the grid for m, and
     // where it was planned before m was known, a grid of one wave at most (a grid for the
-    // buffer's capacity, most of its blocks returning at once, took the tile sort 41 → 46 µs,
-    // H100).
+    // buffer's capacity, most of its blocks returning at once, slowed the tile sort).
     for (u64 base = (u64)blockIdx.x * TILE; base < m; base += (u64)gridDim.x * TILE) {
         const u32 valid = (u32)min(m - base, (u64)TILE);
         // Coalesced loads into shared memory, then each thread takes V consecutive pairs.

@@ -18,12 +18,11 @@
 //          its bucket counts and looks back over the earlier tiles' (decoupled look-back: a
 //          tile's word says "my count" or "my inclusive prefix"), reorders the tile by digit
 //          in shared memory and writes each bucket's run to bucket offset + earlier tiles'
-//          count (coalesced writes; with the windowed look-back this took a pass over 1.1M
-//          pairs from ~60 to 30–35 µs on the H100). Tiles of 2048 pairs (keys up to 64 bits) up to
-//          64 tiles; `rsort_pass_wide`, tiles of twice that, up to 384 of them, whose
-//          look-back reads the sums of groups of 16 tiles (`GroupLookback`: ~20 µs a pass
-//          over 1M pairs); beyond, reduce-then-scan (`rsort_count`, `rsort_scan`, then the
-//          pass without look-back).
+//          count (coalesced writes, which with the windowed look-back about halve a pass).
+//          Tiles of 2048 pairs (keys up to 64 bits) up to 64 tiles; `rsort_pass_wide`, tiles
+//          of twice that, up to 384 of them, whose look-back reads the sums of groups of 16
+//          tiles (`GroupLookback`: one round trip per digit); beyond, reduce-then-scan
+//          (`rsort_count`, `rsort_scan`, then the pass without look-back).
 // The file also holds the top-bits selection's kernels (`rsort_top_*`, below), which keep only
 // the pairs that can be among the k smallest before a sort.
 // The input is never written: passes alternate between a scratch buffer and the output, with
@@ -72,9 +71,8 @@ __device__ __forceinline__ void st_relaxed(u32 *p, u32 v) {
 
 // The lanes of the warp whose digit (0..256) equals this lane's: one ballot per bit. Per bit:
 // test, ballot, complement where the bit is clear, and (CUB's MatchAny, written in PTX; the
-// compiler's form of the same loop took ~7 instructions a bit). H100, n = k = 2^20, the whole
-// sort: i32 uniform 89.9 → 85.8 µs against the compiler's form, where
-// __match_any_sync took 107 µs (it won only on heavy ties: zipf-ties 69 against 76 µs).
+// compiler's form of the same loop took ~7 instructions a bit). Faster than the compiler's form
+// and than __match_any_sync, which wins only on heavy ties.
 __device__ __forceinline__ u32 match_digit(u32 d) {
     u32 peers = FULL_MASK;
 #pragma unroll
@@ -94,8 +92,7 @@ __device__ __forceinline__ u32 match_digit(u32 d) {
 
 // Adds a pair's digit of every position to the positions' histograms in shared memory
 // (`sh`, positions × 256), one shared atomic each: warp_hist_add's check for a digit shared by
-// the whole warp cost more than the conflicts it saves here, even on all-equal keys (H100,
-// n = k = 2^20, i32: the sort 95.7 → 90.2 µs uniform, 43.4 → 36.6 µs all equal).
+// the whole warp costs more than the conflicts it saves here, even on all-equal keys.
 template <class K>
 __device__ __forceinline__ void hist_add_all(u32 *sh, const K &k, u64 id, u32 id_digits, bool valid) {
     constexpr int D = SortDigits<K>::MAX;
@@ -196,18 +193,17 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 // A bin too large for those (TOP_BIG_BIN) makes the host sort the kept pairs instead, after the
 // read-back (top_bits.rs `top_bits_complete`).
 // Bins are over a coordinate of (the key's top word, position) (TopBins): equal keys spread by
-// position. top_window reads a strided sample of 256 keys and takes its smallest and a sample
-// rank safely beyond the k-th smallest's expected one; the linear bins divide that range, from
-// a sixteenth of it below the smallest, in equal parts (a 64-bit multiply-high by a scale:
-// power-of-two widths left 80–90% of the bins above the k-th smallest, and ~150 uniform keys
-// a bin at k = n/16), with coordinates further below in octave bins and those above in the
-// last bin; bins stay monotone in the pair, so that the pairs near the k-th smallest spread
-// over the bins whatever the keys' high bits share (sorted runs, narrow ranges, floats'
-// exponents, ties). Where the sample shows clusters that equal parts would crowd (a gap
-// between them, heavy ties below a long tail), the bins are quantile bins instead: as many
-// for each interval between sampled keys. If the k-th smallest lies beyond the sampled rank, in the last
-// bin (which holds the rest and is not counted): the status says the buffers overflow, and the
-// host sorts the whole input instead.
+// position. top_window reads a strided sample of 256 keys and takes its smallest and a sample rank
+// safely beyond the k-th smallest's expected one; the linear bins divide that range, from a
+// sixteenth of it below the smallest, in equal parts (a 64-bit multiply-high by a scale:
+// power-of-two widths left most of the bins above the k-th smallest and crowded the others), with
+// coordinates further below in octave bins and those above in the last bin; bins stay monotone in
+// the pair, so that the pairs near the k-th smallest spread over the bins whatever the keys' high
+// bits share (sorted runs, narrow ranges, floats' exponents, ties). Where the sample shows clusters
+// that equal parts would crowd (a gap between them, heavy ties below a long tail), the bins are
+// quantile bins instead: as many for each interval between sampled keys. If the k-th smallest lies
+// beyond the sampled rank, in the last bin (which holds the rest and is not counted): the status
+// says the buffers overflow, and the host sorts the whole input instead.
 #define TOP_SAMPLE RSORT_THREADS
 #define TOP_CROWD_SAMPLES 8u
 #define TOP_APART_WORDS 4096u
@@ -218,31 +214,19 @@ __device__ void rsort_hist(const K *keys, const u64 *ids, u64 m, u32 id_digits, 
 
 // The bins from the block's strided sample of the keys (n ≥ TOP_SAMPLE): the bins end at the
 // sampled pair of rank e + 3√e + 16, e the k-th smallest's expected rank, and start a sixteenth of
-// that range below the smallest. (Rank 2e + 16 reached past zero for sorted floats at k = n/4, 36
-// octaves of encodings for the one that holds the k-th smallest, and crowding was foreseen: f32 /
-// f64 sorted-asc took 130 / 223 µs against 49 / 50 now, f64 uniform 147 against 52, and i32 sorted,
-// narrow and all-equal keys 4–6 µs more; i64 keys at n/4 take ~3 µs more in the segment sort, the
-// same instructions, more shared-memory wavefronts. H100, n = 2^20.) The sample is
-// sorted by a network (ranking each key against all 256, twice, took most of a one-block kernel's
-// 10.3 µs, ncu). The bins are linear, unless four consecutive sample intervals near the k-th
-// smallest span under 1/64 of their share of the range (each interval stands for ~n/256 keys, which
-// linear bins would crowd into a few); then they are quantile bins (TopBins, common.cuh). A CPU
-// simulation of the bins (n = 2^20, three seeds; the largest kept bin, quantile against linear):
-// f32 NaN mixes at k = 2^12 / 2^13 / 2^15 / 2^16 43–71 / 45–93 / 114–143 / 206–330 against
-// 1859–8714, f64 NaN mixes 32–432 against 14915–67620; uniform, sorted, narrow and all-equal keys
-// stay linear. Up to rank 104 (k ≤ n/4): NaN mixes kept at most 296–387 keys a bin at
-// k = 2^17, 445–544 at 3·2^16 and 540–648 at 2^18 (three seeds and the benchmark's; the segment
-// sort takes 768): f32 / f64 NaN mixes at 2^17 in 80 / 78 µs against 127 / 231, at 3·2^16 81 / 81
-// against 124 / 227 (H100). Tie groups without a sampled key crowd a bin whatever its
-// edges (one holds 5580 keys of a value between two sampled ones, f32 zipf ties at 2^16,
-// simulation): the big bins' blocks sort those (bitonic.cu `sort_big_bin`). (H100,
-// n = 2^20, same call as main before: quantile bins for tie samples beyond rank 48 took i32 zipf
-// ties at k = 3·2^15 / 2^17 / 3·2^16 / 2^18 in 70 / 73 / 77 / 92 µs against 113–116 for the whole
-// sort after crowding was foreseen, i64 68 / 85 / 77 / 80 against 130–209; f32 zipf ties at
-// 3·2^16 and 2^18 145 / 148 against 121–123.) Rank 144 (was 104) reaches k = 3n/8, where 64-bit
-// keys with clusters or ties took the whole sort after crowding was foreseen (same
-// call: f64 NaN mix 230 → 125 µs, f64 sorted-asc 221 → 78, i64 zipf ties 210 → 91; ~25 bins an
-// interval there, ≥ 34 up to rank 104).
+// that range below the smallest. (A window up to rank 2e + 16 reached past zero for sorted floats
+// at k = n/4, spreading the bins over dozens of octaves of encodings where one holds the k-th
+// smallest, and foresaw crowding where there was none.) The sample is sorted by a network
+// (ranking each key against all 256, twice, took most of a one-block kernel's time). The bins are
+// linear, unless four consecutive sample intervals near the k-th smallest span under 1/64 of their
+// share of the range (each interval stands for ~n/256 keys, which linear bins would crowd into a
+// few); then they are quantile bins (TopBins, common.cuh). In a CPU simulation of the bins
+// (n = 2^20), quantile bins cut NaN mixes' largest kept bin from thousands of keys or more to a few
+// hundred, within the segment sort's 768 up to k = 2^18, while uniform, sorted, narrow and
+// all-equal keys stay linear. Tie groups without a sampled key crowd a bin whatever its edges:
+// the big bins' blocks sort those (bitonic.cu `sort_big_bin`). Quantile bins reach sample rank
+// TOP_QWANT, k = 3n/8 (~25 bins an interval there): up to it, 64-bit keys with clusters or ties
+// keep their bins instead of falling back to the much slower whole sort after foreseen crowding.
 #define TOP_QWANT 144u
 static_assert(3 * (TOP_QWANT + 1) <= TOP_QMAX, "every interval up to the rank cut in three pieces");
 #define TOP_QSIDE 12u
@@ -260,9 +244,9 @@ __device__ __forceinline__ u32 top_edge_share(u64 width, u64 mean) {
 // `want`, into `s_q` (shared); returns their count. Every thread of the block calls it, once.
 // Inlined (the histogram's only caller): as a call it needed an 8-byte stack frame (a callee's
 // register save beside the histogram's first 16 keys, loaded before it) once quantile bins
-// reached every sample up to rank TOP_QWANT. The quantile loops below stay calls: inlined, with
-// this, they made the histogram and the scatter 10.7 → 17.0 and 10.6 → 15.7 µs for linear bins
-// (instructions fetched cold after each L2 flush), as calls 11.9 and 11.8 µs (ncu, H100, n = 2^20).
+// reached every sample up to rank TOP_QWANT. The quantile loops below stay calls: inlined with
+// this, their code slowed even the linear bins' histogram and scatter by half (instructions
+// fetched cold after each L2 flush), where as calls they cost about a tenth.
 // Where coordinates are words (`words`: equal keys share one), a run of r + 1 equal sampled
 // words w (r empty intervals) is one tie piece [w, w + 1) with the r intervals' shares, spread
 // by position (TopBins), and the interval after the run starts at w + 1; the range ends past
@@ -290,9 +274,9 @@ __device__ __forceinline__ u32 top_quantile_table(u32 want, u64 base, const u64 
     } else if (t < m) {
         const u64 a = (t == 0 ? base : s_coord[t - 1]) + after_empty, b = t == want ? end() : s_coord[t];
         const u64 width = b - a;
-        // The mean widths of up to TOP_QSIDE intervals on each side (4 missed a −NaN cluster's
-        // end 9 of their mean beyond its last sampled key, at k = 2^16 of the benchmark's f32
-        // NaN mix: 6161 keys in a bin, the simulation; 224 with 12).
+        // The mean widths of up to TOP_QSIDE intervals on each side (4 missed the end of a −NaN
+        // cluster 9 mean widths beyond its last sampled key, crowding thousands of keys into a
+        // bin; 12 see it).
         const u32 l0 = t >= TOP_QSIDE ? t - TOP_QSIDE : 0, r1 = min(m, t + TOP_QSIDE + 1);
         const u64 left = t > 0 ? (a - (l0 == 0 ? base : s_coord[l0 - 1])) / (t - l0) : 0;
         const u64 right = t + 1 < m ? (s_coord[r1 - 1] - b) / (r1 - 1 - t) : 0;
@@ -399,31 +383,25 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     s_coord[t] = bins.coord(w, pos);
     __syncthreads();
     // The windows checked: up to the sample rank the k-th smallest reaches (2σ), whose bins
-    // are kept (the ties below a zipf tail, which lie beyond it at small k, are not; and
-    // quantile bins spread a zipf tail worse than linear ones, 979 against 255 keys a bin at
-    // k = n/52 in the simulation, when 4σ let those ties switch the bins).
+    // are kept (the ties below a zipf tail, which lie beyond it at small k, are not: with 4σ
+    // those ties switched the bins to quantile ones, which spread a zipf tail several times
+    // worse than linear bins).
     const u32 reach = min(want, e + 2 * root + 2);
     // Where coordinates are words, from k = n/16, any sampled tie up to the rank checked for
     // crowding too: a linear bin holds all of its word's keys (f64 zipf ties at k = n/16: counts
     // 4–7 of ~13K–32K keys, one bin each, crowding foreseen), a tie piece splits them by
-    // position. (Below n/16 the few kept pairs are merge-sorted after the read-back: f64 zipf ties
-    // at k = 2^12 / 2^15 took 51–53 / 67–68 µs in tie pieces, whether up to `want` or `reach`,
-    // against 41–42 / 58–59 in linear bins; H100, sessions 23–24.)
+    // position. (Below n/16 tie pieces do not pay: linear bins keep few pairs, which are
+    // merge-sorted after the read-back when a bin crowds.)
     // (Top bits runs 32- and 64-bit keys only: wider keys' instances skip the quantile bins,
     // whose registers would spill beside their 16 keys a thread.)
     // Beyond k = n/4, 64-bit keys whose coordinates are words: also where the linear bins would
     // hold more than TOP_LOAD_MAX keys a bin at sixteen sample intervals (~n/16 keys) up to the
     // rank checked; their bins are span / TOP_LINEAR coordinates wide. Doubles of uniform values
     // double their density every octave of encodings: at k = 5n/16 and 3n/8 of f64 keys in
-    // [0, 1) the kept bins of the top octave held ~500–700 keys, near the segment sort's big bins
-    // (its kernel 76–80 µs against 19–20 for i64 keys; H100, n = 2^20). Four
-    // intervals and 384 keys, for all 64-bit keys, took f64 uniform keys
-    // there from 108.8 / 127.0 to 90.5 / 97.8 µs, but sampling noise alone crossed that line for
-    // evenly spread keys: i64 uniform 60.8 / 64.7 → 82.8 / 108.0, i64 and f64 narrow 62–67 →
-    // 81–95. Sixteen intervals (a CPU simulation of the sample, 300 seeds): evenly spread words
-    // at most 431 / 478 keys a bin at 5n/16 / 3n/8, f64 keys in [0, 1) over 512 in 91 / 99%;
-    // measured (against the rule's absence): f64 uniform 110.1 / 127.9 → 91.1 / 98.9 µs,
-    // the other 64-bit cells from n/16 to 7n/16 within noise (median −0.2 µs over 66).
+    // [0, 1) the kept bins of the top octave hold ~500–700 keys, near the segment sort's big bins,
+    // whose kernel is several times slower. Sixteen intervals rather than four, so that sampling
+    // noise in evenly spread keys (at most ~480 keys a bin, simulated) stays below the line and
+    // only such densities switch the bins.
     if (K::BITS <= 64 && bins.scale != 0 &&
         ((t + 4 <= reach && __ull2float_rz(s_coord[t + 4] - s_coord[t]) * (64.0f * want) <
                                 4.0f * __ull2float_rz(s_coord[want] - s_coord[0])) ||
@@ -447,9 +425,8 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     // coordinates are words): ~32K pairs, TOP_BIG_BIN. Bins are monotone in the pair, so those
     // are consecutive in the sorted sample. Uniform keys spread those up to 256 samples over ~3400
     // bins. Only from k = n/16: below, the few kept pairs merge-sorted after the read-back beat
-    // sorting all n (H100, n = 2^20, NaN mixes at k = 2^12 / 2^13 / 2^15: 82 / 90 / 114 µs against
-    // 125 / 125 / 123). (4 samples, before the big bins' blocks: i64 zipf ties at k = 2^17 took
-    // 214 µs against 86.)
+    // sorting all n. (With fewer than 8 samples, crowding was foreseen where the big bins'
+    // blocks sort faster than the whole sort.)
     const u32 bin = bins.bin(w, pos);
     s_bin[t] = bin;
     __syncthreads();
@@ -460,9 +437,7 @@ template <class K> __device__ __forceinline__ void top_window(const K *keys, u64
     // 6–8 such boundaries from k = n/16, a CPU simulation of the sample). Each group then sits
     // alone in a gap ~2^20·n coordinates wide, where the groups the sample misses or samples once
     // crowd big bins whatever the bins' edges, and from k ≈ n/6 the whole sort after the
-    // read-back is faster: f32 zipf ties at 3·2^16 / 2^18 in 123.6 / 123.2 µs against 134.8 /
-    // 136.3; at 2^17 121.8 against 117.4, at 2^16 118.5 against 84.0 (H100, n = 2^20,
-    // same call).
+    // read-back is faster than the big bins' blocks (below, they are faster).
     if (K::BITS == 32 && 6 * k >= n) {
         const bool apart = t >= 1 && t + 2 <= want && sample[t - 1] == sample[t] && sample[t + 1] == sample[t + 2] &&
                            sample[t + 1] - sample[t] > TOP_APART_WORDS;
@@ -521,11 +496,9 @@ __device__ __forceinline__ const u64 *top_table_in_shared(const u64 *q, u32 m) {
 // TOP_CHUNK keys a lane (below `limit`: the table's end for the histogram, the end of the
 // bound's piece for the scatter) into shared memory, and each lane looks up every 32nd of them
 // (a binary search of ~9 steps over the pieces), instead of every key (at k = n/16 the table
-// ends near sample rank 44 of 256: ~83% of the keys lie above it). ncu, H100, n = 2^20, session
-// 23: the histogram and the scatter of f32 NaN mixes at k = 2^16 took 29.0 / 23.8 µs looking up
-// every key, 24.9 / 16.0 gathered; i32 zipf ties at 2^17 29.2 / 26.2 against 22.4 / 19.4. (Four
-// keys a lane: with the histogram's other arrays, 64-bit keys' buffer fills the 48 KB of static
-// shared memory.)
+// ends near sample rank 44 of 256: ~83% of the keys lie above it), which saves both kernels a
+// good part of their time on NaN mixes and ties. (Four keys a lane: with the histogram's other
+// arrays, 64-bit keys' buffer fills the 48 KB of static shared memory.)
 #define TOP_CHUNK 4
 template <class K> struct TopGathered {
     K key[RSORT_THREADS / 32][32 * TOP_CHUNK];
@@ -558,9 +531,8 @@ __device__ __forceinline__ u32 top_gather(const K (&ks)[SCATTER_ITEMS], u64 n, u
 
 // Moves the round's keys TOP_CHUNK places down for the next chunk: the chunks' loop stays
 // rolled (the key indices constant: registers). Unrolled, its four copies of the gather and the
-// lookups made the quantile histogram's loop ~40 KB of instructions, the scatter's more: most
-// issue slots stalled on instruction fetch (no_instruction 4.8 cycles an instruction against
-// 0.27 for linear bins; ncu, H100, f32 NaN mix, n = 2^20, k = 2^16).
+// lookups made the quantile histogram's loop ~40 KB of instructions, the scatter's more, and
+// most issue slots stalled on instruction fetch.
 template <class K> __device__ __forceinline__ void top_next_chunk(K (&ks)[SCATTER_ITEMS]) {
 #pragma unroll
     for (int u = 0; u + TOP_CHUNK < SCATTER_ITEMS; ++u) ks[u] = ks[u + TOP_CHUNK];
@@ -603,13 +575,13 @@ __device__ __noinline__ void top_count_quantile(const K *keys, u64 n, u64 i0, u6
     });
 }
 
-// The histogram: every block computes the bins from the sample itself (one launch less: a
-// one-block kernel took 4.2 µs, ncu), block 0 writes them for the scatter, and each block adds
-// its keys' bins to the counts in `top`. The keys above the bins' span (the last bin, where the
-// linear bins clamp: most keys, ~55–85% of uniform ones) are not counted: one shared counter
-// took ~3/4 of each warp's atomics. The counts are turned into the bound and the bins' starts
-// by each block of the scatter and of the segment sort, not by a last block here (its fence
-// and serial scan took 8 of this kernel's 20 µs at n = 2^20, ncu).
+// The histogram: every block computes the bins from the sample itself (cheaper than a one-block
+// kernel's launch), block 0 writes them for the scatter, and each block adds its keys' bins to the
+// counts in `top`. The keys above the bins' span (the last bin, where the linear bins clamp: most
+// keys, ~55–85% of uniform ones) are not counted: one shared counter took ~3/4 of each warp's
+// atomics. The counts are turned into the bound and the bins' starts by each block of the scatter
+// and of the segment sort, not by a last block here (its fence and serial scan took a large part of
+// this kernel's time).
 template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u32 *top) {
     __shared__ u32 sh[TOP_BINS];
     for (u32 i = threadIdx.x; i < TOP_BINS; i += RSORT_THREADS) sh[i] = 0;
@@ -638,7 +610,7 @@ template <class K> __device__ void rsort_top_hist(const K *keys, u64 n, u64 k, u
     }
     __syncthreads();
     // Each block starts its flush at a bin of its own: in the same order, all blocks' atomics
-    // queued on the same few counters (11.2 against 7.8 µs for 264 blocks × 700 bins, H100).
+    // would queue on the same few counters.
     for (u32 j = threadIdx.x; j < TOP_BINS - 1; j += RSORT_THREADS) {
         const u32 i = (j + blockIdx.x * 97u) % (TOP_BINS - 1);
         if (sh[i] != 0) atomicAdd(&top[i], sh[i]);
@@ -707,8 +679,8 @@ __device__ __forceinline__ TopBound top_bound(const u32 *top, u64 k, u64 cap, u3
 // whose spans lie inside it, which have no bin of their own, take its slices of 2·span pairs in
 // turn: their entry is (bin, its start, TOP_BIG_SLICE | slice, its end; common.cuh); there are at least as
 // many of them as slices (⌊c/span⌋ − 1 ≥ ⌈c/(2·span)⌉ for c > 3·span), so that no block is
-// launched for big bins (one for each possible slice, in front of the launch, made the segment
-// sort of uniform keys 1–6 µs slower). Every thread of block 0.
+// launched for big bins (one for each possible slice, in front of the launch, slowed the segment
+// sort even of uniform keys). Every thread of block 0.
 __device__ __forceinline__ void top_segments(const u32 *start, TopBound b, u64 span, u32 *seg) {
     if (threadIdx.x == 0) seg[0] = seg[1] = 0;
     for (u32 i = threadIdx.x; i <= b.bound; i += RSORT_THREADS) {
@@ -736,12 +708,10 @@ __device__ __forceinline__ void top_segments(const u32 *start, TopBound b, u64 s
 // The scatter's per-bin fill counters: one per 32-byte sector (see top_place).
 #define TOP_FILL_STRIDE 8
 // Each pair at or below the bound to its bin's part of `out` (starts from top_bound, slots
-// counted in `fill`, zero at launch, one counter per 32-byte sector: eight bins' counters in
-// one sector took 13.7 against 9.0 µs for 65K slots over 1200 bins, H100), with its position as
-// row id. A thread loads all its keys, then takes all its slots, then writes: in a loop of
-// loads, slot atomics and writes, each round waited on the last one's atomics. (A big bin's
-// slots taken a block round at a time, one global atomic per big bin and round, saved 1–3% of
-// f32 zipf ties' time at k ≥ 2^16 and cost ~1 µs on uniform keys: not kept.)
+// counted in `fill`, zero at launch, one counter per 32-byte sector: counters sharing a sector
+// serialise each other's atomics), with its position as row id. A thread loads all its keys,
+// then takes all its slots, then writes: in a loop of loads, slot atomics and writes, each round
+// waited on the last one's atomics.
 template <class K>
 __device__ __forceinline__ void top_place(const K *keys, u64 n, u64 i0, u64 stride, K (&ks)[SCATTER_ITEMS],
                                           const TopBins &bins, u32 bound, const u32 *start, u32 *fill, K *out_keys,
@@ -1004,15 +974,14 @@ __device__ void rsort_pass(u32 p, u32 id_digits, const K *in_keys, const u64 *in
                  b.ids_out);
 }
 
-// Grouped look-back of the wide pass: the tiles of a pass run in about one wave and publish
-// their counts together, so the windowed look-back walked ~8 windows of 32 earlier tiles per
-// digit before meeting an inclusive prefix: 38% of a wide pass's instructions and a third of
-// its stall samples (ncu SASS sampling, n = k = 2^20, i32). Here a tile also adds
-// its counts into its group's sums (LOOKBACK_GROUP tiles a group) and counts itself done in
-// the group; its prefix is the sums of the earlier groups plus the words of the earlier tiles
-// of its own group: at most groups + LOOKBACK_GROUP − 1 loads per digit, issued together, one
-// round trip. Earlier tiles hold earlier tickets, so they run and publish before they wait:
-// no tile waits on a later one.
+// Grouped look-back of the wide pass: the tiles of a pass run in about one wave and publish their
+// counts together, so the windowed look-back walked ~8 windows of 32 earlier tiles per digit before
+// meeting an inclusive prefix, a large share of a wide pass's instructions and stalls. Here a tile
+// also adds its counts into its group's sums (LOOKBACK_GROUP tiles a group) and counts itself done
+// in the group; its prefix is the sums of the earlier groups plus the words of the earlier tiles of
+// its own group: at most groups + LOOKBACK_GROUP − 1 loads per digit, issued together, one round
+// trip. Earlier tiles hold earlier tickets, so they run and publish before they wait: no tile waits
+// on a later one.
 #define LOOKBACK_GROUP 16
 
 // A pass's look-back region for `tiles` tiles: the tiles' words (tiles × 256), the groups'
@@ -1079,8 +1048,7 @@ struct GroupLookback {
 
 // Pairs per thread of a wide-tile pass (rsort_pass_wide): twice SortItems, a tile of 4096 pairs
 // for keys of up to 64 bits (2048 for 128-bit, 1024 for 256-bit keys). Four times SortItems
-// took 206 registers (one block of 8 warps per SM) and code that missed the instruction cache
-// (43% of the stalls, ncu): 27 µs a pass over 1M pairs.
+// took 206 registers (one block of 8 warps per SM) and code that missed the instruction cache.
 template <class K> struct WideItems {
     enum { V = 2 * SortItems<K>::V };
 };
@@ -1152,14 +1120,14 @@ __device__ __forceinline__ void place_registers(const W (&w)[ITEMS], const u32 (
     }
 }
 
-// rsort_pass over tiles of RSORT_THREADS × WideItems pairs, for inputs of a few hundred
-// thousand pairs and more. With 2048-pair tiles, a pass over 1M pairs has 512 tiles in one
-// wave whose look-back saturated the L2 (35–45 µs a pass, H100); half the tiles cut the
-// look-back traffic by about 3× (fewer tiles, each finding an inclusive prefix in fewer
-// rounds). The tile lives in dynamic shared memory (40–64 KiB), so a block holds only the
-// word that carries the digit in registers: it ranks those, places them in shared memory, then
-// loads the other word of each pair straight into its slot. Its counts are published as soon
-// as they are known, before the placing, so that later tiles' look-backs wait less.
+// rsort_pass over tiles of RSORT_THREADS × WideItems pairs, for inputs of a few hundred thousand
+// pairs and more. With 2048-pair tiles, a pass over 1M pairs has 512 tiles in one wave whose
+// look-back saturated the L2; half the tiles cut the look-back traffic by about 3× (fewer tiles,
+// each finding an inclusive prefix in fewer rounds). The tile lives in dynamic shared memory
+// (40–64 KiB), so a block holds only the word that carries the digit in registers: it ranks those,
+// places them in shared memory, then loads the other word of each pair straight into its slot. Its
+// counts are published as soon as they are known, before the placing, so that later tiles'
+// look-backs wait less.
 template <class K>
 __device__ void rsort_pass_wide(u32 p, u32 id_digits, const K *in_keys, const u64 *in_ids, K *tmp_keys,
                                 u64 *tmp_ids, K *out_keys, u64 *out_ids, u64 m, const u32 *offsets, const u32 *plan,
@@ -1218,7 +1186,7 @@ __device__ void rsort_pass_wide(u32 p, u32 id_digits, const K *in_keys, const u6
 
 // Reduce-then-scan, for passes over many tiles: there every tile of the one wave would spin
 // in the look-back at once, and the look-back's loads (256 digits × a window of tiles, per
-// tile and round trip) saturated the L2: 35–45 µs per pass over 1.1M pairs (ncu, H100).
+// tile and round trip) saturated the L2.
 // rsort_count writes each tile's bucket counts, digit-major (counts[d · tiles + tile]);
 // rsort_scan turns each digit's row into the global position of the tile's first pair of that
 // digit; rsort_pass then scatters without looking back.

@@ -1,5 +1,6 @@
 // Run on the GPU machine: nvcc -O3 -arch=sm_90 benches/micro/atomics.cu -o /tmp/a && /tmp/a
-// (session 18: the layout of the top-bits selection's counters; event times include a ~7 µs launch).
+// (the counter layouts and flush orders behind the top-bits selection's scatter and histogram,
+// radix_sort.cu `TOP_FILL_STRIDE`; event times include one kernel launch).
 // Micro-benchmark: contention of global atomics on a few thousand counters (layout, order).
 #include <cstdio>
 #include <cstdint>

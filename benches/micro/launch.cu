@@ -1,7 +1,7 @@
 // Run on the GPU machine: nvcc -O3 -arch=sm_90 benches/micro/launch.cu -o /tmp/l && /tmp/l
-// (session 27: what a chain of dependent kernels pays per launch, with and without programmatic
-// dependent launch (PDL) and CUDA graphs, the host's enqueue time per launch beside it; then a
-// graph captured per call, or cached and given new parameters per call).
+// (what a chain of dependent kernels pays per launch, with and without programmatic dependent
+// launch (PDL) and CUDA graphs, the host's enqueue time per launch beside it; then a graph
+// captured per call, or cached and given new parameters per call).
 #include <cstdio>
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -120,7 +120,7 @@ static void graph_chains(unsigned *a, unsigned *b, cudaStream_t st, cudaEvent_t 
                         cached = ex; size_t nn = CHAIN; CK(cudaGraphGetNodes(g, nodes.data(), &nn));
                     } else { CK(cudaGraphExecDestroy(ex)); CK(cudaGraphDestroy(g)); }
                 } else if (mode == 2) {
-                    // topological order of a chain: find order via params? nodes from capture are in order.
+                    // The captured chain's nodes come in launch order: node i is kernel i.
                     for (int i = 0; i < CHAIN; ++i) {
                         const unsigned *in = ((i & 1) ? b : a) + off; unsigned *out = ((i & 1) ? a : b) + off;
                         unsigned n = c.n, spin = c.spin;

@@ -241,7 +241,7 @@ fn key(params: &DeviceParams) -> u128 {
 const REPS: usize = 5;
 const SMALL: usize = 1 << 16;
 /// Large enough that a kernel's ramp-up and tail are a small part of it (at 2^24 keys they
-/// made the fitted efficiencies 1.3–1.6× too high for 2^29 keys, H100).
+/// made the efficiencies fitted for 2^29 keys far too high).
 const LARGE: usize = 1 << 26;
 const REFERENCE_K: usize = 32;
 
@@ -435,7 +435,8 @@ fn times(
 }
 
 /// The most a device-timed reference's median may exceed its fastest run in a calibration
-/// that is written for later processes (quiet H100 runs: within 1.1).
+/// that is written for later processes: quiet runs stay well within it, and a calibration
+/// disturbed by other work would mislead every later process (benches/PERFORMANCE.md).
 const QUIET_SPREAD: f64 = 1.3;
 
 /// Fits `part` to its two reference runs and records them with the fitted prediction.

@@ -5,7 +5,7 @@
 //! (`gpu_topk.backend`, `gpu_topk.algorithm`); with `algorithm = 'auto'` the calibrated
 //! analytical model ([`model`], [`calibration`]) predicts the operator's time for every device
 //! algorithm and for the CPU path, and the fastest wins (the CPU path only where the backend
-//! is `auto`). The prediction covers what the operator does with the rows (DESIGN §6):
+//! is `auto`). The prediction covers what the operator does with the rows:
 //! compile the generated program when it is not loaded yet, move the touched bytes over PCIe,
 //! one device pass that evaluates (filters) and appends them to the candidate buffer, a
 //! reduction of that buffer when the input outgrows it, and the final selection over the

@@ -1,7 +1,7 @@
 //! Validating the model against measurements: the points of the kernel benchmark's grid
-//! (`benches/kernels.rs --cost-model`, its CSV) and the assessment DESIGN §6 asks for: how often
-//! the algorithm the model predicts fastest is within 10% of the fastest measured, the worst
-//! regret, and the median |predicted − measured| / measured.
+//! (`benches/kernels.rs --cost-model`, its CSV) and their assessment: how often the algorithm
+//! the model predicts fastest is within 10% of the fastest measured, the worst regret, and the
+//! median |predicted − measured| / measured.
 
 use crate::device::measure::median;
 use crate::device::{DeviceAlgorithm, KeyWidth};
@@ -15,8 +15,8 @@ pub struct GridPoint {
     pub n: usize,
     pub k: usize,
     pub kind: KeyWidth,
-    /// The key type's name (`f32`, `i64`, …): types of one kind are different inputs (f64 and
-    /// i64 zipf ties at n = 2^20 take 88 and 38 µs), so different cases.
+    /// The key type's name (`f32`, `i64`, …): types of one kind are different inputs (at n = 2^20
+    /// f64 zipf ties take over twice as long as i64 ones), so different cases.
     pub key: String,
     /// The distribution's name, for reports.
     pub dist: String,

@@ -236,8 +236,8 @@ pub fn radix_sort_wide_tile(kind: KeyWidth) -> usize {
     2 * radix_sort_tile(kind)
 }
 
-/// The merge sort's block size (merge_sort.cu `MSORT_THREADS`). Twice the threads with half
-/// the pairs each (the same tile) measured 0–12% slower (H100).
+/// The merge sort's block size (merge_sort.cu `MSORT_THREADS`). Its rounds are bound by a
+/// thread's serial search and merge, so twice the threads with half the pairs each was slower.
 pub(crate) const MSORT_THREADS: u32 = 256;
 /// The merge sort (merge_sort.cu) takes up to this many pairs: the survivors of a sampled
 /// selection beyond the chunk rank sort's capacity, a fused pass's candidates at large k, and
@@ -259,9 +259,8 @@ pub(crate) fn merge_sorts(kind: KeyWidth, m: usize, id_bound: u64) -> bool {
 
 /// Whether the key's radix passes alone (row ids ascending in input order) sort m pairs
 /// faster than the merge sort: always for 32-bit keys (4 passes); for 64-bit keys over wide
-/// tiles, where the grouped look-back keeps a pass near 20 µs and digit positions that every
-/// pair shares are skipped (H100, n = 2^20, 48–189 µs against 138–190 µs for the
-/// merge sort, losing only on keys that vary in all 8 bytes).
+/// tiles, where the grouped look-back keeps each pass short and digit positions that every
+/// pair shares are skipped (the passes lose only on keys that vary in all 8 bytes).
 pub(crate) fn key_passes_sort(kind: KeyWidth, m: usize) -> bool {
     match kind {
         KeyWidth::W32 => true,
@@ -288,14 +287,10 @@ pub(crate) fn sample_sorts_whole(kind: KeyWidth, n: usize, k: usize, positional:
         && radix_sort_is_wide(kind, n)
 }
 
-/// k / n from which [`sample_sorts_whole`] holds. Measured on the H100 at n = 2^20 (session
-/// 16, seven distributions):
-/// - 32-bit keys: the whole sort took 35–91 µs whatever k; the sampled levels 118–206 µs at
-///   k = 2^17 … 2^19 (their survivors' chunk rank or merge sort) and 75–116 µs at k = 2^16,
-///   where the whole sort was up to 9% slower on sorted keys and 1.5–2.2× faster on ties and
-///   narrow ranges: from n / 16.
-/// - 64-bit keys (eight passes where every byte varies): the whole sort 48–189 µs; the levels
-///   151–243 µs at k = 2^17 and 83–136 µs at k = 2^16: from n / 8.
+/// k / n from which [`sample_sorts_whole`] holds. The whole sort costs the same whatever k,
+/// while the sampled levels pay for sorting their survivors (chunk rank or merge sort), which
+/// grow with k: 32-bit keys (four passes) break even near n / 16, where the whole sort already
+/// wins on ties and narrow ranges; 64-bit keys (up to eight passes) near n / 8.
 pub(crate) fn whole_sort_fraction(kind: KeyWidth) -> Option<usize> {
     match kind {
         KeyWidth::W32 => Some(16),
@@ -308,8 +303,8 @@ pub(crate) fn whole_sort_fraction(kind: KeyWidth) -> Option<usize> {
 pub(crate) const SORT_THREADS: u32 = 1024;
 
 /// The tile of the sort kernels (bitonic.cu `SORT_TILE`): 1024 threads holding 4 pairs each in
-/// registers (2 for 256-bit keys). A 16384-pair shared-memory chunk sorted by one block of 512
-/// threads took 0.3 ms (measured).
+/// registers (2 for 256-bit keys), rather than larger chunks sorted by one block in shared
+/// memory, which is far slower.
 pub(crate) fn sort_tile(kind: KeyWidth) -> usize {
     if kind == KeyWidth::W256 { 2048 } else { 4096 }
 }
@@ -370,10 +365,10 @@ pub(crate) fn sample_level_bounds(m: usize, k: usize, s: usize) -> Option<(usize
 /// (by four standard deviations) what the final rank sort takes, and a level shrinks them at
 /// least by a quarter. The last level, whose survivors the rank sort takes, samples only as many
 /// pairs (in steps of 1024, one per thread) as keep its survivors below `small` with that
-/// margin: the one-block threshold costs in proportion to its sample (16.5 µs for 10240
-/// pairs, ncu), the rank sort takes the extra survivors in a few µs. An exact level (the
-/// sample is the whole level) records `s_max`, so that the device takes all of an actual
-/// count that came out above the plan. Empty: sampling cannot shrink this input.
+/// margin: the one-block threshold costs in proportion to its sample, while a few more
+/// survivors cost the rank sort little. An exact level (the sample is the whole level) records
+/// `s_max`, so that the device takes all of an actual count that came out above the plan.
+/// Empty: sampling cannot shrink this input.
 pub(crate) fn plan_sample_levels(
     n: usize,
     k: usize,
@@ -453,17 +448,17 @@ pub(crate) fn prev_power_of_two(x: usize) -> usize {
 /// The most levels a sampled selection plans (sample counts live in `SAMPLE_CTL_BYTES`).
 pub(crate) const SAMPLE_MAX_LEVELS: usize = 8;
 
-/// Rows the fused selection's sample pass evaluates ([`fused_select`](super::TopKEngine::fused_select)), at most:
-/// as many as sample.cu's one-block threshold holds for 64-bit keys ([`sample_size`]; wider
-/// keys sample fewer), so that the threshold is exact and costs one launch. 8192 measured best
-/// on the H100, against 16384 and 4096 (the sample's selection grows with its
-/// pairs, the final selection with the candidates a coarser sample admits).
+/// Rows the fused selection's sample pass evaluates
+/// ([`fused_select`](super::TopKEngine::fused_select)), at most: as many as sample.cu's
+/// one-block threshold holds for 64-bit keys ([`sample_size`]; wider keys sample fewer), so that
+/// the threshold is exact and costs one launch. 8192 balances the sample's own selection, which
+/// grows with its rows, against the final one, which grows with what a coarser sample admits.
 pub const FUSED_SAMPLE_ROWS: usize = RANK_SORT_MAX / 2;
 
 /// Consecutive rows the fused selection's samples take at a time (fused.cuh `sample_row`: a
 /// sample of one row in `step` takes this many consecutive rows every `this · step` rows), so
-/// that a warp's loads take whole sectors. H100, Q2 at k = 10^6 of 250M rows: the
-/// sample phase 37 → 30 µs against rows `step` apart, 8 rows measuring as 32.
+/// that a warp's loads take whole sectors rather than a sector per row (runs of 8 rows do as
+/// well as 32).
 pub const FUSED_SAMPLE_CLUSTER: usize = 32;
 
 /// See [`bitonic_chunk`](super::TopKEngine::bitonic_chunk); `max_shared` is the block's opt-in shared memory.
@@ -486,9 +481,10 @@ pub(crate) fn top_bits_capacity(n: usize, k: usize) -> usize {
 /// Whether a sampled selection of k among n pairs takes the top-bits selection: positional
 /// 32- and 64-bit keys (the scatter writes positions as row ids) of the sizes whose whole sort
 /// runs one kernel a pass (up to ~1.5M rows), for k from n / 256 up to n / 4 (32-bit keys) or
-/// below 3n / 4 (64-bit keys): there it beats both the sampled levels and the whole sort
-/// (`benches/PERFORMANCE.md`). `forced` (an A/B switch, [`super::DeviceOptions`]) takes it
-/// wherever it applies, or never.
+/// below 3n / 4 (64-bit keys): under n / 256 the sampled levels' few survivors cost less; past
+/// the upper bound the whole sort, whose cost does not grow with k, wins (sooner for 32-bit keys'
+/// four passes than for 64-bit keys' eight; `benches/PERFORMANCE.md`). `forced` (an A/B switch,
+/// [`super::DeviceOptions`]) takes it wherever it applies, or never.
 pub fn top_bits_sorts(
     kind: KeyWidth,
     n: usize,

@@ -290,8 +290,8 @@ fn kernel_source(
         KeyWidth::W256 => "K256",
     };
     // Rows per thread and round of the full pass: enough loads in flight for the memory
-    // system, fewer for wide keys (registers). 8 measured no better on the H100
-    // (Q3 2.5% faster, Q1 and Q2 up to 2% slower).
+    // system, fewer for wide keys (registers). 8 did no better overall: what one query gained,
+    // the others lost.
     let rows = match kind {
         KeyWidth::W32 | KeyWidth::W64 => 4,
         KeyWidth::W128 | KeyWidth::W256 => 2,
@@ -488,9 +488,8 @@ __device__ __forceinline__ void fused_rows(
     }}
     buffer.flush(cand_keys, cand_ids, count, capacity, span != nullptr);
     // The block's totals meet in shared memory, then one atomic per word and block: the warps'
-    // own atomics on the same few words (~5000 each in a full pass) queued at the pass's end
-    // (H100, Q2 at k = 10^5, 250M rows, its pass 656–657 → 650–651 µs). Every
-    // thread gets here: the loop's bounds are the block's.
+    // own atomics on the same few words (thousands each in a full pass) would queue at the
+    // pass's end. Every thread gets here: the loop's bounds are the block's.
     constexpr u32 TOTALS = 2 + 2 * Key::N;
     __shared__ u64 totals[8][TOTALS];
     const u32 warp = threadIdx.x / 32;

@@ -443,8 +443,8 @@ trait Container:
 
     /// Runs `body` with the cheapest placer for `value_bits` value bits at `shift`. A variable
     /// shift of a `u128`/`U256` is a branchy multi-instruction sequence per row; most fields
-    /// have ≤ 64 value bits inside one 64-bit word, where a plain `u64` shift does (measured
-    /// about 2x on the per-row loop).
+    /// have ≤ 64 value bits inside one 64-bit word, where a plain `u64` shift does (about
+    /// twice as fast in the per-row loop).
     fn with_placer<B: PlacerBody<Self>>(shift: u32, value_bits: u32, body: B) -> B::Output;
 }
 

@@ -101,8 +101,7 @@ impl TopKEngine {
                 Some((sorted, more)) => Ok((sorted, n.min(k), more)),
                 // A cluster the sample foresaw crowding a bin, or more kept pairs than the
                 // buffers: all pairs by the key's radix passes where those take one kernel a
-                // pass (H100, n = 2^20, after a foreseen crowding, 81–119 µs for
-                // 32-bit ties against 113–163 µs by the sampled levels), else radix select.
+                // pass (on crowded ties that beats the sampled levels), else radix select.
                 None if radix_sort_is_wide(self.kind, n) => {
                     Ok((self.sort_pairs(input, n, 1)?, n.min(k), true))
                 }

@@ -155,10 +155,9 @@ impl TopKEngine {
             // it). Where the rows expected to beat the sample's threshold (r · step, 2σ above:
             // σ = √r sample rows) might not fit, a denser sample (FUSED_REFINE times the rows,
             // below the threshold only) puts the threshold 4σ above k's expected rank with σ 4×
-            // smaller relative to k. 250M rows: at k = 10^5 rank 12 with a step of 30518 rows
-            // (~3.7·k rows expected below it) fits, and the denser sample would cost ~20 µs for
-            // nothing; at k = 10^6 rank 57 (~1.7·k) does not, and the denser sample gives rank
-            // 616 with a step of 1907 (~1.2·k).
+            // smaller relative to k. 250M rows: at k = 10^5 the first threshold's rows fit (the
+            // denser sample would be wasted); at k = 10^6 (~1.7·k rows) they might not, and the
+            // denser sample's threshold expects ~1.2·k.
             let r = rank_at(step);
             let dense_step = step / FUSED_REFINE;
             let expected_rows = r as f64 * step as f64 * (1.0 + 2.0 / (r as f64).sqrt());
@@ -171,8 +170,7 @@ impl TopKEngine {
             // Before a denser sample the first one only bounds it: up to 8× coarser (a cheaper
             // one-block select), as long as the denser sample expects at most a quarter of its
             // buffer below its threshold (k = 10^6 of 250M rows: 1024 rows, rank 14, ~1800 of
-            // the denser sample's rows; H100, with the clustered sample: the
-            // sample phase 30 → 23–24 µs).
+            // the denser sample's rows).
             let step = if refine {
                 (0..=3)
                     .rev()

@@ -35,9 +35,11 @@
 //!   status back with the result).
 //!
 //! The engine's methods follow the stages: here its buffers, transfers, encoding and appends
-//! and the entry points above; in `fused` the generated program's passes; in `select` the exact
-//! selections (radix, bitonic, delegates); in `sample` SampleSelect's device chain; in `sort`
-//! the sorts. The tuning constants of all of them stay here, in one place.
+//! and the entry points above; in `staging` the uploads; in `fused` the generated program's
+//! passes; in `radix`, `bitonic` and `delegate` the exact selections; in `sample` SampleSelect's
+//! device chain; in `top_bits` the top-bits selection; in `sort` the sorts; in `dispatch` the
+//! routes. The device layouts' constants stay here, the routes' tuning constants in
+//! `super::plan`.
 
 use std::sync::Arc;
 
@@ -271,11 +273,9 @@ const FUSED_SPAN_OFFSET: u64 = 80;
 /// The fused selection's denser sample ([`TopKEngine::fused_select`], for k beyond the rank
 /// sort where the first threshold's candidates might not fit the packed sort's one wave): this
 /// many times the first sample's rows, of which only those below its threshold are kept (~16 r
-/// of them, far below what the one-block threshold holds). H100, Q2 at 250M rows:
-/// at k = 10^6 1.27M candidates where the first threshold's 4σ margin expects 1.74M (past the
-/// wave's 1.62M: its draw left 1.45M), the sample phase 39 against 16 µs; at k = 10^5 (165K
-/// candidates against 281K, both in one wave) the selection took as long either way, and the
-/// denser sample's ~20 µs went for nothing (1.18–1.21× the floor with it, 1.17 without).
+/// of them, far below what the one-block threshold holds). Its margin is 4× smaller relative
+/// to k, which keeps a large k's candidates within the wave, past which the sort's time doubles;
+/// where they fit without it, it is skipped, as it would only add its own sampling.
 const FUSED_REFINE: usize = 16;
 const SAMPLE_SCRATCH_BYTES: usize = SAMPLE_CTL_BYTES + 4 * RANK_SORT_MAX;
 const SAMPLE_STATUS_FINAL_LARGE: u32 = 4;
@@ -385,9 +385,8 @@ impl TopKEngine {
     /// launch ([`GpuDevice::programmatic_launch`]), with programmatic stream serialisation: the
     /// driver stages the launch while the previous kernel drains, and the kernel's first
     /// statement (common.cuh `grid_dependency_wait`) waits for that kernel's writes. A chain of
-    /// dependent kernels then pays less of the ~4–5 µs each launch costs between kernels (H100
-    /// of the device tool, 32 chained kernels of n = 2^21 took 5.13 µs each, 3.89
-    /// with the attribute).
+    /// dependent kernels then pays less of the gap each launch leaves between kernels
+    /// (benches/micro/launch.cu, benches/PERFORMANCE.md).
     fn launch_function(
         &self,
         function: &CudaFunction,

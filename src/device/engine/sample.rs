@@ -147,9 +147,9 @@ impl TopKEngine {
             run.lap("chunk rank sort".into(), &self.stream)?;
             run.sorted_small = Some(SortedPairs::ready(out));
         } else if last.capacity() <= MERGE_SORT_MAX {
-            // More survivors: the merge sort, truncated at k, on the device's count (measured
-            // on the H100 against the radix sort that had this place: 1.56× against 1.68× the
-            // floor at 2^29, k = 2^20, i32; 1.31× against 1.47× for i64).
+            // More survivors: the merge sort, truncated at k, on the device's count (faster
+            // here than the radix sort, which needs the row ids' digits too:
+            // benches/PERFORMANCE.md).
             let status = run.ctl.ptr() + SAMPLE_STATUS_OFFSET;
             let out = self.merge_sort(last, 0, last_count, last.capacity(), k, status)?;
             run.lap("merge sort".into(), &self.stream)?;

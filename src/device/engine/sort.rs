@@ -27,8 +27,7 @@ impl TopKEngine {
         }
         // The radix sort when the key's digits alone sort them (ids ascending in input order:
         // 32-bit keys, and 64-bit keys over wide tiles); else the merge sort, whose rounds grow
-        // with neither the key width nor the row ids (H100, 2^20 positional pairs:
-        // i32 radix 35–88 µs; i64 radix 48–189 µs, merge 138–190 µs).
+        // with neither the key width nor the row ids.
         if merge_sorts(self.kind, m, id_bound) {
             Ok(self.merge_sort(input, m, 0, m, m, 0)?.into_pairs(m))
         } else {
@@ -378,9 +377,9 @@ impl TopKEngine {
 
     /// The most pairs the packed merge sort takes in one wave: the tiles whose blocks are
     /// resident on the device at once in its tile sort and its rounds (the fewer of the two).
-    /// Past it both take a second wave: H100, Q2 at k = 10^6, the selection took
-    /// 0.171 ms for 1.60M candidates (783 tiles of 2048 words; 792 resident, 6 a SM by the tile
-    /// sort's registers) and 0.297 ms for 1.75M (856 tiles).
+    /// Past it both take a second wave, and the sort takes nearly twice as long (a tile of 2048
+    /// words; the tile sort's registers leave 6 blocks a SM; "No denser sample" in
+    /// benches/PERFORMANCE.md).
     pub(super) fn packed_sort_wave(&self) -> GpuResult<usize> {
         if let Some(&wave) = self.packed_sort_wave.get() {
             return Ok(wave);

@@ -11,17 +11,16 @@ pub(crate) const GENERATED_ENTRY: &str = "fused_append";
 pub(crate) const GENERATED_OPTIONS: &[&str] = &["--fmad=false"];
 
 /// The generated kernel's `__launch_bounds__` minimum of resident blocks a SM
-/// (`FUSED_MIN_BLOCKS`): ptxas then keeps a thread to 51 registers. On the H100
-/// (250M rows, one call), against no minimum: Q3's program went from 57 registers and 4 blocks
-/// a SM to 5 blocks with 56 bytes of spill traffic, and its pass from 1.067 to 1.034× its read
-/// floor; Q1's and Q2's (48 registers or fewer already) within noise; 6 blocks (40 registers)
-/// made Q1's pass 4% slower. A program that spills more than [`GENERATED_SPILL_ALLOWANCE`]
-/// under it is compiled without it ([`compile_generated`]).
+/// (`FUSED_MIN_BLOCKS`): ptxas then keeps a thread to 51 registers. A fifth resident block keeps
+/// more loads in flight than a little spilling costs (Q3's program: 57 registers and 4 blocks
+/// without it, 5 blocks with 56 bytes of spill traffic and a pass nearer its read floor); 6
+/// blocks (40 registers) slowed the pass. A program that spills more than
+/// [`GENERATED_SPILL_ALLOWANCE`] under it is compiled without it ([`compile_generated`]).
 pub const GENERATED_MIN_BLOCKS: u32 = 5;
 
 /// Bytes of spill stores and loads (ptxas) that a generated program may take for
-/// [`GENERATED_MIN_BLOCKS`]: Q3's 56 cost less than its fifth resident block gained; larger
-/// spills (up to ~200 bytes in the fusion tests' programs) are not measured, so those keep
+/// [`GENERATED_MIN_BLOCKS`]: Q3's 56 cost less than its fifth resident block gains; larger
+/// spills (up to ~200 bytes in the fusion tests' programs) are not known to pay, so those keep
 /// their registers.
 pub const GENERATED_SPILL_ALLOWANCE: u64 = 64;
 
@@ -69,10 +68,10 @@ pub fn compile_generated(
             pipelined,
         })
     };
-    // Pipelined where it fits: Q2's pass 669–670 → 649–651 µs over 2 GB (its read floor,
-    // 651), 707 → 681–683 at k = 10^6 (H100). At 4 blocks a SM it measured no
-    // better than at 5. Both hinted variants compile at once, so that a program that does not
-    // fit pipelined waits for one compile, not two.
+    // Pipelined where it fits: the next round's loads in flight while this one is evaluated
+    // bring the pass to its read floor (benches/PERFORMANCE.md); 4 blocks a SM do no better
+    // than 5. Both hinted variants compile at once, so that a program that does not fit
+    // pipelined waits for one compile, not two.
     let (pipelined, hinted) = std::thread::scope(|scope| {
         let other = scope.spawn(|| variant(GENERATED_MIN_BLOCKS, false));
         let pipelined = variant(GENERATED_MIN_BLOCKS, true);
