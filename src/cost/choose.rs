@@ -1,0 +1,329 @@
+//! Where the selection runs and with which algorithm: [`choose`] resolves the settings
+//! against the machine and the model once per query, [`device_algorithm`] resolves a forced
+//! algorithm, and the model answers an `auto` selector's final selection ([`FinalChoice`]).
+
+use std::path::Path;
+use std::time::Duration;
+
+use datafusion::error::{DataFusionError, Result};
+
+use super::calibration;
+use super::model::{Case, CostModel};
+use crate::config::{Algorithm, Backend};
+use crate::device::plan::reduction;
+use crate::device::{DeviceAlgorithm, GpuDevice, GpuStatus, KeyWidth, gpu_status};
+use crate::keys::KeyLayout;
+use crate::select::FinalChoice;
+use crate::select::SelectionChoice;
+use crate::select::cuda::{MIN_CAPACITY, bitonic_max_k};
+
+/// What the planner knows of the input.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Estimate {
+    /// Input rows (before the filter), when the statistics say.
+    pub rows: Option<usize>,
+    /// Bytes per row the operator moves to the device (the columns it reads).
+    pub bytes_per_row: usize,
+    /// Whether a generated program must be compiled (neither loaded in this process nor in
+    /// the disk cache).
+    pub compile: bool,
+}
+
+/// Rows assumed when the statistics do not say.
+pub(crate) const ASSUMED_ROWS: usize = 1 << 24;
+/// A generated program's NVRTC compile, when this process has not timed one yet.
+const COMPILE_ESTIMATE: Duration = Duration::from_millis(200);
+
+/// The model's prediction for the chosen plan and its alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prediction {
+    /// Rows the prediction is for, and whether the statistics gave them.
+    pub rows: usize,
+    pub rows_known: bool,
+    /// Predicted seconds of the chosen plan.
+    pub seconds: f64,
+    /// Every alternative's prediction (`cuda sample`, `cpu select-nth`, ...), for EXPLAIN
+    /// VERBOSE.
+    pub alternatives: Vec<(SelectionChoice, f64)>,
+    /// The model, for an `auto` selector's run-time choice of the final selection.
+    pub model: Option<CostModel>,
+}
+
+impl Prediction {
+    /// `predicted=1.23ms (n=16777216)`, with the alternatives when `verbose`.
+    pub fn describe(&self, verbose: bool) -> String {
+        let mut s = format!(
+            "predicted={} (n{}{})",
+            format_seconds(self.seconds),
+            if self.rows_known { "=" } else { "≈" },
+            self.rows
+        );
+        if verbose && !self.alternatives.is_empty() {
+            let all: Vec<String> = self
+                .alternatives
+                .iter()
+                .map(|(c, t)| format!("{c} {}", format_seconds(*t)))
+                .collect();
+            s.push_str(&format!(", alternatives=[{}]", all.join(", ")));
+        }
+        s
+    }
+}
+
+/// Seconds as `12.3µs`, `4.56ms` or `1.23s`.
+pub fn format_seconds(s: f64) -> String {
+    if s < 1e-3 {
+        format!("{:.1}µs", s * 1e6)
+    } else if s < 1.0 {
+        format!("{:.2}ms", s * 1e3)
+    } else {
+        format!("{s:.2}s")
+    }
+}
+
+/// What the rule decided for a query's backend.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Placement {
+    /// Run our operator with this selection.
+    Run {
+        choice: SelectionChoice,
+        /// Why (shown in EXPLAIN VERBOSE), e.g. "CPU path forced by settings".
+        reason: String,
+        /// The model's prediction, where the GPU's calibration is at hand.
+        prediction: Option<Box<Prediction>>,
+    },
+    /// Leave DataFusion's own TopK in place, and why.
+    Decline(String),
+}
+
+/// The settings [`choose`] resolves.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Settings<'a> {
+    pub backend: Backend,
+    pub algorithm: Algorithm,
+    pub kernel_cache_dir: Option<&'a Path>,
+    pub recalibrate: bool,
+}
+
+/// Resolves the settings against the machine and the model. `k` is fetch + offset. On the GPU
+/// the kernels are loaded here (compiled by NVRTC on first use, cached in the kernel cache
+/// directory), so a compile failure shows in EXPLAIN and the query runs on the CPU path; so is
+/// the calibration (measured once per device, then read from the same directory).
+pub(crate) fn choose(
+    settings: Settings<'_>,
+    layout: &KeyLayout,
+    k: usize,
+    estimate: Estimate,
+) -> Placement {
+    let Settings {
+        backend,
+        algorithm,
+        kernel_cache_dir,
+        recalibrate,
+    } = settings;
+    if backend == Backend::Cpu || algorithm == Algorithm::Cpu {
+        return Placement::Run {
+            choice: SelectionChoice::Cpu,
+            reason: "CPU path forced by settings".into(),
+            prediction: None,
+        };
+    }
+    let cpu_or_decline = |why: String| match backend {
+        Backend::Cuda => Placement::Run {
+            choice: SelectionChoice::Cpu,
+            reason: format!("backend=cuda, but {why}: CPU path"),
+            prediction: None,
+        },
+        _ => Placement::Decline(why),
+    };
+    let device = match gpu_status() {
+        GpuStatus::Unavailable(why) => return cpu_or_decline(format!("no GPU found ({why})")),
+        GpuStatus::Available(device) => device,
+    };
+    if let Err(e) = device.kernels_with_cache_dir(kernel_cache_dir) {
+        return cpu_or_decline(format!("the GPU kernels are unusable ({e})"));
+    }
+    let gpu = format!("GPU {}", device.describe());
+    let calibration = calibration::calibration(device, kernel_cache_dir, recalibrate);
+    let model = match &calibration {
+        Ok(c) => Some(c.model),
+        Err(e) => {
+            log::warn!("the cost model's calibration failed ({e}); choosing without it");
+            None
+        }
+    };
+    let forced = algorithm != Algorithm::Auto;
+    if forced || model.is_none() {
+        // The setting (or, uncalibrated, the rule of thumb: bitonic up to its k limit, then
+        // radix) names the algorithm; the model, if any, only predicts it.
+        return match device_algorithm(device, layout, k, algorithm) {
+            Ok(chosen) => {
+                let choice = SelectionChoice::Cuda(chosen);
+                let prediction = model.map(|m| -> Box<Prediction> {
+                    let options = predict_options(&m, device, layout, k, &estimate, false);
+                    let seconds = options
+                        .iter()
+                        .find(|(c, _)| *c == choice)
+                        .map_or(f64::NAN, |(_, t)| *t);
+                    Box::new(Prediction {
+                        model: None,
+                        ..prediction_of(options, seconds, &estimate)
+                    })
+                });
+                let why = match &calibration {
+                    Err(e) if !forced => format!("uncalibrated ({e}): rule of thumb"),
+                    _ => format!("algorithm={algorithm}"),
+                };
+                Placement::Run {
+                    choice,
+                    reason: format!("{gpu}; {why}, k={k}, {}-bit keys", layout.total_bits()),
+                    prediction,
+                }
+            }
+            Err(e) => cpu_or_decline(format!("the GPU cannot run this selection ({e})")),
+        };
+    }
+    let model = model.expect("checked above");
+    let options = predict_options(
+        &model,
+        device,
+        layout,
+        k,
+        &estimate,
+        backend == Backend::Auto,
+    );
+    let (choice, seconds) = options
+        .iter()
+        .copied()
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .expect("radix is always an option");
+    let describe = calibration
+        .as_ref()
+        .map(|c| c.describe())
+        .unwrap_or_default();
+    Placement::Run {
+        choice,
+        reason: format!(
+            "{gpu}; cost model ({describe}): {choice} fastest for k={k}, {}-bit keys",
+            layout.total_bits()
+        ),
+        prediction: Some(Box::new(
+            prediction_of(options, seconds, &estimate).with_model(model),
+        )),
+    }
+}
+
+impl Prediction {
+    fn with_model(mut self, model: CostModel) -> Self {
+        self.model = Some(model);
+        self
+    }
+}
+
+fn prediction_of(
+    alternatives: Vec<(SelectionChoice, f64)>,
+    seconds: f64,
+    estimate: &Estimate,
+) -> Prediction {
+    Prediction {
+        rows: estimate.rows.unwrap_or(ASSUMED_ROWS),
+        rows_known: estimate.rows.is_some(),
+        seconds,
+        alternatives,
+        model: None,
+    }
+}
+
+/// The predicted operator time of every device algorithm that takes this k (and of the CPU
+/// path when `with_cpu`).
+fn predict_options(
+    model: &CostModel,
+    device: &GpuDevice,
+    layout: &KeyLayout,
+    k: usize,
+    estimate: &Estimate,
+    with_cpu: bool,
+) -> Vec<(SelectionChoice, f64)> {
+    let n = estimate.rows.unwrap_or(ASSUMED_ROWS);
+    let kind = layout.width();
+    let mut options: Vec<(SelectionChoice, f64)> = DeviceAlgorithm::ALL
+        .iter()
+        .filter_map(|&a| {
+            operator_seconds(model, device, a, n, k, kind, estimate)
+                .map(|t| (SelectionChoice::Cuda(a), t))
+        })
+        .collect();
+    if with_cpu {
+        options.push((SelectionChoice::Cpu, model.cpu_time(n)));
+    }
+    options
+}
+
+/// The operator's predicted time on the GPU with `algorithm` (see the module documentation).
+pub(crate) fn operator_seconds(
+    model: &CostModel,
+    device: &GpuDevice,
+    algorithm: DeviceAlgorithm,
+    n: usize,
+    k: usize,
+    kind: KeyWidth,
+    estimate: &Estimate,
+) -> Option<f64> {
+    let capacity = (2 * k).max(MIN_CAPACITY);
+    let candidates = n.min(capacity);
+    let selection = model.predict(algorithm, &Case::pairs(candidates, k, kind, n))?;
+    let reductions = if n > capacity && k < capacity {
+        model.predict(reduction(algorithm), &Case::pairs(capacity, k, kind, n))?
+    } else {
+        0.0
+    };
+    let compile = if estimate.compile {
+        device
+            .last_compile_time()
+            .unwrap_or(COMPILE_ESTIMATE)
+            .as_secs_f64()
+    } else {
+        0.0
+    };
+    Some(
+        compile
+            + model.transfer_time(n * estimate.bytes_per_row)
+            + model.filter_time(n, candidates, kind)
+            + reductions
+            + selection,
+    )
+}
+
+/// An `auto` selector's final selection of k among the candidates it holds: the device
+/// algorithm the model predicts fastest for that many.
+impl FinalChoice for CostModel {
+    fn final_algorithm(&self, candidates: usize, k: usize, width: KeyWidth) -> DeviceAlgorithm {
+        self.best_device(&Case::pairs(candidates, k, width, candidates))
+            .0
+    }
+}
+
+/// Resolves a device algorithm setting: `auto` without a model is the rule of thumb (bitonic
+/// top-k up to its k limit, radix select beyond); a forced bitonic beyond its limit is an
+/// error.
+pub fn device_algorithm(
+    device: &GpuDevice,
+    layout: &KeyLayout,
+    k: usize,
+    algorithm: Algorithm,
+) -> Result<DeviceAlgorithm> {
+    let limit = bitonic_max_k(device, layout);
+    match algorithm {
+        Algorithm::Auto if k <= limit => Ok(DeviceAlgorithm::Bitonic),
+        Algorithm::Auto | Algorithm::Radix => Ok(DeviceAlgorithm::Radix),
+        Algorithm::Bitonic if k <= limit => Ok(DeviceAlgorithm::Bitonic),
+        Algorithm::Bitonic => Err(DataFusionError::Plan(format!(
+            "the CUDA bitonic top-k supports k up to {limit} for these keys, not {k}"
+        ))),
+        Algorithm::Sample => Ok(DeviceAlgorithm::Sample),
+        Algorithm::Delegate => Ok(DeviceAlgorithm::Delegate),
+        Algorithm::Cpu => Err(DataFusionError::Plan(
+            "algorithm 'cpu' does not run on the GPU".into(),
+        )),
+    }
+}
