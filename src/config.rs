@@ -152,6 +152,10 @@ extensions_options! {
         /// Most device memory, in bytes, one query's selection may hold (0: no limit but the
         /// device's). A query that needs more falls back to the CPU path.
         pub device_memory_limit: usize, default = 0
+        /// Device bytes that keep in-memory tables' columns between queries, so a repeated
+        /// query does not ship them over PCIe again (unset: a quarter of the device's memory;
+        /// 0: off). The cache is the process's: the last query's setting sizes it.
+        pub cache_bytes: Option<usize>, default = None
     }
 }
 
@@ -240,6 +244,10 @@ impl GpuTopKConfig {
     }
     pub fn with_device_memory_limit(mut self, bytes: usize) -> Self {
         self.device_memory_limit = bytes;
+        self
+    }
+    pub fn with_cache_bytes(mut self, bytes: Option<usize>) -> Self {
+        self.cache_bytes = bytes;
         self
     }
     pub fn with_inject_fault(mut self, fault: FaultPoint) -> Self {

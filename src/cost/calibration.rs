@@ -496,6 +496,8 @@ fn cpu_rows_per_second() -> f64 {
         final_choice: None,
         fault: Default::default(),
         watch: None,
+        cache: None,
+        transfers: Default::default(),
     };
     let mut best = f64::INFINITY;
     for _ in 0..3 {

@@ -172,6 +172,15 @@ fn entered() -> Option<Arc<DeviceWatch>> {
     ENTERED.with(|e| e.borrow().clone())
 }
 
+/// Runs `work` outside the calling thread's query: what it allocates is not the query's (the
+/// column cache's entries outlive it).
+pub(crate) fn outside<T>(work: impl FnOnce() -> T) -> T {
+    let previous = ENTERED.with(|e| e.borrow_mut().take());
+    let result = work();
+    ENTERED.with(|e| *e.borrow_mut() = previous);
+    result
+}
+
 /// Counts an operation of the calling thread's query; fails where a fault is injected.
 pub(crate) fn check(op: DeviceOp) -> GpuResult<()> {
     ENTERED.with(|e| match &*e.borrow() {

@@ -84,6 +84,15 @@ pub struct TopKSpec {
     /// Most device bytes one execution's selection may hold (`gpu_topk.device_memory_limit`;
     /// 0: no limit).
     pub device_memory_limit: usize,
+    /// The device column cache, where the input is an in-memory table (`None`: not used).
+    pub cache: Option<CacheSetting>,
+}
+
+/// The column cache's setting for one query (`gpu_topk.cache_bytes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheSetting {
+    /// Device bytes of all entries; `None`: a quarter of the device's memory.
+    pub budget: Option<usize>,
 }
 
 impl TopKSpec {
@@ -248,6 +257,9 @@ impl DisplayAs for GpuTopKExec {
                 }
                 if spec.choice != SelectionChoice::Cpu {
                     write!(f, ", eval=[{}]", spec.fusion.describe(verbose))?;
+                    if spec.cache.is_some() && spec.fusion.program.is_some() {
+                        f.write_str(", cache=on")?;
+                    }
                 }
                 if verbose {
                     write!(f, ", reason=[{}]", spec.reason)?;

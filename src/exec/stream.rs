@@ -31,7 +31,8 @@ use crate::cost::SelectionChoice;
 use crate::device::watch::DeviceWatch;
 use crate::fusion::{self, FusedProgram, KernelInput};
 use crate::select::{
-    self, Admitted, ColumnsInput, RowIds, SelectInput, SelectionSpec, TopKSelector,
+    self, Admitted, CachePolicy, ColumnsInput, RowIds, SelectInput, SelectionSpec, TopKSelector,
+    TransferMetrics,
 };
 
 /// Metrics shown by `EXPLAIN ANALYZE`.
@@ -60,6 +61,8 @@ struct TopKMetrics {
     /// Wall time from the operator's start to its output: the selection of every partition's
     /// rows (and the wait for them), the final selection and the gather.
     operator_time: Time,
+    /// The device selection's input: pushes served by the column cache or shipped, and bytes.
+    transfers: TransferMetrics,
 }
 
 impl TopKMetrics {
@@ -81,6 +84,12 @@ impl TopKMetrics {
             compile_time: time("compile_time"),
             predicted_time: time("predicted_time"),
             operator_time: time("operator_time"),
+            transfers: TransferMetrics {
+                cache_hits: MetricBuilder::new(set).counter("cache_hits", 0),
+                cache_misses: MetricBuilder::new(set).counter("cache_misses", 0),
+                resident_bytes: MetricBuilder::new(set).counter("resident_bytes", 0),
+                uploaded_bytes: MetricBuilder::new(set).counter("uploaded_bytes", 0),
+            },
         }
     }
 }
@@ -279,9 +288,29 @@ impl TopKRun {
             self.metrics.device_peak_bytes.clone(),
             self.metrics.pinned_bytes_held.clone(),
         );
+        let cache = self.spec.cache.as_ref().and_then(|cache| {
+            let program = program.as_ref()?;
+            let columns = program
+                .inputs
+                .iter()
+                .map(|input| match input {
+                    KernelInput::Column(i) | KernelInput::DictionaryCodes(i) => {
+                        Some(self.input.schema().field(*i).name().clone())
+                    }
+                    // Computed per query: new buffers every time, never a hit.
+                    _ => None,
+                })
+                .collect::<Option<Vec<_>>>()?;
+            Some(CachePolicy {
+                budget: cache.budget,
+                columns: columns.join(", "),
+            })
+        });
         let selection = SelectionSpec {
             fault,
             watch: Some(Arc::new(watch)),
+            cache,
+            transfers: self.metrics.transfers.clone(),
             ..selection_spec(&self.spec, program.clone())
         };
         let fallible = choice != SelectionChoice::Cpu || fault != FaultPoint::None;
@@ -354,6 +383,8 @@ fn selection_spec(spec: &TopKSpec, program: Option<Arc<FusedProgram>>) -> Select
             .map(|m| Arc::new(m) as Arc<dyn select::FinalChoice>),
         fault: FaultPoint::None,
         watch: None,
+        cache: None,
+        transfers: Default::default(),
     }
 }
 

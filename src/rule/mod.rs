@@ -50,7 +50,7 @@ use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitio
 
 use crate::config::GpuTopKConfig;
 use crate::cost::{self, Placement};
-use crate::exec::{GpuTopKExec, TopKSpec};
+use crate::exec::{CacheSetting, GpuTopKExec, TopKSpec};
 use crate::fusion;
 use crate::keys::{KeyLayout, KeySpec};
 
@@ -312,10 +312,37 @@ fn match_top_k(
         prediction,
         fault: config.inject_fault,
         device_memory_limit: config.device_memory_limit,
+        cache: (config.cache_bytes != Some(0) && replays_from_memory(&absorbed.input)).then_some(
+            CacheSetting {
+                budget: config.cache_bytes,
+            },
+        ),
     };
     let exec = GpuTopKExec::try_new(absorbed.input, spec, node.as_ref())
         .or_else(|e| because(format!("cannot build the operator: {e}")))?;
     Ok(Arc::new(exec))
+}
+
+/// Whether `input` hands out an in-memory table's own batches (a memory source, or a column
+/// projection of one), whose buffers the next query receives again: only then can the device
+/// column cache serve them.
+fn replays_from_memory(input: &Arc<dyn ExecutionPlan>) -> bool {
+    use datafusion::datasource::memory::MemorySourceConfig;
+    if let Some(projection) = input.downcast_ref::<ProjectionExec>() {
+        let columns = projection
+            .expr()
+            .iter()
+            .all(|e| e.expr.downcast_ref::<Column>().is_some());
+        return columns && replays_from_memory(projection.input());
+    }
+    input
+        .downcast_ref::<DataSourceExec>()
+        .is_some_and(|source| {
+            source
+                .data_source()
+                .downcast_ref::<MemorySourceConfig>()
+                .is_some()
+        })
 }
 
 /// The operator's inputs once the nodes below the sort are absorbed; every expression is

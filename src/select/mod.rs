@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use datafusion::arrow::array::ArrayRef;
 use datafusion::error::{DataFusionError, Result};
+use datafusion::physical_plan::metrics::Count;
 
 use crate::config::FaultPoint;
 use crate::device::watch::DeviceWatch;
@@ -197,6 +198,31 @@ pub struct SelectionSpec {
     /// The query's device accounting (held bytes, memory limit, injected device faults),
     /// entered around the selector's device work.
     pub watch: Option<Arc<DeviceWatch>>,
+    /// Whether and how a device selection keeps its input columns in the device's column
+    /// cache (`None`: it does not; the input is not an in-memory table).
+    pub cache: Option<CachePolicy>,
+    /// What a device selection moved or found resident, for EXPLAIN ANALYZE.
+    pub transfers: TransferMetrics,
+}
+
+/// How a device selection uses the column cache (`crate::device::cache`).
+#[derive(Debug, Clone, Default)]
+pub struct CachePolicy {
+    /// Device bytes all entries may hold; `None`: a quarter of the device's memory.
+    pub budget: Option<usize>,
+    /// The entries' columns, as the cache listing names them.
+    pub columns: String,
+}
+
+/// Counters of a device selection's input transfers.
+#[derive(Debug, Clone, Default)]
+pub struct TransferMetrics {
+    /// Pushes whose columns were resident in the cache, and pushes that shipped them.
+    pub cache_hits: Count,
+    pub cache_misses: Count,
+    /// Input bytes read from the cache, and shipped to the device.
+    pub resident_bytes: Count,
+    pub uploaded_bytes: Count,
 }
 
 /// The single entry point: builds the selector the cost model chose (wrapped to fail at

@@ -36,6 +36,12 @@ pub struct Report {
     pub pinned_bytes_held: usize,
     /// Why each operator that fell back did.
     pub reasons: Vec<String>,
+    /// Pushes whose columns the device column cache held, pushes that shipped them to it, and
+    /// the input bytes of each kind.
+    pub cache_hits: usize,
+    pub cache_misses: usize,
+    pub resident_bytes: usize,
+    pub uploaded_bytes: usize,
 }
 
 /// The metrics of every `GpuTopKExec` in `plan` (after it ran), summed.
@@ -52,6 +58,10 @@ pub fn report(plan: &Arc<dyn ExecutionPlan>) -> Report {
             report.device_bytes_held += metric("device_bytes_held");
             report.pinned_bytes_held += metric("pinned_bytes_held");
             report.reasons.extend(exec.fallback_reason());
+            report.cache_hits += metric("cache_hits");
+            report.cache_misses += metric("cache_misses");
+            report.resident_bytes += metric("resident_bytes");
+            report.uploaded_bytes += metric("uploaded_bytes");
         }
         plan.children().into_iter().for_each(|c| walk(c, report));
     }

@@ -4,6 +4,7 @@
 //! machine), so the same suite checks the CPU path in CI and the CUDA path on the GPU.
 
 mod bad_input;
+mod cache;
 mod common;
 mod differential;
 mod files;

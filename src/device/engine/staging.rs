@@ -13,6 +13,18 @@ pub(crate) struct StagedHost {
     total: usize,
 }
 
+impl StagedHost {
+    /// Bytes of the image.
+    pub(crate) fn total(&self) -> usize {
+        self.total
+    }
+
+    /// Where each group starts in the image.
+    pub(crate) fn offsets(&self) -> &[usize] {
+        &self.offsets
+    }
+}
+
 /// Copies `groups` into a pinned buffer from the device's pool: each group at an aligned
 /// offset, its slices back to back (one device array from several host chunks).
 pub(crate) fn fill_staging(
@@ -99,10 +111,21 @@ impl TopKEngine {
         Ok(offsets.iter().map(|&o| base + o as u64).collect())
     }
 
-    /// Copies a staging image filled by [`fill_staging`] to the device (asynchronously) and
-    /// returns its parts' device addresses, valid until the next stage. The image's pinned
-    /// buffer must outlive the copy: keep it until the stream is synchronised (its event also
-    /// makes host writes wait).
+    /// Copies a staging image filled by [`fill_staging`] to device address `dst` (at least
+    /// [`StagedHost::total`] bytes, asynchronously) and returns its parts' device addresses.
+    /// The image's pinned buffer must outlive the copy: keep it until the stream is
+    /// synchronised (its event also makes host writes wait).
+    pub(crate) fn upload_staged_to(
+        &mut self,
+        staged: &mut StagedHost,
+        dst: u64,
+    ) -> GpuResult<Vec<u64>> {
+        staged.lease.upload(staged.total, dst, &self.stream)?;
+        Ok(staged.offsets.iter().map(|&o| dst + o as u64).collect())
+    }
+
+    /// Copies a staging image to the engine's staging buffer (its addresses valid until the
+    /// next stage); see [`upload_staged_to`](Self::upload_staged_to).
     pub(crate) fn upload_staged(&mut self, staged: &mut StagedHost) -> GpuResult<Vec<u64>> {
         if self
             .staging

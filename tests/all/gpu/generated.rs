@@ -125,6 +125,8 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
                 final_choice: None,
                 fault: Default::default(),
                 watch: None,
+                cache: None,
+                transfers: Default::default(),
             };
             let gpu = new_cuda_selector_with_capacity(
                 &selection,

@@ -58,6 +58,8 @@ pub(super) fn check_selector(
         final_choice: None,
         fault: Default::default(),
         watch: None,
+        cache: None,
+        transfers: Default::default(),
     };
     let cpu = cpu::new_selector(&spec);
     let algorithm = resolve(device, &spec, algorithm).expect("a device algorithm for this k");
@@ -176,6 +178,8 @@ fn gpu_selector_without_rows_or_with_k_zero() {
             final_choice: None,
             fault: Default::default(),
             watch: None,
+            cache: None,
+            transfers: Default::default(),
         };
         let gpu =
             new_cuda_selector_with_capacity(&spec, Arc::clone(&device), DeviceAlgorithm::Radix, 1)
@@ -196,6 +200,8 @@ fn gpu_selector_without_rows_or_with_k_zero() {
         final_choice: None,
         fault: Default::default(),
         watch: None,
+        cache: None,
+        transfers: Default::default(),
     };
     let gpu =
         new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), DeviceAlgorithm::Radix, 1)
@@ -222,6 +228,8 @@ fn gpu_selector_rejects_mismatched_input_and_algorithms() {
         final_choice: None,
         fault: Default::default(),
         watch: None,
+        cache: None,
+        transfers: Default::default(),
     };
     let gpu =
         new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), DeviceAlgorithm::Bitonic, 1)
@@ -250,6 +258,8 @@ fn gpu_selector_rejects_mismatched_input_and_algorithms() {
         final_choice: None,
         fault: Default::default(),
         watch: None,
+        cache: None,
+        transfers: Default::default(),
     };
     assert!(
         new_cuda_selector_with_capacity(&big, Arc::clone(&device), DeviceAlgorithm::Bitonic, 1)
@@ -335,6 +345,8 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
             final_choice: None,
             fault: Default::default(),
             watch: None,
+            cache: None,
+            transfers: Default::default(),
         };
         let Some(algorithm) = resolve(&device, &spec1, algorithm) else {
             continue; // bitonic with too large a k

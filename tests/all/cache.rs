@@ -1,0 +1,232 @@
+//! The device column cache (`gpu_topk.cache_bytes`): a repeated query over an in-memory table
+//! reads its columns from device memory, with DataFusion's answer; a changed table is never
+//! served stale; a small budget evicts, and a query larger than it still runs; concurrent and
+//! cancelled queries leave no entry in use. On the CUDA backend only: without a GPU each test
+//! says so and passes.
+
+use std::sync::Arc;
+
+use datafusion::arrow::array::{Float64Array, Int64Array, RecordBatch};
+use datafusion::arrow::datatypes::{DataType, Field, Schema};
+use datafusion::prelude::SessionContext;
+use datafusion_gpu_topk::internal::device::{GpuStatus, gpu, gpu_status};
+use datafusion_gpu_topk::{Backend, GpuTopKConfig};
+use futures::StreamExt;
+
+use crate::common::Storage;
+use crate::common::{
+    Report, exact_rows, physical_plan, plain_session_with, register, run_oracle, run_reporting,
+    session_with,
+};
+
+fn gpu_or_skip(test: &str) -> bool {
+    match gpu_status() {
+        GpuStatus::Available(_) => true,
+        GpuStatus::Unavailable(why) => {
+            eprintln!("SKIP: {test}: no GPU ({why})");
+            false
+        }
+    }
+}
+
+/// `partitions` partitions of `batches` batches of `rows` rows: `rid` (input position),
+/// `v` (ties every 1000 values), `f` in [0, 1).
+fn table(partitions: usize, batches: usize, rows: usize, seed: i64) -> Vec<Vec<RecordBatch>> {
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("rid", DataType::Int64, false),
+        Field::new("v", DataType::Int64, false),
+        Field::new("f", DataType::Float64, false),
+    ]));
+    let mut rid = 0i64;
+    (0..partitions)
+        .map(|_| {
+            (0..batches)
+                .map(|_| {
+                    let ids: Vec<i64> = (rid..rid + rows as i64).collect();
+                    rid += rows as i64;
+                    let hash = |i: i64| (i.wrapping_mul(2654435761) ^ seed).rem_euclid(1 << 30);
+                    let v: Vec<i64> = ids.iter().map(|&i| hash(i) % 1000).collect();
+                    let f: Vec<f64> = ids
+                        .iter()
+                        .map(|&i| hash(i + 7) as f64 / (1u64 << 30) as f64)
+                        .collect();
+                    RecordBatch::try_new(
+                        Arc::clone(&schema),
+                        vec![
+                            Arc::new(Int64Array::from(ids)),
+                            Arc::new(Int64Array::from(v)),
+                            Arc::new(Float64Array::from(f)),
+                        ],
+                    )
+                    .unwrap()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+const QUERY: &str = "SELECT rid, v FROM t WHERE f < 0.5 ORDER BY v DESC LIMIT 20";
+const ORACLE: &str = "SELECT rid, v FROM t WHERE f < 0.5 ORDER BY v DESC, rid LIMIT 20";
+
+/// A CUDA session over `data` as `t` (in memory), with the cache budget `cache_bytes`, and
+/// plain DataFusion over the same batches.
+fn sessions(
+    data: Vec<Vec<RecordBatch>>,
+    cache_bytes: Option<usize>,
+) -> (SessionContext, SessionContext) {
+    let partitions = data.len();
+    let config = GpuTopKConfig::default()
+        .with_backend(Backend::Cuda)
+        .with_cache_bytes(cache_bytes);
+    let ctx = session_with(partitions, 8192, config);
+    register(&ctx, "t", data.clone());
+    let plain = plain_session_with(partitions, 8192, Storage::Memory);
+    register(&plain, "t", data);
+    (ctx, plain)
+}
+
+async fn check(ctx: &SessionContext, plain: &SessionContext, sql: &str, oracle: &str) -> Report {
+    let (result, report) = run_reporting(ctx, sql).await;
+    let rows = exact_rows(&result.unwrap_or_else(|e| panic!("{sql}: {e}")));
+    assert_eq!(rows, run_oracle(plain, oracle).await.unwrap(), "{sql}");
+    assert_eq!(report.fallbacks, 0, "{sql}: {:?}", report.reasons);
+    report
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_repeated_query_reads_its_columns_from_the_cache() {
+    if !gpu_or_skip("a_repeated_query_reads_its_columns_from_the_cache") {
+        return;
+    }
+    let (ctx, plain) = sessions(table(3, 4, 100_000, 1), None);
+    let cold = check(&ctx, &plain, QUERY, ORACLE).await;
+    assert!(cold.cache_misses > 0 && cold.uploaded_bytes > 0, "{cold:?}");
+    assert_eq!(cold.cache_hits, 0, "a new table's buffers: {cold:?}");
+    let warm = check(&ctx, &plain, QUERY, ORACLE).await;
+    assert_eq!(warm.cache_misses, 0, "{warm:?}");
+    assert_eq!(warm.cache_hits, cold.cache_misses, "{warm:?}");
+    assert_eq!(warm.uploaded_bytes, 0, "{warm:?}");
+    assert_eq!(warm.resident_bytes, cold.uploaded_bytes, "{warm:?}");
+    // Another query over the same columns, and one over other columns, still right.
+    let other = "SELECT rid FROM t WHERE f < 0.25 ORDER BY v, f DESC LIMIT 7";
+    check(&ctx, &plain, other, &other.replace("LIMIT", ", rid LIMIT")).await;
+    let device = gpu().expect("checked above");
+    assert!(device.cache.listing().iter().all(|e| !e.in_use));
+    assert!(device.cache.listing().iter().any(|e| e.columns == "f, v"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_changed_table_is_never_served_stale() {
+    if !gpu_or_skip("a_changed_table_is_never_served_stale") {
+        return;
+    }
+    let (ctx, plain) = sessions(table(2, 2, 50_000, 2), None);
+    check(&ctx, &plain, QUERY, ORACLE).await;
+    // New winners: v = 5000 beats every generated value.
+    for c in [&ctx, &plain] {
+        c.sql("INSERT INTO t VALUES (-1, 5000, 0.1), (-2, 5000, 0.9), (-3, 4999, 0.2)")
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+    }
+    let after = check(&ctx, &plain, QUERY, ORACLE).await;
+    assert!(
+        after.cache_misses > 0,
+        "the inserted batch is new: {after:?}"
+    );
+    let rows = exact_rows(&ctx.sql(QUERY).await.unwrap().collect().await.unwrap());
+    assert!(rows[0].starts_with("-1 | 5000"), "{rows:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_small_budget_evicts_and_a_query_larger_than_it_still_runs() {
+    if !gpu_or_skip("a_small_budget_evicts_and_a_query_larger_than_it_still_runs") {
+        return;
+    }
+    // One push is 2 columns × 8 bytes × 100K rows = 1.6 MB.
+    let data = table(1, 4, 100_000, 3);
+    // Smaller than one push: nothing is cached, every run ships its columns.
+    let (ctx, plain) = sessions(data.clone(), Some(1 << 20));
+    for _ in 0..2 {
+        let report = check(&ctx, &plain, QUERY, ORACLE).await;
+        assert_eq!(report.cache_hits, 0, "{report:?}");
+        assert!(report.uploaded_bytes > 0, "{report:?}");
+    }
+    // Room for a few pushes: the cache stays within its budget, answers stay right.
+    let budget = 8 << 20;
+    let (ctx, plain) = sessions(data, Some(budget));
+    for sql in [QUERY, "SELECT rid, v FROM t ORDER BY f DESC LIMIT 5"] {
+        let oracle = sql.replace("LIMIT", ", rid LIMIT");
+        let oracle = if sql == QUERY {
+            ORACLE.to_string()
+        } else {
+            oracle
+        };
+        for _ in 0..2 {
+            check(&ctx, &plain, sql, &oracle).await;
+            assert!(gpu().unwrap().cache.bytes() <= budget);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+async fn concurrent_and_cancelled_queries_leave_no_entry_in_use() {
+    if !gpu_or_skip("concurrent_and_cancelled_queries_leave_no_entry_in_use") {
+        return;
+    }
+    let (ctx, plain) = sessions(table(4, 3, 60_000, 4), None);
+    let want = run_oracle(&plain, ORACLE).await.unwrap();
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let ctx = ctx.clone();
+            tokio::spawn(async move { run_reporting(&ctx, QUERY).await })
+        })
+        .collect();
+    for task in tasks {
+        let (result, report) = task.await.unwrap();
+        assert_eq!(exact_rows(&result.unwrap()), want);
+        assert_eq!(report.fallbacks, 0, "{:?}", report.reasons);
+    }
+    // Cancelled after the first batch of its output stream is asked for, or before.
+    for stop_after in 0..3 {
+        let plan = physical_plan(&ctx, QUERY).await.unwrap();
+        let mut stream = datafusion::physical_plan::execute_stream(plan, ctx.task_ctx()).unwrap();
+        for _ in 0..stop_after {
+            let _ = stream.next().await;
+        }
+        drop(stream);
+    }
+    let device = gpu().unwrap();
+    let settled = (0..100).any(|_| {
+        let idle = device.cache.listing().iter().all(|e| !e.in_use);
+        if !idle {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        idle
+    });
+    assert!(settled, "{:?}", device.cache.listing());
+    assert_eq!(
+        exact_rows(&ctx.sql(QUERY).await.unwrap().collect().await.unwrap()),
+        want
+    );
+}
+
+#[tokio::test]
+async fn the_cache_is_used_only_for_in_memory_inputs_and_can_be_turned_off() {
+    // Planning only: runs on any machine.
+    let data = table(2, 1, 1000, 5);
+    let uses_cache = |ctx: SessionContext| async move {
+        let plan = physical_plan(&ctx, QUERY).await.unwrap();
+        datafusion::physical_plan::displayable(plan.as_ref())
+            .indent(true)
+            .to_string()
+            .contains("cache=on")
+    };
+    let gpu_present = matches!(gpu_status(), GpuStatus::Available(_));
+    let (on, _) = sessions(data.clone(), None);
+    assert_eq!(uses_cache(on).await, gpu_present);
+    let (off, _) = sessions(data, Some(0));
+    assert!(!uses_cache(off).await);
+}
