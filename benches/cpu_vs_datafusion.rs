@@ -1,6 +1,6 @@
-//! Our operator (CPU path, and CUDA when a GPU is present: with the predicate and keys in
-//! generated GPU code, and with them evaluated on the host) against DataFusion's own TopK on the
-//! tweet queries: same machine, same run, same in-memory table, end to end.
+//! Our operator (CPU path, and CUDA when a GPU is present: cold, its columns shipped over PCIe
+//! on every query, and warm, read from the device's column cache) against DataFusion's own
+//! TopK on the tweet queries: same machine, same run, same in-memory table, end to end.
 //!
 //! ```text
 //! cargo bench --bench cpu_vs_datafusion -- [--rows N] [--runs R] [--csv FILE] [--sweep]
@@ -18,11 +18,11 @@ use std::time::Instant;
 use datafusion::arrow::array::RecordBatch;
 use datafusion::arrow::util::display::{ArrayFormatter, FormatOptions};
 use datafusion::error::Result;
-use datafusion_gpu_topk::Backend;
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
 use datafusion_gpu_topk::internal::device::gpu;
+use datafusion_gpu_topk::{Backend, GpuTopKConfig};
 
-use common::{arg, session, time_sql};
+use common::{arg, session, session_with, time_sql};
 
 /// The tweet queries: Q1 at a few selectivities, Q2 at a few k, Q3, Q4; with `sweep`, Q1 at
 /// selectivities 0 to 1 in steps of 0.1 and Q2 over more k.
@@ -88,13 +88,14 @@ async fn main() -> Result<()> {
     let csv: String = arg("--csv", String::new());
     let sweep = std::env::args().any(|a| a == "--sweep");
     let plain = session(false, Backend::Cpu, true);
-    // Our operator on the CPU path, and on the GPU when there is one: predicate and keys in
-    // generated GPU code ("cuda"), and evaluated on the host with the columns shipped
-    // ("cuda-host").
+    // Our operator on the CPU path, and on the GPU when there is one, predicate and keys in
+    // generated GPU code: "cold" ships the columns over PCIe on every query (no column
+    // cache), "warm" reads them from the device's column cache (filled by the checked run).
     let mut engines = vec![("cpu", session(true, Backend::Cpu, true))];
     if gpu().is_some() {
-        engines.push(("cuda", session(true, Backend::Cuda, true)));
-        engines.push(("cuda-host", session(true, Backend::Cuda, false)));
+        let cuda = GpuTopKConfig::default().with_backend(Backend::Cuda);
+        engines.push(("cold", session_with(cuda.clone().with_cache_bytes(Some(0)))));
+        engines.push(("warm", session_with(cuda)));
     }
     let partitions = plain.copied_config().target_partitions();
     let started = Instant::now();

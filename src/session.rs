@@ -2,11 +2,18 @@
 
 use std::sync::Arc;
 
+use datafusion::arrow::array::{ArrayRef, BooleanArray, RecordBatch, StringArray, UInt64Array};
+use datafusion::arrow::datatypes::{DataType, Field, Schema};
+use datafusion::catalog::{TableFunction, TableFunctionArgs, TableFunctionImpl, TableProvider};
+use datafusion::common::plan_err;
+use datafusion::datasource::MemTable;
+use datafusion::error::Result;
 use datafusion::execution::SessionStateBuilder;
 use datafusion::physical_optimizer::optimizer::PhysicalOptimizer;
 use datafusion::prelude::SessionConfig;
 
 use crate::config::GpuTopKConfig;
+use crate::device::cache::CacheListing;
 use crate::rule::GpuTopKRule;
 
 /// Names of the DataFusion rules [`GpuTopKRule`] goes before (the first present):
@@ -17,9 +24,11 @@ pub(crate) const INSERT_BEFORE_RULES: [&str; 2] = ["PushdownSort", "FilterPushdo
 
 /// Adds the GPU top-k operator to a [`SessionStateBuilder`].
 pub trait SessionStateBuilderExt {
-    /// Registers the `gpu_topk` settings (with `config` as their values) and inserts
+    /// Registers the `gpu_topk` settings (with `config` as their values), inserts
     /// [`GpuTopKRule`] into the physical optimizer just before `PushdownSort` (and so before
-    /// `FilterPushdown(Post)`).
+    /// `FilterPushdown(Post)`), and registers the table functions `gpu_topk_cache()` (the
+    /// device column cache's entries) and `gpu_topk_cache_clear()` (evicts every entry not in
+    /// use and says how many).
     fn with_gpu_topk(self, config: GpuTopKConfig) -> Self;
 }
 
@@ -36,7 +45,79 @@ impl SessionStateBuilderExt for SessionStateBuilder {
             .unwrap_or(rules.len());
         rules.insert(at, Arc::new(GpuTopKRule::new(config)));
         *self.physical_optimizers() = Some(PhysicalOptimizer::with_rules(rules));
+        let functions = self.table_functions().get_or_insert_with(Default::default);
+        for (name, function) in [
+            ("gpu_topk_cache", CacheFunction::List),
+            ("gpu_topk_cache_clear", CacheFunction::Clear),
+        ] {
+            let function = TableFunction::new(name.into(), Arc::new(function));
+            functions.insert(name.into(), Arc::new(function));
+        }
         self
+    }
+}
+
+/// The column cache's table functions.
+#[derive(Debug, Clone, Copy)]
+enum CacheFunction {
+    List,
+    Clear,
+}
+
+impl TableFunctionImpl for CacheFunction {
+    fn call_with_args(&self, args: TableFunctionArgs) -> Result<Arc<dyn TableProvider>> {
+        if !args.exprs().is_empty() {
+            return plan_err!("gpu_topk_cache functions take no arguments");
+        }
+        let cache = crate::device::gpu();
+        let batch = match self {
+            CacheFunction::List => {
+                let entries = cache.map(|d| d.cache.listing()).unwrap_or_default();
+                let schema = Arc::new(Schema::new(vec![
+                    Field::new("columns", DataType::Utf8, false),
+                    Field::new("slices", DataType::UInt64, false),
+                    Field::new("bytes", DataType::UInt64, false),
+                    Field::new("last_use", DataType::UInt64, false),
+                    Field::new("in_use", DataType::Boolean, false),
+                ]));
+                let column = |f: &dyn Fn(&CacheListing) -> u64| {
+                    Arc::new(UInt64Array::from_iter_values(entries.iter().map(f))) as ArrayRef
+                };
+                RecordBatch::try_new(
+                    schema,
+                    vec![
+                        Arc::new(StringArray::from_iter_values(
+                            entries.iter().map(|e| e.columns.as_str()),
+                        )),
+                        column(&|e| e.slices as u64),
+                        column(&|e| e.bytes as u64),
+                        column(&|e| e.last_use),
+                        Arc::new(BooleanArray::from_iter(
+                            entries.iter().map(|e| Some(e.in_use)),
+                        )),
+                    ],
+                )?
+            }
+            CacheFunction::Clear => {
+                let evicted = cache.as_ref().map_or(0, |d| d.cache.clear());
+                let held = cache.as_ref().map_or(0, |d| d.cache.bytes());
+                let schema = Arc::new(Schema::new(vec![
+                    Field::new("evicted", DataType::UInt64, false),
+                    Field::new("bytes_held", DataType::UInt64, false),
+                ]));
+                RecordBatch::try_new(
+                    schema,
+                    vec![
+                        Arc::new(UInt64Array::from(vec![evicted as u64])),
+                        Arc::new(UInt64Array::from(vec![held as u64])),
+                    ],
+                )?
+            }
+        };
+        Ok(Arc::new(MemTable::try_new(
+            batch.schema(),
+            vec![vec![batch]],
+        )?))
     }
 }
 

@@ -29,6 +29,11 @@ pub fn session(ours: bool, backend: Backend, fuse: bool) -> SessionContext {
         .with_enabled(ours)
         .with_backend(backend)
         .with_fuse_expressions(fuse);
+    session_with(gpu)
+}
+
+/// A session on all cores with the operator configured as `gpu`.
+pub fn session_with(gpu: GpuTopKConfig) -> SessionContext {
     let state = SessionStateBuilder::new()
         .with_config(SessionConfig::new())
         .with_default_features()

@@ -85,6 +85,12 @@ fn sessions(
     (ctx, plain)
 }
 
+/// The rows of `sql`'s result as `exact_rows` gives them, without its header line.
+async fn values(ctx: &SessionContext, sql: &str) -> Vec<String> {
+    let rows = exact_rows(&ctx.sql(sql).await.unwrap().collect().await.unwrap());
+    rows[1..].to_vec()
+}
+
 async fn check(ctx: &SessionContext, plain: &SessionContext, sql: &str, oracle: &str) -> Report {
     let (result, report) = run_reporting(ctx, sql).await;
     let rows = exact_rows(&result.unwrap_or_else(|e| panic!("{sql}: {e}")));
@@ -112,7 +118,13 @@ async fn a_repeated_query_reads_its_columns_from_the_cache() {
     check(&ctx, &plain, other, &other.replace("LIMIT", ", rid LIMIT")).await;
     let device = gpu().expect("checked above");
     assert!(device.cache.listing().iter().all(|e| !e.in_use));
-    assert!(device.cache.listing().iter().any(|e| e.columns == "f, v"));
+    let listed = "SELECT count(*) FROM gpu_topk_cache() WHERE columns = 'f, v' AND NOT in_use";
+    assert_ne!(values(&ctx, listed).await, vec!["0".to_string()]);
+    // Cleared from SQL: the next run ships its columns again.
+    let cleared = "SELECT evicted > 0 FROM gpu_topk_cache_clear()";
+    assert_eq!(values(&ctx, cleared).await, vec!["true".to_string()]);
+    let again = check(&ctx, &plain, QUERY, ORACLE).await;
+    assert_eq!(again.cache_misses, cold.cache_misses, "{again:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -136,7 +148,7 @@ async fn a_changed_table_is_never_served_stale() {
         after.cache_misses > 0,
         "the inserted batch is new: {after:?}"
     );
-    let rows = exact_rows(&ctx.sql(QUERY).await.unwrap().collect().await.unwrap());
+    let rows = values(&ctx, QUERY).await;
     assert!(rows[0].starts_with("-1 | 5000"), "{rows:?}");
 }
 
@@ -229,4 +241,24 @@ async fn the_cache_is_used_only_for_in_memory_inputs_and_can_be_turned_off() {
     assert_eq!(uses_cache(on).await, gpu_present);
     let (off, _) = sessions(data, Some(0));
     assert!(!uses_cache(off).await);
+}
+
+#[tokio::test]
+async fn the_cache_functions_answer_on_any_machine() {
+    let (ctx, _) = sessions(table(1, 1, 10, 6), None);
+    let sql = "SELECT count(*) >= 0 FROM gpu_topk_cache()";
+    assert_eq!(values(&ctx, sql).await, vec!["true".to_string()]);
+    let sql = "SELECT evicted >= 0, bytes_held >= 0 FROM gpu_topk_cache_clear()";
+    assert_eq!(values(&ctx, sql).await, vec!["true | true".to_string()]);
+    let err = ctx
+        .sql("SELECT * FROM gpu_topk_cache(1)")
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("take no arguments"), "{err}");
+    // DataFusion's own table functions are still there.
+    let rows = ctx
+        .sql("SELECT * FROM generate_series(1, 2)")
+        .await
+        .unwrap();
+    assert_eq!(rows.collect().await.unwrap()[0].num_rows(), 2);
 }
