@@ -96,6 +96,9 @@ async fn main() -> Result<()> {
         let cuda = GpuTopKConfig::default().with_backend(Backend::Cuda);
         engines.push(("cold", session_with(cuda.clone().with_cache_bytes(Some(0)))));
         engines.push(("warm", session_with(cuda)));
+        // The default settings: the cost model picks the CPU path or the GPU, knowing which
+        // columns are resident.
+        engines.push(("auto", session_with(GpuTopKConfig::default())));
     }
     let partitions = plain.copied_config().target_partitions();
     let started = Instant::now();

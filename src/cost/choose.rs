@@ -27,6 +27,9 @@ pub(crate) struct Estimate {
     /// Whether a generated program must be compiled (neither loaded in this process nor in
     /// the disk cache).
     pub compile: bool,
+    /// The share of those bytes already in the device's column cache (0 to 1): they cross no
+    /// PCIe link.
+    pub resident: f64,
 }
 
 /// Rows assumed when the statistics do not say.
@@ -47,6 +50,8 @@ pub struct Prediction {
     pub alternatives: Vec<(SelectionChoice, f64)>,
     /// The model, for an `auto` selector's run-time choice of the final selection.
     pub model: Option<CostModel>,
+    /// The share of the input bytes the device's column cache held ([`Estimate::resident`]).
+    pub resident: f64,
 }
 
 impl Prediction {
@@ -58,6 +63,9 @@ impl Prediction {
             if self.rows_known { "=" } else { "≈" },
             self.rows
         );
+        if self.resident > 0.0 {
+            s.push_str(&format!(", resident={:.0}%", 100.0 * self.resident));
+        }
         if verbose && !self.alternatives.is_empty() {
             let all: Vec<String> = self
                 .alternatives
@@ -231,6 +239,7 @@ fn prediction_of(
         seconds,
         alternatives,
         model: None,
+        resident: estimate.resident,
     }
 }
 
@@ -287,7 +296,7 @@ pub(crate) fn operator_seconds(
     };
     Some(
         compile
-            + model.transfer_time(n * estimate.bytes_per_row)
+            + model.transfer_time(n * estimate.bytes_per_row) * (1.0 - estimate.resident)
             + model.filter_time(n, candidates, kind)
             + reductions
             + selection,

@@ -74,6 +74,8 @@ pub struct CacheListing {
 #[derive(Default)]
 struct State {
     entries: HashMap<CacheKey, Arc<CacheEntry>>,
+    /// How many entries hold each host slice address, for [`ColumnCache::holds`].
+    slices: HashMap<usize, usize>,
     /// Bytes of the entries, and of the room reserved for entries being uploaded.
     bytes: usize,
 }
@@ -132,6 +134,7 @@ impl ColumnCache {
             };
             let entry = state.entries.remove(&victim).expect("found above");
             state.bytes -= entry.bytes;
+            forget_slices(&mut state.slices, &victim);
         }
         state.bytes += bytes;
         true
@@ -170,7 +173,11 @@ impl ColumnCache {
                 state.bytes = state.bytes.saturating_sub(bytes);
             }
             std::collections::hash_map::Entry::Vacant(slot) => {
+                let addresses: Vec<usize> = slot.key().iter().map(|&(a, _)| a).collect();
                 slot.insert(entry);
+                for address in addresses {
+                    *state_slices(&mut state.slices, address) += 1;
+                }
             }
         }
     }
@@ -179,16 +186,25 @@ impl ColumnCache {
     pub fn clear(&self) -> usize {
         let mut state = self.state();
         let before = state.entries.len();
-        let mut freed = 0;
-        state.entries.retain(|_, e| {
+        let (mut freed, mut gone) = (0, Vec::new());
+        state.entries.retain(|key, e| {
             let keep = e.users.load(Ordering::Acquire) > 0;
             if !keep {
                 freed += e.bytes;
+                gone.push(key.clone());
             }
             keep
         });
         state.bytes -= freed;
+        for key in gone {
+            forget_slices(&mut state.slices, &key);
+        }
         before - state.entries.len()
+    }
+
+    /// Whether an entry holds the host slice starting at `address` (a column buffer's data).
+    pub fn holds(&self, address: usize) -> bool {
+        self.state().slices.contains_key(&address)
     }
 
     /// Device bytes of the entries (and of reservations in flight).
@@ -212,5 +228,20 @@ impl ColumnCache {
             .collect();
         all.sort_by_key(|e| std::cmp::Reverse(e.last_use));
         all
+    }
+}
+
+fn state_slices(slices: &mut HashMap<usize, usize>, address: usize) -> &mut usize {
+    slices.entry(address).or_insert(0)
+}
+
+fn forget_slices(slices: &mut HashMap<usize, usize>, key: &CacheKey) {
+    for (address, _) in key {
+        if let Some(n) = slices.get_mut(address) {
+            *n -= 1;
+            if *n == 0 {
+                slices.remove(address);
+            }
+        }
     }
 }

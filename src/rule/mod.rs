@@ -31,6 +31,8 @@
 
 use std::sync::{Arc, Mutex};
 
+use datafusion::arrow::array::RecordBatch;
+use datafusion::arrow::datatypes::DataType;
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
 use datafusion::datasource::source::DataSourceExec;
@@ -279,12 +281,16 @@ fn match_top_k(
             absorbed.filter.is_some(),
         )
     };
-    let estimate = estimate(
+    let cached = config.cache_bytes != Some(0) && replays_from_memory(&absorbed.input);
+    let mut estimate = estimate(
         absorbed.input.as_ref(),
         &layout,
         &fusion,
         absorbed.filter.is_some(),
     );
+    if cached && let Some(program) = &fusion.program {
+        estimate.resident = resident_share(&absorbed.input, program);
+    }
     let settings = cost::Settings {
         backend: config.backend,
         algorithm: config.algorithm,
@@ -312,11 +318,9 @@ fn match_top_k(
         prediction,
         fault: config.inject_fault,
         device_memory_limit: config.device_memory_limit,
-        cache: (config.cache_bytes != Some(0) && replays_from_memory(&absorbed.input)).then_some(
-            CacheSetting {
-                budget: config.cache_bytes,
-            },
-        ),
+        cache: cached.then_some(CacheSetting {
+            budget: config.cache_bytes,
+        }),
     };
     let exec = GpuTopKExec::try_new(absorbed.input, spec, node.as_ref())
         .or_else(|e| because(format!("cannot build the operator: {e}")))?;
@@ -343,6 +347,79 @@ fn replays_from_memory(input: &Arc<dyn ExecutionPlan>) -> bool {
                 .downcast_ref::<MemorySourceConfig>()
                 .is_some()
         })
+}
+
+/// An in-memory input's batches, and for each of its output columns the column of those
+/// batches it is (see [`replays_from_memory`]).
+fn memory_batches(input: &Arc<dyn ExecutionPlan>) -> Option<(Vec<RecordBatch>, Vec<usize>)> {
+    use datafusion::datasource::memory::MemorySourceConfig;
+    if let Some(projection) = input.downcast_ref::<ProjectionExec>() {
+        let (batches, inner) = memory_batches(projection.input())?;
+        let map = projection
+            .expr()
+            .iter()
+            .map(|e| e.expr.downcast_ref::<Column>().map(|c| inner[c.index()]))
+            .collect::<Option<Vec<_>>>()?;
+        return Some((batches, map));
+    }
+    let source = input.downcast_ref::<DataSourceExec>()?;
+    let memory = source.data_source().downcast_ref::<MemorySourceConfig>()?;
+    let batches: Vec<RecordBatch> = memory.partitions().iter().flatten().cloned().collect();
+    let width = batches.first().map_or(0, |b| b.num_columns());
+    let map = match memory.projection() {
+        Some(projection) => projection.clone(),
+        None => (0..width).collect(),
+    };
+    Some((batches, map))
+}
+
+/// The share of the bytes a generated program reads from an in-memory input that the device's
+/// column cache already holds: the cost model then counts no PCIe transfer for them.
+fn resident_share(input: &Arc<dyn ExecutionPlan>, program: &fusion::FusedProgram) -> f64 {
+    let Some(device) = crate::device::gpu() else {
+        return 0.0;
+    };
+    let Some((batches, map)) = memory_batches(input) else {
+        return 0.0;
+    };
+    let columns: Vec<usize> = program
+        .inputs
+        .iter()
+        .filter_map(|input| match input {
+            fusion::KernelInput::Column(c) | fusion::KernelInput::DictionaryCodes(c) => {
+                map.get(*c).copied()
+            }
+            _ => None,
+        })
+        .collect();
+    let (mut held, mut total) = (0usize, 0usize);
+    for batch in &batches {
+        for &c in &columns {
+            let Some(column) = batch.columns().get(c) else {
+                continue;
+            };
+            let data = column.to_data();
+            // A dictionary's first buffer is its codes.
+            let width = match data.data_type() {
+                DataType::Dictionary(codes, _) => codes.primitive_width(),
+                other => other.primitive_width(),
+            };
+            let (Some(buffer), Some(width)) = (data.buffers().first(), width) else {
+                continue;
+            };
+            let bytes = data.len() * width;
+            total += bytes;
+            let address = buffer.as_ptr() as usize + data.offset() * width;
+            if device.cache.holds(address) {
+                held += bytes;
+            }
+        }
+    }
+    if total == 0 {
+        0.0
+    } else {
+        held as f64 / total as f64
+    }
 }
 
 /// The operator's inputs once the nodes below the sort are absorbed; every expression is
@@ -524,5 +601,6 @@ fn estimate(
         rows,
         bytes_per_row: (layout.total_bits() as usize).div_ceil(8) + if filtered { 8 } else { 0 },
         compile,
+        resident: 0.0,
     }
 }

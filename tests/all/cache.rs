@@ -15,8 +15,8 @@ use futures::StreamExt;
 
 use crate::common::Storage;
 use crate::common::{
-    Report, exact_rows, physical_plan, plain_session_with, register, run_oracle, run_reporting,
-    session_with,
+    Report, exact_rows, physical_plan, plain_session_with, plan_text, register, run_oracle,
+    run_reporting, session_with,
 };
 
 fn gpu_or_skip(test: &str) -> bool {
@@ -113,6 +113,12 @@ async fn a_repeated_query_reads_its_columns_from_the_cache() {
     assert_eq!(warm.cache_hits, cold.cache_misses, "{warm:?}");
     assert_eq!(warm.uploaded_bytes, 0, "{warm:?}");
     assert_eq!(warm.resident_bytes, cold.uploaded_bytes, "{warm:?}");
+    // The cost model knows: its prediction counts no transfer for resident columns.
+    let text = plan_text(&physical_plan(&ctx, QUERY).await.unwrap());
+    assert!(
+        !text.contains("predicted=") || text.contains("resident=100%"),
+        "{text}"
+    );
     // Another query over the same columns, and one over other columns, still right.
     let other = "SELECT rid FROM t WHERE f < 0.25 ORDER BY v, f DESC LIMIT 7";
     check(&ctx, &plain, other, &other.replace("LIMIT", ", rid LIMIT")).await;
