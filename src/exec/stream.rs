@@ -458,6 +458,19 @@ impl Shared {
     /// Offers one input batch of a partition, whose first row has id `first_id`.
     fn offer(&self, first_id: u64, batch: &RecordBatch, local: &mut PartitionState) -> Result<()> {
         if batch.num_rows() == 0 {
+            // DataFusion evaluates the filter on every input batch, and the sort keys on every
+            // batch that reaches its TopK (an empty one too where no filter is below): an
+            // expression that fails whatever the rows (a failing constant) fails there too.
+            match &self.spec.filter {
+                Some(predicate) => {
+                    predicate.evaluate(batch)?;
+                }
+                None => {
+                    for sort in self.spec.sort_exprs.iter() {
+                        sort.expr.evaluate(batch)?.into_array(0)?;
+                    }
+                }
+            }
             return Ok(());
         }
         self.metrics.rows_in.add(batch.num_rows());

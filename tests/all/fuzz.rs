@@ -1161,3 +1161,38 @@ async fn a_key_a_filter_makes_constant_still_orders_signed_zeros() {
         assert_eq!((diff, taken), (None, 1), "{storage:?}");
     }
 }
+
+/// A sort key that fails whatever the rows (a failing constant) fails over an empty batch as
+/// DataFusion's TopK does, which evaluates its keys on every batch it receives; with a filter
+/// below, only the filter sees that batch. Found by the fuzzer (an in-memory table whose only
+/// batch is empty).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_constant_key_fails_over_an_empty_batch_as_in_datafusion() {
+    let setup = Setup {
+        data: table(1, &[&[0]]),
+        storage: Storage::Memory,
+        partitions: 1,
+        batch_size: 64,
+    };
+    let sessions = sessions(&setup, "empty-batch").await;
+    for filter in [None, Some("f32 > 0".to_string())] {
+        let query = Query {
+            select: vec!["s".into()],
+            filter: filter.clone(),
+            keys: vec!["(sqrt(-2.5) + f32) DESC".into()],
+            limit: 1,
+            offset: 0,
+        };
+        let ours = run(&sessions.ours, &query.sql()).await;
+        match &filter {
+            None => {
+                let err = ours.expect_err("a failing key").to_string();
+                assert!(err.contains("square root of a negative number"), "{err}");
+            }
+            Some(_) => assert!(ours.unwrap().iter().all(|b| b.num_rows() == 0)),
+        }
+        let (mut taken, mut tied) = (0, 0);
+        let diff = check(&sessions, &query, &mut taken, &mut tied).await;
+        assert_eq!(diff, None, "{query:?}");
+    }
+}
