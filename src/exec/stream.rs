@@ -116,10 +116,11 @@ pub(super) fn execute(
         metrics: TopKMetrics::new(metrics),
         context,
     };
-    Ok(Box::pin(RecordBatchStreamAdapter::new(
-        schema,
-        futures::stream::once(async move { run.run().await }),
-    )))
+    // No rows, no batch, as from DataFusion's TopK: an operator above (ours too) sees no
+    // empty batch to evaluate its keys on.
+    let output = futures::stream::once(async move { run.run().await })
+        .filter(|batch| futures::future::ready(!matches!(batch, Ok(b) if b.num_rows() == 0)));
+    Ok(Box::pin(RecordBatchStreamAdapter::new(schema, output)))
 }
 
 /// One execution of the operator.
