@@ -489,16 +489,7 @@ fn cpu_rows_per_second() -> f64 {
     }]) else {
         return 100e6;
     };
-    let spec = SelectionSpec {
-        layout,
-        k: REFERENCE_K,
-        program: None,
-        final_choice: None,
-        fault: Default::default(),
-        watch: None,
-        cache: None,
-        transfers: Default::default(),
-    };
+    let spec = SelectionSpec::new(layout, REFERENCE_K);
     let mut best = f64::INFINITY;
     for _ in 0..3 {
         let selector = cpu::new_selector(&spec);

@@ -374,18 +374,13 @@ impl TopKRun {
 /// What the selector selects; `program`: the generated program it runs, if any.
 fn selection_spec(spec: &TopKSpec, program: Option<Arc<FusedProgram>>) -> SelectionSpec {
     SelectionSpec {
-        layout: spec.layout.clone(),
-        k: spec.k,
         program,
         final_choice: spec
             .prediction
             .as_ref()
             .and_then(|p| p.model)
             .map(|m| Arc::new(m) as Arc<dyn select::FinalChoice>),
-        fault: FaultPoint::None,
-        watch: None,
-        cache: None,
-        transfers: Default::default(),
+        ..SelectionSpec::new(spec.layout.clone(), spec.k)
     }
 }
 

@@ -205,6 +205,23 @@ pub struct SelectionSpec {
     pub transfers: TransferMetrics,
 }
 
+impl SelectionSpec {
+    /// Selects `k` rows of `layout`, keys shipped by the host: no program, no model, no fault,
+    /// no accounting, no cache (the fields callers set as they need).
+    pub fn new(layout: KeyLayout, k: usize) -> Self {
+        Self {
+            layout,
+            k,
+            program: None,
+            final_choice: None,
+            fault: FaultPoint::None,
+            watch: None,
+            cache: None,
+            transfers: TransferMetrics::default(),
+        }
+    }
+}
+
 /// How a device selection uses the column cache (`crate::device::cache`).
 #[derive(Debug, Clone, Default)]
 pub struct CachePolicy {

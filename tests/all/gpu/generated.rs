@@ -119,14 +119,8 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
     'queries: for (sql, spec, program, k, projection) in planned {
         for algorithm in [Algorithm::Radix, Algorithm::Auto] {
             let selection = SelectionSpec {
-                layout: spec.layout.clone(),
-                k,
                 program: Some(Arc::clone(&program)),
-                final_choice: None,
-                fault: Default::default(),
-                watch: None,
-                cache: None,
-                transfers: Default::default(),
+                ..SelectionSpec::new(spec.layout.clone(), k)
             };
             let gpu = new_cuda_selector_with_capacity(
                 &selection,

@@ -51,16 +51,7 @@ pub(super) fn check_selector(
     seed: u64,
 ) {
     let layout = KeyLayout::try_new(specs.clone()).unwrap();
-    let spec = SelectionSpec {
-        layout,
-        k,
-        program: None,
-        final_choice: None,
-        fault: Default::default(),
-        watch: None,
-        cache: None,
-        transfers: Default::default(),
-    };
+    let spec = SelectionSpec::new(layout, k);
     let cpu = cpu::new_selector(&spec);
     let algorithm = resolve(device, &spec, algorithm).expect("a device algorithm for this k");
     let gpu = new_cuda_selector_with_capacity(&spec, Arc::clone(device), algorithm, capacity)
@@ -171,16 +162,7 @@ fn gpu_selector_without_rows_or_with_k_zero() {
     };
     let layout = KeyLayout::try_new(vec![spec(DataType::Int64, false, false, true)]).unwrap();
     for k in [0, 5] {
-        let spec = SelectionSpec {
-            layout: layout.clone(),
-            k,
-            program: None,
-            final_choice: None,
-            fault: Default::default(),
-            watch: None,
-            cache: None,
-            transfers: Default::default(),
-        };
+        let spec = SelectionSpec::new(layout.clone(), k);
         let gpu =
             new_cuda_selector_with_capacity(&spec, Arc::clone(&device), DeviceAlgorithm::Radix, 1)
                 .unwrap();
@@ -193,16 +175,7 @@ fn gpu_selector_without_rows_or_with_k_zero() {
         assert_eq!(gpu.finish().unwrap(), Vec::<u64>::new());
     }
     // All NULL: ties broken by row id.
-    let spec1 = SelectionSpec {
-        layout,
-        k: 3,
-        program: None,
-        final_choice: None,
-        fault: Default::default(),
-        watch: None,
-        cache: None,
-        transfers: Default::default(),
-    };
+    let spec1 = SelectionSpec::new(layout, 3);
     let gpu =
         new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), DeviceAlgorithm::Radix, 1)
             .unwrap();
@@ -221,16 +194,7 @@ fn gpu_selector_rejects_mismatched_input_and_algorithms() {
         return;
     };
     let layout = KeyLayout::try_new(vec![spec(DataType::Int64, false, false, false)]).unwrap();
-    let spec1 = SelectionSpec {
-        layout: layout.clone(),
-        k: 5,
-        program: None,
-        final_choice: None,
-        fault: Default::default(),
-        watch: None,
-        cache: None,
-        transfers: Default::default(),
-    };
+    let spec1 = SelectionSpec::new(layout.clone(), 5);
     let gpu =
         new_cuda_selector_with_capacity(&spec1, Arc::clone(&device), DeviceAlgorithm::Bitonic, 1)
             .unwrap();
@@ -251,16 +215,7 @@ fn gpu_selector_rejects_mismatched_input_and_algorithms() {
         .is_err()
     );
     assert_eq!(resolve(&device, &spec1, Algorithm::Cpu), None);
-    let big = SelectionSpec {
-        layout: layout.clone(),
-        k: bitonic_max_k(&device, &layout) + 1,
-        program: None,
-        final_choice: None,
-        fault: Default::default(),
-        watch: None,
-        cache: None,
-        transfers: Default::default(),
-    };
+    let big = SelectionSpec::new(layout.clone(), bitonic_max_k(&device, &layout) + 1);
     assert!(
         new_cuda_selector_with_capacity(&big, Arc::clone(&device), DeviceAlgorithm::Bitonic, 1)
             .is_err()
@@ -338,16 +293,7 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
         let (threads, batches) = (1 + rng0.below(8) as usize, 1 + rng0.below(8) as usize);
         let rows = [10, 500, 3000][rng0.below(3) as usize];
         let seed = rng0.next();
-        let spec1 = SelectionSpec {
-            layout: layout.clone(),
-            k,
-            program: None,
-            final_choice: None,
-            fault: Default::default(),
-            watch: None,
-            cache: None,
-            transfers: Default::default(),
-        };
+        let spec1 = SelectionSpec::new(layout.clone(), k);
         let Some(algorithm) = resolve(&device, &spec1, algorithm) else {
             continue; // bitonic with too large a k
         };
