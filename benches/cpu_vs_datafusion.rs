@@ -1,15 +1,21 @@
-//! Our operator (CPU path, and CUDA when a GPU is present: cold, its columns shipped over PCIe
-//! on every query, and warm, read from the device's column cache) against DataFusion's own
-//! TopK on the tweet queries: same machine, same run, same in-memory table, end to end.
+//! Our operator (CPU path, and CUDA when a GPU is present: cold, its columns streamed over
+//! PCIe on every query; first, a query's first run, its columns shipped into the device's
+//! column cache; warm, read from that cache; auto, the default settings) against DataFusion's
+//! own TopK on the tweet queries: same machine, same run, same batches (DataFusion reads them
+//! as a `MemTable`, ours as a `GpuTable`), end to end through SQL, planning included.
 //!
 //! ```text
 //! cargo bench --bench cpu_vs_datafusion -- [--rows N] [--runs R] [--csv FILE] [--sweep]
+//!     [--plots DIR] [--clients C] [--profile]
 //! ```
 //!
-//! Each query runs R times per engine (after one warm-up), alternating engines; the table shows
-//! medians and the ratio ours / DataFusion (CPU path target: ≤ 2). Results are checked to be the same
-//! rows as DataFusion's (as multisets of the sort-key values, since DataFusion orders ties
-//! arbitrarily).
+//! Each query runs R times per engine (after one checked run), alternating engines; the table
+//! shows medians and the ratio ours / DataFusion. Results are checked to be the same rows as
+//! DataFusion's (as multisets of the sort-key values, since DataFusion orders ties
+//! arbitrarily). `--sweep`: Q1 at selectivities 0 to 1, Q2 at k = 1 to 10^6. `--plots DIR`:
+//! Q1 and Q2 as SVG line plots. `--clients C`: C concurrent clients against the warm table,
+//! throughput against the same queries back to back. `--profile`: where the warm runs' time
+//! goes (planning, execution, the operator's metrics).
 
 mod common;
 
@@ -17,10 +23,11 @@ use std::time::Instant;
 
 use datafusion::arrow::array::RecordBatch;
 use datafusion::arrow::util::display::{ArrayFormatter, FormatOptions};
+use datafusion::datasource::MemTable;
 use datafusion::error::Result;
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
 use datafusion_gpu_topk::internal::device::gpu;
-use datafusion_gpu_topk::{Backend, GpuTopKConfig};
+use datafusion_gpu_topk::{Backend, GpuTable, GpuTopKConfig};
 
 use common::{arg, session, session_with, time_sql};
 
@@ -34,7 +41,7 @@ fn queries(sweep: bool) -> Vec<(String, String)> {
         vec![0.1, 0.5, 1.0]
     };
     let ks: &[usize] = if sweep {
-        &[1, 50, 1000, 10_000, 100_000]
+        &[1, 50, 1000, 10_000, 100_000, 1_000_000]
     } else {
         &[50, 1000, 100_000]
     };
@@ -81,71 +88,337 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// One engine of the comparison: its name, its session, and whether the column cache is
+/// emptied before each of its runs (the first run of a query over a table: columns shipped).
+struct Engine {
+    name: &'static str,
+    ctx: datafusion::prelude::SessionContext,
+    clear_cache: bool,
+}
+
+async fn time_engine(engine: &Engine, sql: &str) -> Result<(f64, Vec<RecordBatch>)> {
+    if engine.clear_cache
+        && let Some(device) = gpu()
+    {
+        device.cache.clear();
+    }
+    time_sql(&engine.ctx, sql).await
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let rows: u64 = arg("--rows", 20_000_000);
     let runs: usize = arg("--runs", 5);
     let csv: String = arg("--csv", String::new());
+    let plots: String = arg("--plots", String::new());
+    let clients: usize = arg("--clients", 0);
     let sweep = std::env::args().any(|a| a == "--sweep");
+    let profile = std::env::args().any(|a| a == "--profile");
     let plain = session(false, Backend::Cpu, true);
     // Our operator on the CPU path, and on the GPU when there is one, predicate and keys in
-    // generated GPU code: "cold" ships the columns over PCIe on every query (no column
-    // cache), "warm" reads them from the device's column cache (filled by the checked run).
-    let mut engines = vec![("cpu", session(true, Backend::Cpu, true))];
-    if gpu().is_some() {
+    // generated GPU code: "cold" streams the columns over PCIe on every query (no column
+    // cache), "first" is a query's first run (the cache emptied before it: its columns are
+    // shipped into the cache), "warm" reads them from the cache.
+    let engine = |name, ctx, clear_cache| Engine {
+        name,
+        ctx,
+        clear_cache,
+    };
+    let mut engines = vec![engine("cpu", session(true, Backend::Cpu, true), false)];
+    if let Some(device) = gpu() {
         let cuda = GpuTopKConfig::default().with_backend(Backend::Cuda);
-        engines.push(("cold", session_with(cuda.clone().with_cache_bytes(Some(0)))));
-        engines.push(("warm", session_with(cuda)));
+        engines.push(engine(
+            "cold",
+            session_with(cuda.clone().with_cache_bytes(Some(0))),
+            false,
+        ));
+        engines.push(engine("first", session_with(cuda.clone()), true));
+        engines.push(engine("warm", session_with(cuda), false));
         // The default settings: the cost model picks the CPU path or the GPU, knowing which
         // columns are resident.
-        engines.push(("auto", session_with(GpuTopKConfig::default())));
+        engines.push(engine(
+            "auto",
+            session_with(GpuTopKConfig::default()),
+            false,
+        ));
+        let (pinned, staged) =
+            datafusion_gpu_topk::internal::device::measure::upload_rates(&device, 1 << 30)
+                .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?;
+        println!(
+            "# {}: host to device {pinned:.1} GB/s from pinned memory, {staged:.1} GB/s staged \
+             from pageable memory ({:.0}%)",
+            device.name,
+            100.0 * staged / pinned
+        );
     }
     let partitions = plain.copied_config().target_partitions();
     let started = Instant::now();
-    let table = tweets::tweets_mem_table(&TweetsSpec::new(rows), partitions)?;
-    plain.register_table("tweets", table.clone())?;
-    for (_, ctx) in &engines {
-        ctx.register_table("tweets", table.clone())?;
+    // The same batches: a MemTable for DataFusion, a GpuTable for our operator.
+    let parts = tweets::tweets_partitions(&TweetsSpec::new(rows), partitions, 8192)?;
+    let schema = tweets::tweets_schema();
+    let table = std::sync::Arc::new(MemTable::try_new(schema.clone(), parts.clone())?);
+    plain.register_table("tweets", table)?;
+    let table = std::sync::Arc::new(GpuTable::try_new(schema, parts)?);
+    for engine in &engines {
+        engine.ctx.register_table("tweets", table.clone())?;
     }
     println!(
-        "# {rows} tweets in memory ({partitions} partitions, generated in {:.1} s), {runs} runs each, median ms",
+        "# {rows} tweets in memory ({partitions} partitions of 8192-row batches, generated in {:.1} s; \
+         DataFusion reads a MemTable, ours a GpuTable of the same batches), {runs} runs each, median ms",
         started.elapsed().as_secs_f64()
     );
     let mut header = format!("{:<14} {:>13}", "query", "DataFusion ms");
     let mut lines = vec!["query,rows,engine,ms,datafusion_ms,ratio".to_string()];
-    for (name, _) in &engines {
+    for engine in &engines {
+        let name = engine.name;
         header += &format!(" {:>9} {:>7}", format!("{name} ms"), format!("{name}/DF"));
     }
     println!("{header}  same rows");
+    let mut results = Vec::new();
     for (name, sql) in queries(sweep) {
         let (_, want) = time_sql(&plain, &sql).await?;
         let want = key_multiset(&want);
         let mut same = true;
-        for (_, ctx) in &engines {
-            same &= key_multiset(&time_sql(ctx, &sql).await?.1) == want;
+        for engine in &engines {
+            same &= key_multiset(&time_engine(engine, &sql).await?.1) == want;
         }
         let mut times = vec![Vec::new(); engines.len() + 1];
         for _ in 0..runs {
             times[0].push(time_sql(&plain, &sql).await?.0);
-            for (e, (_, ctx)) in engines.iter().enumerate() {
-                times[e + 1].push(time_sql(ctx, &sql).await?.0);
+            for (e, engine) in engines.iter().enumerate() {
+                times[e + 1].push(time_engine(engine, &sql).await?.0);
             }
         }
         let medians: Vec<f64> = times.into_iter().map(median).collect();
         let mut line = format!("{name:<14} {:>13.1}", medians[0]);
-        for (e, (engine, _)) in engines.iter().enumerate() {
+        for (e, engine) in engines.iter().enumerate() {
             let (ms, ratio) = (medians[e + 1], medians[e + 1] / medians[0]);
             line += &format!(" {ms:>9.1} {ratio:>7.2}");
             lines.push(format!(
-                "{name},{rows},{engine},{ms:.2},{:.2},{ratio:.3}",
-                medians[0]
+                "{name},{rows},{},{ms:.3},{:.3},{ratio:.4}",
+                engine.name, medians[0]
             ));
         }
         println!("{line}  {}", if same { "yes" } else { "NO" });
         assert!(same, "{name}: results differ from DataFusion's");
+        results.push((name, medians));
     }
     if !csv.is_empty() {
         std::fs::write(&csv, lines.join("\n") + "\n")?;
     }
+    if !plots.is_empty() {
+        let mut names = vec!["DataFusion"];
+        names.extend(engines.iter().map(|e| e.name));
+        let machine = gpu().map_or("no GPU".to_string(), |d| d.name.clone());
+        std::fs::create_dir_all(&plots)?;
+        for (prefix, file, title, x_label) in [
+            (
+                "Q1 sel=",
+                "q1.svg",
+                "Q1: top 50 by retweets, filtered",
+                "selectivity",
+            ),
+            ("Q2 k=", "q2.svg", "Q2: top k by a computed score", "k"),
+        ] {
+            let points: Vec<(String, &Vec<f64>)> = results
+                .iter()
+                .filter_map(|(n, m)| n.strip_prefix(prefix).map(|x| (x.to_string(), m)))
+                .collect();
+            let title = format!("{title}, {rows} rows in memory, {machine}");
+            std::fs::write(
+                format!("{plots}/{file}"),
+                svg_plot(&title, x_label, &names, &points),
+            )?;
+        }
+    }
+    if profile {
+        // Where a query's time goes, on the warm engine (the CPU path without a GPU).
+        let engine = engines
+            .iter()
+            .rev()
+            .find(|e| e.name == "warm" || e.name == "cpu");
+        if let Some(engine) = engine {
+            println!("# where the time goes ({}):", engine.name);
+            for (name, sql) in queries(sweep) {
+                println!("{name:<14} {}", profile_query(&engine.ctx, &sql).await?);
+            }
+        }
+    }
+    if clients > 0 {
+        let warm = engines.iter().find(|e| e.name == "warm");
+        if let Some(warm) = warm {
+            concurrent(&plain, &warm.ctx, clients, runs).await?;
+        }
+    }
     Ok(())
+}
+
+/// One run of `sql`, timed by phase (SQL to logical plan, physical planning, execution), with
+/// the operator's own metrics.
+async fn profile_query(ctx: &datafusion::prelude::SessionContext, sql: &str) -> Result<String> {
+    use datafusion::physical_plan::{ExecutionPlan, collect};
+    let started = Instant::now();
+    let frame = ctx.sql(sql).await?;
+    let logical = started.elapsed().as_secs_f64() * 1e3;
+    let plan = frame.create_physical_plan().await?;
+    let physical = started.elapsed().as_secs_f64() * 1e3 - logical;
+    collect(std::sync::Arc::clone(&plan), ctx.task_ctx()).await?;
+    let execute = started.elapsed().as_secs_f64() * 1e3 - logical - physical;
+    fn operator(plan: &std::sync::Arc<dyn ExecutionPlan>) -> Option<String> {
+        if let Some(exec) = plan.downcast_ref::<datafusion_gpu_topk::GpuTopKExec>() {
+            let metrics = plan.metrics()?.aggregate_by_name().sorted_for_display();
+            let fell_back = exec.fallback_reason().unwrap_or_default();
+            return Some(format!("{} {fell_back}", metrics.timestamps_removed()));
+        }
+        plan.children().into_iter().find_map(operator)
+    }
+    Ok(format!(
+        "logical {logical:.2} ms, physical {physical:.2} ms, execute {execute:.2} ms; {}",
+        operator(&plan).unwrap_or_else(|| "DataFusion's TopK".into())
+    ))
+}
+
+/// `clients` concurrent clients each running Q1–Q3 `runs` times against one resident table,
+/// against the same queries back to back: throughput, answers, and the cache's bytes after.
+async fn concurrent(
+    plain: &datafusion::prelude::SessionContext,
+    ctx: &datafusion::prelude::SessionContext,
+    clients: usize,
+    runs: usize,
+) -> Result<()> {
+    let mix: Vec<String> = vec![
+        tweets::q1_with_selectivity(0.5),
+        "SELECT id, retweet_count + 0.5 * likes_count AS score FROM tweets ORDER BY retweet_count + 0.5 * likes_count DESC LIMIT 50".into(),
+        "SELECT id, retweet_count FROM tweets WHERE lang = 'en' OR lang = 'es' ORDER BY retweet_count DESC LIMIT 1000".into(),
+    ];
+    let mut want = Vec::new();
+    for sql in &mix {
+        want.push(key_multiset(&time_sql(plain, sql).await?.1));
+        time_sql(ctx, sql).await?; // resident
+    }
+    let started = Instant::now();
+    for _ in 0..clients * runs {
+        for sql in &mix {
+            time_sql(ctx, sql).await?;
+        }
+    }
+    let serial = started.elapsed().as_secs_f64();
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            let (ctx, mix, want) = (ctx.clone(), mix.clone(), want.clone());
+            tokio::spawn(async move {
+                for _ in 0..runs {
+                    for (sql, want) in mix.iter().zip(&want) {
+                        let (_, got) = time_sql(&ctx, sql).await?;
+                        assert!(
+                            key_multiset(&got) == *want,
+                            "{sql}: a concurrent answer differs"
+                        );
+                    }
+                }
+                Result::<()>::Ok(())
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await
+            .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))??;
+    }
+    let parallel = started.elapsed().as_secs_f64();
+    let queries = (clients * runs * mix.len()) as f64;
+    let cached = gpu().map_or(0, |d| d.cache.bytes());
+    println!(
+        "# {clients} concurrent clients, Q1 sel=0.5 / Q2 k=50 / Q3 k=1000 warm: {:.0} queries/s \
+         ({:.0} back to back, {:.2}x), answers checked; column cache {:.2} GB after",
+        queries / parallel,
+        queries / serial,
+        serial / parallel,
+        cached as f64 / 1e9
+    );
+    Ok(())
+}
+
+/// A line plot of milliseconds (log scale) against the points' labels, one line per engine
+/// (`points[i].1[e]`: engine `e`'s median at point `i`), as SVG.
+fn svg_plot(
+    title: &str,
+    x_label: &str,
+    engines: &[&str],
+    points: &[(String, &Vec<f64>)],
+) -> String {
+    const COLOURS: [&str; 6] = [
+        "#444444", "#1f77b4", "#ff7f0e", "#9467bd", "#2ca02c", "#d62728",
+    ];
+    let (width, height, left, right, top, bottom) = (760.0, 440.0, 70.0, 150.0, 40.0, 50.0);
+    let values = points.iter().flat_map(|(_, m)| m.iter().copied());
+    let values: Vec<f64> = values.filter(|v| v.is_finite() && *v > 0.0).collect();
+    let lo = values
+        .iter()
+        .copied()
+        .fold(f64::INFINITY, f64::min)
+        .max(1e-3);
+    let hi = values.iter().copied().fold(0.0, f64::max).max(lo * 10.0);
+    let (lo_exp, hi_exp) = (lo.log10().floor() as i32, hi.log10().ceil() as i32);
+    let plot_w = width - left - right;
+    let plot_h = height - top - bottom;
+    let x = |i: usize| left + plot_w * (i as f64 + 0.5) / points.len().max(1) as f64;
+    let y = |v: f64| {
+        let t = (v.log10() - lo_exp as f64) / f64::from((hi_exp - lo_exp).max(1));
+        top + plot_h * (1.0 - t)
+    };
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" \
+         font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{}\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">{title}</text>\n",
+        width / 2.0
+    );
+    for e in lo_exp..=hi_exp {
+        let v = 10f64.powi(e);
+        svg += &format!(
+            "<line x1=\"{left}\" x2=\"{}\" y1=\"{y:.1}\" y2=\"{y:.1}\" stroke=\"#dddddd\"/>\
+             <text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{v} ms</text>\n",
+            left + plot_w,
+            left - 6.0,
+            y(v) + 4.0,
+            y = y(v)
+        );
+    }
+    for (i, (label, _)) in points.iter().enumerate() {
+        svg += &format!(
+            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{label}</text>\n",
+            x(i),
+            top + plot_h + 18.0
+        );
+    }
+    svg += &format!(
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{x_label}</text>\n",
+        left + plot_w / 2.0,
+        height - 8.0
+    );
+    for (e, engine) in engines.iter().enumerate() {
+        let colour = COLOURS[e % COLOURS.len()];
+        let line: Vec<String> = (points.iter().enumerate())
+            .filter(|(_, (_, m))| m[e] > 0.0)
+            .map(|(i, (_, m))| format!("{:.1},{:.1}", x(i), y(m[e])))
+            .collect();
+        svg += &format!(
+            "<polyline fill=\"none\" stroke=\"{colour}\" stroke-width=\"2\" points=\"{}\"/>\n",
+            line.join(" ")
+        );
+        for point in &line {
+            let (px, py) = point.split_once(',').unwrap_or(("0", "0"));
+            svg += &format!("<circle cx=\"{px}\" cy=\"{py}\" r=\"3\" fill=\"{colour}\"/>\n");
+        }
+        let ly = top + 16.0 * e as f64 + 8.0;
+        svg += &format!(
+            "<line x1=\"{}\" x2=\"{}\" y1=\"{ly}\" y2=\"{ly}\" stroke=\"{colour}\" stroke-width=\"2\"/>\
+             <text x=\"{}\" y=\"{}\">{engine}</text>\n",
+            width - right + 12.0,
+            width - right + 36.0,
+            width - right + 42.0,
+            ly + 4.0
+        );
+    }
+    svg + "</svg>\n"
 }

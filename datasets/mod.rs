@@ -7,6 +7,6 @@ pub mod tweets;
 
 pub use tweets::{
     DEFAULT_SEED, LANGS, QUERIES, TABLE_NAME, TIME_END_MS, TIME_START_MS, TweetsSpec, WriteSummary,
-    generate_rows, q1_with_selectivity, time_bound_for_selectivity, tweets_mem_table,
-    tweets_partitions, tweets_schema, write_parquet,
+    generate_rows, q1_with_selectivity, time_bound_for_selectivity, tweets_gpu_table,
+    tweets_mem_table, tweets_partitions, tweets_schema, write_parquet,
 };

@@ -140,7 +140,7 @@ pub const QUERIES: [(&str, &str); 4] = [
 const WRITE_BATCH_ROWS: usize = 64 * 1024;
 /// Parquet row group size (~1M rows).
 const ROW_GROUP_ROWS: usize = 1 << 20;
-/// Batch size of [`tweets_mem_table`].
+/// Batch size of [`tweets_mem_table`] and [`tweets_gpu_table`].
 const MEM_BATCH_ROWS: usize = 8192;
 
 /// What to generate: the table size and the seed.
@@ -505,6 +505,13 @@ pub fn tweets_partitions(
 pub fn tweets_mem_table(spec: &TweetsSpec, partitions: usize) -> Result<Arc<MemTable>> {
     let parts = tweets_partitions(spec, partitions, MEM_BATCH_ROWS)?;
     Ok(Arc::new(MemTable::try_new(tweets_schema(), parts)?))
+}
+
+/// The table in memory as a [`crate::GpuTable`] (its top-k queries' columns kept on the GPU
+/// between queries), in `partitions` partitions of 8192-row batches.
+pub fn tweets_gpu_table(spec: &TweetsSpec, partitions: usize) -> Result<Arc<crate::GpuTable>> {
+    let parts = tweets_partitions(spec, partitions, MEM_BATCH_ROWS)?;
+    Ok(Arc::new(crate::GpuTable::try_new(tweets_schema(), parts)?))
 }
 
 fn io_error(what: &str, path: &Path, e: std::io::Error) -> DataFusionError {

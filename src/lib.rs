@@ -27,11 +27,13 @@ mod keys;
 mod rule;
 mod select;
 mod session;
+mod table;
 
 pub use config::{Algorithm, Backend, DeviceOp, FaultPoint, GpuTopKConfig, GpuTopKSettings};
 pub use exec::GpuTopKExec;
 pub use rule::GpuTopKRule;
 pub use session::SessionStateBuilderExt;
+pub use table::{GpuTable, GpuTableExec};
 
 /// The crate's internals, for its own CLI, tests and benchmarks: not part of the API, and
 /// free to change.

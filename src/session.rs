@@ -74,11 +74,12 @@ impl TableFunctionImpl for CacheFunction {
             CacheFunction::List => {
                 let entries = cache.map(|d| d.cache.listing()).unwrap_or_default();
                 let schema = Arc::new(Schema::new(vec![
-                    Field::new("columns", DataType::Utf8, false),
-                    Field::new("slices", DataType::UInt64, false),
+                    Field::new("column", DataType::Utf8, false),
+                    Field::new("chunks", DataType::UInt64, false),
                     Field::new("bytes", DataType::UInt64, false),
                     Field::new("last_use", DataType::UInt64, false),
                     Field::new("in_use", DataType::Boolean, false),
+                    Field::new("pinned", DataType::Boolean, false),
                 ]));
                 let column = |f: &dyn Fn(&CacheListing) -> u64| {
                     Arc::new(UInt64Array::from_iter_values(entries.iter().map(f))) as ArrayRef
@@ -87,13 +88,16 @@ impl TableFunctionImpl for CacheFunction {
                     schema,
                     vec![
                         Arc::new(StringArray::from_iter_values(
-                            entries.iter().map(|e| e.columns.as_str()),
+                            entries.iter().map(|e| e.column.as_str()),
                         )),
-                        column(&|e| e.slices as u64),
+                        column(&|e| e.chunks as u64),
                         column(&|e| e.bytes as u64),
                         column(&|e| e.last_use),
                         Arc::new(BooleanArray::from_iter(
                             entries.iter().map(|e| Some(e.in_use)),
+                        )),
+                        Arc::new(BooleanArray::from_iter(
+                            entries.iter().map(|e| Some(e.pinned)),
                         )),
                     ],
                 )?

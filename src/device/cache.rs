@@ -2,50 +2,85 @@
 //! in device memory between queries, so that a repeated query reads them at device bandwidth
 //! instead of shipping them over PCIe again.
 //!
-//! An entry is one push of one selection: the staged image of its columns' Arrow buffers
-//! (values, validity), keyed by the host address and length of every slice. The entry holds a
+//! An entry is one column of one in-memory table: its batches' values (and validity) back to
+//! back, keyed by the host address and extent of every batch's buffers. The entry holds a
 //! reference to each of those buffers, so while it lives their memory cannot be freed and
 //! reused for other data; Arrow buffers are immutable while shared, so a hit is always the same
-//! bytes. A changed table (an insert makes new batches) has new buffers and misses.
+//! bytes. A changed table (an insert adds a batch) has another key and misses.
 //!
 //! The budget bounds the device bytes of all entries (`gpu_topk.cache_bytes`). A new entry
-//! evicts the least recently used entries that no running push is reading; when that does not
-//! make room, the push runs without caching (its columns are staged as usual). Entries in use
-//! are pinned by a [`CacheUse`] guard until the push that reads them has finished.
+//! evicts the least recently used entries that no query is reading; when that does not make
+//! room, the query streams its input instead. Entries in use are pinned by a [`CacheUse`]
+//! guard until the selection that reads them has finished.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use datafusion::arrow::buffer::Buffer;
 
 use super::memory::PooledBuffer;
 
-/// A cache key: (host address, length) of every slice a push stages, in staging order.
+/// A cache key: two words per batch of the column (its values' host address and extent, its
+/// validity's), in the table's order; or, for a [`crate::GpuTable`]'s column,
+/// [`table_key`].
 pub(crate) type CacheKey = Vec<(usize, usize)>;
 
-/// One cached push: its device image and where each staged group starts in it.
+/// No host address: marks a key made by [`table_key`].
+const TABLE: usize = usize::MAX;
+
+/// The key of column `column` of the `GpuTable` with identity `table`.
+pub(crate) fn table_key(table: u64, column: usize) -> CacheKey {
+    vec![(TABLE, table as usize), (column, 0)]
+}
+
+fn of_table(key: &CacheKey, table: u64) -> bool {
+    key.first() == Some(&(TABLE, table as usize))
+}
+
+/// One cached column: its device image and where each part (values, validity) starts in it.
 pub(crate) struct CacheEntry {
     buffer: PooledBuffer,
     offsets: Vec<usize>,
     bytes: usize,
     /// The host buffers the key's addresses belong to, kept so the addresses stay theirs.
     _owners: Vec<Buffer>,
-    /// The columns it holds, for the cache listing.
-    columns: String,
+    /// The column's name and the table's batches it holds, for the cache listing.
+    column: String,
+    chunks: usize,
     last_use: AtomicU64,
     users: AtomicUsize,
+    /// Loaded ahead by its table ([`crate::GpuTable::load`]): never evicted while set.
+    pinned: AtomicBool,
 }
 
 impl CacheEntry {
-    /// The device address of each staged group (as `upload_staged` returns them).
+    fn evictable(&self) -> bool {
+        self.users.load(Ordering::Acquire) == 0 && !self.pinned.load(Ordering::Relaxed)
+    }
+}
+
+impl CacheEntry {
+    /// The device address of each part.
     pub(crate) fn addresses(&self) -> Vec<u64> {
         let base = self.buffer.ptr();
         self.offsets.iter().map(|&o| base + o as u64).collect()
     }
 }
 
-/// A use of an entry by one push: the entry cannot be evicted until it is dropped.
+/// What [`ColumnCache::insert`] adds.
+pub(crate) struct NewEntry {
+    pub buffer: PooledBuffer,
+    /// Where each part (values, validity) starts in the buffer.
+    pub offsets: Vec<usize>,
+    /// The host buffers the key's addresses belong to.
+    pub owners: Vec<Buffer>,
+    pub column: String,
+    pub chunks: usize,
+    pub pinned: bool,
+}
+
+/// A use of an entry by one selection: the entry cannot be evicted until it is dropped.
 pub(crate) struct CacheUse(Arc<CacheEntry>);
 
 impl CacheUse {
@@ -63,17 +98,48 @@ impl Drop for CacheUse {
 /// One entry, as the cache listing shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CacheListing {
-    pub columns: String,
-    pub slices: usize,
+    pub column: String,
+    /// The table's batches the entry holds.
+    pub chunks: usize,
     pub bytes: usize,
     /// The cache's clock at the entry's last use (higher: more recent).
     pub last_use: u64,
     pub in_use: bool,
+    pub pinned: bool,
 }
+
+/// A multiply-rotate hash (FxHash's): a whole table's key has two words per batch, hashed on
+/// every query, and host addresses need no defence against collisions chosen by an attacker.
+#[derive(Default, Clone, Copy)]
+struct KeyHasher(u64);
+
+impl std::hash::Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+
+    fn write_u64(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+
+    fn write_usize(&mut self, word: usize) {
+        self.write_u64(word as u64);
+    }
+}
+
+type KeyHash = std::hash::BuildHasherDefault<KeyHasher>;
 
 #[derive(Default)]
 struct State {
-    entries: HashMap<CacheKey, Arc<CacheEntry>>,
+    entries: HashMap<CacheKey, Arc<CacheEntry>, KeyHash>,
     /// How many entries hold each host slice address, for [`ColumnCache::holds`].
     slices: HashMap<usize, usize>,
     /// Bytes of the entries, and of the room reserved for entries being uploaded.
@@ -116,7 +182,7 @@ impl ColumnCache {
     }
 
     /// Reserves `bytes` for a new entry within `budget`, evicting the least recently used
-    /// entries no push is reading; `false` when that cannot make room.
+    /// entries no query is reading; `false` when that cannot make room.
     pub(crate) fn reserve(&self, bytes: usize, budget: usize) -> bool {
         if bytes == 0 || bytes > budget {
             return false;
@@ -126,7 +192,7 @@ impl ColumnCache {
             let victim = state
                 .entries
                 .iter()
-                .filter(|(_, e)| e.users.load(Ordering::Acquire) == 0)
+                .filter(|(_, e)| e.evictable())
                 .min_by_key(|(_, e)| e.last_use.load(Ordering::Relaxed))
                 .map(|(k, _)| k.clone());
             let Some(victim) = victim else {
@@ -146,49 +212,75 @@ impl ColumnCache {
         state.bytes = state.bytes.saturating_sub(bytes);
     }
 
-    /// Adds an entry for `key` whose room was reserved, once the push that uploaded it has
-    /// finished (so others only ever see complete entries). A concurrent insert of the same
+    /// Adds an entry for `key` whose room was reserved, once the selection that uploaded it
+    /// has finished (so others only ever see complete entries). A concurrent insert of the same
     /// key keeps the first.
-    pub(crate) fn insert(
-        &self,
-        key: CacheKey,
-        buffer: PooledBuffer,
-        offsets: Vec<usize>,
-        owners: Vec<Buffer>,
-        columns: String,
-    ) {
-        let bytes = buffer.bytes();
+    pub(crate) fn insert(&self, key: CacheKey, new: NewEntry) {
+        let bytes = new.buffer.bytes();
+        let pinned = new.pinned;
         let entry = Arc::new(CacheEntry {
-            buffer,
-            offsets,
+            buffer: new.buffer,
+            offsets: new.offsets,
             bytes,
-            _owners: owners,
-            columns,
+            _owners: new.owners,
+            column: new.column,
+            chunks: new.chunks,
             last_use: AtomicU64::new(self.tick()),
             users: AtomicUsize::new(0),
+            pinned: AtomicBool::new(pinned),
         });
         let mut state = self.state();
         match state.entries.entry(key) {
-            std::collections::hash_map::Entry::Occupied(_) => {
+            std::collections::hash_map::Entry::Occupied(slot) => {
+                if pinned {
+                    slot.get().pinned.store(true, Ordering::Relaxed);
+                }
                 state.bytes = state.bytes.saturating_sub(bytes);
             }
             std::collections::hash_map::Entry::Vacant(slot) => {
                 let addresses: Vec<usize> = slot.key().iter().map(|&(a, _)| a).collect();
                 slot.insert(entry);
-                for address in addresses {
+                for address in addresses.into_iter().filter(|&a| a != 0 && a != TABLE) {
                     *state_slices(&mut state.slices, address) += 1;
                 }
             }
         }
     }
 
-    /// Evicts every entry no push is reading; returns how many.
+    /// Evicts every entry no query is reading and no table pinned; returns how many.
     pub fn clear(&self) -> usize {
+        self.evict_where(|_, e| e.evictable())
+    }
+
+    /// Evicts the entries of a `GpuTable` that is gone (none is in use: a query using them
+    /// holds the table).
+    pub(crate) fn forget_table(&self, table: u64) {
+        self.evict_where(|key, e| of_table(key, table) && e.users.load(Ordering::Acquire) == 0);
+    }
+
+    /// Pins the entry for `key`, if there is one; returns its bytes.
+    pub(crate) fn pin(&self, key: &CacheKey) -> Option<usize> {
+        let state = self.state();
+        let entry = state.entries.get(key)?;
+        entry.pinned.store(true, Ordering::Relaxed);
+        Some(entry.bytes)
+    }
+
+    /// Marks a `GpuTable`'s entries `pinned` or not.
+    pub(crate) fn pin_table(&self, table: u64, pinned: bool) {
+        for (key, e) in self.state().entries.iter() {
+            if of_table(key, table) {
+                e.pinned.store(pinned, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn evict_where(&self, evict: impl Fn(&CacheKey, &CacheEntry) -> bool) -> usize {
         let mut state = self.state();
         let before = state.entries.len();
         let (mut freed, mut gone) = (0, Vec::new());
         state.entries.retain(|key, e| {
-            let keep = e.users.load(Ordering::Acquire) > 0;
+            let keep = !evict(key, e);
             if !keep {
                 freed += e.bytes;
                 gone.push(key.clone());
@@ -200,6 +292,11 @@ impl ColumnCache {
             forget_slices(&mut state.slices, &key);
         }
         before - state.entries.len()
+    }
+
+    /// Whether the cache has an entry for `key` (without using it).
+    pub(crate) fn contains(&self, key: &CacheKey) -> bool {
+        self.state().entries.contains_key(key)
     }
 
     /// Whether an entry holds the host slice starting at `address` (a column buffer's data).
@@ -217,13 +314,14 @@ impl ColumnCache {
         let state = self.state();
         let mut all: Vec<CacheListing> = state
             .entries
-            .iter()
-            .map(|(key, e)| CacheListing {
-                columns: e.columns.clone(),
-                slices: key.len(),
+            .values()
+            .map(|e| CacheListing {
+                column: e.column.clone(),
+                chunks: e.chunks,
                 bytes: e.bytes,
                 last_use: e.last_use.load(Ordering::Relaxed),
                 in_use: e.users.load(Ordering::Acquire) > 0,
+                pinned: e.pinned.load(Ordering::Relaxed),
             })
             .collect();
         all.sort_by_key(|e| std::cmp::Reverse(e.last_use));

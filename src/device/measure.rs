@@ -161,6 +161,39 @@ pub fn fraction_hash(row: u64) -> u32 {
     (x >> 32) as u32
 }
 
+/// Host→device copy rates in GB/s over `bytes`, best of three: a plain copy from one pinned
+/// buffer (the link's own rate), and the engine's upload of pageable host memory through its
+/// pinned staging buffers (what a query shipping its columns gets).
+pub fn upload_rates(device: &Arc<GpuDevice>, bytes: usize) -> GpuResult<(f64, f64)> {
+    let mut engine = TopKEngine::new(device, super::KeyWidth::W64)?;
+    let target = device.pool.alloc(bytes, engine.stream())?;
+    let mut pinned = super::memory::PinnedBuffer::new(&device.context, bytes, true)?;
+    pinned.as_mut_slice()?.fill(0x5A);
+    let pageable = vec![0xA5u8; bytes];
+    let best = |copy: &mut dyn FnMut(&mut TopKEngine) -> GpuResult<()>,
+                engine: &mut TopKEngine|
+     -> GpuResult<f64> {
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            engine.synchronize()?;
+            let started = std::time::Instant::now();
+            copy(engine)?;
+            engine.synchronize()?;
+            best = best.min(started.elapsed().as_secs_f64());
+        }
+        Ok(bytes as f64 / best / 1e9)
+    };
+    let pinned_rate = best(
+        &mut |engine| pinned.upload(bytes, target.ptr(), engine.stream()),
+        &mut engine,
+    )?;
+    let staged_rate = best(
+        &mut |engine| engine.upload_bytes(&pageable, target.ptr()),
+        &mut engine,
+    )?;
+    Ok((pinned_rate, staged_rate))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

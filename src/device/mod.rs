@@ -13,7 +13,7 @@
 //! - [`timer`]: CUDA events for timing;
 //! - [`watch`]: one query's device bytes, its device memory limit, injected device faults.
 
-pub(crate) mod cache;
+pub mod cache;
 pub(crate) mod engine;
 pub mod kernels;
 pub mod measure;

@@ -28,8 +28,11 @@
 //! Memory for retained rows is reserved from DataFusion's memory pool.
 
 mod dynamic_filter;
+mod memory;
 mod row_store;
 mod stream;
+
+pub(crate) use memory::{memory_input, table_inputs};
 
 use std::fmt::{self, Formatter};
 use std::sync::{Arc, Mutex};

@@ -23,6 +23,8 @@ use datafusion::physical_plan::{
 };
 use futures::StreamExt;
 
+mod resident;
+
 use super::TopKSpec;
 use super::dynamic_filter::threshold_predicate;
 use super::row_store::{RowStore, StoredBatch};
@@ -31,8 +33,7 @@ use crate::cost::SelectionChoice;
 use crate::device::watch::DeviceWatch;
 use crate::fusion::{self, FusedProgram, KernelInput};
 use crate::select::{
-    self, Admitted, CachePolicy, ColumnsInput, RowIds, SelectInput, SelectionSpec, TopKSelector,
-    TransferMetrics,
+    self, Admitted, ColumnsInput, RowIds, SelectInput, SelectionSpec, TopKSelector, TransferMetrics,
 };
 
 /// Metrics shown by `EXPLAIN ANALYZE`.
@@ -148,6 +149,23 @@ fn predicate_mask(predicate: &Arc<dyn PhysicalExpr>, batch: &RecordBatch) -> Res
     })
 }
 
+/// DataFusion evaluates the filter on every input batch, and the sort keys on every batch that
+/// reaches its TopK (an empty one too where no filter is below): an expression that fails
+/// whatever the rows (a failing constant) fails on an empty batch too.
+fn check_empty_batch(spec: &TopKSpec, batch: &RecordBatch) -> Result<()> {
+    match &spec.filter {
+        Some(predicate) => {
+            predicate.evaluate(batch)?;
+        }
+        None => {
+            for sort in spec.sort_exprs.iter() {
+                sort.expr.evaluate(batch)?.into_array(0)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Errors raised by the device path (as opposed to errors of the query itself, such as an
 /// overflow in a sort expression, which the CPU path would raise too).
 fn is_device_error(e: &DataFusionError) -> bool {
@@ -229,7 +247,16 @@ impl PartitionState {
 impl TopKRun {
     async fn run(&self) -> Result<RecordBatch> {
         let _timer = self.metrics.operator_time.timer();
-        let shared = Arc::new(self.start()?);
+        let on_cpu = match self.run_resident()? {
+            resident::Resident::Done(batch) => {
+                self.dynamic_filter.mark_complete();
+                self.metrics.output_rows.add(batch.num_rows());
+                return Ok(batch);
+            }
+            resident::Resident::Stream => false,
+            resident::Resident::Cpu => true,
+        };
+        let shared = Arc::new(self.start(on_cpu)?);
         if self.spec.k > 0 {
             // One task per input partition; dropping the JoinSet (cancellation) aborts them all.
             let mut tasks = JoinSet::new();
@@ -270,9 +297,12 @@ impl TopKRun {
     }
 
     /// The shared state, with the selector the cost model chose (the CPU one if the GPU's
-    /// cannot be built).
-    fn start(&self) -> Result<Shared> {
-        let choice = self.spec.choice;
+    /// cannot be built, or `on_cpu`).
+    fn start(&self, on_cpu: bool) -> Result<Shared> {
+        let choice = match on_cpu {
+            true => SelectionChoice::Cpu,
+            false => self.spec.choice,
+        };
         let program = match choice {
             SelectionChoice::Cuda(_) => self.spec.fusion.program.clone(),
             SelectionChoice::Cpu => None,
@@ -289,28 +319,9 @@ impl TopKRun {
             self.metrics.device_peak_bytes.clone(),
             self.metrics.pinned_bytes_held.clone(),
         );
-        let cache = self.spec.cache.as_ref().and_then(|cache| {
-            let program = program.as_ref()?;
-            let columns = program
-                .inputs
-                .iter()
-                .map(|input| match input {
-                    KernelInput::Column(i) | KernelInput::DictionaryCodes(i) => {
-                        Some(self.input.schema().field(*i).name().clone())
-                    }
-                    // Computed per query: new buffers every time, never a hit.
-                    _ => None,
-                })
-                .collect::<Option<Vec<_>>>()?;
-            Some(CachePolicy {
-                budget: cache.budget,
-                columns: columns.join(", "),
-            })
-        });
         let selection = SelectionSpec {
             fault,
             watch: Some(Arc::new(watch)),
-            cache,
             transfers: self.metrics.transfers.clone(),
             ..selection_spec(&self.spec, program.clone())
         };
@@ -454,20 +465,7 @@ impl Shared {
     /// Offers one input batch of a partition, whose first row has id `first_id`.
     fn offer(&self, first_id: u64, batch: &RecordBatch, local: &mut PartitionState) -> Result<()> {
         if batch.num_rows() == 0 {
-            // DataFusion evaluates the filter on every input batch, and the sort keys on every
-            // batch that reaches its TopK (an empty one too where no filter is below): an
-            // expression that fails whatever the rows (a failing constant) fails there too.
-            match &self.spec.filter {
-                Some(predicate) => {
-                    predicate.evaluate(batch)?;
-                }
-                None => {
-                    for sort in self.spec.sort_exprs.iter() {
-                        sort.expr.evaluate(batch)?.into_array(0)?;
-                    }
-                }
-            }
-            return Ok(());
+            return check_empty_batch(&self.spec, batch);
         }
         self.metrics.rows_in.add(batch.num_rows());
         let mode = self.mode();

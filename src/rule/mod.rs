@@ -31,8 +31,6 @@
 
 use std::sync::{Arc, Mutex};
 
-use datafusion::arrow::array::RecordBatch;
-use datafusion::arrow::datatypes::DataType;
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
 use datafusion::datasource::source::DataSourceExec;
@@ -327,98 +325,25 @@ fn match_top_k(
     Ok(Arc::new(exec))
 }
 
-/// Whether `input` hands out an in-memory table's own batches (a memory source, or a column
-/// projection of one), whose buffers the next query receives again: only then can the device
-/// column cache serve them.
+/// Whether `input` hands out an in-memory table's own batches, whose buffers the next query
+/// receives again: only then can the device column cache serve them.
 fn replays_from_memory(input: &Arc<dyn ExecutionPlan>) -> bool {
-    use datafusion::datasource::memory::MemorySourceConfig;
-    if let Some(projection) = input.downcast_ref::<ProjectionExec>() {
-        let columns = projection
-            .expr()
-            .iter()
-            .all(|e| e.expr.downcast_ref::<Column>().is_some());
-        return columns && replays_from_memory(projection.input());
-    }
-    input
-        .downcast_ref::<DataSourceExec>()
-        .is_some_and(|source| {
-            source
-                .data_source()
-                .downcast_ref::<MemorySourceConfig>()
-                .is_some()
-        })
-}
-
-/// An in-memory input's batches, and for each of its output columns the column of those
-/// batches it is (see [`replays_from_memory`]).
-fn memory_batches(input: &Arc<dyn ExecutionPlan>) -> Option<(Vec<RecordBatch>, Vec<usize>)> {
-    use datafusion::datasource::memory::MemorySourceConfig;
-    if let Some(projection) = input.downcast_ref::<ProjectionExec>() {
-        let (batches, inner) = memory_batches(projection.input())?;
-        let map = projection
-            .expr()
-            .iter()
-            .map(|e| e.expr.downcast_ref::<Column>().map(|c| inner[c.index()]))
-            .collect::<Option<Vec<_>>>()?;
-        return Some((batches, map));
-    }
-    let source = input.downcast_ref::<DataSourceExec>()?;
-    let memory = source.data_source().downcast_ref::<MemorySourceConfig>()?;
-    let batches: Vec<RecordBatch> = memory.partitions().iter().flatten().cloned().collect();
-    let width = batches.first().map_or(0, |b| b.num_columns());
-    let map = match memory.projection() {
-        Some(projection) => projection.clone(),
-        None => (0..width).collect(),
-    };
-    Some((batches, map))
+    crate::exec::memory_input(input).is_some()
 }
 
 /// The share of the bytes a generated program reads from an in-memory input that the device's
 /// column cache already holds: the cost model then counts no PCIe transfer for them.
 fn resident_share(input: &Arc<dyn ExecutionPlan>, program: &fusion::FusedProgram) -> f64 {
-    let Some(device) = crate::device::gpu() else {
+    let (Some(device), Some(memory)) = (crate::device::gpu(), crate::exec::memory_input(input))
+    else {
         return 0.0;
     };
-    let Some((batches, map)) = memory_batches(input) else {
-        return 0.0;
-    };
-    let columns: Vec<usize> = program
-        .inputs
-        .iter()
-        .filter_map(|input| match input {
-            fusion::KernelInput::Column(c) | fusion::KernelInput::DictionaryCodes(c) => {
-                map.get(*c).copied()
-            }
-            _ => None,
-        })
+    let names: Vec<String> = (input.schema().fields().iter())
+        .map(|f| f.name().clone())
         .collect();
-    let (mut held, mut total) = (0usize, 0usize);
-    for batch in &batches {
-        for &c in &columns {
-            let Some(column) = batch.columns().get(c) else {
-                continue;
-            };
-            let data = column.to_data();
-            // A dictionary's first buffer is its codes.
-            let width = match data.data_type() {
-                DataType::Dictionary(codes, _) => codes.primitive_width(),
-                other => other.primitive_width(),
-            };
-            let (Some(buffer), Some(width)) = (data.buffers().first(), width) else {
-                continue;
-            };
-            let bytes = data.len() * width;
-            total += bytes;
-            let address = buffer.as_ptr() as usize + data.offset() * width;
-            if device.cache.holds(address) {
-                held += bytes;
-            }
-        }
-    }
-    if total == 0 {
-        0.0
-    } else {
-        held as f64 / total as f64
+    match crate::exec::table_inputs(&memory, program, &names) {
+        Ok(Some(inputs)) => crate::select::resident::resident_share(&device, &inputs),
+        _ => 0.0,
     }
 }
 

@@ -25,15 +25,14 @@ use datafusion::arrow::datatypes::DataType;
 use datafusion::error::{DataFusionError, Result};
 
 use super::{
-    Admitted, CachePolicy, ColumnsInput, DEVICE_ERROR_TAG, FinalChoice, FusedAdmitted, RowIds,
-    SelectInput, SelectionSpec, TopKSelector, TransferMetrics,
+    Admitted, ColumnsInput, DEVICE_ERROR_TAG, FinalChoice, FusedAdmitted, RowIds, SelectInput,
+    SelectionSpec, TopKSelector, TransferMetrics,
 };
-use crate::device::cache::CacheKey;
 use crate::device::engine::{
     ENCODE_FIRST, ENCODE_NULLABLE, ENCODE_NULLS_FIRST, EncodeColumn, NativeCode, fill_staging,
 };
 use crate::device::plan::{bitonic_chunk, reduction};
-use crate::device::watch::{self, DeviceWatch, Entered};
+use crate::device::watch::{DeviceWatch, Entered};
 use crate::device::{
     DeviceAlgorithm, DevicePairs, GeneratedKernel, GpuDevice, GpuError, GpuResult, KeyWidth,
     PooledBuffer, TopKEngine, contain_panics,
@@ -109,7 +108,6 @@ pub fn new_cuda_selector_with_capacity(
         arch: device.arch(),
         min_capacity: min_capacity.max(1),
         watch: spec.watch.clone(),
-        cache: spec.cache.clone(),
         transfers: spec.transfers.clone(),
         threshold: AtomicU64::new(u64::MAX),
         state: Mutex::new(State {
@@ -154,8 +152,6 @@ pub(crate) struct CudaSelector {
     min_capacity: usize,
     /// The query's device accounting, entered around every call's device work.
     watch: Option<Arc<DeviceWatch>>,
-    /// The column cache's use by this selection (`None`: not an in-memory input).
-    cache: Option<CachePolicy>,
     transfers: TransferMetrics,
     /// Row id of the device threshold read back after the last reduction (`u64::MAX`: none).
     threshold: AtomicU64,
@@ -376,46 +372,14 @@ impl TopKSelector for CudaSelector {
             b.parts(&mut parts);
         }
         let _entered = self.enter();
-        // In-memory input: the push's columns may be resident, or become so.
-        let cache = self
-            .cache
-            .as_ref()
-            .filter(|_| buffers.iter().all(|b| b.borrowed));
-        let key: Option<CacheKey> = cache.map(|_| {
-            let slices = parts.iter().flatten();
-            slices.map(|s| (s.as_ptr() as usize, s.len())).collect()
-        });
-        let resident = key.as_ref().and_then(|k| self.device.cache.acquire(k));
         // The host copy into pinned memory happens before taking the device lock, so the
         // partitions' copies run in parallel; the lock covers the upload and the kernels.
-        let mut staged = match &resident {
-            Some(_) => None,
-            None => Some(fill_staging(&self.device, &parts).map_err(gpu_error)?),
-        };
-        let budget = cache.map(|c| c.budget.unwrap_or(self.device.total_memory / 4));
-        let reservation = match (&staged, budget) {
-            (Some(staged), Some(budget)) => Reservation::new(&self.device, staged.total(), budget),
-            _ => None,
-        };
-        let mut entry_buffer = None;
+        let mut staged = fill_staging(&self.device, &parts).map_err(gpu_error)?;
         let (k, algorithm, min_capacity) = (self.k, self.algorithm, self.min_capacity);
         let mut state = self.state()?;
         let report = state.run(|state| {
             state.ensure_room(n, k, algorithm, min_capacity)?;
-            let addresses = match (&resident, staged.as_mut(), &reservation) {
-                (Some(resident), _, _) => resident.entry().addresses(),
-                (None, Some(staged), Some(_)) => {
-                    // A new cache entry: the cache's memory, not the query's.
-                    let (engine, bytes) = (&mut state.engine, staged.total());
-                    let stream = Arc::clone(engine.stream());
-                    let buffer = watch::outside(|| self.device.pool.alloc(bytes, &stream))?;
-                    let addresses = engine.upload_staged_to(staged, buffer.ptr())?;
-                    entry_buffer = Some(buffer);
-                    addresses
-                }
-                (None, Some(staged), None) => state.engine.upload_staged(staged)?,
-                (None, None, _) => unreachable!("staged when not resident"),
-            };
+            let addresses = state.engine.upload_staged(&mut staged)?;
             let mut next = addresses.into_iter();
             let args: Vec<u64> = buffers
                 .iter()
@@ -448,33 +412,8 @@ impl TopKSelector for CudaSelector {
             self.threshold.store(id, Ordering::Relaxed);
         }
         drop(state);
-        // The push read its report back: its kernels are done with the columns.
         let bytes: usize = parts.iter().flatten().map(|s| s.len()).sum();
-        match &resident {
-            Some(_) => {
-                self.transfers.cache_hits.add(1);
-                self.transfers.resident_bytes.add(bytes);
-            }
-            None => {
-                self.transfers.uploaded_bytes.add(bytes);
-                if cache.is_some() {
-                    self.transfers.cache_misses.add(1);
-                }
-            }
-        }
-        drop(resident);
-        if let (Some(buffer), Some(reservation), Some(key), Some(staged), Some(cache)) =
-            (entry_buffer, reservation, key, staged, cache)
-        {
-            let owners = buffers.iter().flat_map(ColumnBuffers::owners).collect();
-            reservation.fill(
-                key,
-                buffer,
-                staged.offsets().to_vec(),
-                owners,
-                &cache.columns,
-            );
-        }
+        self.transfers.uploaded_bytes.add(bytes);
         let passed = u64::from_le_bytes(report[0..8].try_into().expect("8 bytes")) as usize;
         let error = u32::from_le_bytes(report[8..12].try_into().expect("4 bytes"));
         program_error(error)?;
@@ -539,8 +478,6 @@ pub(super) struct ColumnBuffers {
     value_bit_offset: u64,
     /// Validity bytes, their range and bit offset, when the column holds NULLs.
     validity: Option<(Buffer, std::ops::Range<usize>, u64)>,
-    /// Whether the buffers are the input's own (not concatenated for this push).
-    borrowed: bool,
 }
 
 impl ColumnBuffers {
@@ -597,7 +534,6 @@ impl ColumnBuffers {
             values: vec![(values, values_range)],
             value_bit_offset,
             validity,
-            borrowed: true,
         })
     }
 
@@ -619,16 +555,12 @@ impl ColumnBuffers {
                     values,
                     value_bit_offset: 0,
                     validity: None,
-                    borrowed: true,
                 })
             }
             _ => {
                 let parts: Vec<&dyn Array> = chunks.iter().map(|c| c.as_ref()).collect();
                 let whole = datafusion::arrow::compute::concat(&parts)?;
-                Ok(Self {
-                    borrowed: false,
-                    ..Self::of(whole.as_ref(), byte_width)?
-                })
+                Self::of(whole.as_ref(), byte_width)
             }
         }
     }
@@ -647,12 +579,6 @@ impl ColumnBuffers {
         }
     }
 
-    /// The buffers the staged slices belong to.
-    fn owners(&self) -> impl Iterator<Item = Buffer> + '_ {
-        let values = self.values.iter().map(|(buffer, _)| buffer.clone());
-        values.chain(self.validity.iter().map(|(bits, _, _)| bits.clone()))
-    }
-
     /// (values, value bit offset, validity or 0, validity bit offset) from the staged
     /// addresses, consuming them in the order of [`parts`](Self::parts).
     pub(super) fn addresses(&self, next: &mut impl Iterator<Item = u64>) -> [u64; 4] {
@@ -662,46 +588,6 @@ impl ColumnBuffers {
             None => (0, 0),
         };
         [values, self.value_bit_offset, validity, validity_bit_offset]
-    }
-}
-
-/// Room reserved in the device's column cache for one push's columns; given back unless
-/// [`fill`](Self::fill)ed with the entry.
-struct Reservation {
-    device: Arc<GpuDevice>,
-    bytes: usize,
-}
-
-impl Reservation {
-    fn new(device: &Arc<GpuDevice>, bytes: usize, budget: usize) -> Option<Self> {
-        device.cache.reserve(bytes, budget).then(|| Self {
-            device: Arc::clone(device),
-            bytes,
-        })
-    }
-
-    fn fill(
-        mut self,
-        key: CacheKey,
-        buffer: PooledBuffer,
-        offsets: Vec<usize>,
-        owners: Vec<Buffer>,
-        columns: &str,
-    ) {
-        // The entry's size is its buffer's: the bytes reserved.
-        debug_assert_eq!(buffer.bytes(), self.bytes);
-        self.device
-            .cache
-            .insert(key, buffer, offsets, owners, columns.to_string());
-        self.bytes = 0;
-    }
-}
-
-impl Drop for Reservation {
-    fn drop(&mut self) {
-        if self.bytes > 0 {
-            self.device.cache.unreserve(self.bytes);
-        }
     }
 }
 

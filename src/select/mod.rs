@@ -198,16 +198,13 @@ pub struct SelectionSpec {
     /// The query's device accounting (held bytes, memory limit, injected device faults),
     /// entered around the selector's device work.
     pub watch: Option<Arc<DeviceWatch>>,
-    /// Whether and how a device selection keeps its input columns in the device's column
-    /// cache (`None`: it does not; the input is not an in-memory table).
-    pub cache: Option<CachePolicy>,
     /// What a device selection moved or found resident, for EXPLAIN ANALYZE.
     pub transfers: TransferMetrics,
 }
 
 impl SelectionSpec {
     /// Selects `k` rows of `layout`, keys shipped by the host: no program, no model, no fault,
-    /// no accounting, no cache (the fields callers set as they need).
+    /// no accounting (the fields callers set as they need).
     pub fn new(layout: KeyLayout, k: usize) -> Self {
         Self {
             layout,
@@ -216,25 +213,15 @@ impl SelectionSpec {
             final_choice: None,
             fault: FaultPoint::None,
             watch: None,
-            cache: None,
             transfers: TransferMetrics::default(),
         }
     }
 }
 
-/// How a device selection uses the column cache (`crate::device::cache`).
-#[derive(Debug, Clone, Default)]
-pub struct CachePolicy {
-    /// Device bytes all entries may hold; `None`: a quarter of the device's memory.
-    pub budget: Option<usize>,
-    /// The entries' columns, as the cache listing names them.
-    pub columns: String,
-}
-
 /// Counters of a device selection's input transfers.
 #[derive(Debug, Clone, Default)]
 pub struct TransferMetrics {
-    /// Pushes whose columns were resident in the cache, and pushes that shipped them.
+    /// Table columns read from the column cache, and columns uploaded into it.
     pub cache_hits: Count,
     pub cache_misses: Count,
     /// Input bytes read from the cache, and shipped to the device.

@@ -7,15 +7,20 @@
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::{Array, ArrayRef, RecordBatch};
+use datafusion::arrow::array::{
+    Array, ArrayRef, AsArray, BooleanBufferBuilder, RecordBatch, downcast_primitive_array,
+};
+use datafusion::arrow::buffer::Buffer;
 use datafusion::arrow::datatypes::DataType;
 use datafusion::error::Result;
 
+use super::SelectionSpec;
 use super::cuda::{ColumnBuffers, exec_error, gpu_error, program_error};
-#[cfg(doc)]
-use crate::device::FUSED_SAMPLE_ROWS;
+use crate::device::cache::{CacheKey, CacheUse, NewEntry, table_key};
+use crate::device::watch::{self, DeviceWatch};
 use crate::device::{
-    DeviceAlgorithm, DevicePairs, FusedReport, GeneratedKernel, PooledBuffer, TopKEngine,
+    DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_ROWS, FusedReport, GeneratedKernel, GpuDevice,
+    GpuError, GpuResult, PooledBuffer, TopKEngine, contain_panics,
 };
 use crate::fusion::{self, FusedProgram, KernelInput};
 
@@ -176,5 +181,477 @@ impl ResidentColumns {
             .map_err(gpu_error)?;
         program_error(report.error)?;
         Ok((sorted, m, report))
+    }
+}
+
+// ---- A whole in-memory table, its columns kept in the column cache ---------------------------
+
+/// One input of a generated program over a whole in-memory table.
+#[derive(Debug, Clone)]
+pub struct TableInput<'a> {
+    /// A per-row input: one array per batch of the table, in input order.
+    pub chunks: Vec<&'a dyn Array>,
+    /// A per-dictionary-entry input (the program's lookup table), instead of chunks.
+    pub lookup: Option<ArrayRef>,
+    /// What the cache listing calls it (the column's name).
+    pub name: String,
+    /// The `GpuTable` and column the chunks are, when they are one's: the cache then knows
+    /// them by that identity instead of by their buffers.
+    pub identity: Option<(u64, usize)>,
+}
+
+/// What [`select_table`] found.
+#[derive(Debug)]
+pub struct TableSelection {
+    /// The winners' positions in the table (all batches back to back), in output order.
+    pub positions: Vec<u64>,
+    /// Rows that passed the predicate.
+    pub passed: usize,
+    /// Time spent compiling or loading the generated program.
+    pub compile_time: std::time::Duration,
+}
+
+/// The values buffer of a primitive array, sliced to its rows.
+fn primitive_values(array: &dyn Array) -> Option<&Buffer> {
+    downcast_primitive_array!(
+        array => Some(array.values().inner()),
+        _ => None
+    )
+}
+
+/// One per-row input's device image, and its key in the column cache.
+struct TableColumn<'i, 'a> {
+    input: &'i TableInput<'a>,
+    /// Bytes per value; `None`: bit-packed booleans.
+    width: Option<usize>,
+    key: CacheKey,
+    rows: usize,
+    /// Whether any chunk holds NULLs (the image then has a validity bitmap).
+    nullable: bool,
+}
+
+impl<'i, 'a> TableColumn<'i, 'a> {
+    fn new(input: &'i TableInput<'a>) -> Result<Self> {
+        let data_type = input
+            .chunks
+            .first()
+            .map_or(DataType::Null, |c| c.data_type().clone());
+        let width = match &data_type {
+            DataType::Boolean => None,
+            t => Some(t.primitive_width().ok_or_else(|| {
+                exec_error(format!("the generated program cannot read {t} columns"))
+            })?),
+        };
+        // Per chunk: its values' address and extent, and its validity's (0: no NULLs). The
+        // values alone do not tell whether a chunk has NULLs (arrays may share values).
+        let by_buffers = input.identity.is_none();
+        let mut key = match input.identity {
+            Some((table, column)) => table_key(table, column),
+            None => Vec::with_capacity(2 * input.chunks.len()),
+        };
+        let (mut rows, mut nullable) = (0, false);
+        for &chunk in &input.chunks {
+            let n = chunk.len();
+            let mismatch = || {
+                exec_error(format!(
+                    "a table column of {data_type} and {} chunks",
+                    chunk.data_type()
+                ))
+            };
+            let validity = chunk.nulls().filter(|v| v.null_count() > 0);
+            nullable |= validity.is_some();
+            rows += n;
+            if !by_buffers {
+                if chunk.data_type() != &data_type {
+                    return Err(mismatch());
+                }
+                continue;
+            }
+            key.push(match width {
+                Some(_) => {
+                    let values = primitive_values(chunk).ok_or_else(mismatch)?;
+                    (values.as_ptr() as usize, values.len())
+                }
+                None => {
+                    let bits = chunk.as_boolean_opt().ok_or_else(mismatch)?.values();
+                    (bits.inner().as_ptr() as usize, (bits.offset() << 32) | n)
+                }
+            });
+            key.push(match validity {
+                Some(validity) => {
+                    let bits = validity.inner();
+                    (bits.inner().as_ptr() as usize, (bits.offset() << 32) | n)
+                }
+                None => (0, n),
+            });
+        }
+        Ok(Self {
+            input,
+            width,
+            key,
+            rows,
+            nullable,
+        })
+    }
+
+    fn values_bytes(&self) -> usize {
+        match self.width {
+            Some(width) => self.rows * width,
+            None => self.rows.div_ceil(8),
+        }
+    }
+
+    /// Device bytes of the image and where its parts start: the values, then the validity
+    /// bitmap at an aligned offset.
+    fn layout(&self) -> (usize, Vec<usize>) {
+        let values = self.values_bytes().div_ceil(TABLE_ALIGN) * TABLE_ALIGN;
+        if self.nullable {
+            (values + self.rows.div_ceil(8), vec![0, values])
+        } else {
+            (values.max(TABLE_ALIGN), vec![0])
+        }
+    }
+
+    /// The host buffers the key's addresses belong to (none for a table known by identity).
+    fn owners(&self) -> Vec<Buffer> {
+        if self.input.identity.is_some() {
+            return Vec::new();
+        }
+        let mut owners = Vec::with_capacity(2 * self.input.chunks.len());
+        for &chunk in &self.input.chunks {
+            match self.width {
+                Some(_) => owners.extend(primitive_values(chunk).cloned()),
+                None => owners.extend(chunk.as_boolean_opt().map(|b| b.values().inner().clone())),
+            }
+            if let Some(validity) = chunk.nulls() {
+                owners.push(validity.inner().inner().clone());
+            }
+        }
+        owners
+    }
+
+    /// Uploads the image to `dst`: fixed-width values straight from the chunks' buffers,
+    /// bit-packed values and validity repacked into one bitmap first.
+    fn upload(&self, engine: &mut TopKEngine, dst: u64, offsets: &[usize]) -> GpuResult<()> {
+        let bitmap = |bits: &dyn Fn(&dyn Array, &mut BooleanBufferBuilder)| {
+            let mut builder = BooleanBufferBuilder::new(self.rows);
+            for &chunk in &self.input.chunks {
+                bits(chunk, &mut builder);
+            }
+            builder.finish()
+        };
+        let mut bitmaps = Vec::new();
+        let mut parts: Vec<(usize, &[u8])> = Vec::with_capacity(self.input.chunks.len() + 1);
+        match self.width {
+            Some(_) => {
+                let mut at = 0;
+                for &chunk in &self.input.chunks {
+                    // `new` checked that every chunk is primitive.
+                    if let Some(values) = primitive_values(chunk) {
+                        parts.push((at, values.as_slice()));
+                        at += values.len();
+                    }
+                }
+            }
+            None => bitmaps.push((
+                0,
+                bitmap(&|chunk, b| {
+                    if let Some(bits) = chunk.as_boolean_opt() {
+                        b.append_buffer(bits.values());
+                    }
+                }),
+            )),
+        }
+        if self.nullable {
+            bitmaps.push((
+                offsets[1],
+                bitmap(&|chunk, b| match chunk.nulls() {
+                    Some(validity) => b.append_buffer(validity.inner()),
+                    None => b.append_n(chunk.len(), true),
+                }),
+            ));
+        }
+        parts.extend(bitmaps.iter().map(|(at, bits)| (*at, bits.values())));
+        let total = parts.iter().map(|(at, p)| at + p.len()).max().unwrap_or(0);
+        engine.upload_image(&parts, total, dst)
+    }
+
+    /// The kernel's four arguments for the image at `addresses`.
+    fn args(&self, addresses: &[u64]) -> [u64; 4] {
+        let validity = if self.nullable { addresses[1] } else { 0 };
+        [addresses[0], 0, validity, 0]
+    }
+}
+
+/// The share of the bytes of `inputs`' per-row columns that the column cache holds.
+pub fn resident_share(device: &GpuDevice, inputs: &[TableInput<'_>]) -> f64 {
+    let (mut held, mut total) = (0, 0);
+    for input in inputs.iter().filter(|i| i.lookup.is_none()) {
+        let Ok(column) = TableColumn::new(input) else {
+            continue;
+        };
+        total += column.values_bytes();
+        if device.cache.contains(&column.key) {
+            held += column.values_bytes();
+        }
+    }
+    if total == 0 {
+        0.0
+    } else {
+        held as f64 / total as f64
+    }
+}
+
+/// Uploads one table column (a `GpuTable`'s, known by identity) into the column cache and pins
+/// it there; returns its device bytes. A column already cached is pinned where it is.
+pub fn pin_column(device: &Arc<GpuDevice>, input: &TableInput<'_>) -> Result<usize> {
+    let column = TableColumn::new(input)?;
+    if column.rows == 0 {
+        return Ok(0);
+    }
+    if let Some(bytes) = device.cache.pin(&column.key) {
+        return Ok(bytes);
+    }
+    let (bytes, offsets) = column.layout();
+    // Pinned columns are the application's choice: no query's budget bounds them.
+    if !device.cache.reserve(bytes, usize::MAX) {
+        return Err(gpu_error(GpuError(format!(
+            "cannot reserve {bytes} bytes in the column cache"
+        ))));
+    }
+    let mut reserved = Reserved { device, bytes };
+    let buffer = contain_panics(|| -> GpuResult<PooledBuffer> {
+        let mut engine = TopKEngine::new(device, crate::device::KeyWidth::W64)?;
+        let buffer = device.pool.alloc(bytes, engine.stream())?;
+        column.upload(&mut engine, buffer.ptr(), &offsets)?;
+        engine.synchronize()?;
+        Ok(buffer)
+    })
+    .unwrap_or_else(|panic| Err(GpuError(format!("the CUDA bindings panicked: {panic}"))))
+    .map_err(gpu_error)?;
+    let entry = NewEntry {
+        buffer,
+        offsets,
+        owners: column.owners(),
+        column: input.name.clone(),
+        chunks: input.chunks.len(),
+        pinned: true,
+    };
+    device.cache.insert(column.key.clone(), entry);
+    reserved.filled(bytes);
+    Ok(bytes)
+}
+
+/// Alignment of a table image's validity bitmap.
+const TABLE_ALIGN: usize = 256;
+
+/// Top-k of a generated program over a whole in-memory table, its per-row input columns read
+/// from the device's column cache, or uploaded into it on a miss (one entry per column, the
+/// table's batches back to back; the entry keeps their buffers, so a changed table misses).
+/// One fused selection over all rows, one read-back of the winners' positions.
+///
+/// `Ok(None)`: the missing columns do not fit the cache's budget (`budget`); the caller
+/// streams the table instead. Device failures are device errors (the caller falls back).
+pub fn select_table(
+    spec: &SelectionSpec,
+    device: &Arc<GpuDevice>,
+    algorithm: DeviceAlgorithm,
+    budget: usize,
+    inputs: &[TableInput<'_>],
+) -> Result<Option<TableSelection>> {
+    let Some(program) = &spec.program else {
+        return datafusion::common::internal_err!("a table selection needs a generated program");
+    };
+    if inputs.len() != program.inputs.len() {
+        return Err(exec_error(format!(
+            "the program takes {} inputs, got {}",
+            program.inputs.len(),
+            inputs.len()
+        )));
+    }
+    let _entered = spec.watch.as_ref().map(DeviceWatch::enter);
+    let mut columns = Vec::new();
+    let mut lookups = Vec::new();
+    for input in inputs.iter().filter(|i| i.lookup.is_none()) {
+        let column = TableColumn::new(input)?;
+        lookups.push(device.cache.acquire(&column.key));
+        columns.push(column);
+    }
+    let rows = columns.first().map_or(0, |c| c.rows);
+    if let Some(c) = columns.iter().find(|c| c.rows != rows) {
+        return Err(exec_error(format!(
+            "the program's inputs have {rows} and {} rows",
+            c.rows
+        )));
+    }
+    // Room for the missing columns, or stream.
+    let missing: usize = (columns.iter().zip(&lookups))
+        .filter(|(_, hit)| hit.is_none())
+        .map(|(c, _)| c.layout().0)
+        .sum();
+    if missing > 0 && !device.cache.reserve(missing, budget) {
+        return Ok(None);
+    }
+    let mut reserved = Reserved {
+        device,
+        bytes: missing,
+    };
+    let result =
+        contain_panics(|| run_table(spec, device, program, algorithm, inputs, &columns, &lookups))
+            .unwrap_or_else(|panic| Err(GpuError(format!("the CUDA bindings panicked: {panic}"))))
+            .map_err(gpu_error)?;
+    let (positions, report, compile_time, uploaded) = result;
+    drop(lookups);
+    let mut transfers = (0, 0, 0, 0);
+    for (column, buffer) in columns.iter().zip(uploaded) {
+        let bytes = column.values_bytes();
+        match buffer {
+            None => {
+                transfers.0 += 1;
+                transfers.2 += bytes;
+            }
+            Some((buffer, offsets)) => {
+                transfers.1 += 1;
+                transfers.3 += bytes;
+                let entry_bytes = column.layout().0;
+                debug_assert_eq!(buffer.bytes(), entry_bytes);
+                let entry = NewEntry {
+                    buffer,
+                    offsets,
+                    owners: column.owners(),
+                    column: column.input.name.clone(),
+                    chunks: column.input.chunks.len(),
+                    pinned: false,
+                };
+                device.cache.insert(column.key.clone(), entry);
+                reserved.filled(entry_bytes);
+            }
+        }
+    }
+    drop(reserved);
+    spec.transfers.cache_hits.add(transfers.0);
+    spec.transfers.cache_misses.add(transfers.1);
+    spec.transfers.resident_bytes.add(transfers.2);
+    spec.transfers.uploaded_bytes.add(transfers.3);
+    program_error(report.error)?;
+    Ok(Some(TableSelection {
+        positions,
+        passed: report.passed as usize,
+        compile_time,
+    }))
+}
+
+/// The device work of [`select_table`]: the uploads of missing columns (their new buffers,
+/// in column order, `None` where resident), the selection and the read-back.
+#[allow(clippy::type_complexity)]
+fn run_table(
+    spec: &SelectionSpec,
+    device: &Arc<GpuDevice>,
+    program: &FusedProgram,
+    algorithm: DeviceAlgorithm,
+    inputs: &[TableInput<'_>],
+    columns: &[TableColumn<'_, '_>],
+    lookups: &[Option<CacheUse>],
+) -> GpuResult<(
+    Vec<u64>,
+    FusedReport,
+    std::time::Duration,
+    Vec<Option<(PooledBuffer, Vec<usize>)>>,
+)> {
+    let (kernel, compile_time) = device.generated_kernel(&program.source, fusion::ENTRY)?;
+    let mut engine = TopKEngine::new(device, program.key_kind)?;
+    let mut uploaded = Vec::with_capacity(columns.len());
+    let mut column_args = Vec::with_capacity(columns.len());
+    for (column, lookup) in columns.iter().zip(lookups) {
+        match lookup {
+            Some(hit) => {
+                column_args.push(column.args(&hit.entry().addresses()));
+                uploaded.push(None);
+            }
+            None => {
+                let (bytes, offsets) = column.layout();
+                let stream = Arc::clone(engine.stream());
+                // The cache's memory, not the query's.
+                let buffer = watch::outside(|| device.pool.alloc(bytes, &stream))?;
+                column.upload(&mut engine, buffer.ptr(), &offsets)?;
+                let addresses: Vec<u64> =
+                    offsets.iter().map(|&o| buffer.ptr() + o as u64).collect();
+                column_args.push(column.args(&addresses));
+                uploaded.push(Some((buffer, offsets)));
+            }
+        }
+    }
+    // Per-dictionary-entry inputs: small, shipped with every query.
+    let mut lookup_tables = Vec::new();
+    let mut args = Vec::with_capacity(4 * inputs.len());
+    let mut per_row = column_args.into_iter();
+    for input in inputs {
+        let Some(array) = &input.lookup else {
+            args.extend(per_row.next().expect("one per per-row input"));
+            continue;
+        };
+        let width = match array.data_type() {
+            DataType::Boolean => None,
+            t => t.primitive_width(),
+        };
+        let column =
+            ColumnBuffers::of(array.as_ref(), width).map_err(|e| GpuError(e.to_string()))?;
+        let mut parts = Vec::new();
+        column.parts(&mut parts);
+        let mut addresses = Vec::new();
+        for group in &parts {
+            let bytes: usize = group.iter().map(|p| p.len()).sum();
+            let buffer = device.pool.alloc(bytes.max(1), engine.stream())?;
+            let image: Vec<(usize, &[u8])> = group
+                .iter()
+                .scan(0, |at, p| {
+                    let part = (*at, *p);
+                    *at += p.len();
+                    Some(part)
+                })
+                .collect();
+            engine.upload_image(&image, bytes, buffer.ptr())?;
+            addresses.push(buffer.ptr());
+            lookup_tables.push(buffer);
+        }
+        args.extend(column.addresses(&mut addresses.into_iter()));
+    }
+    let (sorted, m, report) = engine.fused_select(
+        &kernel,
+        &args,
+        columns.first().map_or(0, |c| c.rows),
+        spec.k,
+        algorithm,
+        FUSED_SAMPLE_ROWS,
+    )?;
+    let positions = if report.error == 0 {
+        engine.download_ids(&sorted, m)?
+    } else {
+        engine.synchronize()?;
+        Vec::new()
+    };
+    drop(lookup_tables);
+    Ok((positions, report, compile_time, uploaded))
+}
+
+/// Room reserved in the column cache for a table selection's new entries; what no entry
+/// took is given back.
+struct Reserved<'a> {
+    device: &'a GpuDevice,
+    bytes: usize,
+}
+
+impl Reserved<'_> {
+    /// An entry of `bytes` took its share.
+    fn filled(&mut self, bytes: usize) {
+        self.bytes -= bytes.min(self.bytes);
+    }
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            self.device.cache.unreserve(self.bytes);
+        }
     }
 }

@@ -9,8 +9,9 @@ use std::sync::Arc;
 use datafusion::arrow::array::{Float64Array, Int64Array, RecordBatch};
 use datafusion::arrow::datatypes::{DataType, Field, Schema};
 use datafusion::prelude::SessionContext;
-use datafusion_gpu_topk::internal::device::{GpuStatus, gpu, gpu_status};
-use datafusion_gpu_topk::{Backend, GpuTopKConfig};
+use datafusion_gpu_topk::internal::device::cache::CacheListing;
+use datafusion_gpu_topk::internal::device::{GpuDevice, GpuStatus, gpu, gpu_status};
+use datafusion_gpu_topk::{Backend, GpuTable, GpuTopKConfig};
 use futures::StreamExt;
 
 use crate::common::Storage;
@@ -69,6 +70,13 @@ fn table(partitions: usize, batches: usize, rows: usize, seed: i64) -> Vec<Vec<R
         .collect()
 }
 
+/// The entries of a [`table`] of `chunks` batches in all (other tests' queries add theirs
+/// to the same cache meanwhile, with other column names or batch counts).
+fn ours(device: &GpuDevice, chunks: usize) -> impl Iterator<Item = CacheListing> {
+    let listing = device.cache.listing().into_iter();
+    listing.filter(move |e| (e.column == "f" || e.column == "v") && e.chunks == chunks)
+}
+
 const QUERY: &str = "SELECT rid, v FROM t WHERE f < 0.5 ORDER BY v DESC LIMIT 20";
 const ORACLE: &str = "SELECT rid, v FROM t WHERE f < 0.5 ORDER BY v DESC, rid LIMIT 20";
 
@@ -111,7 +119,9 @@ async fn a_repeated_query_reads_its_columns_from_the_cache() {
     let _serial = CACHE.lock().await;
     let (ctx, plain) = sessions(table(3, 4, 100_000, 1), None);
     let cold = check(&ctx, &plain, QUERY, ORACLE).await;
-    assert!(cold.cache_misses > 0 && cold.uploaded_bytes > 0, "{cold:?}");
+    // One entry per column the program reads: f (the filter) and v (the key).
+    assert_eq!(cold.cache_misses, 2, "{cold:?}");
+    assert_eq!(cold.uploaded_bytes, 2 * 8 * 12 * 100_000, "{cold:?}");
     assert_eq!(cold.cache_hits, 0, "a new table's buffers: {cold:?}");
     let warm = check(&ctx, &plain, QUERY, ORACLE).await;
     assert_eq!(warm.cache_misses, 0, "{warm:?}");
@@ -128,8 +138,9 @@ async fn a_repeated_query_reads_its_columns_from_the_cache() {
     let other = "SELECT rid FROM t WHERE f < 0.25 ORDER BY v, f DESC LIMIT 7";
     check(&ctx, &plain, other, &other.replace("LIMIT", ", rid LIMIT")).await;
     let device = gpu().expect("checked above");
-    assert!(device.cache.listing().iter().all(|e| !e.in_use));
-    let listed = "SELECT count(*) FROM gpu_topk_cache() WHERE columns = 'f, v' AND NOT in_use";
+    assert!(ours(&device, 12).all(|e| !e.in_use));
+    let listed = "SELECT count(*) FROM gpu_topk_cache() \
+        WHERE column IN ('f', 'v') AND chunks = 12 AND bytes >= 9600000 AND NOT in_use";
     assert_ne!(values(&ctx, listed).await, vec!["0".to_string()]);
     // Cleared from SQL: the next run ships its columns again.
     let cleared = "SELECT evicted > 0 FROM gpu_topk_cache_clear()";
@@ -170,39 +181,34 @@ async fn a_small_budget_evicts_and_a_query_larger_than_it_still_runs() {
         return;
     }
     let _serial = CACHE.lock().await;
-    // One push is 2 columns × 8 bytes × 100K rows = 1.6 MB.
+    // Each column is 8 bytes × 400K rows = 3.2 MB.
     let data = table(1, 4, 100_000, 3);
-    // Smaller than one push: nothing is cached, every run ships its columns.
+    // Smaller than one column: nothing is cached, every run streams its columns.
     let (ctx, plain) = sessions(data.clone(), Some(1 << 20));
     for _ in 0..2 {
         let report = check(&ctx, &plain, QUERY, ORACLE).await;
         assert_eq!(report.cache_hits, 0, "{report:?}");
         assert!(report.uploaded_bytes > 0, "{report:?}");
     }
-    // Room for a few pushes: the cache stays within its budget, answers stay right.
-    let budget = 8 << 20;
+    // Room for one column: queries over f and over v take turns evicting each other, the
+    // cache stays within its budget, answers stay right.
+    let budget = 4 << 20;
     let (ctx, plain) = sessions(data, Some(budget));
-    for sql in [QUERY, "SELECT rid, v FROM t ORDER BY f DESC LIMIT 5"] {
+    let by_f = "SELECT rid, f FROM t ORDER BY f DESC LIMIT 5";
+    let by_v = "SELECT rid, v FROM t ORDER BY v DESC LIMIT 5";
+    for (sql, rerun) in [(by_f, true), (by_v, false), (by_f, false)] {
         let oracle = sql.replace("LIMIT", ", rid LIMIT");
-        let oracle = if sql == QUERY {
-            ORACLE.to_string()
-        } else {
-            oracle
-        };
-        for _ in 0..2 {
-            check(&ctx, &plain, sql, &oracle).await;
-            // This table's entries (other tests' queries may add theirs meanwhile).
-            let ours: usize = gpu()
-                .unwrap()
-                .cache
-                .listing()
-                .iter()
-                .filter(|e| e.columns == "f, v" || e.columns == "f")
-                .map(|e| e.bytes)
-                .sum();
-            assert!(ours <= budget, "{ours} > {budget}");
+        check(&ctx, &plain, sql, &oracle).await;
+        if rerun {
+            let again = check(&ctx, &plain, sql, &oracle).await;
+            assert_eq!(again.cache_hits, 1, "{again:?}");
         }
+        // This table's entries (other tests' queries may add theirs meanwhile).
+        let ours: usize = ours(&gpu().unwrap(), 4).map(|e| e.bytes).sum();
+        assert!(ours <= budget, "{ours} > {budget}");
     }
+    // Both columns: more than the budget, streamed, still right.
+    check(&ctx, &plain, QUERY, ORACLE).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 8)]
@@ -235,7 +241,7 @@ async fn concurrent_and_cancelled_queries_leave_no_entry_in_use() {
     }
     let device = gpu().unwrap();
     let settled = (0..100).any(|_| {
-        let idle = device.cache.listing().iter().all(|e| !e.in_use);
+        let idle = ours(&device, 12).all(|e| !e.in_use);
         if !idle {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
@@ -284,4 +290,97 @@ async fn the_cache_functions_answer_on_any_machine() {
         .await
         .unwrap();
     assert_eq!(rows.collect().await.unwrap()[0].num_rows(), 2);
+}
+
+/// A `GpuTable` over `data` as `t` in a CUDA session with the default cache, and plain
+/// DataFusion over the same batches as a `MemTable`.
+fn gpu_table_sessions(
+    data: Vec<Vec<RecordBatch>>,
+) -> (SessionContext, SessionContext, Arc<GpuTable>) {
+    let partitions = data.len();
+    let config = GpuTopKConfig::default().with_backend(Backend::Cuda);
+    let ctx = session_with(partitions, 8192, config);
+    let table = Arc::new(GpuTable::try_new(data[0][0].schema(), data.clone()).unwrap());
+    ctx.register_table("t", table.clone()).unwrap();
+    let plain = plain_session_with(partitions, 8192, Storage::Memory);
+    register(&plain, "t", data);
+    (ctx, plain, table)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_gpu_table_is_cached_by_identity_pinned_by_load_and_forgotten_when_dropped() {
+    if !gpu_or_skip("a_gpu_table_is_cached_by_identity_pinned_by_load_and_forgotten_when_dropped") {
+        return;
+    }
+    let _serial = CACHE.lock().await;
+    let (ctx, plain, table) = gpu_table_sessions(table(2, 3, 50_000, 7));
+    let device = gpu().unwrap();
+    // 300K rows of 8-byte f and v.
+    let bytes = table.load(&["f", "v"]).unwrap();
+    assert!(bytes >= 2 * 8 * 300_000, "{bytes}");
+    let pinned = |device: &GpuDevice| {
+        let listing = device.cache.listing().into_iter();
+        listing
+            .filter(|e| e.pinned && e.chunks == 6 && (e.column == "f" || e.column == "v"))
+            .count()
+    };
+    assert_eq!(pinned(&device), 2);
+    // The first query finds its columns resident.
+    let first = check(&ctx, &plain, QUERY, ORACLE).await;
+    assert_eq!((first.cache_hits, first.cache_misses), (2, 0), "{first:?}");
+    assert_eq!(first.uploaded_bytes, 0, "{first:?}");
+    // Pinned entries survive a clear; unpinned, they go.
+    device.cache.clear();
+    assert_eq!(pinned(&device), 2);
+    table.unpin();
+    device.cache.clear();
+    let again = check(&ctx, &plain, QUERY, ORACLE).await;
+    assert_eq!(again.cache_misses, 2, "{again:?}");
+    // A dropped table's entries leave the cache.
+    ctx.deregister_table("t").unwrap();
+    let entries = |device: &GpuDevice| {
+        let listing = device.cache.listing().into_iter();
+        listing
+            .filter(|e| e.chunks == 6 && (e.column == "f" || e.column == "v"))
+            .count()
+    };
+    assert_eq!(entries(&device), 2);
+    drop(table);
+    assert_eq!(entries(&device), 0);
+}
+
+#[tokio::test]
+async fn a_gpu_table_answers_every_query_as_a_mem_table_does() {
+    // Any machine: the table is also a plain in-memory table.
+    let data = table(3, 2, 1000, 8);
+    let (ours, plain, table) = gpu_table_sessions(data);
+    assert_eq!(table.num_rows(), 6000);
+    for sql in [
+        "SELECT count(*), sum(v), min(f) FROM t WHERE f < 0.5",
+        "SELECT v, count(*) FROM t GROUP BY v ORDER BY v LIMIT 5",
+        "SELECT a.rid FROM t a JOIN t b ON a.rid = b.rid + 1 WHERE a.v = 7 ORDER BY a.rid",
+        "SELECT rid, v FROM t WHERE f < 0.5 ORDER BY v DESC, rid LIMIT 20",
+    ] {
+        assert_eq!(values(&ours, sql).await, values(&plain, sql).await, "{sql}");
+    }
+    let explain = values(&ours, "EXPLAIN SELECT rid FROM t ORDER BY v LIMIT 3").await;
+    assert!(explain.join("\n").contains("GpuTableExec"), "{explain:?}");
+    // A batch of another schema is refused.
+    let other = table_with_schema_of_one_column();
+    let err = GpuTable::try_new(data_schema(), other).unwrap_err();
+    assert!(err.to_string().contains("does not match"), "{err}");
+    if gpu().is_none() {
+        let err = table.load(&["v"]).unwrap_err();
+        assert!(err.to_string().contains("no GPU"), "{err}");
+    }
+}
+
+fn data_schema() -> datafusion::arrow::datatypes::SchemaRef {
+    table(1, 1, 1, 0)[0][0].schema()
+}
+
+fn table_with_schema_of_one_column() -> Vec<Vec<RecordBatch>> {
+    let schema = Arc::new(Schema::new(vec![Field::new("x", DataType::Int64, false)]));
+    let batch = RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from(vec![1i64]))]).unwrap();
+    vec![vec![batch]]
 }

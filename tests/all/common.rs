@@ -91,7 +91,7 @@ pub fn plain_session_with(
     storage: Storage,
 ) -> SessionContext {
     let ctx = session(false, partitions, batch_size);
-    if storage != Storage::Memory {
+    if matches!(storage, Storage::Parquet | Storage::Csv) {
         let state = ctx.state_ref();
         let mut state = state.write();
         state
@@ -280,9 +280,16 @@ pub enum Storage {
     Parquet,
     /// One CSV file per input partition, with a header.
     Csv,
+    /// A `GpuTable`, one partition per input partition.
+    GpuTable,
 }
 
-pub const STORAGES: [Storage; 3] = [Storage::Memory, Storage::Parquet, Storage::Csv];
+pub const STORAGES: [Storage; 4] = [
+    Storage::Memory,
+    Storage::Parquet,
+    Storage::Csv,
+    Storage::GpuTable,
+];
 
 /// Rows per Parquet row group in file-backed test tables (several per file).
 pub const ROW_GROUP_ROWS: usize = 64;
@@ -306,9 +313,16 @@ pub async fn register_as(
     dir: &std::path::Path,
 ) {
     use datafusion::prelude::{CsvReadOptions, ParquetReadOptions};
-    if storage == Storage::Memory {
-        register(ctx, name, partitions.to_vec());
-        return;
+    match storage {
+        Storage::Memory => return register(ctx, name, partitions.to_vec()),
+        Storage::GpuTable => {
+            let table =
+                datafusion_gpu_topk::GpuTable::try_new(schema_of(partitions), partitions.to_vec())
+                    .expect("gpu table");
+            ctx.register_table(name, Arc::new(table)).expect("register");
+            return;
+        }
+        Storage::Parquet | Storage::Csv => {}
     }
     let schema = schema_of(partitions);
     let dir = dir.join(format!("{name}-{storage:?}").to_lowercase());
@@ -328,7 +342,7 @@ pub async fn register_as(
             .register_csv(name, path, CsvReadOptions::new().schema(&schema))
             .await
             .expect("register csv"),
-        Storage::Memory => unreachable!(),
+        Storage::Memory | Storage::GpuTable => unreachable!(),
     }
 }
 

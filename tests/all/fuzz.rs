@@ -219,11 +219,12 @@ fn random_setup(rng: &mut Rng, seed: u64) -> Setup {
     }
     let storage = match rng.below(4) {
         0 => Storage::Parquet,
+        1 => Storage::GpuTable,
         _ => Storage::Memory,
     };
     let partitions = match storage {
         // In-memory tables are read one partition each, so input order is the table's order.
-        Storage::Memory => partitions,
+        Storage::Memory | Storage::GpuTable => partitions,
         _ => 1 + rng.below(8) as usize,
     };
     Setup {
@@ -420,7 +421,7 @@ async fn sessions(setup: &Setup, tag: &str) -> Sessions {
     static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = match setup.storage {
-        Storage::Memory => None,
+        Storage::Memory | Storage::GpuTable => None,
         _ => Some(test_dir(&format!("fuzz-{tag}-{n}"))),
     };
     let path = dir.clone().unwrap_or_default();

@@ -13,18 +13,6 @@ pub(crate) struct StagedHost {
     total: usize,
 }
 
-impl StagedHost {
-    /// Bytes of the image.
-    pub(crate) fn total(&self) -> usize {
-        self.total
-    }
-
-    /// Where each group starts in the image.
-    pub(crate) fn offsets(&self) -> &[usize] {
-        &self.offsets
-    }
-}
-
 /// Copies `groups` into a pinned buffer from the device's pool: each group at an aligned
 /// offset, its slices back to back (one device array from several host chunks).
 pub(crate) fn fill_staging(
@@ -55,10 +43,51 @@ pub(crate) fn fill_staging(
     })
 }
 
+/// Copies the bytes of `parts` (image offset, bytes; in offset order) that fall in the image's window
+/// `[start, start + window.len())` into `window`; large windows on several threads, since one
+/// thread's copy into write-combined memory is slower than PCIe.
+fn fill_window(window: &mut [u8], start: usize, parts: &[(usize, &[u8])]) {
+    let copy = |window: &mut [u8], start: usize| {
+        let end = start + window.len();
+        let first = parts.partition_point(|(offset, data)| offset + data.len() <= start);
+        for &(offset, data) in &parts[first..] {
+            if offset >= end {
+                break;
+            }
+            let a = start.max(offset);
+            let b = end.min(offset + data.len());
+            if a < b {
+                window[a - start..b - start].copy_from_slice(&data[a - offset..b - offset]);
+            }
+        }
+    };
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(window.len() / PARALLEL_FILL_BYTES);
+    if threads <= 1 {
+        return copy(window, start);
+    }
+    let piece = window.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        for (i, part) in window.chunks_mut(piece).enumerate() {
+            scope.spawn(move || copy(part, start + i * piece));
+        }
+    });
+}
+
+/// Bytes per thread below which a staging copy is not split.
+const PARALLEL_FILL_BYTES: usize = 4 << 20;
+
 impl TopKEngine {
-    /// Uploads an image of `total` bytes, made of `parts` (offset, bytes) with undefined gaps,
-    /// to device address `dst`, in chunks through the two pinned buffers in turn.
-    fn upload_image(&mut self, parts: &[(usize, &[u8])], total: usize, dst: u64) -> GpuResult<()> {
+    /// Uploads an image of `total` bytes, made of `parts` (offset, bytes; in offset order, not
+    /// overlapping) with undefined gaps, to device address `dst`, in chunks through the two
+    /// pinned buffers in turn.
+    pub(crate) fn upload_image(
+        &mut self,
+        parts: &[(usize, &[u8])],
+        total: usize,
+        dst: u64,
+    ) -> GpuResult<()> {
         let mut start = 0;
         while start < total {
             let end = (start + UPLOAD_CHUNK).min(total);
@@ -71,13 +100,7 @@ impl TopKEngine {
             }
             let lease = self.upload[slot].as_mut().expect("set above");
             let host = lease.as_mut_slice()?; // waits for this buffer's previous copy
-            for &(offset, data) in parts {
-                let a = start.max(offset);
-                let b = end.min(offset + data.len());
-                if a < b {
-                    host[a - start..b - start].copy_from_slice(&data[a - offset..b - offset]);
-                }
-            }
+            fill_window(&mut host[..need], start, parts);
             lease.upload(need, dst + start as u64, &self.stream)?;
             start = end;
         }
@@ -111,21 +134,10 @@ impl TopKEngine {
         Ok(offsets.iter().map(|&o| base + o as u64).collect())
     }
 
-    /// Copies a staging image filled by [`fill_staging`] to device address `dst` (at least
-    /// [`StagedHost::total`] bytes, asynchronously) and returns its parts' device addresses.
-    /// The image's pinned buffer must outlive the copy: keep it until the stream is
-    /// synchronised (its event also makes host writes wait).
-    pub(crate) fn upload_staged_to(
-        &mut self,
-        staged: &mut StagedHost,
-        dst: u64,
-    ) -> GpuResult<Vec<u64>> {
-        staged.lease.upload(staged.total, dst, &self.stream)?;
-        Ok(staged.offsets.iter().map(|&o| dst + o as u64).collect())
-    }
-
-    /// Copies a staging image to the engine's staging buffer (its addresses valid until the
-    /// next stage); see [`upload_staged_to`](Self::upload_staged_to).
+    /// Copies a staging image filled by [`fill_staging`] to the engine's staging buffer (its
+    /// addresses valid until the next stage, asynchronously). The image's pinned buffer must
+    /// outlive the copy: keep it until the stream is synchronised (its event also makes host
+    /// writes wait).
     pub(crate) fn upload_staged(&mut self, staged: &mut StagedHost) -> GpuResult<Vec<u64>> {
         if self
             .staging

@@ -1,0 +1,286 @@
+//! [`GpuTable`]: an in-memory table for GPU-resident top-k. It holds record batches as
+//! DataFusion's `MemTable` does and answers every query the same way, with two differences
+//! that make repeated top-k queries cheap end to end:
+//!
+//! - Planning does not depend on the table's size: a scan shares the table's batches (one
+//!   reference count) and reports statistics computed once, where a `MemTable` scan copies its
+//!   batch lists and sums every batch's sizes for each query.
+//! - The device column cache knows the table by identity: its columns are cached as
+//!   `(table, column)` entries, found in O(1), where a `MemTable`'s are keyed by every batch's
+//!   buffers. A table's batches never change; a new `GpuTable` is a new table to the cache.
+//!
+//! [`GpuTable::load`] uploads columns ahead of the first query and pins them: they stay in
+//! device memory, outside the budget's eviction, until the table is dropped or unpinned.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::select::resident::TableInput;
+use async_trait::async_trait;
+use datafusion::arrow::array::{AsArray, RecordBatch};
+use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::catalog::Session;
+use datafusion::common::stats::Precision;
+use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::{Statistics, project_schema};
+use datafusion::datasource::{TableProvider, TableType};
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::TaskContext;
+use datafusion::logical_expr::Expr;
+use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
+use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
+use datafusion::physical_plan::memory::MemoryStream;
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
+    SendableRecordBatchStream,
+};
+
+/// A table's batches, shared by the table and its scans.
+#[derive(Debug)]
+pub(crate) struct TableData {
+    /// Unique in the process: what the column cache knows the table by.
+    pub id: u64,
+    pub schema: SchemaRef,
+    pub partitions: Vec<Vec<RecordBatch>>,
+    pub rows: usize,
+    /// Rows of each partition.
+    partition_rows: Vec<usize>,
+    /// Bytes of the batches' arrays.
+    bytes: usize,
+}
+
+impl Drop for TableData {
+    fn drop(&mut self) {
+        if let Some(device) = crate::device::gpu() {
+            device.cache.forget_table(self.id);
+        }
+    }
+}
+
+/// See the module documentation.
+#[derive(Debug, Clone)]
+pub struct GpuTable {
+    data: Arc<TableData>,
+}
+
+impl GpuTable {
+    /// A table of `partitions` (each a list of batches, read by one scan partition), whose
+    /// batches all have `schema`'s columns.
+    pub fn try_new(schema: SchemaRef, partitions: Vec<Vec<RecordBatch>>) -> Result<Self> {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+        for batch in partitions.iter().flatten() {
+            if !schema.contains(batch.schema_ref()) {
+                return Err(DataFusionError::Plan(format!(
+                    "GpuTable: a batch's schema {} does not match the table's {}",
+                    batch.schema(),
+                    schema
+                )));
+            }
+        }
+        let partition_rows: Vec<usize> = partitions
+            .iter()
+            .map(|p| p.iter().map(RecordBatch::num_rows).sum())
+            .collect();
+        let bytes = (partitions.iter().flatten())
+            .map(RecordBatch::get_array_memory_size)
+            .sum();
+        Ok(Self {
+            data: Arc::new(TableData {
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+                schema,
+                rows: partition_rows.iter().sum(),
+                partitions,
+                partition_rows,
+                bytes,
+            }),
+        })
+    }
+
+    /// Rows of the table.
+    pub fn num_rows(&self) -> usize {
+        self.data.rows
+    }
+
+    /// Uploads the named columns (the ones top-k queries filter and rank by) to the device's
+    /// column cache and pins them there, so that the first query is as fast as the next.
+    /// Returns the device bytes they take. Without a GPU, an error says so.
+    pub fn load(&self, columns: &[&str]) -> Result<usize> {
+        let device = crate::device::gpu()
+            .ok_or_else(|| DataFusionError::Execution("GpuTable::load: no GPU".into()))?;
+        let mut bytes = 0;
+        for name in columns {
+            let index = self.data.schema.index_of(name)?;
+            let batches = self.data.partitions.iter().flatten();
+            let batches = batches.filter(|b| b.num_rows() > 0);
+            // What a generated program reads: a dictionary column's codes.
+            let chunks = batches
+                .map(|b| {
+                    let column = b.column(index).as_ref();
+                    match column.as_any_dictionary_opt() {
+                        Some(dictionary) => dictionary.keys(),
+                        None => column,
+                    }
+                })
+                .collect();
+            let input = TableInput {
+                chunks,
+                lookup: None,
+                name: name.to_string(),
+                identity: Some((self.data.id, index)),
+            };
+            bytes += crate::select::resident::pin_column(&device, &input)?;
+        }
+        Ok(bytes)
+    }
+
+    /// Lets the table's pinned columns be evicted again (they stay cached until they are).
+    pub fn unpin(&self) {
+        if let Some(device) = crate::device::gpu() {
+            device.cache.pin_table(self.data.id, false);
+        }
+    }
+}
+
+#[async_trait]
+impl TableProvider for GpuTable {
+    fn schema(&self) -> SchemaRef {
+        Arc::clone(&self.data.schema)
+    }
+
+    fn table_type(&self) -> TableType {
+        TableType::Base
+    }
+
+    async fn scan(
+        &self,
+        _state: &dyn Session,
+        projection: Option<&Vec<usize>>,
+        _filters: &[Expr],
+        _limit: Option<usize>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        Ok(Arc::new(GpuTableExec::try_new(
+            Arc::clone(&self.data),
+            projection.cloned(),
+        )?))
+    }
+}
+
+/// The scan of a [`GpuTable`]: each partition's batches, projected.
+#[derive(Debug)]
+pub struct GpuTableExec {
+    data: Arc<TableData>,
+    projection: Option<Vec<usize>>,
+    schema: SchemaRef,
+    properties: Arc<PlanProperties>,
+}
+
+impl GpuTableExec {
+    fn try_new(data: Arc<TableData>, projection: Option<Vec<usize>>) -> Result<Self> {
+        let schema = project_schema(&data.schema, projection.as_ref())?;
+        let properties = PlanProperties::new(
+            EquivalenceProperties::new(Arc::clone(&schema)),
+            Partitioning::UnknownPartitioning(data.partitions.len().max(1)),
+            EmissionType::Incremental,
+            Boundedness::Bounded,
+        );
+        Ok(Self {
+            data,
+            projection,
+            schema,
+            properties: Arc::new(properties),
+        })
+    }
+
+    pub(crate) fn data(&self) -> &Arc<TableData> {
+        &self.data
+    }
+
+    /// For each output column, the table's column it is.
+    pub(crate) fn columns(&self) -> Vec<usize> {
+        match &self.projection {
+            Some(projection) => projection.clone(),
+            None => (0..self.data.schema.fields().len()).collect(),
+        }
+    }
+}
+
+impl DisplayAs for GpuTableExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(
+            f,
+            "GpuTableExec: partitions={}, rows={}",
+            self.data.partitions.len(),
+            self.data.rows
+        )
+    }
+}
+
+impl ExecutionPlan for GpuTableExec {
+    fn name(&self) -> &str {
+        "GpuTableExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.properties
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![]
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        if !children.is_empty() {
+            return datafusion::common::internal_err!("GpuTableExec has no children");
+        }
+        Ok(self)
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        _context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let batches = match self.data.partitions.get(partition) {
+            Some(batches) => batches.clone(),
+            None if partition == 0 => Vec::new(),
+            None => {
+                return datafusion::common::internal_err!(
+                    "GpuTableExec has {} partitions, asked for {partition}",
+                    self.data.partitions.len()
+                );
+            }
+        };
+        Ok(Box::pin(MemoryStream::try_new(
+            batches,
+            Arc::clone(&self.schema),
+            self.projection.clone(),
+        )?))
+    }
+
+    fn partition_statistics(&self, partition: Option<usize>) -> Result<Arc<Statistics>> {
+        let mut statistics = Statistics::new_unknown(&self.schema);
+        let rows = match partition {
+            Some(p) => self.data.partition_rows.get(p).copied().unwrap_or(0),
+            None => self.data.rows,
+        };
+        statistics.num_rows = Precision::Exact(rows);
+        if partition.is_none() {
+            let share =
+                self.schema.fields().len() as f64 / self.data.schema.fields().len().max(1) as f64;
+            statistics.total_byte_size =
+                Precision::Inexact((self.data.bytes as f64 * share) as usize);
+        }
+        Ok(Arc::new(statistics))
+    }
+}
