@@ -29,7 +29,8 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
 use datafusion::logical_expr::Expr;
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
-use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
+use datafusion::physical_plan::coop::cooperative;
+use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType, SchedulingType};
 use datafusion::physical_plan::memory::MemoryStream;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
@@ -183,7 +184,9 @@ impl GpuTableExec {
             Partitioning::UnknownPartitioning(data.partitions.len().max(1)),
             EmissionType::Incremental,
             Boundedness::Bounded,
-        );
+        )
+        // As a memory source: otherwise DataFusion wraps the scan for cooperative scheduling.
+        .with_scheduling_type(SchedulingType::Cooperative);
         Ok(Self {
             data,
             projection,
@@ -261,11 +264,11 @@ impl ExecutionPlan for GpuTableExec {
                 );
             }
         };
-        Ok(Box::pin(MemoryStream::try_new(
+        Ok(Box::pin(cooperative(MemoryStream::try_new(
             batches,
             Arc::clone(&self.schema),
             self.projection.clone(),
-        )?))
+        )?)))
     }
 
     fn partition_statistics(&self, partition: Option<usize>) -> Result<Arc<Statistics>> {

@@ -11,6 +11,7 @@ use datafusion::datasource::source::{DataSource, DataSourceExec};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_plan::ExecutionPlan;
+use datafusion::physical_plan::coop::CooperativeExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 
 use crate::fusion::{self, FusedProgram, KernelInput};
@@ -41,6 +42,9 @@ impl<'a> MemoryInput<'a> {
 /// `input` as an in-memory input, when it is one whose every row reaches the operator (no
 /// fetch limit).
 pub(crate) fn memory_input(input: &Arc<dyn ExecutionPlan>) -> Option<MemoryInput<'_>> {
+    if let Some(cooperative) = input.downcast_ref::<CooperativeExec>() {
+        return memory_input(cooperative.input());
+    }
     if let Some(projection) = input.downcast_ref::<ProjectionExec>() {
         let inner = memory_input(projection.input())?;
         let columns = projection
