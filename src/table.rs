@@ -16,9 +16,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::select::resident::TableInput;
+use crate::select::resident::{Identity, TableInput};
 use async_trait::async_trait;
-use datafusion::arrow::array::{AsArray, RecordBatch};
+use datafusion::arrow::array::{Array, ArrayRef, AsArray, RecordBatch, make_array};
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::catalog::Session;
 use datafusion::common::stats::Precision;
@@ -49,6 +49,72 @@ pub(crate) struct TableData {
     partition_rows: Vec<usize>,
     /// Bytes of the batches' arrays.
     bytes: usize,
+    /// The non-empty batches in input order, and the position of each one's first row.
+    pub batches: Vec<RecordBatch>,
+    pub starts: Vec<u64>,
+    /// Per column, what the generated code reads of it.
+    pub columns: Vec<TableColumnData>,
+}
+
+/// One column of a [`TableData`] as the generated code reads it, worked out once: the queries
+/// over the table then do nothing per batch.
+#[derive(Debug)]
+pub(crate) struct TableColumnData {
+    /// One array per non-empty batch: the column, or a dictionary column's codes.
+    pub chunks: Vec<ArrayRef>,
+    /// Whether any chunk holds NULLs.
+    pub nullable: bool,
+    /// A dictionary column's dictionary, when every batch has the same one.
+    pub dictionary: Option<ArrayRef>,
+}
+
+impl TableColumnData {
+    fn new(batches: &[RecordBatch], index: usize) -> Self {
+        let mut dictionary: Option<ArrayRef> = None;
+        let mut shared = true;
+        let chunks: Vec<ArrayRef> = batches
+            .iter()
+            .map(|b| {
+                let column = b.column(index);
+                match column.as_any_dictionary_opt() {
+                    Some(d) => {
+                        match &dictionary {
+                            None => dictionary = Some(Arc::clone(d.values())),
+                            Some(first) => {
+                                shared &= Arc::ptr_eq(first, d.values())
+                                    || first.to_data() == d.values().to_data()
+                            }
+                        }
+                        make_array(d.keys().to_data())
+                    }
+                    None => Arc::clone(column),
+                }
+            })
+            .collect();
+        Self {
+            nullable: chunks.iter().any(|c| c.null_count() > 0),
+            dictionary: dictionary.filter(|_| shared),
+            chunks,
+        }
+    }
+}
+
+impl TableData {
+    /// Column `index` (named `name`) as a generated program's input over the whole table.
+    pub(crate) fn input(&self, index: usize, name: &str) -> TableInput<'_> {
+        let column = &self.columns[index];
+        TableInput {
+            chunks: std::borrow::Cow::Borrowed(&column.chunks),
+            lookup: None,
+            name: name.to_string(),
+            identity: Some(Identity {
+                table: self.id,
+                column: index,
+                rows: self.rows,
+                nullable: column.nullable,
+            }),
+        }
+    }
 }
 
 impl Drop for TableData {
@@ -86,6 +152,21 @@ impl GpuTable {
         let bytes = (partitions.iter().flatten())
             .map(RecordBatch::get_array_memory_size)
             .sum();
+        let batches: Vec<RecordBatch> = (partitions.iter().flatten())
+            .filter(|b| b.num_rows() > 0)
+            .cloned()
+            .collect();
+        let starts = batches
+            .iter()
+            .scan(0u64, |next, b| {
+                let start = *next;
+                *next += b.num_rows() as u64;
+                Some(start)
+            })
+            .collect();
+        let columns = (0..schema.fields().len())
+            .map(|c| TableColumnData::new(&batches, c))
+            .collect();
         Ok(Self {
             data: Arc::new(TableData {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -94,6 +175,9 @@ impl GpuTable {
                 partitions,
                 partition_rows,
                 bytes,
+                batches,
+                starts,
+                columns,
             }),
         })
     }
@@ -112,24 +196,7 @@ impl GpuTable {
         let mut bytes = 0;
         for name in columns {
             let index = self.data.schema.index_of(name)?;
-            let batches = self.data.partitions.iter().flatten();
-            let batches = batches.filter(|b| b.num_rows() > 0);
-            // What a generated program reads: a dictionary column's codes.
-            let chunks = batches
-                .map(|b| {
-                    let column = b.column(index).as_ref();
-                    match column.as_any_dictionary_opt() {
-                        Some(dictionary) => dictionary.keys(),
-                        None => column,
-                    }
-                })
-                .collect();
-            let input = TableInput {
-                chunks,
-                lookup: None,
-                name: name.to_string(),
-                identity: Some((self.data.id, index)),
-            };
+            let input = self.data.input(index, name);
             bytes += crate::select::resident::pin_column(&device, &input)?;
         }
         Ok(bytes)

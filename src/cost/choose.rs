@@ -30,7 +30,14 @@ pub(crate) struct Estimate {
     /// The share of those bytes already in the device's column cache (0 to 1): they cross no
     /// PCIe link.
     pub resident: f64,
+    /// Whether the device would select over the whole table at once (an in-memory input whose
+    /// columns go to the column cache): one pass, no streaming reductions.
+    pub whole_table: bool,
 }
+
+/// How much longer an upload from pageable host memory takes than one from pinned memory: the
+/// host copies into pinned staging first, overlapped with the transfer but slower than it.
+const STAGED_TRANSFER: f64 = 1.8;
 
 /// Rows assumed when the statistics do not say.
 pub(crate) const ASSUMED_ROWS: usize = 1 << 24;
@@ -278,19 +285,31 @@ pub(crate) fn operator_seconds(
     kind: KeyWidth,
     estimate: &Estimate,
 ) -> Option<f64> {
-    let capacity = (2 * k).max(MIN_CAPACITY);
-    let candidates = n.min(capacity);
-    let selection = model.predict(algorithm, &Case::pairs(candidates, k, kind, n))?;
-    let reductions = if n > capacity && k < capacity {
-        model.predict(reduction(algorithm), &Case::pairs(capacity, k, kind, n))?
-    } else {
-        0.0
-    };
     let compile = if estimate.compile {
         device
             .last_compile_time()
             .unwrap_or(COMPILE_ESTIMATE)
             .as_secs_f64()
+    } else {
+        0.0
+    };
+    if estimate.whole_table {
+        // The missing columns staged from pageable memory, then one pass and the selection of
+        // the few rows that beat its sampled threshold.
+        let shipped = (n * estimate.bytes_per_row) as f64 * (1.0 - estimate.resident);
+        let candidates = n.min(2 * k.max(1));
+        return Some(
+            compile
+                + STAGED_TRANSFER * model.transfer_time(shipped as usize)
+                + model.filter_time(n, candidates, kind)
+                + model.predict(algorithm, &Case::pairs(candidates, k, kind, n))?,
+        );
+    }
+    let capacity = (2 * k).max(MIN_CAPACITY);
+    let candidates = n.min(capacity);
+    let selection = model.predict(algorithm, &Case::pairs(candidates, k, kind, n))?;
+    let reductions = if n > capacity && k < capacity {
+        model.predict(reduction(algorithm), &Case::pairs(capacity, k, kind, n))?
     } else {
         0.0
     };

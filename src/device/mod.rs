@@ -112,6 +112,9 @@ pub struct GpuDevice {
     generated: Mutex<HashMap<String, GeneratedSlot>>,
     /// How long the last compile (or disk-cache load) of a generated program took.
     last_compile: Mutex<Option<std::time::Duration>>,
+    /// Engines of finished selections over resident tables, reused: a new one creates a
+    /// stream and its buffers, which a query at device speed would notice.
+    idle_engines: Mutex<Vec<TopKEngine>>,
 }
 
 impl fmt::Debug for GpuDevice {
@@ -237,10 +240,38 @@ impl GpuDevice {
     }
 
     /// A new non-blocking stream on this device.
+    /// An engine for keys of `kind`: an idle one ([`Self::idle_engine`]) or a new one.
+    pub(crate) fn engine(self: &Arc<Self>, kind: KeyWidth) -> GpuResult<TopKEngine> {
+        let idle = {
+            let mut idle = self.idle_engines.lock().unwrap_or_else(|e| e.into_inner());
+            let at = idle.iter().position(|e| e.kind() == kind);
+            at.map(|at| idle.swap_remove(at))
+        };
+        match idle {
+            Some(engine) => {
+                self.context.bind_to_thread()?;
+                Ok(engine)
+            }
+            None => TopKEngine::new(self, kind),
+        }
+    }
+
+    /// Keeps an engine whose work completed without error for the next [`Self::engine`].
+    pub(crate) fn idle_engine(&self, mut engine: TopKEngine) {
+        engine.release_staging();
+        let mut idle = self.idle_engines.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < MAX_IDLE_ENGINES {
+            idle.push(engine);
+        }
+    }
+
     pub(crate) fn new_stream(&self) -> GpuResult<Arc<CudaStream>> {
         Ok(self.context.new_stream()?)
     }
 }
+
+/// Idle engines kept: about as many as queries run at once.
+const MAX_IDLE_ENGINES: usize = 32;
 
 /// The process's GPU, detected on first call.
 pub fn gpu_status() -> &'static GpuStatus {
@@ -344,5 +375,6 @@ fn detect() -> Result<GpuDevice, String> {
         cache_dir: OnceLock::new(),
         generated: Mutex::new(HashMap::new()),
         last_compile: Mutex::new(None),
+        idle_engines: Mutex::new(Vec::new()),
     })
 }

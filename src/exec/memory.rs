@@ -3,9 +3,10 @@
 //! come back on every query: what the device column cache keys its entries by (a `GpuTable`'s
 //! by the table's identity).
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
-use datafusion::arrow::array::{AsArray, RecordBatch};
+use datafusion::arrow::array::{AsArray, RecordBatch, make_array};
 use datafusion::datasource::memory::MemorySourceConfig;
 use datafusion::datasource::source::{DataSource, DataSourceExec};
 use datafusion::error::{DataFusionError, Result};
@@ -16,15 +17,16 @@ use datafusion::physical_plan::projection::ProjectionExec;
 
 use crate::fusion::{self, FusedProgram, KernelInput};
 use crate::select::resident::TableInput;
-use crate::table::GpuTableExec;
+use crate::table::{GpuTableExec, TableData};
 
 /// An in-memory input: the table's batches, per partition, and for each of the input's
 /// columns the column of those batches it is.
 pub(crate) struct MemoryInput<'a> {
     pub partitions: &'a [Vec<RecordBatch>],
     pub columns: Vec<usize>,
-    /// The `GpuTable` the batches are, if they are one's: its identity in the column cache.
-    pub table: Option<u64>,
+    /// The `GpuTable` the batches are, if they are one's (the column cache knows its columns
+    /// by its identity, and it worked out what the generated code reads once).
+    pub table: Option<&'a TableData>,
 }
 
 impl<'a> MemoryInput<'a> {
@@ -66,7 +68,7 @@ pub(crate) fn memory_input(input: &Arc<dyn ExecutionPlan>) -> Option<MemoryInput
         return Some(MemoryInput {
             partitions: &table.data().partitions,
             columns: table.columns(),
-            table: Some(table.data().id),
+            table: Some(table.data()),
         });
     }
     let source = input.downcast_ref::<DataSourceExec>()?;
@@ -103,6 +105,9 @@ pub(crate) fn table_inputs<'a>(
     program: &FusedProgram,
     names: &[String],
 ) -> Result<Option<Vec<TableInput<'a>>>> {
+    if let Some(table) = memory.table {
+        return Ok(gpu_table_inputs(table, &memory.columns, program, names));
+    }
     let batches: Vec<&'a RecordBatch> = memory
         .partitions
         .iter()
@@ -118,12 +123,12 @@ pub(crate) fn table_inputs<'a>(
     };
     let mut inputs = Vec::with_capacity(program.inputs.len());
     for input in &program.inputs {
-        let (chunks, lookup, name, at) = match input {
+        let (chunks, lookup, name) = match input {
             KernelInput::HostPredicate => return Ok(None),
             KernelInput::Column(c) => {
                 let at = column(*c)?;
-                let chunks = batches.iter().map(|b| b.column(at).as_ref()).collect();
-                (chunks, None, names.get(*c), Some(at))
+                let chunks = batches.iter().map(|b| Arc::clone(b.column(at))).collect();
+                (chunks, None, names.get(*c))
             }
             KernelInput::DictionaryCodes(c) => {
                 let at = column(*c)?;
@@ -132,7 +137,7 @@ pub(crate) fn table_inputs<'a>(
                     .map(|b| {
                         b.column(at)
                             .as_any_dictionary_opt()
-                            .map(|d| d.keys())
+                            .map(|d| make_array(d.keys().to_data()))
                             .ok_or_else(|| {
                                 DataFusionError::Internal(format!(
                                     "input column {c} is not dictionary-encoded"
@@ -140,7 +145,7 @@ pub(crate) fn table_inputs<'a>(
                             })
                     })
                     .collect::<Result<_>>()?;
-                (chunks, None, names.get(*c), Some(at))
+                (chunks, None, names.get(*c))
             }
             KernelInput::DictionaryMatch { column: c, values } => {
                 let at = column(*c)?;
@@ -164,15 +169,47 @@ pub(crate) fn table_inputs<'a>(
                     return Ok(None);
                 }
                 let lookup = fusion::dictionary_match(first.column(at), values)?;
-                (Vec::new(), Some(lookup), names.get(*c), None)
+                (Vec::new(), Some(lookup), names.get(*c))
             }
         };
         inputs.push(TableInput {
-            chunks,
+            chunks: Cow::Owned(chunks),
             lookup,
             name: name.cloned().unwrap_or_default(),
-            identity: memory.table.zip(at),
+            identity: None,
         });
     }
     Ok(Some(inputs))
+}
+
+/// [`table_inputs`] over a `GpuTable`, from what the table worked out of its columns once.
+fn gpu_table_inputs<'a>(
+    table: &'a TableData,
+    columns: &[usize],
+    program: &FusedProgram,
+    names: &[String],
+) -> Option<Vec<TableInput<'a>>> {
+    let name = |c: usize| names.get(c).map_or("", String::as_str);
+    program
+        .inputs
+        .iter()
+        .map(|input| match input {
+            KernelInput::HostPredicate => None,
+            KernelInput::Column(c) | KernelInput::DictionaryCodes(c) => {
+                Some(table.input(*columns.get(*c)?, name(*c)))
+            }
+            KernelInput::DictionaryMatch { column: c, values } => {
+                let at = *columns.get(*c)?;
+                // Every batch has this dictionary (else the table path does not apply).
+                table.columns[at].dictionary.as_ref()?;
+                let first = table.batches.first()?.column(at);
+                Some(TableInput {
+                    chunks: Cow::Owned(Vec::new()),
+                    lookup: Some(fusion::dictionary_match(first, values).ok()?),
+                    name: name(*c).to_string(),
+                    identity: None,
+                })
+            }
+        })
+        .collect()
 }

@@ -31,6 +31,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use datafusion::arrow::datatypes::Schema;
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
 use datafusion::datasource::source::DataSourceExec;
@@ -286,8 +287,12 @@ fn match_top_k(
         &fusion,
         absorbed.filter.is_some(),
     );
-    if cached && let Some(program) = &fusion.program {
-        estimate.resident = resident_share(&absorbed.input, program);
+    if cached
+        && let Some(program) = &fusion.program
+        && let Some(resident) = resident_share(&absorbed.input, program)
+    {
+        estimate.resident = resident;
+        estimate.whole_table = true;
     }
     let settings = cost::Settings {
         backend: config.backend,
@@ -332,19 +337,16 @@ fn replays_from_memory(input: &Arc<dyn ExecutionPlan>) -> bool {
 }
 
 /// The share of the bytes a generated program reads from an in-memory input that the device's
-/// column cache already holds: the cost model then counts no PCIe transfer for them.
-fn resident_share(input: &Arc<dyn ExecutionPlan>, program: &fusion::FusedProgram) -> f64 {
-    let (Some(device), Some(memory)) = (crate::device::gpu(), crate::exec::memory_input(input))
-    else {
-        return 0.0;
-    };
+/// column cache already holds (the cost model counts no PCIe transfer for them); `None` where
+/// the device would not select over the whole table at once.
+fn resident_share(input: &Arc<dyn ExecutionPlan>, program: &fusion::FusedProgram) -> Option<f64> {
+    let device = crate::device::gpu()?;
+    let memory = crate::exec::memory_input(input)?;
     let names: Vec<String> = (input.schema().fields().iter())
         .map(|f| f.name().clone())
         .collect();
-    match crate::exec::table_inputs(&memory, program, &names) {
-        Ok(Some(inputs)) => crate::select::resident::resident_share(&device, &inputs),
-        _ => 0.0,
-    }
+    let inputs = crate::exec::table_inputs(&memory, program, &names).ok()??;
+    Some(crate::select::resident::resident_share(&device, &inputs))
 }
 
 /// The operator's inputs once the nodes below the sort are absorbed; every expression is
@@ -382,7 +384,7 @@ fn absorb_below(
     loop {
         let node = Arc::clone(&absorbed.input);
         if let Some(projection) = node.downcast_ref::<ProjectionExec>() {
-            if !is_column_projection(projection) {
+            if !cannot_fail_projection(projection) {
                 break;
             }
             let exprs: Vec<_> = projection
@@ -477,6 +479,50 @@ fn scans_in_order(input: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan
         .data()
 }
 
+/// A projection below the sort whose every expression [`cannot_fail`]: the operator may then
+/// evaluate it on the rows it needs only (the sort keys on every row, in its generated code,
+/// the output columns on the winners). Another computed column must be evaluated on every row,
+/// as DataFusion does (its errors included), so such a projection is not absorbed.
+fn cannot_fail_projection(projection: &ProjectionExec) -> bool {
+    let schema = projection.input().schema();
+    projection
+        .expr()
+        .iter()
+        .all(|p| cannot_fail(&p.expr, &schema))
+}
+
+/// Columns, literals, casts of numbers to floating point, and floating-point `+`, `-`, `*`
+/// and negation of those: no row makes them fail (floating point overflows to infinity).
+fn cannot_fail(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> bool {
+    use datafusion::logical_expr::Operator;
+    use datafusion::physical_expr::expressions::{BinaryExpr, CastExpr, NegativeExpr};
+    if expr.is::<Column>() || expr.is::<Literal>() {
+        return true;
+    }
+    let floating = |e: &Arc<dyn PhysicalExpr>| e.data_type(schema).is_ok_and(|t| t.is_floating());
+    if !floating(expr) {
+        return false;
+    }
+    if let Some(cast) = expr.downcast_ref::<CastExpr>() {
+        let from = cast.expr().data_type(schema);
+        return from.is_ok_and(|t| t.is_numeric()) && cannot_fail(cast.expr(), schema);
+    }
+    if let Some(binary) = expr.downcast_ref::<BinaryExpr>() {
+        let arithmetic = matches!(
+            binary.op(),
+            Operator::Plus | Operator::Minus | Operator::Multiply
+        );
+        return arithmetic
+            && [binary.left(), binary.right()]
+                .into_iter()
+                .all(|e| floating(e) && cannot_fail(e, schema));
+    }
+    if let Some(negative) = expr.downcast_ref::<NegativeExpr>() {
+        return cannot_fail(negative.arg(), schema);
+    }
+    false
+}
+
 /// Columns and literals only: a computed column must be evaluated on every row, as DataFusion
 /// does (its errors included), so such a projection is not absorbed.
 fn is_column_projection(projection: &ProjectionExec) -> bool {
@@ -527,5 +573,6 @@ fn estimate(
         bytes_per_row: (layout.total_bits() as usize).div_ceil(8) + if filtered { 8 } else { 0 },
         compile,
         resident: 0.0,
+        whole_table: false,
     }
 }

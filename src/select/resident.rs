@@ -190,14 +190,24 @@ impl ResidentColumns {
 #[derive(Debug, Clone)]
 pub struct TableInput<'a> {
     /// A per-row input: one array per batch of the table, in input order.
-    pub chunks: Vec<&'a dyn Array>,
+    pub chunks: std::borrow::Cow<'a, [ArrayRef]>,
     /// A per-dictionary-entry input (the program's lookup table), instead of chunks.
     pub lookup: Option<ArrayRef>,
     /// What the cache listing calls it (the column's name).
     pub name: String,
-    /// The `GpuTable` and column the chunks are, when they are one's: the cache then knows
-    /// them by that identity instead of by their buffers.
-    pub identity: Option<(u64, usize)>,
+    /// The `GpuTable` column the chunks are, when they are one's: the cache then knows them
+    /// by that identity instead of by their buffers.
+    pub identity: Option<Identity>,
+}
+
+/// A `GpuTable` column, as the column cache knows it, with what the table computed of it once.
+#[derive(Debug, Clone, Copy)]
+pub struct Identity {
+    pub table: u64,
+    pub column: usize,
+    pub rows: usize,
+    /// Whether any chunk holds NULLs.
+    pub nullable: bool,
 }
 
 /// What [`select_table`] found.
@@ -242,15 +252,21 @@ impl<'i, 'a> TableColumn<'i, 'a> {
                 exec_error(format!("the generated program cannot read {t} columns"))
             })?),
         };
+        if let Some(known) = input.identity {
+            return Ok(Self {
+                input,
+                width,
+                key: table_key(known.table, known.column),
+                rows: known.rows,
+                nullable: known.nullable,
+            });
+        }
         // Per chunk: its values' address and extent, and its validity's (0: no NULLs). The
         // values alone do not tell whether a chunk has NULLs (arrays may share values).
-        let by_buffers = input.identity.is_none();
-        let mut key = match input.identity {
-            Some((table, column)) => table_key(table, column),
-            None => Vec::with_capacity(2 * input.chunks.len()),
-        };
+        let mut key = Vec::with_capacity(2 * input.chunks.len());
         let (mut rows, mut nullable) = (0, false);
-        for &chunk in &input.chunks {
+        for chunk in input.chunks.iter() {
+            let chunk = chunk.as_ref();
             let n = chunk.len();
             let mismatch = || {
                 exec_error(format!(
@@ -261,12 +277,6 @@ impl<'i, 'a> TableColumn<'i, 'a> {
             let validity = chunk.nulls().filter(|v| v.null_count() > 0);
             nullable |= validity.is_some();
             rows += n;
-            if !by_buffers {
-                if chunk.data_type() != &data_type {
-                    return Err(mismatch());
-                }
-                continue;
-            }
             key.push(match width {
                 Some(_) => {
                     let values = primitive_values(chunk).ok_or_else(mismatch)?;
@@ -318,7 +328,8 @@ impl<'i, 'a> TableColumn<'i, 'a> {
             return Vec::new();
         }
         let mut owners = Vec::with_capacity(2 * self.input.chunks.len());
-        for &chunk in &self.input.chunks {
+        for chunk in self.input.chunks.iter() {
+            let chunk = chunk.as_ref();
             match self.width {
                 Some(_) => owners.extend(primitive_values(chunk).cloned()),
                 None => owners.extend(chunk.as_boolean_opt().map(|b| b.values().inner().clone())),
@@ -335,8 +346,8 @@ impl<'i, 'a> TableColumn<'i, 'a> {
     fn upload(&self, engine: &mut TopKEngine, dst: u64, offsets: &[usize]) -> GpuResult<()> {
         let bitmap = |bits: &dyn Fn(&dyn Array, &mut BooleanBufferBuilder)| {
             let mut builder = BooleanBufferBuilder::new(self.rows);
-            for &chunk in &self.input.chunks {
-                bits(chunk, &mut builder);
+            for chunk in self.input.chunks.iter() {
+                bits(chunk.as_ref(), &mut builder);
             }
             builder.finish()
         };
@@ -345,9 +356,9 @@ impl<'i, 'a> TableColumn<'i, 'a> {
         match self.width {
             Some(_) => {
                 let mut at = 0;
-                for &chunk in &self.input.chunks {
+                for chunk in self.input.chunks.iter() {
                     // `new` checked that every chunk is primitive.
-                    if let Some(values) = primitive_values(chunk) {
+                    if let Some(values) = primitive_values(chunk.as_ref()) {
                         parts.push((at, values.as_slice()));
                         at += values.len();
                     }
@@ -559,7 +570,8 @@ fn run_table(
     Vec<Option<(PooledBuffer, Vec<usize>)>>,
 )> {
     let (kernel, compile_time) = device.generated_kernel(&program.source, fusion::ENTRY)?;
-    let mut engine = TopKEngine::new(device, program.key_kind)?;
+    // Engines outlive the query (they idle for the next): not its memory.
+    let mut engine = watch::outside(|| device.engine(program.key_kind))?;
     let mut uploaded = Vec::with_capacity(columns.len());
     let mut column_args = Vec::with_capacity(columns.len());
     for (column, lookup) in columns.iter().zip(lookups) {
@@ -630,7 +642,9 @@ fn run_table(
         engine.synchronize()?;
         Vec::new()
     };
-    drop(lookup_tables);
+    drop((sorted, lookup_tables));
+    engine.synchronize()?;
+    device.idle_engine(engine);
     Ok((positions, report, compile_time, uploaded))
 }
 

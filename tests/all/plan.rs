@@ -617,3 +617,45 @@ fn the_model_meets_its_targets_on_the_recorded_h100_grid() {
     assert!(a.within_share() >= 0.90, "{a:?}");
     assert!(a.median_error <= 0.25, "{a:?}");
 }
+
+/// A computed column below the sort is absorbed when no row can make it fail (floating-point
+/// arithmetic): the operator then reads the table itself and evaluates the column's output on
+/// the winners only. Integer arithmetic and divisions can fail, so DataFusion keeps computing
+/// them on every row.
+#[tokio::test]
+async fn computed_columns_that_cannot_fail_are_absorbed() {
+    let ctx = session(true, 2, 1024);
+    register(&ctx, "t", numbers(2, 10_000));
+    let plain = session(false, 2, 1024);
+    register(&plain, "t", numbers(2, 10_000));
+    for (sql, absorbed) in [
+        (
+            "SELECT id, v + 0.5 * w AS s FROM t ORDER BY s DESC, id LIMIT 7",
+            true,
+        ),
+        (
+            "SELECT id, -(w * 1.5) AS s FROM t WHERE v > 3 ORDER BY s, id LIMIT 7",
+            true,
+        ),
+        (
+            "SELECT id, v * w AS s FROM t ORDER BY s DESC, id LIMIT 7",
+            false,
+        ),
+        (
+            "SELECT id, v / 2.0 AS s FROM t ORDER BY s DESC, id LIMIT 7",
+            false,
+        ),
+    ] {
+        let plan = physical_plan(&ctx, sql).await.unwrap();
+        assert_eq!(count_gpu_topk(&plan), 1, "{sql}");
+        let text = plan_text(&plan);
+        assert_eq!(
+            !text.contains("ProjectionExec: expr=[id@0 as id, "),
+            absorbed,
+            "{sql}\n{text}"
+        );
+        let got = crate::common::exact_rows(&collect(plan, ctx.task_ctx()).await.unwrap());
+        let want = crate::common::exact_rows(&run(&plain, sql).await.unwrap());
+        assert_eq!(got, want, "{sql}");
+    }
+}

@@ -350,6 +350,14 @@ impl TopKEngine {
         Ok(engine)
     }
 
+    /// Gives back the staging and read-back buffers (pinned and device) a selection left,
+    /// before the engine idles: they were the finished query's.
+    pub(crate) fn release_staging(&mut self) {
+        self.upload = [None, None];
+        self.staging = None;
+        self.readback = None;
+    }
+
     pub fn kind(&self) -> KeyWidth {
         self.kind
     }

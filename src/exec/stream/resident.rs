@@ -192,10 +192,17 @@ impl TopKRun {
     }
 }
 
-/// The table's non-empty batches and the position of each one's first row.
+/// The table's non-empty batches and the position of each one's first row (a `GpuTable`
+/// worked them out once).
 fn table_starts<'a>(
     memory: &crate::exec::memory::MemoryInput<'a>,
-) -> (Vec<&'a RecordBatch>, Vec<u64>) {
+) -> (Vec<&'a RecordBatch>, std::borrow::Cow<'a, [u64]>) {
+    if let Some(table) = memory.table {
+        return (
+            table.batches.iter().collect(),
+            std::borrow::Cow::Borrowed(&table.starts),
+        );
+    }
     let batches: Vec<&RecordBatch> = memory.batches().filter(|b| b.num_rows() > 0).collect();
     let mut starts = Vec::with_capacity(batches.len());
     let mut next = 0u64;
@@ -203,7 +210,7 @@ fn table_starts<'a>(
         starts.push(next);
         next += batch.num_rows() as u64;
     }
-    (batches, starts)
+    (batches, std::borrow::Cow::Owned(starts))
 }
 
 /// The batch and row of the table's row at `position`.
