@@ -10,9 +10,11 @@
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::{ArrayRef, RecordBatch, UInt32Array};
-use datafusion::arrow::compute::{interleave_record_batch, take_record_batch};
+use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, new_null_array};
+use datafusion::arrow::compute::interleave;
+use datafusion::arrow::datatypes::Schema;
 use datafusion::error::{DataFusionError, Result};
+use datafusion::physical_expr::utils::collect_columns;
 
 use super::{
     TopKRun, check_empty_batch, is_device_error, report_fallback, selection_spec,
@@ -154,39 +156,57 @@ impl TopKRun {
             return Ok(RecordBatch::new_empty(Arc::clone(&self.schema)));
         }
         let (batches, starts) = table_starts(memory);
-        // Each winner's batch and row, then the winners of each batch taken together.
-        let mut at: Vec<(usize, u32, usize)> = positions
+        // Each winner's batch (numbered among the batches that hold winners) and row.
+        let mut slots = std::collections::HashMap::new();
+        let mut holding: Vec<&RecordBatch> = Vec::new();
+        let at: Vec<(usize, usize)> = positions
             .iter()
-            .enumerate()
-            .map(|(i, &p)| {
+            .map(|&p| {
                 let b = starts.partition_point(|&s| s <= p) - 1;
-                (b, (p - starts[b]) as u32, i)
+                let slot = *slots.entry(b).or_insert_with(|| {
+                    holding.push(batches[b]);
+                    holding.len() - 1
+                });
+                (slot, (p - starts[b]) as usize)
             })
             .collect();
-        at.sort_unstable();
-        let mut taken = Vec::new();
-        let mut order = vec![(0, 0); positions.len()];
-        for group in at.chunk_by(|x, y| x.0 == y.0) {
-            let batch = memory.project(batches[group[0].0])?;
-            let rows = UInt32Array::from_iter_values(group.iter().map(|&(_, r, _)| r));
-            let rows = take_record_batch(&batch, &rows)?;
-            let n = rows.num_rows();
-            let columns: Vec<ArrayRef> = self
-                .spec
-                .output_exprs
-                .iter()
-                .map(|e| e.evaluate(&rows)?.into_array(n))
-                .collect::<Result<_>>()?;
-            for (j, &(_, _, i)) in group.iter().enumerate() {
-                order[i] = (taken.len(), j);
+        // The input columns the output reads, gathered in winner order; the others as NULLs.
+        let input = self.input.schema();
+        let mut read = vec![false; input.fields().len()];
+        for expr in &self.spec.output_exprs {
+            for column in collect_columns(expr) {
+                if let Some(r) = read.get_mut(column.index()) {
+                    *r = true;
+                }
             }
-            taken.push(RecordBatch::try_new(Arc::clone(&self.schema), columns)?);
         }
+        let k = positions.len();
+        let columns = (memory.columns.iter().zip(&read).zip(input.fields()))
+            .map(|((&c, &read), field)| {
+                Ok(if read {
+                    let arrays: Vec<&dyn Array> =
+                        holding.iter().map(|b| b.column(c).as_ref()).collect();
+                    interleave(&arrays, &at)?
+                } else {
+                    new_null_array(field.data_type(), k)
+                })
+            })
+            .collect::<Result<Vec<ArrayRef>>>()?;
+        let fields = input
+            .fields()
+            .iter()
+            .map(|f| f.as_ref().clone().with_nullable(true));
+        let rows =
+            RecordBatch::try_new(Arc::new(Schema::new(fields.collect::<Vec<_>>())), columns)?;
         // The winners' rows are the operator's memory, as DataFusion's TopK reserves its heap.
-        let bytes = taken.iter().map(RecordBatch::get_array_memory_size).sum();
-        self.reservation.try_grow(bytes)?;
-        let refs: Vec<&RecordBatch> = taken.iter().collect();
-        let output = interleave_record_batch(&refs, &order)?;
+        self.reservation.try_grow(rows.get_array_memory_size())?;
+        let columns: Vec<ArrayRef> = self
+            .spec
+            .output_exprs
+            .iter()
+            .map(|e| e.evaluate(&rows)?.into_array(k))
+            .collect::<Result<_>>()?;
+        let output = RecordBatch::try_new(Arc::clone(&self.schema), columns)?;
         self.reservation.try_grow(output.get_array_memory_size())?;
         Ok(output)
     }
