@@ -18,6 +18,12 @@
 //!    are kept (`row_store::RowStore`), and pruned as the selector evicts them.
 //! 5. When the input ends, the winners' rows are gathered in order, `OFFSET` applied.
 //!
+//! Over an in-memory table (a `MemTable` or a [`crate::GpuTable`]) whose columns the generated
+//! program reads, the GPU path skips steps 1–4: the program runs once over the whole table,
+//! its columns read from the device column cache (shipped into it on a miss), and only the
+//! winners' output columns are gathered from the table's batches (`stream::resident`). Where
+//! the columns do not fit the cache's budget, the input streams as above.
+//!
 //! A device error (or a row only the host gives DataFusion's outcome for) moves the selection to
 //! the CPU mid-query without reading any input twice: a CPU selector takes over every retained
 //! row (their sort keys are kept with them) and the batches of the failed push, and the other
