@@ -265,8 +265,16 @@ fn predict_options(
     let mut options: Vec<(SelectionChoice, f64)> = DeviceAlgorithm::ALL
         .iter()
         .filter_map(|&a| {
-            operator_seconds(model, device, a, n, k, kind, estimate)
-                .map(|t| (SelectionChoice::Cuda(a), t))
+            operator_seconds(
+                model,
+                compile_seconds(device, estimate),
+                a,
+                n,
+                k,
+                kind,
+                estimate,
+            )
+            .map(|t| (SelectionChoice::Cuda(a), t))
         })
         .collect();
     if with_cpu {
@@ -278,21 +286,13 @@ fn predict_options(
 /// The operator's predicted time on the GPU with `algorithm` (see the module documentation).
 pub(crate) fn operator_seconds(
     model: &CostModel,
-    device: &GpuDevice,
+    compile: f64,
     algorithm: DeviceAlgorithm,
     n: usize,
     k: usize,
     kind: KeyWidth,
     estimate: &Estimate,
 ) -> Option<f64> {
-    let compile = if estimate.compile {
-        device
-            .last_compile_time()
-            .unwrap_or(COMPILE_ESTIMATE)
-            .as_secs_f64()
-    } else {
-        0.0
-    };
     if estimate.whole_table {
         // The missing columns staged from pageable memory, then one pass and the selection of
         // the few rows that beat its sampled threshold.
@@ -320,6 +320,18 @@ pub(crate) fn operator_seconds(
             + reductions
             + selection,
     )
+}
+
+/// The generated program's compile, where the estimate says it has to be compiled.
+fn compile_seconds(device: &GpuDevice, estimate: &Estimate) -> f64 {
+    if estimate.compile {
+        device
+            .last_compile_time()
+            .unwrap_or(COMPILE_ESTIMATE)
+            .as_secs_f64()
+    } else {
+        0.0
+    }
 }
 
 /// An `auto` selector's final selection of k among the candidates it holds: the device
@@ -353,5 +365,60 @@ pub fn device_algorithm(
         Algorithm::Cpu => Err(DataFusionError::Plan(
             "algorithm 'cpu' does not run on the GPU".into(),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::model::{Fits, Machine};
+
+    fn model() -> CostModel {
+        CostModel {
+            machine: Machine {
+                read_bw: 4.4e12,
+                launch_s: 2.5e-6,
+                readback_s: 10e-6,
+                pcie_bw: 50e9,
+                shared_bw: 132.0 * 128.0 * 1.75e9,
+                max_shared_per_block: 227 * 1024,
+                sm_count: 132,
+                cpu_rows_per_s: 200e6,
+                cpu_cores: 16,
+            },
+            fits: Fits::default(),
+        }
+    }
+
+    /// The whole-table path ships only the columns not resident, and a resident table costs
+    /// a pass at device bandwidth: far below the CPU path, and below streaming the input.
+    #[test]
+    fn a_whole_table_costs_its_missing_columns_and_one_pass() {
+        let m = model();
+        let (n, k, kind) = (250_000_000, 50, KeyWidth::W32);
+        let estimate = |resident: f64, whole_table: bool| Estimate {
+            rows: Some(n),
+            bytes_per_row: 12,
+            compile: false,
+            resident,
+            whole_table,
+        };
+        let time = |e: &Estimate| {
+            operator_seconds(&m, 0.0, DeviceAlgorithm::Sample, n, k, kind, e).unwrap()
+        };
+        let cold = time(&estimate(0.0, true));
+        let half = time(&estimate(0.5, true));
+        let warm = time(&estimate(1.0, true));
+        let shipped = STAGED_TRANSFER * m.transfer_time(n * 12);
+        assert!(
+            cold > shipped && cold < 1.2 * shipped,
+            "{cold} vs {shipped}"
+        );
+        assert!(warm < half && half < cold, "{warm} {half} {cold}");
+        assert!(warm < 0.05 * m.cpu_time(n), "{warm} vs {}", m.cpu_time(n));
+        assert!(
+            warm < time(&estimate(1.0, false)),
+            "streaming reduces in pushes"
+        );
     }
 }
