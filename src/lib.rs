@@ -4,8 +4,10 @@
 //! [`SessionStateBuilderExt::with_gpu_topk`], and tunes it with [`GpuTopKConfig`] (also from
 //! SQL: `SET gpu_topk.backend = 'cpu'`). The rule ([`GpuTopKRule`]) replaces DataFusion's
 //! TopK by [`GpuTopKExec`] wherever the query's shape allows; results are exactly DataFusion's,
-//! and a GPU failure falls back to the operator's CPU path. [`datasets`] generates the tweets
-//! table of the benchmarks and the CLI.
+//! and a GPU failure falls back to the operator's CPU path. Over in-memory tables the GPU keeps
+//! the columns top-k queries read in device memory between queries; [`GpuTable`] is the
+//! in-memory table made for that (constant-time planning, columns loaded and pinned ahead).
+//! [`datasets`] generates the tweets table of the benchmarks and the CLI.
 //!
 //! Inside, one module per step of the data flow: `rule` rewrites the physical plan → `exec`
 //! runs the operator → `keys` encodes sort keys into order-preserving integers and `fusion`
