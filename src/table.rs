@@ -137,7 +137,8 @@ impl GpuTable {
     pub fn try_new(schema: SchemaRef, partitions: Vec<Vec<RecordBatch>>) -> Result<Self> {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         for batch in partitions.iter().flatten() {
-            if !schema.contains(batch.schema_ref()) {
+            let fields = batch.schema_ref().fields().len();
+            if fields != schema.fields().len() || !schema.contains(batch.schema_ref()) {
                 return Err(DataFusionError::Plan(format!(
                     "GpuTable: a batch's schema {} does not match the table's {}",
                     batch.schema(),

@@ -380,6 +380,10 @@ async fn a_gpu_table_answers_every_query_as_a_mem_table_does() {
     let other = table_with_schema_of_one_column();
     let err = GpuTable::try_new(data_schema(), other).unwrap_err();
     assert!(err.to_string().contains("does not match"), "{err}");
+    // A batch with only some of the table's columns too.
+    let some = vec![vec![data_schema_batch().project(&[0, 1]).unwrap()]];
+    let err = GpuTable::try_new(data_schema(), some).unwrap_err();
+    assert!(err.to_string().contains("does not match"), "{err}");
     if gpu().is_none() {
         let err = table.load(&["v"]).unwrap_err();
         assert!(err.to_string().contains("no GPU"), "{err}");
@@ -387,7 +391,11 @@ async fn a_gpu_table_answers_every_query_as_a_mem_table_does() {
 }
 
 fn data_schema() -> datafusion::arrow::datatypes::SchemaRef {
-    table(1, 1, 1, 0)[0][0].schema()
+    data_schema_batch().schema()
+}
+
+fn data_schema_batch() -> RecordBatch {
+    table(1, 1, 3, 0)[0][0].clone()
 }
 
 fn table_with_schema_of_one_column() -> Vec<Vec<RecordBatch>> {
