@@ -35,7 +35,7 @@ pub use config::{Algorithm, Backend, DeviceOp, FaultPoint, GpuTopKConfig, GpuTop
 pub use exec::GpuTopKExec;
 pub use rule::GpuTopKRule;
 pub use session::SessionStateBuilderExt;
-pub use table::{GpuTable, GpuTableExec};
+pub use table::{GpuTable, GpuTableExec, GpuTableFactory};
 
 /// The crate's internals, for its own CLI, tests and benchmarks: not part of the API, and
 /// free to change.

@@ -15,6 +15,7 @@ use datafusion::prelude::SessionConfig;
 use crate::config::GpuTopKConfig;
 use crate::device::cache::CacheListing;
 use crate::rule::GpuTopKRule;
+use crate::table::GpuTableFactory;
 
 /// Names of the DataFusion rules [`GpuTopKRule`] goes before (the first present):
 /// `PushdownSort` lets a Parquet scan read row groups in the sort's order, which would change
@@ -26,9 +27,9 @@ pub(crate) const INSERT_BEFORE_RULES: [&str; 2] = ["PushdownSort", "FilterPushdo
 pub trait SessionStateBuilderExt {
     /// Registers the `gpu_topk` settings (with `config` as their values), inserts
     /// [`GpuTopKRule`] into the physical optimizer just before `PushdownSort` (and so before
-    /// `FilterPushdown(Post)`), and registers the table functions `gpu_topk_cache()` (the
+    /// `FilterPushdown(Post)`), registers the table functions `gpu_topk_cache()` (the
     /// device column cache's entries) and `gpu_topk_cache_clear()` (evicts every entry not in
-    /// use and says how many).
+    /// use and says how many), and `CREATE EXTERNAL TABLE … STORED AS GPU` ([`GpuTableFactory`]).
     fn with_gpu_topk(self, config: GpuTopKConfig) -> Self;
 }
 
@@ -45,6 +46,8 @@ impl SessionStateBuilderExt for SessionStateBuilder {
             .unwrap_or(rules.len());
         rules.insert(at, Arc::new(GpuTopKRule::new(config)));
         *self.physical_optimizers() = Some(PhysicalOptimizer::with_rules(rules));
+        let factories = self.table_factories().get_or_insert_with(Default::default);
+        factories.insert("GPU".into(), Arc::new(GpuTableFactory));
         let functions = self.table_functions().get_or_insert_with(Default::default);
         for (name, function) in [
             ("gpu_topk_cache", CacheFunction::List),

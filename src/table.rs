@@ -21,14 +21,18 @@ use async_trait::async_trait;
 use datafusion::arrow::array::{Array, ArrayRef, AsArray, RecordBatch, make_array};
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::catalog::Session;
+use datafusion::catalog::TableProviderFactory;
 use datafusion::common::stats::Precision;
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::common::{Statistics, project_schema};
+use datafusion::datasource::listing_table_factory::ListingTableFactory;
 use datafusion::datasource::{TableProvider, TableType};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
+use datafusion::logical_expr::CreateExternalTable;
 use datafusion::logical_expr::Expr;
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
+use datafusion::physical_plan::collect_partitioned;
 use datafusion::physical_plan::coop::cooperative;
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType, SchedulingType};
 use datafusion::physical_plan::memory::MemoryStream;
@@ -353,5 +357,65 @@ impl ExecutionPlan for GpuTableExec {
                 Precision::Inexact((self.data.bytes as f64 * share) as usize);
         }
         Ok(Arc::new(statistics))
+    }
+}
+
+/// `CREATE EXTERNAL TABLE name STORED AS GPU LOCATION 'path' OPTIONS ('source' 'parquet')`:
+/// reads the files (Parquet, CSV or JSON, as `source` says; the other options are the
+/// source format's, e.g. `'has_header' 'true'`) into a [`GpuTable`], one partition per scan
+/// partition, files in order. `'pin' 'a, b'` loads and pins those columns on the GPU, where
+/// there is one ([`GpuTable::load`]). The table holds the files' rows as they were when it
+/// was created: a rewritten file is read again by creating the table again.
+#[derive(Debug, Default)]
+pub struct GpuTableFactory;
+
+#[async_trait]
+impl TableProviderFactory for GpuTableFactory {
+    async fn create(
+        &self,
+        state: &dyn Session,
+        cmd: &CreateExternalTable,
+    ) -> Result<Arc<dyn TableProvider>> {
+        let mut options = cmd.options.clone();
+        let source = options.remove("format.source").ok_or_else(|| {
+            DataFusionError::Plan(
+                "STORED AS GPU reads files: say which kind with OPTIONS ('source' 'parquet'), \
+                 'csv' or 'json'"
+                    .into(),
+            )
+        })?;
+        let pin = options.remove("format.pin");
+        let files = CreateExternalTable {
+            file_type: source.to_uppercase(),
+            options,
+            ..cmd.clone()
+        };
+        let files = ListingTableFactory::new().create(state, &files).await?;
+        let schema = files.schema();
+        let pinned: Vec<String> = match &pin {
+            Some(pin) => pin
+                .split(',')
+                .map(|c| c.trim().to_string())
+                .filter(|c| !c.is_empty())
+                .collect(),
+            None => Vec::new(),
+        };
+        for column in &pinned {
+            if schema.index_of(column).is_err() {
+                return Err(DataFusionError::Plan(format!(
+                    "STORED AS GPU: cannot pin '{column}': the table has no such column"
+                )));
+            }
+        }
+        let scan = files.scan(state, None, &[], None).await?;
+        // The files' order, whichever partition reads faster.
+        let scan = scan.with_preserve_order(true).unwrap_or(scan);
+        let partitions = collect_partitioned(scan, state.task_ctx()).await?;
+        let table = GpuTable::try_new(schema, partitions)?;
+        if !pinned.is_empty() && crate::device::gpu().is_some() {
+            let names: Vec<&str> = pinned.iter().map(String::as_str).collect();
+            table.load(&names)?;
+        }
+        Ok(Arc::new(table))
     }
 }

@@ -429,3 +429,59 @@ async fn concurrent_queries_of_mixed_shapes_all_get_their_answer() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `CREATE EXTERNAL TABLE … STORED AS GPU` reads Parquet or CSV files into a `GpuTable`
+/// (pinning columns where there is a GPU): queries over it answer as DataFusion's over the
+/// files; a missing source or an unknown column to pin is a clear error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn files_stored_as_gpu_answer_as_the_files_do() {
+    let data = ties_table(43);
+    let dir = test_dir("stored-as-gpu");
+    let plain = plain_session(3, Storage::Parquet);
+    register_as(&plain, "t", &data, Storage::Parquet, &dir).await;
+    register_as(&plain, "c", &data, Storage::Csv, &dir).await;
+    let ours = session_with_fault(3, FaultPoint::None);
+    let create = |name: &str, kind: &str, options: &str| {
+        let location = dir.join(format!("{name}-{kind}"));
+        format!(
+            "CREATE EXTERNAL TABLE {name} STORED AS GPU LOCATION '{}/' OPTIONS ({options})",
+            location.display()
+        )
+    };
+    let parquet = create("t", "parquet", "'source' 'parquet', 'pin' 'c, g'");
+    run(&ours, &parquet).await.unwrap();
+    for (sql, oracle) in TIE_QUERIES {
+        let want = run_oracle(&plain, oracle).await.unwrap();
+        assert_eq!(exact_rows(&run(&ours, sql).await.unwrap()), want, "{sql}");
+    }
+    let plan = crate::common::plan_text(
+        &physical_plan(&ours, "SELECT rid FROM t ORDER BY c LIMIT 3")
+            .await
+            .unwrap(),
+    );
+    assert!(plan.contains("GpuTableExec"), "{plan}");
+    // CSV, with the format's own options, against DataFusion reading the same files.
+    let csv = create("c", "csv", "'source' 'csv', 'has_header' 'true'");
+    run(&ours, &csv).await.unwrap();
+    let plain_csv = csv
+        .replace("STORED AS GPU", "STORED AS CSV")
+        .replace("'source' 'csv', ", "");
+    let reference = plain_session(3, Storage::Csv);
+    run(&reference, &plain_csv).await.unwrap();
+    let sql = "SELECT rid, f FROM c WHERE g > 2 ORDER BY f DESC, rid LIMIT 40";
+    assert_eq!(
+        exact_rows(&run(&ours, sql).await.unwrap()),
+        exact_rows(&run(&reference, sql).await.unwrap())
+    );
+    // Clear errors.
+    let err = run(&ours, &create("x", "parquet", "'pin' 'c'"))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("OPTIONS ('source'"), "{err}");
+    let bad_pin = create("t", "parquet", "'source' 'parquet', 'pin' 'nope'");
+    let err = run(&ours, &bad_pin.replace("TABLE t ", "TABLE y "))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("cannot pin 'nope'"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
