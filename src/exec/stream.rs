@@ -247,6 +247,13 @@ impl PartitionState {
 impl TopKRun {
     async fn run(&self) -> Result<RecordBatch> {
         let _timer = self.metrics.operator_time.timer();
+        if let Some(prediction) = &self.spec.prediction
+            && prediction.seconds.is_finite()
+        {
+            self.metrics
+                .predicted_time
+                .add_duration(std::time::Duration::from_secs_f64(prediction.seconds));
+        }
         let on_cpu = match self.run_resident()? {
             resident::Resident::Done(batch) => {
                 self.dynamic_filter.mark_complete();
@@ -340,13 +347,6 @@ impl TopKRun {
             }
             Err(e) => return Err(e),
         };
-        if let Some(prediction) = &self.spec.prediction
-            && prediction.seconds.is_finite()
-        {
-            self.metrics
-                .predicted_time
-                .add_duration(std::time::Duration::from_secs_f64(prediction.seconds));
-        }
         // (A zero duration would still count as 1 ns: DataFusion's timers never add nothing.)
         let compile_time = mode.selector.compile_time();
         if !compile_time.is_zero() {
