@@ -371,30 +371,13 @@ pub fn device_algorithm(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cost::model::{Fits, Machine};
-
-    fn model() -> CostModel {
-        CostModel {
-            machine: Machine {
-                read_bw: 4.4e12,
-                launch_s: 2.5e-6,
-                readback_s: 10e-6,
-                pcie_bw: 50e9,
-                shared_bw: 132.0 * 128.0 * 1.75e9,
-                max_shared_per_block: 227 * 1024,
-                sm_count: 132,
-                cpu_rows_per_s: 200e6,
-                cpu_cores: 16,
-            },
-            fits: Fits::default(),
-        }
-    }
+    use crate::cost::model::h100_like;
 
     /// The whole-table path ships only the columns not resident, and a resident table costs
     /// a pass at device bandwidth: far below the CPU path, and below streaming the input.
     #[test]
     fn a_whole_table_costs_its_missing_columns_and_one_pass() {
-        let m = model();
+        let m = h100_like();
         let (n, k, kind) = (250_000_000, 50, KeyWidth::W32);
         let estimate = |resident: f64, whole_table: bool| Estimate {
             rows: Some(n),

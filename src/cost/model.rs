@@ -589,26 +589,28 @@ pub(crate) fn solve_fit(
     }
 }
 
+/// An H100-like model with the default fits, for tests.
+#[cfg(test)]
+pub(crate) fn h100_like() -> CostModel {
+    CostModel {
+        machine: Machine {
+            read_bw: 3.0e12,
+            launch_s: 2.5e-6,
+            readback_s: 10e-6,
+            pcie_bw: 25e9,
+            shared_bw: 132.0 * 128.0 * 1.75e9,
+            max_shared_per_block: 227 * 1024,
+            sm_count: 132,
+            cpu_rows_per_s: 200e6,
+            cpu_cores: 16,
+        },
+        fits: Fits::default(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn h100_like() -> CostModel {
-        CostModel {
-            machine: Machine {
-                read_bw: 3.0e12,
-                launch_s: 2.5e-6,
-                readback_s: 10e-6,
-                pcie_bw: 25e9,
-                shared_bw: 132.0 * 128.0 * 1.75e9,
-                max_shared_per_block: 227 * 1024,
-                sm_count: 132,
-                cpu_rows_per_s: 200e6,
-                cpu_cores: 16,
-            },
-            fits: Fits::default(),
-        }
-    }
 
     #[test]
     fn large_inputs_are_bandwidth_bound_and_small_ones_latency_bound() {
