@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! cargo bench --bench cpu_vs_datafusion -- [--rows N] [--runs R] [--csv FILE] [--sweep]
-//!     [--plots DIR] [--clients C] [--profile]
+//!     [--plots DIR] [--clients C] [--profile] [--parquet DIR]
 //! ```
 //!
 //! Each query runs R times per engine (after one checked run), alternating engines; the table
@@ -15,7 +15,10 @@
 //! arbitrarily). `--sweep`: Q1 at selectivities 0 to 1, Q2 at k = 1 to 10^6. `--plots DIR`:
 //! Q1 and Q2 as SVG line plots. `--clients C`: C concurrent clients against the warm table,
 //! throughput against the same queries back to back. `--profile`: where the warm runs' time
-//! goes (planning, execution, the operator's metrics).
+//! goes (planning, execution, the operator's metrics). `--parquet DIR`: every engine reads the
+//! tweets from Parquet files in DIR (written there first, one file per partition, row groups
+//! of 1M rows, unless DIR holds them already) instead of memory. `auto first` is the default
+//! settings with the cache emptied before each run.
 
 mod common;
 
@@ -114,6 +117,7 @@ async fn main() -> Result<()> {
     let clients: usize = arg("--clients", 0);
     let sweep = std::env::args().any(|a| a == "--sweep");
     let profile = std::env::args().any(|a| a == "--profile");
+    let parquet: String = arg("--parquet", String::new());
     let plain = session(false, Backend::Cpu, true);
     // Our operator on the CPU path, and on the GPU when there is one, predicate and keys in
     // generated GPU code: "cold" streams the columns over PCIe on every query (no column
@@ -141,6 +145,11 @@ async fn main() -> Result<()> {
             session_with(GpuTopKConfig::default()),
             false,
         ));
+        engines.push(engine(
+            "auto first",
+            session_with(GpuTopKConfig::default()),
+            true,
+        ));
         let (pinned, staged) =
             datafusion_gpu_topk::internal::device::measure::upload_rates(&device, 1 << 30)
                 .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?;
@@ -156,17 +165,33 @@ async fn main() -> Result<()> {
     // The same batches: a MemTable for DataFusion, a GpuTable for our operator.
     let parts = tweets::tweets_partitions(&TweetsSpec::new(rows), partitions, 8192)?;
     let schema = tweets::tweets_schema();
-    let table = std::sync::Arc::new(MemTable::try_new(schema.clone(), parts.clone())?);
-    plain.register_table("tweets", table)?;
-    let table = std::sync::Arc::new(GpuTable::try_new(schema, parts)?);
-    for engine in &engines {
-        engine.ctx.register_table("tweets", table.clone())?;
-    }
-    println!(
-        "# {rows} tweets in memory ({partitions} partitions of 8192-row batches, generated in {:.1} s; \
-         DataFusion reads a MemTable, ours a GpuTable of the same batches), {runs} runs each, median ms",
-        started.elapsed().as_secs_f64()
-    );
+    let storage = if parquet.is_empty() {
+        let table = std::sync::Arc::new(MemTable::try_new(schema.clone(), parts.clone())?);
+        plain.register_table("tweets", table)?;
+        let table = std::sync::Arc::new(GpuTable::try_new(schema, parts)?);
+        for engine in &engines {
+            engine.ctx.register_table("tweets", table.clone())?;
+        }
+        println!(
+            "# {rows} tweets in memory ({partitions} partitions of 8192-row batches, generated in {:.1} s; \
+             DataFusion reads a MemTable, ours a GpuTable of the same batches), {runs} runs each, median ms",
+            started.elapsed().as_secs_f64()
+        );
+        "in memory"
+    } else {
+        let bytes = write_parquet(&parquet, &schema, parts).await?;
+        for ctx in std::iter::once(&plain).chain(engines.iter().map(|e| &e.ctx)) {
+            ctx.register_parquet("tweets", &parquet, Default::default())
+                .await?;
+        }
+        println!(
+            "# {rows} tweets in {partitions} Parquet files ({:.1} GB, uncompressed, row groups of \
+             1M rows, ready in {:.1} s), {runs} runs each, median ms",
+            bytes as f64 / 1e9,
+            started.elapsed().as_secs_f64()
+        );
+        "in Parquet files"
+    };
     let mut header = format!("{:<14} {:>13}", "query", "DataFusion ms");
     let mut lines = vec!["query,rows,engine,ms,datafusion_ms,ratio".to_string()];
     for engine in &engines {
@@ -224,7 +249,7 @@ async fn main() -> Result<()> {
                 .iter()
                 .filter_map(|(n, m)| n.strip_prefix(prefix).map(|x| (x.to_string(), m)))
                 .collect();
-            let title = format!("{title}, {rows} rows in memory, {machine}");
+            let title = format!("{title}, {rows} rows {storage}, {machine}");
             std::fs::write(
                 format!("{plots}/{file}"),
                 svg_plot(&title, x_label, &names, &points),
@@ -251,6 +276,49 @@ async fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The tweets as Parquet files in `dir`, one per partition (written on all cores, unless
+/// the directory holds them already): their bytes.
+async fn write_parquet(
+    dir: &str,
+    schema: &datafusion::arrow::datatypes::SchemaRef,
+    parts: Vec<Vec<RecordBatch>>,
+) -> Result<u64> {
+    use datafusion::parquet::arrow::ArrowWriter;
+    use datafusion::parquet::file::properties::WriterProperties;
+    let dir = std::path::PathBuf::from(dir);
+    if !dir.exists() {
+        let partial = dir.with_extension("partial");
+        let _ = std::fs::remove_dir_all(&partial);
+        std::fs::create_dir_all(&partial)?;
+        let mut writers = tokio::task::JoinSet::new();
+        for (p, batches) in parts.into_iter().enumerate() {
+            let path = partial.join(format!("part-{p:04}.parquet"));
+            let schema = schema.clone();
+            writers.spawn_blocking(move || -> Result<()> {
+                let properties = WriterProperties::builder()
+                    .set_max_row_group_row_count(Some(1 << 20))
+                    .build();
+                let file = std::fs::File::create(path)?;
+                let mut writer = ArrowWriter::try_new(file, schema, Some(properties))?;
+                for batch in &batches {
+                    writer.write(batch)?;
+                }
+                writer.close()?;
+                Ok(())
+            });
+        }
+        while let Some(written) = writers.join_next().await {
+            written.map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))??;
+        }
+        std::fs::rename(&partial, &dir)?;
+    }
+    let mut bytes = 0;
+    for file in std::fs::read_dir(&dir)? {
+        bytes += file?.metadata()?.len();
+    }
+    Ok(bytes)
 }
 
 /// One run of `sql`, timed by phase (SQL to logical plan, physical planning, execution), with

@@ -152,9 +152,10 @@ extensions_options! {
         /// Most device memory, in bytes, one query's selection may hold (0: no limit but the
         /// device's). A query that needs more falls back to the CPU path.
         pub device_memory_limit: usize, default = 0
-        /// Device bytes that keep in-memory tables' columns between queries, so a repeated
-        /// query does not ship them over PCIe again (unset: a quarter of the device's memory;
-        /// 0: off). The cache is the process's: the last query's setting sizes it.
+        /// Device bytes that keep in-memory tables' and Parquet files' columns between queries,
+        /// so a repeated query does not ship them over PCIe again (unset: a quarter of the
+        /// device's memory; 0: off). The cache is the process's: the last query's setting
+        /// sizes it.
         pub cache_bytes: Option<usize>, default = None
     }
 }

@@ -4,7 +4,8 @@
 //! [`SessionStateBuilderExt::with_gpu_topk`], and tunes it with [`GpuTopKConfig`] (also from
 //! SQL: `SET gpu_topk.backend = 'cpu'`). The rule ([`GpuTopKRule`]) replaces DataFusion's
 //! TopK by [`GpuTopKExec`] wherever the query's shape allows; results are exactly DataFusion's,
-//! and a GPU failure falls back to the operator's CPU path. Over in-memory tables the GPU keeps
+//! and a GPU failure falls back to the operator's CPU path. Over in-memory tables and Parquet
+//! files the GPU keeps
 //! the columns top-k queries read in device memory between queries; [`GpuTable`] is the
 //! in-memory table made for that (constant-time planning, columns loaded and pinned ahead).
 //! [`datasets`] generates the tweets table of the benchmarks and the CLI.

@@ -16,6 +16,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::device::cache::table_key;
 use crate::select::resident::{Identity, TableInput};
 use async_trait::async_trait;
 use datafusion::arrow::array::{Array, ArrayRef, AsArray, RecordBatch, make_array};
@@ -112,8 +113,12 @@ impl TableData {
             lookup: None,
             name: name.to_string(),
             identity: Some(Identity {
-                table: self.id,
-                column: index,
+                key: table_key(self.id, index),
+                // A dictionary column's chunks are its codes.
+                data_type: (column.chunks.first()).map_or_else(
+                    || self.schema.field(index).data_type().clone(),
+                    |c| c.data_type().clone(),
+                ),
                 rows: self.rows,
                 nullable: column.nullable,
             }),

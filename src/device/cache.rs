@@ -1,4 +1,5 @@
-//! The device column cache: the columns a generated program reads from in-memory tables stay
+//! The device column cache: the columns a generated program reads from in-memory tables (and
+//! Parquet files) stay
 //! in device memory between queries, so that a repeated query reads them at device bandwidth
 //! instead of shipping them over PCIe again.
 //!
@@ -6,7 +7,9 @@
 //! back, keyed by the host address and extent of every batch's buffers. The entry holds a
 //! reference to each of those buffers, so while it lives their memory cannot be freed and
 //! reused for other data; Arrow buffers are immutable while shared, so a hit is always the same
-//! bytes. A changed table (an insert adds a batch) has another key and misses.
+//! bytes. A changed table (an insert adds a batch) has another key and misses. A `GpuTable`'s
+//! column is keyed by the table ([`table_key`]); a column of a scan of Parquet files by every
+//! file's identity, modification time included ([`files_key`]), so a rewritten file misses.
 //!
 //! The budget bounds the device bytes of all entries (`gpu_topk.cache_bytes`). A new entry
 //! evicts the least recently used entries that no query is reading; when that does not make
@@ -23,15 +26,39 @@ use super::memory::PooledBuffer;
 
 /// A cache key: two words per batch of the column (its values' host address and extent, its
 /// validity's), in the table's order; or, for a [`crate::GpuTable`]'s column,
-/// [`table_key`].
+/// [`table_key`]; or, for a column of Parquet files, [`files_key`].
 pub(crate) type CacheKey = Vec<(usize, usize)>;
 
 /// No host address: marks a key made by [`table_key`].
 const TABLE: usize = usize::MAX;
+/// No host address: marks a key made by [`files_key`].
+const FILES: usize = usize::MAX - 1;
 
 /// The key of column `column` of the `GpuTable` with identity `table`.
 pub(crate) fn table_key(table: u64, column: usize) -> CacheKey {
     vec![(TABLE, table as usize), (column, 0)]
+}
+
+/// The key of column `column` (of a table schema whose hash is `schema`) of a sequence of
+/// files, each given by the hash of its path, its size, its modification time (ns) and the
+/// byte range read: a rewritten file has another size or time, and misses.
+pub(crate) fn files_key(
+    schema: u64,
+    column: usize,
+    files: impl Iterator<Item = (u64, u64, i64, (u64, u64))>,
+) -> CacheKey {
+    let mut key = vec![(FILES, schema as usize), (column, 0)];
+    for (path, size, modified, (start, end)) in files {
+        key.push((path as usize, size as usize));
+        key.push((modified as usize, 0));
+        key.push((start as usize, end as usize));
+    }
+    key
+}
+
+/// Whether `key` names a column by identity (its words are no host addresses).
+fn by_identity(key: &CacheKey) -> bool {
+    matches!(key.first(), Some(&(TABLE | FILES, _)))
 }
 
 fn of_table(key: &CacheKey, table: u64) -> bool {
@@ -238,9 +265,12 @@ impl ColumnCache {
                 state.bytes = state.bytes.saturating_sub(bytes);
             }
             std::collections::hash_map::Entry::Vacant(slot) => {
-                let addresses: Vec<usize> = slot.key().iter().map(|&(a, _)| a).collect();
+                let addresses: Vec<usize> = match by_identity(slot.key()) {
+                    true => Vec::new(),
+                    false => slot.key().iter().map(|&(a, _)| a).collect(),
+                };
                 slot.insert(entry);
-                for address in addresses.into_iter().filter(|&a| a != 0 && a != TABLE) {
+                for address in addresses.into_iter().filter(|&a| a != 0) {
                     *state_slices(&mut state.slices, address) += 1;
                 }
             }
@@ -334,6 +364,9 @@ fn state_slices(slices: &mut HashMap<usize, usize>, address: usize) -> &mut usiz
 }
 
 fn forget_slices(slices: &mut HashMap<usize, usize>, key: &CacheKey) {
+    if by_identity(key) {
+        return;
+    }
     for (address, _) in key {
         if let Some(n) = slices.get_mut(address) {
             *n -= 1;

@@ -21,8 +21,10 @@
 //! Over an in-memory table (a `MemTable` or a [`crate::GpuTable`]) whose columns the generated
 //! program reads, the GPU path skips steps 1–4: the program runs once over the whole table,
 //! its columns read from the device column cache (shipped into it on a miss), and only the
-//! winners' output columns are gathered from the table's batches (`stream::resident`). Where
-//! the columns do not fit the cache's budget, the input streams as above.
+//! winners' output columns are gathered from the table's batches (`stream::resident`). A scan
+//! of Parquet files is read the same way (`parquet`): the program's columns are decoded into
+//! the cache once, and only the winners' rows are read from the files. Where the columns do
+//! not fit the cache's budget, the input streams as above.
 //!
 //! A device error (or a row only the host gives DataFusion's outcome for) moves the selection to
 //! the CPU mid-query without reading any input twice: a CPU selector takes over every retained
@@ -35,10 +37,12 @@
 
 mod dynamic_filter;
 mod memory;
+mod parquet;
 mod row_store;
 mod stream;
 
 pub(crate) use memory::{memory_input, table_inputs};
+pub(crate) use parquet::parquet_input;
 
 use std::fmt::{self, Formatter};
 use std::sync::{Arc, Mutex};
@@ -93,7 +97,8 @@ pub struct TopKSpec {
     /// Most device bytes one execution's selection may hold (`gpu_topk.device_memory_limit`;
     /// 0: no limit).
     pub device_memory_limit: usize,
-    /// The device column cache, where the input is an in-memory table (`None`: not used).
+    /// The device column cache, where the input is an in-memory table or Parquet files
+    /// (`None`: not used).
     pub cache: Option<CacheSetting>,
 }
 

@@ -53,6 +53,8 @@ struct TopKMetrics {
     select_time: Time,
     retain_time: Time,
     gather_time: Time,
+    /// Time spent decoding a Parquet input's columns for the column cache.
+    read_time: Time,
     /// Time this execution spent compiling (NVRTC) or loading its generated kernel: zero when
     /// the kernel was already in memory, as on a query's second run.
     compile_time: Time,
@@ -82,6 +84,7 @@ impl TopKMetrics {
             select_time: time("select_time"),
             retain_time: time("retain_time"),
             gather_time: time("gather_time"),
+            read_time: time("read_time"),
             compile_time: time("compile_time"),
             predicted_time: time("predicted_time"),
             operator_time: time("operator_time"),
@@ -90,6 +93,7 @@ impl TopKMetrics {
                 cache_misses: MetricBuilder::new(set).counter("cache_misses", 0),
                 resident_bytes: MetricBuilder::new(set).counter("resident_bytes", 0),
                 uploaded_bytes: MetricBuilder::new(set).counter("uploaded_bytes", 0),
+                upload_time: time("upload_time"),
             },
         }
     }
@@ -254,7 +258,7 @@ impl TopKRun {
                 .predicted_time
                 .add_duration(std::time::Duration::from_secs_f64(prediction.seconds));
         }
-        let on_cpu = match self.run_resident()? {
+        let on_cpu = match self.run_whole_table().await? {
             resident::Resident::Done(batch) => {
                 self.dynamic_filter.mark_complete();
                 self.metrics.output_rows.add(batch.num_rows());

@@ -331,9 +331,10 @@ fn match_top_k(
 }
 
 /// Whether `input` hands out an in-memory table's own batches, whose buffers the next query
-/// receives again: only then can the device column cache serve them.
+/// receives again, or reads Parquet files as they are: only then can the device column cache
+/// serve them.
 fn replays_from_memory(input: &Arc<dyn ExecutionPlan>) -> bool {
-    crate::exec::memory_input(input).is_some()
+    crate::exec::memory_input(input).is_some() || crate::exec::parquet_input(input).is_some()
 }
 
 /// The share of the bytes a generated program reads from an in-memory input that the device's
@@ -341,6 +342,29 @@ fn replays_from_memory(input: &Arc<dyn ExecutionPlan>) -> bool {
 /// the device would not select over the whole table at once.
 fn resident_share(input: &Arc<dyn ExecutionPlan>, program: &fusion::FusedProgram) -> Option<f64> {
     let device = crate::device::gpu()?;
+    if let Some(files) = crate::exec::parquet_input(input) {
+        let (mut held, mut total) = (0, 0);
+        for program_input in &program.inputs {
+            let fusion::KernelInput::Column(c) = program_input else {
+                return None;
+            };
+            let column = *files.columns.get(*c)?;
+            let width = files
+                .field(column)
+                .data_type()
+                .primitive_width()
+                .unwrap_or(1);
+            total += width;
+            if device.cache.contains(&files.key(column)) {
+                held += width;
+            }
+        }
+        return Some(if total == 0 {
+            0.0
+        } else {
+            held as f64 / total as f64
+        });
+    }
     let memory = crate::exec::memory_input(input)?;
     let names: Vec<String> = (input.schema().fields().iter())
         .map(|f| f.name().clone())

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use datafusion::arrow::array::ArrayRef;
 use datafusion::error::{DataFusionError, Result};
-use datafusion::physical_plan::metrics::Count;
+use datafusion::physical_plan::metrics::{Count, Time};
 
 use crate::config::FaultPoint;
 use crate::device::watch::DeviceWatch;
@@ -227,6 +227,8 @@ pub struct TransferMetrics {
     /// Input bytes read from the cache, and shipped to the device.
     pub resident_bytes: Count,
     pub uploaded_bytes: Count,
+    /// Time spent shipping columns into the cache.
+    pub upload_time: Time,
 }
 
 /// The single entry point: builds the selector the cost model chose (wrapped to fail at

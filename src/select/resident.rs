@@ -16,7 +16,7 @@ use datafusion::error::Result;
 
 use super::SelectionSpec;
 use super::cuda::{ColumnBuffers, exec_error, gpu_error, program_error};
-use crate::device::cache::{CacheKey, CacheUse, NewEntry, table_key};
+use crate::device::cache::{CacheKey, CacheUse, NewEntry};
 use crate::device::watch::{self, DeviceWatch};
 use crate::device::{
     DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_ROWS, FusedReport, GeneratedKernel, GpuDevice,
@@ -195,18 +195,19 @@ pub struct TableInput<'a> {
     pub lookup: Option<ArrayRef>,
     /// What the cache listing calls it (the column's name).
     pub name: String,
-    /// The `GpuTable` column the chunks are, when they are one's: the cache then knows them
-    /// by that identity instead of by their buffers.
+    /// What the chunks are, where the cache knows them by that instead of by their buffers
+    /// (a column known by identity may come without chunks when the cache holds it).
     pub identity: Option<Identity>,
 }
 
-/// A `GpuTable` column, as the column cache knows it, with what the table computed of it once.
-#[derive(Debug, Clone, Copy)]
+/// A column the cache knows by what it is rather than by its buffers (a `GpuTable`'s column,
+/// a column of a set of Parquet files), with what is known of it without reading it.
+#[derive(Debug, Clone)]
 pub struct Identity {
-    pub table: u64,
-    pub column: usize,
+    pub key: CacheKey,
+    pub data_type: DataType,
     pub rows: usize,
-    /// Whether any chunk holds NULLs.
+    /// Whether any chunk holds NULLs (read only where the column is uploaded).
     pub nullable: bool,
 }
 
@@ -242,21 +243,22 @@ struct TableColumn<'i, 'a> {
 
 impl<'i, 'a> TableColumn<'i, 'a> {
     fn new(input: &'i TableInput<'a>) -> Result<Self> {
-        let data_type = input
-            .chunks
-            .first()
-            .map_or(DataType::Null, |c| c.data_type().clone());
+        let data_type = match (&input.identity, input.chunks.first()) {
+            (Some(known), _) => known.data_type.clone(),
+            (None, Some(chunk)) => chunk.data_type().clone(),
+            (None, None) => DataType::Null,
+        };
         let width = match &data_type {
             DataType::Boolean => None,
             t => Some(t.primitive_width().ok_or_else(|| {
                 exec_error(format!("the generated program cannot read {t} columns"))
             })?),
         };
-        if let Some(known) = input.identity {
+        if let Some(known) = &input.identity {
             return Ok(Self {
                 input,
                 width,
-                key: table_key(known.table, known.column),
+                key: known.key.clone(),
                 rows: known.rows,
                 nullable: known.nullable,
             });
@@ -387,10 +389,10 @@ impl<'i, 'a> TableColumn<'i, 'a> {
         engine.upload_image(&parts, total, dst)
     }
 
-    /// The kernel's four arguments for the image at `addresses`.
-    fn args(&self, addresses: &[u64]) -> [u64; 4] {
-        let validity = if self.nullable { addresses[1] } else { 0 };
-        [addresses[0], 0, validity, 0]
+    /// The kernel's four arguments for the image at `addresses` (values, then the validity
+    /// bitmap where the image has one).
+    fn args(addresses: &[u64]) -> [u64; 4] {
+        [addresses[0], 0, addresses.get(1).copied().unwrap_or(0), 0]
     }
 }
 
@@ -572,13 +574,20 @@ fn run_table(
     let (kernel, compile_time) = device.generated_kernel(&program.source, fusion::ENTRY)?;
     // Engines outlive the query (they idle for the next): not its memory.
     let mut engine = watch::outside(|| device.engine(program.key_kind))?;
+    let upload_started = std::time::Instant::now();
     let mut uploaded = Vec::with_capacity(columns.len());
     let mut column_args = Vec::with_capacity(columns.len());
     for (column, lookup) in columns.iter().zip(lookups) {
         match lookup {
             Some(hit) => {
-                column_args.push(column.args(&hit.entry().addresses()));
+                column_args.push(TableColumn::args(&hit.entry().addresses()));
                 uploaded.push(None);
+            }
+            None if column.input.chunks.is_empty() => {
+                return Err(GpuError(format!(
+                    "column {} is neither cached nor given",
+                    column.input.name
+                )));
             }
             None => {
                 let (bytes, offsets) = column.layout();
@@ -588,10 +597,14 @@ fn run_table(
                 column.upload(&mut engine, buffer.ptr(), &offsets)?;
                 let addresses: Vec<u64> =
                     offsets.iter().map(|&o| buffer.ptr() + o as u64).collect();
-                column_args.push(column.args(&addresses));
+                column_args.push(TableColumn::args(&addresses));
                 uploaded.push(Some((buffer, offsets)));
             }
         }
+    }
+    if uploaded.iter().any(Option::is_some) {
+        engine.synchronize()?;
+        (spec.transfers.upload_time).add_duration(upload_started.elapsed());
     }
     // Per-dictionary-entry inputs: small, shipped with every query.
     let mut lookup_tables = Vec::new();

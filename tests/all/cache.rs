@@ -1,12 +1,12 @@
 //! The device column cache (`gpu_topk.cache_bytes`): a repeated query over an in-memory table
-//! reads its columns from device memory, with DataFusion's answer; a changed table is never
-//! served stale; a small budget evicts, and a query larger than it still runs; concurrent and
+//! or Parquet files reads its columns from device memory, with DataFusion's answer; a changed
+//! table or rewritten file is never served stale; a small budget evicts, and a query larger than it still runs; concurrent and
 //! cancelled queries leave no entry in use. On the CUDA backend only: without a GPU each test
 //! says so and passes.
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::{Float64Array, Int64Array, RecordBatch};
+use datafusion::arrow::array::{AsArray, Float64Array, Int64Array, RecordBatch};
 use datafusion::arrow::datatypes::{DataType, Field, Schema};
 use datafusion::prelude::SessionContext;
 use datafusion_gpu_topk::internal::device::cache::CacheListing;
@@ -16,8 +16,8 @@ use futures::StreamExt;
 
 use crate::common::Storage;
 use crate::common::{
-    Report, exact_rows, physical_plan, plain_session_with, plan_text, register, run_oracle,
-    run_reporting, session_with,
+    Report, exact_rows, physical_plan, plain_session_with, plan_text, register, register_as,
+    run_oracle, run_reporting, session_with, test_dir,
 };
 
 /// The cache is the process's, and a query's budget evicts for everyone: the tests that
@@ -255,7 +255,7 @@ async fn concurrent_and_cancelled_queries_leave_no_entry_in_use() {
 }
 
 #[tokio::test]
-async fn the_cache_is_used_only_for_in_memory_inputs_and_can_be_turned_off() {
+async fn the_cache_is_used_for_tables_and_parquet_files_and_can_be_turned_off() {
     // Planning only: runs on any machine.
     let data = table(2, 1, 1000, 5);
     let uses_cache = |ctx: SessionContext| async move {
@@ -268,8 +268,137 @@ async fn the_cache_is_used_only_for_in_memory_inputs_and_can_be_turned_off() {
     let gpu_present = matches!(gpu_status(), GpuStatus::Available(_));
     let (on, _) = sessions(data.clone(), None);
     assert_eq!(uses_cache(on).await, gpu_present);
-    let (off, _) = sessions(data, Some(0));
+    let (off, _) = sessions(data.clone(), Some(0));
     assert!(!uses_cache(off).await);
+    let dir = test_dir("cache-planning");
+    for (storage, cached) in [(Storage::Parquet, gpu_present), (Storage::Csv, false)] {
+        let config = GpuTopKConfig::default().with_backend(Backend::Cuda);
+        let ctx = session_with(2, 8192, config);
+        register_as(&ctx, "t", &data, storage, &dir).await;
+        assert_eq!(uses_cache(ctx).await, cached, "{storage:?}");
+    }
+}
+
+/// `data` written as Parquet files under `dir`, one per partition, row groups of
+/// `group_rows` rows.
+fn write_parquet(dir: &std::path::Path, data: &[Vec<RecordBatch>], group_rows: usize) {
+    use datafusion::parquet::arrow::ArrowWriter;
+    use datafusion::parquet::file::properties::WriterProperties;
+    for (p, batches) in data.iter().enumerate() {
+        let path = dir.join(format!("part-{p:04}.parquet"));
+        let file = std::fs::File::create(path).unwrap();
+        let properties = WriterProperties::builder()
+            .set_max_row_group_row_count(Some(group_rows))
+            .build();
+        let mut writer = ArrowWriter::try_new(file, batches[0].schema(), Some(properties)).unwrap();
+        for batch in batches {
+            writer.write(batch).unwrap();
+        }
+        writer.close().unwrap();
+    }
+}
+
+/// A CUDA session over the Parquet files in `dir` as `t` (`partitions` target partitions),
+/// and plain DataFusion over the same files.
+async fn parquet_sessions(
+    dir: &std::path::Path,
+    partitions: usize,
+) -> (SessionContext, SessionContext) {
+    use datafusion::prelude::ParquetReadOptions;
+    let config = GpuTopKConfig::default().with_backend(Backend::Cuda);
+    let ctx = session_with(partitions, 8192, config);
+    let plain = plain_session_with(partitions, 8192, Storage::Parquet);
+    for c in [&ctx, &plain] {
+        let path = dir.to_str().unwrap();
+        c.register_parquet("t", path, ParquetReadOptions::default())
+            .await
+            .unwrap();
+    }
+    (ctx, plain)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn parquet_files_are_read_into_the_cache_once() {
+    if !gpu_or_skip("parquet_files_are_read_into_the_cache_once") {
+        return;
+    }
+    let _serial = CACHE.lock().await;
+    let dir = test_dir("cache-parquet");
+    // Three files of 100,000 rows, three row groups each.
+    write_parquet(&dir, &table(3, 2, 50_000, 11), 40_000);
+    let (ctx, plain) = parquet_sessions(&dir, 3).await;
+    let cold = check(&ctx, &plain, QUERY, ORACLE).await;
+    assert_eq!(cold.cache_misses, 2, "{cold:?}");
+    assert_eq!(cold.uploaded_bytes, 2 * 8 * 300_000, "{cold:?}");
+    let warm = check(&ctx, &plain, QUERY, ORACLE).await;
+    assert_eq!(warm.cache_misses, 0, "{warm:?}");
+    assert_eq!(warm.cache_hits, 2, "{warm:?}");
+    assert_eq!(warm.uploaded_bytes, 0, "{warm:?}");
+    let text = plan_text(&physical_plan(&ctx, QUERY).await.unwrap());
+    assert!(
+        !text.contains("predicted=") || text.contains("resident=100%"),
+        "{text}"
+    );
+    // Other output columns, OFFSET, and keys read from the cache with the filter's column.
+    for sql in [
+        "SELECT * FROM t WHERE f < 0.5 ORDER BY v DESC LIMIT 20 OFFSET 5",
+        "SELECT f, rid FROM t ORDER BY f, v DESC LIMIT 1000",
+        "SELECT rid FROM t WHERE v > 990 ORDER BY f DESC LIMIT 3",
+    ] {
+        check(&ctx, &plain, sql, &sql.replace(" LIMIT", ", rid LIMIT")).await;
+    }
+    let listed = "SELECT count(*) FROM gpu_topk_cache() \
+        WHERE column IN ('f', 'v') AND chunks = 9 AND bytes >= 2400000 AND NOT in_use";
+    assert_eq!(values(&ctx, listed).await, vec!["2".to_string()]);
+    // Files split into byte ranges across more partitions: each range reads the row groups
+    // DataFusion's scan reads, in the same order.
+    let (split, plain) = parquet_sessions(&dir, 7).await;
+    split
+        .sql("SET datafusion.optimizer.repartition_file_min_size = 1024")
+        .await
+        .unwrap();
+    let plan = plan_text(&physical_plan(&split, QUERY).await.unwrap());
+    assert!(plan.contains("cache=on"), "{plan}");
+    for _ in 0..2 {
+        check(&split, &plain, QUERY, ORACLE).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rewritten_parquet_file_is_never_served_stale() {
+    if !gpu_or_skip("a_rewritten_parquet_file_is_never_served_stale") {
+        return;
+    }
+    let _serial = CACHE.lock().await;
+    let dir = test_dir("cache-parquet-rewritten");
+    let mut data = table(2, 2, 30_000, 12);
+    write_parquet(&dir, &data, 25_000);
+    let (ctx, plain) = parquet_sessions(&dir, 2).await;
+    check(&ctx, &plain, QUERY, ORACLE).await;
+    check(&ctx, &plain, QUERY, ORACLE).await;
+    // The second file again, with one new winner: v = 5000 beats every generated value.
+    let batch = &data[1][0];
+    let mut v: Vec<i64> = batch
+        .column(1)
+        .as_primitive::<datafusion::arrow::datatypes::Int64Type>()
+        .values()
+        .to_vec();
+    let f = batch
+        .column(2)
+        .as_primitive::<datafusion::arrow::datatypes::Float64Type>();
+    let row = (0..v.len()).find(|&i| f.value(i) < 0.5).unwrap();
+    v[row] = 5000;
+    let columns = vec![
+        Arc::clone(batch.column(0)),
+        Arc::new(Int64Array::from(v)) as _,
+        Arc::clone(batch.column(2)),
+    ];
+    data[1][0] = RecordBatch::try_new(batch.schema(), columns).unwrap();
+    write_parquet(&dir, &data, 25_000);
+    let after = check(&ctx, &plain, QUERY, ORACLE).await;
+    assert!(after.cache_misses > 0, "the file is new: {after:?}");
+    let rows = values(&ctx, QUERY).await;
+    assert!(rows[0].ends_with("| 5000"), "{rows:?}");
 }
 
 #[tokio::test]

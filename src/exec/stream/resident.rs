@@ -1,19 +1,22 @@
-//! The operator over a whole in-memory table on the GPU: when the input is a memory source and
-//! the generated program reads only its columns, the program runs once over every row, its
-//! input columns read from the device's column cache (uploaded into it on the first query),
-//! and the host touches only the winners. Nothing is read from the scan: the batches come
-//! straight from the memory source, and only the `k` winning rows' output columns are
-//! evaluated, from those batches, as DataFusion evaluates a projection above its TopK.
+//! The operator over a whole table on the GPU: when the input is a memory source (or a scan of
+//! Parquet files, `exec::parquet`) and the generated program reads only its columns, the
+//! program runs once over every row, its input columns read from the device's column cache
+//! (uploaded into it on the first query), and the host touches only the winners. Nothing is
+//! read from the scan: the batches come straight from the memory source (the files' columns
+//! are decoded into the cache on a miss), and only the `k` winning rows' output columns are
+//! evaluated, from those batches (or read from the files), as DataFusion evaluates a
+//! projection above its TopK.
 //!
 //! Row ids are positions in the table, partition by partition, the streaming path's input
 //! order: ties resolve the same way on both paths.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, new_null_array};
 use datafusion::arrow::compute::interleave;
 use datafusion::arrow::datatypes::Schema;
-use datafusion::error::{DataFusionError, Result};
+use datafusion::error::Result;
 use datafusion::physical_expr::utils::collect_columns;
 
 use super::{
@@ -23,9 +26,11 @@ use super::{
 use crate::config::FaultPoint;
 use crate::cost::SelectionChoice;
 use crate::device::watch::DeviceWatch;
-use crate::exec::{memory_input, table_inputs};
+use crate::device::{DeviceAlgorithm, GpuDevice};
+use crate::exec::{memory_input, parquet_input, table_inputs};
+use crate::fusion::{FusedProgram, KernelInput};
 use crate::select::SelectionSpec;
-use crate::select::resident::select_table;
+use crate::select::resident::{Identity, TableInput, TableSelection, select_table};
 
 /// How a run over a resident table ended.
 pub(super) enum Resident {
@@ -38,29 +43,48 @@ pub(super) enum Resident {
 }
 
 impl TopKRun {
-    /// The run over the whole table, where it applies (see the module documentation).
-    pub(super) fn run_resident(&self) -> Result<Resident> {
+    /// What a run over a whole table needs, where such a run applies: the program, the
+    /// device, the algorithm and the cache's budget.
+    fn whole_table(&self) -> Option<(Arc<FusedProgram>, Arc<GpuDevice>, DeviceAlgorithm, usize)> {
         let spec = &self.spec;
         let (SelectionChoice::Cuda(algorithm), Some(program), Some(cache)) =
             (spec.choice, &spec.fusion.program, &spec.cache)
         else {
-            return Ok(Resident::Stream);
+            return None;
         };
         // Selector-level faults are injected into the streaming selector.
         if spec.k == 0 || !matches!(spec.fault, FaultPoint::None | FaultPoint::Device(..)) {
-            return Ok(Resident::Stream);
+            return None;
         }
-        let (Some(memory), Some(device)) = (memory_input(&self.input), crate::device::gpu()) else {
+        let device = crate::device::gpu()?;
+        let budget = cache.budget.unwrap_or(device.total_memory / 4);
+        Some((Arc::clone(program), device, algorithm, budget))
+    }
+
+    /// The run over the whole table, where it applies (see the module documentation).
+    pub(super) async fn run_whole_table(&self) -> Result<Resident> {
+        match self.run_memory()? {
+            Resident::Stream => self.run_parquet().await,
+            done => Ok(done),
+        }
+    }
+
+    /// The run over an in-memory table.
+    fn run_memory(&self) -> Result<Resident> {
+        let Some((program, device, algorithm, budget)) = self.whole_table() else {
+            return Ok(Resident::Stream);
+        };
+        let Some(memory) = memory_input(&self.input) else {
             return Ok(Resident::Stream);
         };
         let schema = self.input.schema();
         let names: Vec<String> = schema.fields().iter().map(|f| f.name().clone()).collect();
-        let Some(inputs) = table_inputs(&memory, program, &names)? else {
+        let Some(inputs) = table_inputs(&memory, &program, &names)? else {
             return Ok(Resident::Stream);
         };
         // DataFusion evaluates the filter, or the keys, on empty batches too.
         for batch in memory.batches().filter(|b| b.num_rows() == 0) {
-            check_empty_batch(spec, &memory.project(batch)?)?;
+            check_empty_batch(&self.spec, &memory.project(batch)?)?;
         }
         let rows: usize = memory.batches().map(|b| b.num_rows()).sum();
         if rows == 0 {
@@ -68,6 +92,177 @@ impl TopKRun {
                 &self.schema,
             ))));
         }
+        let selected = match self.select(&program, &device, algorithm, budget, &inputs, rows)? {
+            Ok(selected) => selected,
+            Err(other) => return Ok(other),
+        };
+        let _timer = self.metrics.gather_time.timer();
+        let positions = &selected.positions;
+        let (batches, starts) = table_starts(&memory);
+        // Each winner's batch (numbered among the batches that hold winners) and row.
+        let mut slots = std::collections::HashMap::new();
+        let mut holding: Vec<&RecordBatch> = Vec::new();
+        let at: Vec<(usize, usize)> = positions
+            .iter()
+            .map(|&p| {
+                let b = starts.partition_point(|&s| s <= p) - 1;
+                let slot = *slots.entry(b).or_insert_with(|| {
+                    holding.push(batches[b]);
+                    holding.len() - 1
+                });
+                (slot, (p - starts[b]) as usize)
+            })
+            .collect();
+        let read = self.output_reads();
+        let columns = (memory.columns.iter().zip(&read))
+            .map(|(&c, &read)| {
+                read.then(|| {
+                    let arrays: Vec<&dyn Array> =
+                        holding.iter().map(|b| b.column(c).as_ref()).collect();
+                    Ok(interleave(&arrays, &at)?)
+                })
+                .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.output(columns, positions.len()).map(Resident::Done)
+    }
+
+    /// The run over a scan of Parquet files (`exec::parquet`).
+    async fn run_parquet(&self) -> Result<Resident> {
+        let Some((program, device, algorithm, budget)) = self.whole_table() else {
+            return Ok(Resident::Stream);
+        };
+        let Some(files) = parquet_input(&self.input) else {
+            return Ok(Resident::Stream);
+        };
+        // Per-row columns only: a file's dictionaries differ between row groups.
+        let Some(columns) = (program.inputs.iter())
+            .map(|input| match input {
+                KernelInput::Column(c) => files.columns.get(*c).copied(),
+                _ => None,
+            })
+            .collect::<Option<Vec<usize>>>()
+        else {
+            return Ok(Resident::Stream);
+        };
+        // Whatever goes wrong reading the files as a table, the scan reads them as DataFusion
+        // does (with its errors).
+        let store = match self.context.runtime_env().object_store(files.store()) {
+            Ok(store) => store,
+            Err(_) => return Ok(Resident::Stream),
+        };
+        let layout = match files.layout(&store).await {
+            Ok(layout) if layout.rows > 0 => layout,
+            Ok(_) => return Ok(Resident::Stream),
+            Err(e) => {
+                log::debug!("gpu-topk: the files are streamed: {e}");
+                return Ok(Resident::Stream);
+            }
+        };
+        let keys: Vec<_> = columns.iter().map(|&c| files.key(c)).collect();
+        // Held while the selection runs: a column found here stays until it has read it.
+        let held: Vec<_> = keys.iter().map(|k| device.cache.acquire(k)).collect();
+        let missing: Vec<usize> = (columns.iter().zip(&held))
+            .filter(|(_, hit)| hit.is_none())
+            .map(|(&c, _)| c)
+            .collect();
+        let mut missing_bytes = 0;
+        for &c in &missing {
+            let width = files.field(c).data_type().primitive_width();
+            missing_bytes += width.map_or(layout.rows.div_ceil(8), |w| w * layout.rows);
+        }
+        if missing_bytes > budget {
+            return Ok(Resident::Stream);
+        }
+        let decoded = if missing.is_empty() {
+            Vec::new()
+        } else {
+            let _timer = self.metrics.read_time.timer();
+            match files.read_columns(&store, &layout, &missing).await {
+                Ok(decoded) => decoded,
+                Err(e) => {
+                    log::debug!("gpu-topk: the files are streamed: {e}");
+                    return Ok(Resident::Stream);
+                }
+            }
+        };
+        let host = self.reservation.new_empty();
+        host.try_grow(
+            (decoded.iter().flatten())
+                .map(|a| a.get_array_memory_size())
+                .sum(),
+        )?;
+        let schema = self.input.schema();
+        let inputs: Vec<TableInput<'_>> = (program.inputs.iter().zip(&columns).zip(&keys))
+            .map(|((input, &c), key)| {
+                let chunks = missing
+                    .iter()
+                    .position(|&m| m == c)
+                    .map(|i| decoded[i].clone())
+                    .unwrap_or_default();
+                let name = match input {
+                    KernelInput::Column(i) => schema.field(*i).name().clone(),
+                    _ => String::new(),
+                };
+                TableInput {
+                    identity: Some(Identity {
+                        key: key.clone(),
+                        data_type: files.field(c).data_type().clone(),
+                        rows: layout.rows,
+                        nullable: chunks.iter().any(|a| a.null_count() > 0),
+                    }),
+                    chunks: Cow::Owned(chunks),
+                    lookup: None,
+                    name,
+                }
+            })
+            .collect();
+        let selected = self.select(&program, &device, algorithm, budget, &inputs, layout.rows)?;
+        drop((held, inputs, decoded, host));
+        let selected = match selected {
+            Ok(selected) => selected,
+            Err(other) => return Ok(other),
+        };
+        let _timer = self.metrics.gather_time.timer();
+        let read = self.output_reads();
+        let wanted: Vec<usize> = (files.columns.iter().zip(&read))
+            .filter(|(_, read)| **read)
+            .map(|(&c, _)| c)
+            .collect();
+        let positions = &selected.positions;
+        let (batches, at) = if wanted.is_empty() {
+            (Vec::new(), Vec::new())
+        } else {
+            files.read_rows(&store, &layout, positions, &wanted).await?
+        };
+        let mut next = 0;
+        let columns = read
+            .iter()
+            .map(|&read| {
+                if !read {
+                    return Ok(None);
+                }
+                let arrays: Vec<&dyn Array> =
+                    batches.iter().map(|b| b.column(next).as_ref()).collect();
+                next += 1;
+                Ok(Some(interleave(&arrays, &at)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.output(columns, positions.len()).map(Resident::Done)
+    }
+
+    /// The selection over the whole table; `Err` with how the run goes on where it does not
+    /// select (the columns do not fit, or the device failed).
+    fn select(
+        &self,
+        program: &Arc<FusedProgram>,
+        device: &Arc<GpuDevice>,
+        algorithm: DeviceAlgorithm,
+        budget: usize,
+        inputs: &[TableInput<'_>],
+        rows: usize,
+    ) -> Result<std::result::Result<TableSelection, Resident>> {
+        let spec = &self.spec;
         let watch = DeviceWatch::new(
             spec.device_memory_limit,
             match spec.fault {
@@ -85,22 +280,21 @@ impl TopKRun {
         };
         // With `auto`, the sampled selection: the fused path's own final step.
         let algorithm = match selection.final_choice {
-            Some(_) => crate::device::DeviceAlgorithm::Sample,
+            Some(_) => DeviceAlgorithm::Sample,
             None => algorithm,
         };
-        let budget = cache.budget.unwrap_or(device.total_memory / 4);
         let selected = {
             let _timer = self.metrics.select_time.timer();
-            select_table(&selection, &device, algorithm, budget, &inputs)
+            select_table(&selection, device, algorithm, budget, inputs)
         };
         let selected = match selected {
             Ok(Some(selected)) => selected,
-            Ok(None) => return Ok(Resident::Stream),
+            Ok(None) => return Ok(Err(Resident::Stream)),
             Err(e) if is_device_error(&e) => {
                 log::warn!("gpu-topk: the GPU selection failed, the CPU path runs it: {e}");
                 report_fallback(&self.fallback, &e);
                 self.metrics.gpu_fallbacks.add(1);
-                return Ok(Resident::Cpu);
+                return Ok(Err(Resident::Cpu));
             }
             Err(e) => return Err(e),
         };
@@ -111,30 +305,62 @@ impl TopKRun {
         }
         self.metrics.rows_in.add(rows);
         self.metrics.rows_passed_filter.add(selected.passed);
-        let _timer = self.metrics.gather_time.timer();
-        let positions = &selected.positions;
-        if positions.len() == spec.k
-            && let Some(&last) = positions.last()
-        {
-            self.publish_final_threshold(&memory, last)?;
-        }
-        let skip = spec.skip.min(positions.len());
-        self.gather_positions(&memory, &positions[skip..])
-            .map(Resident::Done)
+        Ok(Ok(selected))
     }
 
-    /// Publishes the k-th winner's first key to the dynamic filter, as the streaming path
-    /// does with its running threshold (nothing below reads the table again, but operators
-    /// that share the filter see where the answer ends).
-    fn publish_final_threshold(
-        &self,
-        memory: &crate::exec::memory::MemoryInput<'_>,
-        position: u64,
-    ) -> Result<()> {
+    /// Which of the input's columns the output expressions read.
+    fn output_reads(&self) -> Vec<bool> {
+        let mut read = vec![false; self.input.schema().fields().len()];
+        for expr in &self.spec.output_exprs {
+            for column in collect_columns(expr) {
+                if let Some(r) = read.get_mut(column.index()) {
+                    *r = true;
+                }
+            }
+        }
+        read
+    }
+
+    /// The output from the winners' input columns (`None`: not read by the output), in
+    /// output order, `OFFSET` rows included. The k-th winner's first key goes to the dynamic
+    /// filter, as the streaming path publishes its threshold.
+    fn output(&self, columns: Vec<Option<ArrayRef>>, k: usize) -> Result<RecordBatch> {
+        if k == 0 {
+            return Ok(RecordBatch::new_empty(Arc::clone(&self.schema)));
+        }
+        let input = self.input.schema();
+        let columns: Vec<ArrayRef> = (columns.into_iter().zip(input.fields()))
+            .map(|(column, field)| column.unwrap_or_else(|| new_null_array(field.data_type(), k)))
+            .collect();
+        let fields = input
+            .fields()
+            .iter()
+            .map(|f| f.as_ref().clone().with_nullable(true));
+        let rows =
+            RecordBatch::try_new(Arc::new(Schema::new(fields.collect::<Vec<_>>())), columns)?;
+        // The winners' rows are the operator's memory, as DataFusion's TopK reserves its heap.
+        self.reservation.try_grow(rows.get_array_memory_size())?;
+        if k == self.spec.k {
+            self.publish_final_threshold(&rows.slice(k - 1, 1))?;
+        }
+        let skip = self.spec.skip.min(k);
+        let rows = rows.slice(skip, k - skip);
+        let columns: Vec<ArrayRef> = self
+            .spec
+            .output_exprs
+            .iter()
+            .map(|e| e.evaluate(&rows)?.into_array(rows.num_rows()))
+            .collect::<Result<_>>()?;
+        let output = RecordBatch::try_new(Arc::clone(&self.schema), columns)?;
+        self.reservation.try_grow(output.get_array_memory_size())?;
+        Ok(output)
+    }
+
+    /// Publishes the k-th winner's first key to the dynamic filter (nothing below reads the
+    /// table again, but operators that share the filter see where the answer ends).
+    fn publish_final_threshold(&self, last: &RecordBatch) -> Result<()> {
         let first = self.spec.sort_exprs.first();
-        let (batch, row) = locate(memory, position)?;
-        let row = memory.project(batch)?.slice(row, 1);
-        let key = first.expr.evaluate(&row)?.into_array(1)?;
+        let key = first.expr.evaluate(last)?.into_array(1)?;
         // Not for floats, as on the streaming path (Parquet statistics leave NaNs out).
         if key.data_type().is_floating() || !self.spec.scans_may_skip_rows() {
             return Ok(());
@@ -144,71 +370,6 @@ impl TopKRun {
             self.dynamic_filter.update(predicate)?;
         }
         Ok(())
-    }
-
-    /// The output rows at `positions` of the table (its non-empty batches back to back).
-    fn gather_positions(
-        &self,
-        memory: &crate::exec::memory::MemoryInput<'_>,
-        positions: &[u64],
-    ) -> Result<RecordBatch> {
-        if positions.is_empty() {
-            return Ok(RecordBatch::new_empty(Arc::clone(&self.schema)));
-        }
-        let (batches, starts) = table_starts(memory);
-        // Each winner's batch (numbered among the batches that hold winners) and row.
-        let mut slots = std::collections::HashMap::new();
-        let mut holding: Vec<&RecordBatch> = Vec::new();
-        let at: Vec<(usize, usize)> = positions
-            .iter()
-            .map(|&p| {
-                let b = starts.partition_point(|&s| s <= p) - 1;
-                let slot = *slots.entry(b).or_insert_with(|| {
-                    holding.push(batches[b]);
-                    holding.len() - 1
-                });
-                (slot, (p - starts[b]) as usize)
-            })
-            .collect();
-        // The input columns the output reads, gathered in winner order; the others as NULLs.
-        let input = self.input.schema();
-        let mut read = vec![false; input.fields().len()];
-        for expr in &self.spec.output_exprs {
-            for column in collect_columns(expr) {
-                if let Some(r) = read.get_mut(column.index()) {
-                    *r = true;
-                }
-            }
-        }
-        let k = positions.len();
-        let columns = (memory.columns.iter().zip(&read).zip(input.fields()))
-            .map(|((&c, &read), field)| {
-                Ok(if read {
-                    let arrays: Vec<&dyn Array> =
-                        holding.iter().map(|b| b.column(c).as_ref()).collect();
-                    interleave(&arrays, &at)?
-                } else {
-                    new_null_array(field.data_type(), k)
-                })
-            })
-            .collect::<Result<Vec<ArrayRef>>>()?;
-        let fields = input
-            .fields()
-            .iter()
-            .map(|f| f.as_ref().clone().with_nullable(true));
-        let rows =
-            RecordBatch::try_new(Arc::new(Schema::new(fields.collect::<Vec<_>>())), columns)?;
-        // The winners' rows are the operator's memory, as DataFusion's TopK reserves its heap.
-        self.reservation.try_grow(rows.get_array_memory_size())?;
-        let columns: Vec<ArrayRef> = self
-            .spec
-            .output_exprs
-            .iter()
-            .map(|e| e.evaluate(&rows)?.into_array(k))
-            .collect::<Result<_>>()?;
-        let output = RecordBatch::try_new(Arc::clone(&self.schema), columns)?;
-        self.reservation.try_grow(output.get_array_memory_size())?;
-        Ok(output)
     }
 }
 
@@ -231,21 +392,4 @@ fn table_starts<'a>(
         next += batch.num_rows() as u64;
     }
     (batches, std::borrow::Cow::Owned(starts))
-}
-
-/// The batch and row of the table's row at `position`.
-fn locate<'a>(
-    memory: &crate::exec::memory::MemoryInput<'a>,
-    position: u64,
-) -> Result<(&'a RecordBatch, usize)> {
-    let (batches, starts) = table_starts(memory);
-    let b = starts.partition_point(|&s| s <= position);
-    match b.checked_sub(1) {
-        Some(b) if position - starts[b] < batches[b].num_rows() as u64 => {
-            Ok((batches[b], (position - starts[b]) as usize))
-        }
-        _ => Err(DataFusionError::Internal(format!(
-            "winning position {position} is outside the table"
-        ))),
-    }
 }

@@ -1,0 +1,529 @@
+//! Parquet inputs whose columns the device column cache keeps: a scan of Parquet files that
+//! hands every row of its files to the operator (no limit, no filter evaluated in the scan, no
+//! partition or virtual columns) can be read as a table, like an in-memory one.
+//!
+//! A column's cache entry is that column of the scan's row groups, in the scan's order, keyed by
+//! every file's path, size, modification time and byte range: a rewritten file misses. The
+//! scan's row groups are those DataFusion's scan reads (a file range reads the row groups whose
+//! first page starts inside it), so positions in the image are the streaming path's input
+//! order, partition by partition, and ties resolve alike. On a miss the program's columns are
+//! decoded from the files, all row groups at once; only the winners' rows of the output columns
+//! are read afterwards, through a row selection.
+//!
+//! Files' footers are kept in memory (keyed by the same identity), so a query whose columns
+//! are resident reads nothing from the files but the winners' rows.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, LazyLock, Mutex};
+
+use datafusion::arrow::array::{ArrayRef, RecordBatch};
+use datafusion::arrow::compute::concat_batches;
+use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::datasource::listing::PartitionedFile;
+use datafusion::datasource::physical_plan::parquet::DefaultParquetFileReaderFactory;
+use datafusion::datasource::physical_plan::{
+    FileScanConfig, FileSource, ParquetFileReaderFactory, ParquetSource,
+};
+use datafusion::datasource::source::DataSourceExec;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::object_store::ObjectStoreUrl;
+use datafusion::object_store::ObjectStore;
+use datafusion::parquet::arrow::ProjectionMask;
+use datafusion::parquet::arrow::arrow_reader::{
+    ArrowReaderMetadata, ArrowReaderOptions, RowSelection,
+};
+use datafusion::parquet::arrow::async_reader::{AsyncFileReader, ParquetRecordBatchStreamBuilder};
+use datafusion::parquet::file::metadata::ParquetMetaData;
+use datafusion::physical_expr::expressions::Column;
+use datafusion::physical_plan::ExecutionPlan;
+use datafusion::physical_plan::metrics::ExecutionPlanMetricsSet;
+use futures::TryStreamExt;
+
+use crate::device::cache::{CacheKey, files_key};
+
+/// A scan of Parquet files read as a table (see the module documentation).
+pub(crate) struct ParquetInput {
+    store: ObjectStoreUrl,
+    /// The scan's files, partition by partition: its input order.
+    files: Vec<PartitionedFile>,
+    /// For each of the scan's output columns, the file schema's column it is.
+    pub columns: Vec<usize>,
+    file_schema: SchemaRef,
+    /// A hash of the file schema (the same files read as another schema are other entries).
+    schema_hash: u64,
+    /// The scan's own reader factory, if it has one.
+    factory: Option<Arc<dyn ParquetFileReaderFactory>>,
+}
+
+/// `input` as a Parquet input, when it is a Parquet scan that hands over its files' rows as
+/// they are.
+pub(crate) fn parquet_input(input: &Arc<dyn ExecutionPlan>) -> Option<ParquetInput> {
+    let scan = input.downcast_ref::<DataSourceExec>()?;
+    let config = scan.data_source().downcast_ref::<FileScanConfig>()?;
+    let source = config.file_source().downcast_ref::<ParquetSource>()?;
+    // A filter evaluated in the scan drops rows the operator must not see.
+    if config.limit.is_some()
+        || source.table_parquet_options().global.pushdown_filters
+        || !config.table_partition_cols().is_empty()
+    {
+        return None;
+    }
+    let file_schema = Arc::clone(config.file_schema());
+    let width = file_schema.fields().len();
+    let columns = match FileSource::projection(source) {
+        Some(projection) => projection
+            .iter()
+            .map(|p| {
+                let column = p.expr.downcast_ref::<Column>()?;
+                (column.index() < width).then_some(column.index())
+            })
+            .collect::<Option<Vec<_>>>()?,
+        None => (0..width).collect(),
+    };
+    let files: Vec<PartitionedFile> = config
+        .file_groups
+        .iter()
+        .flat_map(|g| g.files().iter().cloned())
+        .collect();
+    if files.iter().any(|f| !f.extensions.is_empty()) {
+        return None;
+    }
+    let mut hasher = std::hash::DefaultHasher::new();
+    for field in file_schema.fields() {
+        field.name().hash(&mut hasher);
+        field.data_type().hash(&mut hasher);
+    }
+    Some(ParquetInput {
+        store: config.object_store_url.clone(),
+        files,
+        columns,
+        file_schema,
+        schema_hash: hasher.finish(),
+        factory: source.parquet_file_reader_factory().cloned(),
+    })
+}
+
+/// The row groups the scan reads, with where each starts among all of them.
+pub(crate) struct Layout {
+    files: Vec<FileRows>,
+    pub rows: usize,
+}
+
+struct FileRows {
+    /// Index into the input's files.
+    file: usize,
+    metadata: Arc<ParquetMetaData>,
+    /// Row group, position of its first row in the table, rows.
+    groups: Vec<(usize, u64, usize)>,
+}
+
+/// Files' footers by identity (path, size, modification time).
+type FileId = (String, u64, i64);
+static FOOTERS: LazyLock<Mutex<HashMap<FileId, Arc<ParquetMetaData>>>> =
+    LazyLock::new(Default::default);
+/// Footers kept at most (a new one past this starts the map afresh).
+const MAX_FOOTERS: usize = 4096;
+
+fn file_id(file: &PartitionedFile) -> FileId {
+    let meta = &file.object_meta;
+    let modified = meta.last_modified.timestamp_nanos_opt().unwrap_or(i64::MIN);
+    (meta.location.to_string(), meta.size, modified)
+}
+
+impl ParquetInput {
+    pub fn store(&self) -> &ObjectStoreUrl {
+        &self.store
+    }
+
+    /// The cache key of file schema column `column` over this scan's files.
+    pub fn key(&self, column: usize) -> CacheKey {
+        let files = self.files.iter().map(|f| {
+            let (path, size, modified) = file_id(f);
+            let mut hasher = std::hash::DefaultHasher::new();
+            path.hash(&mut hasher);
+            let range = f
+                .range
+                .as_ref()
+                .map_or((0, u64::MAX), |r| (r.start as u64, r.end as u64));
+            (hasher.finish(), size, modified, range)
+        });
+        files_key(self.schema_hash, column, files)
+    }
+
+    pub fn field(&self, column: usize) -> &datafusion::arrow::datatypes::Field {
+        self.file_schema.field(column)
+    }
+
+    /// The row groups the scan reads (footers read once per file).
+    pub async fn layout(&self, store: &Arc<dyn ObjectStore>) -> Result<Layout> {
+        let mut files = Vec::with_capacity(self.files.len());
+        let mut next = 0u64;
+        for index in 0..self.files.len() {
+            let file = &self.files[index];
+            let metadata = footer(self.factory.clone(), Arc::clone(store), file.clone()).await?;
+            let mut groups = Vec::new();
+            for (g, group) in metadata.row_groups().iter().enumerate() {
+                if let Some(range) = &file.range {
+                    // DataFusion's rule: the row group whose first page starts in the range.
+                    let first = group.column(0);
+                    let offset = first
+                        .dictionary_page_offset()
+                        .unwrap_or_else(|| first.data_page_offset());
+                    if !range.contains(offset) {
+                        continue;
+                    }
+                }
+                let rows = usize::try_from(group.num_rows()).unwrap_or(0);
+                if rows > 0 {
+                    groups.push((g, next, rows));
+                    next += rows as u64;
+                }
+            }
+            files.push(FileRows {
+                file: index,
+                metadata,
+                groups,
+            });
+        }
+        Ok(Layout {
+            files,
+            rows: next as usize,
+        })
+    }
+
+    /// How `file` reads as the scan's file schema; an error where it cannot (another schema).
+    fn reader_metadata(&self, rows: &FileRows) -> Result<ArrowReaderMetadata> {
+        let options = ArrowReaderOptions::new().with_schema(Arc::clone(&self.file_schema));
+        Ok(ArrowReaderMetadata::try_new(
+            Arc::clone(&rows.metadata),
+            options,
+        )?)
+    }
+
+    fn reader(
+        &self,
+        store: &Arc<dyn ObjectStore>,
+        file: usize,
+    ) -> Result<Box<dyn AsyncFileReader>> {
+        reader(&self.factory, store, &self.files[file])
+    }
+
+    /// File schema columns `columns` of every row group of `layout`, decoded on all cores:
+    /// per column, one array per row group in the table's order. An array's type is the file
+    /// schema's.
+    pub async fn read_columns(
+        &self,
+        store: &Arc<dyn ObjectStore>,
+        layout: &Layout,
+        columns: &[usize],
+    ) -> Result<Vec<Vec<ArrayRef>>> {
+        let mut sorted = columns.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let mut tasks = Vec::new();
+        for rows in &layout.files {
+            let metadata = self.reader_metadata(rows)?;
+            for &(group, _, n) in &rows.groups {
+                let reader = self.reader(store, rows.file)?;
+                let metadata = metadata.clone();
+                let mask = ProjectionMask::roots(metadata.parquet_schema(), sorted.iter().copied());
+                tasks.push(async move {
+                    let stream =
+                        ParquetRecordBatchStreamBuilder::new_with_metadata(reader, metadata)
+                            .with_projection(mask)
+                            .with_row_groups(vec![group])
+                            .with_batch_size(n)
+                            .build()?;
+                    let schema = Arc::clone(stream.schema());
+                    let batches: Vec<RecordBatch> = stream.try_collect().await?;
+                    Ok::<_, DataFusionError>(concat_batches(&schema, &batches)?)
+                });
+            }
+        }
+        // One task per row group (dropped, the set aborts them).
+        let mut running = tokio::task::JoinSet::new();
+        for (index, task) in tasks.into_iter().enumerate() {
+            running.spawn(async move { (index, task.await) });
+        }
+        let mut groups: Vec<Option<RecordBatch>> = vec![None; running.len()];
+        while let Some(done) = running.join_next().await {
+            let (index, batch) = done.map_err(|e| DataFusionError::External(Box::new(e)))?;
+            groups[index] = Some(batch?);
+        }
+        let groups: Vec<RecordBatch> = groups.into_iter().flatten().collect();
+        let read: usize = groups.iter().map(RecordBatch::num_rows).sum();
+        if read != layout.rows {
+            return Err(DataFusionError::Execution(format!(
+                "read {read} rows of the files' {}",
+                layout.rows
+            )));
+        }
+        let at = |c: usize| sorted.binary_search(&c).expect("sorted holds every column");
+        columns
+            .iter()
+            .map(|&c| {
+                let field = self.file_schema.field(c);
+                groups
+                    .iter()
+                    .map(|batch| {
+                        let array = Arc::clone(batch.column(at(c)));
+                        if array.data_type() != field.data_type() {
+                            return Err(DataFusionError::Execution(format!(
+                                "column {} read as {}, not {}",
+                                field.name(),
+                                array.data_type(),
+                                field.data_type()
+                            )));
+                        }
+                        Ok(array)
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The rows at table `positions` of file schema columns `columns`: one batch per file
+    /// holding winners (its columns in `columns`' order), and for each position its batch and
+    /// row there (as `interleave` takes them).
+    pub async fn read_rows(
+        &self,
+        store: &Arc<dyn ObjectStore>,
+        layout: &Layout,
+        positions: &[u64],
+        columns: &[usize],
+    ) -> Result<(Vec<RecordBatch>, Vec<(usize, usize)>)> {
+        // Each position's file and (row group, row).
+        let mut starts = Vec::new();
+        for (f, rows) in layout.files.iter().enumerate() {
+            for (g, &(_, start, _)) in rows.groups.iter().enumerate() {
+                starts.push((start, f, g));
+            }
+        }
+        let mut wanted: HashMap<usize, Vec<(usize, usize)>> = HashMap::new();
+        let mut located = Vec::with_capacity(positions.len());
+        for &p in positions {
+            let i = starts.partition_point(|&(s, _, _)| s <= p);
+            let Some(&(start, f, g)) = i.checked_sub(1).map(|i| &starts[i]) else {
+                return Err(DataFusionError::Internal(format!(
+                    "winning position {p} is outside the files"
+                )));
+            };
+            let row = (p - start) as usize;
+            wanted.entry(f).or_default().push((g, row));
+            located.push((f, g, row));
+        }
+        let mut sorted = columns.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let mut batches = Vec::with_capacity(wanted.len());
+        let mut slots = HashMap::new();
+        for (f, mut rows) in wanted {
+            rows.sort_unstable();
+            rows.dedup();
+            let file = &layout.files[f];
+            // The row groups holding winners, and the winners' ranges among their rows.
+            let mut groups: Vec<usize> = rows.iter().map(|&(g, _)| g).collect();
+            groups.dedup();
+            let mut base = HashMap::new();
+            let mut total = 0;
+            for &g in &groups {
+                base.insert(g, total);
+                total += file.groups[g].2;
+            }
+            let ranges = rows.iter().map(|&(g, row)| {
+                let at = base[&g] + row;
+                at..at + 1
+            });
+            let selection = RowSelection::from_consecutive_ranges(ranges, total);
+            let metadata = self.reader_metadata(file)?;
+            let mask = ProjectionMask::roots(metadata.parquet_schema(), sorted.iter().copied());
+            let stream = ParquetRecordBatchStreamBuilder::new_with_metadata(
+                self.reader(store, file.file)?,
+                metadata,
+            )
+            .with_projection(mask)
+            .with_row_groups(groups.iter().map(|&g| file.groups[g].0).collect())
+            .with_row_selection(selection)
+            .with_batch_size(rows.len().max(1))
+            .build()?;
+            let schema = Arc::clone(stream.schema());
+            let read: Vec<RecordBatch> = stream.try_collect().await?;
+            let read = concat_batches(&schema, &read)?;
+            if read.num_rows() != rows.len() {
+                return Err(DataFusionError::Internal(format!(
+                    "read {} of the {} winning rows of a file",
+                    read.num_rows(),
+                    rows.len()
+                )));
+            }
+            let order: Vec<usize> = columns
+                .iter()
+                .map(|c| sorted.binary_search(c).expect("sorted holds every column"))
+                .collect();
+            slots.insert(f, (batches.len(), rows));
+            batches.push(read.project(&order)?);
+        }
+        let at = located
+            .into_iter()
+            .map(|(f, g, row)| {
+                let (slot, rows) = &slots[&f];
+                let index = rows
+                    .binary_search(&(g, row))
+                    .expect("every winner was read");
+                (*slot, index)
+            })
+            .collect();
+        Ok((batches, at))
+    }
+}
+
+/// A reader of `file` from the scan's reader factory, or DataFusion's default one.
+fn reader(
+    factory: &Option<Arc<dyn ParquetFileReaderFactory>>,
+    store: &Arc<dyn ObjectStore>,
+    file: &PartitionedFile,
+) -> Result<Box<dyn AsyncFileReader>> {
+    let metrics = ExecutionPlanMetricsSet::new();
+    let reader = match factory {
+        Some(factory) => factory.create_reader(0, file.clone(), None, &metrics)?,
+        None => DefaultParquetFileReaderFactory::new(Arc::clone(store)).create_reader(
+            0,
+            file.clone(),
+            None,
+            &metrics,
+        )?,
+    };
+    Ok(reader)
+}
+
+/// The footer of `file`, read once per file identity.
+async fn footer(
+    factory: Option<Arc<dyn ParquetFileReaderFactory>>,
+    store: Arc<dyn ObjectStore>,
+    file: PartitionedFile,
+) -> Result<Arc<ParquetMetaData>> {
+    let id = file_id(&file);
+    let known = match FOOTERS.lock() {
+        Ok(footers) => footers.get(&id).cloned(),
+        Err(_) => None,
+    };
+    if let Some(known) = known {
+        return Ok(known);
+    }
+    let mut reader = reader(&factory, &store, &file)?;
+    let read = ArrowReaderMetadata::load_async(&mut reader, ArrowReaderOptions::new()).await?;
+    let metadata = Arc::clone(read.metadata());
+    if let Ok(mut footers) = FOOTERS.lock() {
+        if footers.len() >= MAX_FOOTERS {
+            footers.clear();
+        }
+        footers.insert(id, Arc::clone(&metadata));
+    }
+    Ok(metadata)
+}
+
+#[cfg(test)]
+mod tests {
+    use datafusion::arrow::array::{Float64Array, Int64Array, UInt64Array};
+    use datafusion::arrow::compute::take_record_batch;
+    use datafusion::arrow::datatypes::{DataType, Field, Schema};
+    use datafusion::parquet::arrow::ArrowWriter;
+    use datafusion::parquet::file::properties::WriterProperties;
+    use datafusion::physical_plan::{collect_partitioned, displayable};
+    use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
+
+    use super::*;
+
+    /// Files of several row groups, split into byte ranges over more partitions than files:
+    /// the columns read as a table and the rows read at positions are the scan's, in its order.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_split_scan_reads_as_its_rows_in_input_order() {
+        let dir = std::env::temp_dir().join(format!("gpu-topk-parquet-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("x", DataType::Float64, true),
+        ]));
+        for file in 0..3i64 {
+            let properties = WriterProperties::builder()
+                .set_max_row_group_row_count(Some(1000 + 300 * file as usize))
+                .build();
+            let out = std::fs::File::create(dir.join(format!("f{file}.parquet"))).unwrap();
+            let mut writer =
+                ArrowWriter::try_new(out, Arc::clone(&schema), Some(properties)).unwrap();
+            let ids: Vec<i64> = (0..7000).map(|i| file * 10_000 + i).collect();
+            let xs: Vec<Option<f64>> = ids
+                .iter()
+                .map(|&i| (i % 7 != 0).then_some((i * 37 % 101) as f64))
+                .collect();
+            let batch = RecordBatch::try_new(
+                Arc::clone(&schema),
+                vec![
+                    Arc::new(Int64Array::from(ids)),
+                    Arc::new(Float64Array::from(xs)),
+                ],
+            )
+            .unwrap();
+            writer.write(&batch).unwrap();
+            writer.close().unwrap();
+        }
+        let config = SessionConfig::new()
+            .with_target_partitions(5)
+            .with_repartition_file_min_size(1024);
+        let ctx = SessionContext::new_with_config(config);
+        let path = dir.to_str().unwrap();
+        ctx.register_parquet("t", path, ParquetReadOptions::default())
+            .await
+            .unwrap();
+        let plan = ctx
+            .sql("SELECT x, id FROM t")
+            .await
+            .unwrap()
+            .create_physical_plan()
+            .await
+            .unwrap();
+        let scan = plan.with_preserve_order(true).unwrap_or(plan);
+        let text = displayable(scan.as_ref()).indent(true).to_string();
+        assert!(text.contains(".parquet:"), "ranges expected: {text}");
+        let input = parquet_input(&scan).expect("a Parquet scan");
+        assert_eq!(input.columns, vec![1, 0]);
+        let partitions = collect_partitioned(Arc::clone(&scan), ctx.task_ctx())
+            .await
+            .unwrap();
+        let batches: Vec<RecordBatch> = partitions.into_iter().flatten().collect();
+        let want = concat_batches(&scan.schema(), &batches).unwrap();
+        assert_eq!(want.num_rows(), 21_000);
+
+        let store = ctx.runtime_env().object_store(input.store()).unwrap();
+        let layout = input.layout(&store).await.unwrap();
+        assert_eq!(layout.rows, 21_000);
+        let read = input.read_columns(&store, &layout, &[1, 0]).await.unwrap();
+        for (column, chunks) in [0, 1].into_iter().zip(&read) {
+            let arrays: Vec<&dyn datafusion::arrow::array::Array> =
+                chunks.iter().map(|a| a.as_ref()).collect();
+            let got = datafusion::arrow::compute::concat(&arrays).unwrap();
+            assert_eq!(
+                got.as_ref(),
+                want.column(column).as_ref(),
+                "column {column}"
+            );
+        }
+        // Winners in any order, from several files and row groups, one repeated.
+        let positions: Vec<u64> = vec![20_999, 5, 7000, 13_999, 1001, 5, 14_000, 3300];
+        let (batches, at) = input
+            .read_rows(&store, &layout, &positions, &[0, 1])
+            .await
+            .unwrap();
+        for (i, &p) in positions.iter().enumerate() {
+            let (slot, row) = at[i];
+            let got = batches[slot].slice(row, 1);
+            let expected = take_record_batch(&want, &UInt64Array::from(vec![p])).unwrap();
+            // The rows come in file schema order (id, x); the scan's are (x, id).
+            assert_eq!(got.column(0), expected.column(1), "position {p}");
+            assert_eq!(got.column(1), expected.column(0), "position {p}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
