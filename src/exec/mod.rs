@@ -47,7 +47,7 @@ pub(crate) use parquet::parquet_input;
 use std::fmt::{self, Formatter};
 use std::sync::{Arc, Mutex};
 
-use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::arrow::datatypes::{Schema, SchemaRef};
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::Result;
@@ -122,6 +122,38 @@ impl TopKSpec {
             .all(|s| s.expr.downcast_ref::<Column>().is_some());
         keys && self.filter.as_ref().is_none_or(infallible)
     }
+}
+
+/// Columns, literals, casts of numbers to floating point, and floating-point `+`, `-`, `*`
+/// and negation of those: no row makes them fail (floating point overflows to infinity).
+pub(crate) fn cannot_fail(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> bool {
+    use datafusion::logical_expr::Operator;
+    use datafusion::physical_expr::expressions::{BinaryExpr, CastExpr, Literal, NegativeExpr};
+    if expr.is::<Column>() || expr.is::<Literal>() {
+        return true;
+    }
+    let floating = |e: &Arc<dyn PhysicalExpr>| e.data_type(schema).is_ok_and(|t| t.is_floating());
+    if !floating(expr) {
+        return false;
+    }
+    if let Some(cast) = expr.downcast_ref::<CastExpr>() {
+        let from = cast.expr().data_type(schema);
+        return from.is_ok_and(|t| t.is_numeric()) && cannot_fail(cast.expr(), schema);
+    }
+    if let Some(binary) = expr.downcast_ref::<BinaryExpr>() {
+        let arithmetic = matches!(
+            binary.op(),
+            Operator::Plus | Operator::Minus | Operator::Multiply
+        );
+        return arithmetic
+            && [binary.left(), binary.right()]
+                .into_iter()
+                .all(|e| floating(e) && cannot_fail(e, schema));
+    }
+    if let Some(negative) = expr.downcast_ref::<NegativeExpr>() {
+        return cannot_fail(negative.arg(), schema);
+    }
+    false
 }
 
 /// An expression that cannot fail on any row: columns, literals, comparisons, `AND`, `OR`,

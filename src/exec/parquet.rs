@@ -19,7 +19,9 @@ use std::sync::{Arc, LazyLock, Mutex};
 
 use datafusion::arrow::array::{ArrayRef, RecordBatch};
 use datafusion::arrow::compute::concat_batches;
+use datafusion::arrow::datatypes::DataType;
 use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
 use datafusion::datasource::listing::PartitionedFile;
 use datafusion::datasource::physical_plan::parquet::DefaultParquetFileReaderFactory;
 use datafusion::datasource::physical_plan::{
@@ -34,12 +36,15 @@ use datafusion::parquet::arrow::arrow_reader::{
     ArrowReaderMetadata, ArrowReaderOptions, RowSelection,
 };
 use datafusion::parquet::arrow::async_reader::{AsyncFileReader, ParquetRecordBatchStreamBuilder};
-use datafusion::parquet::file::metadata::ParquetMetaData;
+use datafusion::parquet::file::metadata::{PageIndexPolicy, ParquetMetaData};
+use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_expr::expressions::Column;
+use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::metrics::ExecutionPlanMetricsSet;
 use futures::TryStreamExt;
 
+use super::cannot_fail;
 use crate::device::cache::{CacheKey, files_key};
 
 /// A scan of Parquet files read as a table (see the module documentation).
@@ -47,8 +52,9 @@ pub(crate) struct ParquetInput {
     store: ObjectStoreUrl,
     /// The scan's files, partition by partition: its input order.
     files: Vec<PartitionedFile>,
-    /// For each of the scan's output columns, the file schema's column it is.
-    pub columns: Vec<usize>,
+    /// Each of the scan's output columns as an expression over the file schema: a column, or
+    /// one computed in the scan that cannot fail on any row (evaluated on every row here).
+    pub columns: Vec<Arc<dyn PhysicalExpr>>,
     file_schema: SchemaRef,
     /// A hash of the file schema (the same files read as another schema are other entries).
     schema_hash: u64,
@@ -75,11 +81,13 @@ pub(crate) fn parquet_input(input: &Arc<dyn ExecutionPlan>) -> Option<ParquetInp
         Some(projection) => projection
             .iter()
             .map(|p| {
-                let column = p.expr.downcast_ref::<Column>()?;
-                (column.index() < width).then_some(column.index())
+                let inside = collect_columns(&p.expr).iter().all(|c| c.index() < width);
+                (inside && cannot_fail(&p.expr, &file_schema)).then(|| Arc::clone(&p.expr))
             })
             .collect::<Option<Vec<_>>>()?,
-        None => (0..width).collect(),
+        None => (0..width)
+            .map(|i| Arc::new(Column::new(file_schema.field(i).name(), i)) as _)
+            .collect(),
     };
     let files: Vec<PartitionedFile> = config
         .file_groups
@@ -118,6 +126,8 @@ struct FileRows {
     groups: Vec<(usize, u64, usize)>,
 }
 
+type Exprs = Vec<Arc<dyn PhysicalExpr>>;
+
 /// Files' footers by identity (path, size, modification time).
 type FileId = (String, u64, i64);
 static FOOTERS: LazyLock<Mutex<HashMap<FileId, Arc<ParquetMetaData>>>> =
@@ -136,8 +146,18 @@ impl ParquetInput {
         &self.store
     }
 
-    /// The cache key of file schema column `column` over this scan's files.
+    /// The cache key of the scan's output column `column` over its files.
     pub fn key(&self, column: usize) -> CacheKey {
+        let expr = &self.columns[column];
+        // A file column by its index; a computed one by its text (with the high bit set).
+        let id = match expr.downcast_ref::<Column>() {
+            Some(c) => c.index(),
+            None => {
+                let mut hasher = std::hash::DefaultHasher::new();
+                expr.to_string().hash(&mut hasher);
+                (hasher.finish() as usize) | (1 << (usize::BITS - 1))
+            }
+        };
         let files = self.files.iter().map(|f| {
             let (path, size, modified) = file_id(f);
             let mut hasher = std::hash::DefaultHasher::new();
@@ -148,11 +168,38 @@ impl ParquetInput {
                 .map_or((0, u64::MAX), |r| (r.start as u64, r.end as u64));
             (hasher.finish(), size, modified, range)
         });
-        files_key(self.schema_hash, column, files)
+        files_key(self.schema_hash, id, files)
     }
 
-    pub fn field(&self, column: usize) -> &datafusion::arrow::datatypes::Field {
-        self.file_schema.field(column)
+    /// The type of the scan's output column `column`.
+    pub fn data_type(&self, column: usize) -> Result<DataType> {
+        self.columns[column].data_type(&self.file_schema)
+    }
+
+    /// The file columns `outputs` (scan output columns) read, in file order, and each output
+    /// rewritten over a batch of those columns.
+    fn plan_read(&self, outputs: &[usize]) -> Result<(Vec<usize>, Exprs)> {
+        let mut read: Vec<usize> = (outputs.iter())
+            .flat_map(|&o| collect_columns(&self.columns[o]))
+            .map(|c| c.index())
+            .collect();
+        read.sort_unstable();
+        read.dedup();
+        let exprs = outputs
+            .iter()
+            .map(|&o| {
+                Arc::clone(&self.columns[o])
+                    .transform_down(|e| match e.downcast_ref::<Column>() {
+                        Some(c) => {
+                            let at = read.binary_search(&c.index()).expect("collected above");
+                            Ok(Transformed::yes(Arc::new(Column::new(c.name(), at)) as _))
+                        }
+                        None => Ok(Transformed::no(e)),
+                    })
+                    .data()
+            })
+            .collect::<Result<_>>()?;
+        Ok((read, exprs))
     }
 
     /// The row groups the scan reads (footers read once per file).
@@ -209,25 +256,24 @@ impl ParquetInput {
         reader(&self.factory, store, &self.files[file])
     }
 
-    /// File schema columns `columns` of every row group of `layout`, decoded on all cores:
-    /// per column, one array per row group in the table's order. An array's type is the file
-    /// schema's.
+    /// The scan's output columns `outputs` over every row group of `layout`, decoded (and
+    /// computed) on all cores: per output, one array per row group in the table's order.
     pub async fn read_columns(
         &self,
         store: &Arc<dyn ObjectStore>,
         layout: &Layout,
-        columns: &[usize],
+        outputs: &[usize],
     ) -> Result<Vec<Vec<ArrayRef>>> {
-        let mut sorted = columns.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
+        let (read, exprs) = self.plan_read(outputs)?;
+        let exprs = Arc::new(exprs);
         let mut tasks = Vec::new();
         for rows in &layout.files {
             let metadata = self.reader_metadata(rows)?;
             for &(group, _, n) in &rows.groups {
                 let reader = self.reader(store, rows.file)?;
                 let metadata = metadata.clone();
-                let mask = ProjectionMask::roots(metadata.parquet_schema(), sorted.iter().copied());
+                let mask = ProjectionMask::roots(metadata.parquet_schema(), read.iter().copied());
+                let exprs = Arc::clone(&exprs);
                 tasks.push(async move {
                     let stream =
                         ParquetRecordBatchStreamBuilder::new_with_metadata(reader, metadata)
@@ -237,7 +283,10 @@ impl ParquetInput {
                             .build()?;
                     let schema = Arc::clone(stream.schema());
                     let batches: Vec<RecordBatch> = stream.try_collect().await?;
-                    Ok::<_, DataFusionError>(concat_batches(&schema, &batches)?)
+                    let batch = concat_batches(&schema, &batches)?;
+                    (exprs.iter())
+                        .map(|e| e.evaluate(&batch)?.into_array(batch.num_rows()))
+                        .collect::<Result<Vec<ArrayRef>>>()
                 });
             }
         }
@@ -246,34 +295,34 @@ impl ParquetInput {
         for (index, task) in tasks.into_iter().enumerate() {
             running.spawn(async move { (index, task.await) });
         }
-        let mut groups: Vec<Option<RecordBatch>> = vec![None; running.len()];
+        let mut groups: Vec<Option<Vec<ArrayRef>>> = vec![None; running.len()];
         while let Some(done) = running.join_next().await {
-            let (index, batch) = done.map_err(|e| DataFusionError::External(Box::new(e)))?;
-            groups[index] = Some(batch?);
+            let (index, arrays) = done.map_err(|e| DataFusionError::External(Box::new(e)))?;
+            groups[index] = Some(arrays?);
         }
-        let groups: Vec<RecordBatch> = groups.into_iter().flatten().collect();
-        let read: usize = groups.iter().map(RecordBatch::num_rows).sum();
-        if read != layout.rows {
+        let groups: Vec<Vec<ArrayRef>> = groups.into_iter().flatten().collect();
+        let rows: usize = groups
+            .iter()
+            .map(|g| g.first().map_or(0, |a| a.len()))
+            .sum();
+        if rows != layout.rows {
             return Err(DataFusionError::Execution(format!(
-                "read {read} rows of the files' {}",
+                "read {rows} rows of the files' {}",
                 layout.rows
             )));
         }
-        let at = |c: usize| sorted.binary_search(&c).expect("sorted holds every column");
-        columns
-            .iter()
-            .map(|&c| {
-                let field = self.file_schema.field(c);
+        (0..outputs.len())
+            .map(|o| {
+                let data_type = self.data_type(outputs[o])?;
                 groups
                     .iter()
-                    .map(|batch| {
-                        let array = Arc::clone(batch.column(at(c)));
-                        if array.data_type() != field.data_type() {
+                    .map(|arrays| {
+                        let array = Arc::clone(&arrays[o]);
+                        if array.data_type() != &data_type {
                             return Err(DataFusionError::Execution(format!(
-                                "column {} read as {}, not {}",
-                                field.name(),
+                                "column {} read as {}, not {data_type}",
+                                self.columns[outputs[o]],
                                 array.data_type(),
-                                field.data_type()
                             )));
                         }
                         Ok(array)
@@ -283,16 +332,16 @@ impl ParquetInput {
             .collect()
     }
 
-    /// The rows at table `positions` of file schema columns `columns`: one batch per file
-    /// holding winners (its columns in `columns`' order), and for each position its batch and
-    /// row there (as `interleave` takes them).
+    /// The rows at table `positions` of the scan's output columns `outputs`: one batch per
+    /// file holding winners (its columns in `outputs`' order), and for each position its batch
+    /// and row there (as `interleave` takes them).
     pub async fn read_rows(
         &self,
         store: &Arc<dyn ObjectStore>,
         layout: &Layout,
         positions: &[u64],
-        columns: &[usize],
-    ) -> Result<(Vec<RecordBatch>, Vec<(usize, usize)>)> {
+        outputs: &[usize],
+    ) -> Result<(Vec<Vec<ArrayRef>>, Vec<(usize, usize)>)> {
         // Each position's file and (row group, row).
         let mut starts = Vec::new();
         for (f, rows) in layout.files.iter().enumerate() {
@@ -313,9 +362,7 @@ impl ParquetInput {
             wanted.entry(f).or_default().push((g, row));
             located.push((f, g, row));
         }
-        let mut sorted = columns.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
+        let (read, exprs) = self.plan_read(outputs)?;
         let mut batches = Vec::with_capacity(wanted.len());
         let mut slots = HashMap::new();
         for (f, mut rows) in wanted {
@@ -337,7 +384,7 @@ impl ParquetInput {
             });
             let selection = RowSelection::from_consecutive_ranges(ranges, total);
             let metadata = self.reader_metadata(file)?;
-            let mask = ProjectionMask::roots(metadata.parquet_schema(), sorted.iter().copied());
+            let mask = ProjectionMask::roots(metadata.parquet_schema(), read.iter().copied());
             let stream = ParquetRecordBatchStreamBuilder::new_with_metadata(
                 self.reader(store, file.file)?,
                 metadata,
@@ -348,21 +395,20 @@ impl ParquetInput {
             .with_batch_size(rows.len().max(1))
             .build()?;
             let schema = Arc::clone(stream.schema());
-            let read: Vec<RecordBatch> = stream.try_collect().await?;
-            let read = concat_batches(&schema, &read)?;
-            if read.num_rows() != rows.len() {
+            let batches_read: Vec<RecordBatch> = stream.try_collect().await?;
+            let batch = concat_batches(&schema, &batches_read)?;
+            if batch.num_rows() != rows.len() {
                 return Err(DataFusionError::Internal(format!(
                     "read {} of the {} winning rows of a file",
-                    read.num_rows(),
+                    batch.num_rows(),
                     rows.len()
                 )));
             }
-            let order: Vec<usize> = columns
-                .iter()
-                .map(|c| sorted.binary_search(c).expect("sorted holds every column"))
-                .collect();
+            let arrays = (exprs.iter())
+                .map(|e| e.evaluate(&batch)?.into_array(batch.num_rows()))
+                .collect::<Result<Vec<ArrayRef>>>()?;
             slots.insert(f, (batches.len(), rows));
-            batches.push(read.project(&order)?);
+            batches.push(arrays);
         }
         let at = located
             .into_iter()
@@ -412,7 +458,9 @@ async fn footer(
         return Ok(known);
     }
     let mut reader = reader(&factory, &store, &file)?;
-    let read = ArrowReaderMetadata::load_async(&mut reader, ArrowReaderOptions::new()).await?;
+    // With the page index, a row selection reads only the pages holding the winners.
+    let options = ArrowReaderOptions::new().with_offset_index_policy(PageIndexPolicy::Optional);
+    let read = ArrowReaderMetadata::load_async(&mut reader, options).await?;
     let metadata = Arc::clone(read.metadata());
     if let Ok(mut footers) = FOOTERS.lock() {
         if footers.len() >= MAX_FOOTERS {
@@ -477,52 +525,60 @@ mod tests {
         ctx.register_parquet("t", path, ParquetReadOptions::default())
             .await
             .unwrap();
-        let plan = ctx
-            .sql("SELECT x, id FROM t")
-            .await
-            .unwrap()
-            .create_physical_plan()
-            .await
-            .unwrap();
-        let scan = plan.with_preserve_order(true).unwrap_or(plan);
-        let text = displayable(scan.as_ref()).indent(true).to_string();
-        assert!(text.contains(".parquet:"), "ranges expected: {text}");
-        let input = parquet_input(&scan).expect("a Parquet scan");
-        assert_eq!(input.columns, vec![1, 0]);
-        let partitions = collect_partitioned(Arc::clone(&scan), ctx.task_ctx())
-            .await
-            .unwrap();
-        let batches: Vec<RecordBatch> = partitions.into_iter().flatten().collect();
-        let want = concat_batches(&scan.schema(), &batches).unwrap();
-        assert_eq!(want.num_rows(), 21_000);
+        // Columns, and a column computed in the scan (evaluated here on every row).
+        for sql in [
+            "SELECT x, id FROM t",
+            "SELECT x * 2.0 - 1.0 AS y, id FROM t",
+        ] {
+            let plan = ctx
+                .sql(sql)
+                .await
+                .unwrap()
+                .create_physical_plan()
+                .await
+                .unwrap();
+            let scan = plan.with_preserve_order(true).unwrap_or(plan);
+            let text = displayable(scan.as_ref()).indent(true).to_string();
+            assert!(text.contains(".parquet:"), "ranges expected: {text}");
+            let input = parquet_input(&scan).expect("a Parquet scan");
+            assert_eq!(input.columns[1].to_string(), "id@0", "{sql}");
+            let computed = input.columns[0].downcast_ref::<Column>().is_none();
+            assert_eq!(computed, sql.contains('*'), "{sql}: {}", input.columns[0]);
+            let partitions = collect_partitioned(Arc::clone(&scan), ctx.task_ctx())
+                .await
+                .unwrap();
+            let batches: Vec<RecordBatch> = partitions.into_iter().flatten().collect();
+            let want = concat_batches(&scan.schema(), &batches).unwrap();
+            assert_eq!(want.num_rows(), 21_000);
 
-        let store = ctx.runtime_env().object_store(input.store()).unwrap();
-        let layout = input.layout(&store).await.unwrap();
-        assert_eq!(layout.rows, 21_000);
-        let read = input.read_columns(&store, &layout, &[1, 0]).await.unwrap();
-        for (column, chunks) in [0, 1].into_iter().zip(&read) {
-            let arrays: Vec<&dyn datafusion::arrow::array::Array> =
-                chunks.iter().map(|a| a.as_ref()).collect();
-            let got = datafusion::arrow::compute::concat(&arrays).unwrap();
-            assert_eq!(
-                got.as_ref(),
-                want.column(column).as_ref(),
-                "column {column}"
-            );
-        }
-        // Winners in any order, from several files and row groups, one repeated.
-        let positions: Vec<u64> = vec![20_999, 5, 7000, 13_999, 1001, 5, 14_000, 3300];
-        let (batches, at) = input
-            .read_rows(&store, &layout, &positions, &[0, 1])
-            .await
-            .unwrap();
-        for (i, &p) in positions.iter().enumerate() {
-            let (slot, row) = at[i];
-            let got = batches[slot].slice(row, 1);
-            let expected = take_record_batch(&want, &UInt64Array::from(vec![p])).unwrap();
-            // The rows come in file schema order (id, x); the scan's are (x, id).
-            assert_eq!(got.column(0), expected.column(1), "position {p}");
-            assert_eq!(got.column(1), expected.column(0), "position {p}");
+            let store = ctx.runtime_env().object_store(input.store()).unwrap();
+            let layout = input.layout(&store).await.unwrap();
+            assert_eq!(layout.rows, 21_000);
+            let read = input.read_columns(&store, &layout, &[0, 1]).await.unwrap();
+            for (column, chunks) in read.iter().enumerate() {
+                let arrays: Vec<&dyn datafusion::arrow::array::Array> =
+                    chunks.iter().map(|a| a.as_ref()).collect();
+                let got = datafusion::arrow::compute::concat(&arrays).unwrap();
+                assert_eq!(
+                    got.as_ref(),
+                    want.column(column).as_ref(),
+                    "{sql}: {column}"
+                );
+            }
+            // Winners in any order, from several files and row groups, one repeated.
+            let positions: Vec<u64> = vec![20_999, 5, 7000, 13_999, 1001, 5, 14_000, 3300];
+            let (batches, at) = input
+                .read_rows(&store, &layout, &positions, &[1, 0])
+                .await
+                .unwrap();
+            for (i, &p) in positions.iter().enumerate() {
+                let (slot, row) = at[i];
+                let expected = take_record_batch(&want, &UInt64Array::from(vec![p])).unwrap();
+                for (got, column) in [(0, 1), (1, 0)] {
+                    let got = batches[slot][got].slice(row, 1);
+                    assert_eq!(&got, expected.column(column), "{sql}: position {p}");
+                }
+            }
         }
         let _ = std::fs::remove_dir_all(&dir);
     }

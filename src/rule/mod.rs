@@ -31,7 +31,6 @@
 
 use std::sync::{Arc, Mutex};
 
-use datafusion::arrow::datatypes::Schema;
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
 use datafusion::datasource::source::DataSourceExec;
@@ -51,7 +50,7 @@ use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitio
 
 use crate::config::GpuTopKConfig;
 use crate::cost::{self, Placement};
-use crate::exec::{CacheSetting, GpuTopKExec, TopKSpec};
+use crate::exec::{CacheSetting, GpuTopKExec, TopKSpec, cannot_fail};
 use crate::fusion;
 use crate::keys::{KeyLayout, KeySpec};
 
@@ -348,14 +347,12 @@ fn resident_share(input: &Arc<dyn ExecutionPlan>, program: &fusion::FusedProgram
             let fusion::KernelInput::Column(c) = program_input else {
                 return None;
             };
-            let column = *files.columns.get(*c)?;
-            let width = files
-                .field(column)
-                .data_type()
-                .primitive_width()
-                .unwrap_or(1);
+            if *c >= files.columns.len() {
+                return None;
+            }
+            let width = files.data_type(*c).ok()?.primitive_width().unwrap_or(1);
             total += width;
-            if device.cache.contains(&files.key(column)) {
+            if device.cache.contains(&files.key(*c)) {
                 held += width;
             }
         }
@@ -503,7 +500,7 @@ fn scans_in_order(input: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan
         .data()
 }
 
-/// A projection below the sort whose every expression [`cannot_fail`]: the operator may then
+/// A projection below the sort whose every expression cannot fail ([`cannot_fail`]): the operator may then
 /// evaluate it on the rows it needs only (the sort keys on every row, in its generated code,
 /// the output columns on the winners). Another computed column must be evaluated on every row,
 /// as DataFusion does (its errors included), so such a projection is not absorbed.
@@ -513,38 +510,6 @@ fn cannot_fail_projection(projection: &ProjectionExec) -> bool {
         .expr()
         .iter()
         .all(|p| cannot_fail(&p.expr, &schema))
-}
-
-/// Columns, literals, casts of numbers to floating point, and floating-point `+`, `-`, `*`
-/// and negation of those: no row makes them fail (floating point overflows to infinity).
-fn cannot_fail(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> bool {
-    use datafusion::logical_expr::Operator;
-    use datafusion::physical_expr::expressions::{BinaryExpr, CastExpr, NegativeExpr};
-    if expr.is::<Column>() || expr.is::<Literal>() {
-        return true;
-    }
-    let floating = |e: &Arc<dyn PhysicalExpr>| e.data_type(schema).is_ok_and(|t| t.is_floating());
-    if !floating(expr) {
-        return false;
-    }
-    if let Some(cast) = expr.downcast_ref::<CastExpr>() {
-        let from = cast.expr().data_type(schema);
-        return from.is_ok_and(|t| t.is_numeric()) && cannot_fail(cast.expr(), schema);
-    }
-    if let Some(binary) = expr.downcast_ref::<BinaryExpr>() {
-        let arithmetic = matches!(
-            binary.op(),
-            Operator::Plus | Operator::Minus | Operator::Multiply
-        );
-        return arithmetic
-            && [binary.left(), binary.right()]
-                .into_iter()
-                .all(|e| floating(e) && cannot_fail(e, schema));
-    }
-    if let Some(negative) = expr.downcast_ref::<NegativeExpr>() {
-        return cannot_fail(negative.arg(), schema);
-    }
-    false
 }
 
 /// Columns and literals only: a computed column must be evaluated on every row, as DataFusion

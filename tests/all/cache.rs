@@ -344,6 +344,8 @@ async fn parquet_files_are_read_into_the_cache_once() {
         "SELECT * FROM t WHERE f < 0.5 ORDER BY v DESC LIMIT 20 OFFSET 5",
         "SELECT f, rid FROM t ORDER BY f, v DESC LIMIT 1000",
         "SELECT rid FROM t WHERE v > 990 ORDER BY f DESC LIMIT 3",
+        // Computed in the scan: cached as computed.
+        "SELECT rid, f * 2.0 - v AS g FROM t ORDER BY f * 2.0 - v DESC LIMIT 10",
     ] {
         check(&ctx, &plain, sql, &sql.replace(" LIMIT", ", rid LIMIT")).await;
     }
@@ -394,7 +396,12 @@ async fn a_rewritten_parquet_file_is_never_served_stale() {
         Arc::clone(batch.column(2)),
     ];
     data[1][0] = RecordBatch::try_new(batch.schema(), columns).unwrap();
+    // Timestamps advance by the kernel's clock tick: make sure the files get new ones.
+    std::thread::sleep(std::time::Duration::from_millis(50));
     write_parquet(&dir, &data, 25_000);
+    // New sessions: DataFusion keeps a session's file listing (sizes, times) for its lifetime;
+    // the column cache is the process's.
+    let (ctx, plain) = parquet_sessions(&dir, 2).await;
     let after = check(&ctx, &plain, QUERY, ORACLE).await;
     assert!(after.cache_misses > 0, "the file is new: {after:?}");
     let rows = values(&ctx, QUERY).await;

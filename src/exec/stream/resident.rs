@@ -98,6 +98,11 @@ impl TopKRun {
         };
         let _timer = self.metrics.gather_time.timer();
         let positions = &selected.positions;
+        if positions.is_empty() {
+            return Ok(Resident::Done(RecordBatch::new_empty(Arc::clone(
+                &self.schema,
+            ))));
+        }
         let (batches, starts) = table_starts(&memory);
         // Each winner's batch (numbered among the batches that hold winners) and row.
         let mut slots = std::collections::HashMap::new();
@@ -138,10 +143,16 @@ impl TopKRun {
         // Per-row columns only: a file's dictionaries differ between row groups.
         let Some(columns) = (program.inputs.iter())
             .map(|input| match input {
-                KernelInput::Column(c) => files.columns.get(*c).copied(),
+                KernelInput::Column(c) if *c < files.columns.len() => Some(*c),
                 _ => None,
             })
             .collect::<Option<Vec<usize>>>()
+        else {
+            return Ok(Resident::Stream);
+        };
+        let Ok(types) = (columns.iter())
+            .map(|&c| files.data_type(c))
+            .collect::<Result<Vec<_>>>()
         else {
             return Ok(Resident::Stream);
         };
@@ -167,9 +178,11 @@ impl TopKRun {
             .map(|(&c, _)| c)
             .collect();
         let mut missing_bytes = 0;
-        for &c in &missing {
-            let width = files.field(c).data_type().primitive_width();
-            missing_bytes += width.map_or(layout.rows.div_ceil(8), |w| w * layout.rows);
+        for (data_type, hit) in types.iter().zip(&held) {
+            if hit.is_none() {
+                let width = data_type.primitive_width();
+                missing_bytes += width.map_or(layout.rows.div_ceil(8), |w| w * layout.rows);
+            }
         }
         if missing_bytes > budget {
             return Ok(Resident::Stream);
@@ -194,7 +207,8 @@ impl TopKRun {
         )?;
         let schema = self.input.schema();
         let inputs: Vec<TableInput<'_>> = (program.inputs.iter().zip(&columns).zip(&keys))
-            .map(|((input, &c), key)| {
+            .zip(types)
+            .map(|(((input, &c), key), data_type)| {
                 let chunks = missing
                     .iter()
                     .position(|&m| m == c)
@@ -207,7 +221,7 @@ impl TopKRun {
                 TableInput {
                     identity: Some(Identity {
                         key: key.clone(),
-                        data_type: files.field(c).data_type().clone(),
+                        data_type,
                         rows: layout.rows,
                         nullable: chunks.iter().any(|a| a.null_count() > 0),
                     }),
@@ -225,11 +239,13 @@ impl TopKRun {
         };
         let _timer = self.metrics.gather_time.timer();
         let read = self.output_reads();
-        let wanted: Vec<usize> = (files.columns.iter().zip(&read))
-            .filter(|(_, read)| **read)
-            .map(|(&c, _)| c)
-            .collect();
+        let wanted: Vec<usize> = (0..read.len()).filter(|&c| read[c]).collect();
         let positions = &selected.positions;
+        if positions.is_empty() {
+            return Ok(Resident::Done(RecordBatch::new_empty(Arc::clone(
+                &self.schema,
+            ))));
+        }
         let (batches, at) = if wanted.is_empty() {
             (Vec::new(), Vec::new())
         } else {
@@ -242,8 +258,7 @@ impl TopKRun {
                 if !read {
                     return Ok(None);
                 }
-                let arrays: Vec<&dyn Array> =
-                    batches.iter().map(|b| b.column(next).as_ref()).collect();
+                let arrays: Vec<&dyn Array> = batches.iter().map(|b| b[next].as_ref()).collect();
                 next += 1;
                 Ok(Some(interleave(&arrays, &at)?))
             })
