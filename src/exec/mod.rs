@@ -100,6 +100,10 @@ pub struct TopKSpec {
     /// The device column cache, where the input is an in-memory table or Parquet files
     /// (`None`: not used).
     pub cache: Option<CacheSetting>,
+    /// The cost model chose the CPU path for this run because the input's columns are not
+    /// resident: after it, they are loaded into the column cache in the background, for the
+    /// next query to run on the GPU (`backend = 'auto'`).
+    pub warm_up: bool,
 }
 
 /// The column cache's setting for one query (`gpu_topk.cache_bytes`).
@@ -306,6 +310,9 @@ impl DisplayAs for GpuTopKExec {
                     if spec.cache.is_some() && spec.fusion.program.is_some() {
                         f.write_str(", cache=on")?;
                     }
+                }
+                if spec.warm_up {
+                    f.write_str(", cache=warm-up")?;
                 }
                 if verbose {
                     write!(f, ", reason=[{}]", spec.reason)?;

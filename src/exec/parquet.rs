@@ -349,7 +349,8 @@ impl ParquetInput {
                 starts.push((start, f, g));
             }
         }
-        let mut wanted: HashMap<usize, Vec<(usize, usize)>> = HashMap::new();
+        // The winners' rows of each row group holding any, by (file, row group).
+        let mut wanted: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
         let mut located = Vec::with_capacity(positions.len());
         for &p in positions {
             let i = starts.partition_point(|&(s, _, _)| s <= p);
@@ -359,64 +360,61 @@ impl ParquetInput {
                 )));
             };
             let row = (p - start) as usize;
-            wanted.entry(f).or_default().push((g, row));
-            located.push((f, g, row));
+            wanted.entry((f, g)).or_default().push(row);
+            located.push(((f, g), row));
         }
         let (read, exprs) = self.plan_read(outputs)?;
-        let mut batches = Vec::with_capacity(wanted.len());
-        let mut slots = HashMap::new();
-        for (f, mut rows) in wanted {
+        let exprs = Arc::new(exprs);
+        // One task per row group (dropped, the set aborts them): each reads only the pages
+        // holding its winners.
+        let mut running = tokio::task::JoinSet::new();
+        let mut slots = HashMap::with_capacity(wanted.len());
+        for (slot, ((f, g), mut rows)) in wanted.into_iter().enumerate() {
             rows.sort_unstable();
             rows.dedup();
             let file = &layout.files[f];
-            // The row groups holding winners, and the winners' ranges among their rows.
-            let mut groups: Vec<usize> = rows.iter().map(|&(g, _)| g).collect();
-            groups.dedup();
-            let mut base = HashMap::new();
-            let mut total = 0;
-            for &g in &groups {
-                base.insert(g, total);
-                total += file.groups[g].2;
-            }
-            let ranges = rows.iter().map(|&(g, row)| {
-                let at = base[&g] + row;
-                at..at + 1
-            });
-            let selection = RowSelection::from_consecutive_ranges(ranges, total);
+            let (group, _, n) = file.groups[g];
+            let ranges = rows.iter().map(|&row| row..row + 1);
+            let selection = RowSelection::from_consecutive_ranges(ranges, n);
             let metadata = self.reader_metadata(file)?;
             let mask = ProjectionMask::roots(metadata.parquet_schema(), read.iter().copied());
-            let stream = ParquetRecordBatchStreamBuilder::new_with_metadata(
+            let builder = ParquetRecordBatchStreamBuilder::new_with_metadata(
                 self.reader(store, file.file)?,
                 metadata,
             )
             .with_projection(mask)
-            .with_row_groups(groups.iter().map(|&g| file.groups[g].0).collect())
+            .with_row_groups(vec![group])
             .with_row_selection(selection)
-            .with_batch_size(rows.len().max(1))
-            .build()?;
-            let schema = Arc::clone(stream.schema());
-            let batches_read: Vec<RecordBatch> = stream.try_collect().await?;
-            let batch = concat_batches(&schema, &batches_read)?;
-            if batch.num_rows() != rows.len() {
-                return Err(DataFusionError::Internal(format!(
-                    "read {} of the {} winning rows of a file",
-                    batch.num_rows(),
-                    rows.len()
-                )));
-            }
-            let arrays = (exprs.iter())
-                .map(|e| e.evaluate(&batch)?.into_array(batch.num_rows()))
-                .collect::<Result<Vec<ArrayRef>>>()?;
-            slots.insert(f, (batches.len(), rows));
-            batches.push(arrays);
+            .with_batch_size(rows.len());
+            let (count, exprs) = (rows.len(), Arc::clone(&exprs));
+            running.spawn(async move {
+                let stream = builder.build()?;
+                let schema = Arc::clone(stream.schema());
+                let batches: Vec<RecordBatch> = stream.try_collect().await?;
+                let batch = concat_batches(&schema, &batches)?;
+                if batch.num_rows() != count {
+                    return Err(DataFusionError::Internal(format!(
+                        "read {} of the {count} winning rows of a row group",
+                        batch.num_rows(),
+                    )));
+                }
+                let arrays = (exprs.iter())
+                    .map(|e| e.evaluate(&batch)?.into_array(count))
+                    .collect::<Result<Vec<ArrayRef>>>()?;
+                Ok((slot, arrays))
+            });
+            slots.insert((f, g), (slot, rows));
+        }
+        let mut batches = vec![Vec::new(); slots.len()];
+        while let Some(done) = running.join_next().await {
+            let (slot, arrays) = done.map_err(|e| DataFusionError::External(Box::new(e)))??;
+            batches[slot] = arrays;
         }
         let at = located
             .into_iter()
-            .map(|(f, g, row)| {
-                let (slot, rows) = &slots[&f];
-                let index = rows
-                    .binary_search(&(g, row))
-                    .expect("every winner was read");
+            .map(|(group, row)| {
+                let (slot, rows) = &slots[&group];
+                let index = rows.binary_search(&row).expect("every winner was read");
                 (*slot, index)
             })
             .collect();

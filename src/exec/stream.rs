@@ -304,6 +304,9 @@ impl TopKRun {
             .gather(&winners[skip..], &self.schema)?;
         self.dynamic_filter.mark_complete();
         self.metrics.output_rows.add(batch.num_rows());
+        if self.spec.warm_up {
+            self.warm_up();
+        }
         Ok(batch)
     }
 

@@ -307,6 +307,13 @@ fn match_top_k(
         } => (choice, reason, prediction.map(|p| *p)),
         Placement::Decline(why) => return because(why),
     };
+    // `auto` chose the CPU path over columns that are not all resident: load them for the
+    // next query (the GPU would have had to ship them first).
+    let warm_up = config.backend == crate::config::Backend::Auto
+        && choice == crate::cost::SelectionChoice::Cpu
+        && estimate.whole_table
+        && estimate.resident < 1.0
+        && fusion.program.is_some();
     let spec = TopKSpec {
         fusion,
         sort_exprs: absorbed.sort_exprs,
@@ -323,6 +330,7 @@ fn match_top_k(
         cache: cached.then_some(CacheSetting {
             budget: config.cache_bytes,
         }),
+        warm_up,
     };
     let exec = GpuTopKExec::try_new(absorbed.input, spec, node.as_ref())
         .or_else(|e| because(format!("cannot build the operator: {e}")))?;

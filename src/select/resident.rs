@@ -418,19 +418,37 @@ pub fn resident_share(device: &GpuDevice, inputs: &[TableInput<'_>]) -> f64 {
 /// Uploads one table column (a `GpuTable`'s, known by identity) into the column cache and pins
 /// it there; returns its device bytes. A column already cached is pinned where it is.
 pub fn pin_column(device: &Arc<GpuDevice>, input: &TableInput<'_>) -> Result<usize> {
+    // Pinned columns are the application's choice: no query's budget bounds them.
+    load_column(device, input, true, usize::MAX)?.ok_or_else(|| {
+        gpu_error(GpuError(format!(
+            "cannot reserve room for column {} in the column cache",
+            input.name
+        )))
+    })
+}
+
+/// Uploads one table column into the column cache (`pinned`: never evicted while its table
+/// pins it) unless it is there; returns its device bytes, `None` where it does not fit
+/// `budget`.
+pub fn load_column(
+    device: &Arc<GpuDevice>,
+    input: &TableInput<'_>,
+    pinned: bool,
+    budget: usize,
+) -> Result<Option<usize>> {
     let column = TableColumn::new(input)?;
     if column.rows == 0 {
-        return Ok(0);
+        return Ok(Some(0));
     }
-    if let Some(bytes) = device.cache.pin(&column.key) {
-        return Ok(bytes);
+    if pinned && let Some(bytes) = device.cache.pin(&column.key) {
+        return Ok(Some(bytes));
     }
     let (bytes, offsets) = column.layout();
-    // Pinned columns are the application's choice: no query's budget bounds them.
-    if !device.cache.reserve(bytes, usize::MAX) {
-        return Err(gpu_error(GpuError(format!(
-            "cannot reserve {bytes} bytes in the column cache"
-        ))));
+    if !pinned && device.cache.contains(&column.key) {
+        return Ok(Some(bytes));
+    }
+    if input.chunks.is_empty() || !device.cache.reserve(bytes, budget) {
+        return Ok(None);
     }
     let mut reserved = Reserved { device, bytes };
     let buffer = contain_panics(|| -> GpuResult<PooledBuffer> {
@@ -448,11 +466,11 @@ pub fn pin_column(device: &Arc<GpuDevice>, input: &TableInput<'_>) -> Result<usi
         owners: column.owners(),
         column: input.name.clone(),
         chunks: input.chunks.len(),
-        pinned: true,
+        pinned,
     };
     device.cache.insert(column.key.clone(), entry);
     reserved.filled(bytes);
-    Ok(bytes)
+    Ok(Some(bytes))
 }
 
 /// Alignment of a table image's validity bitmap.

@@ -539,3 +539,35 @@ fn table_with_schema_of_one_column() -> Vec<Vec<RecordBatch>> {
     let batch = RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from(vec![1i64]))]).unwrap();
     vec![vec![batch]]
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn auto_loads_the_columns_after_a_cold_run_on_the_cpu_path() {
+    if !gpu_or_skip("auto_loads_the_columns_after_a_cold_run_on_the_cpu_path") {
+        return;
+    }
+    let _serial = CACHE.lock().await;
+    let device = gpu().expect("checked above");
+    let data = table(2, 5, 100_000, 13);
+    let ctx = session_with(2, 8192, GpuTopKConfig::default());
+    register(&ctx, "t", data.clone());
+    let plain = plain_session_with(2, 8192, Storage::Memory);
+    register(&plain, "t", data);
+    device.cache.clear();
+    let cold = plan_text(&physical_plan(&ctx, QUERY).await.unwrap());
+    check(&ctx, &plain, QUERY, ORACLE).await;
+    if cold.contains("backend=cpu") {
+        // The CPU path ran; the columns follow in the background.
+        assert!(cold.contains("cache=warm-up"), "{cold}");
+        let loaded = || ours(&device, 10).count() == 2;
+        let started = std::time::Instant::now();
+        while !loaded() && started.elapsed() < std::time::Duration::from_secs(20) {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert!(loaded(), "{:?}", device.cache.listing());
+    }
+    // Either way the columns are resident now, and the next run knows it.
+    let warm = plan_text(&physical_plan(&ctx, QUERY).await.unwrap());
+    assert!(warm.contains("resident=100%"), "{warm}");
+    assert!(!warm.contains("cache=warm-up"), "{warm}");
+    check(&ctx, &plain, QUERY, ORACLE).await;
+}

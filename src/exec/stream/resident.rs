@@ -12,12 +12,15 @@
 
 use std::borrow::Cow;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, new_null_array};
 use datafusion::arrow::compute::interleave;
 use datafusion::arrow::datatypes::Schema;
 use datafusion::error::Result;
+use datafusion::execution::TaskContext;
 use datafusion::physical_expr::utils::collect_columns;
+use datafusion::physical_plan::ExecutionPlan;
 
 use super::{
     TopKRun, check_empty_batch, is_device_error, report_fallback, selection_spec,
@@ -30,7 +33,7 @@ use crate::device::{DeviceAlgorithm, GpuDevice};
 use crate::exec::{memory_input, parquet_input, table_inputs};
 use crate::fusion::{FusedProgram, KernelInput};
 use crate::select::SelectionSpec;
-use crate::select::resident::{Identity, TableInput, TableSelection, select_table};
+use crate::select::resident::{Identity, TableInput, TableSelection, load_column, select_table};
 
 /// How a run over a resident table ended.
 pub(super) enum Resident {
@@ -266,6 +269,34 @@ impl TopKRun {
         self.output(columns, positions.len()).map(Resident::Done)
     }
 
+    /// Loads the columns the generated program reads into the column cache, in the
+    /// background, after a run on the CPU path (see [`crate::exec::TopKSpec::warm_up`]). One
+    /// load at a time; a load that does not fit the budget, or fails, leaves the cache as it
+    /// was.
+    pub(super) fn warm_up(&self) {
+        static LOADING: AtomicBool = AtomicBool::new(false);
+        let (Some(program), Some(cache), Some(device)) = (
+            self.spec.fusion.program.clone(),
+            self.spec.cache,
+            crate::device::gpu(),
+        ) else {
+            return;
+        };
+        if LOADING.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let budget = cache.budget.unwrap_or(device.total_memory / 4);
+        let input = Arc::clone(&self.input);
+        let context = Arc::clone(&self.context);
+        tokio::spawn(async move {
+            let loaded = load_inputs(&input, &context, &program, &device, budget).await;
+            if let Err(e) = loaded {
+                log::debug!("gpu-topk: the columns were not loaded into the cache: {e}");
+            }
+            LOADING.store(false, Ordering::Release);
+        });
+    }
+
     /// The selection over the whole table; `Err` with how the run goes on where it does not
     /// select (the columns do not fit, or the device failed).
     fn select(
@@ -407,4 +438,56 @@ fn table_starts<'a>(
         next += batch.num_rows() as u64;
     }
     (batches, std::borrow::Cow::Owned(starts))
+}
+
+/// Loads the program's per-row input columns of a whole-table input (in memory or Parquet
+/// files) into the column cache, unpinned, within `budget`.
+async fn load_inputs(
+    input: &Arc<dyn ExecutionPlan>,
+    context: &Arc<TaskContext>,
+    program: &FusedProgram,
+    device: &Arc<GpuDevice>,
+    budget: usize,
+) -> Result<()> {
+    if let Some(memory) = memory_input(input) {
+        let schema = input.schema();
+        let names: Vec<String> = schema.fields().iter().map(|f| f.name().clone()).collect();
+        for column in table_inputs(&memory, program, &names)?.unwrap_or_default() {
+            if column.lookup.is_none() && load_column(device, &column, false, budget)?.is_none() {
+                break;
+            }
+        }
+        return Ok(());
+    }
+    let Some(files) = parquet_input(input) else {
+        return Ok(());
+    };
+    let store = context.runtime_env().object_store(files.store())?;
+    let layout = files.layout(&store).await?;
+    let schema = input.schema();
+    for program_input in &program.inputs {
+        let KernelInput::Column(c) = program_input else {
+            return Ok(());
+        };
+        let key = files.key(*c);
+        if device.cache.contains(&key) {
+            continue;
+        }
+        let chunks = files.read_columns(&store, &layout, &[*c]).await?.remove(0);
+        let column = TableInput {
+            identity: Some(Identity {
+                key,
+                data_type: files.data_type(*c)?,
+                rows: layout.rows,
+                nullable: chunks.iter().any(|a| a.null_count() > 0),
+            }),
+            chunks: Cow::Owned(chunks),
+            lookup: None,
+            name: schema.field(*c).name().clone(),
+        };
+        if load_column(device, &column, false, budget)?.is_none() {
+            break;
+        }
+    }
+    Ok(())
 }
