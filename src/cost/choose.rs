@@ -33,6 +33,8 @@ pub(crate) struct Estimate {
     /// Whether the device would select over the whole table at once (an in-memory input whose
     /// columns go to the column cache): one pass, no streaming reductions.
     pub whole_table: bool,
+    /// Whether that whole table is files whose missing columns must be decoded first.
+    pub decoded: bool,
 }
 
 /// How much longer an upload from pageable host memory takes than one from pinned memory: the
@@ -207,11 +209,11 @@ pub(crate) fn choose(
         &estimate,
         backend == Backend::Auto,
     );
-    let (choice, seconds) = options
-        .iter()
-        .copied()
-        .min_by(|a, b| a.1.total_cmp(&b.1))
-        .expect("radix is always an option");
+    let fastest = options.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1));
+    let (choice, seconds) = match cold_files(backend, &estimate, &options) {
+        Some(cpu) => cpu,
+        None => fastest.expect("radix is always an option"),
+    };
     let describe = calibration
         .as_ref()
         .map(|c| c.describe())
@@ -226,6 +228,25 @@ pub(crate) fn choose(
             prediction_of(options, seconds, &estimate).with_model(model),
         )),
     }
+}
+
+/// Under `auto`, files whose columns are not resident run on the CPU path: the GPU's first
+/// run decodes every row group of those columns before its pass, where the scan decodes while
+/// the selection runs (and skips row groups the threshold rules out); the operator loads the
+/// columns into the cache after the run, for the next query ([`crate::exec::TopKSpec`]).
+fn cold_files(
+    backend: Backend,
+    estimate: &Estimate,
+    options: &[(SelectionChoice, f64)],
+) -> Option<(SelectionChoice, f64)> {
+    let cold = estimate.whole_table && estimate.decoded && estimate.resident < 1.0;
+    if backend != Backend::Auto || !cold {
+        return None;
+    }
+    options
+        .iter()
+        .copied()
+        .find(|(c, _)| *c == SelectionChoice::Cpu)
 }
 
 impl Prediction {
@@ -385,6 +406,7 @@ mod tests {
             compile: false,
             resident,
             whole_table,
+            decoded: false,
         };
         let time = |e: &Estimate| {
             operator_seconds(&m, 0.0, DeviceAlgorithm::Sample, n, k, kind, e).unwrap()
@@ -403,5 +425,32 @@ mod tests {
             warm < time(&estimate(1.0, false)),
             "streaming reduces in pushes"
         );
+    }
+
+    /// Files not yet resident run on the CPU path under `auto` (and load in the background);
+    /// resident ones, in-memory tables and a forced backend are the model's to choose.
+    #[test]
+    fn cold_files_under_auto_take_the_cpu_path() {
+        let options = [
+            (SelectionChoice::Cuda(DeviceAlgorithm::Sample), 0.01),
+            (SelectionChoice::Cpu, 0.2),
+        ];
+        let files = |resident: f64, decoded: bool| Estimate {
+            rows: Some(1 << 20),
+            bytes_per_row: 12,
+            compile: false,
+            resident,
+            whole_table: true,
+            decoded,
+        };
+        let cpu = Some((SelectionChoice::Cpu, 0.2));
+        assert_eq!(cold_files(Backend::Auto, &files(0.0, true), &options), cpu);
+        assert_eq!(cold_files(Backend::Auto, &files(0.5, true), &options), cpu);
+        assert_eq!(cold_files(Backend::Auto, &files(1.0, true), &options), None);
+        assert_eq!(
+            cold_files(Backend::Auto, &files(0.0, false), &options),
+            None
+        );
+        assert_eq!(cold_files(Backend::Cuda, &files(0.0, true), &options), None);
     }
 }

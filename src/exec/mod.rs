@@ -45,6 +45,7 @@ pub(crate) use memory::{memory_input, table_inputs};
 pub(crate) use parquet::parquet_input;
 
 use std::fmt::{self, Formatter};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use datafusion::arrow::datatypes::{Schema, SchemaRef};
@@ -104,6 +105,16 @@ pub struct TopKSpec {
     /// resident: after it, they are loaded into the column cache in the background, for the
     /// next query to run on the GPU (`backend = 'auto'`).
     pub warm_up: bool,
+}
+
+/// Set while a run's columns are loaded into the column cache in the background
+/// ([`TopKSpec::warm_up`]); one load runs at a time.
+pub(crate) static WARMING_UP: AtomicBool = AtomicBool::new(false);
+
+/// Whether columns are being loaded into the column cache in the background after a run on
+/// the CPU path (`backend = 'auto'`): a benchmark waits for it before timing the next query.
+pub fn warming_up() -> bool {
+    WARMING_UP.load(Ordering::Acquire)
 }
 
 /// The column cache's setting for one query (`gpu_topk.cache_bytes`).

@@ -292,6 +292,7 @@ fn match_top_k(
     {
         estimate.resident = resident;
         estimate.whole_table = true;
+        estimate.decoded = crate::exec::parquet_input(&absorbed.input).is_some();
     }
     let settings = cost::Settings {
         backend: config.backend,
@@ -571,5 +572,6 @@ fn estimate(
         compile,
         resident: 0.0,
         whole_table: false,
+        decoded: false,
     }
 }

@@ -548,26 +548,47 @@ async fn auto_loads_the_columns_after_a_cold_run_on_the_cpu_path() {
     let _serial = CACHE.lock().await;
     let device = gpu().expect("checked above");
     let data = table(2, 5, 100_000, 13);
-    let ctx = session_with(2, 8192, GpuTopKConfig::default());
-    register(&ctx, "t", data.clone());
-    let plain = plain_session_with(2, 8192, Storage::Memory);
-    register(&plain, "t", data);
-    device.cache.clear();
-    let cold = plan_text(&physical_plan(&ctx, QUERY).await.unwrap());
-    check(&ctx, &plain, QUERY, ORACLE).await;
-    if cold.contains("backend=cpu") {
-        // The CPU path ran; the columns follow in the background.
-        assert!(cold.contains("cache=warm-up"), "{cold}");
-        let loaded = || ours(&device, 10).count() == 2;
-        let started = std::time::Instant::now();
-        while !loaded() && started.elapsed() < std::time::Duration::from_secs(20) {
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let dir = test_dir("cache-auto");
+    write_parquet(&dir, &data, 50_000);
+    // In memory: 10 batches; in Parquet files: 20 row groups.
+    for (storage, chunks) in [(Storage::Memory, 10), (Storage::Parquet, 20)] {
+        let ctx = session_with(2, 8192, GpuTopKConfig::default());
+        let plain = plain_session_with(2, 8192, storage);
+        if storage == Storage::Memory {
+            register(&ctx, "t", data.clone());
+            register(&plain, "t", data.clone());
+        } else {
+            for c in [&ctx, &plain] {
+                let path = dir.to_str().unwrap();
+                c.register_parquet("t", path, Default::default())
+                    .await
+                    .unwrap();
+            }
         }
-        assert!(loaded(), "{:?}", device.cache.listing());
+        device.cache.clear();
+        let cold = plan_text(&physical_plan(&ctx, QUERY).await.unwrap());
+        if storage == Storage::Parquet {
+            // Decoding every row group first is slower than the scan: the CPU path runs.
+            assert!(cold.contains("backend=cpu"), "{cold}");
+        }
+        check(&ctx, &plain, QUERY, ORACLE).await;
+        if cold.contains("backend=cpu") {
+            // The CPU path ran; the columns follow in the background.
+            assert!(cold.contains("cache=warm-up"), "{storage:?}: {cold}");
+            let loaded = || ours(&device, chunks).count() == 2;
+            let started = std::time::Instant::now();
+            while !loaded() && started.elapsed() < std::time::Duration::from_secs(20) {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            assert!(loaded(), "{storage:?}: {:?}", device.cache.listing());
+        }
+        // Either way the columns are resident now, and the next run knows it.
+        let warm = plan_text(&physical_plan(&ctx, QUERY).await.unwrap());
+        assert!(warm.contains("resident=100%"), "{storage:?}: {warm}");
+        assert!(!warm.contains("cache=warm-up"), "{storage:?}: {warm}");
+        let report = check(&ctx, &plain, QUERY, ORACLE).await;
+        if warm.contains("backend=cuda") {
+            assert_eq!(report.cache_hits, 2, "{storage:?}: {report:?}");
+        }
     }
-    // Either way the columns are resident now, and the next run knows it.
-    let warm = plan_text(&physical_plan(&ctx, QUERY).await.unwrap());
-    assert!(warm.contains("resident=100%"), "{warm}");
-    assert!(!warm.contains("cache=warm-up"), "{warm}");
-    check(&ctx, &plain, QUERY, ORACLE).await;
 }

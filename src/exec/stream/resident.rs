@@ -12,7 +12,7 @@
 
 use std::borrow::Cow;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 
 use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, new_null_array};
 use datafusion::arrow::compute::interleave;
@@ -30,7 +30,7 @@ use crate::config::FaultPoint;
 use crate::cost::SelectionChoice;
 use crate::device::watch::DeviceWatch;
 use crate::device::{DeviceAlgorithm, GpuDevice};
-use crate::exec::{memory_input, parquet_input, table_inputs};
+use crate::exec::{WARMING_UP, memory_input, parquet_input, table_inputs};
 use crate::fusion::{FusedProgram, KernelInput};
 use crate::select::SelectionSpec;
 use crate::select::resident::{Identity, TableInput, TableSelection, load_column, select_table};
@@ -274,7 +274,6 @@ impl TopKRun {
     /// load at a time; a load that does not fit the budget, or fails, leaves the cache as it
     /// was.
     pub(super) fn warm_up(&self) {
-        static LOADING: AtomicBool = AtomicBool::new(false);
         let (Some(program), Some(cache), Some(device)) = (
             self.spec.fusion.program.clone(),
             self.spec.cache,
@@ -282,7 +281,7 @@ impl TopKRun {
         ) else {
             return;
         };
-        if LOADING.swap(true, Ordering::AcqRel) {
+        if WARMING_UP.swap(true, Ordering::AcqRel) {
             return;
         }
         let budget = cache.budget.unwrap_or(device.total_memory / 4);
@@ -293,7 +292,7 @@ impl TopKRun {
             if let Err(e) = loaded {
                 log::debug!("gpu-topk: the columns were not loaded into the cache: {e}");
             }
-            LOADING.store(false, Ordering::Release);
+            WARMING_UP.store(false, Ordering::Release);
         });
     }
 
