@@ -269,8 +269,9 @@ impl TopKRun {
         self.output(columns, positions.len()).map(Resident::Done)
     }
 
-    /// Loads the columns the generated program reads into the column cache, in the
-    /// background, after a run on the CPU path (see [`crate::exec::TopKSpec::warm_up`]). One
+    /// Compiles the generated program and loads the columns it reads into the column cache,
+    /// in the background, after a run on the CPU path (see
+    /// [`crate::exec::TopKSpec::warm_up`]). One
     /// load at a time; a load that does not fit the budget, or fails, leaves the cache as it
     /// was.
     pub(super) fn warm_up(&self) {
@@ -288,6 +289,10 @@ impl TopKRun {
         let input = Arc::clone(&self.input);
         let context = Arc::clone(&self.context);
         tokio::spawn(async move {
+            // The next run's plan counts a compile the program still needs.
+            if let Err(e) = device.generated_kernel(&program.source, crate::fusion::ENTRY) {
+                log::debug!("gpu-topk: the generated program did not compile: {e}");
+            }
             let loaded = load_inputs(&input, &context, &program, &device, budget).await;
             if let Err(e) = loaded {
                 log::debug!("gpu-topk: the columns were not loaded into the cache: {e}");
