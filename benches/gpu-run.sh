@@ -6,9 +6,9 @@
 # 1. the integration tests and the sqllogictests with the CUDA backend forced, then the
 #    integration tests on the CPU path;
 # 2. `gpu-topk` Q1–Q4 with --backend cuda and --backend cpu: result rows must be identical;
-# 3. the end-to-end benchmark (DataFusion, the CPU path, the GPU cold, first and warm, auto),
-#    ROWS rows (default 100M), with CLIENTS concurrent clients (default 16), its CSV and SVG
-#    plots under $OUT.
+# 3. the end-to-end benchmark (DataFusion, the CPU path, the GPU cold, first and warm, auto,
+#    auto first), ROWS rows (default 100M), with CLIENTS concurrent clients (default 16), its
+#    CSV and SVG plots under $OUT; PARQUET=DIR: over Parquet files written to DIR instead.
 # Logs go to $OUT; the summary is printed last. Set SKIP_BENCH=1 to stop after step 2, SKIP_TESTS=1
 # to skip step 1, SWEEP=1 for the benchmark's sweep (Q1 selectivity 0 to 1 by 0.1, Q2 k 1 to 10^6).
 set -uo pipefail
@@ -43,7 +43,8 @@ summary+=("$(grep -E '^(time|top-k):' "$OUT/queries-cuda.log" | paste -sd' ' -)"
 
 if [ -z "${SKIP_BENCH:-}" ]; then
     .b/cpu_vs_datafusion --rows "$ROWS" --runs 3 --csv "$OUT/end-to-end.csv" --plots "$OUT" \
-        --clients "${CLIENTS:-16}" ${SWEEP:+--sweep} > "$OUT/end-to-end.log" 2>&1
+        --clients "${CLIENTS:-16}" ${SWEEP:+--sweep} ${PARQUET:+--parquet "$PARQUET"} \
+        > "$OUT/end-to-end.log" 2>&1
     summary+=("end to end (rc $?):")
     summary+=("$(cat "$OUT/end-to-end.log")")
 fi
