@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 
 use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, new_null_array};
 use datafusion::arrow::compute::interleave;
-use datafusion::arrow::datatypes::Schema;
+use datafusion::arrow::datatypes::{DataType, Schema};
 use datafusion::error::Result;
 use datafusion::execution::TaskContext;
 use datafusion::physical_expr::utils::collect_columns;
@@ -28,6 +28,7 @@ use super::{
 };
 use crate::config::FaultPoint;
 use crate::cost::SelectionChoice;
+use crate::device::cache::CacheKey;
 use crate::device::watch::DeviceWatch;
 use crate::device::{DeviceAlgorithm, GpuDevice};
 use crate::exec::{WARMING_UP, memory_input, parquet_input, table_inputs};
@@ -202,36 +203,23 @@ impl TopKRun {
                 }
             }
         };
+        // Decoded columns held until uploaded; where the pool has no room, the input streams.
         let host = self.reservation.new_empty();
-        host.try_grow(
-            (decoded.iter().flatten())
-                .map(|a| a.get_array_memory_size())
-                .sum(),
-        )?;
+        let decoded_bytes = (decoded.iter().flatten())
+            .map(|a| a.get_array_memory_size())
+            .sum();
+        if host.try_grow(decoded_bytes).is_err() {
+            return Ok(Resident::Stream);
+        }
         let schema = self.input.schema();
-        let inputs: Vec<TableInput<'_>> = (program.inputs.iter().zip(&columns).zip(&keys))
-            .zip(types)
-            .map(|(((input, &c), key), data_type)| {
+        let inputs: Vec<TableInput<'_>> = (columns.iter().zip(&keys).zip(types))
+            .map(|((&c, key), data_type)| {
                 let chunks = missing
                     .iter()
                     .position(|&m| m == c)
                     .map(|i| decoded[i].clone())
                     .unwrap_or_default();
-                let name = match input {
-                    KernelInput::Column(i) => schema.field(*i).name().clone(),
-                    _ => String::new(),
-                };
-                TableInput {
-                    identity: Some(Identity {
-                        key: key.clone(),
-                        data_type,
-                        rows: layout.rows,
-                        nullable: chunks.iter().any(|a| a.null_count() > 0),
-                    }),
-                    chunks: Cow::Owned(chunks),
-                    lookup: None,
-                    name,
-                }
+                file_column(key.clone(), data_type, layout.rows, chunks, &schema, c)
             })
             .collect();
         let selected = self.select(&program, &device, algorithm, budget, &inputs, layout.rows)?;
@@ -478,20 +466,34 @@ async fn load_inputs(
             continue;
         }
         let chunks = files.read_columns(&store, &layout, &[*c]).await?.remove(0);
-        let column = TableInput {
-            identity: Some(Identity {
-                key,
-                data_type: files.data_type(*c)?,
-                rows: layout.rows,
-                nullable: chunks.iter().any(|a| a.null_count() > 0),
-            }),
-            chunks: Cow::Owned(chunks),
-            lookup: None,
-            name: schema.field(*c).name().clone(),
-        };
+        let data_type = files.data_type(*c)?;
+        let column = file_column(key, data_type, layout.rows, chunks, &schema, *c);
         if load_column(device, &column, false, budget)?.is_none() {
             break;
         }
     }
     Ok(())
+}
+
+/// Column `c` of a Parquet input as a program input known by its key: `chunks` are its row
+/// groups, decoded (none where the cache holds it).
+fn file_column(
+    key: CacheKey,
+    data_type: DataType,
+    rows: usize,
+    chunks: Vec<ArrayRef>,
+    schema: &Schema,
+    c: usize,
+) -> TableInput<'static> {
+    TableInput {
+        identity: Some(Identity {
+            key,
+            data_type,
+            rows,
+            nullable: chunks.iter().any(|a| a.null_count() > 0),
+        }),
+        chunks: Cow::Owned(chunks),
+        lookup: None,
+        name: schema.field(c).name().clone(),
+    }
 }
