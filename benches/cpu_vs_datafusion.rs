@@ -103,7 +103,7 @@ async fn time_engine(engine: &Engine, sql: &str) -> Result<(f64, Vec<RecordBatch
     if engine.clear_cache
         && let Some(device) = gpu()
     {
-        device.cache.clear();
+        device.column_cache.clear();
     }
     let timed = time_sql(&engine.ctx, sql).await;
     // A run on the CPU path under `auto` loads the columns afterwards: not during the next
@@ -139,7 +139,7 @@ async fn main() -> Result<()> {
         let cuda = GpuTopKConfig::default().with_backend(Backend::Cuda);
         engines.push(engine(
             "cold",
-            session_with(cuda.clone().with_cache_bytes(Some(0))),
+            session_with(cuda.clone().with_column_cache(false)),
             false,
         ));
         engines.push(engine("first", session_with(cuda.clone()), true));
@@ -276,7 +276,7 @@ async fn main() -> Result<()> {
                 if engine.clear_cache
                     && let Some(device) = gpu()
                 {
-                    device.cache.clear();
+                    device.column_cache.clear();
                 }
                 println!("{name:<14} {}", profile_query(&engine.ctx, &sql).await?);
             }
@@ -408,7 +408,7 @@ async fn concurrent(
     }
     let parallel = started.elapsed().as_secs_f64();
     let queries = (clients * runs * mix.len()) as f64;
-    let cached = gpu().map_or(0, |d| d.cache.bytes());
+    let cached = gpu().map_or(0, |d| d.column_cache.bytes());
     println!(
         "# {clients} concurrent clients, Q1 sel=0.5 / Q2 k=50 / Q3 k=1000 warm: {:.0} queries/s \
          ({:.0} back to back, {:.2}x), answers checked; column cache {:.2} GB after",

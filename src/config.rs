@@ -152,11 +152,11 @@ extensions_options! {
         /// Most device memory, in bytes, one query's selection may hold (0: no limit but the
         /// device's). A query that needs more falls back to the CPU path.
         pub device_memory_limit: usize, default = 0
-        /// Device bytes that keep in-memory tables' and Parquet files' columns between queries,
-        /// so a repeated query does not ship them over PCIe again (unset: a quarter of the
-        /// device's memory; 0: off). The cache is the process's: the last query's setting
-        /// sizes it.
-        pub cache_bytes: Option<usize>, default = None
+        /// Whether this session's queries use the device column cache, which keeps in-memory
+        /// tables' and Parquet files' columns on the GPU between queries so that a repeated
+        /// query does not ship them over PCIe again. The cache is the process's, shared by
+        /// every session; its budget is set for the process (`set_column_cache_budget`).
+        pub column_cache: bool, default = true
     }
 }
 
@@ -247,8 +247,8 @@ impl GpuTopKConfig {
         self.device_memory_limit = bytes;
         self
     }
-    pub fn with_cache_bytes(mut self, bytes: Option<usize>) -> Self {
-        self.cache_bytes = bytes;
+    pub fn with_column_cache(mut self, use_cache: bool) -> Self {
+        self.column_cache = use_cache;
         self
     }
     pub fn with_inject_fault(mut self, fault: FaultPoint) -> Self {

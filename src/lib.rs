@@ -6,15 +6,18 @@
 //! TopK by [`GpuTopKExec`] wherever the query's shape allows; results are exactly DataFusion's,
 //! and a GPU failure falls back to the operator's CPU path. Over in-memory tables and Parquet
 //! files the GPU keeps
-//! the columns top-k queries read in device memory between queries; [`GpuTable`] is the
-//! in-memory table made for that (constant-time planning, columns loaded and pinned ahead).
+//! the columns top-k queries read in device memory between queries, in a column cache that is
+//! the process's ([`set_column_cache_budget`] sizes it); [`GpuTable`] is the in-memory table
+//! made for that (constant-time planning, columns loaded and pinned ahead).
 //! [`datasets`] generates the tweets table of the benchmarks and the CLI.
 //!
-//! Inside, one module per step of the data flow: `rule` rewrites the physical plan → `exec`
-//! runs the operator → `keys` encodes sort keys into order-preserving integers and `fusion`
-//! generates the CUDA code that evaluates the predicate and keys on the device → `cost`
-//! chooses where and with which algorithm → `select` runs the selection on the CPU or the
-//! device → `device` holds the CUDA runtime, its planning and the kernels' host side.
+//! Inside, one module per step of the data flow, each importing only those after it: `rule`
+//! rewrites the physical plan → `exec` runs the operator, executing the plan and owning the
+//! fallbacks → `cost` chooses where, with which algorithm and over which input form (one
+//! `SelectionPlan`) → `select` runs the selection on the CPU or the device → `fusion`
+//! generates the CUDA code that evaluates the predicate and keys on the device, and `keys`
+//! encodes sort keys into order-preserving integers → `device` holds the CUDA runtime, its
+//! planning and the kernels' host side.
 
 // Internal docs link internal items: contributors read them with --document-private-items.
 #![allow(rustdoc::private_intra_doc_links)]
@@ -33,6 +36,7 @@ mod session;
 mod table;
 
 pub use config::{Algorithm, Backend, DeviceOp, FaultPoint, GpuTopKConfig, GpuTopKSettings};
+pub use device::column_cache::{column_cache_budget, set_column_cache_budget};
 pub use exec::GpuTopKExec;
 pub use rule::GpuTopKRule;
 pub use session::SessionStateBuilderExt;

@@ -13,7 +13,7 @@ use datafusion::physical_optimizer::optimizer::PhysicalOptimizer;
 use datafusion::prelude::SessionConfig;
 
 use crate::config::GpuTopKConfig;
-use crate::device::cache::CacheListing;
+use crate::device::column_cache::CacheListing;
 use crate::rule::GpuTopKRule;
 use crate::table::GpuTableFactory;
 
@@ -75,7 +75,7 @@ impl TableFunctionImpl for CacheFunction {
         let cache = crate::device::gpu();
         let batch = match self {
             CacheFunction::List => {
-                let entries = cache.map(|d| d.cache.listing()).unwrap_or_default();
+                let entries = cache.map(|d| d.column_cache.listing()).unwrap_or_default();
                 let schema = Arc::new(Schema::new(vec![
                     Field::new("column", DataType::Utf8, false),
                     Field::new("chunks", DataType::UInt64, false),
@@ -106,8 +106,8 @@ impl TableFunctionImpl for CacheFunction {
                 )?
             }
             CacheFunction::Clear => {
-                let evicted = cache.as_ref().map_or(0, |d| d.cache.clear());
-                let held = cache.as_ref().map_or(0, |d| d.cache.bytes());
+                let evicted = cache.as_ref().map_or(0, |d| d.column_cache.clear());
+                let held = cache.as_ref().map_or(0, |d| d.column_cache.bytes());
                 let schema = Arc::new(Schema::new(vec![
                     Field::new("evicted", DataType::UInt64, false),
                     Field::new("bytes_held", DataType::UInt64, false),

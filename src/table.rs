@@ -16,8 +16,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::device::cache::table_key;
-use crate::select::resident::{Identity, TableInput};
+use crate::device::column_cache::table_key;
+use crate::select::table::{Identity, TableInput};
 use async_trait::async_trait;
 use datafusion::arrow::array::{Array, ArrayRef, AsArray, RecordBatch, make_array};
 use datafusion::arrow::datatypes::SchemaRef;
@@ -129,7 +129,7 @@ impl TableData {
 impl Drop for TableData {
     fn drop(&mut self) {
         if let Some(device) = crate::device::gpu() {
-            device.cache.forget_table(self.id);
+            device.column_cache.forget_table(self.id);
         }
     }
 }
@@ -207,7 +207,7 @@ impl GpuTable {
         for name in columns {
             let index = self.data.schema.index_of(name)?;
             let input = self.data.input(index, name);
-            bytes += crate::select::resident::pin_column(&device, &input)?;
+            bytes += crate::select::table::pin_column(&device, &input)?;
         }
         Ok(bytes)
     }
@@ -215,7 +215,7 @@ impl GpuTable {
     /// Lets the table's pinned columns be evicted again (they stay cached until they are).
     pub fn unpin(&self) {
         if let Some(device) = crate::device::gpu() {
-            device.cache.pin_table(self.data.id, false);
+            device.column_cache.pin_table(self.data.id, false);
         }
     }
 }

@@ -44,6 +44,8 @@ OPTIONS:
     --backend B     auto (GPU if present, else DataFusion's TopK), cuda, or cpu (default auto)
     --explain       print the physical plan instead of running the query
     --show N        result rows printed per query (default: 10 for Q1-Q4, all for `query`)
+    --cache-bytes N device memory the GPU's column cache may hold, for the process (default: a
+                    quarter of the device's; 0: no cache)
 ";
 
 const DEFAULT_ROWS: u64 = 10_000_000;
@@ -58,6 +60,7 @@ const OPTIONS: &[&str] = &[
     "--show",
     "--explain",
     "--table",
+    "--cache-bytes",
 ];
 
 /// A failure after the arguments parsed: DataFusion's error, or a message of the CLI's own
@@ -85,6 +88,8 @@ struct Args {
     backend: Backend,
     /// Result rows printed per query.
     show: usize,
+    /// The process's column cache budget, where given.
+    cache_bytes: Option<usize>,
 }
 
 fn parse_args(raw: Vec<String>) -> std::result::Result<Args, String> {
@@ -115,6 +120,7 @@ fn parse_args(raw: Vec<String>) -> std::result::Result<Args, String> {
         _ => Command::Queries,
     };
     let (mut rows, mut backend, mut out, mut show) = (None, Backend::Auto, None, None);
+    let mut cache_bytes = None;
     while let Some(arg) = it.next() {
         let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
         match arg.as_str() {
@@ -137,6 +143,13 @@ fn parse_args(raw: Vec<String>) -> std::result::Result<Args, String> {
                 })?;
             }
             "--out" => out = Some(value("--out")?),
+            "--cache-bytes" => {
+                let v = value("--cache-bytes")?;
+                cache_bytes = Some(
+                    v.parse()
+                        .map_err(|_| format!("--cache-bytes: '{v}' is not a byte count"))?,
+                );
+            }
             "--show" => {
                 let v = value("--show")?;
                 show = Some(
@@ -181,6 +194,7 @@ fn parse_args(raw: Vec<String>) -> std::result::Result<Args, String> {
         rows,
         backend,
         show,
+        cache_bytes,
     })
 }
 
@@ -204,6 +218,9 @@ async fn main() -> ExitCode {
 
 async fn run(args: Args) -> CliResult<()> {
     let rows = args.rows.unwrap_or(DEFAULT_ROWS);
+    if args.cache_bytes.is_some() {
+        datafusion_gpu_topk::set_column_cache_budget(args.cache_bytes);
+    }
     match args.command {
         Command::Help => {
             print!("{USAGE}");
@@ -412,7 +429,8 @@ fn report_operators(ctx: &SessionContext, plan: &Arc<dyn ExecutionPlan>) {
                 .and_then(|m| m.sum_by_name("gpu_fallbacks"))
                 .map(|v| v.as_usize())
                 .unwrap_or(0);
-            let eval = match spec.choice {
+            let choice = spec.plan.choice();
+            let eval = match choice {
                 SelectionChoice::Cpu => String::new(),
                 SelectionChoice::Cuda(_) => format!(", eval=[{}]", spec.fusion.describe(true)),
             };
@@ -433,8 +451,8 @@ fn report_operators(ctx: &SessionContext, plan: &Arc<dyn ExecutionPlan>) {
             };
             println!(
                 "top-k: GpuTopKExec, backend={}, algorithm={}{eval}{timing} ({}){}",
-                spec.choice.backend(),
-                spec.choice.algorithm(),
+                choice.backend(),
+                choice.algorithm(),
                 spec.reason,
                 if fallbacks > 0 {
                     ", GPU failed: fell back to the CPU path"
@@ -513,6 +531,12 @@ mod tests {
                 .contains("auto, cuda, cpu")
         );
         assert!(args(&["--rows", "many"]).unwrap_err().contains("row count"));
+        assert_eq!(args(&["--cache-bytes", "1024"]).unwrap().cache_bytes, Some(1024));
+        assert!(
+            args(&["--cache-bytes", "1G"])
+                .unwrap_err()
+                .contains("byte count")
+        );
         assert!(
             args(&["gen", "--rows", "10"])
                 .unwrap_err()

@@ -1,6 +1,8 @@
-//! Where the selection runs and with which algorithm: [`choose`] resolves the settings
-//! against the machine and the model once per query, [`device_algorithm`] resolves a forced
-//! algorithm, and the model answers an `auto` selector's final selection ([`FinalChoice`]).
+//! The one place a query's selection is decided: [`choose`] resolves the settings against
+//! the machine and the model once per query into a [`SelectionPlan`] (where the selection
+//! runs, with which algorithm, over which input form, and whether the column cache is warmed
+//! up after it); [`device_algorithm`] resolves a forced algorithm; and the model answers an
+//! `auto` selector's final selection ([`FinalChoice`]).
 
 use std::path::Path;
 use std::time::Duration;
@@ -9,13 +11,12 @@ use datafusion::error::{DataFusionError, Result};
 
 use super::calibration;
 use super::model::{Case, CostModel};
-use crate::config::{Algorithm, Backend};
-use crate::device::plan::reduction;
+use crate::config::{Algorithm, Backend, FaultPoint};
+use crate::device::plan::{self, reduction};
 use crate::device::{DeviceAlgorithm, GpuDevice, GpuStatus, KeyWidth, gpu_status};
 use crate::keys::KeyLayout;
-use crate::select::FinalChoice;
-use crate::select::SelectionChoice;
-use crate::select::cuda::{MIN_CAPACITY, bitonic_max_k};
+use crate::select::cuda::MIN_CAPACITY;
+use crate::select::{FinalChoice, InputForm, SelectionChoice, SelectionPlan};
 
 /// What the planner knows of the input.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -30,8 +31,10 @@ pub(crate) struct Estimate {
     /// The share of those bytes already in the device's column cache (0 to 1): they cross no
     /// PCIe link.
     pub resident: f64,
-    /// Whether the device would select over the whole table at once (an in-memory input whose
-    /// columns go to the column cache): one pass, no streaming reductions.
+    /// Whether the input can be read as a whole table (an in-memory table or a scan of
+    /// Parquet files that the session lets use the column cache, and a generated program
+    /// that reads only its columns): the device then selects over it at once, one pass and
+    /// no streaming reductions.
     pub whole_table: bool,
     /// Whether that whole table is files whose missing columns must be decoded first.
     pub decoded: bool,
@@ -98,12 +101,12 @@ pub fn format_seconds(s: f64) -> String {
     }
 }
 
-/// What the rule decided for a query's backend.
+/// What [`choose`] decided for a query.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Placement {
-    /// Run our operator with this selection.
+    /// Run our operator with this plan.
     Run {
-        choice: SelectionChoice,
+        plan: SelectionPlan,
         /// Why (shown in EXPLAIN VERBOSE), e.g. "CPU path forced by settings".
         reason: String,
         /// The model's prediction, where the GPU's calibration is at hand.
@@ -120,6 +123,8 @@ pub(crate) struct Settings<'a> {
     pub algorithm: Algorithm,
     pub kernel_cache_dir: Option<&'a Path>,
     pub recalibrate: bool,
+    /// A failure injected for tests (`gpu_topk.inject_fault`).
+    pub fault: FaultPoint,
 }
 
 /// Resolves the settings against the machine and the model. `k` is fetch + offset. On the GPU
@@ -137,22 +142,24 @@ pub(crate) fn choose(
         algorithm,
         kernel_cache_dir,
         recalibrate,
+        fault,
     } = settings;
     if backend == Backend::Cpu || algorithm == Algorithm::Cpu {
         return Placement::Run {
-            choice: SelectionChoice::Cpu,
+            plan: SelectionPlan::CPU,
             reason: "CPU path forced by settings".into(),
             prediction: None,
         };
     }
     let cpu_or_decline = |why: String| match backend {
         Backend::Cuda => Placement::Run {
-            choice: SelectionChoice::Cpu,
+            plan: SelectionPlan::CPU,
             reason: format!("backend=cuda, but {why}: CPU path"),
             prediction: None,
         },
         _ => Placement::Decline(why),
     };
+    let input = input_form(k, &estimate, fault);
     let device = match gpu_status() {
         GpuStatus::Unavailable(why) => return cpu_or_decline(format!("no GPU found ({why})")),
         GpuStatus::Available(device) => device,
@@ -177,7 +184,7 @@ pub(crate) fn choose(
             Ok(chosen) => {
                 let choice = SelectionChoice::Cuda(chosen);
                 let prediction = model.map(|m| -> Box<Prediction> {
-                    let options = predict_options(&m, device, layout, k, &estimate, false);
+                    let options = predict_options(&m, device, layout, k, &estimate, None);
                     let seconds = options
                         .iter()
                         .find(|(c, _)| *c == choice)
@@ -192,7 +199,10 @@ pub(crate) fn choose(
                     _ => format!("algorithm={algorithm}"),
                 };
                 Placement::Run {
-                    choice,
+                    plan: SelectionPlan::Cuda {
+                        algorithm: chosen,
+                        input,
+                    },
                     reason: format!("{gpu}; {why}, k={k}, {}-bit keys", layout.total_bits()),
                     prediction,
                 }
@@ -201,25 +211,29 @@ pub(crate) fn choose(
         };
     }
     let model = model.expect("checked above");
-    let options = predict_options(
-        &model,
-        device,
-        layout,
-        k,
-        &estimate,
-        backend == Backend::Auto,
-    );
+    // Over a whole table the fused selection's own final step is the sampled one.
+    let only = (input == InputForm::WholeTable).then_some(DeviceAlgorithm::Sample);
+    let mut options = predict_options(&model, device, layout, k, &estimate, only);
+    if backend == Backend::Auto {
+        options.push((SelectionChoice::Cpu, model.cpu_time(estimate.rows())));
+    }
     let fastest = options.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1));
     let (choice, seconds) = match cold_files(backend, &estimate, &options) {
         Some(cpu) => cpu,
-        None => fastest.expect("radix is always an option"),
+        None => fastest.expect("the sampled selection is always an option"),
+    };
+    let plan = match choice {
+        SelectionChoice::Cpu => SelectionPlan::Cpu {
+            warm_up: warm_up(backend, &estimate),
+        },
+        SelectionChoice::Cuda(algorithm) => SelectionPlan::Cuda { algorithm, input },
     };
     let describe = calibration
         .as_ref()
         .map(|c| c.describe())
         .unwrap_or_default();
     Placement::Run {
-        choice,
+        plan,
         reason: format!(
             "{gpu}; cost model ({describe}): {choice} fastest for k={k}, {}-bit keys",
             layout.total_bits()
@@ -230,10 +244,29 @@ pub(crate) fn choose(
     }
 }
 
+/// Over which input form the device selects: the whole table where the input can be read as
+/// one and there is something to select. A fault injected at a selector's step (`create`,
+/// `push`, `finish`) tests the streaming selector's fallback, so its input streams.
+fn input_form(k: usize, estimate: &Estimate, fault: FaultPoint) -> InputForm {
+    let selector_fault = !matches!(fault, FaultPoint::None | FaultPoint::Device(..));
+    if estimate.whole_table && k > 0 && !selector_fault {
+        InputForm::WholeTable
+    } else {
+        InputForm::Streamed
+    }
+}
+
+/// Whether a run on the CPU path is followed by loading the input's columns into the column
+/// cache: under `auto`, over a whole table whose columns are not all resident (the GPU would
+/// have had to ship them first), so that the next query finds them there.
+fn warm_up(backend: Backend, estimate: &Estimate) -> bool {
+    backend == Backend::Auto && estimate.whole_table && estimate.resident < 1.0
+}
+
 /// Under `auto`, files whose columns are not resident run on the CPU path: the GPU's first
 /// run decodes every row group of those columns before its pass, where the scan decodes while
-/// the selection runs (and skips row groups the threshold rules out); the operator loads the
-/// columns into the cache after the run, for the next query ([`crate::exec::TopKSpec`]).
+/// the selection runs (and skips row groups the threshold rules out); the columns are loaded
+/// into the cache after the run ([`warm_up`]), for the next query.
 fn cold_files(
     backend: Backend,
     estimate: &Estimate,
@@ -256,13 +289,20 @@ impl Prediction {
     }
 }
 
+impl Estimate {
+    /// The input rows, or [`ASSUMED_ROWS`] where the statistics do not say.
+    fn rows(&self) -> usize {
+        self.rows.unwrap_or(ASSUMED_ROWS)
+    }
+}
+
 fn prediction_of(
     alternatives: Vec<(SelectionChoice, f64)>,
     seconds: f64,
     estimate: &Estimate,
 ) -> Prediction {
     Prediction {
-        rows: estimate.rows.unwrap_or(ASSUMED_ROWS),
+        rows: estimate.rows(),
         rows_known: estimate.rows.is_some(),
         seconds,
         alternatives,
@@ -271,20 +311,20 @@ fn prediction_of(
     }
 }
 
-/// The predicted operator time of every device algorithm that takes this k (and of the CPU
-/// path when `with_cpu`).
+/// The predicted operator time of every device algorithm that takes this k (or of `only`).
 fn predict_options(
     model: &CostModel,
     device: &GpuDevice,
     layout: &KeyLayout,
     k: usize,
     estimate: &Estimate,
-    with_cpu: bool,
+    only: Option<DeviceAlgorithm>,
 ) -> Vec<(SelectionChoice, f64)> {
-    let n = estimate.rows.unwrap_or(ASSUMED_ROWS);
+    let n = estimate.rows();
     let kind = layout.width();
-    let mut options: Vec<(SelectionChoice, f64)> = DeviceAlgorithm::ALL
+    DeviceAlgorithm::ALL
         .iter()
+        .filter(|&&a| only.is_none_or(|only| a == only))
         .filter_map(|&a| {
             operator_seconds(
                 model,
@@ -297,11 +337,7 @@ fn predict_options(
             )
             .map(|t| (SelectionChoice::Cuda(a), t))
         })
-        .collect();
-    if with_cpu {
-        options.push((SelectionChoice::Cpu, model.cpu_time(n)));
-    }
-    options
+        .collect()
 }
 
 /// The operator's predicted time on the GPU with `algorithm` (see the module documentation).
@@ -373,14 +409,13 @@ pub fn device_algorithm(
     k: usize,
     algorithm: Algorithm,
 ) -> Result<DeviceAlgorithm> {
-    let limit = bitonic_max_k(device, layout);
+    let bitonic = plan::bitonic_takes(k, device.max_shared_per_block, layout.width());
     match algorithm {
-        Algorithm::Auto if k <= limit => Ok(DeviceAlgorithm::Bitonic),
+        Algorithm::Auto if bitonic.is_ok() => Ok(DeviceAlgorithm::Bitonic),
         Algorithm::Auto | Algorithm::Radix => Ok(DeviceAlgorithm::Radix),
-        Algorithm::Bitonic if k <= limit => Ok(DeviceAlgorithm::Bitonic),
-        Algorithm::Bitonic => Err(DataFusionError::Plan(format!(
-            "the CUDA bitonic top-k supports k up to {limit} for these keys, not {k}"
-        ))),
+        Algorithm::Bitonic => bitonic
+            .map(|()| DeviceAlgorithm::Bitonic)
+            .map_err(DataFusionError::Plan),
         Algorithm::Sample => Ok(DeviceAlgorithm::Sample),
         Algorithm::Delegate => Ok(DeviceAlgorithm::Delegate),
         Algorithm::Cpu => Err(DataFusionError::Plan(
@@ -452,5 +487,66 @@ mod tests {
             None
         );
         assert_eq!(cold_files(Backend::Cuda, &files(0.0, true), &options), None);
+    }
+
+    fn table(whole_table: bool, resident: f64) -> Estimate {
+        Estimate {
+            rows: Some(1 << 20),
+            bytes_per_row: 8,
+            compile: false,
+            resident,
+            whole_table,
+            decoded: false,
+        }
+    }
+
+    /// The device reads a whole table at once wherever the input can be read so; it streams
+    /// where there is nothing to select, and where a selector-level fault tests the streaming
+    /// selector's fallback (device-operation faults are injected on either form).
+    #[test]
+    fn the_input_is_read_as_a_whole_table_where_it_can_be() {
+        use crate::config::DeviceOp;
+        let whole = |k, estimate: &Estimate, fault| input_form(k, estimate, fault);
+        assert_eq!(
+            whole(10, &table(true, 0.0), FaultPoint::None),
+            InputForm::WholeTable
+        );
+        assert_eq!(
+            whole(10, &table(true, 1.0), FaultPoint::Device(DeviceOp::Alloc, 1)),
+            InputForm::WholeTable
+        );
+        assert_eq!(
+            whole(10, &table(false, 0.0), FaultPoint::None),
+            InputForm::Streamed
+        );
+        assert_eq!(
+            whole(0, &table(true, 1.0), FaultPoint::None),
+            InputForm::Streamed
+        );
+        for fault in [FaultPoint::Create, FaultPoint::Push(1), FaultPoint::Finish] {
+            assert_eq!(whole(10, &table(true, 1.0), fault), InputForm::Streamed);
+        }
+    }
+
+    /// A run on the CPU path is followed by loading the columns only under `auto`, over a
+    /// whole table whose columns are not all resident.
+    #[test]
+    fn a_cpu_run_warms_the_cache_under_auto_over_a_table_not_resident() {
+        assert!(warm_up(Backend::Auto, &table(true, 0.0)));
+        assert!(warm_up(Backend::Auto, &table(true, 0.5)));
+        assert!(!warm_up(Backend::Auto, &table(true, 1.0)));
+        assert!(!warm_up(Backend::Auto, &table(false, 0.0)));
+        assert!(!warm_up(Backend::Cuda, &table(true, 0.0)));
+        assert!(!warm_up(Backend::Cpu, &table(true, 0.0)));
+    }
+
+    /// The bitonic top-k's k limit is one rule with one message, which the planner and the
+    /// device both give.
+    #[test]
+    fn the_bitonic_limit_is_one_rule() {
+        let limit = plan::bitonic_max_k(227 * 1024, KeyWidth::W64);
+        assert!(plan::bitonic_takes(limit, 227 * 1024, KeyWidth::W64).is_ok());
+        let why = plan::bitonic_takes(limit + 1, 227 * 1024, KeyWidth::W64).unwrap_err();
+        assert!(why.contains(&format!("up to {limit}")), "{why}");
     }
 }

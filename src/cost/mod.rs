@@ -1,8 +1,10 @@
 //! The cost model: chooses where the selection runs and with which algorithm, and predicts
 //! how long it takes.
 //!
-//! [`choose`] (in `choose.rs`) is the one place the choice is made; the selectors and the
-//! device execute it. Forced settings are taken as they are
+//! [`choose`] (in `choose.rs`) is the one place the choice is made: it returns a
+//! [`SelectionPlan`] (where, which algorithm, streamed batches or the whole table, warm-up of
+//! the column cache after a CPU run), which the operator, the selectors and the device
+//! execute. Forced settings are taken as they are
 //! (`gpu_topk.backend`, `gpu_topk.algorithm`); with `algorithm = 'auto'` the calibrated
 //! analytical model ([`model`], [`calibration`]) predicts the operator's time for every device
 //! algorithm and for the CPU path, and the fastest wins (the CPU path only where the backend
@@ -20,6 +22,6 @@ mod choose;
 pub(crate) mod model;
 pub mod validation;
 
-pub use crate::select::SelectionChoice;
+pub use crate::select::{InputForm, SelectionChoice, SelectionPlan};
 pub use choose::*;
 pub use model::{Case, CostModel};

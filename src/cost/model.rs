@@ -264,7 +264,7 @@ impl CostModel {
 
     /// The largest k bitonic top-k takes for these keys.
     pub fn bitonic_max_k(&self, kind: KeyWidth) -> usize {
-        bitonic_chunk(self.machine.max_shared_per_block, kind) / 4
+        crate::device::plan::bitonic_max_k(self.machine.max_shared_per_block, kind)
     }
 
     /// The terms of a reference run that are linear in `part`'s fit: (constant seconds,

@@ -13,7 +13,7 @@
 //! - [`timer`]: CUDA events for timing;
 //! - [`watch`]: one query's device bytes, its device memory limit, injected device faults.
 
-pub mod cache;
+pub mod column_cache;
 pub(crate) mod engine;
 pub mod kernels;
 pub mod measure;
@@ -100,7 +100,7 @@ pub struct GpuDevice {
     /// Device buffers, reused by size class across selections.
     pub pool: Arc<BufferPool>,
     /// In-memory tables' columns kept on the device between queries.
-    pub cache: cache::ColumnCache,
+    pub column_cache: column_cache::ColumnCache,
     /// Pinned host staging buffers, reused across selections.
     pub pinned: Arc<PinnedPool>,
     kernels: OnceLock<Result<Arc<Kernels>, String>>,
@@ -360,7 +360,7 @@ fn detect() -> Result<GpuDevice, String> {
         .map_err(|e| format!("cannot read the driver version: {e}"))?;
     Ok(GpuDevice {
         pool: Arc::new(BufferPool::new(Arc::clone(&context), total_memory / 4)),
-        cache: cache::ColumnCache::default(),
+        column_cache: column_cache::ColumnCache::new(total_memory),
         pinned: Arc::new(PinnedPool::new(Arc::clone(&context), 1 << 30)),
         context,
         name,

@@ -461,6 +461,59 @@ pub const FUSED_SAMPLE_ROWS: usize = RANK_SORT_MAX / 2;
 /// well as 32).
 pub const FUSED_SAMPLE_CLUSTER: usize = 32;
 
+/// Whether a sampled selection of k among (at most) n pairs of `kind` is enqueued whole, its
+/// survivors sorted on the device's count (no read-back before its end): its levels end in
+/// the rank sort, or in a merge sort of at most [`MERGE_SORT_MAX`] pairs.
+pub(crate) fn sample_sorts_on_device(kind: KeyWidth, n: usize, k: usize) -> bool {
+    plan_sample_levels(n, k, sample_size(kind), RANK_SORT_MAX)
+        .last()
+        .is_some_and(|last| k <= RANK_SORT_MAX || last.cap <= MERGE_SORT_MAX)
+}
+
+/// Whether a fused selection (`TopKEngine::fused_select`) with `algorithm` sorts its
+/// candidates whole, keys packed for a merge sort whose tiles overlap the count's read-back:
+/// the sampled selection of a k beyond the rank sort, with at most one merge sort's worth of
+/// candidates.
+pub(crate) fn fused_sorts_whole(algorithm: DeviceAlgorithm, k: usize, candidates: usize) -> bool {
+    algorithm == DeviceAlgorithm::Sample && k > RANK_SORT_MAX && candidates <= MERGE_SORT_MAX
+}
+
+/// Whether a fused selection refines its sampled threshold with a denser sample (one row in
+/// `dense_step`): the sampled selection of a k beyond the rank sort, where the rows expected
+/// below the first threshold might not fit what one wave of the packed sort takes
+/// (`refine_above`).
+pub(crate) fn fused_refines(
+    algorithm: DeviceAlgorithm,
+    k: usize,
+    dense_step: usize,
+    expected_rows: f64,
+    refine_above: usize,
+) -> bool {
+    algorithm == DeviceAlgorithm::Sample
+        && k > RANK_SORT_MAX
+        && dense_step >= 8
+        && expected_rows > refine_above as f64
+}
+
+/// The largest k the bitonic top-k takes for keys of `kind`: a quarter of its chunk, so that
+/// each round cuts the data at least fourfold; `max_shared` is the block's opt-in shared memory.
+pub fn bitonic_max_k(max_shared: usize, kind: KeyWidth) -> usize {
+    bitonic_chunk(max_shared, kind) / 4
+}
+
+/// Whether the bitonic top-k takes `k` for keys of `kind` ([`bitonic_max_k`]), and if not,
+/// why: the one message the planner and the device give.
+pub fn bitonic_takes(k: usize, max_shared: usize, kind: KeyWidth) -> Result<(), String> {
+    let limit = bitonic_max_k(max_shared, kind);
+    if k <= limit {
+        Ok(())
+    } else {
+        Err(format!(
+            "the CUDA bitonic top-k supports k up to {limit} for these keys, not {k}"
+        ))
+    }
+}
+
 /// See [`bitonic_chunk`](super::TopKEngine::bitonic_chunk); `max_shared` is the block's opt-in shared memory.
 pub fn bitonic_chunk(max_shared: usize, kind: KeyWidth) -> usize {
     let budget = max_shared.max(48 * 1024);

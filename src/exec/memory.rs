@@ -16,7 +16,7 @@ use datafusion::physical_plan::coop::CooperativeExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 
 use crate::fusion::{self, FusedProgram, KernelInput};
-use crate::select::resident::TableInput;
+use crate::select::table::TableInput;
 use crate::table::{GpuTableExec, TableData};
 
 /// An in-memory input: the table's batches, per partition, and for each of the input's
@@ -97,7 +97,7 @@ pub(crate) fn memory_input(input: &Arc<dyn ExecutionPlan>) -> Option<MemoryInput
 
 /// A generated program's inputs over the whole of an in-memory input, its batches back to
 /// back (empty ones left out), for a device selection over the table at once
-/// ([`crate::select::resident::select_table`]). `None` where the program cannot run so: its
+/// ([`crate::select::TableSelector`]). `None` where the program cannot run so: its
 /// predicate is left to the host, or the batches' dictionaries differ where it looks entries
 /// up. `names`: the input's column names.
 pub(crate) fn table_inputs<'a>(

@@ -18,13 +18,15 @@
 //!    are kept (`row_store::RowStore`), and pruned as the selector evicts them.
 //! 5. When the input ends, the winners' rows are gathered in order, `OFFSET` applied.
 //!
-//! Over an in-memory table (a `MemTable` or a [`crate::GpuTable`]) whose columns the generated
-//! program reads, the GPU path skips steps 1–4: the program runs once over the whole table,
-//! its columns read from the device column cache (shipped into it on a miss), and only the
-//! winners' output columns are gathered from the table's batches (`stream::resident`). A scan
-//! of Parquet files is read the same way (`parquet`): the program's columns are decoded into
-//! the cache once, and only the winners' rows are read from the files. Where the columns do
-//! not fit the cache's budget, the input streams as above.
+//! The operator executes the plan the cost model made ([`TopKSpec::plan`]); it chooses
+//! nothing, and owns only the fallbacks. Over a whole table (an in-memory `MemTable` or
+//! [`crate::GpuTable`] whose columns the generated program reads, or a scan of Parquet files)
+//! the device plan skips steps 1–4: the program runs once over every row, its columns read
+//! from the device column cache (shipped into it on a miss), and only the winners' output
+//! columns are gathered from the table's batches, or read from the files
+//! (`stream::whole_table`, `parquet`). Where the columns do not fit the cache's budget, or
+//! cannot be read as a table, the input streams as above. After a run on the CPU path whose
+//! plan says so, the columns are loaded into the cache in the background, for the next query.
 //!
 //! A device error (or a row only the host gives DataFusion's outcome for) moves the selection to
 //! the CPU mid-query without reading any input twice: a CPU selector takes over every retained
@@ -35,7 +37,9 @@
 //! `FilterPushdown(Post)` hands to the scans below, so they can skip row groups that cannot win.
 //! Memory for retained rows is reserved from DataFusion's memory pool.
 
+pub(crate) mod cannot_fail;
 mod dynamic_filter;
+mod metrics;
 mod memory;
 mod parquet;
 mod row_store;
@@ -45,10 +49,9 @@ pub(crate) use memory::{memory_input, table_inputs};
 pub(crate) use parquet::parquet_input;
 
 use std::fmt::{self, Formatter};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use datafusion::arrow::datatypes::{Schema, SchemaRef};
+use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::Result;
@@ -69,7 +72,7 @@ use datafusion::physical_plan::{
 };
 
 use crate::config::FaultPoint;
-use crate::cost::{Prediction, SelectionChoice};
+use crate::cost::{InputForm, Prediction, SelectionChoice, SelectionPlan};
 use crate::fusion::FusionPlan;
 use crate::keys::KeyLayout;
 
@@ -86,7 +89,9 @@ pub struct TopKSpec {
     /// Rows of the sorted result to skip (`OFFSET`).
     pub skip: usize,
     pub layout: KeyLayout,
-    pub choice: SelectionChoice,
+    /// What the cost model decided: where, with which algorithm, over which input form, and
+    /// whether the column cache is loaded after a run on the CPU path.
+    pub plan: SelectionPlan,
     /// Why this backend, for EXPLAIN.
     pub reason: String,
     /// The cost model's prediction (with the GPU's calibration at hand).
@@ -98,30 +103,12 @@ pub struct TopKSpec {
     /// Most device bytes one execution's selection may hold (`gpu_topk.device_memory_limit`;
     /// 0: no limit).
     pub device_memory_limit: usize,
-    /// The device column cache, where the input is an in-memory table or Parquet files
-    /// (`None`: not used).
-    pub cache: Option<CacheSetting>,
-    /// The cost model chose the CPU path for this run because the input's columns are not
-    /// resident: after it, they are loaded into the column cache in the background, for the
-    /// next query to run on the GPU (`backend = 'auto'`).
-    pub warm_up: bool,
 }
-
-/// Set while a run's columns are loaded into the column cache in the background
-/// ([`TopKSpec::warm_up`]); one load runs at a time.
-pub(crate) static WARMING_UP: AtomicBool = AtomicBool::new(false);
 
 /// Whether columns are being loaded into the column cache in the background after a run on
-/// the CPU path (`backend = 'auto'`): a benchmark waits for it before timing the next query.
+/// the CPU path (a plan's warm-up): a benchmark waits for it before timing the next query.
 pub fn warming_up() -> bool {
-    WARMING_UP.load(Ordering::Acquire)
-}
-
-/// The column cache's setting for one query (`gpu_topk.cache_bytes`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CacheSetting {
-    /// Device bytes of all entries; `None`: a quarter of the device's memory.
-    pub budget: Option<usize>,
+    crate::device::gpu().is_some_and(|device| device.column_cache.loading())
 }
 
 impl TopKSpec {
@@ -135,74 +122,8 @@ impl TopKSpec {
             .sort_exprs
             .iter()
             .all(|s| s.expr.downcast_ref::<Column>().is_some());
-        keys && self.filter.as_ref().is_none_or(infallible)
+        keys && self.filter.as_ref().is_none_or(cannot_fail::predicate)
     }
-}
-
-/// Columns, literals, casts of numbers to floating point, and floating-point `+`, `-`, `*`
-/// and negation of those: no row makes them fail (floating point overflows to infinity).
-pub(crate) fn cannot_fail(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> bool {
-    use datafusion::logical_expr::Operator;
-    use datafusion::physical_expr::expressions::{BinaryExpr, CastExpr, Literal, NegativeExpr};
-    if expr.is::<Column>() || expr.is::<Literal>() {
-        return true;
-    }
-    let floating = |e: &Arc<dyn PhysicalExpr>| e.data_type(schema).is_ok_and(|t| t.is_floating());
-    if !floating(expr) {
-        return false;
-    }
-    if let Some(cast) = expr.downcast_ref::<CastExpr>() {
-        let from = cast.expr().data_type(schema);
-        return from.is_ok_and(|t| t.is_numeric()) && cannot_fail(cast.expr(), schema);
-    }
-    if let Some(binary) = expr.downcast_ref::<BinaryExpr>() {
-        let arithmetic = matches!(
-            binary.op(),
-            Operator::Plus | Operator::Minus | Operator::Multiply
-        );
-        return arithmetic
-            && [binary.left(), binary.right()]
-                .into_iter()
-                .all(|e| floating(e) && cannot_fail(e, schema));
-    }
-    if let Some(negative) = expr.downcast_ref::<NegativeExpr>() {
-        return cannot_fail(negative.arg(), schema);
-    }
-    false
-}
-
-/// An expression that cannot fail on any row: columns, literals, comparisons, `AND`, `OR`,
-/// `NOT`, `IS [NOT] NULL` and `IN` lists of those.
-fn infallible(expr: &Arc<dyn PhysicalExpr>) -> bool {
-    use datafusion::logical_expr::Operator;
-    use datafusion::physical_expr::expressions::{
-        BinaryExpr, InListExpr, IsNotNullExpr, IsNullExpr, Literal, NotExpr,
-    };
-    let children_infallible = || expr.children().into_iter().all(infallible);
-    if expr.downcast_ref::<Column>().is_some() || expr.downcast_ref::<Literal>().is_some() {
-        return true;
-    }
-    if let Some(binary) = expr.downcast_ref::<BinaryExpr>() {
-        let safe = matches!(
-            binary.op(),
-            Operator::Eq
-                | Operator::NotEq
-                | Operator::Lt
-                | Operator::LtEq
-                | Operator::Gt
-                | Operator::GtEq
-                | Operator::And
-                | Operator::Or
-                | Operator::IsDistinctFrom
-                | Operator::IsNotDistinctFrom
-        );
-        return safe && children_infallible();
-    }
-    let logical = expr.downcast_ref::<NotExpr>().is_some()
-        || expr.downcast_ref::<IsNullExpr>().is_some()
-        || expr.downcast_ref::<IsNotNullExpr>().is_some()
-        || expr.downcast_ref::<InListExpr>().is_some();
-    logical && children_infallible()
 }
 
 /// See the module documentation.
@@ -305,24 +226,25 @@ impl DisplayAs for GpuTopKExec {
                 if let Some(filter) = &spec.filter {
                     write!(f, ", filter=[{filter}]")?;
                 }
+                let choice = spec.plan.choice();
                 write!(
                     f,
                     ", key_bits={}, backend={}, algorithm={}",
                     spec.layout.total_bits(),
-                    spec.choice.backend(),
-                    spec.choice.algorithm()
+                    choice.backend(),
+                    choice.algorithm()
                 )?;
                 let verbose = matches!(t, DisplayFormatType::Verbose);
                 if let Some(prediction) = &spec.prediction {
                     write!(f, ", {}", prediction.describe(verbose))?;
                 }
-                if spec.choice != SelectionChoice::Cpu {
+                if choice != SelectionChoice::Cpu {
                     write!(f, ", eval=[{}]", spec.fusion.describe(verbose))?;
-                    if spec.cache.is_some() && spec.fusion.program.is_some() {
+                    if spec.plan.input() == InputForm::WholeTable {
                         f.write_str(", cache=on")?;
                     }
                 }
-                if spec.warm_up {
+                if spec.plan.warm_up() {
                     f.write_str(", cache=warm-up")?;
                 }
                 if verbose {
@@ -346,7 +268,7 @@ impl DisplayAs for GpuTopKExec {
                     spec.k - spec.skip.min(spec.k),
                     spec.skip
                 )?;
-                writeln!(f, "backend={}", spec.choice)?;
+                writeln!(f, "backend={}", spec.plan.choice())?;
                 if let Some(prediction) = &spec.prediction {
                     writeln!(f, "{}", prediction.describe(false))?;
                 }

@@ -44,8 +44,7 @@ use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::metrics::ExecutionPlanMetricsSet;
 use futures::TryStreamExt;
 
-use super::cannot_fail;
-use crate::device::cache::{CacheKey, files_key};
+use crate::device::column_cache::{CacheKey, files_key};
 
 /// A scan of Parquet files read as a table (see the module documentation).
 pub(crate) struct ParquetInput {
@@ -82,7 +81,7 @@ pub(crate) fn parquet_input(input: &Arc<dyn ExecutionPlan>) -> Option<ParquetInp
             .iter()
             .map(|p| {
                 let inside = collect_columns(&p.expr).iter().all(|c| c.index() < width);
-                (inside && cannot_fail(&p.expr, &file_schema)).then(|| Arc::clone(&p.expr))
+                (inside && super::cannot_fail::arithmetic(&p.expr, &file_schema)).then(|| Arc::clone(&p.expr))
             })
             .collect::<Option<Vec<_>>>()?,
         None => (0..width)

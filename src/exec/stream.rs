@@ -1,12 +1,14 @@
-//! The operator's execution (see the module documentation of [`super`]).
+//! The operator's execution (see the module documentation of [`super`]): the plan's selector
+//! built once, the input streamed partition by partition into it, and the fallbacks, which
+//! are the operator's own: a whole table that cannot be read as one streams, and a device
+//! error moves the selection to the CPU path. One input form a file: `host` (predicate and
+//! keys evaluated by DataFusion, keys pushed), `fused` (raw columns pushed to the generated
+//! program) and `whole_table` (one selection over every row).
 
 use std::sync::{Arc, Mutex};
 
-use datafusion::arrow::array::{Array, ArrayRef, AsArray, BooleanArray, RecordBatch, UInt32Array};
-use datafusion::arrow::compute::kernels::take::take;
-use datafusion::arrow::compute::{
-    concat, filter_record_batch, prep_null_mask_filter, take_record_batch,
-};
+use datafusion::arrow::array::{Array, AsArray, BooleanArray, RecordBatch};
+use datafusion::arrow::compute::prep_null_mask_filter;
 use datafusion::arrow::datatypes::{Field, Schema, SchemaRef};
 use datafusion::common::runtime::JoinSet;
 use datafusion::error::{DataFusionError, Result};
@@ -14,90 +16,29 @@ use datafusion::execution::TaskContext;
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::physical_expr::expressions::{Column, DynamicFilterPhysicalExpr};
 use datafusion::physical_expr::{PhysicalExpr, PhysicalSortExpr};
-use datafusion::physical_plan::metrics::{
-    Count, ExecutionPlanMetricsSet, Gauge, MetricBuilder, Time,
-};
+use datafusion::physical_plan::metrics::ExecutionPlanMetricsSet;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     ExecutionPlan, ExecutionPlanProperties, SendableRecordBatchStream,
 };
 use futures::StreamExt;
 
-mod resident;
+mod fused;
+mod host;
+mod whole_table;
 
 use super::TopKSpec;
 use super::dynamic_filter::threshold_predicate;
-use super::row_store::{RowStore, StoredBatch};
+use super::metrics::TopKMetrics;
+use super::row_store::RowStore;
 use crate::config::FaultPoint;
-use crate::cost::SelectionChoice;
+use crate::cost::{InputForm, SelectionPlan};
 use crate::device::watch::DeviceWatch;
-use crate::fusion::{self, FusedProgram, KernelInput};
-use crate::select::{
-    self, Admitted, ColumnsInput, RowIds, SelectInput, SelectionSpec, TopKSelector, TransferMetrics,
-};
-
-/// Metrics shown by `EXPLAIN ANALYZE`.
-#[derive(Debug, Clone)]
-struct TopKMetrics {
-    rows_in: Count,
-    rows_passed_filter: Count,
-    output_rows: Count,
-    gpu_fallbacks: Count,
-    /// Device and pinned host bytes the selection holds now (zero once a run is over) and
-    /// the most device bytes it held at once.
-    device_bytes_held: Gauge,
-    pinned_bytes_held: Gauge,
-    device_peak_bytes: Gauge,
-    filter_time: Time,
-    key_eval_time: Time,
-    select_time: Time,
-    retain_time: Time,
-    gather_time: Time,
-    /// Time spent decoding a Parquet input's columns for the column cache.
-    read_time: Time,
-    /// Time this execution spent compiling (NVRTC) or loading its generated kernel: zero when
-    /// the kernel was already in memory, as on a query's second run.
-    compile_time: Time,
-    /// The cost model's prediction of the operator's time (EXPLAIN ANALYZE shows it beside
-    /// `operator_time`).
-    predicted_time: Time,
-    /// Wall time from the operator's start to its output: the selection of every partition's
-    /// rows (and the wait for them), the final selection and the gather.
-    operator_time: Time,
-    /// The device selection's input: pushes served by the column cache or shipped, and bytes.
-    transfers: TransferMetrics,
-}
-
-impl TopKMetrics {
-    fn new(set: &ExecutionPlanMetricsSet) -> Self {
-        let time = |name: &'static str| MetricBuilder::new(set).subset_time(name, 0);
-        Self {
-            rows_in: MetricBuilder::new(set).counter("rows_in", 0),
-            rows_passed_filter: MetricBuilder::new(set).counter("rows_passed_filter", 0),
-            output_rows: MetricBuilder::new(set).output_rows(0),
-            gpu_fallbacks: MetricBuilder::new(set).counter("gpu_fallbacks", 0),
-            device_bytes_held: MetricBuilder::new(set).gauge("device_bytes_held", 0),
-            pinned_bytes_held: MetricBuilder::new(set).gauge("pinned_bytes_held", 0),
-            device_peak_bytes: MetricBuilder::new(set).gauge("device_peak_bytes", 0),
-            filter_time: time("filter_time"),
-            key_eval_time: time("key_eval_time"),
-            select_time: time("select_time"),
-            retain_time: time("retain_time"),
-            gather_time: time("gather_time"),
-            read_time: time("read_time"),
-            compile_time: time("compile_time"),
-            predicted_time: time("predicted_time"),
-            operator_time: time("operator_time"),
-            transfers: TransferMetrics {
-                cache_hits: MetricBuilder::new(set).counter("cache_hits", 0),
-                cache_misses: MetricBuilder::new(set).counter("cache_misses", 0),
-                resident_bytes: MetricBuilder::new(set).counter("resident_bytes", 0),
-                uploaded_bytes: MetricBuilder::new(set).counter("uploaded_bytes", 0),
-                upload_time: time("upload_time"),
-            },
-        }
-    }
-}
+use crate::fusion::FusedProgram;
+use crate::select::{self, DeviceError, Selector, SelectionSpec, TopKSelector};
+use fused::FusedPending;
+use host::Pending;
+use whole_table::WholeTable;
 
 pub(super) fn execute(
     input: Arc<dyn ExecutionPlan>,
@@ -170,29 +111,15 @@ fn check_empty_batch(spec: &TopKSpec, batch: &RecordBatch) -> Result<()> {
     Ok(())
 }
 
-/// Errors raised by the device path (as opposed to errors of the query itself, such as an
-/// overflow in a sort expression, which the CPU path would raise too).
-fn is_device_error(e: &DataFusionError) -> bool {
-    matches!(e.find_root(), DataFusionError::External(_))
-        || e.to_string().contains(crate::select::DEVICE_ERROR_TAG)
-}
-
-/// Records why a run left the GPU (the device error's text, without the tag).
-fn report_fallback(fallback: &Mutex<Option<String>>, error: &DataFusionError) {
-    let text = error.to_string();
-    let text = match text.find(crate::select::DEVICE_ERROR_TAG) {
-        Some(at) => text[at + crate::select::DEVICE_ERROR_TAG.len()..]
-            .trim()
-            .to_string(),
-        None => text,
-    };
+/// Records why a run left the GPU: the device error's own text.
+fn report_fallback(fallback: &Mutex<Option<String>>, error: &DeviceError) {
     if let Ok(mut reason) = fallback.lock() {
-        reason.get_or_insert(text);
+        reason.get_or_insert(error.to_string());
     }
 }
 
-/// Where the selection runs. A run starts on the GPU when the cost model chose it and moves to
-/// the CPU at the first device error ([`Shared::fall_back`]); it never moves back.
+/// Where the selection runs. A run starts on the GPU when the plan says so and moves to the
+/// CPU at the first device error ([`Shared::fall_back`]); it never moves back.
 struct Mode {
     selector: Arc<dyn TopKSelector>,
     /// The generated program the selector runs (predicate and keys on the device), if any.
@@ -224,7 +151,7 @@ struct StoreState {
     /// Row id of the threshold last published to the dynamic filter.
     published: Option<u64>,
     /// That threshold as a predicate over the stored rows (their first sort key): rows failing
-    /// it cannot win, so rows admitted wholesale ([`Admitted::All`]) are cut with it.
+    /// it cannot win, so rows admitted wholesale ([`select::Admitted::All`]) are cut with it.
     prune: Option<Arc<dyn PhysicalExpr>>,
 }
 
@@ -238,13 +165,7 @@ struct PartitionState {
 impl PartitionState {
     /// Host memory of the held columns and batches.
     fn bytes(&self) -> usize {
-        let keys = self.pending.keys.iter().flatten();
-        let arrays = keys.chain(&self.fused.predicates);
-        arrays.map(|a| a.get_array_memory_size()).sum::<usize>()
-            + 8 * self.pending.ids.capacity()
-            + (self.fused.batches.iter())
-                .map(RecordBatch::get_array_memory_size)
-                .sum::<usize>()
+        self.pending.bytes() + self.fused.bytes()
     }
 }
 
@@ -258,16 +179,20 @@ impl TopKRun {
                 .predicted_time
                 .add_duration(std::time::Duration::from_secs_f64(prediction.seconds));
         }
-        let on_cpu = match self.run_whole_table().await? {
-            resident::Resident::Done(batch) => {
-                self.dynamic_filter.mark_complete();
-                self.metrics.output_rows.add(batch.num_rows());
-                return Ok(batch);
-            }
-            resident::Resident::Stream => false,
-            resident::Resident::Cpu => true,
+        let plan = self.spec.plan;
+        let streamed = match plan.input() {
+            InputForm::Streamed => plan,
+            InputForm::WholeTable => match self.run_whole_table(&plan).await? {
+                WholeTable::Done(batch) => {
+                    self.dynamic_filter.mark_complete();
+                    self.metrics.output_rows.add(batch.num_rows());
+                    return Ok(batch);
+                }
+                WholeTable::Stream => plan.on_streamed_input(),
+                WholeTable::Cpu => SelectionPlan::CPU,
+            },
         };
-        let shared = Arc::new(self.start(on_cpu)?);
+        let shared = Arc::new(self.start(&streamed)?);
         if self.spec.k > 0 {
             // One task per input partition; dropping the JoinSet (cancellation) aborts them all.
             let mut tasks = JoinSet::new();
@@ -304,52 +229,74 @@ impl TopKRun {
             .gather(&winners[skip..], &self.schema)?;
         self.dynamic_filter.mark_complete();
         self.metrics.output_rows.add(batch.num_rows());
-        if self.spec.warm_up {
+        if plan.warm_up() {
             self.warm_up();
         }
         Ok(batch)
     }
 
-    /// The shared state, with the selector the cost model chose (the CPU one if the GPU's
-    /// cannot be built, or `on_cpu`).
-    fn start(&self, on_cpu: bool) -> Result<Shared> {
-        let choice = match on_cpu {
-            true => SelectionChoice::Cpu,
-            false => self.spec.choice,
-        };
-        let program = match choice {
-            SelectionChoice::Cuda(_) => self.spec.fusion.program.clone(),
-            SelectionChoice::Cpu => None,
-        };
-        let fault = self.spec.fault;
-        let device_fault = match fault {
-            FaultPoint::Device(op, n) => Some((op, n)),
-            _ => None,
-        };
+    /// What a selector of this run selects, with the query's device accounting and injected
+    /// fault; `program`: the generated program it runs, if any.
+    fn selection_spec(&self, program: Option<Arc<FusedProgram>>) -> SelectionSpec {
+        let spec = &self.spec;
         let watch = DeviceWatch::new(
-            self.spec.device_memory_limit,
-            device_fault,
+            spec.device_memory_limit,
+            match spec.fault {
+                FaultPoint::Device(op, n) => Some((op, n)),
+                _ => None,
+            },
             self.metrics.device_bytes_held.clone(),
             self.metrics.device_peak_bytes.clone(),
             self.metrics.pinned_bytes_held.clone(),
         );
-        let selection = SelectionSpec {
-            fault,
+        SelectionSpec {
+            program,
+            final_choice: spec
+                .prediction
+                .as_ref()
+                .and_then(|p| p.model)
+                .map(|m| Arc::new(m) as Arc<dyn select::FinalChoice>),
+            fault: spec.fault,
             watch: Some(Arc::new(watch)),
             transfers: self.metrics.transfers.clone(),
-            ..selection_spec(&self.spec, program.clone())
+            ..SelectionSpec::new(spec.layout.clone(), spec.k)
+        }
+    }
+
+    /// Records a fallback from the GPU (`what` failed) and its reason, where `error` is a
+    /// device error; returns whether it was one.
+    fn fell_back(&self, what: &str, error: &DataFusionError) -> bool {
+        let Some(device) = DeviceError::find(error) else {
+            return false;
         };
-        let fallible = choice != SelectionChoice::Cpu || fault != FaultPoint::None;
-        let mode = match select::create_selector(&selection, &choice) {
-            Ok(selector) => Mode {
+        log::warn!("gpu-topk: {what} failed, the CPU path runs it: {device}");
+        report_fallback(&self.fallback, device);
+        self.metrics.gpu_fallbacks.add(1);
+        true
+    }
+
+    /// The shared state of a streamed run, with the selector of `plan` (the CPU one where the
+    /// GPU's cannot be built).
+    fn start(&self, plan: &SelectionPlan) -> Result<Shared> {
+        let program = match plan {
+            SelectionPlan::Cuda { .. } => self.spec.fusion.program.clone(),
+            SelectionPlan::Cpu { .. } => None,
+        };
+        let selection = self.selection_spec(program.clone());
+        let fallible = plan.choice() != select::SelectionChoice::Cpu
+            || self.spec.fault != FaultPoint::None;
+        let mode = match select::create_selector(&selection, plan) {
+            Ok(Selector::Streamed(selector)) => Mode {
                 selector,
                 program,
                 fallible,
             },
-            Err(e) if fallible && is_device_error(&e) => {
-                log::warn!("gpu-topk: {choice} unavailable, running on the CPU path: {e}");
-                report_fallback(&self.fallback, &e);
-                self.metrics.gpu_fallbacks.add(1);
+            Ok(Selector::WholeTable(_)) => {
+                return datafusion::common::internal_err!(
+                    "a streamed run was given a whole-table selector"
+                );
+            }
+            Err(e) if fallible && self.fell_back(&plan.choice().to_string(), &e) => {
                 cpu_mode(&self.spec)?
             }
             Err(e) => return Err(e),
@@ -389,75 +336,20 @@ impl TopKRun {
     }
 }
 
-/// What the selector selects; `program`: the generated program it runs, if any.
-fn selection_spec(spec: &TopKSpec, program: Option<Arc<FusedProgram>>) -> SelectionSpec {
-    SelectionSpec {
-        program,
-        final_choice: spec
-            .prediction
-            .as_ref()
-            .and_then(|p| p.model)
-            .map(|m| Arc::new(m) as Arc<dyn select::FinalChoice>),
-        ..SelectionSpec::new(spec.layout.clone(), spec.k)
-    }
-}
-
+/// The CPU path's selector, which takes over after a device error.
 fn cpu_mode(spec: &TopKSpec) -> Result<Mode> {
+    let selection = SelectionSpec::new(spec.layout.clone(), spec.k);
+    let selector = match select::create_selector(&selection, &SelectionPlan::CPU)? {
+        Selector::Streamed(selector) => selector,
+        Selector::WholeTable(_) => {
+            return datafusion::common::internal_err!("the CPU path streams its input");
+        }
+    };
     Ok(Mode {
-        selector: select::create_selector(&selection_spec(spec, None), &SelectionChoice::Cpu)?,
+        selector,
         program: None,
         fallible: false,
     })
-}
-
-/// Key columns of one partition waiting to be pushed as one larger batch (for selectors that
-/// admit every row and prefer large pushes, i.e. the GPU). Their rows are already stored.
-#[derive(Default)]
-struct Pending {
-    keys: Vec<Vec<ArrayRef>>,
-    /// Row ids of the pending rows, in order.
-    ids: Vec<u64>,
-    /// Whether `ids` is one consecutive range (then it is not uploaded).
-    consecutive: bool,
-}
-
-impl Pending {
-    fn rows(&self) -> usize {
-        self.ids.len()
-    }
-
-    fn add(&mut self, keys: Vec<ArrayRef>, row_ids: RowIds<'_>, rows: usize) {
-        let contiguous = match (self.ids.last(), row_ids) {
-            (None, RowIds::Range(_)) => true,
-            (Some(&last), RowIds::Range(start)) => self.consecutive && start == last + 1,
-            (_, RowIds::Explicit(_)) => false,
-        };
-        self.consecutive = contiguous;
-        self.ids.extend((0..rows).map(|i| row_ids.get(i)));
-        self.keys.push(keys);
-    }
-}
-
-/// Input batches of one partition waiting to be pushed, as one larger batch, to a selector that
-/// runs the generated program. Their rows have consecutive ids from `first_id`.
-#[derive(Default)]
-struct FusedPending {
-    batches: Vec<RecordBatch>,
-    /// Each batch's host-evaluated predicate, when the program takes one.
-    predicates: Vec<ArrayRef>,
-    first_id: u64,
-    rows: usize,
-}
-
-impl FusedPending {
-    /// The batches with the row id of each one's first row.
-    fn with_ids(&self) -> impl Iterator<Item = (u64, &RecordBatch)> {
-        self.batches.iter().scan(self.first_id, |next, batch| {
-            let first = *next;
-            *next += batch.num_rows() as u64;
-            Some((first, batch))
-        })
-    }
 }
 
 impl Shared {
@@ -484,13 +376,25 @@ impl Shared {
             self.flush_fused(&mut local.fused)?;
             local.pending = Pending::default(); // stored before the switch: the CPU has them
         }
-        self.process_batch(&mode, first_id, batch, &mut local.pending)
+        self.process_batch(first_id, batch, &mut local.pending)
+    }
+
+    /// Whether `error` is a device error of a fallible selection: the selection then moves
+    /// to the CPU ([`fall_back`](Self::fall_back)) and the caller goes on there.
+    fn falls_back(&self, mode: &Mode, error: &DataFusionError) -> Result<bool> {
+        match DeviceError::find(error) {
+            Some(device) if mode.fallible => {
+                self.fall_back(device)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
 
     /// Moves the selection to the CPU after a device error: a CPU selector takes over every
     /// stored row (a superset of the GPU's candidates: the GPU only ever drops rows that cannot
     /// win) and selects the rest of the input. Idempotent: the first caller switches.
-    fn fall_back(&self, error: &DataFusionError) -> Result<()> {
+    fn fall_back(&self, error: &DeviceError) -> Result<()> {
         let mut store = self.lock_store();
         if !store.mode.fallible {
             return Ok(());
@@ -510,353 +414,9 @@ impl Shared {
     fn finish(&self) -> Result<Vec<u64>> {
         let mode = self.mode();
         match mode.selector.finish() {
-            Err(e) if mode.fallible && is_device_error(&e) => {
-                self.fall_back(&e)?;
-                self.mode().selector.finish()
-            }
+            Err(e) if self.falls_back(&mode, &e)? => self.mode().selector.finish(),
             result => result,
         }
-    }
-
-    /// Pushes the pending rows of a partition as one batch (their rows are stored already).
-    fn flush(&self, pending: &mut Pending) -> Result<()> {
-        if pending.rows() == 0 {
-            return Ok(());
-        }
-        let pending = std::mem::take(pending);
-        let mode = self.mode();
-        if !mode.fallible {
-            return Ok(()); // stored before the switch: the CPU selector has them
-        }
-        let _timer = self.metrics.select_time.timer();
-        let columns = (0..self.spec.sort_exprs.len())
-            .map(|c| {
-                let parts: Vec<&dyn Array> = pending.keys.iter().map(|k| k[c].as_ref()).collect();
-                Ok(concat(&parts)?)
-            })
-            .collect::<Result<Vec<ArrayRef>>>()?;
-        let row_ids = if pending.consecutive {
-            RowIds::Range(pending.ids[0])
-        } else {
-            RowIds::Explicit(&pending.ids)
-        };
-        let admitted = match mode.selector.push(SelectInput {
-            keys: &columns,
-            row_ids,
-        }) {
-            Ok(admitted) => admitted,
-            Err(e) if is_device_error(&e) => return self.fall_back(&e),
-            Err(e) => return Err(e),
-        };
-        if admitted != Admitted::All {
-            return datafusion::common::internal_err!(
-                "a selector that prefers batched pushes must admit every row"
-            );
-        }
-        // A push may have moved the threshold (the partition's last push included).
-        self.publish_threshold(&mut self.lock_store())
-    }
-
-    /// Filter, key evaluation, selection and retention of one input batch, with the selector
-    /// of `mode` (which evaluates no program).
-    fn process_batch(
-        &self,
-        mode: &Arc<Mode>,
-        first_id: u64,
-        batch: &RecordBatch,
-        pending: &mut Pending,
-    ) -> Result<()> {
-        let metrics = &self.metrics;
-
-        // 1. The fused predicate.
-        let mut explicit_ids: Option<Vec<u64>> = None;
-        let filtered = match &self.spec.filter {
-            None => batch.clone(),
-            Some(predicate) => {
-                let _timer = metrics.filter_time.timer();
-                let mask = predicate_mask(predicate, batch)?;
-                let passed = mask.true_count();
-                if passed == 0 {
-                    return Ok(());
-                }
-                if passed == batch.num_rows() {
-                    batch.clone()
-                } else {
-                    explicit_ids = Some(
-                        mask.values()
-                            .set_indices()
-                            .map(|i| first_id + i as u64)
-                            .collect(),
-                    );
-                    filter_record_batch(batch, &mask)?
-                }
-            }
-        };
-        let m = filtered.num_rows();
-
-        // 2. The ranking keys, on the surviving rows only (as DataFusion evaluates them).
-        let keys: Vec<ArrayRef> = {
-            let _timer = metrics.key_eval_time.timer();
-            self.spec
-                .sort_exprs
-                .iter()
-                .map(|s| s.expr.evaluate(&filtered)?.into_array(m))
-                .collect::<Result<_>>()?
-        };
-
-        // 3. Selection: a selector that prefers large pushes admits every row, and gets the
-        //    keys once the rows are stored (step 5).
-        let row_ids = match &explicit_ids {
-            Some(ids) => RowIds::Explicit(ids),
-            None => RowIds::Range(first_id),
-        };
-        let batched = mode.selector.preferred_push_rows() > 0;
-        let admitted = if batched {
-            Admitted::All
-        } else {
-            let _timer = metrics.select_time.timer();
-            match mode.selector.push(SelectInput {
-                keys: &keys,
-                row_ids,
-            }) {
-                Ok(admitted) => admitted,
-                Err(e) if mode.fallible && is_device_error(&e) => {
-                    // Nothing of this batch is stored yet: the CPU path takes it whole.
-                    self.fall_back(&e)?;
-                    return self.process_batch(&self.mode(), first_id, batch, pending);
-                }
-                Err(e) => return Err(e),
-            }
-        };
-
-        // 4. Late materialisation: keep the output columns (and keys) of admitted rows only.
-        let retain_timer = metrics.retain_time.timer();
-        let mut columns: Vec<ArrayRef> = self
-            .spec
-            .output_exprs
-            .iter()
-            .map(|e| e.evaluate(&filtered)?.into_array(m))
-            .collect::<Result<_>>()?;
-        columns.extend(keys.iter().cloned());
-        let (columns, ids) = match &admitted {
-            Admitted::All => (columns, None),
-            Admitted::Indices(indices) if indices.is_empty() => {
-                metrics.rows_passed_filter.add(m);
-                return Ok(());
-            }
-            Admitted::Indices(indices) if indices.len() == m => (columns, None),
-            Admitted::Indices(indices) => {
-                let ids: Vec<u64> = indices.iter().map(|&i| row_ids.get(i as usize)).collect();
-                let indices = UInt32Array::from(indices.clone());
-                let columns = columns
-                    .iter()
-                    .map(|c| take(c.as_ref(), &indices, None))
-                    .collect::<std::result::Result<Vec<_>, _>>()?;
-                (columns, Some(ids))
-            }
-        };
-        let retained = RecordBatch::try_new(Arc::clone(&self.store_schema), columns)?;
-        let mut rows = Some(match (ids, explicit_ids.clone()) {
-            (Some(ids), _) | (None, Some(ids)) => StoredBatch::list(ids, retained),
-            (None, None) => StoredBatch::range(first_id, retained),
-        });
-        let prune = self.lock_store().prune.clone();
-        if batched
-            && let Some(prune) = prune
-            && let Some(all) = rows.take()
-        {
-            rows = all.filter(&prune)?;
-        }
-        {
-            let mut store = self.lock_store();
-            if !Arc::ptr_eq(&store.mode, mode) {
-                // The selection moved to the CPU while this batch was on its way: the CPU
-                // selector has not seen it.
-                drop(store);
-                drop(retain_timer);
-                let mode = self.mode();
-                return self.process_batch(&mode, first_id, batch, pending);
-            }
-            metrics.rows_passed_filter.add(m);
-            if let Some(rows) = rows {
-                store.rows.insert(rows);
-                if store.rows.wants_retain(self.spec.k)
-                    && let Some(live) = mode.selector.live_row_ids()?
-                {
-                    store.rows.retain(&live)?;
-                }
-                self.reservation.try_resize(store.rows.bytes())?;
-            }
-            self.publish_threshold(&mut store)?;
-        }
-        drop(retain_timer);
-
-        // 5. The batched push, after the rows are stored: should it fail, the CPU selector
-        //    takes them over from the store.
-        if batched {
-            pending.add(keys, row_ids, m);
-            if pending.rows() >= mode.selector.preferred_push_rows() {
-                self.flush(pending)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// The fused path's per-batch work: the predicate on the host only when the program does
-    /// not evaluate it; everything else happens in [`flush_fused`](Self::flush_fused).
-    fn process_batch_fused(
-        &self,
-        mode: &Arc<Mode>,
-        first_id: u64,
-        batch: &RecordBatch,
-        pending: &mut FusedPending,
-    ) -> Result<()> {
-        let program = mode.program.as_ref().expect("the fused path has a program");
-        let predicate = match (&self.spec.filter, program.host_predicate()) {
-            (Some(predicate), true) => {
-                let _timer = self.metrics.filter_time.timer();
-                let mask = predicate_mask(predicate, batch)?;
-                if mask.true_count() == 0 {
-                    return Ok(());
-                }
-                Some(Arc::new(mask) as ArrayRef)
-            }
-            _ => None,
-        };
-        if pending.rows > 0
-            && (pending.first_id + pending.rows as u64 != first_id // ids must stay consecutive
-                || !program.same_dictionaries(&pending.batches[0], batch))
-        {
-            self.flush_fused(pending)?;
-        }
-        if pending.rows == 0 {
-            pending.first_id = first_id;
-        }
-        pending.batches.push(batch.clone());
-        pending.predicates.extend(predicate);
-        pending.rows += batch.num_rows();
-        if pending.rows >= mode.selector.preferred_push_rows() {
-            self.flush_fused(pending)?;
-        }
-        Ok(())
-    }
-
-    /// Pushes a partition's pending batches to the program, then keeps the output columns and
-    /// keys of the rows it appended. After a device error (this push's or another's) the
-    /// batches go through the CPU path instead.
-    fn flush_fused(&self, pending: &mut FusedPending) -> Result<()> {
-        if pending.rows == 0 {
-            return Ok(());
-        }
-        let pending = std::mem::take(pending);
-        let mode = self.mode();
-        match &mode.program {
-            Some(program) => match self.push_fused(&mode, program, &pending) {
-                Ok(true) => Ok(()),
-                // The selection moved to the CPU meanwhile: these rows are not stored.
-                Ok(false) => self.process_on_cpu(&pending),
-                Err(e) if is_device_error(&e) => {
-                    self.fall_back(&e)?;
-                    self.process_on_cpu(&pending)
-                }
-                Err(e) => Err(e),
-            },
-            None => self.process_on_cpu(&pending),
-        }
-    }
-
-    /// The batches of a push, through the CPU path (its selector is the current one).
-    fn process_on_cpu(&self, pending: &FusedPending) -> Result<()> {
-        let mode = self.mode();
-        for (first_id, batch) in pending.with_ids() {
-            self.process_batch(&mode, first_id, batch, &mut Pending::default())?;
-        }
-        Ok(())
-    }
-
-    /// One push to the generated program. `Ok(false)`: the rows were not stored, because the
-    /// selection moved to the CPU while the push ran.
-    fn push_fused(
-        &self,
-        mode: &Arc<Mode>,
-        program: &FusedProgram,
-        pending: &FusedPending,
-    ) -> Result<bool> {
-        let admitted = {
-            let _timer = self.metrics.select_time.timer();
-            let columns: Vec<Vec<ArrayRef>> = program
-                .inputs
-                .iter()
-                .map(|input| {
-                    Ok(match input {
-                        KernelInput::Column(c) => pending
-                            .batches
-                            .iter()
-                            .map(|b| Arc::clone(b.column(*c)))
-                            .collect(),
-                        KernelInput::HostPredicate => pending.predicates.clone(),
-                        KernelInput::DictionaryCodes(c) => pending
-                            .batches
-                            .iter()
-                            .map(|b| fusion::dictionary_codes(b.column(*c)))
-                            .collect::<Result<_>>()?,
-                        // The push's batches share one dictionary (`process_batch_fused`).
-                        KernelInput::DictionaryMatch { column, values } => {
-                            vec![fusion::dictionary_match(
-                                pending.batches[0].column(*column),
-                                values,
-                            )?]
-                        }
-                    })
-                })
-                .collect::<Result<_>>()?;
-            mode.selector.push_columns(ColumnsInput {
-                columns: &columns,
-                first_id: pending.first_id,
-            })?
-        };
-
-        // Late materialisation of the appended rows, batch by batch.
-        let retain_timer = self.metrics.retain_time.timer();
-        let mut rows = admitted.rows.as_slice();
-        let mut stored = Vec::new();
-        let mut base = 0u32;
-        for batch in &pending.batches {
-            let len = batch.num_rows() as u32;
-            let (mine, rest) = rows.split_at(rows.partition_point(|&r| r < base + len));
-            rows = rest;
-            if !mine.is_empty() {
-                let indices = UInt32Array::from_iter_values(mine.iter().map(|r| r - base));
-                let taken = take_record_batch(batch, &indices)?;
-                let m = taken.num_rows();
-                let columns: Vec<ArrayRef> = self
-                    .spec
-                    .output_exprs
-                    .iter()
-                    .chain(self.spec.sort_exprs.iter().map(|s| &s.expr))
-                    .map(|e| e.evaluate(&taken)?.into_array(m))
-                    .collect::<Result<_>>()?;
-                let retained = RecordBatch::try_new(Arc::clone(&self.store_schema), columns)?;
-                let ids = mine
-                    .iter()
-                    .map(|&r| pending.first_id + u64::from(r))
-                    .collect();
-                stored.push(StoredBatch::list(ids, retained));
-            }
-            base += len;
-        }
-        let mut store = self.lock_store();
-        if !Arc::ptr_eq(&store.mode, mode) {
-            return Ok(false);
-        }
-        self.metrics.rows_passed_filter.add(admitted.passed);
-        for rows in stored {
-            store.rows.insert(rows);
-        }
-        self.reservation.try_resize(store.rows.bytes())?;
-        self.publish_threshold(&mut store)?;
-        drop(retain_timer);
-        Ok(true)
     }
 
     /// Tightens the dynamic filter when the selector's threshold moved.

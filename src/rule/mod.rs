@@ -50,7 +50,8 @@ use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitio
 
 use crate::config::GpuTopKConfig;
 use crate::cost::{self, Placement};
-use crate::exec::{CacheSetting, GpuTopKExec, TopKSpec, cannot_fail};
+use crate::exec::cannot_fail;
+use crate::exec::{GpuTopKExec, TopKSpec};
 use crate::fusion;
 use crate::keys::{KeyLayout, KeySpec};
 
@@ -279,7 +280,7 @@ fn match_top_k(
             absorbed.filter.is_some(),
         )
     };
-    let cached = config.cache_bytes != Some(0) && replays_from_memory(&absorbed.input);
+    let cached = config.column_cache && replays_from_memory(&absorbed.input);
     let mut estimate = estimate(
         absorbed.input.as_ref(),
         &layout,
@@ -299,22 +300,16 @@ fn match_top_k(
         algorithm: config.algorithm,
         kernel_cache_dir: cache_dir,
         recalibrate: config.recalibrate,
+        fault: config.inject_fault,
     };
-    let (choice, reason, prediction) = match cost::choose(settings, &layout, k, estimate) {
+    let (plan, reason, prediction) = match cost::choose(settings, &layout, k, estimate) {
         Placement::Run {
-            choice,
+            plan,
             reason,
             prediction,
-        } => (choice, reason, prediction.map(|p| *p)),
+        } => (plan, reason, prediction.map(|p| *p)),
         Placement::Decline(why) => return because(why),
     };
-    // `auto` chose the CPU path over columns that are not all resident: load them for the
-    // next query (the GPU would have had to ship them first).
-    let warm_up = config.backend == crate::config::Backend::Auto
-        && choice == crate::cost::SelectionChoice::Cpu
-        && estimate.whole_table
-        && estimate.resident < 1.0
-        && fusion.program.is_some();
     let spec = TopKSpec {
         fusion,
         sort_exprs: absorbed.sort_exprs,
@@ -323,15 +318,11 @@ fn match_top_k(
         k,
         skip,
         layout,
-        choice,
+        plan,
         reason,
         prediction,
         fault: config.inject_fault,
         device_memory_limit: config.device_memory_limit,
-        cache: cached.then_some(CacheSetting {
-            budget: config.cache_bytes,
-        }),
-        warm_up,
     };
     let exec = GpuTopKExec::try_new(absorbed.input, spec, node.as_ref())
         .or_else(|e| because(format!("cannot build the operator: {e}")))?;
@@ -345,38 +336,30 @@ fn replays_from_memory(input: &Arc<dyn ExecutionPlan>) -> bool {
     crate::exec::memory_input(input).is_some() || crate::exec::parquet_input(input).is_some()
 }
 
-/// The share of the bytes a generated program reads from an in-memory input that the device's
-/// column cache already holds (the cost model counts no PCIe transfer for them); `None` where
-/// the device would not select over the whole table at once.
+/// The share of the bytes a generated program reads from an in-memory input or Parquet files
+/// that the device's column cache already holds (the cost model counts no PCIe transfer for
+/// them); `None` where the input cannot be read as a whole table.
 fn resident_share(input: &Arc<dyn ExecutionPlan>, program: &fusion::FusedProgram) -> Option<f64> {
+    use crate::select::table;
     let device = crate::device::gpu()?;
     if let Some(files) = crate::exec::parquet_input(input) {
-        let (mut held, mut total) = (0, 0);
-        for program_input in &program.inputs {
-            let fusion::KernelInput::Column(c) = program_input else {
-                return None;
-            };
-            if *c >= files.columns.len() {
-                return None;
-            }
-            let width = files.data_type(*c).ok()?.primitive_width().unwrap_or(1);
-            total += width;
-            if device.cache.contains(&files.key(*c)) {
-                held += width;
-            }
-        }
-        return Some(if total == 0 {
-            0.0
-        } else {
-            held as f64 / total as f64
-        });
+        let columns = (program.inputs.iter())
+            .map(|program_input| match program_input {
+                fusion::KernelInput::Column(c) if *c < files.columns.len() => {
+                    let width = files.data_type(*c).ok()?.primitive_width().unwrap_or(1);
+                    Some((width, files.key(*c)))
+                }
+                _ => None,
+            })
+            .collect::<Option<Vec<_>>>()?;
+        return Some(table::resident_share_of(&device, columns));
     }
     let memory = crate::exec::memory_input(input)?;
     let names: Vec<String> = (input.schema().fields().iter())
         .map(|f| f.name().clone())
         .collect();
     let inputs = crate::exec::table_inputs(&memory, program, &names).ok()??;
-    Some(crate::select::resident::resident_share(&device, &inputs))
+    Some(table::resident_share(&device, &inputs))
 }
 
 /// The operator's inputs once the nodes below the sort are absorbed; every expression is
@@ -509,7 +492,7 @@ fn scans_in_order(input: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan
         .data()
 }
 
-/// A projection below the sort whose every expression cannot fail ([`cannot_fail`]): the operator may then
+/// A projection below the sort whose every expression cannot fail ([`cannot_fail::arithmetic`]): the operator may then
 /// evaluate it on the rows it needs only (the sort keys on every row, in its generated code,
 /// the output columns on the winners). Another computed column must be evaluated on every row,
 /// as DataFusion does (its errors included), so such a projection is not absorbed.
@@ -518,7 +501,7 @@ fn cannot_fail_projection(projection: &ProjectionExec) -> bool {
     projection
         .expr()
         .iter()
-        .all(|p| cannot_fail(&p.expr, &schema))
+        .all(|p| cannot_fail::arithmetic(&p.expr, &schema))
 }
 
 /// Columns and literals only: a computed column must be evaluated on every row, as DataFusion

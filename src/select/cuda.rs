@@ -12,8 +12,9 @@
 //! keys and appends in one pass, and reads back which rows it appended; `finish` selects the final k, sorts them by
 //! (key, row id) and copies their row ids back, in order.
 //!
-//! [`select_topk_device`] and [`encode_keys_device`] are lower-level entries for tests and
-//! benchmarks: selection of host-encoded keys, and the device encoding alone.
+//! The Arrow buffers' way to the device is in `columns`; [`select_topk_device`] and
+//! [`encode_keys_device`] (`entries`) are lower-level entries for tests and benchmarks:
+//! selection of host-encoded keys, and the device encoding alone.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,13 +26,13 @@ use datafusion::arrow::datatypes::DataType;
 use datafusion::error::{DataFusionError, Result};
 
 use super::{
-    Admitted, ColumnsInput, DEVICE_ERROR_TAG, FinalChoice, FusedAdmitted, RowIds, SelectInput,
+    Admitted, ColumnsInput, DeviceError, FinalChoice, FusedAdmitted, RowIds, SelectInput,
     SelectionSpec, TopKSelector, TransferMetrics,
 };
 use crate::device::engine::{
     ENCODE_FIRST, ENCODE_NULLABLE, ENCODE_NULLS_FIRST, EncodeColumn, NativeCode, fill_staging,
 };
-use crate::device::plan::{bitonic_chunk, reduction};
+use crate::device::plan::{self, reduction};
 use crate::device::watch::{DeviceWatch, Entered};
 use crate::device::{
     DeviceAlgorithm, DevicePairs, GeneratedKernel, GpuDevice, GpuError, GpuResult, KeyWidth,
@@ -40,12 +41,19 @@ use crate::device::{
 use crate::fusion::{FusedProgram, KernelInput};
 use crate::keys::{EncodedKeys, KeyLayout, U256};
 
+mod columns;
+mod entries;
+
+pub(super) use columns::{ColumnBuffers, exec_error, program_error};
+use columns::{encode_batch, plan_columns};
+pub use entries::{HostKeys, encode_keys_device, select_topk_device};
+
 /// Candidates kept on the device before a reduction to k: at least this many pairs.
 pub(crate) const MIN_CAPACITY: usize = 1 << 22;
 
 /// The largest k the bitonic top-k takes for `layout` on `device`.
 pub fn bitonic_max_k(device: &GpuDevice, layout: &KeyLayout) -> usize {
-    bitonic_chunk(device.max_shared_per_block, layout.width()) / 4
+    plan::bitonic_max_k(device.max_shared_per_block, layout.width())
 }
 
 /// Builds the CUDA selector (compiles or loads the kernels on first use, which may fail: the
@@ -69,12 +77,9 @@ pub fn new_cuda_selector_with_capacity(
     let kind = spec.layout.width();
     let _entered = spec.watch.as_ref().map(DeviceWatch::enter);
     // A device the choice does not fit (bitonic beyond its k) is the CPU path's, not an error.
-    let limit = bitonic_max_k(&device, &spec.layout);
-    if algorithm == DeviceAlgorithm::Bitonic && spec.k > limit {
-        return Err(gpu_error(GpuError(format!(
-            "the CUDA bitonic top-k supports k up to {limit} for these keys, not {}",
-            spec.k
-        ))));
+    if algorithm == DeviceAlgorithm::Bitonic {
+        plan::bitonic_takes(spec.k, device.max_shared_per_block, kind)
+            .map_err(|why| gpu_error(GpuError(why)))?;
     }
     let engine = TopKEngine::new(&device, kind).map_err(gpu_error)?;
     let mut compile_time = std::time::Duration::ZERO;
@@ -123,11 +128,9 @@ pub fn new_cuda_selector_with_capacity(
     }))
 }
 
-/// A device fault, tagged so the operator falls back to the CPU path.
+/// A fault of the device runtime, as the [`DeviceError`] the operator falls back from.
 pub(super) fn gpu_error(e: GpuError) -> DataFusionError {
-    DataFusionError::External(Box::new(GpuError(format!(
-        "{DEVICE_ERROR_TAG} CUDA top-k selection failed: {e}"
-    ))))
+    DeviceError(format!("CUDA top-k selection failed: {e}")).into_error()
 }
 
 /// A generated program and its loaded kernel.
@@ -465,449 +468,5 @@ impl TopKSelector for CudaSelector {
             state.capacity = 0;
             Ok(ids)
         })
-    }
-}
-
-// ---- Arrow columns → device -----------------------------------------------------------------
-
-/// The raw Arrow buffers of one column, as the kernels read them.
-pub(super) struct ColumnBuffers {
-    /// The values: one slice, or the slices of several chunks staged back to back.
-    values: Vec<(Buffer, std::ops::Range<usize>)>,
-    /// Bit offset of the first value (bit-packed booleans).
-    value_bit_offset: u64,
-    /// Validity bytes, their range and bit offset, when the column holds NULLs.
-    validity: Option<(Buffer, std::ops::Range<usize>, u64)>,
-}
-
-impl ColumnBuffers {
-    /// `byte_width` is the value width, `None` for bit-packed booleans.
-    pub(super) fn of(column: &dyn Array, byte_width: Option<usize>) -> Result<Self> {
-        let n = column.len();
-        let (values, values_range, value_bit_offset) = match byte_width {
-            None => {
-                let bits = column
-                    .as_boolean_opt()
-                    .ok_or_else(|| {
-                        exec_error(format!(
-                            "expected a boolean column, got {}",
-                            column.data_type()
-                        ))
-                    })?
-                    .values();
-                let offset = bits.offset();
-                (
-                    bits.inner().clone(),
-                    offset / 8..(offset + n).div_ceil(8),
-                    (offset % 8) as u64,
-                )
-            }
-            Some(width) => {
-                let data: ArrayData = column.to_data();
-                let offset = data.offset();
-                let buffer = data.buffers().first().cloned().ok_or_else(|| {
-                    exec_error(format!("a {} column without values", column.data_type()))
-                })?;
-                let range = offset * width..(offset + n) * width;
-                if buffer.len() < range.end {
-                    return Err(exec_error(format!(
-                        "a {} column's buffer is shorter than its rows",
-                        column.data_type()
-                    )));
-                }
-                (buffer, range, 0)
-            }
-        };
-        let validity = column
-            .logical_nulls()
-            .filter(|nulls| nulls.null_count() > 0)
-            .map(|nulls| {
-                let bits = nulls.inner();
-                let offset = bits.offset();
-                (
-                    bits.inner().clone(),
-                    offset / 8..(offset + n).div_ceil(8),
-                    (offset % 8) as u64,
-                )
-            });
-        Ok(Self {
-            values: vec![(values, values_range)],
-            value_bit_offset,
-            validity,
-        })
-    }
-
-    /// One column given as consecutive chunks. Fixed-width chunks without NULLs are staged
-    /// back to back straight from their buffers; others are concatenated first.
-    fn of_chunks(chunks: &[ArrayRef], byte_width: Option<usize>) -> Result<Self> {
-        let plain = byte_width.is_some()
-            && chunks
-                .iter()
-                .all(|c| c.logical_nulls().is_none_or(|n| n.null_count() == 0));
-        match chunks {
-            [one] => Self::of(one.as_ref(), byte_width),
-            _ if plain => {
-                let mut values = Vec::with_capacity(chunks.len());
-                for chunk in chunks {
-                    values.extend(Self::of(chunk.as_ref(), byte_width)?.values);
-                }
-                Ok(Self {
-                    values,
-                    value_bit_offset: 0,
-                    validity: None,
-                })
-            }
-            _ => {
-                let parts: Vec<&dyn Array> = chunks.iter().map(|c| c.as_ref()).collect();
-                let whole = datafusion::arrow::compute::concat(&parts)?;
-                Self::of(whole.as_ref(), byte_width)
-            }
-        }
-    }
-
-    /// Adds the byte slices to stage, one group per device array (values, then validity when
-    /// present); a group's slices are staged back to back.
-    pub(super) fn parts<'a>(&'a self, parts: &mut Vec<Vec<&'a [u8]>>) {
-        parts.push(
-            self.values
-                .iter()
-                .map(|(buffer, range)| &buffer.as_slice()[range.clone()])
-                .collect(),
-        );
-        if let Some((bits, range, _)) = &self.validity {
-            parts.push(vec![&bits.as_slice()[range.clone()]]);
-        }
-    }
-
-    /// (values, value bit offset, validity or 0, validity bit offset) from the staged
-    /// addresses, consuming them in the order of [`parts`](Self::parts).
-    pub(super) fn addresses(&self, next: &mut impl Iterator<Item = u64>) -> [u64; 4] {
-        let values = next.next().expect("one address per part");
-        let (validity, validity_bit_offset) = match &self.validity {
-            Some((_, _, bit_offset)) => (next.next().expect("one address per part"), *bit_offset),
-            None => (0, 0),
-        };
-        [values, self.value_bit_offset, validity, validity_bit_offset]
-    }
-}
-
-/// The error a generated program's flags stand for ([`crate::fusion::ERROR_NULL_KEY`] and
-/// co.): a device error (the operator reruns the query on the host) where only the host
-/// reproduces DataFusion's outcome, a query error for a NULL in a key declared not nullable.
-pub(super) fn program_error(error: u32) -> Result<()> {
-    if error & crate::fusion::ERROR_AMBIGUOUS_NAN != 0 {
-        // Not a query error: the host path reproduces DataFusion's result, so rerun there.
-        return Err(gpu_error(GpuError(
-            "the generated program added or multiplied two different NaNs, whose result \
-             only the host reproduces"
-                .into(),
-        )));
-    }
-    if error & crate::fusion::ERROR_HOST_ONLY != 0 {
-        // DataFusion fails on a row, or would where it evaluates it: the host reruns the
-        // query and reports exactly what DataFusion does.
-        return Err(gpu_error(GpuError(
-            "the generated program met a row DataFusion's evaluation fails on (sqrt of a \
-             negative number, abs of a signed minimum, an integer division by zero or of \
-             the minimum by -1), whose outcome only the host reproduces"
-                .into(),
-        )));
-    }
-    if error & crate::fusion::ERROR_NULL_KEY != 0 {
-        return Err(exec_error(
-            "a sort key declared not nullable evaluated to NULL".to_string(),
-        ));
-    }
-    Ok(())
-}
-
-/// One key column, ready to stage: its raw Arrow buffers and its field in the composite.
-struct ColumnPlan {
-    buffers: ColumnBuffers,
-    native: NativeCode,
-    shift: u32,
-    xor: u128,
-    flags: u32,
-}
-
-pub(super) fn exec_error(message: String) -> DataFusionError {
-    DataFusionError::Execution(message)
-}
-
-/// Checks the columns against the layout (as `KeyLayout::encode` does) and collects their
-/// buffers.
-fn plan_columns(layout: &KeyLayout, columns: &[ArrayRef]) -> Result<Vec<ColumnPlan>> {
-    let specs = layout.specs();
-    if columns.len() != specs.len() {
-        return Err(exec_error(format!(
-            "key encoding expects {} columns, got {}",
-            specs.len(),
-            columns.len()
-        )));
-    }
-    let n = columns.first().map_or(0, |c| c.len());
-    let mut plans = Vec::with_capacity(columns.len());
-    for (i, (column, spec)) in columns.iter().zip(specs).enumerate() {
-        if column.len() != n {
-            return Err(exec_error(format!(
-                "key column {} has {} rows, key column 1 has {n}",
-                i + 1,
-                column.len()
-            )));
-        }
-        if column.data_type() != &spec.data_type {
-            return Err(exec_error(format!(
-                "key column {} has type {}, the key layout expects {}",
-                i + 1,
-                column.data_type(),
-                spec.data_type
-            )));
-        }
-        let native = NativeCode::for_data_type(&spec.data_type)
-            .filter(|native| Some(native.bits()) == spec.value_bits())
-            .ok_or_else(|| {
-                exec_error(format!(
-                    "sort key {} has type {}, which the CUDA key encoder does not support",
-                    i + 1,
-                    spec.data_type
-                ))
-            })?;
-        let nulls = column
-            .logical_nulls()
-            .filter(|nulls| nulls.null_count() > 0);
-        if let Some(nulls) = &nulls
-            && !spec.nullable
-        {
-            return Err(exec_error(format!(
-                "key column {} holds {} NULLs but was declared not nullable",
-                i + 1,
-                nulls.null_count()
-            )));
-        }
-        let buffers = ColumnBuffers::of(column.as_ref(), native.byte_width())?;
-        let value_bits = native.bits();
-        let value_mask = if value_bits == 128 {
-            u128::MAX
-        } else {
-            (1u128 << value_bits) - 1
-        };
-        let mut flags = if i == 0 { ENCODE_FIRST } else { 0 };
-        if spec.nullable {
-            flags |= ENCODE_NULLABLE;
-        }
-        if spec.nulls_first {
-            flags |= ENCODE_NULLS_FIRST;
-        }
-        plans.push(ColumnPlan {
-            buffers,
-            native,
-            shift: layout.field_shift(i),
-            xor: if spec.descending { value_mask } else { 0 },
-            flags,
-        });
-    }
-    Ok(plans)
-}
-
-/// Where a batch's encoded keys (and staged row ids) are on the device.
-struct EncodedBatch {
-    keys: u64,
-    ids: Option<u64>,
-}
-
-/// Stages the columns' buffers (and explicit row ids) with one upload and encodes them into
-/// `keys_buffer` (grown as needed).
-fn encode_batch(
-    engine: &mut TopKEngine,
-    keys_buffer: &mut Option<PooledBuffer>,
-    columns: &[ColumnPlan],
-    n: usize,
-    row_ids: &RowIds<'_>,
-) -> GpuResult<EncodedBatch> {
-    let mut parts: Vec<&[u8]> = Vec::with_capacity(2 * columns.len() + 1);
-    for column in columns {
-        let mut groups = Vec::new();
-        column.buffers.parts(&mut groups);
-        parts.extend(groups.into_iter().flatten());
-    }
-    if let RowIds::Explicit(ids) = row_ids {
-        if ids.len() < n {
-            return Err(GpuError(format!("{} row ids for {n} rows", ids.len())));
-        }
-        // SAFETY: viewing initialised u64s as their bytes (no padding, alignment 1).
-        parts.push(unsafe { std::slice::from_raw_parts(ids.as_ptr() as *const u8, n * 8) });
-    }
-    let addresses = engine.stage(&parts)?;
-
-    let key_bytes = n * engine.kind().key_bytes();
-    if keys_buffer.as_ref().is_none_or(|b| b.bytes() < key_bytes) {
-        let device = Arc::clone(engine.device());
-        *keys_buffer = Some(device.pool.alloc(key_bytes, engine.stream())?);
-    }
-    let keys = keys_buffer.as_ref().expect("allocated above").ptr();
-    let mut next = addresses.iter().copied();
-    for column in columns {
-        let [values, value_bit_offset, validity, validity_bit_offset] =
-            column.buffers.addresses(&mut next);
-        engine.encode_column(
-            &EncodeColumn {
-                values,
-                value_bit_offset,
-                validity,
-                validity_bit_offset,
-                rows: n,
-                native: column.native,
-                value_bits: column.native.bits(),
-                shift: column.shift,
-                xor: column.xor,
-                flags: column.flags,
-            },
-            keys,
-        )?;
-    }
-    Ok(EncodedBatch {
-        keys,
-        ids: next.next(),
-    })
-}
-
-// ---- entries for tests and benchmarks -------------------------------------------------------
-
-/// Host-encoded composite keys, one per row.
-#[derive(Debug, Clone, Copy)]
-pub enum HostKeys<'a> {
-    U32(&'a [u32]),
-    U64(&'a [u64]),
-    U128(&'a [u128]),
-    U256(&'a [U256]),
-}
-
-impl HostKeys<'_> {
-    pub(crate) fn len(&self) -> usize {
-        match self {
-            HostKeys::U32(v) => v.len(),
-            HostKeys::U64(v) => v.len(),
-            HostKeys::U128(v) => v.len(),
-            HostKeys::U256(v) => v.len(),
-        }
-    }
-
-    pub fn kind(&self) -> KeyWidth {
-        match self {
-            HostKeys::U32(_) => KeyWidth::W32,
-            HostKeys::U64(_) => KeyWidth::W64,
-            HostKeys::U128(_) => KeyWidth::W128,
-            HostKeys::U256(_) => KeyWidth::W256,
-        }
-    }
-
-    /// The keys in the device layout: little-endian words, least significant first.
-    pub(crate) fn device_bytes(&self) -> Vec<u8> {
-        match self {
-            HostKeys::U32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            HostKeys::U64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            HostKeys::U128(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            HostKeys::U256(v) => v
-                .iter()
-                .flat_map(|x| {
-                    let mut b = [0u8; 32];
-                    b[..16].copy_from_slice(&x.lo.to_le_bytes());
-                    b[16..].copy_from_slice(&x.hi.to_le_bytes());
-                    b
-                })
-                .collect(),
-        }
-    }
-}
-
-/// Selects the `k` smallest (key, row id) pairs of host-encoded keys on the device and returns
-/// their row ids sorted by (key, row id): the first min(n, k) of a stable sort.
-pub fn select_topk_device(
-    device: &Arc<GpuDevice>,
-    keys: HostKeys<'_>,
-    ids: &[u64],
-    k: usize,
-    algorithm: DeviceAlgorithm,
-) -> GpuResult<Vec<u64>> {
-    if keys.len() != ids.len() {
-        return Err(GpuError(format!(
-            "{} keys and {} row ids",
-            keys.len(),
-            ids.len()
-        )));
-    }
-    let mut engine = TopKEngine::new(device, keys.kind())?;
-    let n = ids.len();
-    let mut pairs = engine.upload_pairs(&keys.device_bytes(), ids)?;
-    // Ids 0..n: passes that only filter may skip reading them.
-    pairs.set_positional(ids.iter().enumerate().all(|(i, &id)| id == i as u64));
-    let (sorted, m) = engine.select_sorted(&pairs, n, k, algorithm)?;
-    engine.download_ids(&sorted, m)
-}
-
-/// Encodes one batch of key columns on the device (the selector's path) and returns the
-/// composites in the layout's width, to compare with [`KeyLayout::encode`].
-pub fn encode_keys_device(
-    device: &Arc<GpuDevice>,
-    layout: &KeyLayout,
-    columns: &[ArrayRef],
-) -> Result<EncodedKeys> {
-    let plans = plan_columns(layout, columns)?;
-    let n = columns.first().map_or(0, |c| c.len());
-    let kind = layout.width();
-    let bytes = (|| {
-        let mut engine = TopKEngine::new(device, kind)?;
-        if n == 0 {
-            return Ok(vec![]);
-        }
-        let mut buffer = None;
-        let batch = encode_batch(&mut engine, &mut buffer, &plans, n, &RowIds::Range(0))?;
-        engine.read_bytes(batch.keys, n * kind.key_bytes())
-    })()
-    .map_err(gpu_error)?;
-    let words = |size: usize| bytes.chunks_exact(size);
-    Ok(match layout.width() {
-        KeyWidth::W32 => EncodedKeys::W64(
-            words(4)
-                .map(|c| u64::from(u32::from_le_bytes(c.try_into().unwrap())))
-                .collect(),
-        ),
-        KeyWidth::W64 => EncodedKeys::W64(
-            words(8)
-                .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
-                .collect(),
-        ),
-        KeyWidth::W128 => EncodedKeys::W128(
-            words(16)
-                .map(|c| u128::from_le_bytes(c.try_into().unwrap()))
-                .collect(),
-        ),
-        KeyWidth::W256 => EncodedKeys::W256(
-            words(32)
-                .map(|c| U256 {
-                    lo: u128::from_le_bytes(c[..16].try_into().unwrap()),
-                    hi: u128::from_le_bytes(c[16..].try_into().unwrap()),
-                })
-                .collect(),
-        ),
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn u256_device_layout_is_little_endian_words() {
-        let key = U256 {
-            hi: (4u128 << 64) | 3,
-            lo: (2u128 << 64) | 1,
-        };
-        let bytes = HostKeys::U256(&[key]).device_bytes();
-        let words: Vec<u64> = bytes
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        assert_eq!(words, vec![1, 2, 3, 4]);
     }
 }

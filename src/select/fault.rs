@@ -10,12 +10,12 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use datafusion::error::{DataFusionError, Result};
 
-use super::{Admitted, ColumnsInput, DEVICE_ERROR_TAG, FusedAdmitted, SelectInput, TopKSelector};
+use super::{Admitted, ColumnsInput, DeviceError, FusedAdmitted, SelectInput, TopKSelector};
 use crate::config::FaultPoint;
 
 /// The error an injected fault raises: a device error, which the operator falls back from.
 pub(crate) fn injected(point: FaultPoint) -> DataFusionError {
-    DataFusionError::External(format!("{DEVICE_ERROR_TAG} fault injected at {point}").into())
+    DeviceError(format!("fault injected at {point}")).into_error()
 }
 
 /// See the module documentation.

@@ -6,15 +6,20 @@
 //! [`row_id`]), so every pair is unique, ties are broken by input order, and the result is the
 //! first `k` rows of a stable sort: deterministic, and exactly DataFusion's order.
 //!
-//! *Which*: [`create_selector`] is the single entry point. It builds the selector the cost
-//! model chose (a [`SelectionChoice`]; the selectors decide nothing); every implementation of [`TopKSelector`] returns the
-//! same thing, the winners' row ids in output order. [`resident`] runs a generated program's
-//! selection on columns already in device memory (the fusion benchmark, tests).
+//! *Which*: [`create_selector`] is the single entry point. It builds the selector of the plan
+//! the cost model made (a [`SelectionPlan`]; the selectors decide nothing): a streaming
+//! selector ([`TopKSelector`]: [`cpu`], [`cuda`]) that takes the input batch by batch, or,
+//! over a whole table whose columns the device column cache holds, a [`TableSelector`]
+//! ([`table`]) that runs the query's generated program once over every row. Both return the
+//! same thing, the winners' row ids (table positions) in output order.
+//!
+//! A failure of the device path is a [`DeviceError`]: the operator finishes the query on the
+//! CPU path on it, and fails it on any other error.
 
 pub mod cpu;
 pub mod cuda;
 pub(crate) mod fault;
-pub mod resident;
+pub mod table;
 
 use std::fmt::{self, Debug};
 use std::sync::Arc;
@@ -28,10 +33,41 @@ use crate::device::watch::DeviceWatch;
 use crate::device::{DeviceAlgorithm, KeyWidth};
 use crate::fusion::FusedProgram;
 use crate::keys::KeyLayout;
+pub use table::TableSelector;
 
-/// Marks errors raised by a device selector, so the operator can tell a GPU fault (which falls
-/// back to the CPU path) from an error of the query itself.
-pub(crate) const DEVICE_ERROR_TAG: &str = "[gpu-topk device]";
+/// A failure of the device path: a driver, memory or compile error, an injected fault, no
+/// GPU, or a row whose outcome only the host reproduces. The operator finishes the query on
+/// the CPU path on it; any other error is the query's own (DataFusion's) and fails it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceError(pub String);
+
+impl DeviceError {
+    /// As the `DataFusionError` it travels in (an external error).
+    pub fn into_error(self) -> DataFusionError {
+        DataFusionError::External(Box::new(self))
+    }
+
+    /// The device error `error` carries, wherever it is in its chain of sources (a context, a
+    /// shared error or an Arrow error may wrap it on the way).
+    pub fn find(error: &DataFusionError) -> Option<&DeviceError> {
+        let mut next: Option<&(dyn std::error::Error + 'static)> = Some(error);
+        while let Some(e) = next {
+            if let Some(found) = e.downcast_ref::<DeviceError>() {
+                return Some(found);
+            }
+            next = e.source();
+        }
+        None
+    }
+}
+
+impl fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for DeviceError {}
 
 /// Bits of a row id that hold the row's position inside its input partition.
 pub(crate) const ROW_BITS: u32 = 40;
@@ -176,6 +212,75 @@ impl fmt::Display for SelectionChoice {
     }
 }
 
+/// How a device selection reads its input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputForm {
+    /// The input's batches, pushed to a [`TopKSelector`] as the partitions stream them.
+    Streamed,
+    /// The whole table at once ([`TableSelector`]): the generated program runs over every row
+    /// of an in-memory table or of a scan of Parquet files, its columns read from the device
+    /// column cache (loaded into it on a miss), and only the winners are read from the host.
+    WholeTable,
+}
+
+/// What the cost model decided for one query ([`crate::cost::choose`]): where the selection
+/// runs, with which algorithm, over which input form, and what follows it. The operator and
+/// the selectors execute it; none of them chooses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SelectionPlan {
+    /// The CPU selector over the streamed input. `warm_up`: the input's columns are not all
+    /// resident, so the run is followed by loading them into the column cache in the
+    /// background, for the next query to run on the GPU.
+    Cpu { warm_up: bool },
+    /// The device, with `algorithm`, over the input in `input` form.
+    Cuda {
+        algorithm: DeviceAlgorithm,
+        input: InputForm,
+    },
+}
+
+impl SelectionPlan {
+    /// The CPU path, where a device error leaves a query.
+    pub const CPU: SelectionPlan = SelectionPlan::Cpu { warm_up: false };
+
+    /// The device with `algorithm` over the streamed input.
+    pub fn streamed(algorithm: DeviceAlgorithm) -> Self {
+        SelectionPlan::Cuda {
+            algorithm,
+            input: InputForm::Streamed,
+        }
+    }
+
+    /// Where and with which algorithm.
+    pub fn choice(&self) -> SelectionChoice {
+        match *self {
+            SelectionPlan::Cpu { .. } => SelectionChoice::Cpu,
+            SelectionPlan::Cuda { algorithm, .. } => SelectionChoice::Cuda(algorithm),
+        }
+    }
+
+    pub fn input(&self) -> InputForm {
+        match *self {
+            SelectionPlan::Cpu { .. } => InputForm::Streamed,
+            SelectionPlan::Cuda { input, .. } => input,
+        }
+    }
+
+    /// Whether the column cache is loaded after the run (see [`SelectionPlan::Cpu`]).
+    pub fn warm_up(&self) -> bool {
+        matches!(self, SelectionPlan::Cpu { warm_up: true })
+    }
+
+    /// The same selection over the streamed input: where a whole table's columns turn out
+    /// not to fit the column cache, or not to be readable as a table.
+    pub fn on_streamed_input(self) -> Self {
+        match self {
+            SelectionPlan::Cuda { algorithm, .. } => SelectionPlan::streamed(algorithm),
+            cpu => cpu,
+        }
+    }
+}
+
 /// Picks the device algorithm of a selection's final step once its candidate count is known.
 /// The cost model implements it (`gpu_topk.algorithm = 'auto'`): selectors never choose.
 pub trait FinalChoice: Send + Sync + Debug {
@@ -231,28 +336,67 @@ pub struct TransferMetrics {
     pub upload_time: Time,
 }
 
-/// The single entry point: builds the selector the cost model chose (wrapped to fail at
-/// `spec.fault` when a fault is injected).
-pub(crate) fn create_selector(
-    spec: &SelectionSpec,
-    choice: &SelectionChoice,
-) -> Result<Arc<dyn TopKSelector>> {
+/// A selector built for a [`SelectionPlan`].
+#[derive(Debug)]
+pub enum Selector {
+    /// Takes the input batch by batch.
+    Streamed(Arc<dyn TopKSelector>),
+    /// Selects over a whole table at once.
+    WholeTable(TableSelector),
+}
+
+/// The single entry point: builds the selector of the plan the cost model made (a streaming
+/// one wrapped to fail at `spec.fault` when a fault is injected). A device plan without a
+/// usable GPU is a [`DeviceError`].
+pub(crate) fn create_selector(spec: &SelectionSpec, plan: &SelectionPlan) -> Result<Selector> {
     if spec.fault == FaultPoint::Create {
         return Err(fault::injected(spec.fault));
     }
-    let selector = match choice {
-        SelectionChoice::Cpu => cpu::new_selector(spec),
-        SelectionChoice::Cuda(algorithm) => match crate::device::gpu() {
-            Some(device) => cuda::new_cuda_selector(spec, device, *algorithm)?,
-            None => {
-                return Err(DataFusionError::External(
-                    format!("{DEVICE_ERROR_TAG} no GPU available").into(),
-                ));
+    let selector = match *plan {
+        SelectionPlan::Cpu { .. } => cpu::new_selector(spec),
+        SelectionPlan::Cuda { algorithm, input } => {
+            let device = crate::device::gpu()
+                .ok_or_else(|| DeviceError("no GPU available".into()).into_error())?;
+            match input {
+                InputForm::Streamed => cuda::new_cuda_selector(spec, device, algorithm)?,
+                InputForm::WholeTable => {
+                    let table = TableSelector::new(spec, device, algorithm)?;
+                    return Ok(Selector::WholeTable(table));
+                }
             }
-        },
+        }
     };
-    Ok(match spec.fault {
+    Ok(Selector::Streamed(match spec.fault {
         FaultPoint::None | FaultPoint::Device(..) => selector,
         point => Arc::new(fault::FaultInjector::new(selector, point)),
-    })
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::arrow::error::ArrowError;
+
+    /// A device error is found through the wrappers an error picks up on its way (a context,
+    /// a shared error, an Arrow error); an external error of another kind is not one.
+    #[test]
+    fn a_device_error_is_found_by_its_type_through_wrappers() {
+        let device = || DeviceError("launch failed".into()).into_error();
+        let wrapped = [
+            device(),
+            device().context("reading a batch"),
+            DataFusionError::Shared(Arc::new(device())),
+            DataFusionError::ArrowError(
+                Box::new(ArrowError::ExternalError(Box::new(device()))),
+                None,
+            ),
+        ];
+        for error in &wrapped {
+            let found = DeviceError::find(error).map(|e| e.0.as_str());
+            assert_eq!(found, Some("launch failed"), "{error:?}");
+        }
+        let other = DataFusionError::External("[gpu-topk device] a look-alike".into());
+        assert_eq!(DeviceError::find(&other), None);
+        assert_eq!(DeviceError::find(&DataFusionError::Execution("x".into())), None);
+    }
 }

@@ -1,17 +1,18 @@
-//! The device column cache (`gpu_topk.cache_bytes`): a repeated query over an in-memory table
-//! or Parquet files reads its columns from device memory, with DataFusion's answer; a changed
-//! table or rewritten file is never served stale; a small budget evicts, and a query larger than it still runs; concurrent and
-//! cancelled queries leave no entry in use. On the CUDA backend only: without a GPU each test
-//! says so and passes.
+//! The device column cache: a repeated query over an in-memory table or Parquet files reads
+//! its columns from device memory, with DataFusion's answer; a changed table or rewritten file
+//! is never served stale; a small budget (the process's, `set_column_cache_budget`) evicts,
+//! and a query larger than it still runs; a session can turn the cache off for its queries
+//! (`gpu_topk.column_cache`); concurrent and cancelled queries leave no entry in use. On the
+//! CUDA backend only: without a GPU each test says so and passes.
 
 use std::sync::Arc;
 
 use datafusion::arrow::array::{AsArray, Float64Array, Int64Array, RecordBatch};
 use datafusion::arrow::datatypes::{DataType, Field, Schema};
 use datafusion::prelude::SessionContext;
-use datafusion_gpu_topk::internal::device::cache::CacheListing;
+use datafusion_gpu_topk::internal::device::column_cache::CacheListing;
 use datafusion_gpu_topk::internal::device::{GpuDevice, GpuStatus, gpu, gpu_status};
-use datafusion_gpu_topk::{Backend, GpuTable, GpuTopKConfig};
+use datafusion_gpu_topk::{Backend, GpuTable, GpuTopKConfig, set_column_cache_budget};
 use futures::StreamExt;
 
 use crate::common::Storage;
@@ -20,9 +21,25 @@ use crate::common::{
     run_oracle, run_reporting, session_with, test_dir,
 };
 
-/// The cache is the process's, and a query's budget evicts for everyone: the tests that
-/// count entries or set a small budget run one at a time.
+/// The cache is the process's, and its budget is everyone's: the tests that count entries or
+/// set a small budget run one at a time.
 static CACHE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The process's cache budget set to `bytes` until dropped, then the default again.
+struct Budget;
+
+impl Budget {
+    fn set(bytes: usize) -> Self {
+        set_column_cache_budget(Some(bytes));
+        Budget
+    }
+}
+
+impl Drop for Budget {
+    fn drop(&mut self) {
+        set_column_cache_budget(None);
+    }
+}
 
 fn gpu_or_skip(test: &str) -> bool {
     match gpu_status() {
@@ -73,23 +90,20 @@ fn table(partitions: usize, batches: usize, rows: usize, seed: i64) -> Vec<Vec<R
 /// The entries of a [`table`] of `chunks` batches in all (other tests' queries add theirs
 /// to the same cache meanwhile, with other column names or batch counts).
 fn ours(device: &GpuDevice, chunks: usize) -> impl Iterator<Item = CacheListing> {
-    let listing = device.cache.listing().into_iter();
+    let listing = device.column_cache.listing().into_iter();
     listing.filter(move |e| (e.column == "f" || e.column == "v") && e.chunks == chunks)
 }
 
 const QUERY: &str = "SELECT rid, v FROM t WHERE f < 0.5 ORDER BY v DESC LIMIT 20";
 const ORACLE: &str = "SELECT rid, v FROM t WHERE f < 0.5 ORDER BY v DESC, rid LIMIT 20";
 
-/// A CUDA session over `data` as `t` (in memory), with the cache budget `cache_bytes`, and
-/// plain DataFusion over the same batches.
-fn sessions(
-    data: Vec<Vec<RecordBatch>>,
-    cache_bytes: Option<usize>,
-) -> (SessionContext, SessionContext) {
+/// A CUDA session over `data` as `t` (in memory), using the column cache or not, and plain
+/// DataFusion over the same batches.
+fn sessions(data: Vec<Vec<RecordBatch>>, use_cache: bool) -> (SessionContext, SessionContext) {
     let partitions = data.len();
     let config = GpuTopKConfig::default()
         .with_backend(Backend::Cuda)
-        .with_cache_bytes(cache_bytes);
+        .with_column_cache(use_cache);
     let ctx = session_with(partitions, 8192, config);
     register(&ctx, "t", data.clone());
     let plain = plain_session_with(partitions, 8192, Storage::Memory);
@@ -117,7 +131,7 @@ async fn a_repeated_query_reads_its_columns_from_the_cache() {
         return;
     }
     let _serial = CACHE.lock().await;
-    let (ctx, plain) = sessions(table(3, 4, 100_000, 1), None);
+    let (ctx, plain) = sessions(table(3, 4, 100_000, 1), true);
     let cold = check(&ctx, &plain, QUERY, ORACLE).await;
     // One entry per column the program reads: f (the filter) and v (the key).
     assert_eq!(cold.cache_misses, 2, "{cold:?}");
@@ -155,7 +169,7 @@ async fn a_changed_table_is_never_served_stale() {
         return;
     }
     let _serial = CACHE.lock().await;
-    let (ctx, plain) = sessions(table(2, 2, 50_000, 2), None);
+    let (ctx, plain) = sessions(table(2, 2, 50_000, 2), true);
     check(&ctx, &plain, QUERY, ORACLE).await;
     // New winners: v = 5000 beats every generated value.
     for c in [&ctx, &plain] {
@@ -184,7 +198,8 @@ async fn a_small_budget_evicts_and_a_query_larger_than_it_still_runs() {
     // Each column is 8 bytes × 400K rows = 3.2 MB.
     let data = table(1, 4, 100_000, 3);
     // Smaller than one column: nothing is cached, every run streams its columns.
-    let (ctx, plain) = sessions(data.clone(), Some(1 << 20));
+    let budget = Budget::set(1 << 20);
+    let (ctx, plain) = sessions(data.clone(), true);
     for _ in 0..2 {
         let report = check(&ctx, &plain, QUERY, ORACLE).await;
         assert_eq!(report.cache_hits, 0, "{report:?}");
@@ -192,8 +207,10 @@ async fn a_small_budget_evicts_and_a_query_larger_than_it_still_runs() {
     }
     // Room for one column: queries over f and over v take turns evicting each other, the
     // cache stays within its budget, answers stay right.
+    drop(budget);
     let budget = 4 << 20;
-    let (ctx, plain) = sessions(data, Some(budget));
+    let _budget = Budget::set(budget);
+    let (ctx, plain) = sessions(data, true);
     let by_f = "SELECT rid, f FROM t ORDER BY f DESC LIMIT 5";
     let by_v = "SELECT rid, v FROM t ORDER BY v DESC LIMIT 5";
     for (sql, rerun) in [(by_f, true), (by_v, false), (by_f, false)] {
@@ -217,7 +234,7 @@ async fn concurrent_and_cancelled_queries_leave_no_entry_in_use() {
         return;
     }
     let _serial = CACHE.lock().await;
-    let (ctx, plain) = sessions(table(4, 3, 60_000, 4), None);
+    let (ctx, plain) = sessions(table(4, 3, 60_000, 4), true);
     let want = run_oracle(&plain, ORACLE).await.unwrap();
     let tasks: Vec<_> = (0..16)
         .map(|_| {
@@ -247,7 +264,7 @@ async fn concurrent_and_cancelled_queries_leave_no_entry_in_use() {
         }
         idle
     });
-    assert!(settled, "{:?}", device.cache.listing());
+    assert!(settled, "{:?}", device.column_cache.listing());
     assert_eq!(
         exact_rows(&ctx.sql(QUERY).await.unwrap().collect().await.unwrap()),
         want
@@ -266,9 +283,9 @@ async fn the_cache_is_used_for_tables_and_parquet_files_and_can_be_turned_off() 
             .contains("cache=on")
     };
     let gpu_present = matches!(gpu_status(), GpuStatus::Available(_));
-    let (on, _) = sessions(data.clone(), None);
+    let (on, _) = sessions(data.clone(), true);
     assert_eq!(uses_cache(on).await, gpu_present);
-    let (off, _) = sessions(data.clone(), Some(0));
+    let (off, _) = sessions(data.clone(), false);
     assert!(!uses_cache(off).await);
     let dir = test_dir("cache-planning");
     for (storage, cached) in [(Storage::Parquet, gpu_present), (Storage::Csv, false)] {
@@ -410,7 +427,7 @@ async fn a_rewritten_parquet_file_is_never_served_stale() {
 
 #[tokio::test]
 async fn the_cache_functions_answer_on_any_machine() {
-    let (ctx, _) = sessions(table(1, 1, 10, 6), None);
+    let (ctx, _) = sessions(table(1, 1, 10, 6), true);
     let sql = "SELECT count(*) >= 0 FROM gpu_topk_cache()";
     assert_eq!(values(&ctx, sql).await, vec!["true".to_string()]);
     let sql = "SELECT evicted >= 0, bytes_held >= 0 FROM gpu_topk_cache_clear()";
@@ -455,7 +472,7 @@ async fn a_gpu_table_is_cached_by_identity_pinned_by_load_and_forgotten_when_dro
     let bytes = table.load(&["f", "v"]).unwrap();
     assert!(bytes >= 2 * 8 * 300_000, "{bytes}");
     let pinned = |device: &GpuDevice| {
-        let listing = device.cache.listing().into_iter();
+        let listing = device.column_cache.listing().into_iter();
         listing
             .filter(|e| e.pinned && e.chunks == 6 && (e.column == "f" || e.column == "v"))
             .count()
@@ -466,16 +483,16 @@ async fn a_gpu_table_is_cached_by_identity_pinned_by_load_and_forgotten_when_dro
     assert_eq!((first.cache_hits, first.cache_misses), (2, 0), "{first:?}");
     assert_eq!(first.uploaded_bytes, 0, "{first:?}");
     // Pinned entries survive a clear; unpinned, they go.
-    device.cache.clear();
+    device.column_cache.clear();
     assert_eq!(pinned(&device), 2);
     table.unpin();
-    device.cache.clear();
+    device.column_cache.clear();
     let again = check(&ctx, &plain, QUERY, ORACLE).await;
     assert_eq!(again.cache_misses, 2, "{again:?}");
     // A dropped table's entries leave the cache.
     ctx.deregister_table("t").unwrap();
     let entries = |device: &GpuDevice| {
-        let listing = device.cache.listing().into_iter();
+        let listing = device.column_cache.listing().into_iter();
         listing
             .filter(|e| e.chunks == 6 && (e.column == "f" || e.column == "v"))
             .count()
@@ -565,7 +582,7 @@ async fn auto_loads_the_columns_after_a_cold_run_on_the_cpu_path() {
                     .unwrap();
             }
         }
-        device.cache.clear();
+        device.column_cache.clear();
         let cold = plan_text(&physical_plan(&ctx, QUERY).await.unwrap());
         if storage == Storage::Parquet {
             // Decoding every row group first is slower than the scan: the CPU path runs.
@@ -580,7 +597,7 @@ async fn auto_loads_the_columns_after_a_cold_run_on_the_cpu_path() {
             while !loaded() && started.elapsed() < std::time::Duration::from_secs(20) {
                 tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             }
-            assert!(loaded(), "{storage:?}: {:?}", device.cache.listing());
+            assert!(loaded(), "{storage:?}: {:?}", device.column_cache.listing());
         }
         // Either way the columns are resident now, and the next run knows it.
         let warm = plan_text(&physical_plan(&ctx, QUERY).await.unwrap());

@@ -13,7 +13,7 @@ impl TopKEngine {
     /// The largest k of [`bitonic_select`](Self::bitonic_select): a quarter of the chunk, so
     /// that each round cuts the data at least fourfold.
     pub fn bitonic_max_k(&self) -> usize {
-        self.bitonic_chunk() / 4
+        crate::device::plan::bitonic_max_k(self.device.max_shared_per_block, self.kind)
     }
 
     /// The k smallest of pairs `[0, n)`, sorted, at the start of a new buffer (its first
@@ -24,15 +24,9 @@ impl TopKEngine {
         n: usize,
         k: usize,
     ) -> GpuResult<DevicePairs> {
+        crate::device::plan::bitonic_takes(k, self.device.max_shared_per_block, self.kind)?;
         let k2 = k.max(1).next_power_of_two();
         let chunk = self.bitonic_chunk();
-        if k2 * 4 > chunk {
-            return Err(GpuError(format!(
-                "bitonic top-k supports k up to {} for {:?} keys on this device, not {k}",
-                self.bitonic_max_k(),
-                self.kind
-            )));
-        }
         let shared = chunk * self.kind.pair_bytes();
         let name = self.kernel("bitonic_topk");
         let mut len = n;

@@ -3,6 +3,7 @@
 //! the threshold of its full pass (SampleSelect with the predicate and keys inside the pass).
 
 use super::*;
+use crate::device::plan;
 
 impl TopKEngine {
     /// Runs a generated kernel ([`crate::fusion`]) over `n` rows whose input buffers are
@@ -161,10 +162,9 @@ impl TopKEngine {
             let r = rank_at(step);
             let dense_step = step / FUSED_REFINE;
             let expected_rows = r as f64 * step as f64 * (1.0 + 2.0 / (r as f64).sqrt());
-            let refine = algorithm == DeviceAlgorithm::Sample
-                && k > self.small_sort_capacity()
-                && dense_step >= 8
-                && expected_rows > self.refine_above()? as f64;
+            let refine_above = self.refine_above()?;
+            let refine =
+                plan::fused_refines(algorithm, k, dense_step, expected_rows, refine_above);
             // The denser sample's rank: k's expected rank in it plus 4σ.
             let dense_rank = refine.then(|| rank_at(dense_step) - 1);
             // Before a denser sample the first one only bounds it: up to 8× coarser (a cheaper
@@ -271,9 +271,7 @@ impl TopKEngine {
             // among them (read back with its words), and the candidates are packed into 64-bit
             // words for a keys-only merge sort where those bits and the row id's fit one word
             // (see `merge_sort_packed`), else merge-sorted as pairs.
-            let large = algorithm == DeviceAlgorithm::Sample
-                && k > self.small_sort_capacity()
-                && candidates.capacity() <= MERGE_SORT_MAX;
+            let large = plan::fused_sorts_whole(algorithm, k, candidates.capacity());
             let span_words = 2 * self.kind.key_words();
             // The span words start zeroed with the rest of the fused words; a rerun zeroes them.
             if large && report.reruns > 0 {
@@ -310,7 +308,7 @@ impl TopKEngine {
             // own, in one read-back.
             let pending = if !large
                 && algorithm == DeviceAlgorithm::Sample
-                && self.sample_sorts_on_device(candidates.capacity(), k)
+                && plan::sample_sorts_on_device(self.kind, candidates.capacity(), k)
             {
                 self.sample_enqueue(&candidates, candidates.capacity(), k, Some(count_at))?
                     .filter(|run| run.sorted_small.is_some())

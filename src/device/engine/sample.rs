@@ -278,15 +278,6 @@ impl TopKEngine {
     pub(super) fn small_sort_capacity(&self) -> usize {
         RANK_SORT_MAX
     }
-
-    /// Whether a sampled selection of k among (at most) n pairs is enqueued whole, its
-    /// survivors sorted on the device's count (no read-back before [`finish`](Self::finish)).
-    pub(super) fn sample_sorts_on_device(&self, n: usize, k: usize) -> bool {
-        let small = self.small_sort_capacity();
-        plan_sample_levels(n, k, sample_size(self.kind), small)
-            .last()
-            .is_some_and(|last| k <= small || last.cap <= MERGE_SORT_MAX)
-    }
 }
 
 /// A sampled selection enqueued on the device (`sample_enqueue`): its plan, its control block

@@ -238,11 +238,11 @@ impl KernelSources {
     }
 }
 
-mod cache;
+mod cubin_cache;
 mod compile;
 mod generated;
 
-pub use cache::*;
+pub use cubin_cache::*;
 pub use compile::*;
 pub use generated::*;
 

@@ -1,9 +1,13 @@
-//! Top-k over device-resident columns: a query's generated program ([`crate::fusion`]) run on
-//! input columns uploaded once, as an engine whose table already lives in GPU memory would run
-//! it. The fused selection evaluates predicate and keys inside the first pass of a sampled
-//! selection ([`TopKEngine::fused_select`]); the unfused one (filter kernel, then top-k)
-//! writes every passing row's key first. The fusion benchmark (`benches/fused.rs`) and the GPU
-//! tests compare both with DataFusion.
+//! The selection over a whole table ([`TableSelector`]): the query's generated program
+//! ([`crate::fusion`]) runs once over every row of an in-memory table or of a scan of Parquet
+//! files, its input columns read from the device column cache (uploaded into it on a miss),
+//! as an engine whose table lives in GPU memory runs it. The fused selection evaluates
+//! predicate and keys inside the first pass of a sampled selection
+//! ([`TopKEngine::fused_select`]); one read-back brings the winners' positions.
+//!
+//! [`ResidentColumns`] is the same selection over columns uploaded once by the caller, with
+//! the unfused variant beside it (a filter kernel, then top-k): the fusion benchmark
+//! (`benches/fused.rs`) and the GPU tests compare both with DataFusion.
 
 use std::sync::Arc;
 
@@ -16,7 +20,7 @@ use datafusion::error::Result;
 
 use super::SelectionSpec;
 use super::cuda::{ColumnBuffers, exec_error, gpu_error, program_error};
-use crate::device::cache::{CacheKey, CacheUse, NewEntry};
+use crate::device::column_cache::{CacheKey, CacheUse, ColumnCache, Loading, NewEntry};
 use crate::device::watch::{self, DeviceWatch};
 use crate::device::{
     DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_ROWS, FusedReport, GeneratedKernel, GpuDevice,
@@ -184,7 +188,7 @@ impl ResidentColumns {
     }
 }
 
-// ---- A whole in-memory table, its columns kept in the column cache ---------------------------
+// ---- A whole table, its columns kept in the column cache -------------------------------------
 
 /// One input of a generated program over a whole in-memory table.
 #[derive(Debug, Clone)]
@@ -211,7 +215,7 @@ pub struct Identity {
     pub nullable: bool,
 }
 
-/// What [`select_table`] found.
+/// What [`TableSelector::select`] found.
 #[derive(Debug)]
 pub struct TableSelection {
     /// The winners' positions in the table (all batches back to back), in output order.
@@ -398,14 +402,22 @@ impl<'i, 'a> TableColumn<'i, 'a> {
 
 /// The share of the bytes of `inputs`' per-row columns that the column cache holds.
 pub fn resident_share(device: &GpuDevice, inputs: &[TableInput<'_>]) -> f64 {
+    let columns = (inputs.iter().filter(|i| i.lookup.is_none()))
+        .filter_map(|input| TableColumn::new(input).ok())
+        .map(|column| (column.values_bytes(), column.key));
+    resident_share_of(device, columns)
+}
+
+/// The share of the bytes of `columns` (bytes, cache key) that the column cache holds.
+pub fn resident_share_of(
+    device: &GpuDevice,
+    columns: impl IntoIterator<Item = (usize, CacheKey)>,
+) -> f64 {
     let (mut held, mut total) = (0, 0);
-    for input in inputs.iter().filter(|i| i.lookup.is_none()) {
-        let Ok(column) = TableColumn::new(input) else {
-            continue;
-        };
-        total += column.values_bytes();
-        if device.cache.contains(&column.key) {
-            held += column.values_bytes();
+    for (bytes, key) in columns {
+        total += bytes;
+        if device.column_cache.contains(&key) {
+            held += bytes;
         }
     }
     if total == 0 {
@@ -418,8 +430,7 @@ pub fn resident_share(device: &GpuDevice, inputs: &[TableInput<'_>]) -> f64 {
 /// Uploads one table column (a `GpuTable`'s, known by identity) into the column cache and pins
 /// it there; returns its device bytes. A column already cached is pinned where it is.
 pub fn pin_column(device: &Arc<GpuDevice>, input: &TableInput<'_>) -> Result<usize> {
-    // Pinned columns are the application's choice: no query's budget bounds them.
-    load_column(device, input, true, usize::MAX)?.ok_or_else(|| {
+    load_column(device, input, true)?.ok_or_else(|| {
         gpu_error(GpuError(format!(
             "cannot reserve room for column {} in the column cache",
             input.name
@@ -428,26 +439,32 @@ pub fn pin_column(device: &Arc<GpuDevice>, input: &TableInput<'_>) -> Result<usi
 }
 
 /// Uploads one table column into the column cache (`pinned`: never evicted while its table
-/// pins it) unless it is there; returns its device bytes, `None` where it does not fit
-/// `budget`.
-pub fn load_column(
+/// pins it, and bounded by no budget) unless it is there; returns its device bytes, `None`
+/// where it does not fit the cache's budget.
+fn load_column(
     device: &Arc<GpuDevice>,
     input: &TableInput<'_>,
     pinned: bool,
-    budget: usize,
 ) -> Result<Option<usize>> {
     let column = TableColumn::new(input)?;
     if column.rows == 0 {
         return Ok(Some(0));
     }
-    if pinned && let Some(bytes) = device.cache.pin(&column.key) {
+    if pinned && let Some(bytes) = device.column_cache.pin(&column.key) {
         return Ok(Some(bytes));
     }
     let (bytes, offsets) = column.layout();
-    if !pinned && device.cache.contains(&column.key) {
+    if !pinned && device.column_cache.contains(&column.key) {
         return Ok(Some(bytes));
     }
-    if input.chunks.is_empty() || !device.cache.reserve(bytes, budget) {
+    if input.chunks.is_empty() {
+        return Ok(None);
+    }
+    let reserved = match pinned {
+        true => device.column_cache.reserve_pinned(bytes),
+        false => device.column_cache.reserve(bytes),
+    };
+    if !reserved {
         return Ok(None);
     }
     let mut reserved = Reserved { device, bytes };
@@ -468,7 +485,7 @@ pub fn load_column(
         chunks: input.chunks.len(),
         pinned,
     };
-    device.cache.insert(column.key.clone(), entry);
+    device.column_cache.insert(column.key.clone(), entry);
     reserved.filled(bytes);
     Ok(Some(bytes))
 }
@@ -476,18 +493,116 @@ pub fn load_column(
 /// Alignment of a table image's validity bitmap.
 const TABLE_ALIGN: usize = 256;
 
-/// Top-k of a generated program over a whole in-memory table, its per-row input columns read
-/// from the device's column cache, or uploaded into it on a miss (one entry per column, the
-/// table's batches back to back; the entry keeps their buffers, so a changed table misses).
-/// One fused selection over all rows, one read-back of the winners' positions.
-///
-/// `Ok(None)`: the missing columns do not fit the cache's budget (`budget`); the caller
-/// streams the table instead. Device failures are device errors (the caller falls back).
-pub fn select_table(
+/// The selection over a whole table (see the module documentation), built by
+/// [`super::create_selector`] for a plan over a whole table.
+#[derive(Debug)]
+pub struct TableSelector {
+    spec: SelectionSpec,
+    device: Arc<GpuDevice>,
+    algorithm: DeviceAlgorithm,
+}
+
+impl TableSelector {
+    pub(crate) fn new(
+        spec: &SelectionSpec,
+        device: Arc<GpuDevice>,
+        algorithm: DeviceAlgorithm,
+    ) -> Result<Self> {
+        if spec.program.is_none() {
+            return datafusion::common::internal_err!(
+                "a selection over a whole table needs a generated program"
+            );
+        }
+        Ok(Self {
+            spec: spec.clone(),
+            device,
+            algorithm,
+        })
+    }
+
+    /// E.g. `cuda sample over the whole table (sm_90)`.
+    pub fn describe(&self) -> String {
+        format!(
+            "cuda {} over the whole table ({})",
+            self.algorithm.name(),
+            self.device.arch()
+        )
+    }
+
+    /// Holds the cache's entries of `keys` (`None` where it has none) until the returned
+    /// uses are dropped: a column found now stays until the selection has read it.
+    pub(crate) fn hold(&self, keys: &[CacheKey]) -> Vec<Option<CacheUse>> {
+        let cache = &self.device.column_cache;
+        keys.iter().map(|key| cache.acquire(key)).collect()
+    }
+
+    /// Whether `bytes` of columns not yet resident may be loaded: within the cache's budget.
+    pub fn fits(&self, bytes: usize) -> bool {
+        bytes <= self.device.column_cache.budget()
+    }
+
+    /// Top-k of the program over the whole table whose columns `inputs` are: the per-row
+    /// ones read from the column cache, or uploaded into it on a miss (one entry per column,
+    /// the table's batches back to back; an entry keyed by buffers keeps them, so a changed
+    /// table misses). One fused selection over all rows, one read-back of the winners'
+    /// positions.
+    ///
+    /// `Ok(None)`: the missing columns do not fit the cache's budget; the caller streams the
+    /// table instead. Device failures are [`super::DeviceError`]s (the caller falls back).
+    pub fn select(&self, inputs: &[TableInput<'_>]) -> Result<Option<TableSelection>> {
+        select_table(&self.spec, &self.device, self.algorithm, inputs)
+    }
+}
+
+/// Loads a table's columns into the column cache in the background, after a run on the CPU
+/// path chose not to ship them (a plan's warm-up): one load at a time, each column unpinned
+/// and within the budget.
+pub struct CacheLoader {
+    device: Arc<GpuDevice>,
+    _loading: Loading<'static>,
+}
+
+impl CacheLoader {
+    /// The loader, where there is a GPU and no other load runs.
+    pub fn start() -> Option<Self> {
+        // The device lives as long as the process (`gpu_status` holds it in a static).
+        let device = match crate::device::gpu_status() {
+            crate::device::GpuStatus::Available(device) => device,
+            crate::device::GpuStatus::Unavailable(_) => return None,
+        };
+        let cache: &'static ColumnCache = &device.column_cache;
+        let loading = cache.start_loading()?;
+        Some(Self {
+            device: Arc::clone(device),
+            _loading: loading,
+        })
+    }
+
+    /// Compiles (or loads) the program, so the next run's plan counts no compile.
+    pub fn compile(&self, program: &FusedProgram) -> Result<()> {
+        self.device
+            .generated_kernel(&program.source, fusion::ENTRY)
+            .map(drop)
+            .map_err(gpu_error)
+    }
+
+    /// Whether the cache holds the column known by `key`.
+    pub fn is_resident(&self, key: &CacheKey) -> bool {
+        self.device.column_cache.contains(key)
+    }
+
+    /// Uploads one column unless the cache holds it; `false` where it does not fit the
+    /// budget (the load stops there).
+    pub fn load(&self, input: &TableInput<'_>) -> Result<bool> {
+        Ok(load_column(&self.device, input, false)?.is_some())
+    }
+}
+
+/// [`TableSelector::select`].
+fn select_table(
     spec: &SelectionSpec,
     device: &Arc<GpuDevice>,
     algorithm: DeviceAlgorithm,
-    budget: usize,
     inputs: &[TableInput<'_>],
 ) -> Result<Option<TableSelection>> {
     let Some(program) = &spec.program else {
@@ -505,7 +620,7 @@ pub fn select_table(
     let mut lookups = Vec::new();
     for input in inputs.iter().filter(|i| i.lookup.is_none()) {
         let column = TableColumn::new(input)?;
-        lookups.push(device.cache.acquire(&column.key));
+        lookups.push(device.column_cache.acquire(&column.key));
         columns.push(column);
     }
     let rows = columns.first().map_or(0, |c| c.rows);
@@ -520,7 +635,7 @@ pub fn select_table(
         .filter(|(_, hit)| hit.is_none())
         .map(|(c, _)| c.layout().0)
         .sum();
-    if missing > 0 && !device.cache.reserve(missing, budget) {
+    if missing > 0 && !device.column_cache.reserve(missing) {
         return Ok(None);
     }
     let mut reserved = Reserved {
@@ -554,7 +669,7 @@ pub fn select_table(
                     chunks: column.input.chunks.len(),
                     pinned: false,
                 };
-                device.cache.insert(column.key.clone(), entry);
+                device.column_cache.insert(column.key.clone(), entry);
                 reserved.filled(entry_bytes);
             }
         }
@@ -696,7 +811,7 @@ impl Reserved<'_> {
 impl Drop for Reserved<'_> {
     fn drop(&mut self) {
         if self.bytes > 0 {
-            self.device.cache.unreserve(self.bytes);
+            self.device.column_cache.unreserve(self.bytes);
         }
     }
 }

@@ -8,11 +8,12 @@
 //! projection above its TopK.
 //!
 //! Row ids are positions in the table, partition by partition, the streaming path's input
-//! order: ties resolve the same way on both paths.
+//! order: ties resolve the same way on both paths. The selection itself, with the column
+//! cache, is the plan's [`TableSelector`]; this module reads the input and the winners' rows,
+//! and decides only how the run goes on where the table path does not apply.
 
 use std::borrow::Cow;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, new_null_array};
 use datafusion::arrow::compute::interleave;
@@ -22,69 +23,53 @@ use datafusion::execution::TaskContext;
 use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_plan::ExecutionPlan;
 
-use super::{
-    TopKRun, check_empty_batch, is_device_error, report_fallback, selection_spec,
-    threshold_predicate,
-};
-use crate::config::FaultPoint;
-use crate::cost::SelectionChoice;
-use crate::device::cache::CacheKey;
-use crate::device::watch::DeviceWatch;
-use crate::device::{DeviceAlgorithm, GpuDevice};
-use crate::exec::{WARMING_UP, memory_input, parquet_input, table_inputs};
+use super::{TopKRun, check_empty_batch, threshold_predicate};
+use crate::cost::SelectionPlan;
+use crate::device::column_cache::CacheKey;
+use crate::exec::{memory_input, parquet_input, table_inputs};
 use crate::fusion::{FusedProgram, KernelInput};
-use crate::select::SelectionSpec;
-use crate::select::resident::{Identity, TableInput, TableSelection, load_column, select_table};
+use crate::select::table::{CacheLoader, Identity, TableInput, TableSelection, TableSelector};
+use crate::select::{self, Selector};
 
-/// How a run over a resident table ended.
-pub(super) enum Resident {
+/// How a run over a whole table ended.
+pub(super) enum WholeTable {
     /// The result.
     Done(RecordBatch),
-    /// The table path does not apply (or the columns do not fit the cache): stream the input.
+    /// The input cannot be read as a table, or its columns do not fit the cache: stream it.
     Stream,
     /// The device failed: stream the input on the CPU path.
     Cpu,
 }
 
 impl TopKRun {
-    /// What a run over a whole table needs, where such a run applies: the program, the
-    /// device, the algorithm and the cache's budget.
-    fn whole_table(&self) -> Option<(Arc<FusedProgram>, Arc<GpuDevice>, DeviceAlgorithm, usize)> {
-        let spec = &self.spec;
-        let (SelectionChoice::Cuda(algorithm), Some(program), Some(cache)) =
-            (spec.choice, &spec.fusion.program, &spec.cache)
-        else {
-            return None;
+    /// The run over the whole table with the selector of `plan` (see the module
+    /// documentation).
+    pub(super) async fn run_whole_table(&self, plan: &SelectionPlan) -> Result<WholeTable> {
+        let Some(program) = &self.spec.fusion.program else {
+            return Ok(WholeTable::Stream);
         };
-        // Selector-level faults are injected into the streaming selector.
-        if spec.k == 0 || !matches!(spec.fault, FaultPoint::None | FaultPoint::Device(..)) {
-            return None;
-        }
-        let device = crate::device::gpu()?;
-        let budget = cache.budget.unwrap_or(device.total_memory / 4);
-        Some((Arc::clone(program), device, algorithm, budget))
-    }
-
-    /// The run over the whole table, where it applies (see the module documentation).
-    pub(super) async fn run_whole_table(&self) -> Result<Resident> {
-        match self.run_memory()? {
-            Resident::Stream => self.run_parquet().await,
+        let selection = self.selection_spec(Some(Arc::clone(program)));
+        let selector = match select::create_selector(&selection, plan) {
+            Ok(Selector::WholeTable(selector)) => selector,
+            Ok(Selector::Streamed(_)) => return Ok(WholeTable::Stream),
+            Err(e) if self.fell_back("the GPU selection", &e) => return Ok(WholeTable::Cpu),
+            Err(e) => return Err(e),
+        };
+        match self.run_memory(&selector, program)? {
+            WholeTable::Stream => self.run_parquet(&selector, program).await,
             done => Ok(done),
         }
     }
 
     /// The run over an in-memory table.
-    fn run_memory(&self) -> Result<Resident> {
-        let Some((program, device, algorithm, budget)) = self.whole_table() else {
-            return Ok(Resident::Stream);
-        };
+    fn run_memory(&self, selector: &TableSelector, program: &FusedProgram) -> Result<WholeTable> {
         let Some(memory) = memory_input(&self.input) else {
-            return Ok(Resident::Stream);
+            return Ok(WholeTable::Stream);
         };
         let schema = self.input.schema();
         let names: Vec<String> = schema.fields().iter().map(|f| f.name().clone()).collect();
-        let Some(inputs) = table_inputs(&memory, &program, &names)? else {
-            return Ok(Resident::Stream);
+        let Some(inputs) = table_inputs(&memory, program, &names)? else {
+            return Ok(WholeTable::Stream);
         };
         // DataFusion evaluates the filter, or the keys, on empty batches too.
         for batch in memory.batches().filter(|b| b.num_rows() == 0) {
@@ -92,18 +77,18 @@ impl TopKRun {
         }
         let rows: usize = memory.batches().map(|b| b.num_rows()).sum();
         if rows == 0 {
-            return Ok(Resident::Done(RecordBatch::new_empty(Arc::clone(
+            return Ok(WholeTable::Done(RecordBatch::new_empty(Arc::clone(
                 &self.schema,
             ))));
         }
-        let selected = match self.select(&program, &device, algorithm, budget, &inputs, rows)? {
+        let selected = match self.select(selector, &inputs, rows)? {
             Ok(selected) => selected,
             Err(other) => return Ok(other),
         };
         let _timer = self.metrics.gather_time.timer();
         let positions = &selected.positions;
         if positions.is_empty() {
-            return Ok(Resident::Done(RecordBatch::new_empty(Arc::clone(
+            return Ok(WholeTable::Done(RecordBatch::new_empty(Arc::clone(
                 &self.schema,
             ))));
         }
@@ -133,16 +118,17 @@ impl TopKRun {
                 .transpose()
             })
             .collect::<Result<Vec<_>>>()?;
-        self.output(columns, positions.len()).map(Resident::Done)
+        self.output(columns, positions.len()).map(WholeTable::Done)
     }
 
     /// The run over a scan of Parquet files (`exec::parquet`).
-    async fn run_parquet(&self) -> Result<Resident> {
-        let Some((program, device, algorithm, budget)) = self.whole_table() else {
-            return Ok(Resident::Stream);
-        };
+    async fn run_parquet(
+        &self,
+        selector: &TableSelector,
+        program: &FusedProgram,
+    ) -> Result<WholeTable> {
         let Some(files) = parquet_input(&self.input) else {
-            return Ok(Resident::Stream);
+            return Ok(WholeTable::Stream);
         };
         // Per-row columns only: a file's dictionaries differ between row groups.
         let Some(columns) = (program.inputs.iter())
@@ -152,31 +138,31 @@ impl TopKRun {
             })
             .collect::<Option<Vec<usize>>>()
         else {
-            return Ok(Resident::Stream);
+            return Ok(WholeTable::Stream);
         };
         let Ok(types) = (columns.iter())
             .map(|&c| files.data_type(c))
             .collect::<Result<Vec<_>>>()
         else {
-            return Ok(Resident::Stream);
+            return Ok(WholeTable::Stream);
         };
         // Whatever goes wrong reading the files as a table, the scan reads them as DataFusion
         // does (with its errors).
         let store = match self.context.runtime_env().object_store(files.store()) {
             Ok(store) => store,
-            Err(_) => return Ok(Resident::Stream),
+            Err(_) => return Ok(WholeTable::Stream),
         };
         let layout = match files.layout(&store).await {
             Ok(layout) if layout.rows > 0 => layout,
-            Ok(_) => return Ok(Resident::Stream),
+            Ok(_) => return Ok(WholeTable::Stream),
             Err(e) => {
                 log::debug!("gpu-topk: the files are streamed: {e}");
-                return Ok(Resident::Stream);
+                return Ok(WholeTable::Stream);
             }
         };
         let keys: Vec<_> = columns.iter().map(|&c| files.key(c)).collect();
         // Held while the selection runs: a column found here stays until it has read it.
-        let held: Vec<_> = keys.iter().map(|k| device.cache.acquire(k)).collect();
+        let held = selector.hold(&keys);
         let missing: Vec<usize> = (columns.iter().zip(&held))
             .filter(|(_, hit)| hit.is_none())
             .map(|(&c, _)| c)
@@ -188,8 +174,8 @@ impl TopKRun {
                 missing_bytes += width.map_or(layout.rows.div_ceil(8), |w| w * layout.rows);
             }
         }
-        if missing_bytes > budget {
-            return Ok(Resident::Stream);
+        if !selector.fits(missing_bytes) {
+            return Ok(WholeTable::Stream);
         }
         let decoded = if missing.is_empty() {
             Vec::new()
@@ -199,7 +185,7 @@ impl TopKRun {
                 Ok(decoded) => decoded,
                 Err(e) => {
                     log::debug!("gpu-topk: the files are streamed: {e}");
-                    return Ok(Resident::Stream);
+                    return Ok(WholeTable::Stream);
                 }
             }
         };
@@ -209,7 +195,7 @@ impl TopKRun {
             .map(|a| a.get_array_memory_size())
             .sum();
         if host.try_grow(decoded_bytes).is_err() {
-            return Ok(Resident::Stream);
+            return Ok(WholeTable::Stream);
         }
         let schema = self.input.schema();
         let inputs: Vec<TableInput<'_>> = (columns.iter().zip(&keys).zip(types))
@@ -222,7 +208,7 @@ impl TopKRun {
                 file_column(key.clone(), data_type, layout.rows, chunks, &schema, c)
             })
             .collect();
-        let selected = self.select(&program, &device, algorithm, budget, &inputs, layout.rows)?;
+        let selected = self.select(selector, &inputs, layout.rows)?;
         drop((held, inputs, decoded, host));
         let selected = match selected {
             Ok(selected) => selected,
@@ -233,7 +219,7 @@ impl TopKRun {
         let wanted: Vec<usize> = (0..read.len()).filter(|&c| read[c]).collect();
         let positions = &selected.positions;
         if positions.is_empty() {
-            return Ok(Resident::Done(RecordBatch::new_empty(Arc::clone(
+            return Ok(WholeTable::Done(RecordBatch::new_empty(Arc::clone(
                 &self.schema,
             ))));
         }
@@ -254,38 +240,30 @@ impl TopKRun {
                 Ok(Some(interleave(&arrays, &at)?))
             })
             .collect::<Result<Vec<_>>>()?;
-        self.output(columns, positions.len()).map(Resident::Done)
+        self.output(columns, positions.len()).map(WholeTable::Done)
     }
 
     /// Compiles the generated program and loads the columns it reads into the column cache,
-    /// in the background, after a run on the CPU path (see
-    /// [`crate::exec::TopKSpec::warm_up`]). One
-    /// load at a time; a load that does not fit the budget, or fails, leaves the cache as it
-    /// was.
+    /// in the background, after a run on the CPU path whose plan says so
+    /// ([`SelectionPlan::warm_up`]). One load at a time; a load that does not fit the budget,
+    /// or fails, leaves the cache as it was.
     pub(super) fn warm_up(&self) {
-        let (Some(program), Some(cache), Some(device)) = (
-            self.spec.fusion.program.clone(),
-            self.spec.cache,
-            crate::device::gpu(),
-        ) else {
+        let Some(program) = self.spec.fusion.program.clone() else {
             return;
         };
-        if WARMING_UP.swap(true, Ordering::AcqRel) {
+        let Some(loader) = CacheLoader::start() else {
             return;
-        }
-        let budget = cache.budget.unwrap_or(device.total_memory / 4);
+        };
         let input = Arc::clone(&self.input);
         let context = Arc::clone(&self.context);
         tokio::spawn(async move {
             // The next run's plan counts a compile the program still needs.
-            if let Err(e) = device.generated_kernel(&program.source, crate::fusion::ENTRY) {
+            if let Err(e) = loader.compile(&program) {
                 log::debug!("gpu-topk: the generated program did not compile: {e}");
             }
-            let loaded = load_inputs(&input, &context, &program, &device, budget).await;
-            if let Err(e) = loaded {
+            if let Err(e) = load_inputs(&input, &context, &program, &loader).await {
                 log::debug!("gpu-topk: the columns were not loaded into the cache: {e}");
             }
-            WARMING_UP.store(false, Ordering::Release);
         });
     }
 
@@ -293,47 +271,18 @@ impl TopKRun {
     /// select (the columns do not fit, or the device failed).
     fn select(
         &self,
-        program: &Arc<FusedProgram>,
-        device: &Arc<GpuDevice>,
-        algorithm: DeviceAlgorithm,
-        budget: usize,
+        selector: &TableSelector,
         inputs: &[TableInput<'_>],
         rows: usize,
-    ) -> Result<std::result::Result<TableSelection, Resident>> {
-        let spec = &self.spec;
-        let watch = DeviceWatch::new(
-            spec.device_memory_limit,
-            match spec.fault {
-                FaultPoint::Device(op, n) => Some((op, n)),
-                _ => None,
-            },
-            self.metrics.device_bytes_held.clone(),
-            self.metrics.device_peak_bytes.clone(),
-            self.metrics.pinned_bytes_held.clone(),
-        );
-        let selection = SelectionSpec {
-            watch: Some(Arc::new(watch)),
-            transfers: self.metrics.transfers.clone(),
-            ..selection_spec(spec, Some(Arc::clone(program)))
-        };
-        // With `auto`, the sampled selection: the fused path's own final step.
-        let algorithm = match selection.final_choice {
-            Some(_) => DeviceAlgorithm::Sample,
-            None => algorithm,
-        };
+    ) -> Result<std::result::Result<TableSelection, WholeTable>> {
         let selected = {
             let _timer = self.metrics.select_time.timer();
-            select_table(&selection, device, algorithm, budget, inputs)
+            selector.select(inputs)
         };
         let selected = match selected {
             Ok(Some(selected)) => selected,
-            Ok(None) => return Ok(Err(Resident::Stream)),
-            Err(e) if is_device_error(&e) => {
-                log::warn!("gpu-topk: the GPU selection failed, the CPU path runs it: {e}");
-                report_fallback(&self.fallback, &e);
-                self.metrics.gpu_fallbacks.add(1);
-                return Ok(Err(Resident::Cpu));
-            }
+            Ok(None) => return Ok(Err(WholeTable::Stream)),
+            Err(e) if self.fell_back("the GPU selection", &e) => return Ok(Err(WholeTable::Cpu)),
             Err(e) => return Err(e),
         };
         if !selected.compile_time.is_zero() {
@@ -433,19 +382,18 @@ fn table_starts<'a>(
 }
 
 /// Loads the program's per-row input columns of a whole-table input (in memory or Parquet
-/// files) into the column cache, unpinned, within `budget`.
+/// files) into the column cache, unpinned, within its budget.
 async fn load_inputs(
     input: &Arc<dyn ExecutionPlan>,
     context: &Arc<TaskContext>,
     program: &FusedProgram,
-    device: &Arc<GpuDevice>,
-    budget: usize,
+    loader: &CacheLoader,
 ) -> Result<()> {
     if let Some(memory) = memory_input(input) {
         let schema = input.schema();
         let names: Vec<String> = schema.fields().iter().map(|f| f.name().clone()).collect();
         for column in table_inputs(&memory, program, &names)?.unwrap_or_default() {
-            if column.lookup.is_none() && load_column(device, &column, false, budget)?.is_none() {
+            if column.lookup.is_none() && !loader.load(&column)? {
                 break;
             }
         }
@@ -462,13 +410,13 @@ async fn load_inputs(
             return Ok(());
         };
         let key = files.key(*c);
-        if device.cache.contains(&key) {
+        if loader.is_resident(&key) {
             continue;
         }
         let chunks = files.read_columns(&store, &layout, &[*c]).await?.remove(0);
         let data_type = files.data_type(*c)?;
         let column = file_column(key, data_type, layout.rows, chunks, &schema, *c);
-        if load_column(device, &column, false, budget)?.is_none() {
+        if !loader.load(&column)? {
             break;
         }
     }

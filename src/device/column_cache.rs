@@ -11,10 +11,14 @@
 //! column is keyed by the table ([`table_key`]); a column of a scan of Parquet files by every
 //! file's identity, modification time included ([`files_key`]), so a rewritten file misses.
 //!
-//! The budget bounds the device bytes of all entries (`gpu_topk.cache_bytes`). A new entry
-//! evicts the least recently used entries that no query is reading; when that does not make
-//! room, the query streams its input instead. Entries in use are pinned by a [`CacheUse`]
-//! guard until the selection that reads them has finished.
+//! The cache is a process resource, one per device, shared by every session. Its budget
+//! bounds the device bytes of all entries: a quarter of the device's memory unless the
+//! application sets it for the process with [`set_column_cache_budget`] (its one owner;
+//! the CLI's `--cache-bytes` calls it). A session only decides whether its own queries use
+//! the cache (`gpu_topk.column_cache`). A new entry evicts the least recently used entries
+//! that no query is reading; when that does not make room, the query streams its input
+//! instead. Entries in use are pinned by a [`CacheUse`] guard until the selection that reads
+//! them has finished.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -173,11 +177,46 @@ struct State {
     bytes: usize,
 }
 
+/// The budget [`set_column_cache_budget`] asked for, for a device opened later too
+/// (`usize::MAX`: none asked, the default).
+static REQUESTED_BUDGET: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Sets the device column cache's budget for the process: the device bytes every cached
+/// column together may hold (`None`: a quarter of the device's memory, the default; `Some(0)`:
+/// nothing is cached). It applies to every session at once, now and to a device opened later;
+/// entries beyond a smaller budget that no query is reading are evicted, least recently used
+/// first. A session turns the cache off for its own queries with `gpu_topk.column_cache`.
+pub fn set_column_cache_budget(bytes: Option<usize>) {
+    REQUESTED_BUDGET.store(bytes.unwrap_or(usize::MAX), Ordering::Release);
+    if let Some(device) = super::gpu() {
+        device
+            .column_cache
+            .set_budget(bytes.unwrap_or(device.total_memory / 4));
+    }
+}
+
+/// The device column cache's budget now (`None`: no GPU).
+pub fn column_cache_budget() -> Option<usize> {
+    super::gpu().map(|device| device.column_cache.budget())
+}
+
 /// See the module documentation. One per device.
-#[derive(Default)]
 pub struct ColumnCache {
     state: Mutex<State>,
     clock: AtomicU64,
+    /// Device bytes all entries together may hold.
+    budget: AtomicUsize,
+    /// Set while a background load fills the cache ([`ColumnCache::start_loading`]).
+    loading: AtomicBool,
+}
+
+/// A background load of columns into the cache; the next may start once it is dropped.
+pub(crate) struct Loading<'a>(&'a AtomicBool);
+
+impl Drop for Loading<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 impl std::fmt::Debug for ColumnCache {
@@ -191,6 +230,45 @@ impl std::fmt::Debug for ColumnCache {
 }
 
 impl ColumnCache {
+    /// An empty cache on a device of `device_memory` bytes: its budget is the process's
+    /// ([`set_column_cache_budget`]), else a quarter of that memory.
+    pub(crate) fn new(device_memory: usize) -> Self {
+        let budget = match REQUESTED_BUDGET.load(Ordering::Acquire) {
+            usize::MAX => device_memory / 4,
+            requested => requested,
+        };
+        Self {
+            state: Mutex::default(),
+            clock: AtomicU64::new(0),
+            budget: AtomicUsize::new(budget),
+            loading: AtomicBool::new(false),
+        }
+    }
+
+    /// Device bytes all entries together may hold.
+    pub fn budget(&self) -> usize {
+        self.budget.load(Ordering::Acquire)
+    }
+
+    /// Sets the budget, evicting the least recently used entries no query is reading (and no
+    /// table pinned) until the entries fit it.
+    fn set_budget(&self, bytes: usize) {
+        self.budget.store(bytes, Ordering::Release);
+        let mut state = self.state();
+        while state.bytes > bytes && evict_oldest(&mut state) {}
+    }
+
+    /// Starts the one background load of columns ([`Loading`]); `None` while another runs.
+    pub(crate) fn start_loading(&self) -> Option<Loading<'_>> {
+        let busy = self.loading.swap(true, Ordering::AcqRel);
+        (!busy).then_some(Loading(&self.loading))
+    }
+
+    /// Whether a background load is filling the cache.
+    pub fn loading(&self) -> bool {
+        self.loading.load(Ordering::Acquire)
+    }
+
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -208,26 +286,27 @@ impl ColumnCache {
         Some(CacheUse(Arc::clone(entry)))
     }
 
-    /// Reserves `bytes` for a new entry within `budget`, evicting the least recently used
+    /// Reserves `bytes` for a new entry within the budget, evicting the least recently used
     /// entries no query is reading; `false` when that cannot make room.
-    pub(crate) fn reserve(&self, bytes: usize, budget: usize) -> bool {
+    pub(crate) fn reserve(&self, bytes: usize) -> bool {
+        self.reserve_within(bytes, self.budget())
+    }
+
+    /// As [`reserve`](Self::reserve) for an entry a table pins: the application chose to
+    /// keep it, so no budget bounds it (device memory still does).
+    pub(crate) fn reserve_pinned(&self, bytes: usize) -> bool {
+        self.reserve_within(bytes, usize::MAX)
+    }
+
+    fn reserve_within(&self, bytes: usize, budget: usize) -> bool {
         if bytes == 0 || bytes > budget {
             return false;
         }
         let mut state = self.state();
         while state.bytes + bytes > budget {
-            let victim = state
-                .entries
-                .iter()
-                .filter(|(_, e)| e.evictable())
-                .min_by_key(|(_, e)| e.last_use.load(Ordering::Relaxed))
-                .map(|(k, _)| k.clone());
-            let Some(victim) = victim else {
+            if !evict_oldest(&mut state) {
                 return false;
-            };
-            let entry = state.entries.remove(&victim).expect("found above");
-            state.bytes -= entry.bytes;
-            forget_slices(&mut state.slices, &victim);
+            }
         }
         state.bytes += bytes;
         true
@@ -359,6 +438,24 @@ impl ColumnCache {
     }
 }
 
+/// Evicts the least recently used entry no query is reading and no table pinned; `false`
+/// where there is none.
+fn evict_oldest(state: &mut State) -> bool {
+    let victim = state
+        .entries
+        .iter()
+        .filter(|(_, e)| e.evictable())
+        .min_by_key(|(_, e)| e.last_use.load(Ordering::Relaxed))
+        .map(|(k, _)| k.clone());
+    let Some(victim) = victim else {
+        return false;
+    };
+    let entry = state.entries.remove(&victim).expect("found above");
+    state.bytes -= entry.bytes;
+    forget_slices(&mut state.slices, &victim);
+    true
+}
+
 fn state_slices(slices: &mut HashMap<usize, usize>, address: usize) -> &mut usize {
     slices.entry(address).or_insert(0)
 }
@@ -374,5 +471,41 @@ fn forget_slices(slices: &mut HashMap<usize, usize>, key: &CacheKey) {
                 slices.remove(address);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The budget is the cache's own: reservations are bounded by it, and a smaller budget
+    /// takes effect at once; an entry a table pins is bounded by no budget.
+    #[test]
+    fn reservations_are_bounded_by_the_caches_own_budget() {
+        let cache = ColumnCache::new(4 << 20); // a quarter: 1 MiB
+        assert_eq!(cache.budget(), 1 << 20);
+        assert!(cache.reserve(600 << 10));
+        assert!(!cache.reserve(600 << 10), "over the budget, nothing to evict");
+        cache.unreserve(600 << 10);
+        cache.set_budget(512 << 10);
+        assert_eq!(cache.budget(), 512 << 10);
+        assert!(!cache.reserve(600 << 10));
+        assert!(cache.reserve(500 << 10));
+        assert!(cache.reserve_pinned(8 << 20));
+        assert_eq!(cache.bytes(), (500 << 10) + (8 << 20));
+        cache.set_budget(0);
+        assert!(!cache.reserve(1));
+    }
+
+    /// One background load at a time; the next may start once it is done.
+    #[test]
+    fn one_background_load_at_a_time() {
+        let cache = ColumnCache::new(1 << 20);
+        let first = cache.start_loading().expect("idle");
+        assert!(cache.loading());
+        assert!(cache.start_loading().is_none());
+        drop(first);
+        assert!(!cache.loading());
+        assert!(cache.start_loading().is_some());
     }
 }

@@ -1,0 +1,70 @@
+//! The operator's metrics, shown by `EXPLAIN ANALYZE`.
+
+use datafusion::physical_plan::metrics::{
+    Count, ExecutionPlanMetricsSet, Gauge, MetricBuilder, Time,
+};
+
+use crate::select::TransferMetrics;
+
+/// Metrics shown by `EXPLAIN ANALYZE`.
+#[derive(Debug, Clone)]
+pub(super) struct TopKMetrics {
+    pub(super) rows_in: Count,
+    pub(super) rows_passed_filter: Count,
+    pub(super) output_rows: Count,
+    pub(super) gpu_fallbacks: Count,
+    /// Device and pinned host bytes the selection holds now (zero once a run is over) and
+    /// the most device bytes it held at once.
+    pub(super) device_bytes_held: Gauge,
+    pub(super) pinned_bytes_held: Gauge,
+    pub(super) device_peak_bytes: Gauge,
+    pub(super) filter_time: Time,
+    pub(super) key_eval_time: Time,
+    pub(super) select_time: Time,
+    pub(super) retain_time: Time,
+    pub(super) gather_time: Time,
+    /// Time spent decoding a Parquet input's columns for the column cache.
+    pub(super) read_time: Time,
+    /// Time this execution spent compiling (NVRTC) or loading its generated kernel: zero when
+    /// the kernel was already in memory, as on a query's second run.
+    pub(super) compile_time: Time,
+    /// The cost model's prediction of the operator's time (EXPLAIN ANALYZE shows it beside
+    /// `operator_time`).
+    pub(super) predicted_time: Time,
+    /// Wall time from the operator's start to its output: the selection of every partition's
+    /// rows (and the wait for them), the final selection and the gather.
+    pub(super) operator_time: Time,
+    /// The device selection's input: pushes served by the column cache or shipped, and bytes.
+    pub(super) transfers: TransferMetrics,
+}
+
+impl TopKMetrics {
+    pub(super) fn new(set: &ExecutionPlanMetricsSet) -> Self {
+        let time = |name: &'static str| MetricBuilder::new(set).subset_time(name, 0);
+        Self {
+            rows_in: MetricBuilder::new(set).counter("rows_in", 0),
+            rows_passed_filter: MetricBuilder::new(set).counter("rows_passed_filter", 0),
+            output_rows: MetricBuilder::new(set).output_rows(0),
+            gpu_fallbacks: MetricBuilder::new(set).counter("gpu_fallbacks", 0),
+            device_bytes_held: MetricBuilder::new(set).gauge("device_bytes_held", 0),
+            pinned_bytes_held: MetricBuilder::new(set).gauge("pinned_bytes_held", 0),
+            device_peak_bytes: MetricBuilder::new(set).gauge("device_peak_bytes", 0),
+            filter_time: time("filter_time"),
+            key_eval_time: time("key_eval_time"),
+            select_time: time("select_time"),
+            retain_time: time("retain_time"),
+            gather_time: time("gather_time"),
+            read_time: time("read_time"),
+            compile_time: time("compile_time"),
+            predicted_time: time("predicted_time"),
+            operator_time: time("operator_time"),
+            transfers: TransferMetrics {
+                cache_hits: MetricBuilder::new(set).counter("cache_hits", 0),
+                cache_misses: MetricBuilder::new(set).counter("cache_misses", 0),
+                resident_bytes: MetricBuilder::new(set).counter("resident_bytes", 0),
+                uploaded_bytes: MetricBuilder::new(set).counter("uploaded_bytes", 0),
+                upload_time: time("upload_time"),
+            },
+        }
+    }
+}
