@@ -19,12 +19,8 @@ impl TopKEngine {
         let subranges = n.div_ceil(s);
         let ids = if input.positional { 0 } else { input.id_at(0) };
         let delegates = self.alloc_pairs(subranges)?;
-        let name = self.kernel("delegate_min");
-        self.launch(
-            &name,
-            self.resident_grid(&name, THREADS)?,
-            THREADS,
-            0,
+        self.launch_resident(
+            "delegate_min",
             args![
                 input.key_at(0),
                 ids,
@@ -40,12 +36,8 @@ impl TopKEngine {
         let candidates = self.alloc_pairs(cap)?;
         let base = self.scalars.ptr();
         self.write_u64(base + COUNT_OFFSET, 0)?;
-        let name = self.kernel("delegate_gather");
-        self.launch(
-            &name,
-            self.resident_grid(&name, THREADS)?,
-            THREADS,
-            0,
+        self.launch_resident(
+            "delegate_gather",
             args![
                 input.key_at(0),
                 ids,

@@ -389,6 +389,12 @@ impl TopKEngine {
         self.launch_function(function, name, grid, block, shared, args)
     }
 
+    /// Launches this kind's kernel `base` on [`THREADS`]-thread blocks, one resident wave.
+    fn launch_resident(&self, base: &str, args: &[Arg]) -> GpuResult<()> {
+        let name = self.kernel(base);
+        self.launch(&name, self.resident_grid(&name, THREADS)?, THREADS, 0, args)
+    }
+
     /// Launches `function` (`name` for errors). Where the device takes programmatic dependent
     /// launch ([`GpuDevice::programmatic_launch`]), with programmatic stream serialisation: the
     /// driver stages the launch while the previous kernel drains, and the kernel's first
@@ -672,12 +678,8 @@ impl TopKEngine {
         let cut = super::measure::fraction_cut(fraction);
         let base = self.scalars.ptr();
         self.write_u64(base + COUNT_OFFSET, 0)?;
-        let name = self.kernel("filter_fraction");
-        self.launch(
-            &name,
-            self.resident_grid(&name, THREADS)?,
-            THREADS,
-            0,
+        self.launch_resident(
+            "filter_fraction",
             args![
                 input.key_at(0),
                 n,

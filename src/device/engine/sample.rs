@@ -87,12 +87,8 @@ impl TopKEngine {
             run.lap(format!("threshold {level} (s={s})"), &self.stream)?;
             if level == 0 && input.positional && input_count.is_none() {
                 // Keys only, vector loads: the pass that should run at the read floor.
-                let name = self.kernel("filter_below");
-                self.launch(
-                    &name,
-                    self.resident_grid(&name, THREADS)?,
-                    THREADS,
-                    0,
+                self.launch_resident(
+                    "filter_below",
                     args![
                         input.key_at(0),
                         n,

@@ -74,35 +74,31 @@ impl TopKEngine {
                 status
             ],
         )?;
+        // The rank and scatter passes both take the sorted tiles, the count and the counts below.
+        let ranked = args![
+            sorted_tiles.key_at(0),
+            sorted_tiles.id_at(0),
+            count,
+            cap,
+            below.ptr()
+        ];
         self.launch(
             &self.kernel("bitonic_chunk_rank"),
             (tiles * tiles) as u32,
             CHUNK_THREADS,
             shared,
-            args![
-                sorted_tiles.key_at(0),
-                sorted_tiles.id_at(0),
-                count,
-                cap,
-                below.ptr(),
-                status
-            ],
+            &[ranked.as_slice(), args![status]].concat(),
         )?;
         self.launch(
             &self.kernel("bitonic_chunk_scatter"),
             self.grid_for(tiles * tile, 1),
             THREADS,
             0,
-            args![
-                sorted_tiles.key_at(0),
-                sorted_tiles.id_at(0),
-                count,
-                cap,
-                below.ptr(),
-                out.key_at(0),
-                out.id_at(0),
-                status
-            ],
+            &[
+                ranked.as_slice(),
+                args![out.key_at(0), out.id_at(0), status],
+            ]
+            .concat(),
         )?;
         Ok(out)
     }

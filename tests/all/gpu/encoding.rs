@@ -33,7 +33,7 @@ pub(super) fn column(data_type: &DataType, n: usize, nulls: bool, rng: &mut Rng)
             let edges = [<$t>::MIN as i128, <$t>::MAX as i128, 0, 1, -1];
             let values: Vec<Option<$t>> = (0..n)
                 .map(|i| {
-                    let r = rng.next() as $t as i128;
+                    let r = rng.next_u64() as $t as i128;
                     let v = pick(rng, &edges, r) as $t;
                     valid[i].then_some(v)
                 })
@@ -153,8 +153,8 @@ pub(super) fn column(data_type: &DataType, n: usize, nulls: bool, rng: &mut Rng)
             let edges = [i128::MIN, i128::MAX, 0, 1, -1, i128::from(i64::MIN) - 1];
             let values: Vec<Option<i128>> = (0..n)
                 .map(|i| {
-                    let r =
-                        (i128::from(rng.next()) << 64 | i128::from(rng.next())) >> rng.below(100);
+                    let r = (i128::from(rng.next_u64()) << 64 | i128::from(rng.next_u64()))
+                        >> rng.below(100);
                     valid[i].then_some(pick(rng, &edges, r))
                 })
                 .collect();

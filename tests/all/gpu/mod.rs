@@ -30,6 +30,8 @@ use datafusion_gpu_topk::internal::select::cuda::{
 };
 use datafusion_gpu_topk::internal::select::{RowIds, SelectInput, SelectionSpec, cpu, row_id};
 
+use crate::common::{Rng, test_dir};
+
 mod encoding;
 mod generated;
 mod nvrtc;
@@ -41,27 +43,6 @@ use encoding::*;
 use selection::*;
 
 // ---- helpers ----------------------------------------------------------------------------------
-
-/// xorshift64*: tiny, deterministic, good enough for test data.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
 
 fn nvrtc_or_skip(test: &str) -> bool {
     if nvrtc_available() {
@@ -99,13 +80,6 @@ fn oracle<K: Ord + Copy>(keys: &[K], ids: &[u64], k: usize) -> Vec<u64> {
     }
     pairs.sort_unstable();
     pairs.into_iter().map(|(_, id)| id).collect()
-}
-
-fn tmp_dir(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("gpu-topk-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 /// The device algorithm a setting resolves to for `spec`, as the cost model resolves it

@@ -125,7 +125,7 @@ fn compile_cubin_reports_errors_with_the_log_and_rejects_virtual_targets() {
 
 #[test]
 fn kernel_sources_load_from_a_directory() {
-    let dir = tmp_dir("sources");
+    let dir = test_dir("sources");
     for (name, text) in kernels::EMBEDDED {
         std::fs::write(dir.join(name), text).unwrap();
     }
@@ -144,7 +144,7 @@ fn kernel_sources_load_from_a_directory() {
 
 #[test]
 fn cache_files_detect_corruption_truncation_and_stale_keys() {
-    let dir = tmp_dir("cache-files");
+    let dir = test_dir("cache-files");
     let path = dir.join("x.cubin");
     let payload: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
     let key = cache_key(&[b"source", b"sm_90"]);
@@ -170,7 +170,7 @@ fn cubin_cache_stores_reuses_and_rebuilds() {
     if !nvrtc_or_skip("cubin_cache_stores_reuses_and_rebuilds") {
         return;
     }
-    let dir = tmp_dir("cubin-cache");
+    let dir = test_dir("cubin-cache");
     let sources = KernelSources::embedded();
     let first = cubin_cached("candidates.cu", &sources, "sm_90", &[], 13000, Some(&dir)).unwrap();
     let files: Vec<_> = std::fs::read_dir(&dir)

@@ -37,22 +37,22 @@ pub(super) fn generate(dist: Dist, n: usize, wide: bool, seed: u64) -> (Vec<u64>
     let mut rng = Rng::new(seed);
     let keys = (0..n as u64)
         .map(|i| match dist {
-            Dist::Uniform if wide => rng.next(),
-            Dist::Uniform => rng.next() >> 32,
+            Dist::Uniform if wide => rng.next_u64(),
+            Dist::Uniform => rng.next_u64() >> 32,
             Dist::AllEqual => 0x1234_5678,
             Dist::AllMax if wide => u64::MAX,
             Dist::AllMax => u64::from(u32::MAX),
             Dist::Narrow => {
                 let v = u64::from(f32_key(128.6 + 0.1 * rng.unit() as f32));
                 if wide {
-                    v << 32 | (rng.next() >> 62)
+                    v << 32 | (rng.next_u64() >> 62)
                 } else {
                     v
                 }
             }
             Dist::SortedAsc => i * 3,
             Dist::SortedDesc => (n as u64 - i) * 3,
-            Dist::HeavyTies => u64::from(rng.next().leading_zeros()),
+            Dist::HeavyTies => u64::from(rng.next_u64().leading_zeros()),
         })
         .collect();
     // Unique ids (an odd multiplier is a bijection) in shuffled order.
@@ -403,8 +403,8 @@ fn gpu_top_bits_selection_matches_the_oracle_on_each_route() {
     let mut rng = Rng::new(9);
     let gap: Vec<u64> = (0..n)
         .map(|_| match rng.below(20) {
-            0 => rng.next() >> 52,
-            _ => (1 << 30) + (rng.next() >> 34),
+            0 => rng.next_u64() >> 52,
+            _ => (1 << 30) + (rng.next_u64() >> 34),
         })
         .collect();
     inputs.push((

@@ -292,7 +292,7 @@ fn gpu_selector_randomised_against_both_the_cpu_selector_and_a_full_sort() {
         let capacity = [1, 100, 5000, 1 << 22][rng0.below(4) as usize];
         let (threads, batches) = (1 + rng0.below(8) as usize, 1 + rng0.below(8) as usize);
         let rows = [10, 500, 3000][rng0.below(3) as usize];
-        let seed = rng0.next();
+        let seed = rng0.next_u64();
         let spec1 = SelectionSpec::new(layout.clone(), k);
         let Some(algorithm) = resolve(&device, &spec1, algorithm) else {
             continue; // bitonic with too large a k

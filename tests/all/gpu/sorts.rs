@@ -100,7 +100,7 @@ fn gpu_packed_merge_sort_matches_the_oracle() {
             let keys: Vec<u64> = (0..n)
                 .map(|i| match dist {
                     "uniform" => 0x5a00_0000 | rng.below(1 << 24),
-                    "ties" => 0x5a00_0000 | u64::from(rng.next().leading_zeros()),
+                    "ties" => 0x5a00_0000 | u64::from(rng.next_u64().leading_zeros()),
                     "runs" => 0x5a00_0000 | (i as u64 / 977),
                     _ => 0x5a00_0000,
                 })
