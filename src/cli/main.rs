@@ -531,7 +531,10 @@ mod tests {
                 .contains("auto, cuda, cpu")
         );
         assert!(args(&["--rows", "many"]).unwrap_err().contains("row count"));
-        assert_eq!(args(&["--cache-bytes", "1024"]).unwrap().cache_bytes, Some(1024));
+        assert_eq!(
+            args(&["--cache-bytes", "1024"]).unwrap().cache_bytes,
+            Some(1024)
+        );
         assert!(
             args(&["--cache-bytes", "1G"])
                 .unwrap_err()

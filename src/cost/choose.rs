@@ -512,7 +512,11 @@ mod tests {
             InputForm::WholeTable
         );
         assert_eq!(
-            whole(10, &table(true, 1.0), FaultPoint::Device(DeviceOp::Alloc, 1)),
+            whole(
+                10,
+                &table(true, 1.0),
+                FaultPoint::Device(DeviceOp::Alloc, 1)
+            ),
             InputForm::WholeTable
         );
         assert_eq!(

@@ -485,7 +485,10 @@ mod tests {
         let cache = ColumnCache::new(4 << 20); // a quarter: 1 MiB
         assert_eq!(cache.budget(), 1 << 20);
         assert!(cache.reserve(600 << 10));
-        assert!(!cache.reserve(600 << 10), "over the budget, nothing to evict");
+        assert!(
+            !cache.reserve(600 << 10),
+            "over the budget, nothing to evict"
+        );
         cache.unreserve(600 << 10);
         cache.set_budget(512 << 10);
         assert_eq!(cache.budget(), 512 << 10);

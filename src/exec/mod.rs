@@ -39,8 +39,8 @@
 
 pub(crate) mod cannot_fail;
 mod dynamic_filter;
-mod metrics;
 mod memory;
+mod metrics;
 mod parquet;
 mod row_store;
 mod stream;

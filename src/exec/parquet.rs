@@ -81,7 +81,8 @@ pub(crate) fn parquet_input(input: &Arc<dyn ExecutionPlan>) -> Option<ParquetInp
             .iter()
             .map(|p| {
                 let inside = collect_columns(&p.expr).iter().all(|c| c.index() < width);
-                (inside && super::cannot_fail::arithmetic(&p.expr, &file_schema)).then(|| Arc::clone(&p.expr))
+                (inside && super::cannot_fail::arithmetic(&p.expr, &file_schema))
+                    .then(|| Arc::clone(&p.expr))
             })
             .collect::<Option<Vec<_>>>()?,
         None => (0..width)

@@ -35,7 +35,7 @@ use crate::config::FaultPoint;
 use crate::cost::{InputForm, SelectionPlan};
 use crate::device::watch::DeviceWatch;
 use crate::fusion::FusedProgram;
-use crate::select::{self, DeviceError, Selector, SelectionSpec, TopKSelector};
+use crate::select::{self, DeviceError, SelectionSpec, Selector, TopKSelector};
 use fused::FusedPending;
 use host::Pending;
 use whole_table::WholeTable;
@@ -283,8 +283,8 @@ impl TopKRun {
             SelectionPlan::Cpu { .. } => None,
         };
         let selection = self.selection_spec(program.clone());
-        let fallible = plan.choice() != select::SelectionChoice::Cpu
-            || self.spec.fault != FaultPoint::None;
+        let fallible =
+            plan.choice() != select::SelectionChoice::Cpu || self.spec.fault != FaultPoint::None;
         let mode = match select::create_selector(&selection, plan) {
             Ok(Selector::Streamed(selector)) => Mode {
                 selector,

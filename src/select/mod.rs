@@ -397,6 +397,9 @@ mod tests {
         }
         let other = DataFusionError::External("[gpu-topk device] a look-alike".into());
         assert_eq!(DeviceError::find(&other), None);
-        assert_eq!(DeviceError::find(&DataFusionError::Execution("x".into())), None);
+        assert_eq!(
+            DeviceError::find(&DataFusionError::Execution("x".into())),
+            None
+        );
     }
 }

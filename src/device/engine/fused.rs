@@ -163,8 +163,7 @@ impl TopKEngine {
             let dense_step = step / FUSED_REFINE;
             let expected_rows = r as f64 * step as f64 * (1.0 + 2.0 / (r as f64).sqrt());
             let refine_above = self.refine_above()?;
-            let refine =
-                plan::fused_refines(algorithm, k, dense_step, expected_rows, refine_above);
+            let refine = plan::fused_refines(algorithm, k, dense_step, expected_rows, refine_above);
             // The denser sample's rank: k's expected rank in it plus 4σ.
             let dense_rank = refine.then(|| rank_at(dense_step) - 1);
             // Before a denser sample the first one only bounds it: up to 8× coarser (a cheaper

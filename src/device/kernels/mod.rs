@@ -238,12 +238,12 @@ impl KernelSources {
     }
 }
 
-mod cubin_cache;
 mod compile;
+mod cubin_cache;
 mod generated;
 
-pub use cubin_cache::*;
 pub use compile::*;
+pub use cubin_cache::*;
 pub use generated::*;
 
 // ---- loaded modules --------------------------------------------------------------------------

@@ -165,7 +165,6 @@ impl Emitter<'_> {
     }
 }
 
-/// The value of an integer literal divisor.
 /// A string literal (plain or dictionary-typed): `Some(None)` for a NULL string.
 fn string_literal(expr: &Arc<dyn PhysicalExpr>) -> Option<Option<String>> {
     fn of(scalar: &ScalarValue) -> Option<Option<String>> {

@@ -73,7 +73,10 @@ impl ColumnBuffers {
 
     /// One column given as consecutive chunks. Fixed-width chunks without NULLs are staged
     /// back to back straight from their buffers; others are concatenated first.
-    pub(in crate::select) fn of_chunks(chunks: &[ArrayRef], byte_width: Option<usize>) -> Result<Self> {
+    pub(in crate::select) fn of_chunks(
+        chunks: &[ArrayRef],
+        byte_width: Option<usize>,
+    ) -> Result<Self> {
         let plain = byte_width.is_some()
             && chunks
                 .iter()
