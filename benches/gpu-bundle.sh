@@ -12,8 +12,9 @@
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
-mkdir -p .git/info .gpu
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude) # a worktree's .git is a file
+mkdir -p "$(dirname "$exclude")" .gpu
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 json=$(mktemp)
 stage=$(mktemp -d)
 trap 'rm -rf "$stage" "$json"' EXIT

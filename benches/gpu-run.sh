@@ -10,7 +10,10 @@
 #    auto first), ROWS rows (default 100M), with CLIENTS concurrent clients (default 16), its
 #    CSV and SVG plots under $OUT; PARQUET=DIR: over Parquet files written to DIR instead.
 # Logs go to $OUT; the summary is printed last. Set SKIP_BENCH=1 to stop after step 2, SKIP_TESTS=1
-# to skip step 1, SWEEP=1 for the benchmark's sweep (Q1 selectivity 0 to 1 by 0.1, Q2 k 1 to 10^6).
+# to skip step 1, SKIP_QUERIES=1 to skip step 2, SWEEP=1 for the benchmark's sweep (Q1
+# selectivity 0 to 1 by 0.1, Q2 k 1 to 10^6). BASELINE=NAME (a benchmark packed with
+# `EXTRA="NAME=PATH"`): step 3 runs it and this build's benchmark alternately, ROUNDS times
+# each (default 2), without clients or plots, to compare two builds on one machine.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-run}
 ROWS=${ROWS:-100000000}
@@ -29,19 +32,30 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     summary+=("integration tests, backend cpu (rc $?): $(result "$OUT/tests-cpu.log")")
 fi
 
-for backend in cuda cpu; do
-    .b/gpu-topk --rows "$ROWS" --show 100 --backend "$backend" > "$OUT/queries-$backend.log" 2>&1
-done
-if diff <(grep '^|' "$OUT/queries-cuda.log") <(grep '^|' "$OUT/queries-cpu.log") > /dev/null; then
-    same="identical"
-else
-    same="DIFFERENT"
+if [ -z "${SKIP_QUERIES:-}" ]; then
+    for backend in cuda cpu; do
+        .b/gpu-topk --rows "$ROWS" --show 100 --backend "$backend" > "$OUT/queries-$backend.log" 2>&1
+    done
+    if diff <(grep '^|' "$OUT/queries-cuda.log") <(grep '^|' "$OUT/queries-cpu.log") > /dev/null; then
+        same="identical"
+    else
+        same="DIFFERENT"
+    fi
+    rows=$(grep -c '^| [0-9]' "$OUT/queries-cuda.log")
+    summary+=("gpu-topk Q1-Q4, $ROWS rows, cuda vs cpu: $same ($rows result rows)")
+    summary+=("$(grep -E '^(time|top-k):' "$OUT/queries-cuda.log" | paste -sd' ' -)")
 fi
-rows=$(grep -c '^| [0-9]' "$OUT/queries-cuda.log")
-summary+=("gpu-topk Q1-Q4, $ROWS rows, cuda vs cpu: $same ($rows result rows)")
-summary+=("$(grep -E '^(time|top-k):' "$OUT/queries-cuda.log" | paste -sd' ' -)")
 
-if [ -z "${SKIP_BENCH:-}" ]; then
+if [ -z "${SKIP_BENCH:-}" ] && [ -n "${BASELINE:-}" ]; then
+    for round in $(seq "${ROUNDS:-2}"); do
+        for build in "$BASELINE" cpu_vs_datafusion; do
+            log="$OUT/end-to-end-$build-$round.log"
+            .b/"$build" --rows "$ROWS" --runs 3 > "$log" 2>&1
+            summary+=("end to end, $build, round $round (rc $?):")
+            summary+=("$(cat "$log")")
+        done
+    done
+elif [ -z "${SKIP_BENCH:-}" ]; then
     .b/cpu_vs_datafusion --rows "$ROWS" --runs 3 --csv "$OUT/end-to-end.csv" --plots "$OUT" \
         --clients "${CLIENTS:-16}" ${SWEEP:+--sweep} ${PARQUET:+--parquet "$PARQUET"} \
         > "$OUT/end-to-end.log" 2>&1
