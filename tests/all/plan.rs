@@ -496,9 +496,10 @@ async fn explained(ctx: &SessionContext, sql: &str) -> String {
 }
 
 /// The cost model in the planner (GPU machine): EXPLAIN shows its choice and prediction,
-/// VERBOSE every alternative's, EXPLAIN ANALYZE the prediction beside the measured
-/// `operator_time`; under `backend=auto` a tiny input goes to the CPU path, under `backend=cuda`
-/// the CPU is no alternative; the results are DataFusion's.
+/// VERBOSE every alternative's (over a whole table, the sampled selection that runs it; over
+/// a streamed input, every device algorithm), EXPLAIN ANALYZE the prediction beside the
+/// measured `operator_time`; under `backend=auto` a tiny input goes to the CPU path, under
+/// `backend=cuda` the CPU is no alternative; the results are DataFusion's.
 #[tokio::test]
 async fn the_cost_model_chooses_and_explains() {
     if gpu().is_none() {
@@ -521,14 +522,32 @@ async fn the_cost_model_chooses_and_explains() {
         "backend=cuda",
         "predicted=",
         "(n=2097152)",
-        "alternatives=[",
-        "cuda sample",
-        "cuda radix",
+        "alternatives=[cuda sample",
+        "cache=on",
         "cost model (calibrated",
     ] {
         assert!(text.contains(part), "{part} missing:\n{text}");
     }
+    assert!(!text.contains("cuda radix"), "{text}");
     assert!(!text.contains("cpu select-nth"), "{text}");
+    let streamed = {
+        let state = SessionStateBuilder::new()
+            .with_config(SessionConfig::new().with_target_partitions(2))
+            .with_default_features()
+            .with_gpu_topk(
+                GpuTopKConfig::default()
+                    .with_backend(Backend::Cuda)
+                    .with_column_cache(false),
+            )
+            .build();
+        SessionContext::new_with_state(state)
+    };
+    register(&streamed, "big", numbers(2, 1 << 21));
+    let text = explained(&streamed, &format!("EXPLAIN VERBOSE {sql}")).await;
+    for part in ["cuda sample", "cuda radix"] {
+        assert!(text.contains(part), "{part} missing:\n{text}");
+    }
+    assert!(!text.contains("cache=on"), "{text}");
     let text = explained(&ctx, &format!("EXPLAIN ANALYZE {sql}")).await;
     assert!(
         text.contains("predicted_time=") && text.contains("operator_time="),
