@@ -7,6 +7,7 @@
 //! ```text
 //! cargo bench --bench cpu_vs_datafusion -- [--rows N] [--runs R] [--csv FILE] [--sweep]
 //!     [--plots DIR] [--clients C] [--profile] [--parquet DIR]
+//! cargo bench --bench cpu_vs_datafusion -- --lineitem DIR [--memory] [--runs R] [--csv FILE]
 //! ```
 //!
 //! Each query runs R times per engine (after one checked run), alternating engines; the table
@@ -19,6 +20,12 @@
 //! DIR`: every engine reads the tweets from Parquet files in DIR (written there first, one
 //! file per partition, row groups of 1M rows, unless DIR holds them already) instead of
 //! memory. `auto first` is the default settings with the cache emptied before each run.
+//!
+//! `--lineitem DIR`: the string top-k queries instead (S1–S4 at k = 10, 1000, 10 000: a
+//! string key, a string tie-breaker, a `LIKE` filter, a string key under a selective filter)
+//! over TPC-H's `lineitem` read from the Parquet files in `DIR/lineitem` (as
+//! `benches/tpch/generate.py` writes them), or with `--memory` from those files loaded into
+//! memory first. `benches/duckdb_topk.py` runs the same queries in DuckDB.
 
 mod common;
 
@@ -73,6 +80,70 @@ fn queries(sweep: bool) -> Vec<(String, String)> {
     q
 }
 
+/// The string top-k queries over TPC-H's `lineitem` (`benches/duckdb_topk.py` has the same).
+fn string_queries() -> Vec<(String, String)> {
+    let mut q = Vec::new();
+    for k in [10, 1000, 10_000] {
+        q.push((
+            format!("S1 k={k}"),
+            format!("SELECT l_orderkey, l_comment FROM lineitem ORDER BY l_comment LIMIT {k}"),
+        ));
+        q.push((
+            format!("S2 k={k}"),
+            format!(
+                "SELECT l_orderkey, l_extendedprice, l_comment FROM lineitem \
+                 ORDER BY l_extendedprice DESC, l_comment LIMIT {k}"
+            ),
+        ));
+        q.push((
+            format!("S3 k={k}"),
+            format!(
+                "SELECT l_orderkey, l_extendedprice FROM lineitem WHERE l_comment LIKE '%special%' \
+                 ORDER BY l_extendedprice DESC LIMIT {k}"
+            ),
+        ));
+        q.push((
+            format!("S4 k={k}"),
+            format!(
+                "SELECT l_orderkey, l_comment FROM lineitem WHERE l_quantity < 2 \
+                 ORDER BY l_comment DESC LIMIT {k}"
+            ),
+        ));
+    }
+    q
+}
+
+/// Registers TPC-H's `lineitem` from `DIR/lineitem` with every engine: the Parquet files,
+/// or (`memory`) their rows loaded once, a `MemTable` for DataFusion and a `GpuTable` for ours.
+async fn register_lineitem(
+    dir: &str,
+    memory: bool,
+    plain: &datafusion::prelude::SessionContext,
+    engines: &[Engine],
+) -> Result<String> {
+    let path = format!("{dir}/lineitem");
+    if !memory {
+        for ctx in std::iter::once(plain).chain(engines.iter().map(|e| &e.ctx)) {
+            ctx.register_parquet("lineitem", &path, Default::default())
+                .await?;
+        }
+        return Ok(format!("TPC-H lineitem in the Parquet files of {path}"));
+    }
+    let frame = plain.read_parquet(&path, Default::default()).await?;
+    let frame =
+        frame.select_columns(&["l_orderkey", "l_quantity", "l_extendedprice", "l_comment"])?;
+    let schema = std::sync::Arc::new(frame.schema().as_arrow().clone());
+    let parts = frame.collect_partitioned().await?;
+    let rows: usize = parts.iter().flatten().map(RecordBatch::num_rows).sum();
+    let table = std::sync::Arc::new(MemTable::try_new(schema.clone(), parts.clone())?);
+    plain.register_table("lineitem", table)?;
+    let table = std::sync::Arc::new(GpuTable::try_new(schema, parts)?);
+    for engine in engines {
+        engine.ctx.register_table("lineitem", table.clone())?;
+    }
+    Ok(format!("TPC-H lineitem ({rows} rows of {path}) in memory"))
+}
+
 /// The last column's values, sorted: equal for both engines whatever their tie order.
 fn key_multiset(batches: &[RecordBatch]) -> Vec<String> {
     let options = FormatOptions::default();
@@ -124,6 +195,8 @@ async fn main() -> Result<()> {
     let sweep = std::env::args().any(|a| a == "--sweep");
     let profile = std::env::args().any(|a| a == "--profile");
     let parquet: String = arg("--parquet", String::new());
+    let lineitem: String = arg("--lineitem", String::new());
+    let memory = std::env::args().any(|a| a == "--memory");
     let plain = session(false, Backend::Cpu, true);
     // Our operator on the CPU path, and on the GPU when there is one, predicate and keys in
     // generated GPU code: "cold" streams the columns over PCIe on every query (no column
@@ -168,10 +241,21 @@ async fn main() -> Result<()> {
     }
     let partitions = plain.copied_config().target_partitions();
     let started = Instant::now();
+    let queries = |sweep| match lineitem.is_empty() {
+        true => queries(sweep),
+        false => string_queries(),
+    };
     // The same batches: a MemTable for DataFusion, a GpuTable for our operator.
-    let parts = tweets::tweets_partitions(&TweetsSpec::new(rows), partitions, 8192)?;
-    let schema = tweets::tweets_schema();
-    let storage = if parquet.is_empty() {
+    let storage = if !lineitem.is_empty() {
+        let source = register_lineitem(&lineitem, memory, &plain, &engines).await?;
+        println!(
+            "# {source} (ready in {:.1} s), {runs} runs each, median ms",
+            started.elapsed().as_secs_f64()
+        );
+        "TPC-H lineitem"
+    } else if parquet.is_empty() {
+        let parts = tweets::tweets_partitions(&TweetsSpec::new(rows), partitions, 8192)?;
+        let schema = tweets::tweets_schema();
         let table = std::sync::Arc::new(MemTable::try_new(schema.clone(), parts.clone())?);
         plain.register_table("tweets", table)?;
         let table = std::sync::Arc::new(GpuTable::try_new(schema, parts)?);
@@ -185,6 +269,8 @@ async fn main() -> Result<()> {
         );
         "in memory"
     } else {
+        let parts = tweets::tweets_partitions(&TweetsSpec::new(rows), partitions, 8192)?;
+        let schema = tweets::tweets_schema();
         let bytes = write_parquet(&parquet, &schema, parts).await?;
         for ctx in std::iter::once(&plain).chain(engines.iter().map(|e| &e.ctx)) {
             ctx.register_parquet("tweets", &parquet, Default::default())

@@ -168,6 +168,18 @@ pub(crate) fn choose(
         return cpu_or_decline(format!("the GPU kernels are unusable ({e})"));
     }
     let gpu = format!("GPU {}", device.describe());
+    if let Some(note) = layout.prefix_note() {
+        // The device selects exact composites only: a prefix layout runs on the CPU path.
+        let why = match backend {
+            Backend::Cuda => "backend=cuda, but the device selects exact keys only",
+            _ => "the device selects exact keys only",
+        };
+        return Placement::Run {
+            plan: SelectionPlan::CPU,
+            reason: format!("{gpu}; {note}; {why}: CPU path"),
+            prediction: None,
+        };
+    }
     let calibration = calibration::calibration(device, kernel_cache_dir, recalibrate);
     let model = match &calibration {
         Ok(c) => Some(c.model),

@@ -13,6 +13,8 @@ pub(super) struct TopKMetrics {
     pub(super) rows_passed_filter: Count,
     pub(super) output_rows: Count,
     pub(super) gpu_fallbacks: Count,
+    /// Rows whose key prefix tied the k-th candidate's and were compared in full.
+    pub(super) rows_refined: Count,
     /// Device and pinned host bytes the selection holds now (zero once a run is over) and
     /// the most device bytes it held at once.
     pub(super) device_bytes_held: Gauge,
@@ -46,6 +48,7 @@ impl TopKMetrics {
             rows_passed_filter: MetricBuilder::new(set).counter("rows_passed_filter", 0),
             output_rows: MetricBuilder::new(set).output_rows(0),
             gpu_fallbacks: MetricBuilder::new(set).counter("gpu_fallbacks", 0),
+            rows_refined: MetricBuilder::new(set).counter("rows_refined", 0),
             device_bytes_held: MetricBuilder::new(set).gauge("device_bytes_held", 0),
             pinned_bytes_held: MetricBuilder::new(set).gauge("pinned_bytes_held", 0),
             device_peak_bytes: MetricBuilder::new(set).gauge("device_peak_bytes", 0),

@@ -227,10 +227,13 @@ impl DisplayAs for GpuTopKExec {
                     write!(f, ", filter=[{filter}]")?;
                 }
                 let choice = spec.plan.choice();
+                write!(f, ", key_bits={}", spec.layout.total_bits())?;
+                if !spec.layout.exact() {
+                    f.write_str(", ties=refined")?;
+                }
                 write!(
                     f,
-                    ", key_bits={}, backend={}, algorithm={}",
-                    spec.layout.total_bits(),
+                    ", backend={}, algorithm={}",
                     choice.backend(),
                     choice.algorithm()
                 )?;

@@ -259,6 +259,7 @@ impl TopKRun {
             fault: spec.fault,
             watch: Some(Arc::new(watch)),
             transfers: self.metrics.transfers.clone(),
+            refined_rows: self.metrics.rows_refined.clone(),
             ..SelectionSpec::new(spec.layout.clone(), spec.k)
         }
     }
@@ -434,12 +435,14 @@ impl Shared {
         let first = self.spec.sort_exprs.first();
         // Not for floats: Parquet statistics leave NaNs out, so a scan would prune row groups
         // whose NaNs (greatest, or as −NaN smallest) belong in the answer.
-        let float_key = self
-            .store_schema
-            .field(self.first_key)
-            .data_type()
-            .is_floating();
-        if !float_key
+        // Nor for dictionaries, whose comparison with a literal DataFusion may not plan.
+        let first_type = self.store_schema.field(self.first_key).data_type();
+        let unprunable = first_type.is_floating()
+            || matches!(
+                first_type,
+                datafusion::arrow::datatypes::DataType::Dictionary(..)
+            );
+        if !unprunable
             && self.spec.scans_may_skip_rows()
             && let Some(predicate) = threshold_predicate(first, &value)?
         {

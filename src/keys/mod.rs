@@ -44,19 +44,33 @@
 //! Encoding runs column by column into the composite vector: one type dispatch per column, then a
 //! tight generic loop over the column's `values()` slice (NULL slots included, they are patched
 //! afterwards from the validity bitmap, so the main loop stays branch-free and vectorisable).
+//!
+//! ## Prefix layouts
+//!
+//! Keys compared byte by byte (strings, binary, dictionaries of them, `Decimal256`) and keys
+//! that together need more than 256 bits have no exact composite. [`KeyLayout::with_prefixes`]
+//! then builds a *prefix* layout: the leading keys in full while they fit, then one truncated
+//! field, and nothing of the keys after it (what follows a truncated field would break its
+//! order). A byte key's field is its first bytes, zero-padded and big-endian (up to 16, sized
+//! so the composite stays within 128 bits where the keys before it leave room for 8); a wide
+//! fixed key keeps its high value bits. The prefix composite is *monotone*: a row that sorts
+//! before another never has a larger composite, so a row whose composite exceeds the k-th
+//! candidate's can never win, and only rows that tie it need the full comparison
+//! ([`crate::select::prefix`]). [`KeyLayout::exact`] tells the two kinds apart.
 
 use std::ops::{BitAnd, BitOr, Not};
 
 use datafusion::arrow::array::{Array, ArrayRef, ArrowPrimitiveType, AsArray};
 use datafusion::arrow::compute::SortOptions;
 use datafusion::arrow::datatypes::{
-    DataType, Date32Type, Date64Type, Decimal32Type, Decimal64Type, Decimal128Type,
+    DataType, Date32Type, Date64Type, Decimal32Type, Decimal64Type, Decimal128Type, Decimal256Type,
     DurationMicrosecondType, DurationMillisecondType, DurationNanosecondType, DurationSecondType,
     Float16Type, Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type,
     Time32MillisecondType, Time32SecondType, Time64MicrosecondType, Time64NanosecondType, TimeUnit,
     TimestampMicrosecondType, TimestampMillisecondType, TimestampNanosecondType,
     TimestampSecondType, UInt8Type, UInt16Type, UInt32Type, UInt64Type,
 };
+use datafusion::arrow::row::SortField;
 use datafusion::error::{DataFusionError, Result};
 
 #[cfg(test)]
@@ -99,7 +113,41 @@ impl KeySpec {
     pub fn bits(&self) -> Option<u32> {
         self.value_bits().map(|b| b + u32::from(self.nullable))
     }
+
+    /// Whether the key is compared byte by byte (strings, binary, dictionaries of them,
+    /// `Decimal256`): only a prefix layout takes it.
+    pub fn by_bytes(&self) -> bool {
+        bytes_type(&self.data_type)
+    }
 }
+
+/// Types compared byte by byte, whose composite field is a prefix of their bytes.
+fn bytes_type(data_type: &DataType) -> bool {
+    use DataType::*;
+    match data_type {
+        Utf8 | LargeUtf8 | Utf8View | Binary | LargeBinary | BinaryView | FixedSizeBinary(_)
+        | Decimal256(..) => true,
+        Dictionary(_, values) => matches!(
+            values.as_ref(),
+            Utf8 | LargeUtf8 | Utf8View | Binary | LargeBinary | BinaryView
+        ),
+        _ => false,
+    }
+}
+
+/// How one key is written into the composite.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    /// All of its value bits.
+    Whole,
+    /// Its high value bits: `dropped` low bits are left out.
+    High { dropped: u32 },
+    /// Its first `bytes` bytes, zero-padded, big-endian.
+    Bytes { bytes: u32 },
+}
+
+/// The most prefix bytes a byte key's field takes (one `u128`).
+const MAX_PREFIX_BYTES: u32 = 16;
 
 pub use crate::device::plan::{KeyWidth, Native};
 
@@ -183,9 +231,11 @@ impl Not for U256 {
 pub struct KeyLayout {
     specs: Vec<KeySpec>,
     total_bits: u32,
-    /// Per key: value bits (null bit excluded).
+    /// Per key in the composite (the leading keys; all of them in an exact layout).
+    parts: Vec<Part>,
+    /// Per key in the composite: value bits kept (null bit excluded).
     value_bits: Vec<u32>,
-    /// Per key: offset of the field's lowest bit in the composite.
+    /// Per key in the composite: offset of the field's lowest bit.
     shifts: Vec<u32>,
 }
 
@@ -222,18 +272,123 @@ impl KeyLayout {
                 parts.join(", ")
             ));
         }
-        let mut shifts = vec![0; specs.len()];
+        let parts = vec![Part::Whole; specs.len()];
+        Ok(Self::placed(specs, parts, value_bits))
+    }
+
+    /// Lays out `specs` exactly where [`try_new`](Self::try_new) can, else as a prefix layout
+    /// (see the module documentation). `Err` carries a reason fit for `EXPLAIN` when a key's
+    /// type is neither fixed-width nor compared by bytes, or there are no keys.
+    pub fn with_prefixes(specs: Vec<KeySpec>) -> std::result::Result<Self, String> {
+        if specs.is_empty() {
+            return Err("the GPU top-k needs at least one sort key".to_string());
+        }
+        if let Some((i, spec)) =
+            (specs.iter().enumerate()).find(|(_, s)| s.value_bits().is_none() && !s.by_bytes())
+        {
+            return Err(unsupported_reason(i, &spec.data_type));
+        }
+        if !specs.iter().any(KeySpec::by_bytes)
+            && let Ok(exact) = Self::try_new(specs.clone())
+        {
+            return Ok(exact);
+        }
+        let (mut parts, mut value_bits, mut used) = (Vec::new(), Vec::new(), 0u32);
+        for spec in &specs {
+            let null = u32::from(spec.nullable);
+            match spec.value_bits() {
+                Some(v) if used + null + v <= MAX_KEY_BITS => {
+                    parts.push(Part::Whole);
+                    value_bits.push(v);
+                    used += null + v;
+                }
+                Some(v) => {
+                    let kept = MAX_KEY_BITS.saturating_sub(used + null);
+                    if kept > 0 {
+                        parts.push(Part::High { dropped: v - kept });
+                        value_bits.push(kept);
+                    }
+                    break;
+                }
+                None => {
+                    let cap = if used + null + 64 <= 128 {
+                        128
+                    } else {
+                        MAX_KEY_BITS
+                    };
+                    let bytes = (cap.saturating_sub(used + null) / 8).min(MAX_PREFIX_BYTES);
+                    if bytes > 0 {
+                        parts.push(Part::Bytes { bytes });
+                        value_bits.push(8 * bytes);
+                    }
+                    break;
+                }
+            }
+        }
+        Ok(Self::placed(specs, parts, value_bits))
+    }
+
+    /// The layout of the leading `parts.len()` keys, `value_bits` kept of each.
+    fn placed(specs: Vec<KeySpec>, parts: Vec<Part>, value_bits: Vec<u32>) -> Self {
+        let field_bits: Vec<u32> = (specs.iter().zip(&value_bits))
+            .map(|(s, b)| b + u32::from(s.nullable))
+            .collect();
+        let total_bits: u32 = field_bits.iter().sum();
+        let mut shifts = vec![0; field_bits.len()];
         let mut shift = total_bits;
         for (s, b) in shifts.iter_mut().zip(&field_bits) {
             shift -= b;
             *s = shift;
         }
-        Ok(Self {
+        Self {
             specs,
             total_bits,
+            parts,
             value_bits,
             shifts,
-        })
+        }
+    }
+
+    /// Whether the composite holds every key in full: equal composites then mean equal keys.
+    /// A prefix layout's composite is only monotone (see the module documentation).
+    pub fn exact(&self) -> bool {
+        self.parts.len() == self.specs.len() && self.parts.iter().all(|p| *p == Part::Whole)
+    }
+
+    /// For EXPLAIN, in a prefix layout: which keys the composite holds in part, and how.
+    pub fn prefix_note(&self) -> Option<String> {
+        if self.exact() {
+            return None;
+        }
+        let last = self.parts.len() - 1;
+        let cut = match self.parts[last] {
+            Part::Bytes { bytes } => format!("sort key {} by its first {bytes} bytes", last + 1),
+            Part::High { dropped } => {
+                let kept = self.value_bits[last];
+                let of = kept + dropped;
+                format!("sort key {} by its high {kept} of {of} bits", last + 1)
+            }
+            Part::Whole if self.parts.len() < self.specs.len() => {
+                format!("sort keys 1..={} in full", self.parts.len())
+            }
+            Part::Whole => unreachable!("an inexact layout cuts a key"),
+        };
+        Some(format!(
+            "the composite holds {cut}; ties there are compared in full on the host"
+        ))
+    }
+
+    /// arrow's row-format fields of the keys: DataFusion's own comparison of whole keys.
+    pub fn sort_fields(&self) -> Vec<SortField> {
+        (self.specs.iter())
+            .map(|s| {
+                let options = SortOptions {
+                    descending: s.descending,
+                    nulls_first: s.nulls_first,
+                };
+                SortField::new_with_options(s.data_type.clone(), options)
+            })
+            .collect()
     }
 
     /// The keys, most significant first.
@@ -303,9 +458,9 @@ impl KeyLayout {
     ) -> Result<()> {
         out.clear();
         out.resize(n, C::default());
-        for (i, column) in columns.iter().enumerate() {
+        for (i, part) in self.parts.iter().enumerate() {
             let field = Field::new(&self.specs[i], self.value_bits[i], self.shifts[i]);
-            encode_column_into(i, &self.specs[i], &field, column.as_ref(), out)?;
+            encode_column_into(i, &self.specs[i], *part, &field, columns[i].as_ref(), out)?;
         }
         Ok(())
     }
@@ -372,7 +527,8 @@ pub(crate) fn encode_column_u128(spec: &KeySpec, array: &dyn Array) -> Result<Ve
         )));
     }
     let mut out = vec![0u128; array.len()];
-    encode_column_into(0, spec, &Field::new(spec, value_bits, 0), array, &mut out)?;
+    let field = Field::new(spec, value_bits, 0);
+    encode_column_into(0, spec, Part::Whole, &field, array, &mut out)?;
     Ok(out)
 }
 
@@ -402,7 +558,7 @@ macro_rules! ordered_unsigned {
         }
     )*};
 }
-ordered_unsigned!(u8, u16, u32, u64, bool);
+ordered_unsigned!(u8, u16, u32, u64, u128, bool);
 
 macro_rules! ordered_signed {
     ($($t:ty => $u:ty),*) => {$(
@@ -635,6 +791,7 @@ where
 }
 
 /// Where and how one key's field is written into the composite; loop-invariant constants.
+#[derive(Clone, Copy)]
 struct Field<C> {
     /// XORed into the value bits: all value bits for `DESC`, else 0.
     xor: u128,
@@ -680,6 +837,7 @@ impl<C: Container> Field<C> {
 fn encode_column_into<C: Container>(
     key: usize,
     spec: &KeySpec,
+    part: Part,
     field: &Field<C>,
     array: &dyn Array,
     out: &mut [C],
@@ -710,7 +868,25 @@ fn encode_column_into<C: Container>(
             nulls.null_count()
         )));
     }
-    encode_values(key, spec, field, array, out)?;
+    match part {
+        Part::Whole => encode_values(key, spec, field, array, out)?,
+        Part::High { dropped } => {
+            // The whole value first (DESC flips all its bits), then its high bits placed.
+            let whole = KeySpec {
+                nullable: false,
+                ..spec.clone()
+            };
+            let whole_field = Field::<u128>::new(&whole, field.value_bits + dropped, 0);
+            let mut values = vec![0u128; out.len()];
+            encode_values(key, spec, &whole_field, array, &mut values)?;
+            let high = values.into_iter().map(|v| v >> dropped);
+            run_column(&Field { xor: 0, ..*field }, high, out);
+        }
+        Part::Bytes { bytes } => {
+            let prefixes = byte_prefixes(key, spec, array, bytes as usize)?;
+            run_column(field, prefixes.into_iter(), out);
+        }
+    }
     if let Some(nulls) = nulls {
         // Patch NULL rows afterwards: their value bits are whatever the array holds under the
         // slot, so the main loop wrote garbage there that must be cleared.
@@ -828,6 +1004,74 @@ where
         valid: field.valid,
     };
     C::with_placer(field.shift, field.value_bits, body);
+}
+
+/// The first `bytes` bytes of `value`, zero-padded, as a big-endian integer of `bytes` bytes.
+#[inline(always)]
+fn prefix_of(value: &[u8], bytes: usize) -> u128 {
+    let mut buf = [0u8; 16];
+    let n = value.len().min(bytes);
+    buf[..n].copy_from_slice(&value[..n]);
+    u128::from_be_bytes(buf) >> (128 - 8 * bytes)
+}
+
+/// Each row's [`prefix_of`] its bytes (0 under NULL slots, which are patched afterwards).
+fn byte_prefixes(key: usize, spec: &KeySpec, array: &dyn Array, bytes: usize) -> Result<Vec<u128>> {
+    fn each<'a, V: AsRef<[u8]> + ?Sized + 'a>(
+        values: impl Iterator<Item = Option<&'a V>>,
+        bytes: usize,
+    ) -> Vec<u128> {
+        values
+            .map(|v| v.map_or(0, |v| prefix_of(v.as_ref(), bytes)))
+            .collect()
+    }
+    use DataType::*;
+    let wrong = || downcast_error(key, spec);
+    Ok(match array.data_type() {
+        Utf8 => each(
+            array.as_string_opt::<i32>().ok_or_else(wrong)?.iter(),
+            bytes,
+        ),
+        LargeUtf8 => each(
+            array.as_string_opt::<i64>().ok_or_else(wrong)?.iter(),
+            bytes,
+        ),
+        Utf8View => each(array.as_string_view_opt().ok_or_else(wrong)?.iter(), bytes),
+        Binary => each(
+            array.as_binary_opt::<i32>().ok_or_else(wrong)?.iter(),
+            bytes,
+        ),
+        LargeBinary => each(
+            array.as_binary_opt::<i64>().ok_or_else(wrong)?.iter(),
+            bytes,
+        ),
+        BinaryView => each(array.as_binary_view_opt().ok_or_else(wrong)?.iter(), bytes),
+        FixedSizeBinary(_) => each(
+            array.as_fixed_size_binary_opt().ok_or_else(wrong)?.iter(),
+            bytes,
+        ),
+        Decimal256(..) => {
+            let array = array
+                .as_primitive_opt::<Decimal256Type>()
+                .ok_or_else(wrong)?;
+            (array.values().iter())
+                .map(|v| {
+                    // Big-endian two's complement with the sign bit flipped orders as bytes.
+                    let mut be = v.to_be_bytes();
+                    be[0] ^= 0x80;
+                    prefix_of(&be, bytes)
+                })
+                .collect()
+        }
+        Dictionary(..) => {
+            let dictionary = array.as_any_dictionary_opt().ok_or_else(wrong)?;
+            let values = byte_prefixes(key, spec, dictionary.values().as_ref(), bytes)?;
+            (dictionary.normalized_keys().into_iter())
+                .map(|k| values.get(k).copied().unwrap_or(0))
+                .collect()
+        }
+        _ => return Err(wrong()),
+    })
 }
 
 fn downcast_error(key: usize, spec: &KeySpec) -> DataFusionError {

@@ -764,3 +764,168 @@ fn mismatched_input_is_an_error_not_a_panic() {
     let no_null = make_array(&DataType::Int64, &[1, 2, 3], Some(&[true; 3]));
     assert!(layout.encode(&[no_null, floats]).is_ok());
 }
+
+/// Strings with long shared prefixes, prefixes of each other, empty and non-ASCII values.
+fn awkward_strings(rng: &mut Rng, n: usize) -> Vec<Option<String>> {
+    let stems = [
+        "",
+        "a",
+        "ab",
+        "abc",
+        "é",
+        "日本語",
+        "https://example.com/a/b/c/d/e/",
+    ];
+    (0..n)
+        .map(|_| {
+            if rng.below(10) == 0 {
+                return None;
+            }
+            let mut s = stems[rng.below(stems.len())].to_string();
+            for _ in 0..rng.below(3) {
+                s.push(['a', 'b', '\u{7f}', 'ÿ', '\u{1}'][rng.below(5)]);
+            }
+            Some(s)
+        })
+        .collect()
+}
+
+/// A prefix layout's composite never orders two rows against their full keys: whenever arrow's
+/// row format (DataFusion's comparison) puts a row first, its composite is not larger.
+#[test]
+fn prefix_composites_are_monotone_in_the_full_order() {
+    use datafusion::arrow::array::{
+        BinaryArray, Decimal128Array, DictionaryArray, Int32Array, LargeStringArray, StringArray,
+        StringViewArray,
+    };
+    use datafusion::arrow::row::RowConverter;
+    let mut rng = Rng(0x5eed_1234_abcd);
+    let n = 300;
+    for round in 0..24 {
+        let strings = awkward_strings(&mut rng, n);
+        let as_str: Vec<Option<&str>> = strings.iter().map(|s| s.as_deref()).collect();
+        let string_column: ArrayRef = match round % 5 {
+            0 => Arc::new(StringArray::from(as_str.clone())),
+            1 => Arc::new(LargeStringArray::from(as_str.clone())),
+            2 => Arc::new(StringViewArray::from(as_str.clone())),
+            3 => {
+                let bytes: Vec<Option<&[u8]>> =
+                    as_str.iter().map(|s| s.map(str::as_bytes)).collect();
+                Arc::new(BinaryArray::from(bytes))
+            }
+            _ => {
+                let values = Arc::new(StringArray::from(vec!["zz", "", "ab", "abc", "日本語"]));
+                let codes: Int32Array = (0..n)
+                    .map(|_| (rng.below(8) != 0).then(|| rng.below(5) as i32))
+                    .collect();
+                Arc::new(DictionaryArray::<Int32Type>::try_new(codes, values).unwrap())
+            }
+        };
+        let wide: ArrayRef = Arc::new(
+            (0..n)
+                .map(|_| (rng.below(9) != 0).then(|| (rng.below(7) as i128 - 3) << 100))
+                .collect::<Decimal128Array>()
+                .with_precision_and_scale(38, 0)
+                .unwrap(),
+        );
+        let small: ArrayRef = Arc::new(Int32Array::from_iter_values(
+            (0..n).map(|_| rng.below(3) as i32),
+        ));
+        // Shapes: a string first, a string after a fixed key, and keys wider than 256 bits.
+        let columns: Vec<ArrayRef> = match round % 3 {
+            0 => vec![Arc::clone(&string_column), Arc::clone(&small)],
+            1 => vec![Arc::clone(&small), Arc::clone(&string_column)],
+            _ => vec![Arc::clone(&wide), Arc::clone(&wide), Arc::clone(&small)],
+        };
+        let specs: Vec<KeySpec> = columns
+            .iter()
+            .enumerate()
+            .map(|(i, c)| KeySpec {
+                data_type: c.data_type().clone(),
+                descending: (round + i) % 2 == 1,
+                nulls_first: (round / 2 + i) % 2 == 0,
+                nullable: true,
+            })
+            .collect();
+        let layout = KeyLayout::with_prefixes(specs).unwrap();
+        assert!(!layout.exact(), "round {round}");
+        assert!(layout.prefix_note().is_some());
+        let rows = RowConverter::new(layout.sort_fields())
+            .unwrap()
+            .convert_columns(&columns)
+            .unwrap();
+        let composites: Vec<U256> = match layout.encode(&columns).unwrap() {
+            EncodedKeys::W64(v) => v.into_iter().map(|x| U256::from_u128(x.into())).collect(),
+            EncodedKeys::W128(v) => v.into_iter().map(U256::from_u128).collect(),
+            EncodedKeys::W256(v) => v,
+        };
+        for a in 0..n {
+            for b in 0..n {
+                if rows.row(a) < rows.row(b) {
+                    assert!(
+                        composites[a] <= composites[b],
+                        "round {round}: rows {a} and {b} ({:?}, {:?})",
+                        columns[0].slice(a, 1),
+                        columns[0].slice(b, 1)
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Fixed keys within 256 bits stay exact; byte keys and wider keys make a prefix layout of
+/// the leading keys, sized as the module documentation says.
+#[test]
+fn prefix_layouts_take_the_leading_keys() {
+    let spec = |data_type: DataType, nullable: bool| KeySpec {
+        data_type,
+        descending: false,
+        nulls_first: false,
+        nullable,
+    };
+    let exact = KeyLayout::with_prefixes(vec![spec(DataType::Int64, true)]).unwrap();
+    assert!(exact.exact() && exact.prefix_note().is_none());
+
+    let first = KeyLayout::with_prefixes(vec![spec(DataType::Utf8View, true)]).unwrap();
+    assert_eq!(first.total_bits(), 1 + 15 * 8);
+    let after = KeyLayout::with_prefixes(vec![
+        spec(DataType::Int64, false),
+        spec(DataType::Utf8, false),
+        spec(DataType::Int32, false),
+    ])
+    .unwrap();
+    assert_eq!(
+        after.total_bits(),
+        64 + 8 * 8,
+        "the string fills the rest of 128 bits"
+    );
+    let late = KeyLayout::with_prefixes(vec![
+        spec(DataType::Decimal128(38, 0), true),
+        spec(DataType::Int64, false),
+        spec(DataType::Binary, false),
+    ])
+    .unwrap();
+    assert_eq!(late.total_bits(), 129 + 64 + 7 * 8, "then up to 256 bits");
+    let wide = KeyLayout::with_prefixes(vec![
+        spec(DataType::Decimal128(38, 0), true),
+        spec(DataType::Decimal128(38, 0), true),
+        spec(DataType::Int8, false),
+    ])
+    .unwrap();
+    assert!(!wide.exact());
+    assert_eq!(wide.total_bits(), 256);
+    assert!(wide.prefix_note().unwrap().contains("high 126 of 128 bits"));
+    assert!(
+        KeyLayout::with_prefixes(vec![spec(DataType::Utf8, false)])
+            .unwrap()
+            .width()
+            == KeyWidth::W128
+    );
+    let nested = DataType::List(Arc::new(datafusion::arrow::datatypes::Field::new(
+        "x",
+        DataType::Int32,
+        true,
+    )));
+    assert!(KeyLayout::with_prefixes(vec![spec(nested, true)]).is_err());
+}

@@ -31,6 +31,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use datafusion::arrow::row::RowConverter;
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
 use datafusion::datasource::source::DataSourceExec;
@@ -263,11 +264,19 @@ fn match_top_k(
             nullable,
         });
     }
-    let layout = KeyLayout::try_new(specs).or_else(because)?;
+    let layout = KeyLayout::with_prefixes(specs).or_else(because)?;
+    if !layout.exact() && !RowConverter::supports_fields(&layout.sort_fields()) {
+        return because("the sort keys have no row format to compare them in full");
+    }
 
     let cache_dir = (!config.kernel_cache_dir.is_empty())
         .then(|| std::path::Path::new(config.kernel_cache_dir.as_str()));
-    let fusion = if config.fuse_expressions {
+    let fusion = if !layout.exact() {
+        fusion::FusionPlan::host(
+            "the device selects fixed-width keys of up to 256 bits",
+            absorbed.filter.is_some(),
+        )
+    } else if config.fuse_expressions {
         fusion::plan(
             absorbed.filter.as_ref(),
             &absorbed.sort_exprs,

@@ -8,7 +8,8 @@
 //!
 //! *Which*: [`create_selector`] is the single entry point. It builds the selector of the plan
 //! the cost model made (a [`SelectionPlan`]; the selectors decide nothing): a streaming
-//! selector ([`TopKSelector`]: [`cpu`], [`cuda`]) that takes the input batch by batch, or,
+//! selector ([`TopKSelector`]: [`cpu`], [`cuda`], and [`prefix`] for keys the composite holds
+//! only a prefix of) that takes the input batch by batch, or,
 //! over a whole table whose columns the device column cache holds, a [`TableSelector`]
 //! ([`table`]) that runs the query's generated program once over every row. Both return the
 //! same thing, the winners' row ids (table positions) in output order.
@@ -19,6 +20,7 @@
 pub mod cpu;
 pub mod cuda;
 pub(crate) mod fault;
+pub mod prefix;
 pub mod table;
 
 use std::fmt::{self, Debug};
@@ -305,6 +307,8 @@ pub struct SelectionSpec {
     pub watch: Option<Arc<DeviceWatch>>,
     /// What a device selection moved or found resident, for EXPLAIN ANALYZE.
     pub transfers: TransferMetrics,
+    /// Rows whose key prefix tied the k-th candidate's, compared in full ([`prefix`]).
+    pub refined_rows: Count,
 }
 
 impl SelectionSpec {
@@ -319,6 +323,7 @@ impl SelectionSpec {
             fault: FaultPoint::None,
             watch: None,
             transfers: TransferMetrics::default(),
+            refined_rows: Count::new(),
         }
     }
 }
@@ -353,7 +358,13 @@ pub(crate) fn create_selector(spec: &SelectionSpec, plan: &SelectionPlan) -> Res
         return Err(fault::injected(spec.fault));
     }
     let selector = match *plan {
-        SelectionPlan::Cpu { .. } => cpu::new_selector(spec),
+        SelectionPlan::Cpu { .. } if spec.layout.exact() => cpu::new_selector(spec),
+        SelectionPlan::Cpu { .. } => prefix::new_selector(spec)?,
+        SelectionPlan::Cuda { .. } if !spec.layout.exact() => {
+            return datafusion::common::internal_err!(
+                "the device selects exact composite keys only"
+            );
+        }
         SelectionPlan::Cuda { algorithm, input } => {
             let device = crate::device::gpu()
                 .ok_or_else(|| DeviceError("no GPU available".into()).into_error())?;

@@ -18,3 +18,5 @@ mod resident;
 mod sessions;
 #[path = "../shared/slt_format.rs"]
 mod slt_format;
+mod strings;
+mod tpch;

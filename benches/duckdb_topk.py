@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""String top-k queries in DuckDB over TPC-H lineitem, as a peer for this crate's operator.
+
+    python3 benches/duckdb_topk.py --data /tmp/tpch-1 [--threads N] [--runs 3] [--json out.json]
+
+Reads DIR/lineitem/*.parquet (as benches/tpch/generate.py writes them) two ways:
+  - parquet: a view over read_parquet(...), so every run scans the files;
+  - memory:  a DuckDB table loaded once from them (CREATE TABLE lineitem AS SELECT * ...).
+
+Queries (each for k in 10, 1000, 10000):
+  s1  SELECT l_orderkey, l_comment FROM lineitem ORDER BY l_comment LIMIT k
+  s2  SELECT l_orderkey, l_extendedprice, l_comment FROM lineitem
+        ORDER BY l_extendedprice DESC, l_comment LIMIT k
+  s3  SELECT l_orderkey, l_extendedprice FROM lineitem WHERE l_comment LIKE '%special%'
+        ORDER BY l_extendedprice DESC LIMIT k
+  s4  SELECT l_orderkey, l_comment FROM lineitem WHERE l_quantity < 2
+        ORDER BY l_comment DESC LIMIT k
+
+Each (source, query, k) runs once first (cold-ish: the first run of that shape) and then
+`--runs` more times; it reports the first time and the median of the rest, in milliseconds,
+each timing fetching the whole result (`.fetchall()`). A markdown table comes last; `--json`
+also writes the numbers to a file.
+
+Needs: pip install duckdb
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+QUERIES = {
+    "s1": "SELECT l_orderkey, l_comment FROM lineitem ORDER BY l_comment LIMIT {k}",
+    "s2": "SELECT l_orderkey, l_extendedprice, l_comment FROM lineitem "
+    "ORDER BY l_extendedprice DESC, l_comment LIMIT {k}",
+    "s3": "SELECT l_orderkey, l_extendedprice FROM lineitem WHERE l_comment LIKE '%special%' "
+    "ORDER BY l_extendedprice DESC LIMIT {k}",
+    "s4": "SELECT l_orderkey, l_comment FROM lineitem WHERE l_quantity < 2 "
+    "ORDER BY l_comment DESC LIMIT {k}",
+}
+KS = (10, 1000, 10000)
+SOURCES = ("memory", "parquet")
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def timed(con, sql):
+    """Milliseconds to run `sql` and fetch its whole result, and the number of rows."""
+    start = time.perf_counter()
+    rows = con.execute(sql).fetchall()
+    return (time.perf_counter() - start) * 1000.0, len(rows)
+
+
+def connect(duckdb, source, files, threads):
+    con = duckdb.connect()
+    con.execute(f"SET threads = {int(threads)}")
+    scan = f"read_parquet('{files.replace(chr(39), chr(39) * 2)}')"
+    if source == "memory":
+        start = time.perf_counter()
+        con.execute(f"CREATE TABLE lineitem AS SELECT * FROM {scan}")
+        print(f"memory: loaded lineitem in {time.perf_counter() - start:.1f} s", flush=True)
+    else:
+        con.execute(f"CREATE VIEW lineitem AS SELECT * FROM {scan}")
+    return con
+
+
+def main():
+    parser = argparse.ArgumentParser(description="String top-k queries in DuckDB over lineitem.")
+    parser.add_argument("--data", type=Path, required=True, help="directory with lineitem/*.parquet")
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count(), help="DuckDB threads (default: all cores)"
+    )
+    parser.add_argument("--runs", type=int, default=3, help="timed runs after the first (default 3)")
+    parser.add_argument("--json", type=Path, help="also write the numbers to this JSON file")
+    parser.add_argument(
+        "--sources", default=",".join(SOURCES), help="comma-separated: memory, parquet (default both)"
+    )
+    parser.add_argument(
+        "--queries", default=",".join(QUERIES), help="comma-separated subset of s1..s4 (default all)"
+    )
+    parser.add_argument(
+        "--k", default=",".join(map(str, KS)), help="comma-separated k values (default 10,1000,10000)"
+    )
+    args = parser.parse_args()
+    if args.runs < 1:
+        fail("--runs must be at least 1")
+    sources = [s for s in args.sources.split(",") if s]
+    queries = [q for q in args.queries.split(",") if q]
+    ks = [int(k) for k in args.k.split(",") if k]
+    if not (sources and queries and ks):
+        fail("--sources, --queries and --k must each name at least one")
+    for s in sources:
+        if s not in SOURCES:
+            fail(f"unknown source {s!r}: expected memory or parquet")
+    for q in queries:
+        if q not in QUERIES:
+            fail(f"unknown query {q!r}: expected one of {', '.join(QUERIES)}")
+
+    try:
+        import duckdb
+    except ImportError:
+        fail("the duckdb Python package is missing; install it with: pip install duckdb")
+
+    directory = args.data / "lineitem"
+    if not sorted(directory.glob("*.parquet")):
+        fail(f"no Parquet files in {directory} (benches/tpch/generate.py writes them)")
+    files = str(directory / "*.parquet")
+
+    results = []
+    for source in sources:
+        con = connect(duckdb, source, files, args.threads)
+        total = con.execute("SELECT count(*) FROM lineitem").fetchone()[0]
+        print(f"{source}: lineitem has {total} rows, threads={args.threads}", flush=True)
+        for name in queries:
+            for k in ks:
+                sql = QUERIES[name].format(k=k)
+                first, rows = timed(con, sql)
+                times = [timed(con, sql)[0] for _ in range(args.runs)]
+                median = statistics.median(times)
+                results.append(
+                    {
+                        "source": source,
+                        "query": name,
+                        "k": k,
+                        "rows": rows,
+                        "first_ms": first,
+                        "median_ms": median,
+                        "runs_ms": times,
+                        "sql": sql,
+                    }
+                )
+                print(
+                    f"{source} {name} k={k}: {rows} rows, first {first:.1f} ms, "
+                    f"median {median:.1f} ms",
+                    flush=True,
+                )
+        con.close()
+
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "engine": "duckdb",
+                    "duckdb_version": duckdb.__version__,
+                    "threads": args.threads,
+                    "runs": args.runs,
+                    "data": str(args.data),
+                    "lineitem_rows": total,
+                    "results": results,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+        print(f"wrote {args.json}")
+
+    print()
+    print("| source | query | k | first ms | median ms |")
+    print("|---|---|---:|---:|---:|")
+    for r in results:
+        print(
+            f"| {r['source']} | {r['query']} | {r['k']} | {r['first_ms']:.1f} | "
+            f"{r['median_ms']:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
