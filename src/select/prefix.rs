@@ -2,9 +2,11 @@
 //!
 //! A prefix layout's composite ([`KeyLayout::exact`] is false) is monotone but not exact: a row
 //! that sorts before another never has a larger composite, but different keys may share one.
-//! So the composite only *rejects*: each `push` encodes the batch's composites and drops every
-//! row whose composite exceeds the k-th candidate's (one comparison per row, no lock, as the
-//! exact selector does). The rows left are encoded in arrow's row format, DataFusion's own
+//! So the composite only *rejects*. Once k candidates exist, each `push` first compares the
+//! first key's column with the k-th candidate's first key (arrow's vectorised comparison,
+//! which reads a string view's inline prefix) and keeps only the rows not worse; it encodes
+//! their composites and drops every row whose composite exceeds the k-th candidate's (one
+//! comparison per row, no lock). The rows left are encoded in arrow's row format, DataFusion's own
 //! comparison of whole keys, and ranked by (row, row id) exactly: rows whose composite is below
 //! the k-th candidate's beat it outright, and those that tie it are the ones the full key
 //! decides (the `rows_refined` metric counts them once the selection has k candidates). The
@@ -15,8 +17,10 @@ use std::cmp::Ordering;
 use std::fmt;
 use std::sync::{Arc, Mutex, RwLock};
 
-use datafusion::arrow::array::{ArrayRef, UInt32Array};
-use datafusion::arrow::compute::take;
+use datafusion::arrow::array::{Array, ArrayRef, BooleanArray, Scalar, UInt32Array};
+use datafusion::arrow::compute::kernels::cmp::{gt_eq, lt_eq};
+use datafusion::arrow::compute::{SortOptions, is_null, take};
+use datafusion::arrow::datatypes::DataType;
 use datafusion::arrow::row::{OwnedRow, Row, RowConverter};
 use datafusion::error::Result;
 use datafusion::physical_plan::metrics::Count;
@@ -42,6 +46,42 @@ struct Candidate<K> {
     composite: K,
 }
 
+/// The k-th candidate, and its first key as a one-row array where the first key's column
+/// may be compared with it by arrow's kernels: not floats, whose NaNs and zeros those may
+/// order otherwise than the row format, nor dictionaries.
+struct Threshold<K> {
+    kth: Candidate<K>,
+    first: Option<ArrayRef>,
+}
+
+/// Which rows of `column` (the first key) are not worse than `threshold` (one row of it):
+/// the only ones that can still win. NULLs are better than any value under NULLS FIRST.
+fn not_worse(
+    column: &ArrayRef,
+    threshold: &ArrayRef,
+    options: SortOptions,
+) -> Result<BooleanArray> {
+    if threshold.is_null(0) {
+        return Ok(match options.nulls_first {
+            true => is_null(column.as_ref())?,
+            false => BooleanArray::from(vec![true; column.len()]),
+        });
+    }
+    let scalar = Scalar::new(Arc::clone(threshold));
+    let compared = match options.descending {
+        true => gt_eq(column, &scalar)?,
+        false => lt_eq(column, &scalar)?,
+    };
+    let Some(nulls) = compared.nulls() else {
+        return Ok(compared);
+    };
+    let values = match options.nulls_first {
+        true => compared.values() | &!nulls.inner(),
+        false => compared.values() & nulls.inner(),
+    };
+    Ok(BooleanArray::new(values, None))
+}
+
 /// The selection's order: whole key, then row id.
 fn by_key_then_id<K>(a: &Candidate<K>, b: &Candidate<K>) -> Ordering {
     a.row.row().cmp(&b.row.row()).then(a.id.cmp(&b.id))
@@ -53,8 +93,10 @@ pub(crate) struct PrefixSelector<K> {
     converter: RowConverter,
     k: usize,
     capacity: usize,
+    /// The first key's order, for the comparison with the threshold's.
+    first_options: SortOptions,
     /// Snapshot of the k-th best candidate, read once per push without the buffer lock.
-    threshold: RwLock<Option<Arc<Candidate<K>>>>,
+    threshold: RwLock<Option<Arc<Threshold<K>>>>,
     candidates: Mutex<Vec<Candidate<K>>>,
     refined: Count,
 }
@@ -72,6 +114,13 @@ impl<K: CompositeKey> PrefixSelector<K> {
         Ok(Self {
             layout: spec.layout.clone(),
             converter: RowConverter::new(spec.layout.sort_fields())?,
+            first_options: {
+                let first = &spec.layout.specs()[0];
+                SortOptions {
+                    descending: first.descending,
+                    nulls_first: first.nulls_first,
+                }
+            },
             k: spec.k,
             capacity: (2 * spec.k).max(spec.k + 256),
             threshold: RwLock::new(None),
@@ -80,7 +129,7 @@ impl<K: CompositeKey> PrefixSelector<K> {
         })
     }
 
-    fn snapshot(&self) -> Option<Arc<Candidate<K>>> {
+    fn snapshot(&self) -> Option<Arc<Threshold<K>>> {
         self.threshold
             .read()
             .unwrap_or_else(|e| e.into_inner())
@@ -88,7 +137,7 @@ impl<K: CompositeKey> PrefixSelector<K> {
     }
 
     /// Keeps the best `k` of the buffer and makes the k-th the threshold.
-    fn cut(&self, candidates: &mut Vec<Candidate<K>>) {
+    fn cut(&self, candidates: &mut Vec<Candidate<K>>) -> Result<()> {
         let kth = if candidates.len() > self.k {
             candidates.select_nth_unstable_by(self.k - 1, by_key_then_id);
             candidates.truncate(self.k);
@@ -97,8 +146,21 @@ impl<K: CompositeKey> PrefixSelector<K> {
             let worst = candidates.iter().max_by(|a, b| by_key_then_id(a, b));
             worst.expect("k > 0 candidates").clone()
         };
+        let first_type = &self.layout.specs()[0].data_type;
+        let first = match first_type.is_floating() || matches!(first_type, DataType::Dictionary(..))
+        {
+            true => None,
+            false => {
+                let columns = self
+                    .converter
+                    .convert_rows(std::iter::once(kth.row.row()))?;
+                columns.into_iter().next()
+            }
+        };
         // Candidates only ever improve, so the new k-th is never worse than the old.
-        *self.threshold.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(kth));
+        let threshold = Threshold { kth, first };
+        *self.threshold.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(threshold));
+        Ok(())
     }
 }
 
@@ -112,39 +174,58 @@ impl<K: CompositeKey> TopKSelector for PrefixSelector<K> {
         if n == 0 || self.k == 0 {
             return Ok(Admitted::Indices(vec![]));
         }
-        let composites = K::unwrap_encoded(self.layout.encode(input.keys)?)?;
         let ids = input.row_ids;
         let threshold = self.snapshot();
 
-        // Rows the composite cannot reject: below or tied with the k-th candidate's.
-        let survivors: Vec<u32> = match &threshold {
+        // Rows whose first key is not worse than the threshold's (all before there is one).
+        let mut positions: Vec<u32> = match threshold.as_ref().and_then(|t| t.first.as_ref()) {
             None => (0..n as u32).collect(),
-            Some(t) => {
-                let survivors: Vec<u32> = (composites.iter().enumerate())
-                    .filter(|(_, c)| **c <= t.composite)
-                    .map(|(i, _)| i as u32)
-                    .collect();
-                let ties = survivors
-                    .iter()
-                    .filter(|&&i| composites[i as usize] == t.composite)
-                    .count();
-                self.refined.add(ties);
-                survivors
+            Some(first) => {
+                let mask = not_worse(&input.keys[0], first, self.first_options)?;
+                mask.values().set_indices().map(|i| i as u32).collect()
             }
         };
-        if survivors.is_empty() {
+        if positions.is_empty() {
             return Ok(Admitted::Indices(vec![]));
         }
-        let columns: Vec<ArrayRef> = if survivors.len() == n {
-            input.keys.to_vec()
-        } else {
-            let indices = UInt32Array::from(survivors.clone());
-            (input.keys.iter())
+        let take_rows = |columns: &[ArrayRef], rows: &[u32]| -> Result<Vec<ArrayRef>> {
+            let indices = UInt32Array::from(rows.to_vec());
+            Ok((columns.iter())
                 .map(|c| take(c.as_ref(), &indices, None))
-                .collect::<std::result::Result<_, _>>()?
+                .collect::<std::result::Result<_, _>>()?)
         };
+        let mut columns = match positions.len() == n {
+            true => input.keys.to_vec(),
+            false => take_rows(input.keys, &positions)?,
+        };
+
+        // Of those, the rows the composite cannot reject: below or tied with the k-th's.
+        let composites = K::unwrap_encoded(self.layout.encode(&columns)?)?;
+        let mut composites_kept = composites.clone();
+        if let Some(t) = &threshold {
+            let kth = t.kth.composite;
+            let kept: Vec<u32> = (0..composites.len() as u32)
+                .filter(|&j| composites[j as usize] <= kth)
+                .collect();
+            let ties = kept
+                .iter()
+                .filter(|&&j| composites[j as usize] == kth)
+                .count();
+            self.refined.add(ties);
+            if kept.is_empty() {
+                return Ok(Admitted::Indices(vec![]));
+            }
+            if kept.len() < composites.len() {
+                columns = take_rows(&columns, &kept)?;
+                composites_kept = kept.iter().map(|&j| composites[j as usize]).collect();
+                positions = kept.iter().map(|&j| positions[j as usize]).collect();
+            }
+        }
+        let survivors = positions;
+        let composites = composites_kept;
         let rows = self.converter.convert_columns(&columns)?;
-        let beats = |row: Row<'_>, id: u64, t: &Candidate<K>| (row, id) < (t.row.row(), t.id);
+        let beats =
+            |row: Row<'_>, id: u64, t: &Threshold<K>| (row, id) < (t.kth.row.row(), t.kth.id);
 
         // Survivors that beat the threshold: (position in `survivors`, row id).
         let mut local: Vec<(usize, u64)> = (0..survivors.len())
@@ -166,20 +247,21 @@ impl<K: CompositeKey> TopKSelector for PrefixSelector<K> {
             candidates.extend(local.iter().map(|&(j, id)| Candidate {
                 row: rows.row(j).owned(),
                 id,
-                composite: composites[survivors[j] as usize],
+                composite: composites[j],
             }));
             // Cut back when full, and as soon as k candidates exist: from then on the threshold
             // filters every push (and the scans below).
             let first_threshold = candidates.len() >= self.k && self.snapshot().is_none();
             if candidates.len() > self.capacity || first_threshold {
-                self.cut(&mut candidates);
+                self.cut(&mut candidates)?;
             }
             self.snapshot()
         };
 
         let mut indices: Vec<u32> = (local.iter())
             .filter(|&&(j, id)| {
-                (threshold.as_ref()).is_none_or(|t| (rows.row(j), id) <= (t.row.row(), t.id))
+                (threshold.as_ref())
+                    .is_none_or(|t| (rows.row(j), id) <= (t.kth.row.row(), t.kth.id))
             })
             .map(|&(j, _)| survivors[j])
             .collect();
@@ -188,7 +270,7 @@ impl<K: CompositeKey> TopKSelector for PrefixSelector<K> {
     }
 
     fn threshold_row_id(&self) -> Option<u64> {
-        self.snapshot().map(|t| t.id)
+        self.snapshot().map(|t| t.kth.id)
     }
 
     fn live_row_ids(&self) -> Result<Option<Vec<u64>>> {

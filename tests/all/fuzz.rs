@@ -4,8 +4,8 @@
 //! Tables: every supported key type with NULLs, NaN, ±0.0, ±inf and extremes, columns made
 //! all-equal or nearly so (heavy ties), empty and single-row partitions, random partition
 //! counts and batch sizes, plain and dictionary strings; in memory or in Parquet files.
-//! Queries: one to four sort keys (columns or ranking expressions of the translator's whole
-//! grammar) with random ASC/DESC and NULLS FIRST/LAST, predicates (with string comparisons),
+//! Queries: one to four sort keys (columns, ranking expressions of the translator's whole
+//! grammar, or string, binary and `Decimal256` keys) with random ASC/DESC and NULLS FIRST/LAST, predicates (with string comparisons),
 //! OFFSET, k from 0 to beyond the table, projections of any columns.
 //!
 //! The oracle is DataFusion's full sort with `rid` (the input position) as the last key, LIMIT
@@ -291,6 +291,27 @@ fn program_limit(cuda_default: usize) -> usize {
     }
 }
 
+/// Keys compared byte by byte (a prefix layout): strings of each kind, binary, `Decimal256`.
+const BYTE_KEYS: [&str; 7] = [
+    "s",
+    "ds",
+    "sv",
+    "concat(sv, s)",
+    "arrow_cast(sv, 'Binary')",
+    "arrow_cast(s, 'LargeUtf8')",
+    "arrow_cast(dec, 'Decimal256(40, 3)')",
+];
+
+/// Whether a query's keys make a prefix layout: a byte-compared key, or keys wider than the
+/// composite (two nullable `Decimal128` keys alone need 258 bits).
+fn prefix_keys(keys: &[String]) -> bool {
+    let bytes = keys.iter().any(|k| {
+        let name = k.split_whitespace().next().unwrap_or("");
+        BYTE_KEYS.contains(&name) || k.contains("Binary") || k.contains("concat")
+    });
+    bytes || keys.iter().filter(|k| k.starts_with("dec")).count() >= 2
+}
+
 /// Random sort keys and predicate.
 fn random_program(rng: &mut Rng) -> (Vec<String>, Option<String>) {
     let names = columns();
@@ -301,8 +322,9 @@ fn random_program(rng: &mut Rng) -> (Vec<String>, Option<String>) {
     };
     let mut keys: Vec<String> = Vec::new();
     for _ in 0..1 + rng.below(4) {
-        let key = match rng.below(3) {
+        let key = match rng.below(4) {
             0 => names[rng.below(names.len() as u64) as usize].clone(),
+            1 => BYTE_KEYS[rng.below(BYTE_KEYS.len() as u64) as usize].to_string(),
             _ => loop {
                 let depth = rng.below(4) as u32;
                 let e = match rng.below(2) {
@@ -994,6 +1016,8 @@ struct Counts {
     /// Answers that differ from DataFusion's full sort only among rows of equal sort keys
     /// (see `check`).
     tied: usize,
+    /// Queries with string, binary or wide keys.
+    prefix: usize,
     mismatches: Vec<PathBuf>,
 }
 
@@ -1015,6 +1039,7 @@ async fn fuzz(seed: u64, queries: usize, seconds: Option<u64>, programs: Arc<Pro
         for _ in 0..QUERIES_PER_TABLE.min(queries - counts.queries) {
             let query = random_query(&mut rng, rows, &programs);
             counts.queries += 1;
+            counts.prefix += usize::from(prefix_keys(&query.keys));
             let found = check(&ctx, &query, &mut counts.taken, &mut counts.tied).await;
             if found.is_none() {
                 continue;
@@ -1042,10 +1067,12 @@ async fn fuzz(seed: u64, queries: usize, seconds: Option<u64>, programs: Arc<Pro
         }
     }
     eprintln!(
-        "fuzz (seed {seed}, backend {}): {} queries over {} tables, {} run by the operator, {} \
-         mismatches, {} equal only in their key values, {:.1?}",
+        "fuzz (seed {seed}, backend {}): {} queries ({} with string, binary or wide keys) over \
+         {} tables, {} run by the operator, {} mismatches, {} equal only in their key values, \
+         {:.1?}",
         test_backend(),
         counts.queries,
+        counts.prefix,
         counts.tables,
         counts.taken,
         counts.mismatches.len(),
@@ -1100,14 +1127,16 @@ async fn fuzz_budget() {
             Arc::clone(&programs),
         ));
     }
-    let (mut total, mut mismatches) = (0, Vec::new());
+    let (mut total, mut prefix, mut mismatches) = (0, 0, Vec::new());
     while let Some(counts) = running.join_next().await {
         let counts = counts.expect("a fuzzing task panicked");
         total += counts.queries;
+        prefix += counts.prefix;
         mismatches.extend(counts.mismatches);
     }
     eprintln!(
-        "fuzz: {total} queries in {tasks} tasks, {} mismatches",
+        "fuzz: {total} queries ({prefix} with string, binary or wide keys) in {tasks} tasks, {} \
+         mismatches",
         mismatches.len()
     );
     assert!(mismatches.is_empty(), "mismatches: {mismatches:?}");
