@@ -1065,6 +1065,9 @@ fn byte_prefixes(key: usize, spec: &KeySpec, array: &dyn Array, bytes: usize) ->
         }
         Dictionary(..) => {
             let dictionary = array.as_any_dictionary_opt().ok_or_else(wrong)?;
+            if dictionary.values().is_empty() {
+                return Ok(vec![0; array.len()]); // every row is NULL
+            }
             let values = byte_prefixes(key, spec, dictionary.values().as_ref(), bytes)?;
             (dictionary.normalized_keys().into_iter())
                 .map(|k| values.get(k).copied().unwrap_or(0))

@@ -929,3 +929,26 @@ fn prefix_layouts_take_the_leading_keys() {
     )));
     assert!(KeyLayout::with_prefixes(vec![spec(nested, true)]).is_err());
 }
+
+/// A dictionary whose values are empty (every key NULL) encodes as NULLs.
+#[test]
+fn an_empty_dictionary_encodes_as_nulls() {
+    use datafusion::arrow::array::{DictionaryArray, Int32Array, StringArray};
+    let values = Arc::new(StringArray::from(Vec::<&str>::new()));
+    let keys = Int32Array::from(vec![None, None, None]);
+    let column: ArrayRef = Arc::new(DictionaryArray::<Int32Type>::try_new(keys, values).unwrap());
+    for nulls_first in [false, true] {
+        let spec = KeySpec {
+            data_type: column.data_type().clone(),
+            descending: false,
+            nulls_first,
+            nullable: true,
+        };
+        let layout = KeyLayout::with_prefixes(vec![spec]).unwrap();
+        let EncodedKeys::W128(keys) = layout.encode(std::slice::from_ref(&column)).unwrap() else {
+            panic!("a 121-bit layout");
+        };
+        let null = if nulls_first { 0 } else { 1u128 << 120 };
+        assert_eq!(keys, vec![null; 3]);
+    }
+}
