@@ -144,6 +144,11 @@ def main():
     )
     parser.add_argument("--csv", action="store_true", help="write CSV with a header instead")
     parser.add_argument(
+        "--tables",
+        default=",".join(TABLES),
+        help="comma-separated tables to write (default: all eight)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=os.cpu_count(), help="DuckDB threads (default: all)"
     )
     parser.add_argument(
@@ -178,7 +183,11 @@ def main():
 
     args.out.mkdir(parents=True, exist_ok=True)
     kind = "CSV" if args.csv else "Parquet"
-    for table in TABLES:
+    wanted = [t.strip() for t in args.tables.split(",") if t.strip()]
+    unknown = [t for t in wanted if t not in TABLES]
+    if unknown:
+        sys.exit(f"error: unknown table(s) {', '.join(unknown)}; TPC-H has {', '.join(TABLES)}")
+    for table in wanted:
         t = time.perf_counter()
         rows, files, row_groups = write_table(
             con, table, args.out, args.files, args.row_group_rows, args.csv

@@ -836,14 +836,18 @@ fn smaller_setups(setup: &Setup) -> Vec<Setup> {
 async fn minimise(mut setup: Setup, mut query: Query) -> (Setup, Query, String) {
     let mut taken = 0;
     let mut tied = 0;
-    let mut diff = check(
+    let again = check(
         &sessions(&setup, "min").await,
         &query,
         &mut taken,
         &mut tied,
     )
-    .await
-    .expect("a mismatch to minimise");
+    .await;
+    let Some(mut diff) = again else {
+        // Still a failure: the first run's difference was printed when it was found.
+        let diff = "the mismatch did not recur when run again".to_string();
+        return (setup, query, diff);
+    };
     let mut budget = 400;
     'query: while budget > 0 {
         let ctx = sessions(&setup, "min").await;
@@ -1041,10 +1045,12 @@ async fn fuzz(seed: u64, queries: usize, seconds: Option<u64>, programs: Arc<Pro
             counts.queries += 1;
             counts.prefix += usize::from(prefix_keys(&query.keys));
             let found = check(&ctx, &query, &mut counts.taken, &mut counts.tied).await;
-            if found.is_none() {
+            let Some(found) = found else {
                 continue;
-            }
+            };
             let origin = format!("seed {seed}, query {}", counts.queries);
+            // Printed before minimising, which a mismatch that does not recur cannot do.
+            eprintln!("MISMATCH ({origin}): {}\n{found}", query.sql());
             let (small, small_query, diff) = minimise(setup.clone(), query).await;
             let case = slt_case(&small, &small_query, &diff, &origin).await;
             std::fs::create_dir_all(&out).unwrap();
