@@ -347,7 +347,7 @@ pub enum Selector {
     /// Takes the input batch by batch.
     Streamed(Arc<dyn TopKSelector>),
     /// Selects over a whole table at once.
-    WholeTable(TableSelector),
+    WholeTable(Box<TableSelector>),
 }
 
 /// The single entry point: builds the selector of the plan the cost model made (a streaming
@@ -372,7 +372,7 @@ pub(crate) fn create_selector(spec: &SelectionSpec, plan: &SelectionPlan) -> Res
                 InputForm::Streamed => cuda::new_cuda_selector(spec, device, algorithm)?,
                 InputForm::WholeTable => {
                     let table = TableSelector::new(spec, device, algorithm)?;
-                    return Ok(Selector::WholeTable(table));
+                    return Ok(Selector::WholeTable(Box::new(table)));
                 }
             }
         }
