@@ -293,3 +293,84 @@ impl<K: CompositeKey> TopKSelector for PrefixSelector<K> {
         Ok(candidates.into_iter().map(|c| c.id).collect())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys::KeySpec;
+    use crate::select::RowIds;
+    use datafusion::arrow::array::{Int32Array, StringViewArray};
+
+    /// Batches pushed out of order, with heavy ties on the prefix and on whole keys: the
+    /// selection is the first k rows of a stable sort by the whole keys, whatever the order.
+    #[test]
+    fn matches_a_stable_sort_of_the_whole_keys() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move |n: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % n
+        };
+        let stems = ["", "a", "ab", "https://example.com/shared/path/", "é"];
+        for round in 0..40u64 {
+            let batches: Vec<(u64, Vec<ArrayRef>)> = (0..6u64)
+                .map(|b| {
+                    let n = 1 + next(300) as usize;
+                    let strings: Vec<Option<String>> = (0..n)
+                        .map(|_| {
+                            (next(9) != 0).then(|| {
+                                let stem = stems[next(stems.len() as u64) as usize];
+                                format!("{stem}{}", "xyz".repeat(next(3) as usize))
+                            })
+                        })
+                        .collect();
+                    let second = Int32Array::from_iter_values((0..n).map(|_| next(3) as i32));
+                    let columns: Vec<ArrayRef> =
+                        vec![Arc::new(StringViewArray::from(strings)), Arc::new(second)];
+                    (b << 20, columns)
+                })
+                .collect();
+            let specs = vec![
+                KeySpec {
+                    data_type: DataType::Utf8View,
+                    descending: round % 2 == 1,
+                    nulls_first: round % 4 < 2,
+                    nullable: true,
+                },
+                KeySpec {
+                    data_type: DataType::Int32,
+                    descending: round % 3 == 0,
+                    nulls_first: false,
+                    nullable: false,
+                },
+            ];
+            let layout = KeyLayout::with_prefixes(specs).unwrap();
+            let k = [1, 5, 40, 2000][round as usize % 4];
+            let selector = new_selector(&SelectionSpec::new(layout.clone(), k)).unwrap();
+            let mut order: Vec<usize> = (0..batches.len()).collect();
+            order.rotate_left(round as usize % batches.len());
+            for &b in &order {
+                let (first_id, columns) = &batches[b];
+                let input = SelectInput {
+                    keys: columns,
+                    row_ids: RowIds::Range(*first_id),
+                };
+                selector.push(input).unwrap();
+            }
+            let got = selector.finish().unwrap();
+
+            let converter = RowConverter::new(layout.sort_fields()).unwrap();
+            let mut all: Vec<(OwnedRow, u64)> = Vec::new();
+            for (first_id, columns) in &batches {
+                let rows = converter.convert_columns(columns).unwrap();
+                all.extend(
+                    (0..rows.num_rows()).map(|i| (rows.row(i).owned(), first_id + i as u64)),
+                );
+            }
+            all.sort_by(|a, b| (a.0.row(), a.1).cmp(&(b.0.row(), b.1)));
+            let want: Vec<u64> = all.iter().take(k).map(|(_, id)| *id).collect();
+            assert_eq!(got, want, "round {round}, k = {k}");
+        }
+    }
+}
