@@ -433,16 +433,9 @@ impl Shared {
         };
         store.published = Some(id);
         let first = self.spec.sort_exprs.first();
-        // Not for floats: Parquet statistics leave NaNs out, so a scan would prune row groups
-        // whose NaNs (greatest, or as −NaN smallest) belong in the answer.
-        // Nor for dictionaries, whose comparison with a literal DataFusion may not plan.
-        let first_type = self.store_schema.field(self.first_key).data_type();
-        let unprunable = first_type.is_floating()
-            || matches!(
-                first_type,
-                datafusion::arrow::datatypes::DataType::Dictionary(..)
-            );
-        if !unprunable
+        // Not for floats (Parquet statistics leave NaNs out, so a scan would prune row groups
+        // whose NaNs belong in the answer) nor dictionaries: see `compares_with_threshold`.
+        if self.spec.layout.specs()[0].compares_with_threshold()
             && self.spec.scans_may_skip_rows()
             && let Some(predicate) = threshold_predicate(first, &value)?
         {

@@ -119,6 +119,22 @@ impl KeySpec {
     pub fn by_bytes(&self) -> bool {
         bytes_type(&self.data_type)
     }
+
+    /// arrow's `SortOptions` of the key.
+    pub fn options(&self) -> SortOptions {
+        SortOptions {
+            descending: self.descending,
+            nulls_first: self.nulls_first,
+        }
+    }
+
+    /// Whether a column of this key may be compared with a threshold value by arrow's
+    /// comparison kernels (and so by a predicate) in the key's own order: not floats, whose
+    /// NaNs and zeros those order otherwise than the sort does, nor dictionaries, whose
+    /// comparison with a literal DataFusion may not plan.
+    pub fn compares_with_threshold(&self) -> bool {
+        !self.data_type.is_floating() && !matches!(self.data_type, DataType::Dictionary(..))
+    }
 }
 
 /// Types compared byte by byte, whose composite field is a prefix of their bytes.
@@ -381,13 +397,7 @@ impl KeyLayout {
     /// arrow's row-format fields of the keys: DataFusion's own comparison of whole keys.
     pub fn sort_fields(&self) -> Vec<SortField> {
         (self.specs.iter())
-            .map(|s| {
-                let options = SortOptions {
-                    descending: s.descending,
-                    nulls_first: s.nulls_first,
-                };
-                SortField::new_with_options(s.data_type.clone(), options)
-            })
+            .map(|s| SortField::new_with_options(s.data_type.clone(), s.options()))
             .collect()
     }
 

@@ -22,7 +22,6 @@ use std::sync::{Arc, Mutex, RwLock};
 use datafusion::arrow::array::{Array, ArrayRef, BooleanArray, Scalar, UInt32Array};
 use datafusion::arrow::compute::kernels::cmp::{gt_eq, lt_eq};
 use datafusion::arrow::compute::{SortOptions, is_null, take};
-use datafusion::arrow::datatypes::DataType;
 use datafusion::arrow::row::{OwnedRow, Row, RowConverter};
 use datafusion::error::Result;
 use datafusion::physical_plan::metrics::Count;
@@ -49,8 +48,7 @@ struct Candidate<K> {
 }
 
 /// The k-th candidate, and its first key as a one-row array where the first key's column
-/// may be compared with it by arrow's kernels: not floats, whose NaNs and zeros those may
-/// order otherwise than the row format, nor dictionaries.
+/// may be compared with it by arrow's kernels.
 struct Threshold<K> {
     kth: Candidate<K>,
     first: Option<ArrayRef>,
@@ -97,6 +95,9 @@ pub(crate) struct PrefixSelector<K> {
     capacity: usize,
     /// The first key's order, for the comparison with the threshold's.
     first_options: SortOptions,
+    /// Whether arrow's kernels may compare the first key's column
+    /// ([`KeySpec::compares_with_threshold`](crate::keys::KeySpec::compares_with_threshold)).
+    compare_first: bool,
     /// Snapshot of the k-th best candidate, read once per push without the buffer lock.
     threshold: RwLock<Option<Arc<Threshold<K>>>>,
     candidates: Mutex<Vec<Candidate<K>>>,
@@ -116,13 +117,8 @@ impl<K: CompositeKey> PrefixSelector<K> {
         Ok(Self {
             layout: spec.layout.clone(),
             converter: RowConverter::new(spec.layout.sort_fields())?,
-            first_options: {
-                let first = &spec.layout.specs()[0];
-                SortOptions {
-                    descending: first.descending,
-                    nulls_first: first.nulls_first,
-                }
-            },
+            first_options: spec.layout.specs()[0].options(),
+            compare_first: spec.layout.specs()[0].compares_with_threshold(),
             k: spec.k,
             capacity: spec.k + (spec.k / 2).max(16),
             threshold: RwLock::new(None),
@@ -148,18 +144,15 @@ impl<K: CompositeKey> PrefixSelector<K> {
             let worst = candidates.iter().max_by(|a, b| by_key_then_id(a, b));
             worst.expect("k > 0 candidates").clone()
         };
-        let first_type = &self.layout.specs()[0].data_type;
-        let first = match first_type.is_floating() || matches!(first_type, DataType::Dictionary(..))
-        {
-            true => None,
-            false => {
+        let first = match self.compare_first {
+            false => None,
+            true => {
                 let columns = self
                     .converter
                     .convert_rows(std::iter::once(kth.row.row()))?;
                 columns.into_iter().next()
             }
         };
-        // Candidates only ever improve, so the new k-th is never worse than the old.
         let threshold = Threshold { kth, first };
         *self.threshold.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(threshold));
         Ok(())
@@ -202,8 +195,7 @@ impl<K: CompositeKey> TopKSelector for PrefixSelector<K> {
         };
 
         // Of those, the rows the composite cannot reject: below or tied with the k-th's.
-        let composites = K::unwrap_encoded(self.layout.encode(&columns)?)?;
-        let mut composites_kept = composites.clone();
+        let mut composites = K::unwrap_encoded(self.layout.encode(&columns)?)?;
         if let Some(t) = &threshold {
             let kth = t.kth.composite;
             let kept: Vec<u32> = (0..composites.len() as u32)
@@ -219,12 +211,11 @@ impl<K: CompositeKey> TopKSelector for PrefixSelector<K> {
             }
             if kept.len() < composites.len() {
                 columns = take_rows(&columns, &kept)?;
-                composites_kept = kept.iter().map(|&j| composites[j as usize]).collect();
+                composites = kept.iter().map(|&j| composites[j as usize]).collect();
                 positions = kept.iter().map(|&j| positions[j as usize]).collect();
             }
         }
         let survivors = positions;
-        let composites = composites_kept;
         let rows = self.converter.convert_columns(&columns)?;
         let beats =
             |row: Row<'_>, id: u64, t: &Threshold<K>| (row, id) < (t.kth.row.row(), t.kth.id);
@@ -300,6 +291,7 @@ mod tests {
     use crate::keys::KeySpec;
     use crate::select::RowIds;
     use datafusion::arrow::array::{Int32Array, StringViewArray};
+    use datafusion::arrow::datatypes::DataType;
 
     /// Batches pushed out of order, with heavy ties on the prefix and on whole keys: the
     /// selection is the first k rows of a stable sort by the whole keys, whatever the order.
