@@ -122,6 +122,7 @@ impl TableData {
                 rows: self.rows,
                 nullable: column.nullable,
             }),
+            prefix: false,
         }
     }
 }

@@ -168,11 +168,16 @@ pub(crate) fn choose(
         return cpu_or_decline(format!("the GPU kernels are unusable ({e})"));
     }
     let gpu = format!("GPU {}", device.describe());
-    if let Some(note) = layout.prefix_note() {
-        // The device selects exact composites only: a prefix layout runs on the CPU path.
+    if let Some(note) = layout.prefix_note()
+        && input != InputForm::WholeTable
+    {
+        // The device selects a prefix layout over a whole table only (where it can read the
+        // rows that tie the k-th composite again): a streamed one runs on the CPU path.
         let why = match backend {
-            Backend::Cuda => "backend=cuda, but the device selects exact keys only",
-            _ => "the device selects exact keys only",
+            Backend::Cuda => {
+                "backend=cuda, but the device selects string prefixes over whole tables only"
+            }
+            _ => "the device selects string prefixes over whole tables only",
         };
         return Placement::Run {
             plan: SelectionPlan::CPU,

@@ -60,6 +60,16 @@ pub(crate) fn files_key(
     key
 }
 
+/// No host address: the last word of a key made by [`prefix_key`].
+const PREFIX: usize = usize::MAX - 2;
+
+/// The key of the prefix words of the string column whose own key is `key` (the device's
+/// image of a string sort key, see `keys::prefix_words`): another entry than the column's.
+pub(crate) fn prefix_key(mut key: CacheKey) -> CacheKey {
+    key.push((PREFIX, 16));
+    key
+}
+
 /// Whether `key` names a column by identity (its words are no host addresses).
 fn by_identity(key: &CacheKey) -> bool {
     matches!(key.first(), Some(&(TABLE | FILES, _)))

@@ -123,9 +123,10 @@ pub(crate) fn table_inputs<'a>(
     };
     let mut inputs = Vec::with_capacity(program.inputs.len());
     for input in &program.inputs {
+        let prefix = matches!(input, KernelInput::StringPrefix(_));
         let (chunks, lookup, name) = match input {
             KernelInput::HostPredicate => return Ok(None),
-            KernelInput::Column(c) => {
+            KernelInput::Column(c) | KernelInput::StringPrefix(c) => {
                 let at = column(*c)?;
                 let chunks = batches.iter().map(|b| Arc::clone(b.column(at))).collect();
                 (chunks, None, names.get(*c))
@@ -177,6 +178,7 @@ pub(crate) fn table_inputs<'a>(
             lookup,
             name: name.cloned().unwrap_or_default(),
             identity: None,
+            prefix,
         });
     }
     Ok(Some(inputs))
@@ -198,6 +200,15 @@ fn gpu_table_inputs<'a>(
             KernelInput::Column(c) | KernelInput::DictionaryCodes(c) => {
                 Some(table.input(*columns.get(*c)?, name(*c)))
             }
+            KernelInput::StringPrefix(c) => {
+                let at = *columns.get(*c)?;
+                // A dictionary column's chunks are its codes: no strings to read.
+                table.columns[at].dictionary.is_none().then_some(())?;
+                Some(TableInput {
+                    prefix: true,
+                    ..table.input(at, name(*c))
+                })
+            }
             KernelInput::DictionaryMatch { column: c, values } => {
                 let at = *columns.get(*c)?;
                 // Every batch has this dictionary (else the table path does not apply).
@@ -208,6 +219,7 @@ fn gpu_table_inputs<'a>(
                     lookup: Some(fusion::dictionary_match(first, values).ok()?),
                     name: name(*c).to_string(),
                     identity: None,
+                    prefix: false,
                 })
             }
         })

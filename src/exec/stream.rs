@@ -188,6 +188,8 @@ impl TopKRun {
                     self.metrics.output_rows.add(batch.num_rows());
                     return Ok(batch);
                 }
+                // A prefix layout's streamed selection is the CPU path's.
+                WholeTable::Stream if !self.spec.layout.exact() => SelectionPlan::CPU,
                 WholeTable::Stream => plan.on_streamed_input(),
                 WholeTable::Cpu => SelectionPlan::CPU,
             },

@@ -117,6 +117,9 @@ pub struct FusedProgram {
     pub inputs: Vec<KernelInput>,
     /// The composite key type the kernel writes.
     pub key_kind: KeyWidth,
+    /// Whether its composite is a prefix layout's (monotone, not exact): the rows that tie
+    /// the k-th composite are then ranked on the host.
+    pub refines: bool,
 }
 
 impl FusedProgram {
@@ -222,6 +225,7 @@ pub(crate) fn plan(
                 source,
                 inputs: emitter.inputs.clone(),
                 key_kind: kind,
+                refines: !layout.exact(),
             };
             (Part::Gpu, Some(Arc::new(program)))
         }
@@ -240,7 +244,36 @@ fn translate_keys(
     layout: &KeyLayout,
 ) -> Result<String, Declined> {
     let mut fields = String::new();
-    for (i, (sort, spec)) in sort_exprs.iter().zip(layout.specs()).enumerate() {
+    // A prefix layout's composite holds only its leading keys: the rest are compared on the
+    // host, among the rows that tie the k-th composite.
+    let composite = layout.composite_keys();
+    for (i, (sort, spec)) in (sort_exprs.iter().zip(layout.specs()))
+        .enumerate()
+        .take(composite)
+    {
+        if let Some(bytes) = layout.prefix_bytes(i) {
+            let (words, valid) = emitter.string_prefix(&sort.expr)?;
+            let code = std::mem::take(&mut emitter.code);
+            fields.push_str(&code);
+            translate::emit_prefix_field(
+                &mut fields,
+                &words,
+                &valid,
+                layout.field_shift(i),
+                bytes,
+                spec.descending,
+                spec.nullable,
+                spec.nulls_first,
+            );
+            continue;
+        }
+        if layout.truncated_bits(i) {
+            return Err(format!(
+                "sort key {} ({}) is wider than the device's keys",
+                i + 1,
+                spec.data_type
+            ));
+        }
         let value = emitter.emit(&sort.expr)?;
         let value_bits = spec
             .value_bits()
@@ -361,6 +394,7 @@ fn kernel_source(
             KernelInput::DictionaryMatch { column, values } => {
                 format!("entries of column {column}'s dictionary in {values:?}")
             }
+            KernelInput::StringPrefix(c) => format!("first 16 bytes of input column {c}"),
         };
         let _ = writeln!(
             params,

@@ -178,6 +178,10 @@ pub enum KernelInput {
     /// dictionary start a new push), whether it is one of `values`, NULL where the entry is
     /// NULL: the host maps the literals to codes, the kernel looks each row's code up.
     DictionaryMatch { column: usize, values: Vec<String> },
+    /// Each row's first 16 bytes of a string or binary column, by index, big-endian as one
+    /// 128-bit value (`keys::prefix_words`): what a prefix layout's byte field reads. The
+    /// column cache holds this image, not the strings.
+    StringPrefix(usize),
 }
 
 impl KernelInput {
@@ -274,6 +278,45 @@ impl<'a> Emitter<'a> {
             });
         }
         (value, valid)
+    }
+
+    /// The prefix words (`StringPrefix`) of `expr`, a plain column of strings or binary: the
+    /// C names of the row's `U128` (first bytes in `hi`) and its validity.
+    pub(crate) fn string_prefix(
+        &mut self,
+        expr: &Arc<dyn PhysicalExpr>,
+    ) -> Result<(String, String), Declined> {
+        let column = expr
+            .downcast_ref::<Column>()
+            .ok_or_else(|| format!("{expr}: the device reads string keys of plain columns only"))?;
+        let field = self
+            .schema
+            .fields()
+            .get(column.index())
+            .ok_or_else(|| format!("column {column} is out of the schema"))?;
+        if !crate::keys::has_prefix_words(field.data_type()) {
+            return Err(format!(
+                "column {} has type {}",
+                field.name(),
+                field.data_type()
+            ));
+        }
+        let p = self.input(KernelInput::StringPrefix(column.index()));
+        let (value, valid) = (format!("x{p}"), format!("x{p}v"));
+        if !self.loaded.contains(&p) {
+            self.loaded.push(p);
+            self.loads.push(Load {
+                ctype: "U128".to_string(),
+                value: value.clone(),
+                valid: valid.clone(),
+                read: format!("((const U128 *)c{p})[i]"),
+                valid_read: format!(
+                    "c{p}_valid == nullptr || get_bit(c{p}_valid, c{p}_valid_bit + i)"
+                ),
+                vector: Some((p, 16)),
+            });
+        }
+        Ok((value, valid))
     }
 
     fn define(&mut self, data_type: DataType, ctype: CType, value: String, valid: String) -> Value {
@@ -419,6 +462,65 @@ impl<'a> Emitter<'a> {
         let mut v = self.define(data_type, ctype, value, valid.into());
         v.finite_bound = finite_bound;
         Ok(v)
+    }
+}
+
+/// C source text of a byte key's prefix field: its first `bytes` bytes (≤ 16) from the row's
+/// prefix words `words` (a `U128`, first bytes in `hi`), as [`emit_key_field`] writes a value
+/// (DESC flips them; NULL rows get zero bits and the null bit per NULLS FIRST/LAST).
+pub(crate) fn emit_prefix_field(
+    out: &mut String,
+    words: &str,
+    valid: &str,
+    shift: u32,
+    bytes: u32,
+    descending: bool,
+    nullable: bool,
+    nulls_first: bool,
+) {
+    let bits = 8 * bytes;
+    let null_bit = if nullable {
+        format!("{valid} == {nulls_first}")
+    } else {
+        "false".into()
+    };
+    let mask = |bits: u32| {
+        if bits >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << bits) - 1
+        }
+    };
+    if bits <= 64 {
+        let xor = if descending { mask(bits) } else { 0 };
+        let _ = writeln!(
+            out,
+            "        or_field(key, {valid} ? (({words}.hi >> {}) ^ 0x{xor:x}ull) : 0ull, {shift}, {null_bit}, {});",
+            64 - bits,
+            shift + bits
+        );
+    } else {
+        // The first 8 bytes above the next ones.
+        let low = bits - 64;
+        let (xor_hi, xor_lo) = if descending {
+            (u64::MAX, mask(low))
+        } else {
+            (0, 0)
+        };
+        let _ = writeln!(
+            out,
+            "        or_field(key, {valid} ? ({words}.hi ^ 0x{xor_hi:x}ull) : 0ull, {}, {null_bit}, {});",
+            shift + low,
+            shift + bits
+        );
+        let _ = writeln!(
+            out,
+            "        or_field(key, {valid} ? (({words}.lo >> {}) ^ 0x{xor_lo:x}ull) : 0ull, {shift}, false, 0);",
+            128 - bits
+        );
+    }
+    if !nullable {
+        let _ = writeln!(out, "        bad = bad || !{valid};");
     }
 }
 

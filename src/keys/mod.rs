@@ -163,7 +163,7 @@ enum Part {
 }
 
 /// The most prefix bytes a byte key's field takes (one `u128`).
-const MAX_PREFIX_BYTES: u32 = 16;
+pub(crate) const MAX_PREFIX_BYTES: u32 = 16;
 
 pub use crate::device::plan::{KeyWidth, Native};
 
@@ -394,6 +394,32 @@ impl KeyLayout {
         ))
     }
 
+    /// Keys with a field in the composite: all of them in an exact layout, the leading ones
+    /// up to the truncated field in a prefix layout.
+    pub fn composite_keys(&self) -> usize {
+        self.parts.len()
+    }
+
+    /// Bits of key `key`'s field value (null bit excluded): its type's value bits, or what a
+    /// prefix layout keeps of it. Panics if the key has no field.
+    pub fn field_value_bits(&self, key: usize) -> u32 {
+        self.value_bits[key]
+    }
+
+    /// The bytes of key `key` its field holds, where that field is a prefix of a byte key's
+    /// bytes; `None` for a fixed-width field and for a key without one.
+    pub fn prefix_bytes(&self, key: usize) -> Option<u32> {
+        match self.parts.get(key) {
+            Some(Part::Bytes { bytes }) => Some(*bytes),
+            _ => None,
+        }
+    }
+
+    /// Whether key `key`'s field holds only the high bits of a fixed-width key.
+    pub fn truncated_bits(&self, key: usize) -> bool {
+        matches!(self.parts.get(key), Some(Part::High { .. }))
+    }
+
     /// arrow's row-format fields of the keys: DataFusion's own comparison of whole keys.
     pub fn sort_fields(&self) -> Vec<SortField> {
         (self.specs.iter())
@@ -474,6 +500,72 @@ impl KeyLayout {
         }
         Ok(())
     }
+}
+
+/// Whether the device reads a column of `data_type` as its prefix words
+/// ([`prefix_words`]): plain strings and binary, not dictionaries or fixed-size binary.
+pub(crate) fn has_prefix_words(data_type: &DataType) -> bool {
+    use DataType::*;
+    matches!(
+        data_type,
+        Utf8 | LargeUtf8 | Utf8View | Binary | LargeBinary | BinaryView
+    )
+}
+
+/// Each row's first [`MAX_PREFIX_BYTES`] bytes, zero-padded, as a big-endian `u128` (0 for a
+/// NULL row): the device's image of a string or binary column, from which a prefix layout's
+/// field takes its leading bytes. A string that is a prefix of another, or that ends in zero
+/// bytes, may tie it here; the full comparison settles those ties.
+pub(crate) fn prefix_words(array: &dyn Array) -> Result<Vec<u128>> {
+    fn words<'a>(n: usize, value: impl Fn(usize) -> &'a [u8]) -> Vec<u128> {
+        (0..n)
+            .map(|i| {
+                let bytes = value(i);
+                let mut word = [0u8; MAX_PREFIX_BYTES as usize];
+                let m = bytes.len().min(word.len());
+                word[..m].copy_from_slice(&bytes[..m]);
+                u128::from_be_bytes(word)
+            })
+            .collect()
+    }
+    let n = array.len();
+    let mut out = match array.data_type() {
+        DataType::Utf8 => {
+            let a = array.as_string::<i32>();
+            words(n, |i| a.value(i).as_bytes())
+        }
+        DataType::LargeUtf8 => {
+            let a = array.as_string::<i64>();
+            words(n, |i| a.value(i).as_bytes())
+        }
+        DataType::Utf8View => {
+            let a = array.as_string_view();
+            words(n, |i| a.value(i).as_bytes())
+        }
+        DataType::Binary => {
+            let a = array.as_binary::<i32>();
+            words(n, |i| a.value(i))
+        }
+        DataType::LargeBinary => {
+            let a = array.as_binary::<i64>();
+            words(n, |i| a.value(i))
+        }
+        DataType::BinaryView => {
+            let a = array.as_binary_view();
+            words(n, |i| a.value(i))
+        }
+        other => {
+            return Err(exec_error(format!(
+                "the device reads no prefix words of {other} columns"
+            )));
+        }
+    };
+    if let Some(nulls) = array.nulls() {
+        for i in (0..n).filter(|&i| nulls.is_null(i)) {
+            out[i] = 0;
+        }
+    }
+    Ok(out)
 }
 
 /// Composite keys of one batch, one per row, in the layout's width.

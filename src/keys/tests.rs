@@ -952,3 +952,69 @@ fn an_empty_dictionary_encodes_as_nulls() {
         assert_eq!(keys, vec![null; 3]);
     }
 }
+
+/// The device's image of a string column (its prefix words) is the same for every string and
+/// binary array type, and its leading bytes are the host composite's field, bit for bit.
+#[test]
+fn prefix_words_are_the_host_composites_field() {
+    use datafusion::arrow::array::{
+        BinaryArray, BinaryViewArray, LargeBinaryArray, LargeStringArray, StringArray,
+        StringViewArray,
+    };
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let strings = awkward_strings(&mut rng, 400);
+    let texts: Vec<Option<&str>> = strings.iter().map(|s| s.as_deref()).collect();
+    let bytes: Vec<Option<&[u8]>> = texts.iter().map(|s| s.map(str::as_bytes)).collect();
+    let arrays: Vec<ArrayRef> = vec![
+        Arc::new(StringArray::from(texts.clone())),
+        Arc::new(LargeStringArray::from(texts.clone())),
+        Arc::new(StringViewArray::from(texts.clone())),
+        Arc::new(BinaryArray::from(bytes.clone())),
+        Arc::new(LargeBinaryArray::from(bytes.clone())),
+        Arc::new(BinaryViewArray::from(bytes.clone())),
+    ];
+    let words = prefix_words(arrays[0].as_ref()).unwrap();
+    for array in &arrays {
+        assert_eq!(
+            prefix_words(array.as_ref()).unwrap(),
+            words,
+            "{}",
+            array.data_type()
+        );
+        // Sliced arrays read their own rows.
+        let sliced = prefix_words(array.slice(7, 100).as_ref()).unwrap();
+        assert_eq!(sliced, words[7..107], "{}", array.data_type());
+    }
+    for (i, s) in texts.iter().enumerate() {
+        let mut padded = [0u8; 16];
+        if let Some(s) = s {
+            let n = s.len().min(16);
+            padded[..n].copy_from_slice(&s.as_bytes()[..n]);
+        }
+        assert_eq!(words[i], u128::from_be_bytes(padded), "row {i}: {s:?}");
+    }
+    // The field of a string key alone: all 16 bytes, or 15 beside a null bit.
+    for nullable in [false, true] {
+        let array: ArrayRef = if nullable {
+            Arc::clone(&arrays[2])
+        } else {
+            let valid: Vec<&str> = texts.iter().map(|s| s.unwrap_or("")).collect();
+            Arc::new(StringViewArray::from(valid))
+        };
+        let words = prefix_words(array.as_ref()).unwrap();
+        let layout =
+            KeyLayout::with_prefixes(vec![spec(DataType::Utf8View, false, false, nullable)])
+                .unwrap();
+        let bytes = layout.prefix_bytes(0).expect("a byte field");
+        assert_eq!(bytes, if nullable { 15 } else { 16 });
+        let EncodedKeys::W128(keys) = layout.encode(&[Arc::clone(&array)]).unwrap() else {
+            panic!("128-bit composites");
+        };
+        let value_mask = u128::MAX >> (128 - 8 * bytes);
+        for (i, (key, word)) in keys.iter().zip(&words).enumerate() {
+            if array.is_valid(i) {
+                assert_eq!(key & value_mask, word >> (128 - 8 * bytes), "row {i}");
+            }
+        }
+    }
+}

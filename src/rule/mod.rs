@@ -271,12 +271,7 @@ fn match_top_k(
 
     let cache_dir = (!config.kernel_cache_dir.is_empty())
         .then(|| std::path::Path::new(config.kernel_cache_dir.as_str()));
-    let fusion = if !layout.exact() {
-        fusion::FusionPlan::host(
-            "the device selects fixed-width keys of up to 256 bits",
-            absorbed.filter.is_some(),
-        )
-    } else if config.fuse_expressions {
+    let fusion = if config.fuse_expressions {
         fusion::plan(
             absorbed.filter.as_ref(),
             &absorbed.sort_exprs,
@@ -358,6 +353,10 @@ fn resident_share(input: &Arc<dyn ExecutionPlan>, program: &fusion::FusedProgram
                     let width = files.data_type(*c).ok()?.primitive_width().unwrap_or(1);
                     Some((width, files.key(*c)))
                 }
+                fusion::KernelInput::StringPrefix(c) if *c < files.columns.len() => Some((
+                    table::PREFIX_BYTES,
+                    crate::device::column_cache::prefix_key(files.key(*c)),
+                )),
                 _ => None,
             })
             .collect::<Option<Vec<_>>>()?;

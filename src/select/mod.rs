@@ -360,9 +360,12 @@ pub(crate) fn create_selector(spec: &SelectionSpec, plan: &SelectionPlan) -> Res
     let selector = match *plan {
         SelectionPlan::Cpu { .. } if spec.layout.exact() => cpu::new_selector(spec),
         SelectionPlan::Cpu { .. } => prefix::new_selector(spec)?,
-        SelectionPlan::Cuda { .. } if !spec.layout.exact() => {
+        SelectionPlan::Cuda {
+            input: InputForm::Streamed,
+            ..
+        } if !spec.layout.exact() => {
             return datafusion::common::internal_err!(
-                "the device selects exact composite keys only"
+                "the device selects a prefix layout over a whole table only"
             );
         }
         SelectionPlan::Cuda { algorithm, input } => {

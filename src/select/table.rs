@@ -20,7 +20,7 @@ use datafusion::error::Result;
 
 use super::SelectionSpec;
 use super::cuda::{ColumnBuffers, exec_error, gpu_error, program_error};
-use crate::device::column_cache::{CacheKey, CacheUse, ColumnCache, Loading, NewEntry};
+use crate::device::column_cache::{CacheKey, CacheUse, ColumnCache, Loading, NewEntry, prefix_key};
 use crate::device::watch::{self, DeviceWatch};
 use crate::device::{
     DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_ROWS, FusedReport, GeneratedKernel, GpuDevice,
@@ -53,6 +53,16 @@ impl ResidentColumns {
                 KernelInput::DictionaryCodes(c) => fusion::dictionary_codes(batch.column(*c)),
                 KernelInput::DictionaryMatch { column, values } => {
                     fusion::dictionary_match(batch.column(*column), values)
+                }
+                KernelInput::StringPrefix(c) => {
+                    let words = crate::keys::prefix_words(batch.column(*c).as_ref())?;
+                    let mut values = Vec::with_capacity(words.len());
+                    values.extend(words.into_iter().map(|w| w as i128));
+                    let prefix = datafusion::arrow::array::Decimal128Array::new(
+                        values.into(),
+                        batch.column(*c).nulls().cloned(),
+                    );
+                    Ok(Arc::new(prefix) as ArrayRef)
                 }
                 KernelInput::HostPredicate => Err(exec_error(
                     "a device-resident top-k needs the predicate on the GPU; this program \
@@ -202,6 +212,10 @@ pub struct TableInput<'a> {
     /// What the chunks are, where the cache knows them by that instead of by their buffers
     /// (a column known by identity may come without chunks when the cache holds it).
     pub identity: Option<Identity>,
+    /// The chunks are strings or binary, and the program reads their prefix words
+    /// ([`KernelInput::StringPrefix`]): the device image (and cache entry) is those, 16 bytes
+    /// a row, not the strings.
+    pub prefix: bool,
 }
 
 /// A column the cache knows by what it is rather than by its buffers (a `GpuTable`'s column,
@@ -218,8 +232,14 @@ pub struct Identity {
 /// What [`TableSelector::select`] found.
 #[derive(Debug)]
 pub struct TableSelection {
-    /// The winners' positions in the table (all batches back to back), in output order.
+    /// The winners' positions in the table (all batches back to back), in output order; with
+    /// `refine`, the candidates (in no order) that hold them, to be ranked by their whole keys.
     pub positions: Vec<u64>,
+    /// Whether `positions` are a prefix layout's candidates: every row whose composite is at
+    /// most the k-th's (all passing rows where fewer than k passed).
+    pub refine: bool,
+    /// Candidates besides the k-th whose composite equals its: the ties the whole keys settle.
+    pub tied: usize,
     /// Rows that passed the predicate.
     pub passed: usize,
     /// Time spent compiling or loading the generated program.
@@ -253,16 +273,26 @@ impl<'i, 'a> TableColumn<'i, 'a> {
             (None, None) => DataType::Null,
         };
         let width = match &data_type {
+            t if input.prefix => {
+                if !crate::keys::has_prefix_words(t) {
+                    return Err(exec_error(format!("no prefix words of {t} columns")));
+                }
+                Some(PREFIX_BYTES)
+            }
             DataType::Boolean => None,
             t => Some(t.primitive_width().ok_or_else(|| {
                 exec_error(format!("the generated program cannot read {t} columns"))
             })?),
         };
+        let image_key = |key: CacheKey| match input.prefix {
+            true => prefix_key(key),
+            false => key,
+        };
         if let Some(known) = &input.identity {
             return Ok(Self {
                 input,
                 width,
-                key: known.key.clone(),
+                key: image_key(known.key.clone()),
                 rows: known.rows,
                 nullable: known.nullable,
             });
@@ -283,7 +313,22 @@ impl<'i, 'a> TableColumn<'i, 'a> {
             let validity = chunk.nulls().filter(|v| v.null_count() > 0);
             nullable |= validity.is_some();
             rows += n;
+            if input.prefix {
+                // The strings' every buffer (offsets or views, and the bytes), and where the
+                // array starts in them.
+                let data = chunk.to_data();
+                if data.data_type() != &data_type {
+                    return Err(mismatch());
+                }
+                key.push((data.offset(), n));
+                key.extend(
+                    data.buffers()
+                        .iter()
+                        .map(|b| (b.as_ptr() as usize, b.len())),
+                );
+            }
             key.push(match width {
+                _ if input.prefix => (0, 0),
                 Some(_) => {
                     let values = primitive_values(chunk).ok_or_else(mismatch)?;
                     (values.as_ptr() as usize, values.len())
@@ -304,7 +349,7 @@ impl<'i, 'a> TableColumn<'i, 'a> {
         Ok(Self {
             input,
             width,
-            key,
+            key: image_key(key),
             rows,
             nullable,
         })
@@ -337,6 +382,7 @@ impl<'i, 'a> TableColumn<'i, 'a> {
         for chunk in self.input.chunks.iter() {
             let chunk = chunk.as_ref();
             match self.width {
+                _ if self.input.prefix => owners.extend(chunk.to_data().buffers().iter().cloned()),
                 Some(_) => owners.extend(primitive_values(chunk).cloned()),
                 None => owners.extend(chunk.as_boolean_opt().map(|b| b.values().inner().clone())),
             }
@@ -360,6 +406,26 @@ impl<'i, 'a> TableColumn<'i, 'a> {
         let mut bitmaps = Vec::new();
         let mut parts: Vec<(usize, &[u8])> = Vec::with_capacity(self.input.chunks.len() + 1);
         match self.width {
+            _ if self.input.prefix => {
+                // Derived chunk by chunk (16 bytes a row), each uploaded before the next.
+                let mut at = 0u64;
+                for chunk in self.input.chunks.iter() {
+                    let words = crate::keys::prefix_words(chunk.as_ref())
+                        .map_err(|e| GpuError(e.to_string()))?;
+                    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+                    engine.upload_image(&[(0, &bytes)], bytes.len(), dst + at)?;
+                    at += bytes.len() as u64;
+                }
+                if self.nullable {
+                    let validity = bitmap(&|chunk, b| match chunk.nulls() {
+                        Some(validity) => b.append_buffer(validity.inner()),
+                        None => b.append_n(chunk.len(), true),
+                    });
+                    let bits = validity.values();
+                    engine.upload_image(&[(0, bits)], bits.len(), dst + offsets[1] as u64)?;
+                }
+                return Ok(());
+            }
             Some(_) => {
                 let mut at = 0;
                 for chunk in self.input.chunks.iter() {
@@ -492,6 +558,9 @@ fn load_column(
 
 /// Alignment of a table image's validity bitmap.
 const TABLE_ALIGN: usize = 256;
+
+/// Bytes a row of a string column's prefix words take on the device.
+pub(crate) const PREFIX_BYTES: usize = crate::keys::MAX_PREFIX_BYTES as usize;
 
 /// The selection over a whole table (see the module documentation), built by
 /// [`super::create_selector`] for a plan over a whole table.
@@ -646,7 +715,7 @@ fn select_table(
         contain_panics(|| run_table(spec, device, program, algorithm, inputs, &columns, &lookups))
             .unwrap_or_else(|panic| Err(GpuError(format!("the CUDA bindings panicked: {panic}"))))
             .map_err(gpu_error)?;
-    let (positions, report, compile_time, uploaded) = result;
+    let (positions, tied, report, compile_time, uploaded) = result;
     drop(lookups);
     let mut transfers = (0, 0, 0, 0);
     for (column, buffer) in columns.iter().zip(uploaded) {
@@ -682,6 +751,8 @@ fn select_table(
     program_error(report.error)?;
     Ok(Some(TableSelection {
         positions,
+        refine: program.refines,
+        tied,
         passed: report.passed as usize,
         compile_time,
     }))
@@ -700,6 +771,7 @@ fn run_table(
     lookups: &[Option<CacheUse>],
 ) -> GpuResult<(
     Vec<u64>,
+    usize,
     FusedReport,
     std::time::Duration,
     Vec<Option<(PooledBuffer, Vec<usize>)>>,
@@ -774,24 +846,22 @@ fn run_table(
         }
         args.extend(column.addresses(&mut addresses.into_iter()));
     }
-    let (sorted, m, report) = engine.fused_select(
-        &kernel,
-        &args,
-        columns.first().map_or(0, |c| c.rows),
-        spec.k,
-        algorithm,
-        FUSED_SAMPLE_ROWS,
-    )?;
-    let positions = if report.error == 0 {
-        engine.download_ids(&sorted, m)?
-    } else {
+    let rows = columns.first().map_or(0, |c| c.rows);
+    let (sorted, m, report) =
+        engine.fused_select(&kernel, &args, rows, spec.k, algorithm, FUSED_SAMPLE_ROWS)?;
+    let (positions, tied) = if report.error != 0 {
         engine.synchronize()?;
-        Vec::new()
+        (Vec::new(), 0)
+    } else if program.refines && m == spec.k && m > 0 {
+        // A prefix layout's k-th composite may tie rows the selection left out.
+        engine.fused_ties(&kernel, &args, rows, &sorted, m - 1)?
+    } else {
+        (engine.download_ids(&sorted, m)?, 0)
     };
     drop((sorted, lookup_tables));
     engine.synchronize()?;
     device.idle_engine(engine);
-    Ok((positions, report, compile_time, uploaded))
+    Ok((positions, tied, report, compile_time, uploaded))
 }
 
 /// Room reserved in the column cache for a table selection's new entries; what no entry

@@ -233,6 +233,15 @@ async fn each_part_runs_where_it_translates_and_every_program_compiles() {
         ("", "f16", "-", "host"),
         ("WHERE i32 > 0", "abs(i32)", "gpu", "gpu"),
         ("WHERE i32 > 0", "ln(f64)", "gpu", "host"),
+        // string keys: a plain column's first bytes (its prefix words); what follows a string
+        // key is compared on the host, untranslated
+        ("", "s", "-", "gpu"),
+        ("WHERE i32 > 0", "sv DESC NULLS LAST, ln(f64)", "gpu", "gpu"),
+        ("", "g, s DESC", "-", "gpu"),
+        ("", "i64, i32, sv", "-", "gpu"),
+        ("", "arrow_cast(s, 'LargeBinary') DESC, g", "-", "host"),
+        ("", "ds, g", "-", "host"),
+        ("", "upper(s)", "-", "host"),
     ];
     let mut min_blocks = Vec::new();
     for (filter, order, want_filter, want_keys) in cases {

@@ -108,14 +108,70 @@ async fn same_rows(
 
 /// The `rows_refined` metric of an executed plan's text.
 fn rows_refined(plan: &str) -> usize {
+    metric(plan, "rows_refined")
+}
+
+/// Metric `name` of an executed plan's text.
+fn metric(plan: &str, name: &str) -> usize {
+    let key = format!("{name}=");
     let at = plan
-        .find("rows_refined=")
-        .expect("rows_refined in the metrics");
-    let digits: String = plan[at + 13..]
+        .find(&key)
+        .unwrap_or_else(|| panic!("{name} in the metrics: {plan}"));
+    let digits: String = plan[at + key.len()..]
         .chars()
         .take_while(|c| c.is_ascii_digit())
         .collect();
     digits.parse().unwrap()
+}
+
+/// With the CUDA backend forced on a GPU, a string key over a whole table (in memory over
+/// several partitions; Parquet files of several row groups) is selected on the device from its
+/// prefix words, the ties refined on the host: DataFusion's rows, no fallback, and the
+/// repeated query finds the prefix words in the column cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn string_keys_select_on_the_device_over_whole_tables() {
+    use datafusion_gpu_topk::internal::device::{GpuStatus, gpu_status};
+    if let GpuStatus::Unavailable(why) = gpu_status() {
+        eprintln!("SKIP: string keys on the device: no GPU ({why})");
+        return;
+    }
+    let dir = test_dir("strings-device");
+    let values: [(&str, fn(&mut Rng, usize) -> Option<String>); 2] =
+        [("distinct", distinct), ("shared", shared_prefix)];
+    for (name, value) in values {
+        let data = table(30_000, 3, value);
+        for storage in [Storage::Memory, Storage::Parquet] {
+            let config =
+                crate::sessions::test_config(true).with_backend(datafusion_gpu_topk::Backend::Cuda);
+            let ours = crate::common::session_with(3, 1000, config);
+            let plain = plain_session(3, storage);
+            register_as(&ours, "t", &data, storage, &dir).await;
+            register_as(&plain, "t", &data, storage, &dir).await;
+            let cases = [
+                ("s", "LIMIT 10"),
+                ("sv DESC", "LIMIT 100"),
+                ("s NULLS FIRST", "LIMIT 5 OFFSET 3"),
+                ("bv DESC NULLS LAST", "LIMIT 1000"),
+                ("id % 7, sv", "LIMIT 50"),
+            ];
+            for (order, tail) in cases {
+                for round in 0..2 {
+                    let plan = same_rows(&ours, &plain, order, tail).await;
+                    let what = format!("{name}, {storage:?}, ORDER BY {order} {tail}");
+                    assert!(plan.contains("backend=cuda"), "{what}: {plan}");
+                    assert_eq!(metric(&plan, "gpu_fallbacks"), 0, "{what}: {plan}");
+                    if round == 1 {
+                        assert!(metric(&plan, "cache_hits") > 0, "{what}: {plan}");
+                        assert_eq!(metric(&plan, "cache_misses"), 0, "{what}: {plan}");
+                    }
+                    if name == "distinct" && !order.starts_with("id") {
+                        assert_eq!(rows_refined(&plan), 0, "{what}: {plan}");
+                    }
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Every byte-compared type, in every direction, over memory, Parquet and CSV.

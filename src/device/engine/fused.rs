@@ -404,6 +404,65 @@ impl TopKEngine {
         }
     }
 
+    /// The rows of a generated program over `rows` device-resident rows (ids 0..rows) whose
+    /// keys are at most the key of `sorted`'s pair `at`, those equal to it included whatever
+    /// their row ids. After a selection over a prefix layout's composite (monotone, not exact)
+    /// that pair is the k-th: the rows it returns hold every winner, and only those tying its
+    /// key need more than their composite to be ranked. One more pass of the program, with
+    /// that key as its threshold. Returns their row ids (in no order) and how many rows besides
+    /// the k-th have its key.
+    pub(crate) fn fused_ties(
+        &mut self,
+        kernel: &GeneratedKernel,
+        inputs: &[u64],
+        rows: usize,
+        sorted: &DevicePairs,
+        at: usize,
+    ) -> GpuResult<(Vec<u64>, usize)> {
+        let key_bytes = self.kind.key_bytes();
+        // `Threshold<K>`: the key, the u64 id (8-aligned), the u32 `valid` flag. An id above
+        // every row's admits the key's ties.
+        let threshold = self.scalars.ptr() + THRESHOLD_OFFSET;
+        let id_at = key_bytes.max(8) as u64;
+        self.memset_zero(threshold, THRESHOLD_BYTES)?;
+        self.copy_dtod(threshold, sorted.key_at(at), key_bytes)?;
+        self.write_u64(threshold + id_at, u64::MAX)?;
+        self.set_u32(threshold + id_at + 8, 1)?;
+        let boundary = self.read_bytes(sorted.key_at(at), key_bytes)?;
+        // Rows passed (u64), error flags (u32), rows appended (u64 at 16).
+        let out = self.device.pool.alloc(24, &self.stream)?;
+        let mut capacity = (2 * (at + 1)).max(1 << 12).min(rows.max(1));
+        loop {
+            self.memset_zero(out.ptr(), 24)?;
+            let candidates = self.alloc_pairs(capacity)?;
+            self.fused_pass(
+                kernel,
+                inputs,
+                rows,
+                1,
+                0,
+                &candidates,
+                out.ptr() + 16,
+                out.ptr(),
+                false,
+                0,
+            )?;
+            let words = self.read_bytes(out.ptr(), 24)?;
+            let count = u64::from_le_bytes(words[16..24].try_into().expect("8 bytes")) as usize;
+            if count > capacity {
+                // More ties than room: again, with room for all.
+                capacity = count;
+                continue;
+            }
+            let ids = self.download_ids(&candidates, count)?;
+            let keys = self.download_keys(&candidates, count)?;
+            let tied = (keys.chunks_exact(key_bytes))
+                .filter(|key| *key == boundary.as_slice())
+                .count();
+            return Ok((ids, tied.saturating_sub(1)));
+        }
+    }
+
     /// Sets the expected candidate count above which a fused selection at large k refines
     /// its sampled threshold by the denser sample (`None`: the default, the packed sort's one
     /// wave of tiles; `Some(0)`: wherever k is beyond the rank sort and the rows allow it, as

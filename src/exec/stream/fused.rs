@@ -135,6 +135,11 @@ impl Shared {
                             .map(|b| Arc::clone(b.column(*c)))
                             .collect(),
                         KernelInput::HostPredicate => pending.predicates.clone(),
+                        KernelInput::StringPrefix(_) => {
+                            return datafusion::common::internal_err!(
+                                "a streamed selection was given a program over string prefixes"
+                            );
+                        }
                         KernelInput::DictionaryCodes(c) => pending
                             .batches
                             .iter()

@@ -18,17 +18,21 @@ use std::sync::Arc;
 use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, new_null_array};
 use datafusion::arrow::compute::interleave;
 use datafusion::arrow::datatypes::{DataType, Schema};
+use datafusion::arrow::row::RowConverter;
 use datafusion::error::Result;
 use datafusion::execution::TaskContext;
+use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_plan::ExecutionPlan;
 
 use super::{TopKRun, check_empty_batch, threshold_predicate};
 use crate::cost::SelectionPlan;
-use crate::device::column_cache::CacheKey;
+use crate::device::column_cache::{CacheKey, prefix_key};
 use crate::exec::{memory_input, parquet_input, table_inputs};
 use crate::fusion::{FusedProgram, KernelInput};
-use crate::select::table::{CacheLoader, Identity, TableInput, TableSelection, TableSelector};
+use crate::select::table::{
+    CacheLoader, Identity, PREFIX_BYTES, TableInput, TableSelection, TableSelector,
+};
 use crate::select::{self, Selector};
 
 /// How a run over a whole table ended.
@@ -86,38 +90,47 @@ impl TopKRun {
             Err(other) => return Ok(other),
         };
         let _timer = self.metrics.gather_time.timer();
-        let positions = &selected.positions;
-        if positions.is_empty() {
+        if selected.positions.is_empty() {
             return Ok(WholeTable::Done(RecordBatch::new_empty(Arc::clone(
                 &self.schema,
             ))));
         }
         let (batches, starts) = table_starts(&memory);
-        // Each winner's batch (numbered among the batches that hold winners) and row.
-        let mut slots = std::collections::HashMap::new();
-        let mut holding: Vec<&RecordBatch> = Vec::new();
-        let at: Vec<(usize, usize)> = positions
-            .iter()
-            .map(|&p| {
-                let b = starts.partition_point(|&s| s <= p) - 1;
-                let slot = *slots.entry(b).or_insert_with(|| {
-                    holding.push(batches[b]);
-                    holding.len() - 1
-                });
-                (slot, (p - starts[b]) as usize)
-            })
-            .collect();
-        let read = self.output_reads();
-        let columns = (memory.columns.iter().zip(&read))
-            .map(|(&c, &read)| {
-                read.then(|| {
-                    let arrays: Vec<&dyn Array> =
-                        holding.iter().map(|b| b.column(c).as_ref()).collect();
-                    Ok(interleave(&arrays, &at)?)
+        // The input columns `read` at table positions `positions`, in their order.
+        let gather = |positions: &[u64], read: &[bool]| -> Result<Vec<Option<ArrayRef>>> {
+            // Each position's batch (numbered among the batches that hold one) and row.
+            let mut slots = std::collections::HashMap::new();
+            let mut holding: Vec<&RecordBatch> = Vec::new();
+            let at: Vec<(usize, usize)> = positions
+                .iter()
+                .map(|&p| {
+                    let b = starts.partition_point(|&s| s <= p) - 1;
+                    let slot = *slots.entry(b).or_insert_with(|| {
+                        holding.push(batches[b]);
+                        holding.len() - 1
+                    });
+                    (slot, (p - starts[b]) as usize)
                 })
-                .transpose()
-            })
-            .collect::<Result<Vec<_>>>()?;
+                .collect();
+            (memory.columns.iter().zip(read))
+                .map(|(&c, &read)| {
+                    read.then(|| {
+                        let arrays: Vec<&dyn Array> =
+                            holding.iter().map(|b| b.column(c).as_ref()).collect();
+                        Ok(interleave(&arrays, &at)?)
+                    })
+                    .transpose()
+                })
+                .collect()
+        };
+        let positions = if selected.refine {
+            let candidates = &selected.positions;
+            let rows = self.input_rows(gather(candidates, &self.key_reads())?, candidates.len())?;
+            self.rank(candidates, &rows, selected.tied)?
+        } else {
+            selected.positions
+        };
+        let columns = gather(&positions, &self.output_reads())?;
         self.output(columns, positions.len()).map(WholeTable::Done)
     }
 
@@ -130,13 +143,16 @@ impl TopKRun {
         let Some(files) = parquet_input(&self.input) else {
             return Ok(WholeTable::Stream);
         };
-        // Per-row columns only: a file's dictionaries differ between row groups.
-        let Some(columns) = (program.inputs.iter())
+        // Per-row columns only (plain, or a string's prefix words): a file's dictionaries
+        // differ between row groups.
+        let Some((columns, prefixes)): Option<(Vec<usize>, Vec<bool>)> = (program.inputs.iter())
             .map(|input| match input {
-                KernelInput::Column(c) if *c < files.columns.len() => Some(*c),
+                KernelInput::Column(c) if *c < files.columns.len() => Some((*c, false)),
+                KernelInput::StringPrefix(c) if *c < files.columns.len() => Some((*c, true)),
                 _ => None,
             })
-            .collect::<Option<Vec<usize>>>()
+            .collect::<Option<Vec<(usize, bool)>>>()
+            .map(|v| v.into_iter().unzip())
         else {
             return Ok(WholeTable::Stream);
         };
@@ -160,7 +176,9 @@ impl TopKRun {
                 return Ok(WholeTable::Stream);
             }
         };
-        let keys: Vec<_> = columns.iter().map(|&c| files.key(c)).collect();
+        let keys: Vec<_> = (columns.iter().zip(&prefixes))
+            .map(|(&c, &prefix)| image_key(files.key(c), prefix))
+            .collect();
         // Held while the selection runs: a column found here stays until it has read it.
         let held = selector.hold(&keys);
         let missing: Vec<usize> = (columns.iter().zip(&held))
@@ -168,9 +186,10 @@ impl TopKRun {
             .map(|(&c, _)| c)
             .collect();
         let mut missing_bytes = 0;
-        for (data_type, hit) in types.iter().zip(&held) {
+        for ((data_type, hit), &prefix) in types.iter().zip(&held).zip(&prefixes) {
             if hit.is_none() {
-                let width = data_type.primitive_width();
+                let width = data_type.primitive_width().filter(|_| !prefix);
+                let width = if prefix { Some(PREFIX_BYTES) } else { width };
                 missing_bytes += width.map_or(layout.rows.div_ceil(8), |w| w * layout.rows);
             }
         }
@@ -198,14 +217,15 @@ impl TopKRun {
             return Ok(WholeTable::Stream);
         }
         let schema = self.input.schema();
-        let inputs: Vec<TableInput<'_>> = (columns.iter().zip(&keys).zip(types))
-            .map(|((&c, key), data_type)| {
+        let inputs: Vec<TableInput<'_>> = (columns.iter().zip(&prefixes).zip(types))
+            .map(|((&c, &prefix), data_type)| {
                 let chunks = missing
                     .iter()
                     .position(|&m| m == c)
                     .map(|i| decoded[i].clone())
                     .unwrap_or_default();
-                file_column(key.clone(), data_type, layout.rows, chunks, &schema, c)
+                let key = files.key(c);
+                file_column(key, data_type, layout.rows, chunks, &schema, c, prefix)
             })
             .collect();
         let selected = self.select(selector, &inputs, layout.rows)?;
@@ -215,31 +235,42 @@ impl TopKRun {
             Err(other) => return Ok(other),
         };
         let _timer = self.metrics.gather_time.timer();
-        let read = self.output_reads();
-        let wanted: Vec<usize> = (0..read.len()).filter(|&c| read[c]).collect();
-        let positions = &selected.positions;
-        if positions.is_empty() {
+        if selected.positions.is_empty() {
             return Ok(WholeTable::Done(RecordBatch::new_empty(Arc::clone(
                 &self.schema,
             ))));
         }
-        let (batches, at) = if wanted.is_empty() {
-            (Vec::new(), Vec::new())
-        } else {
-            files.read_rows(&store, &layout, positions, &wanted).await?
+        // The input columns `read` at table positions `positions`, in their order, read from
+        // the pages that hold them.
+        let gather = async |positions: &[u64], read: &[bool]| -> Result<Vec<Option<ArrayRef>>> {
+            let wanted: Vec<usize> = (0..read.len()).filter(|&c| read[c]).collect();
+            let (batches, at) = if wanted.is_empty() {
+                (Vec::new(), Vec::new())
+            } else {
+                files.read_rows(&store, &layout, positions, &wanted).await?
+            };
+            let mut next = 0;
+            read.iter()
+                .map(|&read| {
+                    if !read {
+                        return Ok(None);
+                    }
+                    let arrays: Vec<&dyn Array> =
+                        batches.iter().map(|b| b[next].as_ref()).collect();
+                    next += 1;
+                    Ok(Some(interleave(&arrays, &at)?))
+                })
+                .collect()
         };
-        let mut next = 0;
-        let columns = read
-            .iter()
-            .map(|&read| {
-                if !read {
-                    return Ok(None);
-                }
-                let arrays: Vec<&dyn Array> = batches.iter().map(|b| b[next].as_ref()).collect();
-                next += 1;
-                Ok(Some(interleave(&arrays, &at)?))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let positions = if selected.refine {
+            let candidates = &selected.positions;
+            let keys = gather(candidates, &self.key_reads()).await?;
+            let rows = self.input_rows(keys, candidates.len())?;
+            self.rank(candidates, &rows, selected.tied)?
+        } else {
+            selected.positions
+        };
+        let columns = gather(&positions, &self.output_reads()).await?;
         self.output(columns, positions.len()).map(WholeTable::Done)
     }
 
@@ -297,8 +328,23 @@ impl TopKRun {
 
     /// Which of the input's columns the output expressions read.
     fn output_reads(&self) -> Vec<bool> {
+        self.reads(&self.spec.output_exprs)
+    }
+
+    /// Which of the input's columns the sort keys read.
+    fn key_reads(&self) -> Vec<bool> {
+        let keys: Vec<_> = self
+            .spec
+            .sort_exprs
+            .iter()
+            .map(|s| Arc::clone(&s.expr))
+            .collect();
+        self.reads(&keys)
+    }
+
+    fn reads(&self, exprs: &[Arc<dyn PhysicalExpr>]) -> Vec<bool> {
         let mut read = vec![false; self.input.schema().fields().len()];
-        for expr in &self.spec.output_exprs {
+        for expr in exprs {
             for column in collect_columns(expr) {
                 if let Some(r) = read.get_mut(column.index()) {
                     *r = true;
@@ -308,6 +354,40 @@ impl TopKRun {
         read
     }
 
+    /// `n` rows of the input from the columns read (`None`: a column nothing reads, NULLs).
+    fn input_rows(&self, columns: Vec<Option<ArrayRef>>, n: usize) -> Result<RecordBatch> {
+        let input = self.input.schema();
+        let columns: Vec<ArrayRef> = (columns.into_iter().zip(input.fields()))
+            .map(|(column, field)| column.unwrap_or_else(|| new_null_array(field.data_type(), n)))
+            .collect();
+        let fields = input
+            .fields()
+            .iter()
+            .map(|f| f.as_ref().clone().with_nullable(true));
+        Ok(RecordBatch::try_new(
+            Arc::new(Schema::new(fields.collect::<Vec<_>>())),
+            columns,
+        )?)
+    }
+
+    /// A prefix layout's candidates (`rows`: theirs, in `candidates`' order) ranked by their
+    /// whole keys as DataFusion's TopK compares them (arrow's row format), ties by position:
+    /// the first k positions, in output order. `tied` rows tied the k-th composite.
+    fn rank(&self, candidates: &[u64], rows: &RecordBatch, tied: usize) -> Result<Vec<u64>> {
+        let keys = (self.spec.sort_exprs.iter())
+            .map(|s| s.expr.evaluate(rows)?.into_array(rows.num_rows()))
+            .collect::<Result<Vec<_>>>()?;
+        let converter = RowConverter::new(self.spec.layout.sort_fields())?;
+        let encoded = converter.convert_columns(&keys)?;
+        let mut order: Vec<usize> = (0..candidates.len()).collect();
+        order.sort_unstable_by(|&a, &b| {
+            (encoded.row(a).cmp(&encoded.row(b))).then(candidates[a].cmp(&candidates[b]))
+        });
+        order.truncate(self.spec.k);
+        self.metrics.rows_refined.add(tied);
+        Ok(order.into_iter().map(|i| candidates[i]).collect())
+    }
+
     /// The output from the winners' input columns (`None`: not read by the output), in
     /// output order, `OFFSET` rows included. The k-th winner's first key goes to the dynamic
     /// filter, as the streaming path publishes its threshold.
@@ -315,16 +395,7 @@ impl TopKRun {
         if k == 0 {
             return Ok(RecordBatch::new_empty(Arc::clone(&self.schema)));
         }
-        let input = self.input.schema();
-        let columns: Vec<ArrayRef> = (columns.into_iter().zip(input.fields()))
-            .map(|(column, field)| column.unwrap_or_else(|| new_null_array(field.data_type(), k)))
-            .collect();
-        let fields = input
-            .fields()
-            .iter()
-            .map(|f| f.as_ref().clone().with_nullable(true));
-        let rows =
-            RecordBatch::try_new(Arc::new(Schema::new(fields.collect::<Vec<_>>())), columns)?;
+        let rows = self.input_rows(columns, k)?;
         // The winners' rows are the operator's memory, as DataFusion's TopK reserves its heap.
         self.reservation.try_grow(rows.get_array_memory_size())?;
         if k == self.spec.k {
@@ -406,16 +477,18 @@ async fn load_inputs(
     let layout = files.layout(&store).await?;
     let schema = input.schema();
     for program_input in &program.inputs {
-        let KernelInput::Column(c) = program_input else {
-            return Ok(());
+        let (c, prefix) = match program_input {
+            KernelInput::Column(c) => (c, false),
+            KernelInput::StringPrefix(c) => (c, true),
+            _ => return Ok(()),
         };
         let key = files.key(*c);
-        if loader.is_resident(&key) {
+        if loader.is_resident(&image_key(key.clone(), prefix)) {
             continue;
         }
         let chunks = files.read_columns(&store, &layout, &[*c]).await?.remove(0);
         let data_type = files.data_type(*c)?;
-        let column = file_column(key, data_type, layout.rows, chunks, &schema, *c);
+        let column = file_column(key, data_type, layout.rows, chunks, &schema, *c, prefix);
         if !loader.load(&column)? {
             break;
         }
@@ -423,8 +496,17 @@ async fn load_inputs(
     Ok(())
 }
 
-/// Column `c` of a Parquet input as a program input known by its key: `chunks` are its row
-/// groups, decoded (none where the cache holds it).
+/// The cache key of a column's device image: the column's own key, or its prefix words'.
+fn image_key(key: CacheKey, prefix: bool) -> CacheKey {
+    match prefix {
+        true => prefix_key(key),
+        false => key,
+    }
+}
+
+/// Column `c` of a Parquet input as a program input known by its key (`prefix`: read as a
+/// string's prefix words): `chunks` are its row groups, decoded (none where the cache holds
+/// it).
 fn file_column(
     key: CacheKey,
     data_type: DataType,
@@ -432,6 +514,7 @@ fn file_column(
     chunks: Vec<ArrayRef>,
     schema: &Schema,
     c: usize,
+    prefix: bool,
 ) -> TableInput<'static> {
     TableInput {
         identity: Some(Identity {
@@ -443,5 +526,6 @@ fn file_column(
         chunks: Cow::Owned(chunks),
         lookup: None,
         name: schema.field(c).name().clone(),
+        prefix,
     }
 }
