@@ -199,8 +199,9 @@ impl GpuTable {
     }
 
     /// Uploads the named columns (the ones top-k queries filter and rank by) to the device's
-    /// column cache and pins them there, so that the first query is as fast as the next.
-    /// Returns the device bytes they take. Without a GPU, an error says so.
+    /// column cache and pins them there, so that the first query is as fast as the next (a
+    /// string or binary column as the first 16 bytes of each value, what a string sort key's
+    /// selection reads). Returns the device bytes they take. Without a GPU, an error says so.
     pub fn load(&self, columns: &[&str]) -> Result<usize> {
         let device = crate::device::gpu()
             .ok_or_else(|| DataFusionError::Execution("GpuTable::load: no GPU".into()))?;
@@ -208,6 +209,9 @@ impl GpuTable {
         for name in columns {
             let index = self.data.schema.index_of(name)?;
             let input = self.data.input(index, name);
+            // A string or binary column is read by its sort keys' prefix words.
+            let prefix = crate::keys::has_prefix_words(self.data.schema.field(index).data_type());
+            let input = crate::select::table::TableInput { prefix, ..input };
             bytes += crate::select::table::pin_column(&device, &input)?;
         }
         Ok(bytes)

@@ -185,6 +185,23 @@ pub(crate) fn choose(
             prediction: None,
         };
     }
+    if let Some(note) = layout.prefix_note()
+        && backend == Backend::Auto
+        && estimate.resident < 1.0
+    {
+        // The host derives a string column's prefix words from every string before they can
+        // be shipped: more than the CPU path's whole query. They are loaded after the run,
+        // for the next query.
+        return Placement::Run {
+            plan: SelectionPlan::Cpu {
+                warm_up: warm_up(backend, &estimate),
+            },
+            reason: format!(
+                "{gpu}; {note}; the string prefixes are not resident: CPU path, then loaded"
+            ),
+            prediction: None,
+        };
+    }
     let calibration = calibration::calibration(device, kernel_cache_dir, recalibrate);
     let model = match &calibration {
         Ok(c) => Some(c.model),

@@ -275,6 +275,19 @@ fn translate_keys(
             ));
         }
         let value = emitter.emit(&sort.expr)?;
+        if translate::is_decimal(&spec.data_type) && value.data_type == spec.data_type {
+            let code = std::mem::take(&mut emitter.code);
+            fields.push_str(&code);
+            translate::emit_decimal_field(
+                &mut fields,
+                &value,
+                layout.field_shift(i),
+                spec.descending,
+                spec.nullable,
+                spec.nulls_first,
+            );
+            continue;
+        }
         let value_bits = spec
             .value_bits()
             .ok_or_else(|| format!("sort key {} has type {}", i + 1, spec.data_type))?;

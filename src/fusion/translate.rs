@@ -319,6 +319,38 @@ impl<'a> Emitter<'a> {
         Ok((value, valid))
     }
 
+    /// Column `c`, a `Decimal128`, as the i64 its values fit in the common case (precision 18
+    /// or less always): a row whose value does not fit sets `host_only`, and the query reruns
+    /// on the host. Only comparisons of equal decimal types, `IN` lists, `CASE` and sort keys
+    /// take such a value; decimal arithmetic, casts and functions are declined.
+    fn decimal_column(&mut self, c: usize, data_type: DataType) -> Value {
+        let p = self.input(KernelInput::Column(c));
+        let (words, valid) = (format!("x{p}"), format!("x{p}v"));
+        if !self.loaded.contains(&p) {
+            self.loaded.push(p);
+            self.loads.push(Load {
+                ctype: "U128".to_string(),
+                value: words.clone(),
+                valid: valid.clone(),
+                read: format!("((const U128 *)c{p})[i]"),
+                valid_read: format!(
+                    "c{p}_valid == nullptr || get_bit(c{p}_valid, c{p}_valid_bit + i)"
+                ),
+                vector: Some((p, 16)),
+            });
+        }
+        let value = self.define(
+            data_type,
+            CType::I64,
+            format!("(i64){words}.lo"),
+            valid.clone(),
+        );
+        self.line(format!(
+            "host_only = host_only || ({valid} && {words}.hi != (u64)((i64){words}.lo >> 63));"
+        ));
+        value
+    }
+
     fn define(&mut self, data_type: DataType, ctype: CType, value: String, valid: String) -> Value {
         let (v, nv) = self.fresh();
         self.line(format!("const {} {v} = {value};", ctype.name()));
@@ -355,6 +387,9 @@ impl<'a> Emitter<'a> {
                 .get(column.index())
                 .ok_or_else(|| format!("column {column} is out of the schema"))?;
             let data_type = field.data_type().clone();
+            if is_decimal(&data_type) {
+                return Ok(self.decimal_column(column.index(), data_type));
+            }
             let ctype = CType::for_data_type(&data_type)
                 .ok_or_else(|| format!("column {} has type {data_type}", field.name()))?;
             let p = self.input(KernelInput::Column(column.index()));
@@ -405,6 +440,9 @@ impl<'a> Emitter<'a> {
         }
         if let Some(negative) = any.downcast_ref::<NegativeExpr>() {
             let a = self.emit(negative.arg())?;
+            if is_decimal(&a.data_type) {
+                return Err(format!("negation of {}", a.data_type));
+            }
             let value = match a.ctype {
                 CType::F32 | CType::F64 => format!("neg_{}({})", a.ctype.suffix(), a.value),
                 t if t.is_signed() => {
@@ -437,8 +475,11 @@ impl<'a> Emitter<'a> {
 
     fn literal(&mut self, scalar: &ScalarValue) -> Result<Value, Declined> {
         let data_type = scalar.data_type();
-        let ctype = CType::for_data_type(&data_type)
-            .ok_or_else(|| format!("literal {scalar} has type {data_type}"))?;
+        let ctype = match &data_type {
+            d if is_decimal(d) => CType::I64,
+            d => CType::for_data_type(d)
+                .ok_or_else(|| format!("literal {scalar} has type {data_type}"))?,
+        };
         let bits = literal_bits(scalar).ok_or_else(|| format!("literal {scalar}"))?;
         let (value, valid) = match bits {
             None => (format!("({})0", ctype.name()), "false"),
@@ -462,6 +503,44 @@ impl<'a> Emitter<'a> {
         let mut v = self.define(data_type, ctype, value, valid.into());
         v.finite_bound = finite_bound;
         Ok(v)
+    }
+}
+
+/// Whether the device holds values of `data_type` as i64s standing for `Decimal128`s.
+pub(crate) fn is_decimal(data_type: &DataType) -> bool {
+    matches!(data_type, DataType::Decimal128(..))
+}
+
+/// C source text of a `Decimal128` key field from its value as an i64 (`value`, see
+/// `Emitter::decimal_column`): the 128-bit field of the keys module, sign-extended and with
+/// the sign bit flipped, DESC flipping every value bit, the null bit as [`emit_key_field`].
+pub(crate) fn emit_decimal_field(
+    out: &mut String,
+    value: &Value,
+    shift: u32,
+    descending: bool,
+    nullable: bool,
+    nulls_first: bool,
+) {
+    let (v, valid) = (&value.value, &value.valid);
+    let xor = if descending { u64::MAX } else { 0 };
+    let null_bit = if nullable {
+        format!("{valid} == {nulls_first}")
+    } else {
+        "false".into()
+    };
+    let _ = writeln!(
+        out,
+        "        or_field(key, {valid} ? (((u64)({v} >> 63) ^ 0x8000000000000000ull) ^ 0x{xor:x}ull) : 0ull, {}, {null_bit}, {});",
+        shift + 64,
+        shift + 128
+    );
+    let _ = writeln!(
+        out,
+        "        or_field(key, {valid} ? ((u64){v} ^ 0x{xor:x}ull) : 0ull, {shift}, false, 0);"
+    );
+    if !nullable {
+        let _ = writeln!(out, "        bad = bad || !{valid};");
     }
 }
 

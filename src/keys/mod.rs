@@ -517,42 +517,59 @@ pub(crate) fn has_prefix_words(data_type: &DataType) -> bool {
 /// field takes its leading bytes. A string that is a prefix of another, or that ends in zero
 /// bytes, may tie it here; the full comparison settles those ties.
 pub(crate) fn prefix_words(array: &dyn Array) -> Result<Vec<u128>> {
-    fn words<'a>(n: usize, value: impl Fn(usize) -> &'a [u8]) -> Vec<u128> {
-        (0..n)
-            .map(|i| {
-                let bytes = value(i);
-                let mut word = [0u8; MAX_PREFIX_BYTES as usize];
-                let m = bytes.len().min(word.len());
-                word[..m].copy_from_slice(&bytes[..m]);
-                u128::from_be_bytes(word)
-            })
-            .collect()
+    let mut bytes = vec![0u8; PREFIX_WORD_BYTES * array.len()];
+    write_prefix_words(array, &mut bytes)?;
+    Ok((bytes.chunks_exact(PREFIX_WORD_BYTES))
+        .map(|w| u128::from_le_bytes(w.try_into().expect("16 bytes")))
+        .collect())
+}
+
+/// Bytes of one prefix word.
+pub(crate) const PREFIX_WORD_BYTES: usize = MAX_PREFIX_BYTES as usize;
+
+/// [`prefix_words`] as the device holds them: each word's little-endian bytes, into `out`
+/// (16 bytes a row of `array`).
+pub(crate) fn write_prefix_words(array: &dyn Array, out: &mut [u8]) -> Result<()> {
+    fn write<'a>(out: &mut [u8], value: impl Fn(usize) -> &'a [u8]) {
+        for (i, slot) in out.chunks_exact_mut(PREFIX_WORD_BYTES).enumerate() {
+            let bytes = value(i);
+            let mut word = [0u8; PREFIX_WORD_BYTES];
+            let m = bytes.len().min(PREFIX_WORD_BYTES);
+            word[..m].copy_from_slice(&bytes[..m]);
+            slot.copy_from_slice(&u128::from_be_bytes(word).to_le_bytes());
+        }
     }
-    let n = array.len();
-    let mut out = match array.data_type() {
+    if out.len() != PREFIX_WORD_BYTES * array.len() {
+        return Err(exec_error(format!(
+            "{} bytes for the prefix words of {} rows",
+            out.len(),
+            array.len()
+        )));
+    }
+    match array.data_type() {
         DataType::Utf8 => {
             let a = array.as_string::<i32>();
-            words(n, |i| a.value(i).as_bytes())
+            write(out, |i| a.value(i).as_bytes())
         }
         DataType::LargeUtf8 => {
             let a = array.as_string::<i64>();
-            words(n, |i| a.value(i).as_bytes())
+            write(out, |i| a.value(i).as_bytes())
         }
         DataType::Utf8View => {
             let a = array.as_string_view();
-            words(n, |i| a.value(i).as_bytes())
+            write(out, |i| a.value(i).as_bytes())
         }
         DataType::Binary => {
             let a = array.as_binary::<i32>();
-            words(n, |i| a.value(i))
+            write(out, |i| a.value(i))
         }
         DataType::LargeBinary => {
             let a = array.as_binary::<i64>();
-            words(n, |i| a.value(i))
+            write(out, |i| a.value(i))
         }
         DataType::BinaryView => {
             let a = array.as_binary_view();
-            words(n, |i| a.value(i))
+            write(out, |i| a.value(i))
         }
         other => {
             return Err(exec_error(format!(
@@ -561,11 +578,11 @@ pub(crate) fn prefix_words(array: &dyn Array) -> Result<Vec<u128>> {
         }
     };
     if let Some(nulls) = array.nulls() {
-        for i in (0..n).filter(|&i| nulls.is_null(i)) {
-            out[i] = 0;
+        for i in (0..array.len()).filter(|&i| nulls.is_null(i)) {
+            out[PREFIX_WORD_BYTES * i..PREFIX_WORD_BYTES * (i + 1)].fill(0);
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Composite keys of one batch, one per row, in the layout's width.

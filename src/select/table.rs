@@ -407,14 +407,13 @@ impl<'i, 'a> TableColumn<'i, 'a> {
         let mut parts: Vec<(usize, &[u8])> = Vec::with_capacity(self.input.chunks.len() + 1);
         match self.width {
             _ if self.input.prefix => {
-                // Derived chunk by chunk (16 bytes a row), each uploaded before the next.
-                let mut at = 0u64;
-                for chunk in self.input.chunks.iter() {
-                    let words = crate::keys::prefix_words(chunk.as_ref())
-                        .map_err(|e| GpuError(e.to_string()))?;
-                    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-                    engine.upload_image(&[(0, &bytes)], bytes.len(), dst + at)?;
-                    at += bytes.len() as u64;
+                // Derived by the host's cores a window of chunks at a time, each window
+                // shipped before the next is derived.
+                let mut at = 0;
+                for window in prefix_windows(&self.input.chunks) {
+                    let bytes = derive_prefix_words(window).map_err(|e| GpuError(e.to_string()))?;
+                    engine.upload_image(&[(0, &bytes)], bytes.len(), dst + at as u64)?;
+                    at += bytes.len();
                 }
                 if self.nullable {
                     let validity = bitmap(&|chunk, b| match chunk.nulls() {
@@ -560,7 +559,74 @@ fn load_column(
 const TABLE_ALIGN: usize = 256;
 
 /// Bytes a row of a string column's prefix words take on the device.
-pub(crate) const PREFIX_BYTES: usize = crate::keys::MAX_PREFIX_BYTES as usize;
+pub(crate) const PREFIX_BYTES: usize = crate::keys::PREFIX_WORD_BYTES;
+
+/// Rows of string chunks whose prefix words are derived at once (at least one chunk).
+const PREFIX_WINDOW_ROWS: usize = 1 << 23;
+
+/// `chunks` in consecutive windows of about [`PREFIX_WINDOW_ROWS`] rows.
+fn prefix_windows(chunks: &[ArrayRef]) -> Vec<&[ArrayRef]> {
+    let mut windows = Vec::new();
+    let (mut start, mut rows) = (0, 0);
+    for (i, chunk) in chunks.iter().enumerate() {
+        if rows > 0 && rows + chunk.len() > PREFIX_WINDOW_ROWS {
+            windows.push(&chunks[start..i]);
+            (start, rows) = (i, 0);
+        }
+        rows += chunk.len();
+    }
+    if start < chunks.len() {
+        windows.push(&chunks[start..]);
+    }
+    windows
+}
+
+/// The prefix words of `chunks`, back to back, derived on up to one thread a core.
+fn derive_prefix_words(chunks: &[ArrayRef]) -> Result<Vec<u8>> {
+    let rows: usize = chunks.iter().map(|c| c.len()).sum();
+    let mut bytes = vec![0u8; rows * PREFIX_BYTES];
+    // Pieces of at most 2^20 rows (slices share the chunk's buffers), so that a window of
+    // few large chunks still spreads over the threads.
+    let pieces: Vec<ArrayRef> = (chunks.iter())
+        .flat_map(|c| {
+            (0..c.len())
+                .step_by(1 << 20)
+                .map(|at| c.slice(at, (c.len() - at).min(1 << 20)))
+        })
+        .collect();
+    let mut slots = Vec::with_capacity(pieces.len());
+    let mut rest = bytes.as_mut_slice();
+    for piece in &pieces {
+        let (slot, tail) = rest.split_at_mut(piece.len() * PREFIX_BYTES);
+        slots.push((piece, slot));
+        rest = tail;
+    }
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(slots.len().max(1));
+    let mut shares: Vec<Vec<(&ArrayRef, &mut [u8])>> = (0..threads).map(|_| Vec::new()).collect();
+    for (i, slot) in slots.into_iter().enumerate() {
+        shares[i % threads].push(slot);
+    }
+    std::thread::scope(|scope| {
+        let running: Vec<_> = (shares.into_iter())
+            .map(|share| {
+                scope.spawn(move || -> Result<()> {
+                    for (chunk, slot) in share {
+                        crate::keys::write_prefix_words(chunk.as_ref(), slot)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        running.into_iter().try_for_each(|thread| {
+            thread
+                .join()
+                .unwrap_or_else(|_| Err(exec_error("a prefix-word thread panicked".into())))
+        })
+    })?;
+    Ok(bytes)
+}
 
 /// The selection over a whole table (see the module documentation), built by
 /// [`super::create_selector`] for a plan over a whole table.

@@ -229,7 +229,24 @@ async fn each_part_runs_where_it_translates_and_every_program_compiles() {
         ),
         ("", "CASE f64 WHEN 1.0 THEN g END", "-", "host"),
         ("WHERE i32 IN (g, 3)", "g", "host", "gpu"),
-        ("", "dec DESC", "-", "host"),
+        // a Decimal128 as an i64 (a row that does not fit goes to the host); its arithmetic
+        // and casts stay on the host
+        ("", "dec DESC", "-", "gpu"),
+        (
+            "WHERE dec > CAST(1.5 AS DECIMAL(20, 3))",
+            "dec, g",
+            "gpu",
+            "gpu",
+        ),
+        (
+            "WHERE dec IS NOT NULL",
+            "g, dec DESC NULLS FIRST, sv",
+            "gpu",
+            "gpu",
+        ),
+        ("WHERE dec * 2 > dec", "g", "host", "gpu"),
+        ("", "CAST(dec AS DOUBLE)", "-", "host"),
+        ("", "-dec", "-", "host"),
         ("", "f16", "-", "host"),
         ("WHERE i32 > 0", "abs(i32)", "gpu", "gpu"),
         ("WHERE i32 > 0", "ln(f64)", "gpu", "host"),

@@ -203,6 +203,9 @@ impl Emitter<'_> {
     ) -> Result<Value, Declined> {
         let a = self.emit(input)?;
         let from = &a.data_type;
+        if super::is_decimal(from) {
+            return Err(format!("CAST of {from}"));
+        }
         let to_c = CType::for_data_type(to).ok_or_else(|| format!("CAST to {to}"))?;
         let (f, t) = (a.ctype, to_c);
         let lossless_int = (f.is_signed() && t.is_signed() && t.bits() > f.bits())
@@ -337,6 +340,11 @@ pub(super) fn literal_bits(scalar: &ScalarValue) -> Option<Option<u64>> {
         UInt16(v) => v.map(u64::from),
         UInt32(v) => v.map(u64::from),
         UInt64(v) => *v,
+        // A decimal the device holds as an i64 (see `Emitter::decimal_column`).
+        Decimal128(v, _, _) => match v {
+            None => None,
+            Some(x) => Some(i64::try_from(*x).ok()? as u64),
+        },
         Float32(v) => v.map(|x| u64::from(x.to_bits())),
         Float64(v) => v.map(f64::to_bits),
         _ => return None,

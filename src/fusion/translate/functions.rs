@@ -93,6 +93,9 @@ impl Emitter<'_> {
             [x] | [x, _] => self.emit(x)?,
             _ => return declined("unexpected arguments"),
         };
+        if super::is_decimal(&a.data_type) {
+            return declined("no device translation of decimal functions");
+        }
         let t = a.ctype;
         let value = match (name, t) {
             ("abs", CType::F32) => format!(
