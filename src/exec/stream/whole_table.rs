@@ -15,8 +15,8 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, new_null_array};
-use datafusion::arrow::compute::interleave;
+use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, UInt64Array, new_null_array};
+use datafusion::arrow::compute::{interleave, take};
 use datafusion::arrow::datatypes::{DataType, Schema};
 use datafusion::arrow::row::RowConverter;
 use datafusion::error::Result;
@@ -126,7 +126,8 @@ impl TopKRun {
         let positions = if selected.refine {
             let candidates = &selected.positions;
             let rows = self.input_rows(gather(candidates, &self.key_reads())?, candidates.len())?;
-            self.rank(candidates, &rows, selected.tied)?
+            let order = self.rank(candidates, &rows, selected.tied)?;
+            order.iter().map(|&i| candidates[i as usize]).collect()
         } else {
             selected.positions
         };
@@ -262,16 +263,29 @@ impl TopKRun {
                 })
                 .collect()
         };
-        let positions = if selected.refine {
+        let output_reads = self.output_reads();
+        let (columns, n) = if selected.refine {
+            // One read of the candidates' rows, of the columns their keys or the output read:
+            // the winners' output comes from it.
             let candidates = &selected.positions;
-            let keys = gather(candidates, &self.key_reads()).await?;
-            let rows = self.input_rows(keys, candidates.len())?;
-            self.rank(candidates, &rows, selected.tied)?
+            let read: Vec<bool> = (self.key_reads().iter().zip(&output_reads))
+                .map(|(&key, &output)| key || output)
+                .collect();
+            let gathered = gather(candidates, &read).await?;
+            let rows = self.input_rows(gathered.clone(), candidates.len())?;
+            let order = UInt64Array::from(self.rank(candidates, &rows, selected.tied)?);
+            let columns = (gathered.into_iter().zip(&output_reads))
+                .map(|(column, &output)| match column {
+                    Some(column) if output => Ok(Some(take(&column, &order, None)?)),
+                    _ => Ok(None),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            (columns, order.len())
         } else {
-            selected.positions
+            let positions = &selected.positions;
+            (gather(positions, &output_reads).await?, positions.len())
         };
-        let columns = gather(&positions, &self.output_reads()).await?;
-        self.output(columns, positions.len()).map(WholeTable::Done)
+        self.output(columns, n).map(WholeTable::Done)
     }
 
     /// Compiles the generated program and loads the columns it reads into the column cache,
@@ -372,7 +386,8 @@ impl TopKRun {
 
     /// A prefix layout's candidates (`rows`: theirs, in `candidates`' order) ranked by their
     /// whole keys as DataFusion's TopK compares them (arrow's row format), ties by position:
-    /// the first k positions, in output order. `tied` rows tied the k-th composite.
+    /// the first k, in output order, as indices into `candidates`. `tied` rows tied the k-th
+    /// composite.
     fn rank(&self, candidates: &[u64], rows: &RecordBatch, tied: usize) -> Result<Vec<u64>> {
         let keys = (self.spec.sort_exprs.iter())
             .map(|s| s.expr.evaluate(rows)?.into_array(rows.num_rows()))
@@ -385,7 +400,7 @@ impl TopKRun {
         });
         order.truncate(self.spec.k);
         self.metrics.rows_refined.add(tied);
-        Ok(order.into_iter().map(|i| candidates[i]).collect())
+        Ok(order.into_iter().map(|i| i as u64).collect())
     }
 
     /// The output from the winners' input columns (`None`: not read by the output), in
