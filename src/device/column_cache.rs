@@ -10,6 +10,8 @@
 //! bytes. A changed table (an insert adds a batch) has another key and misses. A `GpuTable`'s
 //! column is keyed by the table ([`table_key`]); a column of a scan of Parquet files by every
 //! file's identity, modification time included ([`files_key`]), so a rewritten file misses.
+//! A string column a sort key reads is held as its prefix words (16 bytes a row), under the
+//! column's key with a mark of its own ([`prefix_key`]): another entry than the strings'.
 //!
 //! The cache is a process resource, one per device, shared by every session. Its budget
 //! bounds the device bytes of all entries: a quarter of the device's memory unless the

@@ -257,13 +257,10 @@ fn translate_keys(
             fields.push_str(&code);
             translate::emit_prefix_field(
                 &mut fields,
-                &words,
-                &valid,
+                (&words, &valid),
                 layout.field_shift(i),
                 bytes,
-                spec.descending,
-                spec.nullable,
-                spec.nulls_first,
+                spec,
             );
             continue;
         }

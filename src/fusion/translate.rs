@@ -12,7 +12,10 @@
 //! `sqrt` and `abs` of floats, `abs` of integers; casts and `TRY_CAST`s among numeric types
 //! (integer widening, integer → float, f32 → f64, narrowing integer and float → integer casts
 //! by arrow's ranges) and timestamp time zone changes. `BETWEEN` arrives as two
-//! comparisons. Operations DataFusion fails on for some inputs (integer `/` and `%`, `sqrt`,
+//! comparisons. A `Decimal128` column is read as the i64 its values fit (a row whose value does
+//! not fit reruns the query on the host): its comparisons with equal decimal types, `IN` lists
+//! and its sort key translate, its arithmetic and casts do not. A plain string or binary column
+//! as a prefix layout's byte key is read as its prefix words (`KernelInput::StringPrefix`). Operations DataFusion fails on for some inputs (integer `/` and `%`, `sqrt`,
 //! signed `abs`, timestamp ± interval, a `CAST` whose value does not fit) are translated with
 //! a guard: a row that would fail sets `host_only`, and the
 //! query reruns on the host, where DataFusion reports its own error. Anything else is declined
@@ -549,14 +552,12 @@ pub(crate) fn emit_decimal_field(
 /// (DESC flips them; NULL rows get zero bits and the null bit per NULLS FIRST/LAST).
 pub(crate) fn emit_prefix_field(
     out: &mut String,
-    words: &str,
-    valid: &str,
+    (words, valid): (&str, &str),
     shift: u32,
     bytes: u32,
-    descending: bool,
-    nullable: bool,
-    nulls_first: bool,
+    spec: &crate::keys::KeySpec,
 ) {
+    let (descending, nullable, nulls_first) = (spec.descending, spec.nullable, spec.nulls_first);
     let bits = 8 * bytes;
     let null_bit = if nullable {
         format!("{valid} == {nulls_first}")

@@ -56,7 +56,9 @@
 //! fixed key keeps its high value bits. The prefix composite is *monotone*: a row that sorts
 //! before another never has a larger composite, so a row whose composite exceeds the k-th
 //! candidate's can never win, and only rows that tie it need the full comparison
-//! ([`crate::select::prefix`]). [`KeyLayout::exact`] tells the two kinds apart.
+//! ([`crate::select::prefix`]; over a whole table on the GPU, [`crate::select::table`], whose
+//! program reads a string's bytes as its [`prefix_words`]). [`KeyLayout::exact`] tells the two
+//! kinds apart.
 
 use std::ops::{BitAnd, BitOr, Not};
 

@@ -5,6 +5,13 @@
 //! predicate and keys inside the first pass of a sampled selection
 //! ([`TopKEngine::fused_select`]); one read-back brings the winners' positions.
 //!
+//! A string sort key's column is held as its prefix words (each value's first 16 bytes,
+//! `keys::prefix_words`, derived by the host's cores on a miss), which a prefix layout's
+//! program packs into its composite. That composite is monotone, not exact: after the
+//! selection one more pass of the program returns every row whose composite is at most the
+//! k-th's ([`TopKEngine::fused_ties`]), and the caller ranks those by their whole keys
+//! ([`TableSelection::refine`]).
+//!
 //! [`ResidentColumns`] is the same selection over columns uploaded once by the caller, with
 //! the unfused variant beside it (a filter kernel, then top-k): the fusion benchmark
 //! (`benches/fused.rs`) and the GPU tests compare both with DataFusion.

@@ -155,8 +155,8 @@ async fn string_keys_select_on_the_device_over_whole_tables() {
         return;
     }
     let dir = test_dir("strings-device");
-    let values: [(&str, fn(&mut Rng, usize) -> Option<String>); 2] =
-        [("distinct", distinct), ("shared", shared_prefix)];
+    type Values = fn(&mut Rng, usize) -> Option<String>;
+    let values: [(&str, Values); 2] = [("distinct", distinct), ("shared", shared_prefix)];
     for (name, value) in values {
         let data = table(30_000, 3, value);
         for storage in [Storage::Memory, Storage::Parquet] {
