@@ -37,7 +37,7 @@ mod table;
 
 pub use config::{Algorithm, Backend, DeviceOp, FaultPoint, GpuTopKConfig, GpuTopKSettings};
 pub use device::column_cache::{column_cache_budget, set_column_cache_budget};
-pub use exec::GpuTopKExec;
+pub use exec::{GpuGroupTopKExec, GpuTopKExec};
 pub use rule::GpuTopKRule;
 pub use session::SessionStateBuilderExt;
 pub use table::{GpuTable, GpuTableExec, GpuTableFactory};

@@ -39,12 +39,14 @@
 
 pub(crate) mod cannot_fail;
 mod dynamic_filter;
+mod group_topk;
 mod memory;
 mod metrics;
 mod parquet;
 mod row_store;
 mod stream;
 
+pub use group_topk::GpuGroupTopKExec;
 pub(crate) use memory::{memory_input, table_inputs};
 pub(crate) use parquet::parquet_input;
 

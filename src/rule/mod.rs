@@ -26,6 +26,10 @@
 //!
 //! Unbounded inputs are left to DataFusion (a top-k emits only once its input ends).
 //!
+//! Before the top-k subtrees, the rule replaces each per-group top-k subtree (a filter on a
+//! `ROW_NUMBER()` window over a sort) with [`crate::exec::GpuGroupTopKExec`] (`group`), so
+//! that an outer top-k over its rows is then taken as any other.
+//!
 //! A shape or type the operator cannot take leaves the plan untouched (the rule never errors);
 //! the reason is logged and kept in [`GpuTopKRule::last_decisions`].
 
@@ -48,6 +52,8 @@ use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitioning};
+
+mod group;
 
 use crate::config::GpuTopKConfig;
 use crate::cost::{self, Placement};
@@ -96,6 +102,18 @@ impl PhysicalOptimizerRule for GpuTopKRule {
             *self.decisions.lock().unwrap_or_else(|e| e.into_inner()) = decisions;
             return Ok(plan);
         }
+        // Per-group top-k first: an outer top-k may absorb the filter on the row number.
+        let plan = plan
+            .transform_down(|node| match group::match_group_top_k(&node) {
+                Ok(exec) => Ok(Transformed::yes(exec)),
+                Err(Declined::NotTopK) => Ok(Transformed::no(node)),
+                Err(Declined::Because(why)) => {
+                    log::info!("gpu-topk: DataFusion's window plan kept: {why}");
+                    decisions.push(why);
+                    Ok(Transformed::no(node))
+                }
+            })
+            .data()?;
         let plan = plan
             .transform_down(|node| match match_top_k(&node, config) {
                 Ok(exec) => Ok(Transformed::yes(exec)),

@@ -11,6 +11,7 @@ mod files;
 mod fusion;
 mod fuzz;
 mod gpu;
+mod groups;
 mod plan;
 mod reliability;
 mod resident;

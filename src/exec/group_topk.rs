@@ -1,0 +1,447 @@
+//! [`GpuGroupTopKExec`]: top-k per group, `ROW_NUMBER() OVER (PARTITION BY g… ORDER BY k…)`
+//! filtered by `<= K`, as one operator.
+//!
+//! DataFusion plans such a query as a sort of the whole input by the group and order keys, a
+//! window that numbers every row, and a filter that keeps K rows per group. The rule
+//! ([`crate::rule`]) replaces the sort and the window:
+//!
+//! ```text
+//! FilterExec rn <= K                                FilterExec rn <= K
+//!   BoundedWindowAggExec ROW_NUMBER() …    ═▶         GpuGroupTopKExec K, sort order
+//!     SortExec g…, k…                                    input
+//!       input
+//! ```
+//!
+//! Each output partition reads its input partition (all of them where the sort merged them
+//! into one) and keeps the K best rows of every group as they arrive: a bounded max-heap per
+//! group of (the row's sort key in arrow's row format, its position in the input), so a row
+//! that cannot be among its group's K best is dropped at once and only K rows a group are held,
+//! with the batches they point into. When the input ends it emits the kept rows in the sort's
+//! order with their row numbers: the rows, columns and values the window would have given, in
+//! the same partitions and order (the filter above stays, and passes them all). Rows whose keys
+//! tie are numbered in input order, where DataFusion's sort leaves their order unspecified.
+//! It runs on the CPU; held batches are reserved from DataFusion's memory pool.
+
+use std::collections::HashMap;
+use std::fmt::{self, Formatter};
+use std::sync::Arc;
+
+use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, UInt64Array};
+use datafusion::arrow::compute::interleave;
+use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::arrow::row::{RowConverter, Rows, SortField};
+use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::TaskContext;
+use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
+use datafusion::physical_expr::{LexOrdering, PhysicalExpr};
+use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
+use datafusion::physical_plan::metrics::{
+    BaselineMetrics, Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet,
+};
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
+    SendableRecordBatchStream,
+};
+use futures::StreamExt;
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct GpuGroupTopKExec {
+    input: Arc<dyn ExecutionPlan>,
+    /// The replaced sort's order: the group keys first, then the window's order keys.
+    ordering: LexOrdering,
+    /// How many of `ordering`'s leading keys are the group keys.
+    group_keys: usize,
+    /// Rows kept per group.
+    k: usize,
+    schema: SchemaRef,
+    properties: Arc<PlanProperties>,
+    metrics: ExecutionPlanMetricsSet,
+}
+
+impl GpuGroupTopKExec {
+    /// The operator in place of `window` (a `ROW_NUMBER()` window whose output is `input`'s
+    /// columns and the row number) over a sort by `ordering` of `input`, its first
+    /// `group_keys` keys the `PARTITION BY` keys. It takes over the window's schema,
+    /// partitioning, order and equivalences.
+    pub fn try_new(
+        input: Arc<dyn ExecutionPlan>,
+        ordering: LexOrdering,
+        group_keys: usize,
+        k: usize,
+        window: &dyn ExecutionPlan,
+    ) -> Result<Self> {
+        let schema = window.schema();
+        if schema.fields().len() != input.schema().fields().len() + 1 {
+            return datafusion::common::internal_err!(
+                "GpuGroupTopKExec: a window of {} columns over an input of {}",
+                schema.fields().len(),
+                input.schema().fields().len()
+            );
+        }
+        if group_keys > ordering.len() {
+            return datafusion::common::internal_err!(
+                "GpuGroupTopKExec: {group_keys} group keys in an order of {}",
+                ordering.len()
+            );
+        }
+        Ok(Self {
+            input,
+            ordering,
+            group_keys,
+            k,
+            schema,
+            properties: Arc::clone(window.properties()),
+            metrics: ExecutionPlanMetricsSet::new(),
+        })
+    }
+
+    /// Rows kept per group.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    pub fn input(&self) -> &Arc<dyn ExecutionPlan> {
+        &self.input
+    }
+}
+
+impl DisplayAs for GpuGroupTopKExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut Formatter) -> fmt::Result {
+        let (groups, order) = self.ordering.split_at(self.group_keys);
+        let list = |exprs: &[datafusion::physical_expr::PhysicalSortExpr]| {
+            exprs
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        write!(
+            f,
+            "GpuGroupTopKExec: k={}, partition_by=[{}], order_by=[{}], function=row_number, \
+             backend=cpu",
+            self.k,
+            list(groups),
+            list(order)
+        )
+    }
+}
+
+impl ExecutionPlan for GpuGroupTopKExec {
+    fn name(&self) -> &str {
+        "GpuGroupTopKExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.properties
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.input]
+    }
+
+    fn apply_expressions(
+        &self,
+        f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        for sort in self.ordering.iter() {
+            if f(&sort.expr)? == TreeNodeRecursion::Stop {
+                return Ok(TreeNodeRecursion::Stop);
+            }
+        }
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn benefits_from_input_partitioning(&self) -> Vec<bool> {
+        vec![false]
+    }
+
+    fn replace_children(
+        self: Arc<Self>,
+        mut children: Vec<Arc<dyn ExecutionPlan>>,
+        _options: ReplaceChildrenOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        if children.len() != 1 {
+            return datafusion::common::internal_err!("GpuGroupTopKExec takes exactly one child");
+        }
+        Ok(Arc::new(Self {
+            input: children.swap_remove(0),
+            ordering: self.ordering.clone(),
+            group_keys: self.group_keys,
+            k: self.k,
+            schema: Arc::clone(&self.schema),
+            properties: Arc::clone(&self.properties),
+            metrics: ExecutionPlanMetricsSet::new(),
+        }))
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        self.replace_children(
+            children,
+            ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute),
+        )
+    }
+
+    fn reset_state(self: Arc<Self>) -> Result<Arc<dyn ExecutionPlan>> {
+        let input = Arc::clone(&self.input);
+        self.replace_children(
+            vec![input],
+            ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute),
+        )
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let outputs = self.properties.output_partitioning().partition_count();
+        let inputs = self.input.output_partitioning().partition_count();
+        if partition >= outputs {
+            return datafusion::common::internal_err!(
+                "GpuGroupTopKExec has {outputs} output partitions, asked for {partition}"
+            );
+        }
+        // One output partition a input partition, or one for all of them.
+        let read: Vec<usize> = if outputs == inputs {
+            vec![partition]
+        } else if outputs == 1 {
+            (0..inputs).collect()
+        } else {
+            return datafusion::common::internal_err!(
+                "GpuGroupTopKExec: {outputs} output partitions over {inputs} input partitions"
+            );
+        };
+        let streams = read
+            .into_iter()
+            .map(|p| self.input.execute(p, Arc::clone(&context)))
+            .collect::<Result<Vec<_>>>()?;
+        let reservation = MemoryConsumer::new(format!("GpuGroupTopKExec[{partition}]"))
+            .register(context.memory_pool());
+        let groups = Selection {
+            ordering: self.ordering.clone(),
+            group_keys: self.group_keys,
+            k: self.k,
+            schema: Arc::clone(&self.schema),
+            input_schema: self.input.schema(),
+            batch_size: context.session_config().batch_size(),
+            reservation,
+            baseline: BaselineMetrics::new(&self.metrics, partition),
+            groups_metric: MetricBuilder::new(&self.metrics).counter("groups", partition),
+        };
+        let schema = Arc::clone(&self.schema);
+        let output = futures::stream::once(groups.run(streams))
+            .map(|batches| match batches {
+                Ok(batches) => futures::stream::iter(batches.into_iter().map(Ok)).boxed(),
+                Err(e) => futures::stream::iter(vec![Err(e)]).boxed(),
+            })
+            .flatten();
+        Ok(Box::pin(RecordBatchStreamAdapter::new(schema, output)))
+    }
+
+    fn metrics(&self) -> Option<MetricsSet> {
+        Some(self.metrics.clone_inner())
+    }
+}
+
+/// One output partition's selection.
+struct Selection {
+    ordering: LexOrdering,
+    group_keys: usize,
+    k: usize,
+    schema: SchemaRef,
+    input_schema: SchemaRef,
+    batch_size: usize,
+    reservation: MemoryReservation,
+    baseline: BaselineMetrics,
+    groups_metric: Count,
+}
+
+/// A kept row: where it lies among the held batches (its sort key is row `row` of its
+/// batch's key rows), its position in the input (ties) and its group.
+#[derive(Debug, Clone, Copy)]
+struct Kept {
+    batch: usize,
+    row: usize,
+    position: u64,
+    group: usize,
+}
+
+impl Selection {
+    async fn run(self, streams: Vec<SendableRecordBatchStream>) -> Result<Vec<RecordBatch>> {
+        let fields = |exprs: &[datafusion::physical_expr::PhysicalSortExpr]| -> Result<_> {
+            let input = &self.input_schema;
+            exprs
+                .iter()
+                .map(|s| {
+                    Ok(SortField::new_with_options(
+                        s.expr.data_type(input)?,
+                        s.options,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()
+        };
+        let sort_converter = RowConverter::new(fields(&self.ordering)?)?;
+        let group_converter = RowConverter::new(fields(&self.ordering[..self.group_keys])?)?;
+        // Each group's number, and its kept rows in ascending (key, position) order.
+        let mut groups: HashMap<Box<[u8]>, usize> = HashMap::new();
+        let mut members: Vec<Vec<Kept>> = Vec::new();
+        // Held batches with their key rows, and how many kept rows each still holds.
+        let mut batches: Vec<Option<(RecordBatch, Rows)>> = Vec::new();
+        let mut live: Vec<usize> = Vec::new();
+        let mut position = 0u64;
+        for mut stream in streams {
+            while let Some(batch) = stream.next().await {
+                let batch = batch?;
+                let _timer = self.baseline.elapsed_compute().timer();
+                let n = batch.num_rows();
+                if n == 0 || self.k == 0 {
+                    position += n as u64;
+                    continue;
+                }
+                let columns = (self.ordering.iter())
+                    .map(|s| s.expr.evaluate(&batch)?.into_array(n))
+                    .collect::<Result<Vec<ArrayRef>>>()?;
+                let keys = sort_converter.convert_columns(&columns)?;
+                let group_rows = group_converter.convert_columns(&columns[..self.group_keys])?;
+                let index = batches.len();
+                batches.push(Some((batch, keys)));
+                live.push(0);
+                for row in 0..n {
+                    let group = group_rows.row(row);
+                    let gid = match groups.get(group.as_ref()) {
+                        Some(&gid) => gid,
+                        None => {
+                            groups.insert(group.as_ref().into(), members.len());
+                            members.push(Vec::new());
+                            members.len() - 1
+                        }
+                    };
+                    let heap = &mut members[gid];
+                    let new = Kept {
+                        batch: index,
+                        row,
+                        position: position + row as u64,
+                        group: gid,
+                    };
+                    let less = |a: &Kept, b: &Kept| {
+                        let key = |k: &Kept| {
+                            let (_, rows) = batches[k.batch].as_ref().expect("held");
+                            (rows.row(k.row), k.position)
+                        };
+                        key(a) < key(b)
+                    };
+                    if heap.len() < self.k {
+                        heap.push(new);
+                        let last = heap.len() - 1;
+                        sift_up(heap, last, less);
+                    } else if less(&new, &heap[0]) {
+                        // The group's worst kept row goes.
+                        let evicted = std::mem::replace(&mut heap[0], new);
+                        sift_down(heap, 0, less);
+                        live[evicted.batch] -= 1;
+                        if live[evicted.batch] == 0
+                            && evicted.batch != index
+                            && let Some((gone, rows)) = batches[evicted.batch].take()
+                        {
+                            self.reservation
+                                .shrink(gone.get_array_memory_size() + rows.size());
+                        }
+                    } else {
+                        continue;
+                    }
+                    live[index] += 1;
+                }
+                position += n as u64;
+                if live[index] == 0 {
+                    batches[index] = None;
+                } else if let Some((batch, rows)) = &batches[index] {
+                    self.reservation
+                        .try_grow(batch.get_array_memory_size() + rows.size())?;
+                }
+            }
+        }
+        let _timer = self.baseline.elapsed_compute().timer();
+        self.groups_metric.add(members.len());
+        // In sort order (group keys first, so each group's rows are consecutive), numbered
+        // 1, 2, … within their group.
+        let mut kept: Vec<Kept> = members.into_iter().flatten().collect();
+        let key = |k: &Kept| {
+            let (_, rows) = batches[k.batch].as_ref().expect("held");
+            (rows.row(k.row), k.position)
+        };
+        kept.sort_unstable_by(|a, b| key(a).cmp(&key(b)));
+        let mut numbers = Vec::with_capacity(kept.len());
+        for (i, k) in kept.iter().enumerate() {
+            let next = match numbers.last() {
+                Some(&n) if kept[i - 1].group == k.group => n + 1,
+                _ => 1u64,
+            };
+            numbers.push(next);
+        }
+        let held: Vec<(usize, &RecordBatch)> = (batches.iter().enumerate())
+            .filter_map(|(i, b)| b.as_ref().map(|(b, _)| (i, b)))
+            .collect();
+        let slot: HashMap<usize, usize> = (held.iter().enumerate())
+            .map(|(s, (i, _))| (*i, s))
+            .collect();
+        let at: Vec<(usize, usize)> = kept.iter().map(|k| (slot[&k.batch], k.row)).collect();
+        let mut output = Vec::new();
+        let columns = self.schema.fields().len() - 1;
+        for (chunk, numbers) in at
+            .chunks(self.batch_size.max(1))
+            .zip(numbers.chunks(self.batch_size.max(1)))
+        {
+            let mut arrays = (0..columns)
+                .map(|c| {
+                    let sources: Vec<&dyn Array> =
+                        held.iter().map(|(_, b)| b.column(c).as_ref()).collect();
+                    Ok(interleave(&sources, chunk)?)
+                })
+                .collect::<Result<Vec<ArrayRef>>>()?;
+            arrays.push(Arc::new(UInt64Array::from(numbers.to_vec())));
+            let batch = RecordBatch::try_new(Arc::clone(&self.schema), arrays)
+                .map_err(|e| DataFusionError::ArrowError(Box::new(e), None))?;
+            self.baseline.record_output(batch.num_rows());
+            output.push(batch);
+        }
+        self.baseline.done();
+        Ok(output)
+    }
+}
+
+/// Restores the max-heap order (by `less`) of `heap` from its element `i` up.
+fn sift_up(heap: &mut [Kept], mut i: usize, less: impl Fn(&Kept, &Kept) -> bool) {
+    while i > 0 {
+        let parent = (i - 1) / 2;
+        if !less(&heap[parent], &heap[i]) {
+            break;
+        }
+        heap.swap(parent, i);
+        i = parent;
+    }
+}
+
+/// Restores the max-heap order (by `less`) of `heap` from its element `i` down.
+fn sift_down(heap: &mut [Kept], mut i: usize, less: impl Fn(&Kept, &Kept) -> bool) {
+    loop {
+        let (left, right) = (2 * i + 1, 2 * i + 2);
+        let mut largest = i;
+        if left < heap.len() && less(&heap[largest], &heap[left]) {
+            largest = left;
+        }
+        if right < heap.len() && less(&heap[largest], &heap[right]) {
+            largest = right;
+        }
+        if largest == i {
+            break;
+        }
+        heap.swap(i, largest);
+        i = largest;
+    }
+}

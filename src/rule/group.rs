@@ -1,0 +1,174 @@
+//! The per-group top-k subtree: a filter on a `ROW_NUMBER()` window over a sort by the window's
+//! `PARTITION BY` and `ORDER BY` keys.
+//!
+//! ```text
+//! FilterExec rn <= K [AND …]                         FilterExec rn <= K [AND …]
+//!   [ProjectionExec of columns]                         [ProjectionExec of columns]
+//!     BoundedWindowAggExec (or WindowAggExec)   ═▶        GpuGroupTopKExec K, sort order
+//!       ROW_NUMBER() OVER (PARTITION BY g… ORDER BY k…)     input
+//!       SortExec g…, k…
+//!         input
+//! ```
+//!
+//! K comes from the filter's conjuncts on the row number: `rn <= K`, `rn < K + 1`, `rn = K`
+//! (the operator keeps K rows a group; the filter stays and keeps what the query asked for).
+//! Other window functions, several window expressions in one node, or a sort that is not the
+//! window's order leave the plan to DataFusion.
+
+use std::sync::Arc;
+
+use datafusion::common::ScalarValue;
+use datafusion::logical_expr::Operator;
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_expr::expressions::{BinaryExpr, Column, Literal};
+use datafusion::physical_expr::split_conjunction;
+use datafusion::physical_expr::window::{StandardWindowExpr, WindowExpr};
+use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
+use datafusion::physical_plan::filter::FilterExec;
+use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::sorts::sort::SortExec;
+use datafusion::physical_plan::windows::{BoundedWindowAggExec, WindowAggExec, WindowUDFExpr};
+use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
+
+use super::{Declined, because};
+use crate::exec::GpuGroupTopKExec;
+
+/// The operator in place of `node`'s window and sort, when `node` is the filter of a per-group
+/// top-k subtree (see the module documentation).
+pub(super) fn match_group_top_k(
+    node: &Arc<dyn ExecutionPlan>,
+) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
+    let Some(filter) = node.downcast_ref::<FilterExec>() else {
+        return Err(Declined::NotTopK);
+    };
+    // A projection of columns may lie between the filter and the window.
+    let projection = (filter.input().downcast_ref::<ProjectionExec>())
+        .filter(|p| (p.expr().iter()).all(|e| e.expr.downcast_ref::<Column>().is_some()));
+    let window = projection.map_or(filter.input(), |p| p.input());
+    let (exprs, sorted) = if let Some(w) = window.downcast_ref::<BoundedWindowAggExec>() {
+        (w.window_expr(), w.input())
+    } else if let Some(w) = window.downcast_ref::<WindowAggExec>() {
+        (w.window_expr(), w.input())
+    } else {
+        return Err(Declined::NotTopK);
+    };
+    // The row number is the window's last output column, at its place in the projection.
+    let window_row_number = window.schema().fields().len() - 1;
+    let row_number = match projection {
+        None => Some(window_row_number),
+        Some(p) => (p.expr().iter()).position(|e| {
+            e.expr
+                .downcast_ref::<Column>()
+                .is_some_and(|c| c.index() == window_row_number)
+        }),
+    };
+    let Some(k) = row_number.and_then(|rn| rows_kept(filter.predicate(), rn)) else {
+        return Err(Declined::NotTopK);
+    };
+    let [expr] = exprs else {
+        return because("per-group top-k: several window functions in one window");
+    };
+    if !is_row_number(expr.as_ref()) {
+        return because(format!(
+            "per-group top-k: {} is not ROW_NUMBER()",
+            expr.name()
+        ));
+    }
+    let Some(sort) = sorted.downcast_ref::<SortExec>() else {
+        return because("per-group top-k: the window's input is not a sort");
+    };
+    if sort.fetch().is_some() {
+        return because("per-group top-k: the sort below the window has a limit");
+    }
+    let ordering = sort.expr().clone();
+    let groups = expr.partition_by();
+    let order = expr.order_by();
+    let sort_exprs: Vec<_> = ordering.iter().collect();
+    let leading_are_groups = sort_exprs.len() == groups.len() + order.len()
+        && groups
+            .iter()
+            .all(|g| sort_exprs[..groups.len()].iter().any(|s| s.expr.eq(g)))
+        && (sort_exprs[groups.len()..].iter().zip(order)).all(|(s, o)| *s == o);
+    if !leading_are_groups {
+        return because(format!(
+            "per-group top-k: the sort [{ordering}] is not the window's PARTITION BY then ORDER BY"
+        ));
+    }
+    let input = Arc::clone(sort.input());
+    if input.boundedness().is_unbounded() {
+        return because("per-group top-k: the input is unbounded");
+    }
+    let exec: Arc<dyn ExecutionPlan> = Arc::new(
+        GpuGroupTopKExec::try_new(input, ordering, groups.len(), k, window.as_ref())
+            .or_else(|e| because(format!("per-group top-k: {e}")))?,
+    );
+    let replace = |plan: &Arc<dyn ExecutionPlan>, child| {
+        Arc::clone(plan)
+            .replace_children(
+                vec![child],
+                ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute),
+            )
+            .or_else(|e| because(format!("per-group top-k: {e}")))
+    };
+    let below = match projection {
+        Some(_) => replace(filter.input(), exec)?,
+        None => exec,
+    };
+    replace(node, below)
+}
+
+/// Whether `expr` is `ROW_NUMBER()`.
+fn is_row_number(expr: &dyn WindowExpr) -> bool {
+    expr.as_any()
+        .downcast_ref::<StandardWindowExpr>()
+        .and_then(|w| {
+            w.get_standard_func_expr()
+                .as_any()
+                .downcast_ref::<WindowUDFExpr>()
+        })
+        .is_some_and(|f| f.fun().name() == "row_number")
+}
+
+/// The rows a group keeps under `predicate` (a conjunction) on the row number in column
+/// `row_number`: the smallest bound of its `rn <= K`, `rn < K`, `rn = K` conjuncts (either
+/// side), `None` where it has none.
+fn rows_kept(predicate: &Arc<dyn PhysicalExpr>, row_number: usize) -> Option<usize> {
+    let bound = |conjunct: &Arc<dyn PhysicalExpr>| -> Option<u64> {
+        let binary = conjunct.downcast_ref::<BinaryExpr>()?;
+        let is_rn = |e: &Arc<dyn PhysicalExpr>| {
+            e.downcast_ref::<Column>()
+                .is_some_and(|c| c.index() == row_number)
+        };
+        let literal = |e: &Arc<dyn PhysicalExpr>| -> Option<u64> {
+            match e.downcast_ref::<Literal>()?.value() {
+                ScalarValue::UInt64(Some(v)) => Some(*v),
+                ScalarValue::Int64(Some(v)) => u64::try_from(*v).ok(),
+                _ => None,
+            }
+        };
+        // As `rn op v`.
+        let (op, v) = if is_rn(binary.left()) {
+            (*binary.op(), literal(binary.right())?)
+        } else if is_rn(binary.right()) {
+            let flipped = match binary.op() {
+                Operator::GtEq => Operator::LtEq,
+                Operator::Gt => Operator::Lt,
+                Operator::Eq => Operator::Eq,
+                _ => return None,
+            };
+            (flipped, literal(binary.left())?)
+        } else {
+            return None;
+        };
+        match op {
+            Operator::LtEq | Operator::Eq => Some(v),
+            Operator::Lt => Some(v.saturating_sub(1)),
+            _ => None,
+        }
+    };
+    split_conjunction(predicate)
+        .into_iter()
+        .filter_map(bound)
+        .min()
+        .map(|k| usize::try_from(k).unwrap_or(usize::MAX))
+}
