@@ -1,5 +1,5 @@
-//! [`GpuGroupTopKExec`]: top-k per group, `ROW_NUMBER() OVER (PARTITION BY g… ORDER BY k…)`
-//! filtered by `<= K`, as one operator.
+//! [`GpuGroupTopKExec`]: top-k per group, `ROW_NUMBER()` or `RANK()` `OVER (PARTITION BY g…
+//! ORDER BY k…)` filtered by `<= K`, as one operator.
 //!
 //! DataFusion plans such a query as a sort of the whole input by the group and order keys, a
 //! window that numbers every row, and a filter that keeps K rows per group. The rule
@@ -20,6 +20,8 @@
 //! order with their row numbers: the rows, columns and values the window would have given, in
 //! the same partitions and order (the filter above stays, and passes them all). Rows whose keys
 //! tie are numbered in input order, where DataFusion's sort leaves their order unspecified.
+//! Under `RANK()` a group also keeps the rows whose key ties its K-th kept row's (they share
+//! its rank), so it may return more than K rows.
 //! It runs on the CPU; held batches are reserved from DataFusion's memory pool.
 
 use std::collections::HashMap;
@@ -50,6 +52,7 @@ use futures::StreamExt;
 #[derive(Debug)]
 pub struct GpuGroupTopKExec {
     input: Arc<dyn ExecutionPlan>,
+    function: RankFunction,
     /// The replaced sort's order: the group keys first, then the window's order keys.
     ordering: LexOrdering,
     /// How many of `ordering`'s leading keys are the group keys.
@@ -68,6 +71,7 @@ impl GpuGroupTopKExec {
     /// partitioning, order and equivalences.
     pub fn try_new(
         input: Arc<dyn ExecutionPlan>,
+        function: RankFunction,
         ordering: LexOrdering,
         group_keys: usize,
         k: usize,
@@ -89,6 +93,7 @@ impl GpuGroupTopKExec {
         }
         Ok(Self {
             input,
+            function,
             ordering,
             group_keys,
             k,
@@ -120,11 +125,11 @@ impl DisplayAs for GpuGroupTopKExec {
         };
         write!(
             f,
-            "GpuGroupTopKExec: k={}, partition_by=[{}], order_by=[{}], function=row_number, \
-             backend=cpu",
+            "GpuGroupTopKExec: k={}, partition_by=[{}], order_by=[{}], function={}, backend=cpu",
             self.k,
             list(groups),
-            list(order)
+            list(order),
+            self.function.name()
         )
     }
 }
@@ -168,6 +173,7 @@ impl ExecutionPlan for GpuGroupTopKExec {
         }
         Ok(Arc::new(Self {
             input: children.swap_remove(0),
+            function: self.function,
             ordering: self.ordering.clone(),
             group_keys: self.group_keys,
             k: self.k,
@@ -224,6 +230,7 @@ impl ExecutionPlan for GpuGroupTopKExec {
         let reservation = MemoryConsumer::new(format!("GpuGroupTopKExec[{partition}]"))
             .register(context.memory_pool());
         let groups = Selection {
+            function: self.function,
             ordering: self.ordering.clone(),
             group_keys: self.group_keys,
             k: self.k,
@@ -249,8 +256,28 @@ impl ExecutionPlan for GpuGroupTopKExec {
     }
 }
 
+/// The window function whose value the operator gives each row it keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankFunction {
+    /// `ROW_NUMBER()`: 1, 2, … in sort order, ties in input order.
+    RowNumber,
+    /// `RANK()`: one past the rows whose key is smaller; tied keys share it, and a group may
+    /// keep more than K rows.
+    Rank,
+}
+
+impl RankFunction {
+    fn name(self) -> &'static str {
+        match self {
+            RankFunction::RowNumber => "row_number",
+            RankFunction::Rank => "rank",
+        }
+    }
+}
+
 /// One output partition's selection.
 struct Selection {
+    function: RankFunction,
     ordering: LexOrdering,
     group_keys: usize,
     k: usize,
@@ -291,6 +318,8 @@ impl Selection {
         // Each group's number, and its kept rows in ascending (key, position) order.
         let mut groups: HashMap<Box<[u8]>, usize> = HashMap::new();
         let mut members: Vec<Vec<Kept>> = Vec::new();
+        // Under RANK(), per group the rows beyond its K kept ones whose key ties the K-th's.
+        let mut ties: Vec<Vec<Kept>> = Vec::new();
         // Held batches with their key rows, and how many kept rows each still holds.
         let mut batches: Vec<Option<(RecordBatch, Rows)>> = Vec::new();
         let mut live: Vec<usize> = Vec::new();
@@ -319,6 +348,7 @@ impl Selection {
                         None => {
                             groups.insert(group.as_ref().into(), members.len());
                             members.push(Vec::new());
+                            ties.push(Vec::new());
                             members.len() - 1
                         }
                     };
@@ -329,33 +359,47 @@ impl Selection {
                         position: position + row as u64,
                         group: gid,
                     };
-                    let less = |a: &Kept, b: &Kept| {
-                        let key = |k: &Kept| {
-                            let (_, rows) = batches[k.batch].as_ref().expect("held");
-                            (rows.row(k.row), k.position)
-                        };
-                        key(a) < key(b)
+                    let key = |k: &Kept| {
+                        let (_, rows) = batches[k.batch].as_ref().expect("held");
+                        rows.row(k.row)
                     };
+                    let less = |a: &Kept, b: &Kept| (key(a), a.position) < (key(b), b.position);
+                    let mut released = Vec::new();
                     if heap.len() < self.k {
                         heap.push(new);
                         let last = heap.len() - 1;
                         sift_up(heap, last, less);
-                    } else if less(&new, &heap[0]) {
-                        // The group's worst kept row goes.
-                        let evicted = std::mem::replace(&mut heap[0], new);
-                        sift_down(heap, 0, less);
-                        live[evicted.batch] -= 1;
-                        if live[evicted.batch] == 0
-                            && evicted.batch != index
-                            && let Some((gone, rows)) = batches[evicted.batch].take()
-                        {
-                            self.reservation
-                                .shrink(gone.get_array_memory_size() + rows.size());
-                        }
                     } else {
-                        continue;
+                        let ranked = self.function == RankFunction::Rank;
+                        match key(&new).cmp(&key(&heap[0])) {
+                            std::cmp::Ordering::Equal if ranked => ties[gid].push(new),
+                            std::cmp::Ordering::Greater => continue,
+                            _ if !less(&new, &heap[0]) => continue,
+                            _ => {
+                                // The group's worst kept row goes (under RANK() it stays a
+                                // tie while the new K-th row has its key).
+                                let evicted = std::mem::replace(&mut heap[0], new);
+                                sift_down(heap, 0, less);
+                                if ranked && key(&evicted) == key(&heap[0]) {
+                                    ties[gid].push(evicted);
+                                } else {
+                                    released.push(evicted);
+                                    released.append(&mut ties[gid]);
+                                }
+                            }
+                        }
                     }
                     live[index] += 1;
+                    for gone in released {
+                        live[gone.batch] -= 1;
+                        if live[gone.batch] == 0
+                            && gone.batch != index
+                            && let Some((batch, rows)) = batches[gone.batch].take()
+                        {
+                            self.reservation
+                                .shrink(batch.get_array_memory_size() + rows.size());
+                        }
+                    }
                 }
                 position += n as u64;
                 if live[index] == 0 {
@@ -369,18 +413,30 @@ impl Selection {
         let _timer = self.baseline.elapsed_compute().timer();
         self.groups_metric.add(members.len());
         // In sort order (group keys first, so each group's rows are consecutive), numbered
-        // 1, 2, … within their group.
-        let mut kept: Vec<Kept> = members.into_iter().flatten().collect();
+        // 1, 2, … within their group; under RANK() a row whose key ties the previous row's
+        // takes its number.
+        let mut kept: Vec<Kept> = (members.into_iter().flatten())
+            .chain(ties.into_iter().flatten())
+            .collect();
         let key = |k: &Kept| {
             let (_, rows) = batches[k.batch].as_ref().expect("held");
-            (rows.row(k.row), k.position)
+            rows.row(k.row)
         };
-        kept.sort_unstable_by(|a, b| key(a).cmp(&key(b)));
-        let mut numbers = Vec::with_capacity(kept.len());
+        kept.sort_unstable_by(|a, b| (key(a), a.position).cmp(&(key(b), b.position)));
+        let mut numbers: Vec<u64> = Vec::with_capacity(kept.len());
+        let mut group_start = 0;
         for (i, k) in kept.iter().enumerate() {
             let next = match numbers.last() {
-                Some(&n) if kept[i - 1].group == k.group => n + 1,
-                _ => 1u64,
+                Some(&n) if kept[i - 1].group == k.group => match self.function {
+                    RankFunction::Rank if key(&kept[i - 1]) == key(k) => n,
+                    // One past the rows before it in its group.
+                    RankFunction::Rank => (i - group_start) as u64 + 1,
+                    RankFunction::RowNumber => n + 1,
+                },
+                _ => {
+                    group_start = i;
+                    1
+                }
             };
             numbers.push(next);
         }

@@ -1,4 +1,5 @@
-//! The per-group top-k subtree: a filter on a `ROW_NUMBER()` window over a sort by the window's
+//! The per-group top-k subtree: a filter on a `ROW_NUMBER()` or `RANK()` window over a sort by
+//! the window's
 //! `PARTITION BY` and `ORDER BY` keys.
 //!
 //! ```text
@@ -31,7 +32,7 @@ use datafusion::physical_plan::windows::{BoundedWindowAggExec, WindowAggExec, Wi
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
 use super::{Declined, because};
-use crate::exec::GpuGroupTopKExec;
+use crate::exec::{GpuGroupTopKExec, RankFunction};
 
 /// The operator in place of `node`'s window and sort, when `node` is the filter of a per-group
 /// top-k subtree (see the module documentation).
@@ -68,12 +69,12 @@ pub(super) fn match_group_top_k(
     let [expr] = exprs else {
         return because("per-group top-k: several window functions in one window");
     };
-    if !is_row_number(expr.as_ref()) {
+    let Some(function) = rank_function(expr.as_ref()) else {
         return because(format!(
-            "per-group top-k: {} is not ROW_NUMBER()",
+            "per-group top-k: {} is neither ROW_NUMBER() nor RANK()",
             expr.name()
         ));
-    }
+    };
     let Some(sort) = sorted.downcast_ref::<SortExec>() else {
         return because("per-group top-k: the window's input is not a sort");
     };
@@ -99,7 +100,7 @@ pub(super) fn match_group_top_k(
         return because("per-group top-k: the input is unbounded");
     }
     let exec: Arc<dyn ExecutionPlan> = Arc::new(
-        GpuGroupTopKExec::try_new(input, ordering, groups.len(), k, window.as_ref())
+        GpuGroupTopKExec::try_new(input, function, ordering, groups.len(), k, window.as_ref())
             .or_else(|e| because(format!("per-group top-k: {e}")))?,
     );
     let replace = |plan: &Arc<dyn ExecutionPlan>, child| {
@@ -117,16 +118,22 @@ pub(super) fn match_group_top_k(
     replace(node, below)
 }
 
-/// Whether `expr` is `ROW_NUMBER()`.
-fn is_row_number(expr: &dyn WindowExpr) -> bool {
-    expr.as_any()
-        .downcast_ref::<StandardWindowExpr>()
-        .and_then(|w| {
-            w.get_standard_func_expr()
-                .as_any()
-                .downcast_ref::<WindowUDFExpr>()
-        })
-        .is_some_and(|f| f.fun().name() == "row_number")
+/// The operator's function for `expr`: `ROW_NUMBER()` or `RANK()`, `None` for any other.
+fn rank_function(expr: &dyn WindowExpr) -> Option<RankFunction> {
+    let function = expr
+        .as_any()
+        .downcast_ref::<StandardWindowExpr>()?
+        .get_standard_func_expr()
+        .as_any()
+        .downcast_ref::<WindowUDFExpr>()?
+        .fun()
+        .name()
+        .to_string();
+    match function.as_str() {
+        "row_number" => Some(RankFunction::RowNumber),
+        "rank" => Some(RankFunction::Rank),
+        _ => None,
+    }
 }
 
 /// The rows a group keeps under `predicate` (a conjunction) on the row number in column

@@ -1,5 +1,5 @@
-//! Top-k per group (`ROW_NUMBER() OVER (PARTITION BY … ORDER BY …)` filtered by `<= K`,
-//! `< K`, `= 1`): the operator against DataFusion's window plan (the rule off), over every
+//! Top-k per group (`ROW_NUMBER()` or `RANK()` `OVER (PARTITION BY … ORDER BY …)` filtered by
+//! `<= K`, `< K`, `= 1`): the operator against DataFusion's window plan (the rule off), over every
 //! storage, several partitions, NULL groups, one group, every row its own group, K beyond every
 //! group, extra conjuncts, an outer top-k, and an aggregate and a join below.
 
@@ -76,7 +76,8 @@ fn count_group_topk(plan: &Arc<dyn ExecutionPlan>) -> usize {
 }
 
 /// The rows of `sql` with the operator and with DataFusion's plan, as sorted lines (the
-/// queries' order keys end in the unique `id`, so row numbers are deterministic).
+/// `ROW_NUMBER()` queries' order keys end in the unique `id`, so row numbers are
+/// deterministic; ranks are whatever the order of ties).
 async fn same_rows(ours: &SessionContext, plain: &SessionContext, sql: &str, taken: bool) {
     let plan = physical_plan(ours, sql)
         .await
@@ -94,7 +95,10 @@ async fn same_rows(ours: &SessionContext, plain: &SessionContext, sql: &str, tak
     assert_eq!(got, want, "{sql}");
 }
 
-const QUERIES: [&str; 9] = [
+const QUERIES: [&str; 12] = [
+    "SELECT id, g, v, r FROM (SELECT *, RANK() OVER (PARTITION BY g ORDER BY v DESC) AS r FROM t) WHERE r <= 3",
+    "SELECT id, s, v, r FROM (SELECT *, RANK() OVER (PARTITION BY s ORDER BY v NULLS FIRST) AS r FROM t) WHERE r = 1",
+    "SELECT id, g, s, r FROM (SELECT *, RANK() OVER (PARTITION BY g, s ORDER BY v, c) AS r FROM t) WHERE r < 4 ORDER BY r DESC, id LIMIT 20",
     "SELECT id, g, v, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY v DESC, id) AS rn FROM t) WHERE rn <= 3",
     "SELECT id, s, g, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY s, g ORDER BY v NULLS FIRST, id DESC) AS rn FROM t) WHERE rn < 3",
     "SELECT * FROM (SELECT id, s, v, ROW_NUMBER() OVER (PARTITION BY s ORDER BY id DESC) AS rn FROM t) WHERE rn = 1",
@@ -154,7 +158,7 @@ async fn other_window_queries_keep_datafusions_plan() {
     register(&ours, "t", data.clone());
     register(&plain, "t", data);
     let queries = [
-        "SELECT id, r FROM (SELECT *, RANK() OVER (PARTITION BY g ORDER BY v, id) AS r FROM t) WHERE r <= 2",
+        "SELECT id, r FROM (SELECT *, DENSE_RANK() OVER (PARTITION BY g ORDER BY v, id) AS r FROM t) WHERE r <= 2",
         "SELECT id, rn, m FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY id) AS rn, max(v) OVER (PARTITION BY g ORDER BY id) AS m FROM t) WHERE rn <= 2",
         "SELECT id, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY id) AS rn FROM t) WHERE id > 500",
         "SELECT id, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY id) AS rn FROM t) WHERE rn > 2",
