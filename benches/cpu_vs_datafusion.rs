@@ -8,6 +8,7 @@
 //! cargo bench --bench cpu_vs_datafusion -- [--rows N] [--runs R] [--csv FILE] [--sweep]
 //!     [--plots DIR] [--clients C] [--profile] [--parquet DIR]
 //! cargo bench --bench cpu_vs_datafusion -- --lineitem DIR [--memory] [--runs R] [--csv FILE]
+//! cargo bench --bench cpu_vs_datafusion -- --groups [--rows N] [--runs R]
 //! ```
 //!
 //! Each query runs R times per engine (after one checked run), alternating engines; the table
@@ -20,6 +21,10 @@
 //! DIR`: every engine reads the tweets from Parquet files in DIR (written there first, one
 //! file per partition, row groups of 1M rows, unless DIR holds them already) instead of
 //! memory. `auto first` is the default settings with the cache emptied before each run.
+//!
+//! `--groups`: the per-group top-k queries instead (G1–G3, `ROW_NUMBER() … <= K` per user and
+//! per language, with and without a filter), with DataFusion's `PartitionedTopKExec`
+//! (`enable_window_topn`) as one more engine.
 //!
 //! `--lineitem DIR`: the string top-k queries instead (S1–S4 at k = 10, 1000, 10 000: a
 //! string key, a string tie-breaker, a `LIKE` filter, a string key under a selective filter)
@@ -77,6 +82,31 @@ fn queries(sweep: bool) -> Vec<(String, String)> {
         ));
     }
     q.push(("Q4".into(), tweets::QUERIES[3].1.to_string()));
+    q
+}
+
+/// The per-group top-k queries over the tweets: G1, the 10 most retweeted tweets of every
+/// user (millions of groups); G2, the 3 most retweeted per language (tens of groups); G3,
+/// each user's latest tweet (`= 1`); each also over the tweets with a retweet. The result is
+/// the number of rows kept and the sum of their ids (the order keys end in the unique id, so
+/// both are exact).
+fn group_queries() -> Vec<(String, String)> {
+    let shapes = [
+        ("G1", "uid", "retweet_count DESC, id", "rn <= 10"),
+        ("G2", "lang", "retweet_count DESC, id", "rn <= 3"),
+        ("G3", "uid", "tweet_time DESC, id", "rn = 1"),
+    ];
+    let mut q = Vec::new();
+    for (filter, tag) in [("", ""), ("WHERE retweet_count > 0", " filtered")] {
+        for (name, group, order, keep) in shapes {
+            q.push((
+                format!("{name}{tag}"),
+                format!(
+                    "SELECT count(*) AS n, sum(id) AS ids FROM (SELECT id, ROW_NUMBER() OVER                      (PARTITION BY {group} ORDER BY {order}) AS rn FROM tweets {filter})                      WHERE {keep}"
+                ),
+            ));
+        }
+    }
     q
 }
 
@@ -197,6 +227,7 @@ async fn main() -> Result<()> {
     let parquet: String = arg("--parquet", String::new());
     let lineitem: String = arg("--lineitem", String::new());
     let memory = std::env::args().any(|a| a == "--memory");
+    let groups = std::env::args().any(|a| a == "--groups");
     let plain = session(false, Backend::Cpu, true);
     // Our operator on the CPU path, and on the GPU when there is one, predicate and keys in
     // generated GPU code: "cold" streams the columns over PCIe on every query (no column
@@ -208,6 +239,17 @@ async fn main() -> Result<()> {
         clear_cache,
     };
     let mut engines = vec![engine("cpu", session(true, Backend::Cpu, true), false)];
+    if groups {
+        // DataFusion with its own per-group top-k (`PartitionedTopKExec`), off by default.
+        let topn = session(false, Backend::Cpu, true);
+        topn.state_ref()
+            .write()
+            .config_mut()
+            .options_mut()
+            .optimizer
+            .enable_window_topn = true;
+        engines.insert(0, engine("DF topn", topn, false));
+    }
     if let Some(device) = gpu() {
         let cuda = GpuTopKConfig::default().with_backend(Backend::Cuda);
         engines.push(engine(
@@ -241,9 +283,10 @@ async fn main() -> Result<()> {
     }
     let partitions = plain.copied_config().target_partitions();
     let started = Instant::now();
-    let queries = |sweep| match lineitem.is_empty() {
-        true => queries(sweep),
-        false => string_queries(),
+    let queries = |sweep| match (lineitem.is_empty(), groups) {
+        (false, _) => string_queries(),
+        (true, true) => group_queries(),
+        (true, false) => queries(sweep),
     };
     // The same batches: a MemTable for DataFusion, a GpuTable for our operator.
     let storage = if !lineitem.is_empty() {

@@ -316,7 +316,9 @@ impl Selection {
         let sort_converter = RowConverter::new(fields(&self.ordering)?)?;
         let group_converter = RowConverter::new(fields(&self.ordering[..self.group_keys])?)?;
         // Each group's number, and its kept rows in ascending (key, position) order.
-        let mut groups: HashMap<Box<[u8]>, usize> = HashMap::new();
+        // DataFusion's hash map (a faster hasher than the standard library's).
+        let mut groups: datafusion::common::HashMap<Box<[u8]>, usize> =
+            datafusion::common::HashMap::default();
         let mut members: Vec<Vec<Kept>> = Vec::new();
         // Under RANK(), per group the rows beyond its K kept ones whose key ties the K-th's.
         let mut ties: Vec<Vec<Kept>> = Vec::new();
@@ -347,7 +349,7 @@ impl Selection {
                         Some(&gid) => gid,
                         None => {
                             groups.insert(group.as_ref().into(), members.len());
-                            members.push(Vec::new());
+                            members.push(Vec::with_capacity(self.k.min(8)));
                             ties.push(Vec::new());
                             members.len() - 1
                         }
@@ -366,9 +368,14 @@ impl Selection {
                     let less = |a: &Kept, b: &Kept| (key(a), a.position) < (key(b), b.position);
                     let mut released = Vec::new();
                     if heap.len() < self.k {
+                        // Heap order only matters once the group holds K rows (most groups
+                        // of a query with many small groups never do).
                         heap.push(new);
-                        let last = heap.len() - 1;
-                        sift_up(heap, last, less);
+                        if heap.len() == self.k {
+                            for i in (0..heap.len() / 2).rev() {
+                                sift_down(heap, i, less);
+                            }
+                        }
                     } else {
                         let ranked = self.function == RankFunction::Rank;
                         match key(&new).cmp(&key(&heap[0])) {
@@ -415,14 +422,21 @@ impl Selection {
         // In sort order (group keys first, so each group's rows are consecutive), numbered
         // 1, 2, … within their group; under RANK() a row whose key ties the previous row's
         // takes its number.
-        let mut kept: Vec<Kept> = (members.into_iter().flatten())
-            .chain(ties.into_iter().flatten())
-            .collect();
+        // The groups in the order of their keys (the sort's leading keys, encoded alike), each
+        // group's rows sorted on their own: small sorts over few rows each.
         let key = |k: &Kept| {
             let (_, rows) = batches[k.batch].as_ref().expect("held");
             rows.row(k.row)
         };
-        kept.sort_unstable_by(|a, b| (key(a), a.position).cmp(&(key(b), b.position)));
+        let mut order: Vec<(Box<[u8]>, usize)> = groups.into_iter().collect();
+        order.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        let mut kept: Vec<Kept> = Vec::with_capacity(members.iter().map(Vec::len).sum());
+        for (_, gid) in order {
+            let start = kept.len();
+            kept.append(&mut members[gid]);
+            kept.append(&mut ties[gid]);
+            kept[start..].sort_unstable_by(|a, b| (key(a), a.position).cmp(&(key(b), b.position)));
+        }
         let mut numbers: Vec<u64> = Vec::with_capacity(kept.len());
         let mut group_start = 0;
         for (i, k) in kept.iter().enumerate() {
@@ -468,18 +482,6 @@ impl Selection {
         }
         self.baseline.done();
         Ok(output)
-    }
-}
-
-/// Restores the max-heap order (by `less`) of `heap` from its element `i` up.
-fn sift_up(heap: &mut [Kept], mut i: usize, less: impl Fn(&Kept, &Kept) -> bool) {
-    while i > 0 {
-        let parent = (i - 1) / 2;
-        if !less(&heap[parent], &heap[i]) {
-            break;
-        }
-        heap.swap(parent, i);
-        i = parent;
     }
 }
 
