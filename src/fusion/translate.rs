@@ -305,29 +305,12 @@ impl<'a> Emitter<'a> {
             ));
         }
         let p = self.input(KernelInput::StringPrefix(column.index()));
-        let (value, valid) = (format!("x{p}"), format!("x{p}v"));
-        if !self.loaded.contains(&p) {
-            self.loaded.push(p);
-            self.loads.push(Load {
-                ctype: "U128".to_string(),
-                value: value.clone(),
-                valid: valid.clone(),
-                read: format!("((const U128 *)c{p})[i]"),
-                valid_read: format!(
-                    "c{p}_valid == nullptr || get_bit(c{p}_valid, c{p}_valid_bit + i)"
-                ),
-                vector: Some((p, 16)),
-            });
-        }
-        Ok((value, valid))
+        Ok(self.read_words(p))
     }
 
-    /// Column `c`, a `Decimal128`, as the i64 its values fit in the common case (precision 18
-    /// or less always): a row whose value does not fit sets `host_only`, and the query reruns
-    /// on the host. Only comparisons of equal decimal types, `IN` lists, `CASE` and sort keys
-    /// take such a value; decimal arithmetic, casts and functions are declined.
-    fn decimal_column(&mut self, c: usize, data_type: DataType) -> Value {
-        let p = self.input(KernelInput::Column(c));
+    /// Reads kernel input `p`, 16 bytes a row, at row `i` as a `U128` (its C name and
+    /// validity's).
+    fn read_words(&mut self, p: usize) -> (String, String) {
         let (words, valid) = (format!("x{p}"), format!("x{p}v"));
         if !self.loaded.contains(&p) {
             self.loaded.push(p);
@@ -342,6 +325,16 @@ impl<'a> Emitter<'a> {
                 vector: Some((p, 16)),
             });
         }
+        (words, valid)
+    }
+
+    /// Column `c`, a `Decimal128`, as the i64 its values fit in the common case (precision 18
+    /// or less always): a row whose value does not fit sets `host_only`, and the query reruns
+    /// on the host. Only comparisons of equal decimal types, `IN` lists, `CASE` and sort keys
+    /// take such a value; decimal arithmetic, casts and functions are declined.
+    fn decimal_column(&mut self, c: usize, data_type: DataType) -> Value {
+        let p = self.input(KernelInput::Column(c));
+        let (words, valid) = self.read_words(p);
         let value = self.define(
             data_type,
             CType::I64,
