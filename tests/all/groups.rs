@@ -149,7 +149,7 @@ async fn row_number_per_group_over_an_aggregate_and_a_join() {
 }
 
 /// What the operator does not take stays DataFusion's: other window functions, several in one
-/// window, a filter not on the row number.
+/// window, a window without PARTITION BY, a filter not on the row number.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn other_window_queries_keep_datafusions_plan() {
     let data = table(1000, 2, 10);
@@ -159,6 +159,8 @@ async fn other_window_queries_keep_datafusions_plan() {
     register(&plain, "t", data);
     let queries = [
         "SELECT id, r FROM (SELECT *, DENSE_RANK() OVER (PARTITION BY g ORDER BY v, id) AS r FROM t) WHERE r <= 2",
+        // A window over the whole input (a merge of sorted partitions below it).
+        "SELECT id, v, rn FROM (SELECT *, ROW_NUMBER() OVER (ORDER BY v DESC NULLS LAST, id) AS rn FROM t) WHERE rn <= 4",
         "SELECT id, rn, m FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY id) AS rn, max(v) OVER (PARTITION BY g ORDER BY id) AS m FROM t) WHERE rn <= 2",
         "SELECT id, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY id) AS rn FROM t) WHERE id > 500",
         "SELECT id, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY id) AS rn FROM t) WHERE rn > 2",
