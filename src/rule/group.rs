@@ -20,10 +20,10 @@ use std::sync::Arc;
 
 use datafusion::common::ScalarValue;
 use datafusion::logical_expr::Operator;
-use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_expr::expressions::{BinaryExpr, Column, Literal};
 use datafusion::physical_expr::split_conjunction;
 use datafusion::physical_expr::window::{StandardWindowExpr, WindowExpr};
+use datafusion::physical_expr::{PhysicalExpr, PhysicalSortExpr};
 use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
 use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::projection::ProjectionExec;
@@ -85,11 +85,21 @@ pub(super) fn match_group_top_k(
     let groups = expr.partition_by();
     let order = expr.order_by();
     let sort_exprs: Vec<_> = ordering.iter().collect();
-    let leading_are_groups = sort_exprs.len() == groups.len() + order.len()
+    // The window's order as DataFusion sorts it: without the keys that repeat a group key
+    // (constant within a group) or an earlier order key.
+    let mut order_keys: Vec<&PhysicalSortExpr> = Vec::new();
+    for o in order {
+        let repeated = groups.iter().any(|g| g.eq(&o.expr))
+            || order_keys.iter().any(|earlier| earlier.expr.eq(&o.expr));
+        if !repeated {
+            order_keys.push(o);
+        }
+    }
+    let leading_are_groups = sort_exprs.len() == groups.len() + order_keys.len()
         && groups
             .iter()
             .all(|g| sort_exprs[..groups.len()].iter().any(|s| s.expr.eq(g)))
-        && (sort_exprs[groups.len()..].iter().zip(order)).all(|(s, o)| *s == o);
+        && (sort_exprs[groups.len()..].iter().zip(&order_keys)).all(|(s, o)| s == o);
     if !leading_are_groups {
         return because(format!(
             "per-group top-k: the sort [{ordering}] is not the window's PARTITION BY then ORDER BY"
