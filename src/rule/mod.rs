@@ -103,28 +103,15 @@ impl PhysicalOptimizerRule for GpuTopKRule {
             return Ok(plan);
         }
         // Per-group top-k first: an outer top-k may absorb the filter on the row number.
-        let plan = plan
-            .transform_down(|node| match group::match_group_top_k(&node) {
-                Ok(exec) => Ok(Transformed::yes(exec)),
-                Err(Declined::NotTopK) => Ok(Transformed::no(node)),
-                Err(Declined::Because(why)) => {
-                    log::info!("gpu-topk: DataFusion's window plan kept: {why}");
-                    decisions.push(why);
-                    Ok(Transformed::no(node))
-                }
-            })
-            .data()?;
-        let plan = plan
-            .transform_down(|node| match match_top_k(&node, config) {
-                Ok(exec) => Ok(Transformed::yes(exec)),
-                Err(Declined::NotTopK) => Ok(Transformed::no(node)),
-                Err(Declined::Because(why)) => {
-                    log::info!("gpu-topk: DataFusion's TopK kept: {why}");
-                    decisions.push(why);
-                    Ok(Transformed::no(node))
-                }
-            })
-            .data()?;
+        let plan = rewrite(
+            plan,
+            &mut decisions,
+            "window plan",
+            group::match_group_top_k,
+        )?;
+        let plan = rewrite(plan, &mut decisions, "TopK", |node| {
+            match_top_k(node, config)
+        })?;
         *self.decisions.lock().unwrap_or_else(|e| e.into_inner()) = decisions;
         Ok(plan)
     }
@@ -136,6 +123,26 @@ impl PhysicalOptimizerRule for GpuTopKRule {
     fn schema_check(&self) -> bool {
         true
     }
+}
+
+/// `plan` with every node `replace` takes replaced, top down; why a node was left to
+/// DataFusion (its `kept` plan) goes to `decisions`.
+fn rewrite(
+    plan: Arc<dyn ExecutionPlan>,
+    decisions: &mut Vec<String>,
+    kept: &str,
+    replace: impl Fn(&Arc<dyn ExecutionPlan>) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined>,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    plan.transform_down(|node| match replace(&node) {
+        Ok(exec) => Ok(Transformed::yes(exec)),
+        Err(Declined::NotTopK) => Ok(Transformed::no(node)),
+        Err(Declined::Because(why)) => {
+            log::info!("gpu-topk: DataFusion's {kept} kept: {why}");
+            decisions.push(why);
+            Ok(Transformed::no(node))
+        }
+    })
+    .data()
 }
 
 enum Declined {
