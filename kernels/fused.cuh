@@ -169,3 +169,99 @@ template <class T, int N> __device__ __forceinline__ void load_rows(const T *p, 
         for (int e = 0; e < N; ++e) out[e] = p[e];
     }
 }
+
+// ---- strings ---------------------------------------------------------------------------------
+
+// A string column's device image (src/select/table.rs): each row's end offset (i64, the
+// table's rows back to back, the first row starting at 0) and the bytes. `Str` is one row's
+// value: its bytes and their count. Comparisons are byte-wise, as arrow's for UTF-8.
+struct Str {
+    const u8 *p;
+    u64 n;
+};
+
+__device__ __forceinline__ Str load_str(const u8 *ends, u64 bytes, u64 i) {
+    const i64 *e = (const i64 *)ends;
+    const i64 start = i == 0 ? 0 : e[i - 1];
+    return Str{(const u8 *)bytes + start, (u64)(e[i] - start)};
+}
+
+// −1, 0 or 1 as `s` sorts before, with or after the literal `lit` of `n` bytes.
+__device__ __forceinline__ int str_cmp(Str s, const u8 *lit, u64 n) {
+    const u64 m = s.n < n ? s.n : n;
+    for (u64 k = 0; k < m; ++k) {
+        if (s.p[k] != lit[k]) return s.p[k] < lit[k] ? -1 : 1;
+    }
+    return s.n < n ? -1 : (s.n > n ? 1 : 0);
+}
+
+__device__ __forceinline__ bool str_eq(Str s, const u8 *lit, u64 n) {
+    if (s.n != n) return false;
+    for (u64 k = 0; k < n; ++k) {
+        if (s.p[k] != lit[k]) return false;
+    }
+    return true;
+}
+
+__device__ __forceinline__ bool str_starts(Str s, const u8 *lit, u64 n) {
+    return s.n >= n && str_eq(Str{s.p, n}, lit, n);
+}
+
+__device__ __forceinline__ bool str_ends(Str s, const u8 *lit, u64 n) {
+    return s.n >= n && str_eq(Str{s.p + (s.n - n), n}, lit, n);
+}
+
+// Whether `lit` occurs in `s` (the empty literal everywhere).
+__device__ __forceinline__ bool str_contains(Str s, const u8 *lit, u64 n) {
+    if (n == 0) return true;
+    if (s.n < n) return false;
+    const u8 first = lit[0];
+    for (u64 at = 0; at + n <= s.n; ++at) {
+        if (s.p[at] != first) continue;
+        u64 k = 1;
+        while (k < n && s.p[at + k] == lit[k]) ++k;
+        if (k == n) return true;
+    }
+    return false;
+}
+
+// Bytes of the UTF-8 character that starts with byte `b` (1 for a stray continuation byte,
+// which valid UTF-8 never starts a character with).
+__device__ __forceinline__ u64 utf8_width(u8 b) { return b < 0xC0 ? 1 : (b < 0xE0 ? 2 : (b < 0xF0 ? 3 : 4)); }
+
+// Characters of `s`: the bytes that are no continuation byte (character_length of UTF-8).
+__device__ __forceinline__ i64 str_chars(Str s) {
+    i64 count = 0;
+    for (u64 k = 0; k < s.n; ++k) count += (s.p[k] & 0xC0) != 0x80;
+    return count;
+}
+
+// SQL LIKE over a pattern the host compiled (src/fusion/translate/strings.rs): literal bytes,
+// LIKE_ANY for `%` (any characters), LIKE_ONE for `_` (one character); 0xFF and 0xFE are no
+// bytes of UTF-8. The classic wildcard match: on a mismatch, the last `%` takes one more
+// character and matching resumes after it (a `%` earlier never needs to take more).
+#define LIKE_ANY 0xFF
+#define LIKE_ONE 0xFE
+__device__ __forceinline__ bool str_like(Str s, const u8 *pat, u64 m) {
+    u64 i = 0, j = 0, star_j = ~0ull, star_i = 0;
+    while (i < s.n) {
+        if (j < m && pat[j] == LIKE_ANY) {
+            star_j = j++;
+            star_i = i;
+        } else if (j < m && pat[j] == LIKE_ONE) {
+            i += utf8_width(s.p[i]);
+            ++j;
+        } else if (j < m && pat[j] == s.p[i]) {
+            ++i;
+            ++j;
+        } else if (star_j != ~0ull) {
+            star_i += utf8_width(s.p[star_i]);
+            i = star_i;
+            j = star_j + 1;
+        } else {
+            return false;
+        }
+    }
+    while (j < m && pat[j] == LIKE_ANY) ++j;
+    return i == s.n && j == m;
+}

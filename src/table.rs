@@ -122,7 +122,7 @@ impl TableData {
                 rows: self.rows,
                 nullable: column.nullable,
             }),
-            prefix: false,
+            image: Default::default(),
         }
     }
 }
@@ -201,18 +201,33 @@ impl GpuTable {
     /// Uploads the named columns (the ones top-k queries filter and rank by) to the device's
     /// column cache and pins them there, so that the first query is as fast as the next (a
     /// string or binary column as the first 16 bytes of each value, what a string sort key's
-    /// selection reads). Returns the device bytes they take. Without a GPU, an error says so.
+    /// selection reads, and a string column also as its bytes, what string predicates read).
+    /// Returns the device bytes they take. Without a GPU, an error says so.
     pub fn load(&self, columns: &[&str]) -> Result<usize> {
         let device = crate::device::gpu()
             .ok_or_else(|| DataFusionError::Execution("GpuTable::load: no GPU".into()))?;
         let mut bytes = 0;
         for name in columns {
             let index = self.data.schema.index_of(name)?;
+            use crate::select::table::{Image, TableInput};
             let input = self.data.input(index, name);
-            // A string or binary column is read by its sort keys' prefix words.
-            let prefix = crate::keys::has_prefix_words(self.data.schema.field(index).data_type());
-            let input = crate::select::table::TableInput { prefix, ..input };
-            bytes += crate::select::table::pin_column(&device, &input)?;
+            let data_type = self.data.schema.field(index).data_type();
+            let mut images = Vec::new();
+            if crate::keys::has_prefix_words(data_type) {
+                images.push(Image::Prefix);
+                if crate::fusion::is_device_string(data_type) {
+                    images.push(Image::Strings);
+                }
+            } else {
+                images.push(Image::Values);
+            }
+            for image in images {
+                let input = TableInput {
+                    image,
+                    ..input.clone()
+                };
+                bytes += crate::select::table::pin_column(&device, &input)?;
+            }
         }
         Ok(bytes)
     }

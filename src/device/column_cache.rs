@@ -11,7 +11,8 @@
 //! column is keyed by the table ([`table_key`]); a column of a scan of Parquet files by every
 //! file's identity, modification time included ([`files_key`]), so a rewritten file misses.
 //! A string column a sort key reads is held as its prefix words (16 bytes a row), under the
-//! column's key with a mark of its own ([`prefix_key`]): another entry than the strings'.
+//! column's key with a mark of its own ([`prefix_key`]); one a predicate reads, as its row
+//! ends and bytes ([`strings_key`]).
 //!
 //! The cache is a process resource, one per device, shared by every session. Its budget
 //! bounds the device bytes of all entries: a quarter of the device's memory unless the
@@ -72,6 +73,14 @@ pub(crate) fn prefix_key(mut key: CacheKey) -> CacheKey {
     key
 }
 
+/// The key of the bytes image (row ends and bytes) of the string column whose own key is
+/// `key`, which the string predicates read: another entry than the column's or its prefix
+/// words'.
+pub(crate) fn strings_key(mut key: CacheKey) -> CacheKey {
+    key.push((PREFIX, 8));
+    key
+}
+
 /// Whether `key` names a column by identity (its words are no host addresses).
 fn by_identity(key: &CacheKey) -> bool {
     matches!(key.first(), Some(&(TABLE | FILES, _)))
@@ -104,6 +113,11 @@ impl CacheEntry {
 }
 
 impl CacheEntry {
+    /// Device bytes of the image.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
     /// The device address of each part.
     pub(crate) fn addresses(&self) -> Vec<u64> {
         let base = self.buffer.ptr();

@@ -16,7 +16,7 @@ use datafusion::physical_plan::coop::CooperativeExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 
 use crate::fusion::{self, FusedProgram, KernelInput};
-use crate::select::table::TableInput;
+use crate::select::table::{Image, TableInput};
 use crate::table::{GpuTableExec, TableData};
 
 /// An in-memory input: the table's batches, per partition, and for each of the input's
@@ -123,10 +123,12 @@ pub(crate) fn table_inputs<'a>(
     };
     let mut inputs = Vec::with_capacity(program.inputs.len());
     for input in &program.inputs {
-        let prefix = matches!(input, KernelInput::StringPrefix(_));
+        let image = Image::of(input).map_or(Image::Values, |(_, image)| image);
         let (chunks, lookup, name) = match input {
             KernelInput::HostPredicate => return Ok(None),
-            KernelInput::Column(c) | KernelInput::StringPrefix(c) => {
+            KernelInput::Column(c)
+            | KernelInput::StringPrefix(c)
+            | KernelInput::StringColumn(c) => {
                 let at = column(*c)?;
                 let chunks = batches.iter().map(|b| Arc::clone(b.column(at))).collect();
                 (chunks, None, names.get(*c))
@@ -178,7 +180,7 @@ pub(crate) fn table_inputs<'a>(
             lookup,
             name: name.cloned().unwrap_or_default(),
             identity: None,
-            prefix,
+            image,
         });
     }
     Ok(Some(inputs))
@@ -200,12 +202,12 @@ fn gpu_table_inputs<'a>(
             KernelInput::Column(c) | KernelInput::DictionaryCodes(c) => {
                 Some(table.input(*columns.get(*c)?, name(*c)))
             }
-            KernelInput::StringPrefix(c) => {
+            KernelInput::StringPrefix(c) | KernelInput::StringColumn(c) => {
                 let at = *columns.get(*c)?;
                 // A dictionary column's chunks are its codes: no strings to read.
                 table.columns[at].dictionary.is_none().then_some(())?;
                 Some(TableInput {
-                    prefix: true,
+                    image: Image::of(input)?.1,
                     ..table.input(at, name(*c))
                 })
             }
@@ -219,7 +221,7 @@ fn gpu_table_inputs<'a>(
                     lookup: Some(fusion::dictionary_match(first, values).ok()?),
                     name: name(*c).to_string(),
                     identity: None,
-                    prefix: false,
+                    image: Image::Values,
                 })
             }
         })

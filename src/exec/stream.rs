@@ -188,8 +188,15 @@ impl TopKRun {
                     self.metrics.output_rows.add(batch.num_rows());
                     return Ok(batch);
                 }
-                // A prefix layout's streamed selection is the CPU path's.
-                WholeTable::Stream if !self.spec.layout.exact() => SelectionPlan::CPU,
+                // A prefix layout's streamed selection is the CPU path's, and so is one whose
+                // program reads whole string columns.
+                WholeTable::Stream
+                    if !self.spec.layout.exact()
+                        || (self.spec.fusion.program.as_ref())
+                            .is_some_and(|p| p.reads_strings()) =>
+                {
+                    SelectionPlan::CPU
+                }
                 WholeTable::Stream => plan.on_streamed_input(),
                 WholeTable::Cpu => SelectionPlan::CPU,
             },

@@ -40,6 +40,7 @@ use datafusion::physical_expr::{LexOrdering, PhysicalExpr};
 use crate::device::KeyWidth;
 use crate::keys::KeyLayout;
 pub use translate::KernelInput;
+pub(crate) use translate::is_device_string;
 use translate::{Declined, Emitter, emit_key_field};
 
 /// Name of the generated kernel's entry point.
@@ -128,6 +129,12 @@ impl FusedProgram {
         self.inputs.contains(&KernelInput::HostPredicate)
     }
 
+    /// Whether the program reads string columns whole ([`KernelInput::StringColumn`]), which
+    /// only a selection over the whole table gives it.
+    pub fn reads_strings(&self) -> bool {
+        (self.inputs.iter()).any(|input| matches!(input, KernelInput::StringColumn(_)))
+    }
+
     /// Whether two batches have the same dictionaries in the columns whose entries the
     /// program looks up (the same array, or equal contents): only such batches share a push.
     pub fn same_dictionaries(&self, a: &RecordBatch, b: &RecordBatch) -> bool {
@@ -187,13 +194,19 @@ pub fn dictionary_match(column: &ArrayRef, values: &[String]) -> Result<ArrayRef
 
 /// Decides what runs where and generates the program (see the module documentation).
 /// Expressions are over `schema`; `layout` is the sort keys' layout.
+/// `whole_table`: the input is read as a whole table (in memory or Parquet), so the program
+/// may read string columns whole for the string predicates.
 pub(crate) fn plan(
     filter: Option<&Arc<dyn PhysicalExpr>>,
     sort_exprs: &LexOrdering,
     layout: &KeyLayout,
     schema: &Schema,
+    whole_table: bool,
 ) -> FusionPlan {
-    let mut emitter = Emitter::new(schema);
+    let mut emitter = match whole_table {
+        true => Emitter::with_strings(schema),
+        false => Emitter::new(schema),
+    };
     // The predicate first: its statements come first in the kernel.
     let predicate = filter.map(|f| emitter.emit(f));
     let filter_code = std::mem::take(&mut emitter.code);
@@ -215,6 +228,7 @@ pub(crate) fn plan(
             let kind = KeyWidth::for_total_bits(layout.total_bits());
             let source = kernel_source(
                 &emitter.inputs,
+                &emitter.globals,
                 kind,
                 &emitter.loads,
                 &format!("{filter_code}{host_filter_code}"),
@@ -317,6 +331,7 @@ pub fn host_default_nan() -> (u32, u64) {
 
 fn kernel_source(
     inputs: &[KernelInput],
+    globals: &str,
     kind: KeyWidth,
     loads: &[translate::Load],
     filter_code: &str,
@@ -405,6 +420,9 @@ fn kernel_source(
                 format!("entries of column {column}'s dictionary in {values:?}")
             }
             KernelInput::StringPrefix(c) => format!("first 16 bytes of input column {c}"),
+            KernelInput::StringColumn(c) => {
+                format!("row ends of input column {c}; its bytes' address")
+            }
         };
         let _ = writeln!(
             params,
@@ -424,7 +442,7 @@ typedef {key} Key;
 #define ERROR_AMBIGUOUS_NAN {ambiguous}u
 #define ERROR_HOST_ONLY {host_only}u
 #define FULL_ROWS {rows}
-// The loader compiles with -DFUSED_MIN_BLOCKS=5 unless that spills (device/kernels.rs
+{globals}// The loader compiles with -DFUSED_MIN_BLOCKS=5 unless that spills (device/kernels.rs
 // `compile_generated`).
 #ifndef FUSED_MIN_BLOCKS
 #define FUSED_MIN_BLOCKS 1

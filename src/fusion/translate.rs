@@ -15,9 +15,13 @@
 //! comparisons. A `Decimal128` column is read as the i64 its values fit (a row whose value does
 //! not fit reruns the query on the host): its comparisons with equal decimal types, `IN` lists
 //! and its sort key translate, its arithmetic and casts do not. A plain string or binary column
-//! as a prefix layout's byte key is read as its prefix words (`KernelInput::StringPrefix`). Operations DataFusion fails on for some inputs (integer `/` and `%`, `sqrt`,
-//! signed `abs`, timestamp ± interval, a `CAST` whose value does not fit) are translated with
-//! a guard: a row that would fail sets `host_only`, and the
+//! as a prefix layout's byte key is read as its prefix words (`KernelInput::StringPrefix`).
+//! Over a whole table, predicates on plain string columns read each row's bytes
+//! (`KernelInput::StringColumn`): comparisons with literals, `IN` lists, `LIKE`,
+//! `starts_with`, `ends_with`, `IS [NOT] NULL` and the lengths (`strings`); over a streamed
+//! input they are declined. Operations DataFusion fails on for some inputs (integer `/` and
+//! `%`, `sqrt`, signed `abs`, timestamp ± interval, a `CAST` whose value does not fit) are
+//! translated with a guard: a row that would fail sets `host_only`, and the
 //! query reruns on the host, where DataFusion reports its own error. Anything else is declined
 //! with the reason (e.g. `ln`, whose last bit CUDA's libm does not promise), and the part of
 //! the query it belongs to runs on the host.
@@ -25,7 +29,8 @@
 //! The translation goes by expression family: here the values, the input reads, the dispatch
 //! over node types, columns, literals and the unary nodes; in `arithmetic` the binary
 //! operators and casts; in `membership` the `IN` lists and dictionary string matches; in
-//! `functions` `CASE`, the math functions and timestamp ± interval.
+//! `strings` the predicates on plain string columns; in `functions` `CASE`, the math
+//! functions and timestamp ± interval.
 
 use std::fmt::Write;
 use std::sync::Arc;
@@ -43,6 +48,9 @@ use datafusion::physical_expr::expressions::{
 mod arithmetic;
 mod functions;
 mod membership;
+mod strings;
+
+pub(crate) use strings::is_device_string;
 
 use arithmetic::{exponent_bound, literal_bits};
 
@@ -185,6 +193,10 @@ pub enum KernelInput {
     /// 128-bit value (`keys::prefix_words`): what a prefix layout's byte field reads. The
     /// column cache holds this image, not the strings.
     StringPrefix(usize),
+    /// The bytes of a plain string column, by index, for the string predicates: each row's
+    /// end offset (i64) as the values, the bytes' address as the second parameter
+    /// (fused.cuh `load_str`). Only whole tables have this image (the column cache's).
+    StringColumn(usize),
 }
 
 impl KernelInput {
@@ -206,6 +218,12 @@ pub(crate) struct Emitter<'a> {
     /// predicate's outcome).
     pub loads: Vec<Load>,
     next: usize,
+    /// Whether string columns may be read whole ([`KernelInput::StringColumn`]): the input
+    /// is a whole table.
+    strings: bool,
+    /// Device constants the code refers to (string literals), placed before the kernel.
+    pub globals: String,
+    constants: usize,
 }
 
 /// One per-row input read: `const {ctype} {value} = {read};` and its validity.
@@ -231,6 +249,17 @@ impl<'a> Emitter<'a> {
             code: String::new(),
             loads: Vec::new(),
             next: 0,
+            strings: false,
+            globals: String::new(),
+            constants: 0,
+        }
+    }
+
+    /// An emitter whose programs may read string columns whole (for a whole-table input).
+    pub fn with_strings(schema: &'a Schema) -> Self {
+        Self {
+            strings: true,
+            ..Self::new(schema)
         }
     }
 
@@ -375,6 +404,9 @@ impl<'a> Emitter<'a> {
     }
 
     fn emit_node(&mut self, expr: &Arc<dyn PhysicalExpr>) -> Result<Value, Declined> {
+        if let Some(string) = self.string_node(expr) {
+            return string;
+        }
         let any = expr.as_ref();
         if let Some(column) = any.downcast_ref::<Column>() {
             let field = self

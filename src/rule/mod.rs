@@ -61,6 +61,7 @@ use crate::exec::cannot_fail;
 use crate::exec::{GpuTopKExec, TopKSpec};
 use crate::fusion;
 use crate::keys::{KeyLayout, KeySpec};
+use crate::select::{InputForm, SelectionPlan};
 
 /// See the module documentation.
 #[derive(Debug)]
@@ -296,34 +297,7 @@ fn match_top_k(
 
     let cache_dir = (!config.kernel_cache_dir.is_empty())
         .then(|| std::path::Path::new(config.kernel_cache_dir.as_str()));
-    let fusion = if config.fuse_expressions {
-        fusion::plan(
-            absorbed.filter.as_ref(),
-            &absorbed.sort_exprs,
-            &layout,
-            &input_schema,
-        )
-    } else {
-        fusion::FusionPlan::host(
-            "gpu_topk.fuse_expressions = false",
-            absorbed.filter.is_some(),
-        )
-    };
     let cached = config.column_cache && replays_from_memory(&absorbed.input);
-    let mut estimate = estimate(
-        absorbed.input.as_ref(),
-        &layout,
-        &fusion,
-        absorbed.filter.is_some(),
-    );
-    if cached
-        && let Some(program) = &fusion.program
-        && let Some(resident) = resident_share(&absorbed.input, program)
-    {
-        estimate.resident = resident;
-        estimate.whole_table = true;
-        estimate.decoded = crate::exec::parquet_input(&absorbed.input).is_some();
-    }
     let settings = cost::Settings {
         backend: config.backend,
         algorithm: config.algorithm,
@@ -331,7 +305,54 @@ fn match_top_k(
         recalibrate: config.recalibrate,
         fault: config.inject_fault,
     };
-    let (plan, reason, prediction) = match cost::choose(settings, &layout, k, estimate) {
+    // The fusion plan and the placement; `strings`: the program may read string columns
+    // whole, which only a selection over the whole table can give it.
+    let place = |strings: bool| {
+        let fusion = if config.fuse_expressions {
+            fusion::plan(
+                absorbed.filter.as_ref(),
+                &absorbed.sort_exprs,
+                &layout,
+                &input_schema,
+                strings,
+            )
+        } else {
+            fusion::FusionPlan::host(
+                "gpu_topk.fuse_expressions = false",
+                absorbed.filter.is_some(),
+            )
+        };
+        let mut estimate = estimate(
+            absorbed.input.as_ref(),
+            &layout,
+            &fusion,
+            absorbed.filter.is_some(),
+        );
+        if cached
+            && let Some(program) = &fusion.program
+            && let Some(resident) = resident_share(&absorbed.input, program)
+        {
+            estimate.resident = resident;
+            estimate.whole_table = true;
+            estimate.decoded = crate::exec::parquet_input(&absorbed.input).is_some();
+        }
+        (fusion, cost::choose(settings, &layout, k, estimate))
+    };
+    let (mut fusion, mut placement) = place(cached);
+    let streamed = matches!(
+        &placement,
+        Placement::Run {
+            plan: SelectionPlan::Cuda {
+                input: InputForm::Streamed,
+                ..
+            },
+            ..
+        }
+    );
+    if streamed && fusion.program.as_ref().is_some_and(|p| p.reads_strings()) {
+        (fusion, placement) = place(false);
+    }
+    let (plan, reason, prediction) = match placement {
         Placement::Run {
             plan,
             reason,
@@ -374,15 +395,13 @@ fn resident_share(input: &Arc<dyn ExecutionPlan>, program: &fusion::FusedProgram
     if let Some(files) = crate::exec::parquet_input(input) {
         let columns = (program.inputs.iter())
             .map(|program_input| match program_input {
-                fusion::KernelInput::Column(c) if *c < files.columns.len() => {
-                    let width = files.data_type(*c).ok()?.primitive_width().unwrap_or(1);
-                    Some((width, files.key(*c)))
+                fusion::KernelInput::DictionaryCodes(_) => None,
+                input => {
+                    let (c, image) =
+                        table::Image::of(input).filter(|(c, _)| *c < files.columns.len())?;
+                    let width = image.row_bytes(&files.data_type(c).ok()?).unwrap_or(1);
+                    Some((width, image.key(files.key(c))))
                 }
-                fusion::KernelInput::StringPrefix(c) if *c < files.columns.len() => Some((
-                    table::PREFIX_BYTES,
-                    crate::device::column_cache::prefix_key(files.key(*c)),
-                )),
-                _ => None,
             })
             .collect::<Option<Vec<_>>>()?;
         return Some(table::resident_share_of(&device, columns));
@@ -563,10 +582,14 @@ impl Absorbed {
     }
 }
 
+/// Device bytes assumed for a row of a string column read whole: its end offset and a
+/// string of average length.
+const ASSUMED_STRING_ROW_BYTES: usize = 8 + 32;
+
 /// What the cost model is told of the input: its rows (from the statistics, when they say),
 /// the bytes per row the operator moves to the device (the key columns' width, plus 8 for the
-/// filter's columns), and whether a generated program still has to be compiled (it is neither
-/// loaded nor in the disk cache).
+/// filter's columns and the bytes of each string column read whole), and whether a generated
+/// program still has to be compiled (it is neither loaded nor in the disk cache).
 fn estimate(
     input: &dyn ExecutionPlan,
     layout: &KeyLayout,
@@ -582,9 +605,16 @@ fn estimate(
         .program
         .as_ref()
         .is_some_and(|p| crate::device::gpu().is_none_or(|d| !d.has_generated_kernel(&p.source)));
+    // A string column the program reads whole ships its row ends and bytes.
+    let strings = (fusion.program.iter())
+        .flat_map(|p| p.inputs.iter())
+        .filter(|input| matches!(input, fusion::KernelInput::StringColumn(_)))
+        .count();
     cost::Estimate {
         rows,
-        bytes_per_row: (layout.total_bits() as usize).div_ceil(8) + if filtered { 8 } else { 0 },
+        bytes_per_row: (layout.total_bits() as usize).div_ceil(8)
+            + if filtered { 8 } else { 0 }
+            + strings * ASSUMED_STRING_ROW_BYTES,
         compile,
         resident: 0.0,
         whole_table: false,

@@ -27,7 +27,9 @@ use datafusion::error::Result;
 
 use super::SelectionSpec;
 use super::cuda::{ColumnBuffers, exec_error, gpu_error, program_error};
-use crate::device::column_cache::{CacheKey, CacheUse, ColumnCache, Loading, NewEntry, prefix_key};
+use crate::device::column_cache::{
+    CacheKey, CacheUse, ColumnCache, Loading, NewEntry, prefix_key, strings_key,
+};
 use crate::device::watch::{self, DeviceWatch};
 use crate::device::{
     DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_ROWS, FusedReport, GeneratedKernel, GpuDevice,
@@ -71,6 +73,10 @@ impl ResidentColumns {
                     );
                     Ok(Arc::new(prefix) as ArrayRef)
                 }
+                KernelInput::StringColumn(_) => Err(exec_error(
+                    "device-resident columns of strings are read through the column cache"
+                        .to_string(),
+                )),
                 KernelInput::HostPredicate => Err(exec_error(
                     "a device-resident top-k needs the predicate on the GPU; this program \
                      leaves it to the host"
@@ -219,10 +225,52 @@ pub struct TableInput<'a> {
     /// What the chunks are, where the cache knows them by that instead of by their buffers
     /// (a column known by identity may come without chunks when the cache holds it).
     pub identity: Option<Identity>,
-    /// The chunks are strings or binary, and the program reads their prefix words
-    /// ([`KernelInput::StringPrefix`]): the device image (and cache entry) is those, 16 bytes
-    /// a row, not the strings.
-    pub prefix: bool,
+    /// Which image of the chunks the program reads (and the cache holds).
+    pub image: Image,
+}
+
+/// The device image of a column that a program input reads, each its own cache entry.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Image {
+    /// The column's values (and validity), as its Arrow buffers hold them.
+    #[default]
+    Values,
+    /// A string or binary column's prefix words, 16 bytes a row
+    /// ([`KernelInput::StringPrefix`]), not the strings.
+    Prefix,
+    /// A string column's row ends (i64) and bytes ([`KernelInput::StringColumn`]).
+    Strings,
+}
+
+impl Image {
+    /// The image a program input reads; `None` for inputs that are no column.
+    pub fn of(input: &KernelInput) -> Option<(usize, Self)> {
+        match input {
+            KernelInput::Column(c) | KernelInput::DictionaryCodes(c) => Some((*c, Image::Values)),
+            KernelInput::StringPrefix(c) => Some((*c, Image::Prefix)),
+            KernelInput::StringColumn(c) => Some((*c, Image::Strings)),
+            KernelInput::HostPredicate | KernelInput::DictionaryMatch { .. } => None,
+        }
+    }
+
+    /// The cache key of this image of the column whose key is `key`.
+    pub fn key(self, key: CacheKey) -> CacheKey {
+        match self {
+            Image::Values => key,
+            Image::Prefix => prefix_key(key),
+            Image::Strings => strings_key(key),
+        }
+    }
+
+    /// Device bytes a row of the image takes besides a string column's bytes (`None`:
+    /// bit-packed booleans) for a column of `data_type`.
+    pub fn row_bytes(self, data_type: &DataType) -> Option<usize> {
+        match self {
+            Image::Values => data_type.primitive_width(),
+            Image::Prefix => Some(PREFIX_BYTES),
+            Image::Strings => Some(STRING_END_BYTES),
+        }
+    }
 }
 
 /// A column the cache knows by what it is rather than by its buffers (a `GpuTable`'s column,
@@ -270,6 +318,9 @@ struct TableColumn<'i, 'a> {
     rows: usize,
     /// Whether any chunk holds NULLs (the image then has a validity bitmap).
     nullable: bool,
+    /// A strings image's bytes (0 where the chunks are not given), counted where needed: a
+    /// hit does not (over views, counting reads every row's view).
+    data_bytes: std::cell::OnceCell<usize>,
 }
 
 impl<'i, 'a> TableColumn<'i, 'a> {
@@ -280,28 +331,32 @@ impl<'i, 'a> TableColumn<'i, 'a> {
             (None, None) => DataType::Null,
         };
         let width = match &data_type {
-            t if input.prefix => {
+            t if input.image == Image::Prefix => {
                 if !crate::keys::has_prefix_words(t) {
                     return Err(exec_error(format!("no prefix words of {t} columns")));
                 }
                 Some(PREFIX_BYTES)
+            }
+            t if input.image == Image::Strings => {
+                if !crate::fusion::is_device_string(t) {
+                    return Err(exec_error(format!("no string image of {t} columns")));
+                }
+                Some(STRING_END_BYTES)
             }
             DataType::Boolean => None,
             t => Some(t.primitive_width().ok_or_else(|| {
                 exec_error(format!("the generated program cannot read {t} columns"))
             })?),
         };
-        let image_key = |key: CacheKey| match input.prefix {
-            true => prefix_key(key),
-            false => key,
-        };
+        let data_bytes = std::cell::OnceCell::new();
         if let Some(known) = &input.identity {
             return Ok(Self {
                 input,
                 width,
-                key: image_key(known.key.clone()),
+                key: input.image.key(known.key.clone()),
                 rows: known.rows,
                 nullable: known.nullable,
+                data_bytes,
             });
         }
         // Per chunk: its values' address and extent, and its validity's (0: no NULLs). The
@@ -320,7 +375,7 @@ impl<'i, 'a> TableColumn<'i, 'a> {
             let validity = chunk.nulls().filter(|v| v.null_count() > 0);
             nullable |= validity.is_some();
             rows += n;
-            if input.prefix {
+            if input.image != Image::Values {
                 // The strings' every buffer (offsets or views, and the bytes), and where the
                 // array starts in them.
                 let data = chunk.to_data();
@@ -335,7 +390,7 @@ impl<'i, 'a> TableColumn<'i, 'a> {
                 );
             }
             key.push(match width {
-                _ if input.prefix => (0, 0),
+                _ if input.image != Image::Values => (0, 0),
                 Some(_) => {
                     let values = primitive_values(chunk).ok_or_else(mismatch)?;
                     (values.as_ptr() as usize, values.len())
@@ -356,28 +411,54 @@ impl<'i, 'a> TableColumn<'i, 'a> {
         Ok(Self {
             input,
             width,
-            key: image_key(key),
+            key: input.image.key(key),
             rows,
             nullable,
+            data_bytes,
         })
     }
 
-    fn values_bytes(&self) -> usize {
+    /// Bytes of the per-row values, a strings image's bytes not included.
+    fn row_bytes(&self) -> usize {
         match self.width {
             Some(width) => self.rows * width,
             None => self.rows.div_ceil(8),
         }
     }
 
+    /// A strings image's bytes (0 for other images).
+    fn data_bytes(&self) -> usize {
+        *self.data_bytes.get_or_init(|| match self.input.image {
+            Image::Strings => (self.input.chunks.iter())
+                .map(|c| string_data_len(c.as_ref()))
+                .sum(),
+            _ => 0,
+        })
+    }
+
+    /// Bytes of the per-row values, a strings image's bytes included.
+    fn values_bytes(&self) -> usize {
+        self.row_bytes() + self.data_bytes()
+    }
+
     /// Device bytes of the image and where its parts start: the values, then the validity
-    /// bitmap at an aligned offset.
+    /// bitmap at an aligned offset; a strings image's values are its row ends, and its
+    /// bytes come last, at an aligned offset.
     fn layout(&self) -> (usize, Vec<usize>) {
-        let values = self.values_bytes().div_ceil(TABLE_ALIGN) * TABLE_ALIGN;
+        let align = |bytes: usize| bytes.div_ceil(TABLE_ALIGN) * TABLE_ALIGN;
+        let values = align(self.row_bytes());
+        let mut offsets = vec![0];
+        let mut end = values;
         if self.nullable {
-            (values + self.rows.div_ceil(8), vec![0, values])
-        } else {
-            (values.max(TABLE_ALIGN), vec![0])
+            offsets.push(values);
+            end = values + self.rows.div_ceil(8);
         }
+        if self.input.image == Image::Strings {
+            let at = align(end);
+            offsets.push(at);
+            end = at + self.data_bytes();
+        }
+        (end.max(TABLE_ALIGN), offsets)
     }
 
     /// The host buffers the key's addresses belong to (none for a table known by identity).
@@ -389,7 +470,9 @@ impl<'i, 'a> TableColumn<'i, 'a> {
         for chunk in self.input.chunks.iter() {
             let chunk = chunk.as_ref();
             match self.width {
-                _ if self.input.prefix => owners.extend(chunk.to_data().buffers().iter().cloned()),
+                _ if self.input.image != Image::Values => {
+                    owners.extend(chunk.to_data().buffers().iter().cloned())
+                }
                 Some(_) => owners.extend(primitive_values(chunk).cloned()),
                 None => owners.extend(chunk.as_boolean_opt().map(|b| b.values().inner().clone())),
             }
@@ -413,7 +496,48 @@ impl<'i, 'a> TableColumn<'i, 'a> {
         let mut bitmaps = Vec::new();
         let mut parts: Vec<(usize, &[u8])> = Vec::with_capacity(self.input.chunks.len() + 1);
         match self.width {
-            _ if self.input.prefix => {
+            _ if self.input.image == Image::Strings => {
+                // A window of chunks at a time: their row ends (counted from the bytes before
+                // them) in one upload, their bytes in another.
+                let (mut row, mut byte) = (0usize, 0usize);
+                for window in prefix_windows(&self.input.chunks) {
+                    let mut ends = Vec::with_capacity(window.iter().map(|c| c.len()).sum());
+                    let mut data = Vec::with_capacity(window.len());
+                    let mut window_bytes = 0;
+                    for chunk in window {
+                        let base = (byte + window_bytes) as i64;
+                        ends.extend(string_ends(chunk.as_ref(), base)?);
+                        let bytes =
+                            string_bytes(chunk.as_ref()).map_err(|e| GpuError(e.to_string()))?;
+                        window_bytes += bytes.len();
+                        data.push(bytes);
+                    }
+                    let ends = Buffer::from_vec(ends);
+                    let at = dst + (row * STRING_END_BYTES) as u64;
+                    engine.upload_image(&[(0, ends.as_slice())], ends.len(), at)?;
+                    let parts: Vec<(usize, &[u8])> = (data.iter())
+                        .scan(0, |at, bytes| {
+                            let part = (*at, bytes.as_ref());
+                            *at += bytes.len();
+                            Some(part)
+                        })
+                        .collect();
+                    let at = offsets[offsets.len() - 1] + byte;
+                    engine.upload_image(&parts, window_bytes, dst + at as u64)?;
+                    row += ends.len() / STRING_END_BYTES;
+                    byte += window_bytes;
+                }
+                if self.nullable {
+                    let validity = bitmap(&|chunk, b| match chunk.nulls() {
+                        Some(validity) => b.append_buffer(validity.inner()),
+                        None => b.append_n(chunk.len(), true),
+                    });
+                    let bits = validity.values();
+                    engine.upload_image(&[(0, bits)], bits.len(), dst + offsets[1] as u64)?;
+                }
+                return Ok(());
+            }
+            _ if self.input.image == Image::Prefix => {
                 // Derived by the host's cores a window of chunks at a time, each window
                 // shipped before the next is derived.
                 let mut at = 0;
@@ -466,8 +590,16 @@ impl<'i, 'a> TableColumn<'i, 'a> {
     }
 
     /// The kernel's four arguments for the image at `addresses` (values, then the validity
-    /// bitmap where the image has one).
-    fn args(addresses: &[u64]) -> [u64; 4] {
+    /// bitmap where the image has one; a strings image's bytes last, passed second).
+    fn args(&self, addresses: &[u64]) -> [u64; 4] {
+        if self.input.image == Image::Strings {
+            let validity = if addresses.len() == 3 {
+                addresses[1]
+            } else {
+                0
+            };
+            return [addresses[0], addresses[addresses.len() - 1], validity, 0];
+        }
         [addresses[0], 0, addresses.get(1).copied().unwrap_or(0), 0]
     }
 }
@@ -476,7 +608,7 @@ impl<'i, 'a> TableColumn<'i, 'a> {
 pub fn resident_share(device: &GpuDevice, inputs: &[TableInput<'_>]) -> f64 {
     let columns = (inputs.iter().filter(|i| i.lookup.is_none()))
         .filter_map(|input| TableColumn::new(input).ok())
-        .map(|column| (column.values_bytes(), column.key));
+        .map(|column| (column.row_bytes(), column.key));
     resident_share_of(device, columns)
 }
 
@@ -568,7 +700,98 @@ const TABLE_ALIGN: usize = 256;
 /// Bytes a row of a string column's prefix words take on the device.
 pub(crate) const PREFIX_BYTES: usize = crate::keys::PREFIX_WORD_BYTES;
 
-/// Rows of string chunks whose prefix words are derived at once (at least one chunk).
+/// Bytes of a row's end offset in a string column's bytes image.
+pub(crate) const STRING_END_BYTES: usize = 8;
+
+/// The bytes of a string chunk's rows, back to back (borrowed where the array holds them so).
+fn string_bytes(chunk: &dyn Array) -> Result<std::borrow::Cow<'_, [u8]>> {
+    use std::borrow::Cow;
+    fn of_offsets<O: datafusion::arrow::array::OffsetSizeTrait>(
+        strings: &datafusion::arrow::array::GenericStringArray<O>,
+    ) -> Cow<'_, [u8]> {
+        let offsets = strings.value_offsets();
+        let (start, end) = (offsets[0].as_usize(), offsets[offsets.len() - 1].as_usize());
+        Cow::Borrowed(&strings.value_data()[start..end])
+    }
+    if let Some(strings) = chunk.as_string_opt::<i32>() {
+        return Ok(of_offsets(strings));
+    }
+    if let Some(strings) = chunk.as_string_opt::<i64>() {
+        return Ok(of_offsets(strings));
+    }
+    if let Some(views) = chunk.as_string_view_opt() {
+        // A NULL row's view need not be an empty string's: it takes no bytes.
+        let mut bytes = Vec::with_capacity(string_data_len(chunk));
+        for i in (0..views.len()).filter(|&i| views.is_valid(i)) {
+            bytes.extend_from_slice(views.value(i).as_bytes());
+        }
+        return Ok(Cow::Owned(bytes));
+    }
+    Err(exec_error(format!(
+        "no string image of {} columns",
+        chunk.data_type()
+    )))
+}
+
+/// Bytes of a string chunk's rows (what [`string_bytes`] gives), without copying them.
+fn string_data_len(chunk: &dyn Array) -> usize {
+    fn of_offsets<O: datafusion::arrow::array::OffsetSizeTrait>(
+        strings: &datafusion::arrow::array::GenericStringArray<O>,
+    ) -> usize {
+        let offsets = strings.value_offsets();
+        offsets[offsets.len() - 1].as_usize() - offsets[0].as_usize()
+    }
+    if let Some(strings) = chunk.as_string_opt::<i32>() {
+        of_offsets(strings)
+    } else if let Some(strings) = chunk.as_string_opt::<i64>() {
+        of_offsets(strings)
+    } else if let Some(views) = chunk.as_string_view_opt() {
+        (0..views.len())
+            .filter(|&i| views.is_valid(i))
+            .map(|i| views.views()[i] as u32 as usize)
+            .sum()
+    } else {
+        0
+    }
+}
+
+/// A string chunk's row ends, each from `base` (the bytes of the rows before the chunk).
+fn string_ends(chunk: &dyn Array, base: i64) -> GpuResult<Vec<i64>> {
+    fn of_offsets<O: datafusion::arrow::array::OffsetSizeTrait>(
+        strings: &datafusion::arrow::array::GenericStringArray<O>,
+        base: i64,
+    ) -> Vec<i64> {
+        let offsets = strings.value_offsets();
+        let start = offsets[0].as_usize() as i64;
+        (offsets[1..].iter())
+            .map(|o| base + o.as_usize() as i64 - start)
+            .collect()
+    }
+    if let Some(strings) = chunk.as_string_opt::<i32>() {
+        return Ok(of_offsets(strings, base));
+    }
+    if let Some(strings) = chunk.as_string_opt::<i64>() {
+        return Ok(of_offsets(strings, base));
+    }
+    if let Some(views) = chunk.as_string_view_opt() {
+        let mut end = base;
+        return Ok((views.views().iter().enumerate())
+            .map(|(i, view)| {
+                if views.is_valid(i) {
+                    end += (*view as u32) as i64;
+                }
+                end
+            })
+            .collect());
+    }
+    Err(GpuError(format!(
+        "no string image of {} columns",
+        chunk.data_type()
+    )))
+}
+
+/// Rows of string chunks whose prefix words (or row ends) are derived at once (at least one
+/// chunk).
 const PREFIX_WINDOW_ROWS: usize = 1 << 23;
 
 /// `chunks` in consecutive windows of about [`PREFIX_WINDOW_ROWS`] rows.
@@ -789,10 +1012,16 @@ fn select_table(
             .unwrap_or_else(|panic| Err(GpuError(format!("the CUDA bindings panicked: {panic}"))))
             .map_err(gpu_error)?;
     let (positions, tied, report, compile_time, uploaded) = result;
+    let hit_bytes: Vec<usize> = (lookups.iter())
+        .map(|hit| hit.as_ref().map_or(0, |h| h.entry().bytes()))
+        .collect();
     drop(lookups);
     let mut transfers = (0, 0, 0, 0);
-    for (column, buffer) in columns.iter().zip(uploaded) {
-        let bytes = column.values_bytes();
+    for ((column, buffer), hit_bytes) in columns.iter().zip(uploaded).zip(hit_bytes) {
+        let bytes = match buffer {
+            None => hit_bytes,
+            Some(_) => column.values_bytes(),
+        };
         match buffer {
             None => {
                 transfers.0 += 1;
@@ -858,7 +1087,7 @@ fn run_table(
     for (column, lookup) in columns.iter().zip(lookups) {
         match lookup {
             Some(hit) => {
-                column_args.push(TableColumn::args(&hit.entry().addresses()));
+                column_args.push(column.args(&hit.entry().addresses()));
                 uploaded.push(None);
             }
             None if column.input.chunks.is_empty() => {
@@ -875,7 +1104,7 @@ fn run_table(
                 column.upload(&mut engine, buffer.ptr(), &offsets)?;
                 let addresses: Vec<u64> =
                     offsets.iter().map(|&o| buffer.ptr() + o as u64).collect();
-                column_args.push(TableColumn::args(&addresses));
+                column_args.push(column.args(&addresses));
                 uploaded.push(Some((buffer, offsets)));
             }
         }

@@ -564,6 +564,27 @@ fn cases() -> Vec<Case> {
             "ds, s DESC NULLS FIRST",
             "LIMIT 25",
         ),
+        // String predicates (each row's bytes on the device over whole tables)
+        (
+            "SELECT rid, s, sv",
+            "WHERE sv LIKE '%b_~%' OR s NOT LIKE 'é%' OR length(sv) > 26",
+            "g DESC, rid",
+            "LIMIT 40",
+        ),
+        (
+            "SELECT rid, sv",
+            "WHERE s IN ('a', 'ab', NULL) OR sv >= 'https://example.com/a/b/c' \
+             OR starts_with(sv, '日本')",
+            "i32, rid DESC",
+            "LIMIT 30",
+        ),
+        (
+            "SELECT rid, s",
+            "WHERE s <> '' AND octet_length(s) < 4 AND sv NOT IN ('a', 'ab') \
+             AND ends_with(s, 'b')",
+            "f64 DESC, rid",
+            "LIMIT 25",
+        ),
         ("SELECT rid", "WHERE g > 1", "concat(s, sv), i8", "LIMIT 25"),
         (
             "SELECT rid",

@@ -197,9 +197,44 @@ async fn each_part_runs_where_it_translates_and_every_program_compiles() {
             "gpu",
         ),
         ("", "ts_s + INTERVAL '1 millisecond'", "-", "host"),
-        ("WHERE s LIKE 'a%'", "g DESC", "host", "gpu"),
         ("WHERE ds LIKE 'e%'", "g", "host", "gpu"),
-        ("WHERE s = 'a' OR s = 'b'", "i64", "host", "gpu"),
+        // string predicates over a whole table: each row's bytes
+        ("WHERE s LIKE 'a%'", "g DESC", "gpu", "gpu"),
+        ("WHERE s = 'a' OR s = 'b'", "i64", "gpu", "gpu"),
+        (
+            "WHERE sv LIKE '%b_c%' OR s NOT LIKE '%x' OR sv LIKE 'a\\%%'",
+            "g",
+            "gpu",
+            "gpu",
+        ),
+        (
+            "WHERE s IN ('a', NULL, 'ab') AND sv NOT IN ('', 'é')",
+            "g",
+            "gpu",
+            "gpu",
+        ),
+        (
+            "WHERE s >= 'b' AND 'c' > sv AND s <> 'bb'",
+            "g",
+            "gpu",
+            "gpu",
+        ),
+        (
+            "WHERE length(s) > 2 OR octet_length(sv) < 3 OR char_length(sv) = 1",
+            "g",
+            "gpu",
+            "gpu",
+        ),
+        (
+            "WHERE starts_with(s, 'ab') OR ends_with(sv, 'z') OR s IS NULL",
+            "s DESC",
+            "gpu",
+            "gpu",
+        ),
+        ("WHERE sv IS NOT NULL AND sv LIKE 'a%'", "sv", "gpu", "gpu"),
+        ("WHERE s ILIKE 'a%'", "g", "host", "gpu"),
+        ("WHERE upper(s) = 'A'", "g", "host", "gpu"),
+        ("WHERE s = sv", "g", "host", "gpu"),
         ("", "abs(i16) DESC, g", "-", "gpu"),
         ("", "sqrt(f64), sqrt(f32) DESC", "-", "gpu"),
         ("WHERE i32 / g > 1 OR i8 % i8 = 0", "i64 / g", "gpu", "gpu"),
@@ -372,4 +407,45 @@ fn the_generated_nan_is_the_hosts() {
     let zero = std::hint::black_box(0.0f64);
     assert_eq!(f64_nan, (zero / zero).to_bits());
     assert!(f32::from_bits(f32_nan).is_nan() && f64::from_bits(f64_nan).is_nan());
+}
+
+/// A string predicate reads each row's bytes from the column cache, so it runs on the device
+/// over whole tables only: over a streamed input (an aggregate below, or with the session's
+/// column cache off) it stays on the host, with the reason.
+#[tokio::test]
+async fn string_predicates_run_on_the_device_over_whole_tables_only() {
+    let sql = "SELECT rid FROM t WHERE s LIKE '%ab%' ORDER BY g LIMIT 10";
+    let grouped = "SELECT g, max(s) AS m FROM t GROUP BY g HAVING max(s) LIKE '%ab%' \
+                   ORDER BY g DESC LIMIT 10";
+    let uncached = {
+        let state = SessionStateBuilder::new()
+            .with_config(SessionConfig::new().with_target_partitions(2))
+            .with_default_features()
+            .with_gpu_topk(
+                GpuTopKConfig::default()
+                    .with_backend(Backend::Cpu)
+                    .with_column_cache(false),
+            )
+            .build();
+        SessionContext::new_with_state(state)
+    };
+    let ctx = planning_session();
+    for ctx in [&ctx, &uncached] {
+        register(ctx, "t", table(7, &[&[10]]));
+    }
+    for (ctx, sql, want) in [
+        (&ctx, sql, "gpu"),
+        (&ctx, grouped, "host"),
+        (&uncached, sql, "host"),
+    ] {
+        let plan = physical_plan(ctx, sql).await.unwrap();
+        let exec = find_exec(&plan).unwrap_or_else(|| panic!("{sql}: no GpuTopKExec"));
+        let fusion = &exec.spec().fusion;
+        let filter = fusion.filter.as_ref().expect("a filter");
+        assert_eq!(filter.to_string(), want, "{sql}");
+        if let Part::Host(why) = filter {
+            assert!(why.contains("whole tables only"), "{sql}: {why}");
+        }
+        assert_eq!(fusion.keys, Part::Gpu, "{sql}");
+    }
 }

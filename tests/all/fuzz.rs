@@ -344,8 +344,8 @@ fn random_program(rng: &mut Rng) -> (Vec<String>, Option<String>) {
         }
     }
     let filter = match rng.below(10) {
-        0..=3 => None,
-        4 => Some(
+        0..=2 => None,
+        3 => Some(
             [
                 "s = 'ab'",
                 "s < 'b'",
@@ -357,9 +357,85 @@ fn random_program(rng: &mut Rng) -> (Vec<String>, Option<String>) {
             ][rng.below(7) as usize]
                 .to_string(),
         ),
+        4 => Some(string_predicate(rng, 2)),
         _ => Some(generator.pred(rng.below(4) as u32)),
     };
     (keys, filter)
+}
+
+/// A predicate on the plain string columns (`s`, `sv`) of the kinds the device evaluates on
+/// each row's bytes: comparisons with literals, `[NOT] LIKE` (wildcards and escapes), `IN`
+/// lists, `starts_with` / `ends_with`, lengths, `IS [NOT] NULL`, and their `AND` / `OR`.
+fn string_predicate(rng: &mut Rng, depth: u32) -> String {
+    const PIECES: [&str; 9] = [
+        "",
+        "a",
+        "ab",
+        "b",
+        "é",
+        "日本",
+        "https://example.com/a/b/",
+        "ÿ",
+        "~",
+    ];
+    const OPS: [&str; 6] = ["=", "<>", "<", "<=", ">", ">="];
+    let column = ["s", "sv"][rng.below(2) as usize];
+    let piece = |rng: &mut Rng| PIECES[rng.below(PIECES.len() as u64) as usize].to_string();
+    let literal = |rng: &mut Rng| {
+        let mut text = piece(rng);
+        if rng.chance(0.3) {
+            text.push_str(&piece(rng));
+        }
+        text
+    };
+    let op = |rng: &mut Rng| OPS[rng.below(OPS.len() as u64) as usize];
+    match rng.below(if depth > 0 { 8 } else { 7 }) {
+        0 => format!("{column} {} '{}'", op(rng), literal(rng)),
+        1 => format!("'{}' {} {column}", literal(rng), op(rng)),
+        2 => {
+            let mut pattern = String::new();
+            for _ in 0..1 + rng.below(4) {
+                match rng.below(7) {
+                    0 | 1 => pattern.push('%'),
+                    2 => pattern.push('_'),
+                    3 => pattern.push_str(["\\%", "\\_", "\\\\", "\\a"][rng.below(4) as usize]),
+                    _ => pattern.push_str(&literal(rng)),
+                }
+            }
+            let not = if rng.chance(0.3) { "NOT " } else { "" };
+            format!("{column} {not}LIKE '{pattern}'")
+        }
+        3 => {
+            let items: Vec<String> = (0..1 + rng.below(3))
+                .map(|_| match rng.chance(0.15) {
+                    true => "NULL".to_string(),
+                    false => format!("'{}'", literal(rng)),
+                })
+                .collect();
+            let not = if rng.chance(0.3) { "NOT " } else { "" };
+            format!("{column} {not}IN ({})", items.join(", "))
+        }
+        4 => {
+            let function = ["starts_with", "ends_with"][rng.below(2) as usize];
+            format!("{function}({column}, '{}')", literal(rng))
+        }
+        5 => {
+            let function = ["length", "char_length", "octet_length"][rng.below(3) as usize];
+            format!("{function}({column}) {} {}", op(rng), rng.below(30))
+        }
+        6 => {
+            let not = if rng.chance(0.5) { "NOT " } else { "" };
+            format!("{column} IS {not}NULL")
+        }
+        _ => {
+            let join = ["AND", "OR"][rng.below(2) as usize];
+            format!(
+                "({} {join} {})",
+                string_predicate(rng, depth - 1),
+                string_predicate(rng, depth - 1)
+            )
+        }
+    }
 }
 
 fn random_query(rng: &mut Rng, rows: usize, programs: &Programs) -> Query {

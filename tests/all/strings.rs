@@ -145,8 +145,9 @@ fn metric(plan: &str, name: &str) -> usize {
 
 /// With the CUDA backend forced on a GPU, a string key over a whole table (in memory over
 /// several partitions; Parquet files of several row groups) is selected on the device from its
-/// prefix words, the ties refined on the host: DataFusion's rows, no fallback, and the
-/// repeated query finds the prefix words in the column cache.
+/// prefix words, the ties refined on the host, and string predicates are evaluated on the
+/// device over each row's bytes: DataFusion's rows, no fallback, and the repeated query finds
+/// the prefix words and bytes in the column cache.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn string_keys_select_on_the_device_over_whole_tables() {
     use datafusion_gpu_topk::internal::device::{GpuStatus, gpu_status};
@@ -179,6 +180,24 @@ async fn string_keys_select_on_the_device_over_whole_tables() {
                     "sv DESC",
                     "LIMIT 30",
                 ),
+                // String predicates on each row's bytes, with numeric and string keys.
+                ("WHERE s LIKE '%b%'", "price DESC", "LIMIT 10"),
+                (
+                    "WHERE sv NOT LIKE '%a_é%' AND length(s) > 34",
+                    "id DESC",
+                    "LIMIT 25",
+                ),
+                (
+                    "WHERE s >= 'c' AND sv < 'e' OR starts_with(s, '0') \
+                     OR sv IN ('https://example.com/shared/path/', 'x')",
+                    "s DESC",
+                    "LIMIT 40",
+                ),
+                (
+                    "WHERE ends_with(sv, 'z') OR s IS NULL OR octet_length(s) = 10",
+                    "price, sv",
+                    "LIMIT 15",
+                ),
             ];
             for (filter, order, tail) in cases {
                 for round in 0..2 {
@@ -186,6 +205,9 @@ async fn string_keys_select_on_the_device_over_whole_tables() {
                     let what = format!("{name}, {storage:?}, {filter} ORDER BY {order} {tail}");
                     assert!(plan.contains("backend=cuda"), "{what}: {plan}");
                     assert_eq!(metric(&plan, "gpu_fallbacks"), 0, "{what}: {plan}");
+                    if !filter.is_empty() {
+                        assert!(plan.contains("filter=gpu"), "{what}: {plan}");
+                    }
                     if round == 1 {
                         assert!(metric(&plan, "cache_hits") > 0, "{what}: {plan}");
                         assert_eq!(metric(&plan, "cache_misses"), 0, "{what}: {plan}");

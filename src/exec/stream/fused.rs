@@ -135,9 +135,10 @@ impl Shared {
                             .map(|b| Arc::clone(b.column(*c)))
                             .collect(),
                         KernelInput::HostPredicate => pending.predicates.clone(),
-                        KernelInput::StringPrefix(_) => {
+                        KernelInput::StringPrefix(_) | KernelInput::StringColumn(_) => {
                             return datafusion::common::internal_err!(
-                                "a streamed selection was given a program over string prefixes"
+                                "a streamed selection was given a program over a whole table's \
+                                 string image"
                             );
                         }
                         KernelInput::DictionaryCodes(c) => pending

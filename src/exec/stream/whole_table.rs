@@ -27,11 +27,11 @@ use datafusion::physical_plan::ExecutionPlan;
 
 use super::{TopKRun, check_empty_batch, threshold_predicate};
 use crate::cost::SelectionPlan;
-use crate::device::column_cache::{CacheKey, prefix_key};
+use crate::device::column_cache::CacheKey;
 use crate::exec::{memory_input, parquet_input, table_inputs};
 use crate::fusion::{FusedProgram, KernelInput};
 use crate::select::table::{
-    CacheLoader, Identity, PREFIX_BYTES, TableInput, TableSelection, TableSelector,
+    CacheLoader, Identity, Image, TableInput, TableSelection, TableSelector,
 };
 use crate::select::{self, Selector};
 
@@ -144,15 +144,14 @@ impl TopKRun {
         let Some(files) = parquet_input(&self.input) else {
             return Ok(WholeTable::Stream);
         };
-        // Per-row columns only (plain, or a string's prefix words): a file's dictionaries
-        // differ between row groups.
-        let Some((columns, prefixes)): Option<(Vec<usize>, Vec<bool>)> = (program.inputs.iter())
+        // Per-row columns only (plain, or a string's prefix words or bytes): a file's
+        // dictionaries differ between row groups.
+        let Some((columns, images)): Option<(Vec<usize>, Vec<Image>)> = (program.inputs.iter())
             .map(|input| match input {
-                KernelInput::Column(c) if *c < files.columns.len() => Some((*c, false)),
-                KernelInput::StringPrefix(c) if *c < files.columns.len() => Some((*c, true)),
-                _ => None,
+                KernelInput::DictionaryCodes(_) => None,
+                input => Image::of(input).filter(|(c, _)| *c < files.columns.len()),
             })
-            .collect::<Option<Vec<(usize, bool)>>>()
+            .collect::<Option<Vec<(usize, Image)>>>()
             .map(|v| v.into_iter().unzip())
         else {
             return Ok(WholeTable::Stream);
@@ -177,8 +176,8 @@ impl TopKRun {
                 return Ok(WholeTable::Stream);
             }
         };
-        let keys: Vec<_> = (columns.iter().zip(&prefixes))
-            .map(|(&c, &prefix)| image_key(files.key(c), prefix))
+        let keys: Vec<_> = (columns.iter().zip(&images))
+            .map(|(&c, &image)| image.key(files.key(c)))
             .collect();
         // Held while the selection runs: a column found here stays until it has read it.
         let held = selector.hold(&keys);
@@ -187,10 +186,11 @@ impl TopKRun {
             .map(|(&c, _)| c)
             .collect();
         let mut missing_bytes = 0;
-        for ((data_type, hit), &prefix) in types.iter().zip(&held).zip(&prefixes) {
+        for ((data_type, hit), &image) in types.iter().zip(&held).zip(&images) {
             if hit.is_none() {
-                let width = data_type.primitive_width().filter(|_| !prefix);
-                let width = if prefix { Some(PREFIX_BYTES) } else { width };
+                // A strings image's bytes are not known before they are read: the check
+                // counts its row ends, and the upload reserves the rest.
+                let width = image.row_bytes(data_type);
                 missing_bytes += width.map_or(layout.rows.div_ceil(8), |w| w * layout.rows);
             }
         }
@@ -218,15 +218,15 @@ impl TopKRun {
             return Ok(WholeTable::Stream);
         }
         let schema = self.input.schema();
-        let inputs: Vec<TableInput<'_>> = (columns.iter().zip(&prefixes).zip(types))
-            .map(|((&c, &prefix), data_type)| {
+        let inputs: Vec<TableInput<'_>> = (columns.iter().zip(&images).zip(types))
+            .map(|((&c, &image), data_type)| {
                 let chunks = missing
                     .iter()
                     .position(|&m| m == c)
                     .map(|i| decoded[i].clone())
                     .unwrap_or_default();
                 let key = files.key(c);
-                file_column(key, data_type, layout.rows, chunks, &schema, c, prefix)
+                file_column(key, data_type, layout.rows, chunks, &schema, c, image)
             })
             .collect();
         let selected = self.select(selector, &inputs, layout.rows)?;
@@ -492,18 +492,20 @@ async fn load_inputs(
     let layout = files.layout(&store).await?;
     let schema = input.schema();
     for program_input in &program.inputs {
-        let (c, prefix) = match program_input {
-            KernelInput::Column(c) => (c, false),
-            KernelInput::StringPrefix(c) => (c, true),
-            _ => return Ok(()),
+        let (c, image) = match program_input {
+            KernelInput::DictionaryCodes(_) => return Ok(()),
+            input => match Image::of(input) {
+                Some(found) => found,
+                None => return Ok(()),
+            },
         };
-        let key = files.key(*c);
-        if loader.is_resident(&image_key(key.clone(), prefix)) {
+        let key = files.key(c);
+        if loader.is_resident(&image.key(key.clone())) {
             continue;
         }
-        let chunks = files.read_columns(&store, &layout, &[*c]).await?.remove(0);
-        let data_type = files.data_type(*c)?;
-        let column = file_column(key, data_type, layout.rows, chunks, &schema, *c, prefix);
+        let chunks = files.read_columns(&store, &layout, &[c]).await?.remove(0);
+        let data_type = files.data_type(c)?;
+        let column = file_column(key, data_type, layout.rows, chunks, &schema, c, image);
         if !loader.load(&column)? {
             break;
         }
@@ -511,17 +513,8 @@ async fn load_inputs(
     Ok(())
 }
 
-/// The cache key of a column's device image: the column's own key, or its prefix words'.
-fn image_key(key: CacheKey, prefix: bool) -> CacheKey {
-    match prefix {
-        true => prefix_key(key),
-        false => key,
-    }
-}
-
-/// Column `c` of a Parquet input as a program input known by its key (`prefix`: read as a
-/// string's prefix words): `chunks` are its row groups, decoded (none where the cache holds
-/// it).
+/// Column `c` of a Parquet input as a program input known by its key, read as `image`:
+/// `chunks` are its row groups, decoded (none where the cache holds it).
 fn file_column(
     key: CacheKey,
     data_type: DataType,
@@ -529,7 +522,7 @@ fn file_column(
     chunks: Vec<ArrayRef>,
     schema: &Schema,
     c: usize,
-    prefix: bool,
+    image: Image,
 ) -> TableInput<'static> {
     TableInput {
         identity: Some(Identity {
@@ -541,6 +534,6 @@ fn file_column(
         chunks: Cow::Owned(chunks),
         lookup: None,
         name: schema.field(c).name().clone(),
-        prefix,
+        image,
     }
 }

@@ -150,7 +150,13 @@ impl Emitter<'_> {
 
     /// SQL's `[NOT] IN` from whether the value was found: NULL where `valid` is false (a NULL
     /// value), or where nothing was found and the list holds a NULL.
-    fn in_result(&mut self, found: &str, valid: &str, negated: bool, list_has_null: bool) -> Value {
+    pub(super) fn in_result(
+        &mut self,
+        found: &str,
+        valid: &str,
+        negated: bool,
+        list_has_null: bool,
+    ) -> Value {
         let value = if negated {
             format!("!{found}")
         } else {
