@@ -35,6 +35,7 @@ use std::sync::Arc;
 use datafusion::arrow::array::{Array, ArrayRef, AsArray, BooleanArray, RecordBatch, make_array};
 use datafusion::arrow::datatypes::Schema;
 use datafusion::error::{DataFusionError, Result};
+use datafusion::physical_expr::expressions::{Column, Literal};
 use datafusion::physical_expr::{LexOrdering, PhysicalExpr};
 
 use crate::device::KeyWidth;
@@ -316,6 +317,24 @@ fn translate_keys(
             spec.nullable,
             spec.nulls_first,
         );
+    }
+    // The keys after the composite's are compared on the host for the candidates only, but
+    // DataFusion evaluates them on every row: one that may fail is evaluated here too, for
+    // its guards (a row where it would fail sends the query to the host), its value unused.
+    for (i, sort) in sort_exprs.iter().enumerate().skip(composite) {
+        let expr = &sort.expr;
+        if expr.downcast_ref::<Column>().is_some() || expr.downcast_ref::<Literal>().is_some() {
+            continue;
+        }
+        emitter.emit(expr).map_err(|why| {
+            format!(
+                "sort key {} follows a string key, may fail on rows the device leaves out, \
+                 and has no device translation ({why})",
+                i + 1
+            )
+        })?;
+        let code = std::mem::take(&mut emitter.code);
+        fields.push_str(&code);
     }
     Ok(fields)
 }

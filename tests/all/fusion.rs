@@ -286,9 +286,16 @@ async fn each_part_runs_where_it_translates_and_every_program_compiles() {
         ("WHERE i32 > 0", "abs(i32)", "gpu", "gpu"),
         ("WHERE i32 > 0", "ln(f64)", "gpu", "host"),
         // string keys: a plain column's first bytes (its prefix words); what follows a string
-        // key is compared on the host, untranslated
+        // key is compared on the host, but evaluated on the device for its guards (DataFusion
+        // fails where any row's key fails): an untranslated one keeps the host path
         ("", "s", "-", "gpu"),
-        ("WHERE i32 > 0", "sv DESC NULLS LAST, ln(f64)", "gpu", "gpu"),
+        ("WHERE i32 > 0", "sv DESC NULLS LAST, i32 % g", "gpu", "gpu"),
+        (
+            "WHERE i32 > 0",
+            "sv DESC NULLS LAST, ln(f64)",
+            "gpu",
+            "host",
+        ),
         ("", "g, s DESC", "-", "gpu"),
         ("", "i64, i32, sv", "-", "gpu"),
         ("", "arrow_cast(s, 'LargeBinary') DESC, g", "-", "host"),
