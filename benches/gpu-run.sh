@@ -34,7 +34,7 @@ fi
 
 if [ -z "${SKIP_QUERIES:-}" ]; then
     for backend in cuda cpu; do
-        .b/gpu-topk --rows "$ROWS" --show 100 --backend "$backend" > "$OUT/queries-$backend.log" 2>&1
+        .b/gpu-topk --rows "$ROWS" --backend "$backend" tweets --show 100 > "$OUT/queries-$backend.log" 2>&1
     done
     if diff <(grep '^|' "$OUT/queries-cuda.log") <(grep '^|' "$OUT/queries-cpu.log") > /dev/null; then
         same="identical"

@@ -1,213 +1,125 @@
-//! `gpu-topk`: run top-k queries through the GPU top-k operator.
+//! `gpu-topk`: DataFusion's command line (datafusion-cli's REPL, `-c`, `-f`, print formats,
+//! `\d` commands, `CREATE EXTERNAL TABLE`, object stores) with the GPU top-k operator
+//! installed, and the tweets dataset at hand.
 //!
 //! ```text
-//! gpu-topk                                   the four tweet queries on an in-memory table
-//! gpu-topk query "SQL" [--table NAME=PATH]… [--rows N] [--explain] [--backend B]
-//! gpu-topk gen --rows N --out DIR            write the tweets dataset as Parquet
+//! gpu-topk [OPTIONS]                          a REPL; with -c SQL or -f FILE, runs them and exits
+//! gpu-topk tweets [--rows N] [--show N]       the four tweet queries on an in-memory table
+//! gpu-topk query SQL [--table NAME=PATH]… [--explain]   one statement, with where it ran
+//! gpu-topk gen --rows N --out DIR             write the tweets dataset as Parquet
 //! ```
+//!
+//! The in-memory `tweets` table is generated (`--rows`, default 10M) the first time a
+//! statement names it, not before.
+
+mod shell;
 
 use std::any::Any;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
+use clap::{Args, Parser, Subcommand};
 use datafusion::arrow::array::RecordBatch;
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::error::Result;
-use datafusion::execution::SessionStateBuilder;
 use datafusion::physical_plan::{ExecutionPlan, collect, displayable};
-use datafusion::prelude::{CsvReadOptions, ParquetReadOptions, SessionConfig, SessionContext};
+use datafusion::prelude::{CsvReadOptions, ParquetReadOptions, SessionContext};
 
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
 use datafusion_gpu_topk::internal::cost::SelectionChoice;
 use datafusion_gpu_topk::internal::device::{GpuStatus, gpu_status};
-use datafusion_gpu_topk::{
-    Backend, GpuTopKConfig, GpuTopKExec, GpuTopKRule, SessionStateBuilderExt,
-};
+use datafusion_gpu_topk::{Backend, GpuTopKExec, GpuTopKRule};
 
-const USAGE: &str = "\
-gpu-topk: ORDER BY ... LIMIT k on the GPU, inside Apache DataFusion
-
-USAGE:
-    gpu-topk [--rows N] [--backend auto|cuda|cpu]
-        Run the four tweet queries (Q1-Q4) on an in-memory tweets table and print their
-        results, time, and the backend and algorithm that ran.
-    gpu-topk query \"SQL\" [--table NAME=PATH]... [--rows N] [--explain] [--backend B]
-        Run any SQL. The in-memory `tweets` table is always registered; --table adds a
-        Parquet or CSV file, or a directory of them, under NAME.
-    gpu-topk gen --rows N --out DIR
-        Write the deterministic tweets dataset to DIR as Parquet files.
-
-OPTIONS:
-    --rows N        rows of the in-memory tweets table (default 10000000)
-    --backend B     auto (GPU if present, else DataFusion's TopK), cuda, or cpu (default auto)
-    --explain       print the physical plan instead of running the query
-    --show N        result rows printed per query (default: 10 for Q1-Q4, all for `query`)
-    --cache-bytes N device memory the GPU's column cache may hold, for the process (default: a
-                    quarter of the device's; 0: no cache)
-";
-
+/// Rows of the generated tweets table unless `--rows` says.
 const DEFAULT_ROWS: u64 = 10_000_000;
 
-/// Every option the parser knows.
-const OPTIONS: &[&str] = &[
-    "-h",
-    "--help",
-    "--rows",
-    "--backend",
-    "--out",
-    "--show",
-    "--explain",
-    "--table",
-    "--cache-bytes",
-];
+/// ORDER BY ... LIMIT k on the GPU, inside Apache DataFusion: DataFusion's SQL shell with the
+/// GPU top-k operator installed.
+#[derive(Debug, Parser)]
+#[command(name = "gpu-topk", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    common: Common,
+    #[command(flatten)]
+    shell: shell::ShellArgs,
+}
+
+/// Options of every command.
+#[derive(Debug, Args)]
+struct Common {
+    /// auto (the GPU where the cost model says so, else the CPU path), cuda or cpu
+    #[arg(long, global = true, default_value = "auto", value_parser = parse_backend)]
+    backend: Backend,
+    /// Rows of the in-memory `tweets` table, generated when a statement names it
+    #[arg(long, global = true, value_name = "N")]
+    rows: Option<u64>,
+    /// Device memory the GPU's column cache may hold, for the process (default: a quarter of
+    /// the device's; 0: no cache)
+    #[arg(long, global = true, value_name = "BYTES")]
+    cache_bytes: Option<usize>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the four tweet queries (Q1-Q4) on an in-memory tweets table: each result, its
+    /// time, a second (warm) run's time, and the backend and algorithm that ran
+    Tweets {
+        /// Result rows printed per query
+        #[arg(long, default_value_t = 10, value_name = "N")]
+        show: usize,
+    },
+    /// Run one statement and say where its top-k ran (or why DataFusion's TopK was kept)
+    Query {
+        /// The SQL statement
+        sql: String,
+        /// A Parquet or CSV file, or a directory of them, registered as NAME
+        #[arg(long = "table", value_name = "NAME=PATH", value_parser = parse_table)]
+        tables: Vec<(String, String)>,
+        /// Print the physical plan instead of running the statement
+        #[arg(long)]
+        explain: bool,
+        /// Result rows printed (default: all)
+        #[arg(long, value_name = "N")]
+        show: Option<usize>,
+    },
+    /// Write the deterministic tweets dataset as Parquet files
+    Gen {
+        /// The directory to write
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
+}
+
+fn parse_backend(value: &str) -> std::result::Result<Backend, String> {
+    value.parse().map_err(|_| {
+        format!(
+            "'{value}' is not a backend (expected one of {})",
+            Backend::NAMES.join(", ")
+        )
+    })
+}
+
+fn parse_table(value: &str) -> std::result::Result<(String, String), String> {
+    value
+        .split_once('=')
+        .filter(|(name, path)| !name.is_empty() && !path.is_empty())
+        .map(|(name, path)| (name.to_string(), path.to_string()))
+        .ok_or_else(|| format!("expected NAME=PATH, got '{value}'"))
+}
 
 /// A failure after the arguments parsed: DataFusion's error, or a message of the CLI's own
 /// (printed as is, without a DataFusion category in front).
 type CliResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
-#[derive(Debug)]
-enum Command {
-    Queries,
-    Query {
-        sql: String,
-        tables: Vec<(String, String)>,
-        explain: bool,
-    },
-    Gen {
-        out: String,
-    },
-    Help,
-}
-
-#[derive(Debug)]
-struct Args {
-    command: Command,
-    rows: Option<u64>,
-    backend: Backend,
-    /// Result rows printed per query.
-    show: usize,
-    /// The process's column cache budget, where given.
-    cache_bytes: Option<usize>,
-}
-
-fn parse_args(raw: Vec<String>) -> std::result::Result<Args, String> {
-    let mut it = raw.into_iter().peekable();
-    let mut command = match it.peek().map(String::as_str) {
-        Some("query") => {
-            it.next();
-            // An option right after `query` means the SQL was left out; taking the option as
-            // the SQL would report its value as an unknown option instead.
-            let sql = it
-                .next()
-                .filter(|s| !OPTIONS.contains(&s.as_str()))
-                .ok_or("`query` needs the SQL text")?;
-            Command::Query {
-                sql,
-                tables: vec![],
-                explain: false,
-            }
-        }
-        Some("gen") => {
-            it.next();
-            Command::Gen { out: String::new() }
-        }
-        Some("help" | "-h" | "--help") => Command::Help,
-        Some(other) if !other.starts_with("--") => {
-            return Err(format!("unknown command '{other}' (expected query or gen)"));
-        }
-        _ => Command::Queries,
-    };
-    let (mut rows, mut backend, mut out, mut show) = (None, Backend::Auto, None, None);
-    let mut cache_bytes = None;
-    while let Some(arg) = it.next() {
-        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
-        match arg.as_str() {
-            "-h" | "--help" => command = Command::Help,
-            "--rows" => {
-                let v = value("--rows")?;
-                rows = Some(
-                    v.parse()
-                        .map_err(|_| format!("--rows: '{v}' is not a row count"))?,
-                );
-            }
-            "--backend" => {
-                // Named after the flag: the parser's own message names the SQL setting.
-                let v = value("--backend")?;
-                backend = v.parse().map_err(|_| {
-                    format!(
-                        "--backend: '{v}' is not a backend (expected one of {})",
-                        Backend::NAMES.join(", ")
-                    )
-                })?;
-            }
-            "--out" => out = Some(value("--out")?),
-            "--cache-bytes" => {
-                let v = value("--cache-bytes")?;
-                cache_bytes = Some(
-                    v.parse()
-                        .map_err(|_| format!("--cache-bytes: '{v}' is not a byte count"))?,
-                );
-            }
-            "--show" => {
-                let v = value("--show")?;
-                show = Some(
-                    v.parse()
-                        .map_err(|_| format!("--show: '{v}' is not a row count"))?,
-                );
-            }
-            "--explain" => match &mut command {
-                Command::Query { explain, .. } => *explain = true,
-                _ => return Err("--explain applies to `query`".into()),
-            },
-            "--table" => {
-                let v = value("--table")?;
-                let Some((name, path)) = v
-                    .split_once('=')
-                    .filter(|(n, p)| !n.is_empty() && !p.is_empty())
-                else {
-                    return Err(format!("--table expects NAME=PATH, got '{v}'"));
-                };
-                match &mut command {
-                    Command::Query { tables, .. } => tables.push((name.into(), path.into())),
-                    _ => return Err("--table applies to `query`".into()),
-                }
-            }
-            other => return Err(format!("unknown option '{other}'")),
-        }
-    }
-    if let Command::Gen { out: o } = &mut command {
-        *o = out.ok_or("gen needs --out DIR")?;
-        if rows.is_none() {
-            return Err("gen needs --rows N".into());
-        }
-    } else if out.is_some() {
-        return Err("--out applies to `gen`".into());
-    }
-    let show = show.unwrap_or(match command {
-        Command::Queries => 10,
-        _ => usize::MAX,
-    });
-    Ok(Args {
-        command,
-        rows,
-        backend,
-        show,
-        cache_bytes,
-    })
-}
-
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args = match parse_args(std::env::args().skip(1).collect()) {
-        Ok(args) => args,
-        Err(message) => {
-            eprintln!("error: {message}\n\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
-    match run(args).await {
+    // Argument errors: clap's message and usage, exit code 2.
+    let cli = Cli::parse();
+    match run(cli).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
@@ -216,33 +128,47 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run(args: Args) -> CliResult<()> {
-    let rows = args.rows.unwrap_or(DEFAULT_ROWS);
-    if args.cache_bytes.is_some() {
-        datafusion_gpu_topk::set_column_cache_budget(args.cache_bytes);
+async fn run(cli: Cli) -> CliResult<()> {
+    let Cli {
+        command,
+        common,
+        shell,
+    } = cli;
+    if common.cache_bytes.is_some() {
+        datafusion_gpu_topk::set_column_cache_budget(common.cache_bytes);
     }
-    match args.command {
-        Command::Help => {
-            print!("{USAGE}");
-            Ok(())
-        }
+    let rows = common.rows.unwrap_or(DEFAULT_ROWS);
+    let Some(command) = command else {
+        return shell::run(shell, common.backend, rows).await;
+    };
+    shell.only_for_the_shell()?;
+    match command {
         Command::Gen { out } => {
-            let summary =
-                tweets::write_parquet(&TweetsSpec::new(rows), Path::new(&out), 10_000_000, true)?;
+            let Some(rows) = common.rows else {
+                use clap::CommandFactory;
+                Cli::command()
+                    .error(
+                        clap::error::ErrorKind::MissingRequiredArgument,
+                        "gen needs --rows N",
+                    )
+                    .exit();
+            };
+            let summary = tweets::write_parquet(&TweetsSpec::new(rows), &out, 10_000_000, true)?;
             println!(
-                "wrote {} rows in {} files ({:.1} MiB) to {out}",
+                "wrote {} rows in {} files ({:.1} MiB) to {}",
                 summary.rows,
                 summary.files,
-                summary.bytes as f64 / (1 << 20) as f64
+                summary.bytes as f64 / (1 << 20) as f64,
+                out.display()
             );
             Ok(())
         }
-        Command::Queries => {
-            let ctx = context(rows, args.backend, &[]).await?;
+        Command::Tweets { show } => {
+            let ctx = shell::session(common.backend, rows, false, &shell::Runtime::default())?;
             print_gpu_status();
             for (name, sql) in tweets::QUERIES {
                 println!("\n== {name}: {sql}");
-                run_query(&ctx, sql, false, args.show).await?;
+                run_query(&ctx, sql, false, show).await?;
                 warm_run(&ctx, sql).await?;
             }
             Ok(())
@@ -251,10 +177,27 @@ async fn run(args: Args) -> CliResult<()> {
             sql,
             tables,
             explain,
+            show,
         } => {
-            let ctx = context(rows, args.backend, &tables).await?;
+            // Paths are checked before anything runs.
+            let kinds = tables
+                .iter()
+                .map(|(name, path)| table_kind(name, path))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let ctx = shell::session(common.backend, rows, false, &shell::Runtime::default())?;
+            for ((name, path), kind) in tables.iter().zip(kinds) {
+                // DataFusion's message (a corrupt footer, a short row) does not say which table.
+                let registered = match kind {
+                    TableKind::Csv => ctx.register_csv(name, path, CsvReadOptions::new()).await,
+                    TableKind::Parquet => {
+                        ctx.register_parquet(name, path, ParquetReadOptions::default())
+                            .await
+                    }
+                };
+                registered.map_err(|e| format!("--table {name}={path}: {e}"))?;
+            }
             print_gpu_status();
-            Ok(run_query(&ctx, &sql, explain, args.show).await?)
+            Ok(run_query(&ctx, &sql, explain, show.unwrap_or(usize::MAX)).await?)
         }
     }
 }
@@ -264,50 +207,6 @@ fn print_gpu_status() {
         GpuStatus::Available(device) => println!("GPU: {}", device.describe()),
         GpuStatus::Unavailable(why) => println!("GPU: none ({why})"),
     }
-}
-
-/// A session with the operator and the tables registered.
-async fn context(
-    rows: u64,
-    backend: Backend,
-    tables: &[(String, String)],
-) -> CliResult<SessionContext> {
-    // Paths are checked before the tweets table is generated, which takes seconds at the
-    // default size.
-    let kinds = tables
-        .iter()
-        .map(|(name, path)| table_kind(name, path))
-        .collect::<std::result::Result<Vec<_>, _>>()?;
-    let config = GpuTopKConfig::default().with_backend(backend);
-    let state = SessionStateBuilder::new()
-        .with_config(SessionConfig::new())
-        .with_default_features()
-        .with_gpu_topk(config)
-        .build();
-    let ctx = SessionContext::new_with_state(state);
-    let started = Instant::now();
-    let partitions = ctx.copied_config().target_partitions();
-    // A GpuTable: the columns its top-k queries read stay on the GPU between queries.
-    ctx.register_table(
-        "tweets",
-        tweets::tweets_gpu_table(&TweetsSpec::new(rows), partitions)?,
-    )?;
-    println!(
-        "tweets: {rows} rows generated in memory (a GpuTable) in {:.2} s",
-        started.elapsed().as_secs_f64()
-    );
-    for ((name, path), kind) in tables.iter().zip(kinds) {
-        // DataFusion's message (a corrupt footer, a short row) does not say which table.
-        let registered = match kind {
-            TableKind::Csv => ctx.register_csv(name, path, CsvReadOptions::new()).await,
-            TableKind::Parquet => {
-                ctx.register_parquet(name, path, ParquetReadOptions::default())
-                    .await
-            }
-        };
-        registered.map_err(|e| format!("--table {name}={path}: {e}"))?;
-    }
-    Ok(ctx)
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -493,68 +392,58 @@ fn visit(plan: &Arc<dyn ExecutionPlan>, f: &mut dyn FnMut(&Arc<dyn ExecutionPlan
 mod tests {
     use super::*;
 
-    fn args(s: &[&str]) -> std::result::Result<Args, String> {
-        parse_args(s.iter().map(|s| s.to_string()).collect())
+    fn parse(args: &[&str]) -> std::result::Result<Cli, String> {
+        Cli::try_parse_from(std::iter::once("gpu-topk").chain(args.iter().copied()))
+            .map_err(|e| e.to_string())
     }
 
     #[test]
     fn parses_commands_and_rejects_bad_options() {
-        assert!(matches!(args(&[]).unwrap().command, Command::Queries));
-        let a = args(&[
+        let cli = parse(&[
             "query",
             "SELECT 1",
             "--table",
-            "t=x.csv",
-            "--explain",
+            "t=x.parquet",
             "--backend",
             "cpu",
-        ])
-        .unwrap();
-        assert_eq!(a.backend, Backend::Cpu);
+        ]);
+        let cli = cli.unwrap();
+        assert_eq!(cli.common.backend, Backend::Cpu);
+        match cli.command {
+            Some(Command::Query { sql, tables, .. }) => {
+                assert_eq!(sql, "SELECT 1");
+                assert_eq!(tables, vec![("t".to_string(), "x.parquet".to_string())]);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Options before or after the command; none at all is the shell.
+        let cli = parse(&["--rows", "5", "tweets", "--show", "3"]).unwrap();
+        assert_eq!(cli.common.rows, Some(5));
+        assert!(parse(&[]).unwrap().command.is_none());
+        assert!(parse(&["query"]).unwrap_err().contains("<SQL>"));
         assert!(
-            matches!(a.command, Command::Query { explain: true, ref tables, .. } if tables.len() == 1)
-        );
-        assert!(args(&["query"]).unwrap_err().contains("SQL"));
-        assert!(
-            args(&["query", "--backend", "cpu"])
+            parse(&["--backend", "tpu"])
                 .unwrap_err()
-                .contains("SQL")
+                .contains("not a backend")
         );
         assert!(
-            args(&["query", "x", "--table", "=t.csv"])
+            parse(&["--rows", "many"])
                 .unwrap_err()
-                .contains("NAME=PATH")
+                .contains("invalid digit")
         );
-        assert!(
-            args(&["--backend", "tpu"])
-                .unwrap_err()
-                .contains("auto, cuda, cpu")
-        );
-        assert!(args(&["--rows", "many"]).unwrap_err().contains("row count"));
         assert_eq!(
-            args(&["--cache-bytes", "1024"]).unwrap().cache_bytes,
+            parse(&["--cache-bytes", "1024"])
+                .unwrap()
+                .common
+                .cache_bytes,
             Some(1024)
         );
         assert!(
-            args(&["--cache-bytes", "1G"])
-                .unwrap_err()
-                .contains("byte count")
-        );
-        assert!(
-            args(&["gen", "--rows", "10"])
-                .unwrap_err()
-                .contains("--out")
-        );
-        assert!(
-            args(&["query", "x", "--table", "noequals"])
+            parse(&["query", "x", "--table", "noequals"])
                 .unwrap_err()
                 .contains("NAME=PATH")
         );
-        assert!(
-            args(&["frobnicate"])
-                .unwrap_err()
-                .contains("unknown command")
-        );
-        assert!(args(&["--explain"]).is_err());
+        assert!(parse(&["frobnicate"]).unwrap_err().contains("frobnicate"));
+        assert!(parse(&["gen"]).unwrap_err().contains("--out"));
     }
 }

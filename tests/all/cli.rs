@@ -1,0 +1,225 @@
+//! The `gpu-topk` shell as people use it: the REPL in a terminal (a pseudo-terminal here),
+//! `-c` and `-f` with datafusion-cli's print formats, `CREATE EXTERNAL TABLE`, and the
+//! tweets table generated only when a statement names it. The CPU path: these run in CI.
+
+use std::io::{Read, Write};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::process::{Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::common::test_dir;
+
+fn gpu_topk() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_gpu-topk"));
+    command
+        .args(["--backend", "cpu", "--rows", "1000"])
+        .env("RUST_BACKTRACE", "1")
+        .env("HOME", std::env::temp_dir());
+    command
+}
+
+fn run(args: &[&str]) -> (Output, String, String) {
+    let out = gpu_topk().args(args).output().expect("run gpu-topk");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, stdout, stderr)
+}
+
+/// `-c` runs each statement and exits; `--format csv` and `-q` print only the results, which
+/// are DataFusion's rows; EXPLAIN shows the operator.
+#[test]
+fn commands_run_with_datafusion_clis_formats() {
+    let sql = "SELECT id, likes_count FROM tweets ORDER BY likes_count DESC, id LIMIT 3";
+    let (out, stdout, stderr) = run(&[
+        "-q",
+        "--format",
+        "csv",
+        "-c",
+        sql,
+        "-c",
+        &format!("EXPLAIN {sql}"),
+    ]);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let rows = csv_block(&stdout, "id,likes_count");
+    assert_eq!(rows.len(), 3, "{stdout}");
+    assert!(stdout.contains("GpuTopKExec: k=3"), "{stdout}");
+    // Quiet: not even the table's generation is reported.
+    assert!(!stdout.contains("generated"), "{stdout}");
+
+    // The same rows as DataFusion's own plan (the rule off by a setting).
+    let plain = run(&[
+        "-q",
+        "--format",
+        "csv",
+        "-c",
+        "SET gpu_topk.enabled = false",
+        "-c",
+        sql,
+    ]);
+    assert!(plain.0.status.success(), "{}", plain.2);
+    assert_eq!(csv_block(&plain.1, "id,likes_count"), rows, "{}", plain.1);
+
+    // A failing statement: DataFusion's message, exit code 1.
+    let (out, stdout, stderr) = run(&["-q", "-c", "SELECT nope FROM tweets LIMIT 1"]);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        format!("{stdout}{stderr}").contains("No field named nope"),
+        "{stdout}\n{stderr}"
+    );
+}
+
+/// The rows below the CSV header `header` in `stdout`, up to the first line that is not a row.
+fn csv_block(stdout: &str, header: &str) -> Vec<String> {
+    let columns = header.split(',').count();
+    stdout
+        .lines()
+        .skip_while(|l| *l != header)
+        .skip(1)
+        .take_while(|l| {
+            l.split(',').count() == columns && l.starts_with(|c: char| c.is_ascii_digit())
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+/// A script (`-f`) over the user's own Parquet file: `CREATE EXTERNAL TABLE`, a top-k query,
+/// and no tweets table generated, since nothing names it.
+#[test]
+fn scripts_read_the_users_files_without_generating_tweets() {
+    let dir = test_dir("cli-script");
+    let data = dir.join("events.parquet");
+    let (out, stdout, stderr) = run(&[
+        "-q",
+        "-c",
+        &format!(
+            "COPY (SELECT column1 AS id, column2 AS v FROM (VALUES (1, 5), (2, 9), (3, 7), (4, 1))) \
+             TO '{}' STORED AS PARQUET",
+            data.display()
+        ),
+    ]);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let script = dir.join("top.sql");
+    std::fs::write(
+        &script,
+        format!(
+            "-- the two largest values\n\
+             CREATE EXTERNAL TABLE events STORED AS PARQUET LOCATION '{}';\n\
+             SELECT id, v FROM events\n  ORDER BY v DESC LIMIT 2;\n",
+            data.display()
+        ),
+    )
+    .unwrap();
+    let (out, stdout, stderr) = run(&["--format", "csv", "-f", &script.to_string_lossy()]);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("id,v\n2,9\n3,7\n"), "{stdout}");
+    assert!(!stdout.contains("tweets"), "{stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A pseudo-terminal's two ends: the parent's (to type and read) and the child's.
+fn pseudo_terminal() -> (std::fs::File, OwnedFd) {
+    let (mut parent, mut child) = (-1, -1);
+    // SAFETY: openpty writes the two descriptors it opens; null name, termios and size are
+    // allowed.
+    let rc = unsafe {
+        libc::openpty(
+            &mut parent,
+            &mut child,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both descriptors are open and owned by nothing else.
+    unsafe {
+        (
+            std::fs::File::from_raw_fd(parent),
+            OwnedFd::from_raw_fd(child),
+        )
+    }
+}
+
+/// The terminal's output so far, read until it contains `want` (or the time is up).
+fn read_until(output: &mpsc::Receiver<Vec<u8>>, seen: &mut String, want: &str, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while !seen.contains(want) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match output.recv_timeout(left) {
+            Ok(bytes) => seen.push_str(&String::from_utf8_lossy(&bytes)),
+            Err(_) => panic!("no {want:?} on the terminal within {limit:?}; it shows:\n{seen}"),
+        }
+    }
+}
+
+/// The REPL in a terminal, typed into as a person would: a statement over two lines, `\d`,
+/// EXPLAIN showing the operator, an error that does not end the session, and `\q`.
+#[test]
+fn the_repl_answers_in_a_terminal() {
+    let (mut terminal, child) = pseudo_terminal();
+    let stdout = child.try_clone().unwrap();
+    let stderr = child.try_clone().unwrap();
+    let mut process = gpu_topk()
+        .env("TERM", "dumb")
+        .stdin(Stdio::from(child))
+        .stdout(Stdio::from(stdout))
+        .stderr(Stdio::from(stderr))
+        .spawn()
+        .expect("start gpu-topk");
+    let mut reader = terminal.try_clone().unwrap();
+    let (send, output) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut buffer = [0u8; 4096];
+        while let Ok(n) = reader.read(&mut buffer) {
+            if n == 0 || send.send(buffer[..n].to_vec()).is_err() {
+                break;
+            }
+        }
+    });
+    let limit = Duration::from_secs(60);
+    let mut seen = String::new();
+    let mut typed = |text: &str| terminal.write_all(text.as_bytes()).unwrap();
+    read_until(&output, &mut seen, "gpu-topk", limit);
+    typed("SELECT id, likes_count FROM tweets\r");
+    typed("ORDER BY likes_count DESC, id LIMIT 2;\r");
+    read_until(&output, &mut seen, "2 row(s) fetched", limit);
+    assert!(seen.contains("generated"), "{seen}");
+    typed("\\d\r");
+    read_until(&output, &mut seen, "information_schema", limit);
+    assert!(seen.contains("tweets"), "{seen}");
+    typed("EXPLAIN SELECT id FROM tweets ORDER BY retweet_count DESC LIMIT 5;\r");
+    read_until(&output, &mut seen, "GpuTopKExec: k=5", limit);
+    typed("SELECT nope FROM tweets;\r");
+    read_until(&output, &mut seen, "No field named", limit);
+    typed("SELECT 40 + 2 AS answer;\r");
+    read_until(&output, &mut seen, "42", limit);
+    typed("\\q\r");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = process.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > limit {
+            let _ = process.kill();
+            panic!("the REPL did not exit on \\q; the terminal shows:\n{seen}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{seen}");
+}
+
+/// `tweets`, the main job, still runs the four queries.
+#[test]
+fn the_tweets_command_runs_the_four_queries() {
+    let (out, stdout, stderr) = run(&["tweets", "--show", "2"]);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    for name in ["Q1", "Q2", "Q3", "Q4"] {
+        assert!(stdout.contains(&format!("== {name}:")), "{stdout}");
+    }
+    assert_eq!(
+        stdout.matches("top-k: GpuTopKExec, backend=cpu").count(),
+        4,
+        "{stdout}"
+    );
+}
