@@ -1,4 +1,4 @@
-//! [`GpuGroupTopKExec`]: top-k per group, `ROW_NUMBER()` or `RANK()` `OVER (PARTITION BY g…
+//! [`GpuGroupTopKExec`]: top-k per group, `ROW_NUMBER()`, `RANK()` or `DENSE_RANK()` `OVER (PARTITION BY g…
 //! ORDER BY k…)` filtered by `<= K`, as one operator.
 //!
 //! DataFusion plans such a query as a sort of the whole input by the group and order keys, a
@@ -21,10 +21,12 @@
 //! the same partitions and order (the filter above stays, and passes them all). Rows whose keys
 //! tie are numbered in input order, where DataFusion's sort leaves their order unspecified.
 //! Under `RANK()` a group also keeps the rows whose key ties its K-th kept row's (they share
-//! its rank), so it may return more than K rows.
+//! its rank), so it may return more than K rows; under `DENSE_RANK()` it keeps every row of
+//! its K smallest distinct keys (an ordered map of at most K keys a group, each with its
+//! rows).
 //! It runs on the CPU; held batches are reserved from DataFusion's memory pool.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::{self, Formatter};
 use std::sync::Arc;
 
@@ -264,6 +266,9 @@ pub enum RankFunction {
     /// `RANK()`: one past the rows whose key is smaller; tied keys share it, and a group may
     /// keep more than K rows.
     Rank,
+    /// `DENSE_RANK()`: one past the distinct keys smaller than the row's; a group keeps every
+    /// row of its K smallest keys.
+    DenseRank,
 }
 
 impl RankFunction {
@@ -271,6 +276,7 @@ impl RankFunction {
         match self {
             RankFunction::RowNumber => "row_number",
             RankFunction::Rank => "rank",
+            RankFunction::DenseRank => "dense_rank",
         }
     }
 }
@@ -322,6 +328,9 @@ impl Selection {
         let mut members: Vec<Vec<Kept>> = Vec::new();
         // Under RANK(), per group the rows beyond its K kept ones whose key ties the K-th's.
         let mut ties: Vec<Vec<Kept>> = Vec::new();
+        // Under DENSE_RANK(), per group its K smallest keys (encoded), each with its rows.
+        let dense = self.function == RankFunction::DenseRank;
+        let mut distinct: Vec<BTreeMap<Box<[u8]>, Vec<Kept>>> = Vec::new();
         // Held batches with their key rows, and how many kept rows each still holds.
         let mut batches: Vec<Option<(RecordBatch, Rows)>> = Vec::new();
         let mut live: Vec<usize> = Vec::new();
@@ -351,6 +360,7 @@ impl Selection {
                             groups.insert(group.as_ref().into(), members.len());
                             members.push(Vec::with_capacity(self.k.min(8)));
                             ties.push(Vec::new());
+                            distinct.push(BTreeMap::new());
                             members.len() - 1
                         }
                     };
@@ -367,7 +377,23 @@ impl Selection {
                     };
                     let less = |a: &Kept, b: &Kept| (key(a), a.position) < (key(b), b.position);
                     let mut released = Vec::new();
-                    if heap.len() < self.k {
+                    if dense {
+                        let keys = &mut distinct[gid];
+                        let row_key = key(&new);
+                        if keys.len() == self.k
+                            && keys
+                                .last_key_value()
+                                .is_some_and(|(last, _)| row_key.as_ref() > last.as_ref())
+                        {
+                            continue;
+                        }
+                        keys.entry(row_key.as_ref().into()).or_default().push(new);
+                        if keys.len() > self.k
+                            && let Some((_, gone)) = keys.pop_last()
+                        {
+                            released = gone;
+                        }
+                    } else if heap.len() < self.k {
                         // Heap order only matters once the group holds K rows (most groups
                         // of a query with many small groups never do).
                         heap.push(new);
@@ -435,6 +461,7 @@ impl Selection {
             let start = kept.len();
             kept.append(&mut members[gid]);
             kept.append(&mut ties[gid]);
+            kept.extend(std::mem::take(&mut distinct[gid]).into_values().flatten());
             kept[start..].sort_unstable_by(|a, b| (key(a), a.position).cmp(&(key(b), b.position)));
         }
         let mut numbers: Vec<u64> = Vec::with_capacity(kept.len());
@@ -446,6 +473,8 @@ impl Selection {
                     // One past the rows before it in its group.
                     RankFunction::Rank => (i - group_start) as u64 + 1,
                     RankFunction::RowNumber => n + 1,
+                    RankFunction::DenseRank if key(&kept[i - 1]) == key(k) => n,
+                    RankFunction::DenseRank => n + 1,
                 },
                 _ => {
                     group_start = i;

@@ -1,5 +1,5 @@
-//! The per-group top-k subtree: a filter on a `ROW_NUMBER()` or `RANK()` window over a sort by
-//! the window's
+//! The per-group top-k subtree: a filter on a `ROW_NUMBER()`, `RANK()` or `DENSE_RANK()`
+//! window over a sort by the window's
 //! `PARTITION BY` and `ORDER BY` keys.
 //!
 //! ```text
@@ -71,7 +71,7 @@ pub(super) fn match_group_top_k(
     };
     let Some(function) = rank_function(expr.as_ref()) else {
         return because(format!(
-            "per-group top-k: {} is neither ROW_NUMBER() nor RANK()",
+            "per-group top-k: {} is not ROW_NUMBER(), RANK() or DENSE_RANK()",
             expr.name()
         ));
     };
@@ -128,7 +128,8 @@ pub(super) fn match_group_top_k(
     replace(node, below)
 }
 
-/// The operator's function for `expr`: `ROW_NUMBER()` or `RANK()`, `None` for any other.
+/// The operator's function for `expr`: `ROW_NUMBER()`, `RANK()` or `DENSE_RANK()`, `None`
+/// for any other.
 fn rank_function(expr: &dyn WindowExpr) -> Option<RankFunction> {
     let function = expr
         .as_any()
@@ -142,6 +143,7 @@ fn rank_function(expr: &dyn WindowExpr) -> Option<RankFunction> {
     match function.as_str() {
         "row_number" => Some(RankFunction::RowNumber),
         "rank" => Some(RankFunction::Rank),
+        "dense_rank" => Some(RankFunction::DenseRank),
         _ => None,
     }
 }

@@ -1,4 +1,4 @@
-//! Top-k per group (`ROW_NUMBER()` or `RANK()` `OVER (PARTITION BY … ORDER BY …)` filtered by
+//! Top-k per group (`ROW_NUMBER()`, `RANK()` or `DENSE_RANK()` `OVER (PARTITION BY … ORDER BY …)` filtered by
 //! `<= K`, `< K`, `= 1`): the operator against DataFusion's window plan (the rule off), over every
 //! storage, several partitions, NULL groups, one group, every row its own group, K beyond every
 //! group, extra conjuncts, an outer top-k, and an aggregate and a join below.
@@ -101,7 +101,9 @@ async fn same_rows_taken(ours: &SessionContext, plain: &SessionContext, sql: &st
     taken
 }
 
-const QUERIES: [&str; 12] = [
+const QUERIES: [&str; 14] = [
+    "SELECT id, g, v, r FROM (SELECT *, DENSE_RANK() OVER (PARTITION BY g ORDER BY v DESC) AS r FROM t) WHERE r <= 2",
+    "SELECT id, s, c, r FROM (SELECT *, DENSE_RANK() OVER (PARTITION BY s ORDER BY c NULLS FIRST, v) AS r FROM t) WHERE r = 3",
     "SELECT id, g, v, r FROM (SELECT *, RANK() OVER (PARTITION BY g ORDER BY v DESC) AS r FROM t) WHERE r <= 3",
     "SELECT id, s, v, r FROM (SELECT *, RANK() OVER (PARTITION BY s ORDER BY v NULLS FIRST) AS r FROM t) WHERE r = 1",
     "SELECT id, g, s, r FROM (SELECT *, RANK() OVER (PARTITION BY g, s ORDER BY v, c) AS r FROM t) WHERE r < 4 ORDER BY r DESC, id LIMIT 20",
@@ -164,7 +166,6 @@ async fn other_window_queries_keep_datafusions_plan() {
     register(&ours, "t", data.clone());
     register(&plain, "t", data);
     let queries = [
-        "SELECT id, r FROM (SELECT *, DENSE_RANK() OVER (PARTITION BY g ORDER BY v, id) AS r FROM t) WHERE r <= 2",
         // A window over the whole input (a merge of sorted partitions below it).
         "SELECT id, v, rn FROM (SELECT *, ROW_NUMBER() OVER (ORDER BY v DESC NULLS LAST, id) AS rn FROM t) WHERE rn <= 4",
         "SELECT id, rn, m FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY id) AS rn, max(v) OVER (PARTITION BY g ORDER BY id) AS m FROM t) WHERE rn <= 2",
@@ -217,7 +218,8 @@ fn random_query(rng: &mut Rng) -> String {
         partition.push(pick(rng, &["g", "s", "c"]));
         partition.dedup();
     }
-    let rank = rng.chance(0.4);
+    let function = pick(rng, &["ROW_NUMBER", "ROW_NUMBER", "RANK", "DENSE_RANK"]);
+    let rank = function != "ROW_NUMBER";
     let mut order: Vec<String> = (0..1 + rng.below(2))
         .map(|_| {
             format!(
@@ -254,7 +256,7 @@ fn random_query(rng: &mut Rng) -> String {
         "SELECT id, {p}, rn FROM (SELECT *, {f}() OVER (PARTITION BY {p} ORDER BY {o}) AS rn \
          FROM t {below}) WHERE {keep}",
         p = partition.join(", "),
-        f = if rank { "RANK" } else { "ROW_NUMBER" },
+        f = function,
         o = order.join(", "),
     )
 }
