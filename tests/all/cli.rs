@@ -160,7 +160,10 @@ fn the_repl_answers_in_a_terminal() {
     let (mut terminal, child) = pseudo_terminal();
     let stdout = child.try_clone().unwrap();
     let stderr = child.try_clone().unwrap();
+    // The REPL keeps its history in `.history` of its working directory.
+    let dir = test_dir("cli-repl");
     let mut process = gpu_topk()
+        .current_dir(&dir)
         .env("TERM", "dumb")
         .stdin(Stdio::from(child))
         .stdout(Stdio::from(stdout))
@@ -207,6 +210,7 @@ fn the_repl_answers_in_a_terminal() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "{seen}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `tweets`, the main job, still runs the four queries.
