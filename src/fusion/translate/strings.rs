@@ -119,6 +119,16 @@ impl Emitter<'_> {
         Ok((value, valid))
     }
 
+    /// A boolean NULL: what a comparison with a NULL literal gives.
+    fn null_boolean(&mut self) -> Value {
+        self.define(
+            DataType::Boolean,
+            CType::Bool,
+            "false".into(),
+            "false".into(),
+        )
+    }
+
     /// A device array holding `bytes`: its C name.
     fn string_constant(&mut self, bytes: &[u8]) -> String {
         let name = format!("s{}", self.constants);
@@ -161,12 +171,7 @@ impl Emitter<'_> {
                 .ok_or_else(|| format!("{op} of a string column and {literal}"))?;
             let (s, valid) = self.string_column(column)?;
             let Some(text) = text else {
-                return Ok(self.define(
-                    DataType::Boolean,
-                    CType::Bool,
-                    "false".into(),
-                    "false".into(),
-                ));
+                return Ok(self.null_boolean());
             };
             let lit = self.string_constant(text.as_bytes());
             let n = text.len();
@@ -217,12 +222,7 @@ impl Emitter<'_> {
             .ok_or_else(|| format!("{expr}: the pattern is no string literal"))?;
         let (s, valid) = self.string_column(like.expr())?;
         let Some(pattern) = pattern else {
-            return Ok(self.define(
-                DataType::Boolean,
-                CType::Bool,
-                "false".into(),
-                "false".into(),
-            ));
+            return Ok(self.null_boolean());
         };
         let compiled = compile_like(&pattern);
         let test = match like_shape(&compiled) {
@@ -258,12 +258,7 @@ impl Emitter<'_> {
                     .ok_or_else(|| format!("{expr}: the second argument is no string literal"))?;
                 let (s, valid) = self.string_column(column)?;
                 let Some(text) = text else {
-                    return Ok(self.define(
-                        DataType::Boolean,
-                        CType::Bool,
-                        "false".into(),
-                        "false".into(),
-                    ));
+                    return Ok(self.null_boolean());
                 };
                 let lit = self.string_constant(text.as_bytes());
                 let test = if name == "starts_with" {
