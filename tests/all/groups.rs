@@ -101,7 +101,9 @@ async fn same_rows_taken(ours: &SessionContext, plain: &SessionContext, sql: &st
     taken
 }
 
-const QUERIES: [&str; 14] = [
+const QUERIES: [&str; 16] = [
+    "SELECT id, g, v FROM t QUALIFY ROW_NUMBER() OVER (PARTITION BY g ORDER BY v DESC, id) <= 2",
+    "SELECT id, s, c FROM t QUALIFY DENSE_RANK() OVER (PARTITION BY s ORDER BY c) = 1",
     "SELECT id, g, v, r FROM (SELECT *, DENSE_RANK() OVER (PARTITION BY g ORDER BY v DESC) AS r FROM t) WHERE r <= 2",
     "SELECT id, s, c, r FROM (SELECT *, DENSE_RANK() OVER (PARTITION BY s ORDER BY c NULLS FIRST, v) AS r FROM t) WHERE r = 3",
     "SELECT id, g, v, r FROM (SELECT *, RANK() OVER (PARTITION BY g ORDER BY v DESC) AS r FROM t) WHERE r <= 3",
