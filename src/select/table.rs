@@ -527,15 +527,7 @@ impl<'i, 'a> TableColumn<'i, 'a> {
                     row += ends.len() / STRING_END_BYTES;
                     byte += window_bytes;
                 }
-                if self.nullable {
-                    let validity = bitmap(&|chunk, b| match chunk.nulls() {
-                        Some(validity) => b.append_buffer(validity.inner()),
-                        None => b.append_n(chunk.len(), true),
-                    });
-                    let bits = validity.values();
-                    engine.upload_image(&[(0, bits)], bits.len(), dst + offsets[1] as u64)?;
-                }
-                return Ok(());
+                return self.upload_validity(engine, dst, offsets);
             }
             _ if self.input.image == Image::Prefix => {
                 // Derived by the host's cores a window of chunks at a time, each window
@@ -546,15 +538,7 @@ impl<'i, 'a> TableColumn<'i, 'a> {
                     engine.upload_image(&[(0, &bytes)], bytes.len(), dst + at as u64)?;
                     at += bytes.len();
                 }
-                if self.nullable {
-                    let validity = bitmap(&|chunk, b| match chunk.nulls() {
-                        Some(validity) => b.append_buffer(validity.inner()),
-                        None => b.append_n(chunk.len(), true),
-                    });
-                    let bits = validity.values();
-                    engine.upload_image(&[(0, bits)], bits.len(), dst + offsets[1] as u64)?;
-                }
-                return Ok(());
+                return self.upload_validity(engine, dst, offsets);
             }
             Some(_) => {
                 let mut at = 0;
@@ -576,17 +560,38 @@ impl<'i, 'a> TableColumn<'i, 'a> {
             )),
         }
         if self.nullable {
-            bitmaps.push((
-                offsets[1],
-                bitmap(&|chunk, b| match chunk.nulls() {
-                    Some(validity) => b.append_buffer(validity.inner()),
-                    None => b.append_n(chunk.len(), true),
-                }),
-            ));
+            bitmaps.push((offsets[1], self.validity()));
         }
         parts.extend(bitmaps.iter().map(|(at, bits)| (*at, bits.values())));
         let total = parts.iter().map(|(at, p)| at + p.len()).max().unwrap_or(0);
         engine.upload_image(&parts, total, dst)
+    }
+
+    /// The chunks' validity as one bitmap (all valid where a chunk has none).
+    fn validity(&self) -> datafusion::arrow::buffer::BooleanBuffer {
+        let mut builder = BooleanBufferBuilder::new(self.rows);
+        for chunk in self.input.chunks.iter() {
+            match chunk.nulls() {
+                Some(validity) => builder.append_buffer(validity.inner()),
+                None => builder.append_n(chunk.len(), true),
+            }
+        }
+        builder.finish()
+    }
+
+    /// Uploads the validity bitmap, where the image at `dst` has one (at `offsets[1]`).
+    fn upload_validity(
+        &self,
+        engine: &mut TopKEngine,
+        dst: u64,
+        offsets: &[usize],
+    ) -> GpuResult<()> {
+        if !self.nullable {
+            return Ok(());
+        }
+        let validity = self.validity();
+        let bits = validity.values();
+        engine.upload_image(&[(0, bits)], bits.len(), dst + offsets[1] as u64)
     }
 
     /// The kernel's four arguments for the image at `addresses` (values, then the validity
