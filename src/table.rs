@@ -20,7 +20,7 @@ use crate::device::column_cache::table_key;
 use crate::select::table::{Identity, TableInput};
 use async_trait::async_trait;
 use datafusion::arrow::array::{Array, ArrayRef, AsArray, RecordBatch, make_array};
-use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::arrow::datatypes::{DataType, SchemaRef};
 use datafusion::catalog::Session;
 use datafusion::catalog::TableProviderFactory;
 use datafusion::common::stats::Precision;
@@ -200,8 +200,9 @@ impl GpuTable {
 
     /// Uploads the named columns (the ones top-k queries filter and rank by) to the device's
     /// column cache and pins them there, so that the first query is as fast as the next (a
-    /// string or binary column as the first 16 bytes of each value, what a string sort key's
-    /// selection reads, and a string column also as its bytes, what string predicates read).
+    /// column compared by bytes, such as strings, as the first 16 bytes of each value, what
+    /// its sort key's selection reads; a string column also as its bytes, what string
+    /// predicates read; a dictionary also as its codes).
     /// Returns the device bytes they take. Without a GPU, an error says so.
     pub fn load(&self, columns: &[&str]) -> Result<usize> {
         let device = crate::device::gpu()
@@ -215,10 +216,14 @@ impl GpuTable {
             let mut images = Vec::new();
             if crate::keys::has_prefix_words(data_type) {
                 images.push(Image::Prefix);
-                if crate::fusion::is_device_string(data_type) {
-                    images.push(Image::Strings);
-                }
-            } else {
+            }
+            if crate::fusion::is_device_string(data_type) {
+                images.push(Image::Strings);
+            }
+            // A dictionary's codes are what its predicates read.
+            if !crate::keys::has_prefix_words(data_type)
+                || matches!(data_type, DataType::Dictionary(..))
+            {
                 images.push(Image::Values);
             }
             for image in images {

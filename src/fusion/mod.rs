@@ -279,13 +279,8 @@ fn translate_keys(
             );
             continue;
         }
-        if layout.truncated_bits(i) {
-            return Err(format!(
-                "sort key {} ({}) is wider than the device's keys",
-                i + 1,
-                spec.data_type
-            ));
-        }
+        // A key cut to its high bits (keys past 256 bits) keeps them; ties are refined.
+        let dropped = layout.dropped_bits(i);
         let value = emitter.emit(&sort.expr)?;
         if translate::is_decimal(&spec.data_type) && value.data_type == spec.data_type {
             let code = std::mem::take(&mut emitter.code);
@@ -293,7 +288,7 @@ fn translate_keys(
             translate::emit_decimal_field(
                 &mut fields,
                 &value,
-                layout.field_shift(i),
+                (layout.field_shift(i), dropped),
                 spec.descending,
                 spec.nullable,
                 spec.nulls_first,
@@ -311,7 +306,7 @@ fn translate_keys(
         emit_key_field(
             &mut fields,
             &value,
-            layout.field_shift(i),
+            (layout.field_shift(i), dropped),
             value_bits,
             spec.descending,
             spec.nullable,

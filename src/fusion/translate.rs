@@ -542,10 +542,11 @@ pub(crate) fn is_decimal(data_type: &DataType) -> bool {
 /// C source text of a `Decimal128` key field from its value as an i64 (`value`, see
 /// `Emitter::decimal_column`): the 128-bit field of the keys module, sign-extended and with
 /// the sign bit flipped, DESC flipping every value bit, the null bit as [`emit_key_field`].
+/// `dropped` low bits are left out where the layout keeps only the high ones.
 pub(crate) fn emit_decimal_field(
     out: &mut String,
     value: &Value,
-    shift: u32,
+    (shift, dropped): (u32, u32),
     descending: bool,
     nullable: bool,
     nulls_first: bool,
@@ -557,16 +558,31 @@ pub(crate) fn emit_decimal_field(
     } else {
         "false".into()
     };
-    let _ = writeln!(
-        out,
-        "        or_field(key, {valid} ? (((u64)({v} >> 63) ^ 0x8000000000000000ull) ^ 0x{xor:x}ull) : 0ull, {}, {null_bit}, {});",
-        shift + 64,
-        shift + 128
-    );
-    let _ = writeln!(
-        out,
-        "        or_field(key, {valid} ? ((u64){v} ^ 0x{xor:x}ull) : 0ull, {shift}, false, 0);"
-    );
+    let hi = format!("(((u64)({v} >> 63) ^ 0x8000000000000000ull) ^ 0x{xor:x}ull)");
+    let lo = format!("((u64){v} ^ 0x{xor:x}ull)");
+    let top = shift + 128 - dropped;
+    if dropped >= 64 {
+        let _ = writeln!(
+            out,
+            "        or_field(key, {valid} ? ({hi} >> {}) : 0ull, {shift}, {null_bit}, {top});",
+            dropped - 64
+        );
+    } else {
+        let _ = writeln!(
+            out,
+            "        or_field(key, {valid} ? ({hi} >> {dropped}) : 0ull, {}, {null_bit}, {top});",
+            shift + 64 - dropped
+        );
+        let low = if dropped == 0 {
+            lo
+        } else {
+            format!("(({lo} >> {dropped}) | ({hi} << {}))", 64 - dropped)
+        };
+        let _ = writeln!(
+            out,
+            "        or_field(key, {valid} ? {low} : 0ull, {shift}, false, 0);"
+        );
+    }
     if !nullable {
         let _ = writeln!(out, "        bad = bad || !{valid};");
     }
@@ -631,11 +647,12 @@ pub(crate) fn emit_prefix_field(
 
 /// C source text of a key field: ORs the encoded `value` into `key` (see the keys module and
 /// encode.cu: DESC flips the value bits, NULL rows get zero value bits and the null bit per
-/// NULLS FIRST/LAST); a NULL in a key declared not nullable sets `bad`.
+/// NULLS FIRST/LAST); a NULL in a key declared not nullable sets `bad`. `dropped` low bits
+/// are left out where the layout keeps only the high ones.
 pub(crate) fn emit_key_field(
     out: &mut String,
     value: &Value,
-    shift: u32,
+    (shift, dropped): (u32, u32),
     value_bits: u32,
     descending: bool,
     nullable: bool,
@@ -649,15 +666,19 @@ pub(crate) fn emit_key_field(
     let xor = if descending { mask } else { 0 };
     let ordered = value.ctype.ordered(&value.value);
     let v = &value.valid;
+    let encoded = match dropped {
+        0 => format!("({ordered} ^ 0x{xor:x}ull)"),
+        _ => format!("(({ordered} ^ 0x{xor:x}ull) >> {dropped})"),
+    };
     let _ = writeln!(
         out,
-        "        or_field(key, {v} ? ({ordered} ^ 0x{xor:x}ull) : 0ull, {shift}, {}, {});",
+        "        or_field(key, {v} ? {encoded} : 0ull, {shift}, {}, {});",
         if nullable {
             format!("{v} == {nulls_first}")
         } else {
             "false".into()
         },
-        shift + value_bits
+        shift + value_bits - dropped
     );
     if !nullable {
         let _ = writeln!(out, "        bad = bad || !{v};");

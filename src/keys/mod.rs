@@ -417,9 +417,13 @@ impl KeyLayout {
         }
     }
 
-    /// Whether key `key`'s field holds only the high bits of a fixed-width key.
-    pub fn truncated_bits(&self, key: usize) -> bool {
-        matches!(self.parts.get(key), Some(Part::High { .. }))
+    /// The low value bits of key `key` its field leaves out: non-zero where the field holds
+    /// only the high bits of a fixed-width key.
+    pub fn dropped_bits(&self, key: usize) -> u32 {
+        match self.parts.get(key) {
+            Some(Part::High { dropped }) => *dropped,
+            _ => 0,
+        }
     }
 
     /// arrow's row-format fields of the keys: DataFusion's own comparison of whole keys.
@@ -505,13 +509,10 @@ impl KeyLayout {
 }
 
 /// Whether the device reads a column of `data_type` as its prefix words
-/// ([`prefix_words`]): plain strings and binary, not dictionaries or fixed-size binary.
+/// ([`prefix_words`]): every type compared by bytes (strings, binary, dictionaries of them,
+/// `Decimal256`).
 pub(crate) fn has_prefix_words(data_type: &DataType) -> bool {
-    use DataType::*;
-    matches!(
-        data_type,
-        Utf8 | LargeUtf8 | Utf8View | Binary | LargeBinary | BinaryView
-    )
+    bytes_type(data_type)
 }
 
 /// Each row's first [`MAX_PREFIX_BYTES`] bytes, zero-padded, as a big-endian `u128` (0 for a
@@ -573,13 +574,47 @@ pub(crate) fn write_prefix_words(array: &dyn Array, out: &mut [u8]) -> Result<()
             let a = array.as_binary_view();
             write(out, |i| a.value(i))
         }
+        DataType::FixedSizeBinary(_) => {
+            let a = array.as_fixed_size_binary();
+            write(out, |i| a.value(i))
+        }
+        DataType::Decimal256(..) => {
+            let a = array.as_primitive::<Decimal256Type>();
+            for (v, slot) in (a.values().iter()).zip(out.chunks_exact_mut(PREFIX_WORD_BYTES)) {
+                // Big-endian two's complement with the sign bit flipped orders as bytes.
+                let mut be = v.to_be_bytes();
+                be[0] ^= 0x80;
+                let word: [u8; PREFIX_WORD_BYTES] = be[..PREFIX_WORD_BYTES].try_into().unwrap();
+                slot.copy_from_slice(&u128::from_be_bytes(word).to_le_bytes());
+            }
+        }
+        DataType::Dictionary(..) => {
+            // Each dictionary value's word once, then one copy a row.
+            let dictionary = array.as_any_dictionary();
+            let values = dictionary.values();
+            if values.is_empty() {
+                out.fill(0); // every row is NULL
+                return Ok(());
+            }
+            let mut words = vec![0u8; PREFIX_WORD_BYTES * values.len()];
+            write_prefix_words(values.as_ref(), &mut words)?;
+            for (k, slot) in (dictionary.normalized_keys().into_iter())
+                .zip(out.chunks_exact_mut(PREFIX_WORD_BYTES))
+            {
+                // A NULL key may hold any index; its word is cleared below.
+                if let Some(word) = words.get(PREFIX_WORD_BYTES * k..PREFIX_WORD_BYTES * (k + 1)) {
+                    slot.copy_from_slice(word);
+                }
+            }
+        }
         other => {
             return Err(exec_error(format!(
                 "the device reads no prefix words of {other} columns"
             )));
         }
     };
-    if let Some(nulls) = array.nulls() {
+    // A dictionary's row is NULL where its key or its value is.
+    if let Some(nulls) = array.logical_nulls() {
         for i in (0..array.len()).filter(|&i| nulls.is_null(i)) {
             out[PREFIX_WORD_BYTES * i..PREFIX_WORD_BYTES * (i + 1)].fill(0);
         }

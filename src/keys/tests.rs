@@ -1018,3 +1018,83 @@ fn prefix_words_are_the_host_composites_field() {
         }
     }
 }
+
+/// A dictionary's prefix words are its values' (NULL where the key or its entry is), and a
+/// `Decimal256`'s and a fixed-size binary's leading bytes are their host composite's field.
+#[test]
+fn prefix_words_of_dictionaries_decimals_and_fixed_binary() {
+    use datafusion::arrow::array::{
+        Decimal256Array, DictionaryArray, FixedSizeBinaryArray, Int8Array, StringArray,
+    };
+    use datafusion::arrow::datatypes::i256;
+    let entries = StringArray::from(vec![Some("unused"), None, Some("b"), Some("a"), Some("")]);
+    let keys = Int8Array::from(vec![
+        Some(2),
+        None,
+        Some(1),
+        Some(3),
+        Some(4),
+        Some(2),
+        Some(3),
+    ]);
+    let dictionary: ArrayRef = Arc::new(DictionaryArray::new(keys, Arc::new(entries)));
+    let plain: ArrayRef = Arc::new(StringArray::from(vec![
+        Some("b"),
+        None,
+        None,
+        Some("a"),
+        Some(""),
+        Some("b"),
+        Some("a"),
+    ]));
+    assert_eq!(
+        prefix_words(dictionary.as_ref()).unwrap(),
+        prefix_words(plain.as_ref()).unwrap()
+    );
+    assert_eq!(
+        prefix_words(dictionary.slice(2, 4).as_ref()).unwrap(),
+        prefix_words(plain.slice(2, 4).as_ref()).unwrap()
+    );
+    let empty: ArrayRef = Arc::new(DictionaryArray::new(
+        Int8Array::from(vec![None, None]),
+        Arc::new(StringArray::from(Vec::<&str>::new())),
+    ));
+    assert_eq!(prefix_words(empty.as_ref()).unwrap(), vec![0, 0]);
+
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let decimals: ArrayRef = Arc::new(
+        Decimal256Array::from_iter((0..300).map(|i| {
+            let v = i256::from_parts(rng.next() as u128, rng.next() as i128 >> (i % 120));
+            (i % 17 != 4).then_some(v)
+        }))
+        .with_precision_and_scale(76, 0)
+        .unwrap(),
+    );
+    let fixed: ArrayRef = Arc::new(
+        FixedSizeBinaryArray::try_from_iter((0..300).map(|_| rng.next().to_be_bytes())).unwrap(),
+    );
+    for (array, descending) in [(decimals, false), (fixed, true)] {
+        let words = prefix_words(array.as_ref()).unwrap();
+        let layout = KeyLayout::with_prefixes(vec![spec(
+            array.data_type().clone(),
+            descending,
+            false,
+            true,
+        )])
+        .unwrap();
+        let bytes = layout.prefix_bytes(0).expect("a byte field");
+        let EncodedKeys::W128(keys) = layout.encode(&[Arc::clone(&array)]).unwrap() else {
+            panic!("128-bit composites");
+        };
+        let value_mask = u128::MAX >> (128 - 8 * bytes);
+        let flip = if descending { value_mask } else { 0 };
+        for (i, (key, word)) in keys.iter().zip(&words).enumerate() {
+            if array.is_valid(i) {
+                let field = (word >> (128 - 8 * bytes)) ^ flip;
+                assert_eq!(key & value_mask, field, "{}: row {i}", array.data_type());
+            } else {
+                assert_eq!(*word, 0, "row {i}");
+            }
+        }
+    }
+}

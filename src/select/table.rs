@@ -69,7 +69,7 @@ impl ResidentColumns {
                     values.extend(words.into_iter().map(|w| w as i128));
                     let prefix = datafusion::arrow::array::Decimal128Array::new(
                         values.into(),
-                        batch.column(*c).nulls().cloned(),
+                        batch.column(*c).logical_nulls(),
                     );
                     Ok(Arc::new(prefix) as ArrayRef)
                 }
@@ -373,18 +373,19 @@ impl<'i, 'a> TableColumn<'i, 'a> {
                 ))
             };
             let validity = chunk.nulls().filter(|v| v.null_count() > 0);
-            nullable |= validity.is_some();
+            // A dictionary's rows are also NULL where their values are.
+            nullable |= validity.is_some() || chunk.logical_null_count() > 0;
             rows += n;
             if input.image != Image::Values {
-                // The strings' every buffer (offsets or views, and the bytes), and where the
-                // array starts in them.
+                // The strings' every buffer (offsets or views, and the bytes; a dictionary's
+                // values too), and where the array starts in them.
                 let data = chunk.to_data();
                 if data.data_type() != &data_type {
                     return Err(mismatch());
                 }
                 key.push((data.offset(), n));
                 key.extend(
-                    data.buffers()
+                    buffers(&data)
                         .iter()
                         .map(|b| (b.as_ptr() as usize, b.len())),
                 );
@@ -470,9 +471,7 @@ impl<'i, 'a> TableColumn<'i, 'a> {
         for chunk in self.input.chunks.iter() {
             let chunk = chunk.as_ref();
             match self.width {
-                _ if self.input.image != Image::Values => {
-                    owners.extend(chunk.to_data().buffers().iter().cloned())
-                }
+                _ if self.input.image != Image::Values => owners.extend(buffers(&chunk.to_data())),
                 Some(_) => owners.extend(primitive_values(chunk).cloned()),
                 None => owners.extend(chunk.as_boolean_opt().map(|b| b.values().inner().clone())),
             }
@@ -571,7 +570,7 @@ impl<'i, 'a> TableColumn<'i, 'a> {
     fn validity(&self) -> datafusion::arrow::buffer::BooleanBuffer {
         let mut builder = BooleanBufferBuilder::new(self.rows);
         for chunk in self.input.chunks.iter() {
-            match chunk.nulls() {
+            match chunk.logical_nulls() {
                 Some(validity) => builder.append_buffer(validity.inner()),
                 None => builder.append_n(chunk.len(), true),
             }
@@ -814,6 +813,17 @@ fn prefix_windows(chunks: &[ArrayRef]) -> Vec<&[ArrayRef]> {
         windows.push(&chunks[start..]);
     }
     windows
+}
+
+/// Every buffer of `data` and of its children, validity bitmaps of the children included (a
+/// dictionary's values and their NULLs are part of what its rows read).
+fn buffers(data: &datafusion::arrow::array::ArrayData) -> Vec<Buffer> {
+    let mut all = data.buffers().to_vec();
+    for child in data.child_data() {
+        all.extend(child.nulls().map(|n| n.inner().inner().clone()));
+        all.extend(buffers(child));
+    }
+    all
 }
 
 /// The prefix words of `chunks`, back to back, derived on up to one thread a core.

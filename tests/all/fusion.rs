@@ -299,7 +299,10 @@ async fn each_part_runs_where_it_translates_and_every_program_compiles() {
         ("", "g, s DESC", "-", "gpu"),
         ("", "i64, i32, sv", "-", "gpu"),
         ("", "arrow_cast(s, 'LargeBinary') DESC, g", "-", "host"),
-        ("", "ds, g", "-", "host"),
+        ("", "ds, g", "-", "gpu"),
+        // keys past 256 bits: the last field holds the high bits of `i64 % 7`
+        ("", "dec, i64 DESC, i64 % 7, g", "-", "gpu"),
+        ("", "dec DESC NULLS FIRST, i64, i32, rid, g", "-", "gpu"),
         ("", "upper(s)", "-", "host"),
     ];
     let mut min_blocks = Vec::new();

@@ -8,9 +8,10 @@
 use std::sync::Arc;
 
 use datafusion::arrow::array::{
-    ArrayRef, BinaryViewArray, Decimal128Array, FixedSizeBinaryArray, Int64Array, RecordBatch,
-    StringArray, StringViewArray,
+    ArrayRef, BinaryViewArray, Decimal128Array, Decimal256Array, DictionaryArray,
+    FixedSizeBinaryArray, Int32Array, Int64Array, RecordBatch, StringArray, StringViewArray,
 };
+use datafusion::arrow::datatypes::i256;
 use datafusion::arrow::datatypes::{DataType, Field, Schema};
 use datafusion::physical_plan::collect;
 use datafusion::physical_plan::display::DisplayableExecutionPlan;
@@ -35,6 +36,13 @@ fn table(
         Field::new("bv", DataType::BinaryView, true),
         Field::new("fb", DataType::FixedSizeBinary(4), false),
         Field::new("price", DataType::Decimal128(15, 2), true),
+        Field::new(
+            "ds",
+            DataType::Dictionary(Box::new(DataType::Int32), Box::new(DataType::Utf8)),
+            true,
+        ),
+        Field::new("wide", DataType::Decimal256(60, 0), true),
+        Field::new("d2", DataType::Decimal128(38, 0), true),
     ]));
     let mut rng = Rng::new(17);
     let per = n.div_ceil(partitions);
@@ -67,12 +75,58 @@ fn table(
                             .with_precision_and_scale(15, 2)
                             .unwrap(),
                         ),
+                        dictionary(&values),
+                        Arc::new(
+                            Decimal256Array::from_iter(chunk.iter().map(|&i| {
+                                // Past 128 bits, the low ones tying within a prefix word.
+                                let high = i256::from_i128((i as i128 * 7919) % 1000 - 300);
+                                (i % 89 != 3).then(|| {
+                                    high.wrapping_mul(i256::from_i128(10i128.pow(38)))
+                                        .wrapping_mul(i256::from_i128(1000))
+                                        .wrapping_add(i256::from_i128((i % 13) as i128))
+                                })
+                            }))
+                            .with_precision_and_scale(60, 0)
+                            .unwrap(),
+                        ),
+                        Arc::new(
+                            Decimal128Array::from_iter(chunk.iter().map(|&i| {
+                                (i % 71 != 9).then_some((i % 50) as i128 * 4 + (i % 4) as i128)
+                            }))
+                            .with_precision_and_scale(38, 0)
+                            .unwrap(),
+                        ),
                     ];
                     RecordBatch::try_new(Arc::clone(&schema), columns).unwrap()
                 })
                 .collect()
         })
         .collect()
+}
+
+/// `values` as a dictionary of the batch's own: unused entries and a NULL entry besides the
+/// values, a NULL row by turns a NULL key and a key of the NULL entry.
+fn dictionary(values: &[Option<String>]) -> ArrayRef {
+    let mut entries: Vec<Option<&str>> = vec![Some("zz-unused"), None, Some("")];
+    let mut keys = Vec::with_capacity(values.len());
+    for (i, value) in values.iter().enumerate() {
+        keys.push(match value {
+            None if i % 2 == 0 => None,
+            None => Some(1),
+            Some(v) => Some(match entries.iter().position(|e| *e == Some(v.as_str())) {
+                Some(at) => at as i32,
+                None => {
+                    entries.push(Some(v));
+                    entries.len() as i32 - 1
+                }
+            }),
+        });
+    }
+    let entries = StringArray::from(entries);
+    Arc::new(DictionaryArray::new(
+        Int32Array::from(keys),
+        Arc::new(entries),
+    ))
 }
 
 /// Strings sharing a 30-byte prefix, some prefixes of others, NULLs, non-ASCII tails.
@@ -175,6 +229,16 @@ async fn string_keys_select_on_the_device_over_whole_tables() {
                 ("", "bv DESC NULLS LAST", "LIMIT 1000"),
                 ("", "id % 7, sv", "LIMIT 50"),
                 ("", "price DESC, sv", "LIMIT 20"),
+                // A dictionary by its values' prefix words; a Decimal256 and a fixed-size
+                // binary by their leading bytes.
+                ("", "ds", "LIMIT 10"),
+                ("WHERE price > 0", "ds DESC NULLS FIRST", "LIMIT 100"),
+                ("", "wide DESC", "LIMIT 30"),
+                ("", "wide NULLS FIRST, id", "LIMIT 12"),
+                ("", "fb DESC", "LIMIT 10"),
+                // Keys past 256 bits: the last field keeps its high bits.
+                ("", "price, d2 DESC, id", "LIMIT 40"),
+                ("", "price DESC, id % 3, id % 5", "LIMIT 25"),
                 (
                     "WHERE price < CAST(-150 AS DECIMAL(15, 2))",
                     "sv DESC",
@@ -205,6 +269,7 @@ async fn string_keys_select_on_the_device_over_whole_tables() {
                     let what = format!("{name}, {storage:?}, {filter} ORDER BY {order} {tail}");
                     assert!(plan.contains("backend=cuda"), "{what}: {plan}");
                     assert_eq!(metric(&plan, "gpu_fallbacks"), 0, "{what}: {plan}");
+                    assert!(plan.contains("keys=gpu"), "{what}: {plan}");
                     if !filter.is_empty() {
                         assert!(plan.contains("filter=gpu"), "{what}: {plan}");
                     }
