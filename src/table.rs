@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::device::column_cache::table_key;
-use crate::select::table::{Identity, TableInput};
+use crate::select::table::{Identity, Image, TableInput};
 use async_trait::async_trait;
 use datafusion::arrow::array::{Array, ArrayRef, AsArray, RecordBatch, make_array};
 use datafusion::arrow::datatypes::{DataType, SchemaRef};
@@ -71,6 +71,8 @@ pub(crate) struct TableColumnData {
     pub nullable: bool,
     /// A dictionary column's dictionary, when every batch has the same one.
     pub dictionary: Option<ArrayRef>,
+    /// A dictionary column's arrays themselves (what its prefix words are derived from).
+    pub encoded: Option<Vec<ArrayRef>>,
 }
 
 impl TableColumnData {
@@ -96,9 +98,18 @@ impl TableColumnData {
                 }
             })
             .collect();
+        let encoded = (batches.first())
+            .is_some_and(|b| b.column(index).as_any_dictionary_opt().is_some())
+            .then(|| {
+                batches
+                    .iter()
+                    .map(|b| Arc::clone(b.column(index)))
+                    .collect()
+            });
         Self {
             nullable: chunks.iter().any(|c| c.null_count() > 0),
             dictionary: dictionary.filter(|_| shared),
+            encoded,
             chunks,
         }
     }
@@ -123,6 +134,31 @@ impl TableData {
                 nullable: column.nullable,
             }),
             image: Default::default(),
+        }
+    }
+
+    /// Column `index` as the input of its prefix words: a dictionary column's own arrays,
+    /// not its codes.
+    pub(crate) fn prefix_input(&self, index: usize, name: &str) -> TableInput<'_> {
+        let column = &self.columns[index];
+        let Some(encoded) = &column.encoded else {
+            return TableInput {
+                image: Image::Prefix,
+                ..self.input(index, name)
+            };
+        };
+        let data_type = self.schema.field(index).data_type().clone();
+        TableInput {
+            chunks: std::borrow::Cow::Borrowed(encoded),
+            lookup: None,
+            name: name.to_string(),
+            identity: Some(Identity {
+                key: table_key(self.id, index),
+                data_type,
+                rows: self.rows,
+                nullable: encoded.iter().any(|c| c.logical_null_count() > 0),
+            }),
+            image: Image::Prefix,
         }
     }
 }
@@ -210,7 +246,6 @@ impl GpuTable {
         let mut bytes = 0;
         for name in columns {
             let index = self.data.schema.index_of(name)?;
-            use crate::select::table::{Image, TableInput};
             let input = self.data.input(index, name);
             let data_type = self.data.schema.field(index).data_type();
             let mut images = Vec::new();
@@ -227,9 +262,12 @@ impl GpuTable {
                 images.push(Image::Values);
             }
             for image in images {
-                let input = TableInput {
-                    image,
-                    ..input.clone()
+                let input = match image {
+                    Image::Prefix => self.data.prefix_input(index, name),
+                    image => TableInput {
+                        image,
+                        ..input.clone()
+                    },
                 };
                 bytes += crate::select::table::pin_column(&device, &input)?;
             }

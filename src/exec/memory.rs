@@ -202,12 +202,13 @@ fn gpu_table_inputs<'a>(
             KernelInput::Column(c) | KernelInput::DictionaryCodes(c) => {
                 Some(table.input(*columns.get(*c)?, name(*c)))
             }
-            KernelInput::StringPrefix(c) | KernelInput::StringColumn(c) => {
+            KernelInput::StringPrefix(c) => Some(table.prefix_input(*columns.get(*c)?, name(*c))),
+            KernelInput::StringColumn(c) => {
                 let at = *columns.get(*c)?;
                 // A dictionary column's chunks are its codes: no strings to read.
-                table.columns[at].dictionary.is_none().then_some(())?;
+                table.columns[at].encoded.is_none().then_some(())?;
                 Some(TableInput {
-                    image: Image::of(input)?.1,
+                    image: Image::Strings,
                     ..table.input(at, name(*c))
                 })
             }

@@ -214,7 +214,7 @@ async fn string_keys_select_on_the_device_over_whole_tables() {
     let values: [(&str, Values); 2] = [("distinct", distinct), ("shared", shared_prefix)];
     for (name, value) in values {
         let data = table(30_000, 3, value);
-        for storage in [Storage::Memory, Storage::Parquet] {
+        for storage in [Storage::Memory, Storage::GpuTable, Storage::Parquet] {
             let config =
                 crate::sessions::test_config(true).with_backend(datafusion_gpu_topk::Backend::Cuda);
             let ours = crate::common::session_with(3, 1000, config);
