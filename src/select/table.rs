@@ -500,15 +500,24 @@ impl<'i, 'a> TableColumn<'i, 'a> {
                 // them) in one upload, their bytes in another.
                 let (mut row, mut byte) = (0usize, 0usize);
                 for window in prefix_windows(&self.input.chunks) {
-                    let mut ends = Vec::with_capacity(window.iter().map(|c| c.len()).sum());
-                    let mut data = Vec::with_capacity(window.len());
+                    // Each chunk's row ends count from the bytes of the chunks before it.
+                    let mut bases = Vec::with_capacity(window.len());
                     let mut window_bytes = 0;
                     for chunk in window {
-                        let base = (byte + window_bytes) as i64;
-                        ends.extend(string_ends(chunk.as_ref(), base)?);
-                        let bytes =
-                            string_bytes(chunk.as_ref()).map_err(|e| GpuError(e.to_string()))?;
-                        window_bytes += bytes.len();
+                        bases.push((byte + window_bytes) as i64);
+                        window_bytes += string_data_len(chunk.as_ref());
+                    }
+                    let converted =
+                        on_cores(window.iter().zip(bases).collect(), |(chunk, base)| {
+                            let ends = string_ends(chunk.as_ref(), base)?;
+                            let bytes = string_bytes(chunk.as_ref())
+                                .map_err(|e| GpuError(e.to_string()))?;
+                            Ok((ends, bytes))
+                        })?;
+                    let mut ends = Vec::with_capacity(window.iter().map(|c| c.len()).sum());
+                    let mut data = Vec::with_capacity(window.len());
+                    for (chunk_ends, bytes) in converted {
+                        ends.extend(chunk_ends);
                         data.push(bytes);
                     }
                     let ends = Buffer::from_vec(ends);
@@ -824,6 +833,52 @@ fn buffers(data: &datafusion::arrow::array::ArrayData) -> Vec<Buffer> {
         all.extend(buffers(child));
     }
     all
+}
+
+/// `f` of each item, in order, the items spread over up to one thread a core (a string
+/// chunk's row ends and bytes: `Utf8View` bytes are gathered row by row).
+fn on_cores<T: Send, R: Send>(
+    items: Vec<T>,
+    f: impl Fn(T) -> GpuResult<R> + Sync,
+) -> GpuResult<Vec<R>> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(items.len().max(1));
+    if threads <= 1 {
+        return items.into_iter().map(f).collect();
+    }
+    let mut shares: Vec<Vec<(usize, T)>> = (0..threads).map(|_| Vec::new()).collect();
+    let n = items.len();
+    for (i, item) in items.into_iter().enumerate() {
+        shares[i % threads].push((i, item));
+    }
+    let f = &f;
+    let mut results: Vec<Option<R>> = (0..n).map(|_| None).collect();
+    std::thread::scope(|scope| {
+        let running: Vec<_> = (shares.into_iter())
+            .map(|share| {
+                scope.spawn(move || -> GpuResult<Vec<(usize, R)>> {
+                    share
+                        .into_iter()
+                        .map(|(i, item)| Ok((i, f(item)?)))
+                        .collect()
+                })
+            })
+            .collect();
+        for thread in running {
+            let done = thread
+                .join()
+                .unwrap_or_else(|_| Err(GpuError("a string-gathering thread panicked".into())))?;
+            for (i, r) in done {
+                results[i] = Some(r);
+            }
+        }
+        Ok::<_, GpuError>(())
+    })?;
+    Ok(results
+        .into_iter()
+        .map(|r| r.expect("every item done"))
+        .collect())
 }
 
 /// The prefix words of `chunks`, back to back, derived on up to one thread a core.
