@@ -14,7 +14,6 @@
 
 mod shell;
 
-use std::any::Any;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -28,9 +27,7 @@ use datafusion::physical_plan::{ExecutionPlan, collect, displayable};
 use datafusion::prelude::{CsvReadOptions, ParquetReadOptions, SessionContext};
 
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
-use datafusion_gpu_topk::internal::cost::SelectionChoice;
-use datafusion_gpu_topk::internal::device::{GpuStatus, gpu_status};
-use datafusion_gpu_topk::{Backend, GpuTopKExec, GpuTopKRule};
+use datafusion_gpu_topk::{Backend, GpuTopKExec, gpu_summary, topk_report};
 
 /// Rows of the generated tweets table unless `--rows` says.
 const DEFAULT_ROWS: u64 = 10_000_000;
@@ -203,10 +200,7 @@ async fn run(cli: Cli) -> CliResult<()> {
 }
 
 fn print_gpu_status() {
-    match gpu_status() {
-        GpuStatus::Available(device) => println!("GPU: {}", device.describe()),
-        GpuStatus::Unavailable(why) => println!("GPU: none ({why})"),
-    }
+    println!("GPU: {}", gpu_summary());
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -318,66 +312,8 @@ fn print_batches(batches: &[RecordBatch], max_rows: usize) -> Result<()> {
 
 /// Says which backend and algorithm ran, or why DataFusion's own TopK was kept.
 fn report_operators(ctx: &SessionContext, plan: &Arc<dyn ExecutionPlan>) {
-    let mut found = false;
-    visit(plan, &mut |node| {
-        if let Some(exec) = node.downcast_ref::<GpuTopKExec>() {
-            found = true;
-            let spec = exec.spec();
-            let fallbacks = exec
-                .metrics()
-                .and_then(|m| m.sum_by_name("gpu_fallbacks"))
-                .map(|v| v.as_usize())
-                .unwrap_or(0);
-            let choice = spec.plan.choice();
-            let eval = match choice {
-                SelectionChoice::Cpu => String::new(),
-                SelectionChoice::Cuda(_) => format!(", eval=[{}]", spec.fusion.describe(true)),
-            };
-            // The model's prediction beside the measured selection time.
-            let timing = match &spec.prediction {
-                Some(p) => {
-                    let measured = exec
-                        .metrics()
-                        .and_then(|m| m.sum_by_name("operator_time"))
-                        .map_or(f64::NAN, |v| v.as_usize() as f64 / 1e9);
-                    format!(
-                        ", {}, operator_time={}",
-                        p.describe(false),
-                        datafusion_gpu_topk::internal::cost::format_seconds(measured)
-                    )
-                }
-                None => String::new(),
-            };
-            println!(
-                "top-k: GpuTopKExec, backend={}, algorithm={}{eval}{timing} ({}){}",
-                choice.backend(),
-                choice.algorithm(),
-                spec.reason,
-                if fallbacks > 0 {
-                    ", GPU failed: fell back to the CPU path"
-                } else {
-                    ""
-                }
-            );
-        }
-    });
-    if !found {
-        let state = ctx.state();
-        let reasons = state
-            .physical_optimizers()
-            .iter()
-            .find_map(|rule| {
-                (rule.as_ref() as &dyn Any)
-                    .downcast_ref::<GpuTopKRule>()
-                    .map(|r| r.last_decisions())
-            })
-            .unwrap_or_default();
-        if reasons.is_empty() {
-            println!("top-k: no GpuTopKExec in this plan (not an ORDER BY ... LIMIT query)");
-        }
-        for reason in reasons {
-            println!("top-k: DataFusion's TopK kept: {reason}");
-        }
+    for line in topk_report(&ctx.state(), plan) {
+        println!("{line}");
     }
 }
 

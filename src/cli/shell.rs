@@ -200,14 +200,7 @@ pub async fn run(args: ShellArgs, backend: Backend, rows: u64) -> CliResult<()> 
     }
     let repl = args.command.is_empty() && args.file.is_empty();
     if !args.quiet {
-        let gpu = match datafusion_gpu_topk::internal::device::gpu_status() {
-            datafusion_gpu_topk::internal::device::GpuStatus::Available(device) => {
-                device.describe()
-            }
-            datafusion_gpu_topk::internal::device::GpuStatus::Unavailable(why) => {
-                format!("none ({why})")
-            }
-        };
+        let gpu = datafusion_gpu_topk::gpu_summary();
         println!(
             "gpu-topk {} (DataFusion CLI {}), backend {backend}, GPU: {gpu}",
             env!("CARGO_PKG_VERSION"),

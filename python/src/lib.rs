@@ -1,0 +1,436 @@
+//! The native module of the `datafusion_gpu_topk` Python package: a DataFusion
+//! `SessionContext` with the GPU top-k operator installed, and its DataFrames.
+//!
+//! Arrow data crosses the boundary through the Arrow PyCapsule interface (the C stream and
+//! schema interfaces), without copies: tables come in from any object with
+//! `__arrow_c_stream__` (pyarrow, polars, pandas through pyarrow), and a DataFrame is itself
+//! such an object. Queries run on one Tokio runtime of the process, with the GIL released.
+//! DataFusion's errors are raised as `DataFusionError` with DataFusion's message.
+//!
+//! The Python layer (`datafusion_gpu_topk/__init__.py`) wraps these classes with the
+//! conveniences that need pyarrow, pandas or polars.
+
+use std::ffi::CStr;
+use std::sync::{Arc, OnceLock};
+
+use datafusion::arrow::array::RecordBatch;
+use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::arrow::error::ArrowError;
+use datafusion::arrow::ffi::FFI_ArrowSchema;
+use datafusion::arrow::ffi_stream::{ArrowArrayStreamReader, FFI_ArrowArrayStream};
+use datafusion::arrow::record_batch::{RecordBatchIterator, RecordBatchReader};
+use datafusion::arrow::util::pretty::pretty_format_batches;
+use datafusion::datasource::MemTable;
+use datafusion::error::DataFusionError as DfError;
+use datafusion::execution::SessionStateBuilder;
+use datafusion::prelude::{
+    CsvReadOptions, DataFrame, ParquetReadOptions, SessionConfig, SessionContext,
+};
+use datafusion_gpu_topk::datasets::{QUERIES, TweetsSpec, tweets_mem_table};
+use datafusion_gpu_topk::{GpuTopKConfig, SessionStateBuilderExt, gpu_summary, topk_report};
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyDict};
+
+pyo3::create_exception!(
+    datafusion_gpu_topk,
+    DataFusionError,
+    PyException,
+    "An error of DataFusion's (SQL, planning, execution, a setting), with its message."
+);
+
+/// The capsule names of the Arrow PyCapsule interface.
+const STREAM: &CStr = c"arrow_array_stream";
+const SCHEMA: &CStr = c"arrow_schema";
+
+fn error(e: impl Into<DfError>) -> PyErr {
+    DataFusionError::new_err(e.into().strip_backtrace())
+}
+
+fn arrow_error(e: ArrowError) -> PyErr {
+    error(DfError::ArrowError(Box::new(e), None))
+}
+
+/// The runtime every query of the process runs on (all cores).
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .thread_name("datafusion-gpu-topk")
+            .build()
+            .expect("a Tokio runtime")
+    })
+}
+
+/// Runs `future` to its end with the GIL released, so that other Python threads go on.
+fn wait<F>(py: Python<'_>, future: F) -> F::Output
+where
+    F: std::future::Future + Send,
+    F::Output: Send,
+{
+    py.detach(|| runtime().block_on(future))
+}
+
+/// The batches of an object with `__arrow_c_stream__` (its schema, then the batches).
+fn import_stream(data: &Bound<'_, PyAny>) -> PyResult<(SchemaRef, Vec<RecordBatch>)> {
+    if !data.hasattr("__arrow_c_stream__")? {
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "expected Arrow data (an object with __arrow_c_stream__, such as a pyarrow Table), \
+             got {}",
+            data.get_type().name()?
+        )));
+    }
+    let capsule = data.call_method0("__arrow_c_stream__")?;
+    let capsule = capsule.cast::<PyCapsule>()?;
+    let pointer = capsule.pointer_checked(Some(STREAM))?;
+    // SAFETY: a capsule named arrow_array_stream holds an ArrowArrayStream, which `from_raw`
+    // moves out (marking the capsule's released) so that the reader owns it.
+    let reader = unsafe {
+        ArrowArrayStreamReader::from_raw(pointer.as_ptr().cast::<FFI_ArrowArrayStream>())
+    }
+    .map_err(arrow_error)?;
+    let schema = reader.schema();
+    let batches = reader.collect::<Result<Vec<_>, _>>().map_err(arrow_error)?;
+    Ok((schema, batches))
+}
+
+/// A DataFusion session with the GPU top-k operator installed.
+#[pyclass(
+    name = "SessionContext",
+    module = "datafusion_gpu_topk._internal",
+    frozen
+)]
+struct PySessionContext {
+    ctx: SessionContext,
+}
+
+#[pymethods]
+impl PySessionContext {
+    /// `settings`: DataFusion's and the operator's options by their SQL names
+    /// (`{"gpu_topk.backend": "cpu", "datafusion.execution.target_partitions": "4"}`).
+    #[new]
+    #[pyo3(signature = (settings = None))]
+    fn new(settings: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let mut config = SessionConfig::new().with_information_schema(true);
+        if let Some(settings) = settings {
+            // Partitions and batch size first: the operator's defaults depend on neither.
+            for (key, value) in settings.iter() {
+                let key: String = key.extract()?;
+                let value = match value.extract::<bool>() {
+                    Ok(b) => b.to_string(),
+                    Err(_) => value.str()?.to_string(),
+                };
+                if !key.starts_with("gpu_topk.") {
+                    config.options_mut().set(&key, &value).map_err(error)?;
+                }
+            }
+        }
+        let state = SessionStateBuilder::new()
+            .with_config(config)
+            .with_default_features()
+            .with_gpu_topk(GpuTopKConfig::default())
+            .build();
+        let ctx = SessionContext::new_with_state(state);
+        if let Some(settings) = settings {
+            for (key, value) in settings.iter() {
+                let key: String = key.extract()?;
+                if key.starts_with("gpu_topk.") {
+                    let value = match value.extract::<bool>() {
+                        Ok(b) => b.to_string(),
+                        Err(_) => value.str()?.to_string(),
+                    };
+                    set_option(&ctx, &key, &value)?;
+                }
+            }
+        }
+        Ok(Self { ctx })
+    }
+
+    /// Plans `query` (any statement DataFusion takes: a query, `CREATE EXTERNAL TABLE`,
+    /// `SET`, `EXPLAIN`); statements that change the session run now.
+    fn sql(&self, py: Python<'_>, query: &str) -> PyResult<PyDataFrame> {
+        let frame = wait(py, self.ctx.sql(query)).map_err(error)?;
+        Ok(PyDataFrame { frame })
+    }
+
+    /// Sets one option by its SQL name, as `SET key = value` does.
+    fn set(&self, key: &str, value: &str) -> PyResult<()> {
+        set_option(&self.ctx, key, value)
+    }
+
+    /// Registers the Parquet file or directory of files at `path` as table `name`.
+    #[pyo3(signature = (name, path, file_extension = ".parquet"))]
+    fn register_parquet(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        path: &str,
+        file_extension: &str,
+    ) -> PyResult<()> {
+        let options = ParquetReadOptions {
+            file_extension,
+            ..Default::default()
+        };
+        wait(py, self.ctx.register_parquet(name, path, options)).map_err(error)
+    }
+
+    /// Registers the CSV file or directory of files at `path` as table `name`.
+    #[pyo3(signature = (name, path, has_header = true, delimiter = ",", file_extension = ".csv"))]
+    fn register_csv(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        path: &str,
+        has_header: bool,
+        delimiter: &str,
+        file_extension: &str,
+    ) -> PyResult<()> {
+        let [delimiter] = delimiter.as_bytes() else {
+            return Err(error(DfError::Configuration(format!(
+                "a CSV delimiter is one byte, not {delimiter:?}"
+            ))));
+        };
+        let options = CsvReadOptions::new()
+            .has_header(has_header)
+            .delimiter(*delimiter)
+            .file_extension(file_extension);
+        wait(py, self.ctx.register_csv(name, path, options)).map_err(error)
+    }
+
+    /// Registers in-memory partitions as table `name`: each partition an object with
+    /// `__arrow_c_stream__` (e.g. a pyarrow Table), all of one schema. The batches are not
+    /// copied.
+    fn register_record_batches(
+        &self,
+        name: &str,
+        partitions: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let table = mem_table(&partitions)?;
+        self.ctx.register_table(name, table).map_err(error)?;
+        Ok(())
+    }
+
+    /// A DataFrame over the Arrow data in `data` (an object with `__arrow_c_stream__`), not
+    /// copied; registered as table `name` too when given.
+    #[pyo3(signature = (data, name = None))]
+    #[allow(clippy::wrong_self_convention)] // datafusion-python's name for it
+    fn from_arrow(&self, data: &Bound<'_, PyAny>, name: Option<&str>) -> PyResult<PyDataFrame> {
+        let table = mem_table(std::slice::from_ref(data))?;
+        if let Some(name) = name {
+            self.ctx
+                .register_table(name, Arc::clone(&table) as _)
+                .map_err(error)?;
+        }
+        let frame = self.ctx.read_table(table).map_err(error)?;
+        Ok(PyDataFrame { frame })
+    }
+
+    /// Registers the generated tweets table of the benchmarks (the columns `id`, `tweet_time`,
+    /// `retweet_count`, `likes_count`, `lang`, …) with `rows` rows, as table `name`.
+    #[pyo3(signature = (rows, name = "tweets"))]
+    fn register_tweets(&self, py: Python<'_>, rows: u64, name: &str) -> PyResult<()> {
+        let partitions = self.ctx.copied_config().target_partitions();
+        let table = py
+            .detach(|| tweets_mem_table(&TweetsSpec::new(rows), partitions))
+            .map_err(error)?;
+        self.ctx.register_table(name, table).map_err(error)?;
+        Ok(())
+    }
+
+    /// The DataFrame of table `name`.
+    fn table(&self, py: Python<'_>, name: &str) -> PyResult<PyDataFrame> {
+        let frame = wait(py, self.ctx.table(name)).map_err(error)?;
+        Ok(PyDataFrame { frame })
+    }
+
+    /// Removes table `name`; whether it was there.
+    fn deregister_table(&self, name: &str) -> PyResult<bool> {
+        Ok(self.ctx.deregister_table(name).map_err(error)?.is_some())
+    }
+
+    /// The names of the tables of the default schema, sorted.
+    fn tables(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .ctx
+            .catalog("datafusion")
+            .and_then(|c| c.schema("public"))
+            .map(|s| s.table_names())
+            .unwrap_or_default();
+        names.sort();
+        names
+    }
+}
+
+fn set_option(ctx: &SessionContext, key: &str, value: &str) -> PyResult<()> {
+    let state = ctx.state_ref();
+    let mut state = state.write();
+    state
+        .config_mut()
+        .options_mut()
+        .set(key, value)
+        .map_err(error)
+}
+
+/// One in-memory table of the partitions' batches.
+fn mem_table(partitions: &[Bound<'_, PyAny>]) -> PyResult<Arc<MemTable>> {
+    let mut schema: Option<SchemaRef> = None;
+    let mut parts = Vec::with_capacity(partitions.len());
+    for (i, partition) in partitions.iter().enumerate() {
+        let (s, batches) = import_stream(partition)?;
+        match &schema {
+            None => schema = Some(s),
+            Some(first) if first.fields() != s.fields() => {
+                return Err(error(DfError::Plan(format!(
+                    "partition {i} has schema {s}, partition 0 {first}"
+                ))));
+            }
+            Some(_) => {}
+        }
+        parts.push(batches);
+    }
+    let schema = schema.ok_or_else(|| {
+        error(DfError::Plan(
+            "no partitions: a table needs at least one (it may be empty)".to_string(),
+        ))
+    })?;
+    // Batches whose schema differs in metadata only take the table's.
+    let parts = parts
+        .into_iter()
+        .map(|batches| {
+            batches
+                .into_iter()
+                .map(|b| b.with_schema(Arc::clone(&schema)))
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(arrow_error)?;
+    Ok(Arc::new(MemTable::try_new(schema, parts).map_err(error)?))
+}
+
+/// `batch` in `schema`: a plan's branches may give one column in different physical types
+/// (a `UNION ALL` of `LargeUtf8` and `Utf8View`), where the stream must give one.
+fn conform(batch: RecordBatch, schema: &SchemaRef) -> Result<RecordBatch, ArrowError> {
+    if batch.schema().fields() == schema.fields() {
+        return RecordBatch::try_new(Arc::clone(schema), batch.columns().to_vec());
+    }
+    let columns = (batch.columns().iter().zip(schema.fields()))
+        .map(|(column, field)| datafusion::arrow::compute::cast(column, field.data_type()))
+        .collect::<Result<Vec<_>, _>>()?;
+    RecordBatch::try_new(Arc::clone(schema), columns)
+}
+
+/// A planned query: run it with `collect` (or hand it to pyarrow, pandas or polars, which
+/// read it through `__arrow_c_stream__`). Each run executes the query again.
+#[pyclass(name = "DataFrame", module = "datafusion_gpu_topk._internal", frozen)]
+struct PyDataFrame {
+    frame: DataFrame,
+}
+
+#[pymethods]
+impl PyDataFrame {
+    /// Runs the query: its result as an Arrow C stream (a PyCapsule), for pyarrow's
+    /// `RecordBatchReader.from_stream`, `pyarrow.table`, polars and pandas.
+    #[pyo3(signature = (requested_schema = None))]
+    fn __arrow_c_stream__<'py>(
+        &self,
+        py: Python<'py>,
+        requested_schema: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyCapsule>> {
+        // The result is given in its own schema; consumers cast where they asked otherwise.
+        let _ = requested_schema;
+        let schema: SchemaRef = Arc::new(self.frame.schema().as_arrow().clone());
+        let batches = wait(py, self.frame.clone().collect()).map_err(error)?;
+        let batches = (batches.into_iter())
+            .map(|b| conform(b, &schema))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(arrow_error)?;
+        let reader = RecordBatchIterator::new(batches.into_iter().map(Ok), schema);
+        let stream = FFI_ArrowArrayStream::new(Box::new(reader));
+        PyCapsule::new_with_value(py, stream, STREAM)
+    }
+
+    /// The result's schema as an Arrow C schema (a PyCapsule), for `pyarrow.schema`.
+    fn __arrow_c_schema__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
+        let schema =
+            FFI_ArrowSchema::try_from(self.frame.schema().as_arrow()).map_err(arrow_error)?;
+        PyCapsule::new_with_value(py, schema, SCHEMA)
+    }
+
+    /// The plan (`EXPLAIN`, or `EXPLAIN ANALYZE`, which runs the query) as text, then one
+    /// line per top-k operator: where it runs, or why DataFusion's TopK was kept.
+    #[pyo3(signature = (verbose = false, analyze = false))]
+    fn explain(&self, py: Python<'_>, verbose: bool, analyze: bool) -> PyResult<String> {
+        let explained = self
+            .frame
+            .clone()
+            .explain(verbose, analyze)
+            .map_err(error)?;
+        let (state, logical) = self.frame.clone().into_parts();
+        let (batches, report) = wait(py, async move {
+            let batches = explained.collect().await?;
+            let plan = state.create_physical_plan(&logical).await?;
+            Ok::<_, DfError>((batches, topk_report(&state, &plan)))
+        })
+        .map_err(error)?;
+        let mut text = pretty_format_batches(&batches)
+            .map_err(arrow_error)?
+            .to_string();
+        for line in report {
+            text.push('\n');
+            text.push_str(&line);
+        }
+        Ok(text)
+    }
+
+    /// The first `n` rows as a table of text.
+    #[pyo3(signature = (n = 20))]
+    fn show_string(&self, py: Python<'_>, n: usize) -> PyResult<String> {
+        let frame = self.frame.clone().limit(0, Some(n)).map_err(error)?;
+        let batches = wait(py, frame.collect()).map_err(error)?;
+        Ok(pretty_format_batches(&batches)
+            .map_err(arrow_error)?
+            .to_string())
+    }
+
+    /// The number of rows the query returns.
+    fn count(&self, py: Python<'_>) -> PyResult<usize> {
+        wait(py, self.frame.clone().count()).map_err(error)
+    }
+
+    /// The names of the result's columns.
+    fn columns(&self) -> Vec<String> {
+        self.frame
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| f.name().clone())
+            .collect()
+    }
+}
+
+/// The GPU the operator uses (`NVIDIA H200, …`), or `none (why)`.
+#[pyfunction]
+fn gpu_status() -> String {
+    gpu_summary()
+}
+
+/// The tweet top-k queries of the benchmarks, as (name, SQL) pairs.
+#[pyfunction]
+fn tweet_queries() -> Vec<(String, String)> {
+    QUERIES
+        .iter()
+        .map(|(name, sql)| (name.to_string(), sql.to_string()))
+        .collect()
+}
+
+#[pymodule]
+fn _internal(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PySessionContext>()?;
+    m.add_class::<PyDataFrame>()?;
+    m.add_function(wrap_pyfunction!(tweet_queries, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_status, m)?)?;
+    m.add("DataFusionError", m.py().get_type::<DataFusionError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
