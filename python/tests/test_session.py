@@ -225,6 +225,9 @@ def test_cuda_backend_matches_the_cpu_path():
     for ctx in (cuda, cpu):
         ctx.register_tweets(200_000)
     for name, sql in gt.tweet_queries():
+        if "GROUP BY" in sql:
+            # Rows merged by a hash repartition arrive in any order: ties need a last key.
+            sql = sql.replace(" LIMIT", ", uid LIMIT")
         df = cuda.sql(sql)
         assert "backend=cuda" in df.explain(), name
         assert rows(df) == rows(cpu.sql(sql)), name
