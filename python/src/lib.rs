@@ -112,19 +112,23 @@ impl PySessionContext {
     #[new]
     #[pyo3(signature = (settings = None))]
     fn new(settings: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let mut pairs = Vec::new();
+        for (key, value) in settings.into_iter().flat_map(|d| d.iter()) {
+            // Python's True and False as SQL's true and false.
+            let value = match value.extract::<bool>() {
+                Ok(b) => b.to_string(),
+                Err(_) => value.str()?.to_string(),
+            };
+            pairs.push((key.extract::<String>()?, value));
+        }
         let mut config = SessionConfig::new().with_information_schema(true);
-        if let Some(settings) = settings {
-            // Partitions and batch size first: the operator's defaults depend on neither.
-            for (key, value) in settings.iter() {
-                let key: String = key.extract()?;
-                let value = match value.extract::<bool>() {
-                    Ok(b) => b.to_string(),
-                    Err(_) => value.str()?.to_string(),
-                };
-                if !key.starts_with("gpu_topk.") {
-                    config.options_mut().set(&key, &value).map_err(error)?;
-                }
-            }
+        // DataFusion's own options before the session is built (they size it); the operator's
+        // after it is installed, as `SET` would.
+        let (ours, theirs): (Vec<_>, Vec<_>) = pairs
+            .into_iter()
+            .partition(|(k, _)| k.starts_with("gpu_topk."));
+        for (key, value) in theirs {
+            config.options_mut().set(&key, &value).map_err(error)?;
         }
         let state = SessionStateBuilder::new()
             .with_config(config)
@@ -132,17 +136,8 @@ impl PySessionContext {
             .with_gpu_topk(GpuTopKConfig::default())
             .build();
         let ctx = SessionContext::new_with_state(state);
-        if let Some(settings) = settings {
-            for (key, value) in settings.iter() {
-                let key: String = key.extract()?;
-                if key.starts_with("gpu_topk.") {
-                    let value = match value.extract::<bool>() {
-                        Ok(b) => b.to_string(),
-                        Err(_) => value.str()?.to_string(),
-                    };
-                    set_option(&ctx, &key, &value)?;
-                }
-            }
+        for (key, value) in ours {
+            set_option(&ctx, &key, &value)?;
         }
         Ok(Self { ctx })
     }

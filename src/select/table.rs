@@ -542,7 +542,7 @@ impl<'i, 'a> TableColumn<'i, 'a> {
                 // shipped before the next is derived.
                 let mut at = 0;
                 for window in prefix_windows(&self.input.chunks) {
-                    let bytes = derive_prefix_words(window).map_err(|e| GpuError(e.to_string()))?;
+                    let bytes = derive_prefix_words(window)?;
                     engine.upload_image(&[(0, &bytes)], bytes.len(), dst + at as u64)?;
                     at += bytes.len();
                 }
@@ -835,8 +835,8 @@ fn buffers(data: &datafusion::arrow::array::ArrayData) -> Vec<Buffer> {
     all
 }
 
-/// `f` of each item, in order, the items spread over up to one thread a core (a string
-/// chunk's row ends and bytes: `Utf8View` bytes are gathered row by row).
+/// `f` of each item, in order, the items spread over up to one thread a core: deriving
+/// prefix words, and gathering strings' row ends and bytes (`Utf8View` bytes row by row).
 fn on_cores<T: Send, R: Send>(
     items: Vec<T>,
     f: impl Fn(T) -> GpuResult<R> + Sync,
@@ -866,9 +866,11 @@ fn on_cores<T: Send, R: Send>(
             })
             .collect();
         for thread in running {
-            let done = thread
-                .join()
-                .unwrap_or_else(|_| Err(GpuError("a string-gathering thread panicked".into())))?;
+            let done = thread.join().unwrap_or_else(|_| {
+                Err(GpuError(
+                    "a host thread deriving a column image panicked".into(),
+                ))
+            })?;
             for (i, r) in done {
                 results[i] = Some(r);
             }
@@ -882,7 +884,7 @@ fn on_cores<T: Send, R: Send>(
 }
 
 /// The prefix words of `chunks`, back to back, derived on up to one thread a core.
-fn derive_prefix_words(chunks: &[ArrayRef]) -> Result<Vec<u8>> {
+fn derive_prefix_words(chunks: &[ArrayRef]) -> GpuResult<Vec<u8>> {
     let rows: usize = chunks.iter().map(|c| c.len()).sum();
     let mut bytes = vec![0u8; rows * PREFIX_BYTES];
     // Pieces of at most 2^20 rows (slices share the chunk's buffers), so that a window of
@@ -901,29 +903,8 @@ fn derive_prefix_words(chunks: &[ArrayRef]) -> Result<Vec<u8>> {
         slots.push((piece, slot));
         rest = tail;
     }
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(slots.len().max(1));
-    let mut shares: Vec<Vec<(&ArrayRef, &mut [u8])>> = (0..threads).map(|_| Vec::new()).collect();
-    for (i, slot) in slots.into_iter().enumerate() {
-        shares[i % threads].push(slot);
-    }
-    std::thread::scope(|scope| {
-        let running: Vec<_> = (shares.into_iter())
-            .map(|share| {
-                scope.spawn(move || -> Result<()> {
-                    for (chunk, slot) in share {
-                        crate::keys::write_prefix_words(chunk.as_ref(), slot)?;
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        running.into_iter().try_for_each(|thread| {
-            thread
-                .join()
-                .unwrap_or_else(|_| Err(exec_error("a prefix-word thread panicked".into())))
-        })
+    on_cores(slots, |(piece, slot)| {
+        crate::keys::write_prefix_words(piece.as_ref(), slot).map_err(|e| GpuError(e.to_string()))
     })?;
     Ok(bytes)
 }
@@ -1255,5 +1236,47 @@ impl Drop for Reserved<'_> {
         if self.bytes > 0 {
             self.device.column_cache.unreserve(self.bytes);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Results come back in the items' order whatever thread ran them, and an item's error
+    /// is the call's.
+    #[test]
+    fn on_cores_keeps_order_and_errors() {
+        let items: Vec<u64> = (0..1000).collect();
+        let squares = on_cores(items.clone(), |i| Ok(i * i)).unwrap();
+        assert_eq!(squares, items.iter().map(|i| i * i).collect::<Vec<_>>());
+        let failed = on_cores(items, |i| match i {
+            677 => Err(GpuError("item 677".into())),
+            i => Ok(i),
+        });
+        assert_eq!(failed, Err(GpuError("item 677".into())));
+        assert_eq!(on_cores(Vec::<u8>::new(), Ok).unwrap(), Vec::<u8>::new());
+    }
+
+    /// Prefix words derived in pieces over the cores are those of the whole chunks.
+    #[test]
+    fn derived_prefix_words_are_each_chunks() {
+        use datafusion::arrow::array::StringArray;
+        let chunks: Vec<ArrayRef> = (0..5)
+            .map(|c| {
+                let values: Vec<Option<String>> = (0..(c * 700_001 % 1_500_000))
+                    .map(|i| (i % 7 != 3).then(|| format!("{c}-{i:09}-tail")))
+                    .collect();
+                Arc::new(StringArray::from(values)) as ArrayRef
+            })
+            .collect();
+        let derived = derive_prefix_words(&chunks).unwrap();
+        let mut want = Vec::new();
+        for chunk in &chunks {
+            for w in crate::keys::prefix_words(chunk.as_ref()).unwrap() {
+                want.extend_from_slice(&w.to_le_bytes());
+            }
+        }
+        assert_eq!(derived, want);
     }
 }
