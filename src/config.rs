@@ -157,6 +157,11 @@ extensions_options! {
         /// query does not ship them over PCIe again. The cache is the process's, shared by
         /// every session; its budget is set for the process (`set_column_cache_budget`).
         pub column_cache: bool, default = true
+        /// After a run on the CPU path over a table the column cache can hold, load the
+        /// columns it read into the cache in the background (starting the device if it is
+        /// not), so that the next query runs warm. The CLI turns it off for a lone `-c`
+        /// statement, which has no next query to wait for it.
+        pub load_after_cpu: bool, default = true
     }
 }
 
@@ -249,6 +254,10 @@ impl GpuTopKConfig {
     }
     pub fn with_column_cache(mut self, use_cache: bool) -> Self {
         self.column_cache = use_cache;
+        self
+    }
+    pub fn with_load_after_cpu(mut self, load: bool) -> Self {
+        self.load_after_cpu = load;
         self
     }
     pub fn with_inject_fault(mut self, fault: FaultPoint) -> Self {

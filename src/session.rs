@@ -72,7 +72,8 @@ impl TableFunctionImpl for CacheFunction {
         if !args.exprs().is_empty() {
             return plan_err!("gpu_topk_cache functions take no arguments");
         }
-        let cache = crate::device::gpu();
+        // A device not started yet has an empty cache: listing it does not start it.
+        let cache = crate::device::started_gpu();
         let batch = match self {
             CacheFunction::List => {
                 let entries = cache.map(|d| d.column_cache.listing()).unwrap_or_default();

@@ -27,7 +27,7 @@ use datafusion::physical_plan::{ExecutionPlan, collect, displayable};
 use datafusion::prelude::{CsvReadOptions, ParquetReadOptions, SessionContext};
 
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
-use datafusion_gpu_topk::{Backend, GpuTopKExec, gpu_summary, topk_report};
+use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, gpu_summary, topk_report};
 
 /// Rows of the generated tweets table unless `--rows` says.
 const DEFAULT_ROWS: u64 = 10_000_000;
@@ -161,7 +161,8 @@ async fn run(cli: Cli) -> CliResult<()> {
             Ok(())
         }
         Command::Tweets { show } => {
-            let ctx = shell::session(common.backend, rows, false, &shell::Runtime::default())?;
+            let gpu = GpuTopKConfig::default().with_backend(common.backend);
+            let ctx = shell::session(gpu, rows, false, &shell::Runtime::default())?;
             print_gpu_status();
             for (name, sql) in tweets::QUERIES {
                 println!("\n== {name}: {sql}");
@@ -181,7 +182,11 @@ async fn run(cli: Cli) -> CliResult<()> {
                 .iter()
                 .map(|(name, path)| table_kind(name, path))
                 .collect::<std::result::Result<Vec<_>, _>>()?;
-            let ctx = shell::session(common.backend, rows, false, &shell::Runtime::default())?;
+            // One statement: nothing for the column cache to serve afterwards.
+            let gpu = GpuTopKConfig::default()
+                .with_backend(common.backend)
+                .with_load_after_cpu(false);
+            let ctx = shell::session(gpu, rows, false, &shell::Runtime::default())?;
             for ((name, path), kind) in tables.iter().zip(kinds) {
                 // DataFusion's message (a corrupt footer, a short row) does not say which table.
                 let registered = match kind {
@@ -193,8 +198,13 @@ async fn run(cli: Cli) -> CliResult<()> {
                 };
                 registered.map_err(|e| format!("--table {name}={path}: {e}"))?;
             }
-            print_gpu_status();
-            Ok(run_query(&ctx, &sql, explain, show.unwrap_or(usize::MAX)).await?)
+            let result = run_query(&ctx, &sql, explain, show.unwrap_or(usize::MAX)).await;
+            // The query starts the device only where it needs it.
+            match datafusion_gpu_topk::internal::device::probed_status() {
+                Some(_) => print_gpu_status(),
+                None => println!("GPU: not started (the query did not need it)"),
+            }
+            Ok(result?)
         }
     }
 }

@@ -132,11 +132,12 @@ pub struct Runtime {
     pub fair_pool: bool,
 }
 
-/// A session with the operator installed (`backend`), datafusion-cli's object stores and
-/// table functions, URL tables (`SELECT * FROM 'file.parquet'`), and a `tweets` table of
-/// `rows` rows generated when a statement first names it (`quiet`: without saying so).
+/// A session with the operator installed (with `gpu` as its settings), datafusion-cli's
+/// object stores and table functions, URL tables (`SELECT * FROM 'file.parquet'`), and a
+/// `tweets` table of `rows` rows generated when a statement first names it (`quiet`: without
+/// saying so).
 pub fn session(
-    backend: Backend,
+    gpu: GpuTopKConfig,
     rows: u64,
     quiet: bool,
     runtime: &Runtime,
@@ -158,7 +159,7 @@ pub fn session(
         .with_config(config)
         .with_runtime_env(builder.build_arc()?)
         .with_default_features()
-        .with_gpu_topk(GpuTopKConfig::default().with_backend(backend))
+        .with_gpu_topk(gpu)
         .build();
     let ctx = SessionContext::new_with_state(state);
     let catalog = ctx
@@ -200,14 +201,27 @@ pub async fn run(args: ShellArgs, backend: Backend, rows: u64) -> CliResult<()> 
     }
     let repl = args.command.is_empty() && args.file.is_empty();
     if !args.quiet {
-        let gpu = datafusion_gpu_topk::gpu_summary();
+        // Statements from the command line start the device only if a query needs it.
+        let gpu = match repl {
+            true => format!(", GPU: {}", datafusion_gpu_topk::gpu_summary()),
+            false => String::new(),
+        };
         println!(
-            "gpu-topk {} (DataFusion CLI {}), backend {backend}, GPU: {gpu}",
+            "gpu-topk {} (DataFusion CLI {}), backend {backend}{gpu}",
             env!("CARGO_PKG_VERSION"),
             datafusion_cli::DATAFUSION_CLI_VERSION
         );
     }
-    let ctx = session(backend, rows, args.quiet, &runtime)?;
+    // A lone statement has no next query for the column cache to serve.
+    let lone = args.file.is_empty() && args.command.len() == 1 && {
+        let dialect = datafusion::sql::sqlparser::dialect::GenericDialect {};
+        datafusion::sql::sqlparser::parser::Parser::parse_sql(&dialect, &args.command[0])
+            .is_ok_and(|statements| statements.len() <= 1)
+    };
+    let gpu = GpuTopKConfig::default()
+        .with_backend(backend)
+        .with_load_after_cpu(!lone);
+    let ctx = session(gpu, rows, args.quiet, &runtime)?;
     let mut print_options = PrintOptions {
         format: args.format,
         quiet: args.quiet,

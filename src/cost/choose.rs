@@ -49,6 +49,13 @@ pub(crate) const ASSUMED_ROWS: usize = 1 << 24;
 /// A generated program's NVRTC compile, when this process has not timed one yet.
 const COMPILE_ESTIMATE: Duration = Duration::from_millis(200);
 
+/// Starting the device (its context, the kernels, the calibration from disk), charged to the
+/// first query that needs it.
+const DEVICE_START: Duration = Duration::from_millis(250);
+/// The CPU selector's rows per second per core before the calibration measured them: a low
+/// figure, so that a query the CPU might not finish before the device starts starts it.
+const ASSUMED_CPU_ROWS_PER_S: f64 = 100e6;
+
 /// The model's prediction for the chosen plan and its alternatives.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Prediction {
@@ -159,6 +166,9 @@ pub(crate) fn choose(
         },
         _ => Placement::Decline(why),
     };
+    if let Some(placement) = before_start(backend, &estimate) {
+        return placement;
+    }
     let input = input_form(k, &estimate, fault);
     let device = match gpu_status() {
         GpuStatus::Unavailable(why) => return cpu_or_decline(format!("no GPU found ({why})")),
@@ -293,6 +303,36 @@ fn input_form(k: usize, estimate: &Estimate, fault: FaultPoint) -> InputForm {
 /// Whether a run on the CPU path is followed by loading the input's columns into the column
 /// cache: under `auto`, over a whole table whose columns are not all resident (the GPU would
 /// have had to ship them first), so that the next query finds them there.
+/// Under `auto`, before the device is started: the CPU path where the statistics show it
+/// finishes before the device could start (a small file's query then spends nothing on CUDA).
+/// A whole table is still loaded after the run ([`warm_up`]), which starts the device in the
+/// background for the next query.
+fn before_start(backend: Backend, estimate: &Estimate) -> Option<Placement> {
+    if backend != Backend::Auto
+        || crate::device::probed_status().is_some()
+        || !crate::device::probe_is_slow()
+    {
+        return None;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    cpu_before_start(backend, estimate, cores)
+}
+
+/// [`before_start`]'s choice on `cores` cores, once it knows the device is not started.
+fn cpu_before_start(backend: Backend, estimate: &Estimate, cores: usize) -> Option<Placement> {
+    let cpu = estimate.rows? as f64 / (ASSUMED_CPU_ROWS_PER_S * cores.max(1) as f64);
+    (cpu < DEVICE_START.as_secs_f64()).then(|| Placement::Run {
+        plan: SelectionPlan::Cpu {
+            warm_up: warm_up(backend, estimate),
+        },
+        reason: format!(
+            "the GPU is not started, and the CPU path (about {}) ends before it could: CPU path",
+            format_seconds(cpu)
+        ),
+        prediction: None,
+    })
+}
+
 fn warm_up(backend: Backend, estimate: &Estimate) -> bool {
     backend == Backend::Auto && estimate.whole_table && estimate.resident < 1.0
 }
@@ -462,6 +502,50 @@ pub fn device_algorithm(
 mod tests {
     use super::*;
     use crate::cost::model::h100_like;
+
+    /// Before the device is started, `auto` keeps a query the CPU path ends first off the
+    /// device (and still loads a whole table for the next query); a larger or unknown input
+    /// starts it; other backends never ask.
+    #[test]
+    fn the_cpu_path_runs_while_starting_the_device_would_take_longer() {
+        let estimate = |rows: Option<usize>, whole_table: bool| Estimate {
+            rows,
+            bytes_per_row: 8,
+            compile: false,
+            resident: 0.0,
+            whole_table,
+            decoded: false,
+        };
+        let small = cpu_before_start(Backend::Auto, &estimate(Some(1_000_000), true), 16);
+        match small {
+            Some(Placement::Run {
+                plan: SelectionPlan::Cpu { warm_up: true },
+                reason,
+                prediction: None,
+            }) => assert!(reason.contains("GPU is not started"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        let streamed = cpu_before_start(Backend::Auto, &estimate(Some(1_000_000), false), 16);
+        assert!(matches!(
+            streamed,
+            Some(Placement::Run {
+                plan: SelectionPlan::Cpu { warm_up: false },
+                ..
+            })
+        ));
+        assert_eq!(
+            cpu_before_start(Backend::Auto, &estimate(Some(1_000_000_000), true), 16),
+            None
+        );
+        assert_eq!(
+            cpu_before_start(Backend::Auto, &estimate(None, true), 16),
+            None
+        );
+        assert_eq!(
+            before_start(Backend::Cuda, &estimate(Some(1_000), true)),
+            None
+        );
+    }
 
     /// The whole-table path ships only the columns not resident, and a resident table costs
     /// a pass at device bandwidth: far below the CPU path, and below streaming the input.

@@ -275,7 +275,6 @@ const MAX_IDLE_ENGINES: usize = 32;
 
 /// The process's GPU, detected on first call.
 pub fn gpu_status() -> &'static GpuStatus {
-    static STATUS: OnceLock<GpuStatus> = OnceLock::new();
     STATUS.get_or_init(|| match contain_panics(detect) {
         Ok(Ok(device)) => GpuStatus::Available(Arc::new(device)),
         Ok(Err(reason)) => GpuStatus::Unavailable(reason),
@@ -310,6 +309,32 @@ pub(crate) fn contain_panics<T>(work: impl FnOnce() -> T) -> Result<T, String> {
             .or_else(|| payload.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "panic without a message".into())
     })
+}
+
+static STATUS: OnceLock<GpuStatus> = OnceLock::new();
+
+/// The status if the device was already probed, without probing it: planning asks this where
+/// starting the device (a context, the kernels) could cost more than the query it plans.
+pub fn probed_status() -> Option<&'static GpuStatus> {
+    STATUS.get()
+}
+
+/// Whether probing the device would start a CUDA driver (slow) rather than find at once that
+/// there is none (CUDA disabled, no driver library).
+pub fn probe_is_slow() -> bool {
+    static SLOW: OnceLock<bool> = OnceLock::new();
+    *SLOW.get_or_init(|| {
+        // SAFETY: only probes whether the shared library can be loaded.
+        !DeviceOptions::process().disabled && unsafe { cudarc::driver::sys::is_culib_present() }
+    })
+}
+
+/// The device if it is started and usable, without starting it.
+pub fn started_gpu() -> Option<Arc<GpuDevice>> {
+    match probed_status()? {
+        GpuStatus::Available(device) => Some(Arc::clone(device)),
+        GpuStatus::Unavailable(_) => None,
+    }
 }
 
 /// The usable device, if any.

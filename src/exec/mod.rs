@@ -110,7 +110,7 @@ pub struct TopKSpec {
 /// Whether columns are being loaded into the column cache in the background after a run on
 /// the CPU path (a plan's warm-up): a benchmark waits for it before timing the next query.
 pub fn warming_up() -> bool {
-    crate::device::gpu().is_some_and(|device| device.column_cache.loading())
+    crate::select::table::CacheLoader::busy()
 }
 
 impl TopKSpec {

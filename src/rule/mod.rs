@@ -352,7 +352,7 @@ fn match_top_k(
     if streamed && fusion.program.as_ref().is_some_and(|p| p.reads_strings()) {
         (fusion, placement) = place(false);
     }
-    let (plan, reason, prediction) = match placement {
+    let (mut plan, reason, prediction) = match placement {
         Placement::Run {
             plan,
             reason,
@@ -360,6 +360,9 @@ fn match_top_k(
         } => (plan, reason, prediction.map(|p| *p)),
         Placement::Decline(why) => return because(why),
     };
+    if !config.load_after_cpu && plan.warm_up() {
+        plan = SelectionPlan::CPU;
+    }
     let spec = TopKSpec {
         fusion,
         sort_exprs: absorbed.sort_exprs,
@@ -390,8 +393,14 @@ fn replays_from_memory(input: &Arc<dyn ExecutionPlan>) -> bool {
 /// that the device's column cache already holds (the cost model counts no PCIe transfer for
 /// them); `None` where the input cannot be read as a whole table.
 fn resident_share(input: &Arc<dyn ExecutionPlan>, program: &fusion::FusedProgram) -> Option<f64> {
+    use crate::device::GpuStatus;
     use crate::select::table;
-    let device = crate::device::gpu()?;
+    // A device not started yet holds nothing, and planning does not start it.
+    let device = match crate::device::probed_status() {
+        Some(GpuStatus::Unavailable(_)) => return None,
+        Some(GpuStatus::Available(device)) => Some(device),
+        None => None,
+    };
     if let Some(files) = crate::exec::parquet_input(input) {
         let columns = (program.inputs.iter())
             .map(|program_input| match program_input {
@@ -404,14 +413,14 @@ fn resident_share(input: &Arc<dyn ExecutionPlan>, program: &fusion::FusedProgram
                 }
             })
             .collect::<Option<Vec<_>>>()?;
-        return Some(table::resident_share_of(&device, columns));
+        return Some(device.map_or(0.0, |d| table::resident_share_of(d, columns)));
     }
     let memory = crate::exec::memory_input(input)?;
     let names: Vec<String> = (input.schema().fields().iter())
         .map(|f| f.name().clone())
         .collect();
     let inputs = crate::exec::table_inputs(&memory, program, &names).ok()??;
-    Some(table::resident_share(&device, &inputs))
+    Some(device.map_or(0.0, |d| table::resident_share(d, &inputs)))
 }
 
 /// The operator's inputs once the nodes below the sort are absorbed; every expression is
@@ -601,10 +610,9 @@ fn estimate(
         .compute(input, &StatisticsArgs::new())
         .ok()
         .and_then(|s| s.num_rows.get_value().copied());
-    let compile = fusion
-        .program
-        .as_ref()
-        .is_some_and(|p| crate::device::gpu().is_none_or(|d| !d.has_generated_kernel(&p.source)));
+    let compile = fusion.program.as_ref().is_some_and(|p| {
+        crate::device::started_gpu().is_none_or(|d| !d.has_generated_kernel(&p.source))
+    });
     // A string column the program reads whole ships its row ends and bytes.
     let strings = (fusion.program.iter())
         .flat_map(|p| p.inputs.iter())

@@ -978,7 +978,36 @@ pub struct CacheLoader {
     _loading: Loading<'static>,
 }
 
+/// Loads being handed to the background whose loader is not yet known ([`CacheLoader::spawn`]).
+static STARTING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 impl CacheLoader {
+    /// Runs `load` in the background with the loader, if there is a GPU and no other load
+    /// runs. The device is started there where planning left it unstarted (the query ran on
+    /// the CPU path before it could have started), so the query does not wait for it.
+    pub fn spawn<F, Fut>(load: F)
+    where
+        F: FnOnce(CacheLoader) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        use std::sync::atomic::Ordering;
+        STARTING.fetch_add(1, Ordering::SeqCst);
+        tokio::spawn(async move {
+            let loader = tokio::task::spawn_blocking(CacheLoader::start).await;
+            // The loader (if any) marks the cache as loading before this count drops.
+            STARTING.fetch_sub(1, Ordering::SeqCst);
+            if let Ok(Some(loader)) = loader {
+                load(loader).await;
+            }
+        });
+    }
+
+    /// Whether a load runs or is being started.
+    pub fn busy() -> bool {
+        STARTING.load(std::sync::atomic::Ordering::SeqCst) > 0
+            || crate::device::started_gpu().is_some_and(|d| d.column_cache.loading())
+    }
+
     /// The loader, where there is a GPU and no other load runs.
     pub fn start() -> Option<Self> {
         // The device lives as long as the process (`gpu_status` holds it in a static).

@@ -227,3 +227,62 @@ fn the_tweets_command_runs_the_four_queries() {
         "{stdout}"
     );
 }
+
+/// Under `auto`, a query the CPU path ends before the device could start does not start it:
+/// over a small Parquet file `query` reports the CPU path and a device not started where
+/// there is a GPU (a fresh process), and DataFusion's TopK with the reason where there is
+/// none. The rows are DataFusion's either way.
+#[test]
+fn a_small_query_does_not_start_the_device() {
+    use datafusion_gpu_topk::internal::device::{GpuStatus, gpu_status};
+
+    let dir = test_dir("cli-lazy-device");
+    let data = dir.join("small.parquet");
+    let (out, stdout, stderr) = run(&[
+        "-q",
+        "-c",
+        &format!(
+            "COPY (SELECT value AS id, (value * 37) % 101 AS v FROM generate_series(1, 5000)) \
+             TO '{}' STORED AS PARQUET",
+            data.display()
+        ),
+    ]);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let table = format!("t={}", data.display());
+    let sql = "SELECT id, v FROM t ORDER BY v DESC, id LIMIT 3";
+    let out = Command::new(env!("CARGO_BIN_EXE_gpu-topk"))
+        .args(["--backend", "auto", "query", "--table", &table, sql])
+        .env("HOME", std::env::temp_dir())
+        .output()
+        .expect("run gpu-topk");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // v = 100 where id ≡ 30 (mod 101): the largest v, smallest ids first.
+    let rows: Vec<Vec<&str>> = (stdout.lines())
+        .filter(|l| l.starts_with('|'))
+        .map(|l| {
+            l.split('|')
+                .map(str::trim)
+                .filter(|c| !c.is_empty())
+                .collect()
+        })
+        .collect();
+    assert_eq!(
+        rows,
+        [["id", "v"], ["30", "100"], ["131", "100"], ["232", "100"]],
+        "{stdout}"
+    );
+    match gpu_status() {
+        GpuStatus::Available(_) => {
+            assert!(stdout.contains("GPU: not started"), "{stdout}");
+            assert!(stdout.contains("backend=cpu"), "{stdout}");
+            assert!(stdout.contains("the GPU is not started"), "{stdout}");
+        }
+        GpuStatus::Unavailable(_) => assert!(stdout.contains("GPU: none ("), "{stdout}"),
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

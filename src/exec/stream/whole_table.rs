@@ -296,12 +296,9 @@ impl TopKRun {
         let Some(program) = self.spec.fusion.program.clone() else {
             return;
         };
-        let Some(loader) = CacheLoader::start() else {
-            return;
-        };
         let input = Arc::clone(&self.input);
         let context = Arc::clone(&self.context);
-        tokio::spawn(async move {
+        CacheLoader::spawn(|loader| async move {
             // The next run's plan counts a compile the program still needs.
             if let Err(e) = loader.compile(&program) {
                 log::debug!("gpu-topk: the generated program did not compile: {e}");
