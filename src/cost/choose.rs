@@ -303,6 +303,67 @@ fn input_form(k: usize, estimate: &Estimate, fault: FaultPoint) -> InputForm {
 /// Whether a run on the CPU path is followed by loading the input's columns into the column
 /// cache: under `auto`, over a whole table whose columns are not all resident (the GPU would
 /// have had to ship them first), so that the next query finds them there.
+/// Where a per-group top-k runs ([`crate::exec::GpuGroupTopKExec`]): `Ok` with the reason and
+/// the model's prediction for the GPU's segmented sort, `Err` with why the CPU path. Under
+/// `auto` the GPU runs where the model predicts its pass and sort (and the columns it ships)
+/// below the CPU path's time at the top-k selector's calibrated rate, which the per-group
+/// heaps do not beat: the comparison leans to the CPU path.
+pub(crate) fn choose_groups(
+    settings: Settings<'_>,
+    layout: &KeyLayout,
+    estimate: Estimate,
+) -> std::result::Result<(String, Option<Box<Prediction>>), String> {
+    let backend = settings.backend;
+    if backend == Backend::Cpu || settings.algorithm == Algorithm::Cpu {
+        return Err("CPU path forced by settings".into());
+    }
+    if let Some(Placement::Run { reason, .. }) = before_start(backend, &estimate) {
+        return Err(reason);
+    }
+    let device = match gpu_status() {
+        GpuStatus::Unavailable(why) => return Err(format!("no GPU found ({why}): CPU path")),
+        GpuStatus::Available(device) => device,
+    };
+    if let Err(e) = device.kernels_with_cache_dir(settings.kernel_cache_dir) {
+        return Err(format!("the GPU kernels are unusable ({e}): CPU path"));
+    }
+    let gpu = format!("GPU {}", device.describe());
+    let kind = layout.width();
+    let model = calibration::calibration(device, settings.kernel_cache_dir, settings.recalibrate)
+        .map(|c| c.model);
+    let (model, rows) = match model {
+        Ok(model) => (model, estimate.rows()),
+        Err(e) if backend == Backend::Cuda => {
+            return Ok((format!("{gpu}; backend=cuda, uncalibrated ({e})"), None));
+        }
+        Err(e) => return Err(format!("{gpu}; uncalibrated ({e}): CPU path")),
+    };
+    let shipped = (rows * estimate.bytes_per_row) as f64 * (1.0 - estimate.resident);
+    let seconds = compile_seconds(device, &estimate)
+        + STAGED_TRANSFER * model.transfer_time(shipped as usize)
+        + model.filter_time(rows, rows, kind)
+        + model.sort_time(rows, kind, rows, 0);
+    let cpu = model.cpu_time(rows);
+    let prediction = Box::new(Prediction {
+        rows,
+        rows_known: estimate.rows.is_some(),
+        seconds,
+        alternatives: vec![(SelectionChoice::Cpu, cpu)],
+        model: None,
+        resident: estimate.resident,
+    });
+    let versus = format!(
+        "segmented sort {} against the CPU path's {} or more",
+        format_seconds(seconds),
+        format_seconds(cpu)
+    );
+    match backend {
+        Backend::Cuda => Ok((format!("{gpu}; backend=cuda; {versus}"), Some(prediction))),
+        _ if seconds < cpu => Ok((format!("{gpu}; {versus}"), Some(prediction))),
+        _ => Err(format!("{gpu}; {versus}: CPU path")),
+    }
+}
+
 /// Under `auto`, before the device is started: the CPU path where the statistics show it
 /// finishes before the device could start (a small file's query then spends nothing on CUDA).
 /// A whole table is still loaded after the run ([`warm_up`]), which starts the device in the

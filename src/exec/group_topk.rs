@@ -24,31 +24,79 @@
 //! its rank), so it may return more than K rows; under `DENSE_RANK()` it keeps every row of
 //! its K smallest distinct keys (an ordered map of at most K keys a group, each with its
 //! rows).
-//! It runs on the CPU; held batches are reserved from DataFusion's memory pool.
+//! On the CPU path held batches are reserved from DataFusion's memory pool.
+//!
+//! **On the GPU** ([`GroupDevicePlan`], where the rule found a whole in-memory table below the
+//! hash repartition, with a filter and keys its generated code evaluates): a segmented sort.
+//! The program's pass appends every passing row's composite key, the group keys in its high
+//! bits and the order keys below, with the row's position in the table; the pairs are sorted
+//! on the device, and the thread at each group's first pair walks the group and keeps its K
+//! best rows with their numbers (kernels/groups.cu), written in sorted order. The host reads
+//! back only the kept positions and numbers, gathers their rows from the table, and hashes
+//! them into the window's output partitions as the repartition below would have. Every output
+//! partition waits for that one run. Ties are broken by table position, deterministic
+//! whatever the arrival order. Any device failure runs the CPU path instead.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::{self, Formatter};
 use std::sync::Arc;
 
-use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, UInt64Array};
+use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, UInt64Array, new_null_array};
 use datafusion::arrow::compute::interleave;
-use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::arrow::datatypes::{Schema, SchemaRef};
 use datafusion::arrow::row::{RowConverter, Rows, SortField};
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
+use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_expr::{LexOrdering, PhysicalExpr};
 use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
 use datafusion::physical_plan::metrics::{
-    BaselineMetrics, Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet,
+    BaselineMetrics, Count, ExecutionPlanMetricsSet, Gauge, MetricBuilder, MetricsSet, Time,
 };
+use datafusion::physical_plan::repartition::BatchPartitioner;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
-    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
-    SendableRecordBatchStream,
+    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, Partitioning,
+    PlanProperties, SendableRecordBatchStream,
 };
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
+
+use super::stream::{gather_rows, table_starts};
+use crate::config::FaultPoint;
+use crate::cost::Prediction;
+use crate::device::watch::DeviceWatch;
+use crate::device::{DeviceAlgorithm, GroupRanking};
+use crate::fusion::FusedProgram;
+use crate::keys::KeyLayout;
+use crate::select::SelectionSpec;
+
+/// The device side of a per-group top-k over a whole in-memory table (see the module
+/// documentation), as the rule planned it.
+#[derive(Debug)]
+pub struct GroupDevicePlan {
+    /// The in-memory table the program reads (below the filter and projections it absorbed).
+    pub table: Arc<dyn ExecutionPlan>,
+    /// The program: the predicate, and the composite of the group keys then the order keys.
+    pub program: Arc<FusedProgram>,
+    pub layout: KeyLayout,
+    /// The composite's lowest bit of the group keys.
+    pub lo: u32,
+    /// The operator's input columns as expressions over the table's.
+    pub output_exprs: Vec<Arc<dyn PhysicalExpr>>,
+    /// Why the GPU (EXPLAIN VERBOSE), and the model's prediction.
+    pub reason: String,
+    pub prediction: Option<Prediction>,
+    /// A device failure to inject (`gpu_topk.inject_fault`).
+    pub fault: FaultPoint,
+    /// `gpu_topk.device_memory_limit`.
+    pub device_memory_limit: usize,
+}
+
+/// The device run's output partitions, shared by every output partition's stream; `None`:
+/// the CPU path runs instead.
+type SharedRun = Arc<tokio::sync::OnceCell<Option<Arc<Vec<Vec<RecordBatch>>>>>>;
 
 /// See the module documentation.
 #[derive(Debug)]
@@ -64,6 +112,11 @@ pub struct GpuGroupTopKExec {
     schema: SchemaRef,
     properties: Arc<PlanProperties>,
     metrics: ExecutionPlanMetricsSet,
+    /// The GPU plan, where the rule placed the selection there.
+    device: Option<Arc<GroupDevicePlan>>,
+    /// Why the CPU path (EXPLAIN VERBOSE), where it is not.
+    cpu_reason: String,
+    shared: SharedRun,
 }
 
 impl GpuGroupTopKExec {
@@ -102,7 +155,27 @@ impl GpuGroupTopKExec {
             schema,
             properties: Arc::clone(window.properties()),
             metrics: ExecutionPlanMetricsSet::new(),
+            device: None,
+            cpu_reason: String::new(),
+            shared: SharedRun::default(),
         })
+    }
+
+    /// The operator selecting on the GPU by `plan`.
+    pub fn with_device(mut self, plan: GroupDevicePlan) -> Self {
+        self.device = Some(Arc::new(plan));
+        self
+    }
+
+    /// The operator on the CPU path, for `reason`.
+    pub fn with_cpu_reason(mut self, reason: String) -> Self {
+        self.cpu_reason = reason;
+        self
+    }
+
+    /// Whether it selects on the GPU.
+    pub fn on_device(&self) -> bool {
+        self.device.is_some()
     }
 
     /// Rows kept per group.
@@ -116,7 +189,7 @@ impl GpuGroupTopKExec {
 }
 
 impl DisplayAs for GpuGroupTopKExec {
-    fn fmt_as(&self, _t: DisplayFormatType, f: &mut Formatter) -> fmt::Result {
+    fn fmt_as(&self, t: DisplayFormatType, f: &mut Formatter) -> fmt::Result {
         let (groups, order) = self.ordering.split_at(self.group_keys);
         let list = |exprs: &[datafusion::physical_expr::PhysicalSortExpr]| {
             exprs
@@ -127,12 +200,31 @@ impl DisplayAs for GpuGroupTopKExec {
         };
         write!(
             f,
-            "GpuGroupTopKExec: k={}, partition_by=[{}], order_by=[{}], function={}, backend=cpu",
+            "GpuGroupTopKExec: k={}, partition_by=[{}], order_by=[{}], function={}",
             self.k,
             list(groups),
             list(order),
             self.function.name()
-        )
+        )?;
+        let verbose = matches!(t, DisplayFormatType::Verbose);
+        match &self.device {
+            Some(device) => {
+                f.write_str(", backend=cuda, algorithm=segmented-sort")?;
+                if let Some(prediction) = &device.prediction {
+                    write!(f, ", {}", prediction.describe(verbose))?;
+                }
+                if verbose {
+                    write!(f, ", reason=[{}]", device.reason)?;
+                }
+            }
+            None => {
+                f.write_str(", backend=cpu")?;
+                if verbose && !self.cpu_reason.is_empty() {
+                    write!(f, ", reason=[{}]", self.cpu_reason)?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -182,6 +274,9 @@ impl ExecutionPlan for GpuGroupTopKExec {
             schema: Arc::clone(&self.schema),
             properties: Arc::clone(&self.properties),
             metrics: ExecutionPlanMetricsSet::new(),
+            device: self.device.clone(),
+            cpu_reason: self.cpu_reason.clone(),
+            shared: SharedRun::default(),
         }))
     }
 
@@ -225,10 +320,7 @@ impl ExecutionPlan for GpuGroupTopKExec {
                 "GpuGroupTopKExec: {outputs} output partitions over {inputs} input partitions"
             );
         };
-        let streams = read
-            .into_iter()
-            .map(|p| self.input.execute(p, Arc::clone(&context)))
-            .collect::<Result<Vec<_>>>()?;
+        let input = Arc::clone(&self.input);
         let reservation = MemoryConsumer::new(format!("GpuGroupTopKExec[{partition}]"))
             .register(context.memory_pool());
         let groups = Selection {
@@ -243,8 +335,41 @@ impl ExecutionPlan for GpuGroupTopKExec {
             baseline: BaselineMetrics::new(&self.metrics, partition),
             groups_metric: MetricBuilder::new(&self.metrics).counter("groups", partition),
         };
+        // The CPU path, its input executed only when it runs.
+        let task = Arc::clone(&context);
+        let cpu = async move {
+            let streams = read
+                .into_iter()
+                .map(|p| input.execute(p, Arc::clone(&task)))
+                .collect::<Result<Vec<_>>>()?;
+            groups.run(streams).await
+        };
+        let run: futures::future::BoxFuture<'static, Result<Vec<RecordBatch>>> = match &self.device
+        {
+            None => cpu.boxed(),
+            Some(plan) => {
+                let device = DeviceRun {
+                    plan: Arc::clone(plan),
+                    function: self.function,
+                    k: self.k,
+                    schema: Arc::clone(&self.schema),
+                    partitioning: self.properties.output_partitioning().clone(),
+                    batch_size: context.session_config().batch_size(),
+                    metrics: DeviceMetrics::new(&self.metrics),
+                };
+                let shared = Arc::clone(&self.shared);
+                async move {
+                    let parts = shared.get_or_init(|| async move { device.run() }).await;
+                    match parts {
+                        Some(parts) => Ok(parts[partition].clone()),
+                        None => cpu.await,
+                    }
+                }
+                .boxed()
+            }
+        };
         let schema = Arc::clone(&self.schema);
-        let output = futures::stream::once(groups.run(streams))
+        let output = futures::stream::once(run)
             .map(|batches| match batches {
                 Ok(batches) => futures::stream::iter(batches.into_iter().map(Ok)).boxed(),
                 Err(e) => futures::stream::iter(vec![Err(e)]).boxed(),
@@ -255,6 +380,174 @@ impl ExecutionPlan for GpuGroupTopKExec {
 
     fn metrics(&self) -> Option<MetricsSet> {
         Some(self.metrics.clone_inner())
+    }
+}
+
+/// The device run's counters.
+struct DeviceMetrics {
+    gpu_fallbacks: Count,
+    rows_passed_filter: Count,
+    rows_kept: Count,
+    select_time: Time,
+    gather_time: Time,
+    device_bytes_held: Gauge,
+    device_peak_bytes: Gauge,
+    pinned_bytes_held: Gauge,
+}
+
+impl DeviceMetrics {
+    fn new(metrics: &ExecutionPlanMetricsSet) -> Self {
+        let builder = || MetricBuilder::new(metrics);
+        Self {
+            gpu_fallbacks: builder().global_counter("gpu_fallbacks"),
+            rows_passed_filter: builder().global_counter("rows_passed_filter"),
+            rows_kept: builder().global_counter("rows_kept"),
+            select_time: builder().subset_time("select_time", 0),
+            gather_time: builder().subset_time("gather_time", 0),
+            device_bytes_held: builder().global_gauge("device_bytes_held"),
+            device_peak_bytes: builder().global_gauge("device_peak_bytes"),
+            pinned_bytes_held: builder().global_gauge("pinned_bytes_held"),
+        }
+    }
+}
+
+/// The selection of every group on the device, for all output partitions at once.
+struct DeviceRun {
+    plan: Arc<GroupDevicePlan>,
+    function: RankFunction,
+    k: usize,
+    schema: SchemaRef,
+    partitioning: Partitioning,
+    batch_size: usize,
+    metrics: DeviceMetrics,
+}
+
+impl DeviceRun {
+    /// The output partitions, or `None` where the CPU path must run (the table is not in
+    /// memory, its columns do not fit the cache, the device failed).
+    fn run(self) -> Option<Arc<Vec<Vec<RecordBatch>>>> {
+        match self.try_run() {
+            Ok(parts) => parts.map(Arc::new),
+            Err(e) => {
+                log::warn!(
+                    "gpu-topk: the GPU per-group selection failed, the CPU path runs it: {e}"
+                );
+                self.metrics.gpu_fallbacks.add(1);
+                None
+            }
+        }
+    }
+
+    fn try_run(&self) -> Result<Option<Vec<Vec<RecordBatch>>>> {
+        use crate::select::table::TableSelector;
+
+        let plan = &self.plan;
+        let Some(memory) = crate::exec::memory_input(&plan.table) else {
+            return Ok(None);
+        };
+        let table_schema = plan.table.schema();
+        let names: Vec<String> = (table_schema.fields().iter())
+            .map(|f| f.name().clone())
+            .collect();
+        let Some(inputs) = crate::exec::table_inputs(&memory, &plan.program, &names)? else {
+            return Ok(None);
+        };
+        let partitions = self.partitioning.partition_count();
+        let rows: usize = memory.batches().map(|b| b.num_rows()).sum();
+        if rows == 0 || self.k == 0 {
+            return Ok(Some(vec![Vec::new(); partitions]));
+        }
+        let Some(device) = crate::device::gpu() else {
+            return Ok(None);
+        };
+        if matches!(
+            plan.fault,
+            FaultPoint::Create | FaultPoint::Push(_) | FaultPoint::Finish
+        ) {
+            return Err(DataFusionError::Execution(format!(
+                "injected fault: {}",
+                plan.fault
+            )));
+        }
+        let mut spec = SelectionSpec::new(plan.layout.clone(), self.k);
+        spec.program = Some(Arc::clone(&plan.program));
+        spec.watch = Some(Arc::new(DeviceWatch::new(
+            plan.device_memory_limit,
+            match plan.fault {
+                FaultPoint::Device(op, n) => Some((op, n)),
+                _ => None,
+            },
+            self.metrics.device_bytes_held.clone(),
+            self.metrics.device_peak_bytes.clone(),
+            self.metrics.pinned_bytes_held.clone(),
+        )));
+        let ranking = match self.function {
+            RankFunction::RowNumber => GroupRanking::RowNumber,
+            RankFunction::Rank => GroupRanking::Rank,
+            RankFunction::DenseRank => GroupRanking::DenseRank,
+        };
+        let selected = {
+            let _timer = self.metrics.select_time.timer();
+            let selector = TableSelector::new(&spec, device, DeviceAlgorithm::Sample)?;
+            match selector.select_groups(&inputs, plan.lo, ranking)? {
+                Some(selected) => selected,
+                None => return Ok(None),
+            }
+        };
+        let _timer = self.metrics.gather_time.timer();
+        self.metrics.rows_passed_filter.add(selected.passed);
+        self.metrics.rows_kept.add(selected.positions.len());
+        // The table's columns the operator's input columns read, at the kept positions.
+        let mut read = vec![false; table_schema.fields().len()];
+        for expr in &plan.output_exprs {
+            for column in collect_columns(expr) {
+                if let Some(r) = read.get_mut(column.index()) {
+                    *r = true;
+                }
+            }
+        }
+        let (batches, starts) = table_starts(&memory);
+        let n = selected.positions.len();
+        let columns = gather_rows(&memory, &batches, &starts, &selected.positions, &read)?;
+        let columns: Vec<ArrayRef> = (columns.into_iter().zip(table_schema.fields()))
+            .map(|(c, field)| c.unwrap_or_else(|| new_null_array(field.data_type(), n)))
+            .collect();
+        let fields = (table_schema.fields().iter()).map(|f| f.as_ref().clone().with_nullable(true));
+        let rows =
+            RecordBatch::try_new(Arc::new(Schema::new(fields.collect::<Vec<_>>())), columns)?;
+        let mut arrays = (plan.output_exprs.iter())
+            .map(|e| e.evaluate(&rows)?.into_array(n))
+            .collect::<Result<Vec<ArrayRef>>>()?;
+        arrays.push(Arc::new(UInt64Array::from(selected.ranks)));
+        let batch = RecordBatch::try_new(Arc::clone(&self.schema), arrays)?;
+        // Into the window's partitions, as the repartition below it hashed the rows.
+        let mut parts: Vec<Vec<RecordBatch>> = vec![Vec::new(); partitions];
+        match &self.partitioning {
+            Partitioning::Hash(exprs, count) if *count > 1 => {
+                let hash = Partitioning::Hash(exprs.clone(), *count);
+                let mut partitioner = BatchPartitioner::try_new(hash, Time::new(), 0, 1)?;
+                partitioner.partition(batch, |p, b| {
+                    parts[p].push(b);
+                    Ok(())
+                })?;
+            }
+            _ => parts[0].push(batch),
+        }
+        let size = self.batch_size.max(1);
+        Ok(Some(
+            (parts.into_iter())
+                .map(|batches| {
+                    (batches.into_iter())
+                        .flat_map(|b| {
+                            (0..b.num_rows())
+                                .step_by(size)
+                                .map(|at| b.slice(at, size.min(b.num_rows() - at)))
+                                .collect::<Vec<_>>()
+                        })
+                        .collect()
+                })
+                .collect(),
+        ))
     }
 }
 

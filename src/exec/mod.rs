@@ -46,7 +46,7 @@ mod parquet;
 mod row_store;
 mod stream;
 
-pub use group_topk::{GpuGroupTopKExec, RankFunction};
+pub use group_topk::{GpuGroupTopKExec, GroupDevicePlan, RankFunction};
 pub(crate) use memory::{memory_input, table_inputs};
 pub(crate) use parquet::parquet_input;
 

@@ -27,6 +27,8 @@ mod fused;
 mod host;
 mod whole_table;
 
+pub(super) use whole_table::{gather_rows, table_starts};
+
 use super::TopKSpec;
 use super::dynamic_filter::threshold_predicate;
 use super::metrics::TopKMetrics;

@@ -32,12 +32,14 @@ use datafusion::physical_plan::windows::{BoundedWindowAggExec, WindowAggExec, Wi
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
 use super::{Declined, because};
+use crate::config::GpuTopKConfig;
 use crate::exec::{GpuGroupTopKExec, RankFunction};
 
 /// The operator in place of `node`'s window and sort, when `node` is the filter of a per-group
 /// top-k subtree (see the module documentation).
 pub(super) fn match_group_top_k(
     node: &Arc<dyn ExecutionPlan>,
+    config: &GpuTopKConfig,
 ) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
     let Some(filter) = node.downcast_ref::<FilterExec>() else {
         return Err(Declined::NotTopK);
@@ -109,10 +111,14 @@ pub(super) fn match_group_top_k(
     if input.boundedness().is_unbounded() {
         return because("per-group top-k: the input is unbounded");
     }
-    let exec: Arc<dyn ExecutionPlan> = Arc::new(
+    let device = super::group_device(&input, &ordering, groups.len(), config);
+    let exec =
         GpuGroupTopKExec::try_new(input, function, ordering, groups.len(), k, window.as_ref())
-            .or_else(|e| because(format!("per-group top-k: {e}")))?,
-    );
+            .or_else(|e| because(format!("per-group top-k: {e}")))?;
+    let exec: Arc<dyn ExecutionPlan> = Arc::new(match device {
+        Ok(plan) => exec.with_device(plan),
+        Err(why) => exec.with_cpu_reason(why),
+    });
     let replace = |plan: &Arc<dyn ExecutionPlan>, child| {
         Arc::clone(plan)
             .replace_children(

@@ -104,12 +104,9 @@ impl PhysicalOptimizerRule for GpuTopKRule {
             return Ok(plan);
         }
         // Per-group top-k first: an outer top-k may absorb the filter on the row number.
-        let plan = rewrite(
-            plan,
-            &mut decisions,
-            "window plan",
-            group::match_group_top_k,
-        )?;
+        let plan = rewrite(plan, &mut decisions, "window plan", |node| {
+            group::match_group_top_k(node, config)
+        })?;
         let plan = rewrite(plan, &mut decisions, "TopK", |node| {
             match_top_k(node, config)
         })?;
@@ -273,23 +270,7 @@ fn match_top_k(
         return because("the input is unbounded");
     }
     let input_schema = absorbed.input.schema();
-    let mut specs = Vec::with_capacity(absorbed.sort_exprs.len());
-    for sort_expr in absorbed.sort_exprs.iter() {
-        let data_type = sort_expr
-            .expr
-            .data_type(&input_schema)
-            .or_else(|e| because(format!("cannot type sort key: {e}")))?;
-        let nullable = sort_expr
-            .expr
-            .nullable(&input_schema)
-            .or_else(|e| because(format!("cannot type sort key: {e}")))?;
-        specs.push(KeySpec {
-            data_type,
-            descending: sort_expr.options.descending,
-            nulls_first: sort_expr.options.nulls_first,
-            nullable,
-        });
-    }
+    let specs = key_specs(&absorbed.sort_exprs, &input_schema).or_else(because)?;
     let layout = KeyLayout::with_prefixes(specs).or_else(because)?;
     if !layout.exact() && !RowConverter::supports_fields(&layout.sort_fields()) {
         return because("the sort keys have no row format to compare them in full");
@@ -380,6 +361,123 @@ fn match_top_k(
     let exec = GpuTopKExec::try_new(absorbed.input, spec, node.as_ref())
         .or_else(|e| because(format!("cannot build the operator: {e}")))?;
     Ok(Arc::new(exec))
+}
+
+/// The key specs of `sort_exprs` over `schema`, or why they cannot be typed.
+fn key_specs(
+    sort_exprs: &LexOrdering,
+    schema: &datafusion::arrow::datatypes::Schema,
+) -> std::result::Result<Vec<KeySpec>, String> {
+    (sort_exprs.iter())
+        .map(|sort_expr| {
+            let typed =
+                |e: datafusion::error::DataFusionError| format!("cannot type sort key: {e}");
+            Ok(KeySpec {
+                data_type: sort_expr.expr.data_type(schema).map_err(typed)?,
+                descending: sort_expr.options.descending,
+                nulls_first: sort_expr.options.nulls_first,
+                nullable: sort_expr.expr.nullable(schema).map_err(typed)?,
+            })
+        })
+        .collect()
+}
+
+/// The GPU plan of a per-group top-k over `input` (what was below the window's sort, which
+/// sorts by `ordering`, its first `group_keys` keys the groups), or why the CPU path: the
+/// device selects over a whole in-memory table (below the hash repartition and the filters
+/// and projections it absorbs), with every key exact in the composite and the predicate and
+/// keys in its generated code.
+pub(super) fn group_device(
+    input: &Arc<dyn ExecutionPlan>,
+    ordering: &LexOrdering,
+    group_keys: usize,
+    config: &GpuTopKConfig,
+) -> std::result::Result<crate::exec::GroupDevicePlan, String> {
+    if !config.column_cache {
+        return Err("gpu_topk.column_cache = false: the device reads cached tables only".into());
+    }
+    // The rows as the hash repartition below the sort received them.
+    let below = match input.downcast_ref::<RepartitionExec>() {
+        Some(r) if matches!(r.partitioning(), Partitioning::Hash(..)) && !r.preserve_order() => {
+            r.input()
+        }
+        _ => input,
+    };
+    let absorbed = match absorb_below(below, ordering, None) {
+        Ok(absorbed) => absorbed,
+        Err(Declined::Because(why)) => return Err(why),
+        Err(Declined::NotTopK) => return Err("the input cannot be absorbed".into()),
+    };
+    if crate::exec::memory_input(&absorbed.input).is_none() {
+        return Err("the device selects per group over in-memory tables only".into());
+    }
+    let schema = absorbed.input.schema();
+    let layout = KeyLayout::with_prefixes(key_specs(&absorbed.sort_exprs, &schema)?)?;
+    if !layout.exact() {
+        return Err(format!(
+            "{}: the device selects per group over exact keys only",
+            layout.prefix_note().unwrap_or_default()
+        ));
+    }
+    let lo = match group_keys {
+        0 => layout.total_bits(),
+        g => layout.field_shift(g - 1),
+    };
+    let fusion = match config.fuse_expressions {
+        true => fusion::plan(
+            absorbed.filter.as_ref(),
+            &absorbed.sort_exprs,
+            &layout,
+            &schema,
+            true,
+        ),
+        false => return Err("gpu_topk.fuse_expressions = false".into()),
+    };
+    let on_device = fusion.keys == fusion::Part::Gpu
+        && fusion
+            .filter
+            .as_ref()
+            .is_none_or(|f| *f == fusion::Part::Gpu);
+    let program = match &fusion.program {
+        Some(p) if on_device && !p.refines && !p.host_predicate() => Arc::clone(p),
+        _ => {
+            return Err(format!(
+                "the device runs only programs of the whole query ({})",
+                fusion.describe(true)
+            ));
+        }
+    };
+    let mut estimate = estimate(
+        absorbed.input.as_ref(),
+        &layout,
+        &fusion,
+        absorbed.filter.is_some(),
+    );
+    if let Some(resident) = resident_share(&absorbed.input, &program) {
+        estimate.resident = resident;
+        estimate.whole_table = true;
+    }
+    let cache_dir = (!config.kernel_cache_dir.is_empty())
+        .then(|| std::path::Path::new(config.kernel_cache_dir.as_str()));
+    let settings = cost::Settings {
+        backend: config.backend,
+        algorithm: config.algorithm,
+        kernel_cache_dir: cache_dir,
+        recalibrate: config.recalibrate,
+        fault: config.inject_fault,
+    };
+    let (reason, prediction) = cost::choose_groups(settings, &layout, estimate)?;
+    Ok(crate::exec::GroupDevicePlan {
+        table: absorbed.input,
+        program,
+        layout,
+        lo,
+        output_exprs: absorbed.output_exprs,
+        reason,
+        prediction: prediction.map(|p| *p),
+        fault: config.inject_fault,
+        device_memory_limit: config.device_memory_limit,
+    })
 }
 
 /// Whether `input` hands out an in-memory table's own batches, whose buffers the next query

@@ -33,7 +33,7 @@ use crate::device::column_cache::{
 use crate::device::watch::{self, DeviceWatch};
 use crate::device::{
     DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_ROWS, FusedReport, GeneratedKernel, GpuDevice,
-    GpuError, GpuResult, PooledBuffer, TopKEngine, contain_panics,
+    GpuError, GpuResult, GroupRanking, PooledBuffer, TopKEngine, contain_panics,
 };
 use crate::fusion::{self, FusedProgram, KernelInput};
 
@@ -299,6 +299,17 @@ pub struct TableSelection {
     pub passed: usize,
     /// Time spent compiling or loading the generated program.
     pub compile_time: std::time::Duration,
+    /// A per-group selection's: each position's rank in its group (empty for a top-k).
+    pub ranks: Vec<u64>,
+}
+
+/// What a selection over a whole table computes after the generated program's pass.
+#[derive(Debug, Clone, Copy)]
+enum TableStep {
+    /// The k best rows, by this algorithm.
+    TopK(DeviceAlgorithm),
+    /// The k best rows of every group, the group keys from composite bit `lo` up.
+    Groups { lo: u32, ranking: GroupRanking },
 }
 
 /// The values buffer of a primitive array, sliced to its rows.
@@ -966,7 +977,21 @@ impl TableSelector {
     /// `Ok(None)`: the missing columns do not fit the cache's budget; the caller streams the
     /// table instead. Device failures are [`super::DeviceError`]s (the caller falls back).
     pub fn select(&self, inputs: &[TableInput<'_>]) -> Result<Option<TableSelection>> {
-        select_table(&self.spec, &self.device, self.algorithm, inputs)
+        let step = TableStep::TopK(self.algorithm);
+        select_table(&self.spec, &self.device, step, inputs)
+    }
+
+    /// As [`select`](Self::select), the k best rows of every group instead: the program's
+    /// composite holds the group keys from bit `lo` up; the positions come in (group, order
+    /// keys, position) order with their ranks ([`TableSelection::ranks`]).
+    pub fn select_groups(
+        &self,
+        inputs: &[TableInput<'_>],
+        lo: u32,
+        ranking: GroupRanking,
+    ) -> Result<Option<TableSelection>> {
+        let step = TableStep::Groups { lo, ranking };
+        select_table(&self.spec, &self.device, step, inputs)
     }
 }
 
@@ -1047,7 +1072,7 @@ impl CacheLoader {
 fn select_table(
     spec: &SelectionSpec,
     device: &Arc<GpuDevice>,
-    algorithm: DeviceAlgorithm,
+    step: TableStep,
     inputs: &[TableInput<'_>],
 ) -> Result<Option<TableSelection>> {
     let Some(program) = &spec.program else {
@@ -1088,10 +1113,10 @@ fn select_table(
         bytes: missing,
     };
     let result =
-        contain_panics(|| run_table(spec, device, program, algorithm, inputs, &columns, &lookups))
+        contain_panics(|| run_table(spec, device, program, step, inputs, &columns, &lookups))
             .unwrap_or_else(|panic| Err(GpuError(format!("the CUDA bindings panicked: {panic}"))))
             .map_err(gpu_error)?;
-    let (positions, tied, report, compile_time, uploaded) = result;
+    let (positions, ranks, tied, report, compile_time, uploaded) = result;
     let hit_bytes: Vec<usize> = (lookups.iter())
         .map(|hit| hit.as_ref().map_or(0, |h| h.entry().bytes()))
         .collect();
@@ -1137,6 +1162,7 @@ fn select_table(
         tied,
         passed: report.passed as usize,
         compile_time,
+        ranks,
     }))
 }
 
@@ -1147,11 +1173,12 @@ fn run_table(
     spec: &SelectionSpec,
     device: &Arc<GpuDevice>,
     program: &FusedProgram,
-    algorithm: DeviceAlgorithm,
+    step: TableStep,
     inputs: &[TableInput<'_>],
     columns: &[TableColumn<'_, '_>],
     lookups: &[Option<CacheUse>],
 ) -> GpuResult<(
+    Vec<u64>,
     Vec<u64>,
     usize,
     FusedReport,
@@ -1229,6 +1256,16 @@ fn run_table(
         args.extend(column.addresses(&mut addresses.into_iter()));
     }
     let rows = columns.first().map_or(0, |c| c.rows);
+    let algorithm = match step {
+        TableStep::TopK(algorithm) => algorithm,
+        TableStep::Groups { lo, ranking } => {
+            let kept = engine.fused_groups(&kernel, &args, rows, lo, ranking, spec.k)?;
+            drop(lookup_tables);
+            engine.synchronize()?;
+            device.idle_engine(engine);
+            return Ok((kept.ids, kept.ranks, 0, kept.report, compile_time, uploaded));
+        }
+    };
     let (sorted, m, report) =
         engine.fused_select(&kernel, &args, rows, spec.k, algorithm, FUSED_SAMPLE_ROWS)?;
     let (positions, tied) = if report.error != 0 {
@@ -1243,7 +1280,7 @@ fn run_table(
     drop((sorted, lookup_tables));
     engine.synchronize()?;
     device.idle_engine(engine);
-    Ok((positions, tied, report, compile_time, uploaded))
+    Ok((positions, Vec::new(), tied, report, compile_time, uploaded))
 }
 
 /// Room reserved in the column cache for a table selection's new entries; what no entry

@@ -13,8 +13,8 @@ use datafusion::prelude::SessionContext;
 use datafusion_gpu_topk::GpuGroupTopKExec;
 
 use crate::common::{
-    Rng, STORAGES, exact_rows, physical_plan, plain_session, plan_text, register, register_as, run,
-    session, test_dir,
+    Rng, STORAGES, Storage, exact_rows, physical_plan, plain_session, plan_text, register,
+    register_as, run, session, test_dir,
 };
 
 /// `n` rows over `partitions` partitions: a unique `id`, a group `g` of `groups` values (some
@@ -261,4 +261,92 @@ fn random_query(rng: &mut Rng) -> String {
         f = function,
         o = order.join(", "),
     )
+}
+
+/// Per-group queries whose every key the device's composite holds exactly (integer and float
+/// groups and order keys): the segmented sort takes them over in-memory tables.
+const DEVICE_QUERIES: [&str; 7] = [
+    "SELECT id, g, v, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY v DESC, id) AS rn FROM t WHERE id % 7 <> 0) WHERE rn <= 3",
+    "SELECT id, g, v, r FROM (SELECT *, RANK() OVER (PARTITION BY g ORDER BY v) AS r FROM t) WHERE r <= 2",
+    "SELECT id, g, c, r FROM (SELECT *, DENSE_RANK() OVER (PARTITION BY g, c ORDER BY v DESC NULLS LAST) AS r FROM t) WHERE r <= 2",
+    "SELECT * FROM (SELECT id, c, v, ROW_NUMBER() OVER (PARTITION BY c ORDER BY id DESC) AS rn FROM t) WHERE rn = 1",
+    "SELECT id, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY id ORDER BY v) AS rn FROM t) WHERE rn <= 2",
+    "SELECT id, g, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY id) AS rn FROM t) WHERE rn <= 100000",
+    "SELECT id, g, v, r FROM (SELECT *, RANK() OVER (PARTITION BY g ORDER BY v DESC NULLS FIRST) AS r FROM t) WHERE r <= 3 ORDER BY v DESC, id LIMIT 7",
+];
+
+/// On the GPU (skips without one): the segmented sort selects every group over in-memory
+/// tables (EXPLAIN says so) with the CPU path's rows and numbers and DataFusion's; an injected
+/// device failure runs the CPU path, with the same answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_gpu_selects_per_group_as_the_cpu_path() {
+    use datafusion_gpu_topk::internal::device::gpu;
+    use datafusion_gpu_topk::{Backend, GpuTopKConfig};
+
+    if gpu().is_none() {
+        eprintln!("SKIP the_gpu_selects_per_group_as_the_cpu_path: no GPU");
+        return;
+    }
+    let dir = test_dir("groups-device");
+    let config = |backend| GpuTopKConfig::default().with_backend(backend);
+    for (groups, partitions) in [(40, 3), (1, 2), (5000, 4)] {
+        let data = table(20_000, partitions, groups);
+        for storage in [Storage::Memory, Storage::GpuTable] {
+            let cuda = crate::common::session_with(partitions, 1000, config(Backend::Cuda));
+            let cpu = crate::common::session_with(partitions, 1000, config(Backend::Cpu));
+            let plain = plain_session(partitions, storage);
+            for ctx in [&cuda, &cpu, &plain] {
+                register_as(ctx, "t", &data, storage, &dir).await;
+            }
+            for sql in DEVICE_QUERIES {
+                let plan = physical_plan(&cuda, sql).await.unwrap();
+                let text = plan_text(&plan);
+                assert!(
+                    text.contains("backend=cuda, algorithm=segmented-sort"),
+                    "{storage:?} {sql}:\n{text}"
+                );
+                let mut got = exact_rows(&collect(plan, cuda.task_ctx()).await.unwrap());
+                let mut host = exact_rows(&run(&cpu, sql).await.unwrap());
+                let mut want = exact_rows(&run(&plain, sql).await.unwrap());
+                got.sort();
+                host.sort();
+                want.sort();
+                assert_eq!(got, host, "{storage:?} {sql}: CUDA against the CPU path");
+                assert_eq!(got, want, "{storage:?} {sql}: against DataFusion");
+            }
+        }
+    }
+    // A failing launch: the CPU path answers, and the operator counts the fallback.
+    let data = table(5000, 2, 30);
+    let faulty = crate::common::session_with(
+        2,
+        500,
+        config(Backend::Cuda).with_inject_fault(datafusion_gpu_topk::FaultPoint::Device(
+            datafusion_gpu_topk::DeviceOp::Launch,
+            1,
+        )),
+    );
+    let plain = plain_session(2, Storage::Memory);
+    register_as(&faulty, "t", &data, Storage::Memory, &dir).await;
+    register_as(&plain, "t", &data, Storage::Memory, &dir).await;
+    let sql = DEVICE_QUERIES[0];
+    let plan = physical_plan(&faulty, sql).await.unwrap();
+    let mut got = exact_rows(&collect(Arc::clone(&plan), faulty.task_ctx()).await.unwrap());
+    let mut want = exact_rows(&run(&plain, sql).await.unwrap());
+    got.sort();
+    want.sort();
+    assert_eq!(got, want, "{sql} with a failing launch");
+    let fallbacks = find_group_topk(&plan)
+        .and_then(|exec| exec.metrics())
+        .and_then(|m| m.sum_by_name("gpu_fallbacks"))
+        .map(|v| v.as_usize());
+    assert_eq!(fallbacks, Some(1), "{}", plan_text(&plan));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn find_group_topk(plan: &Arc<dyn ExecutionPlan>) -> Option<&Arc<dyn ExecutionPlan>> {
+    if plan.downcast_ref::<GpuGroupTopKExec>().is_some() {
+        return Some(plan);
+    }
+    plan.children().into_iter().find_map(find_group_topk)
 }

@@ -215,6 +215,7 @@ mod bitonic;
 mod delegate;
 mod dispatch;
 mod fused;
+mod groups;
 mod radix;
 mod sample;
 mod sort;
@@ -222,6 +223,7 @@ mod staging;
 mod top_bits;
 
 pub use fused::FusedReport;
+pub use groups::{GroupRanking, GroupsKept};
 use sample::SampleRun;
 pub(crate) use staging::fill_staging;
 use top_bits::TopBitsRun;

@@ -52,6 +52,7 @@ pub const EMBEDDED: &[(&str, &str)] = &[
         include_str!("../../../kernels/merge_sort.cu"),
     ),
     ("delegate.cu", include_str!("../../../kernels/delegate.cu")),
+    ("groups.cu", include_str!("../../../kernels/groups.cu")),
 ];
 
 /// Entry points instantiated once per key type (`NAME_k32` … `NAME_k256`), per file.
@@ -108,6 +109,7 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
         ],
     ),
     ("delegate.cu", &["delegate_min", "delegate_gather"]),
+    ("groups.cu", &["group_count", "group_write"]),
 ];
 
 /// Entry points without a key type.
@@ -116,6 +118,7 @@ const PLAIN_ENTRIES: &[(&str, &[&str])] = &[
     ("radix_sort.cu", &["rsort_scan"]),
     ("merge_sort.cu", &["msort_merge_words"]),
     ("read_floor.cu", &["read_floor_w32", "read_floor_w64"]),
+    ("groups.cu", &["group_scan"]),
 ];
 
 /// Entry points that take more than 48 KiB of dynamic shared memory.

@@ -96,32 +96,8 @@ impl TopKRun {
             ))));
         }
         let (batches, starts) = table_starts(&memory);
-        // The input columns `read` at table positions `positions`, in their order.
-        let gather = |positions: &[u64], read: &[bool]| -> Result<Vec<Option<ArrayRef>>> {
-            // Each position's batch (numbered among the batches that hold one) and row.
-            let mut slots = std::collections::HashMap::new();
-            let mut holding: Vec<&RecordBatch> = Vec::new();
-            let at: Vec<(usize, usize)> = positions
-                .iter()
-                .map(|&p| {
-                    let b = starts.partition_point(|&s| s <= p) - 1;
-                    let slot = *slots.entry(b).or_insert_with(|| {
-                        holding.push(batches[b]);
-                        holding.len() - 1
-                    });
-                    (slot, (p - starts[b]) as usize)
-                })
-                .collect();
-            (memory.columns.iter().zip(read))
-                .map(|(&c, &read)| {
-                    read.then(|| {
-                        let arrays: Vec<&dyn Array> =
-                            holding.iter().map(|b| b.column(c).as_ref()).collect();
-                        Ok(interleave(&arrays, &at)?)
-                    })
-                    .transpose()
-                })
-                .collect()
+        let gather = |positions: &[u64], read: &[bool]| {
+            gather_rows(&memory, &batches, &starts, positions, read)
         };
         let positions = if selected.refine {
             let candidates = &selected.positions;
@@ -443,9 +419,44 @@ impl TopKRun {
     }
 }
 
+/// The input columns `read` of an in-memory table at table positions `positions`, in their
+/// order; `batches` and `starts` are [`table_starts`]'.
+pub(crate) fn gather_rows(
+    memory: &crate::exec::memory::MemoryInput<'_>,
+    batches: &[&RecordBatch],
+    starts: &[u64],
+    positions: &[u64],
+    read: &[bool],
+) -> Result<Vec<Option<ArrayRef>>> {
+    // Each position's batch (numbered among the batches that hold one) and row.
+    let mut slots = std::collections::HashMap::new();
+    let mut holding: Vec<&RecordBatch> = Vec::new();
+    let at: Vec<(usize, usize)> = positions
+        .iter()
+        .map(|&p| {
+            let b = starts.partition_point(|&s| s <= p) - 1;
+            let slot = *slots.entry(b).or_insert_with(|| {
+                holding.push(batches[b]);
+                holding.len() - 1
+            });
+            (slot, (p - starts[b]) as usize)
+        })
+        .collect();
+    (memory.columns.iter().zip(read))
+        .map(|(&c, &read)| {
+            read.then(|| {
+                let arrays: Vec<&dyn Array> =
+                    holding.iter().map(|b| b.column(c).as_ref()).collect();
+                Ok(interleave(&arrays, &at)?)
+            })
+            .transpose()
+        })
+        .collect()
+}
+
 /// The table's non-empty batches and the position of each one's first row (a `GpuTable`
 /// worked them out once).
-fn table_starts<'a>(
+pub(crate) fn table_starts<'a>(
     memory: &crate::exec::memory::MemoryInput<'a>,
 ) -> (Vec<&'a RecordBatch>, std::borrow::Cow<'a, [u64]>) {
     if let Some(table) = memory.table {

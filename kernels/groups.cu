@@ -1,0 +1,158 @@
+// groups.cu: top-k per group over pairs sorted by (composite key, row id), the composite's
+// bits from `lo` up holding the group keys (the window's PARTITION BY) and the bits below the
+// order keys (its ORDER BY). A group is a run of pairs whose bits from `lo` up are equal; the
+// thread at a group's first pair walks the group in order and keeps
+//   ROW_NUMBER (fn 0): its first k pairs, numbered from 1;
+//   RANK       (fn 1): the pairs whose rank (1 + the group's pairs with a smaller key) is <= k;
+//   DENSE_RANK (fn 2): the pairs whose dense rank (1 + distinct smaller keys) is <= k;
+// pairs with equal composites are peers (one rank), ties between them ordered by row id.
+// Three launches and no read-back between them:
+//   group_count  the kept count of each group (at its first pair; 0 elsewhere), summed per
+//                block;
+//   group_scan   one block: the block sums' exclusive offsets, and the total;
+//   group_write  each group's first pair: its block-local offset plus its block's, then its
+//                kept pairs' row ids and ranks, in order: the output is sorted like the pairs.
+// The walk is serial within a group (its kept pairs plus one): a group with many peers at its
+// k-th key is walked by one thread, which is still linear in what it keeps.
+
+#include "common.cuh"
+
+#define GROUP_THREADS 256
+#define GROUP_SCAN_THREADS 1024
+
+// Whether a and b have the same bits from `lo` up (the same group).
+template <class K> __device__ __forceinline__ bool same_group(const K &a, const K &b, u32 lo) {
+    constexpr int W = 8 * sizeof(typename K::Word);
+#pragma unroll
+    for (int j = 0; j < K::N; ++j) {
+        if ((j + 1) * W <= (int)lo) continue;
+        typename K::Word mask = (typename K::Word)~0ull;
+        if (j * W < (int)lo) mask = (typename K::Word)(mask << ((int)lo - j * W));
+        if ((a.w[j] & mask) != (b.w[j] & mask)) return false;
+    }
+    return true;
+}
+
+template <class K> __device__ __forceinline__ bool same_key(const K &a, const K &b) {
+#pragma unroll
+    for (int j = 0; j < K::N; ++j)
+        if (a.w[j] != b.w[j]) return false;
+    return true;
+}
+
+template <class K> __device__ __forceinline__ bool group_starts(const K *keys, u64 i, u32 lo) {
+    return i == 0 || !same_group(keys[i - 1], keys[i], lo);
+}
+
+// The kept pairs of the group whose first pair is s: how many, and (out_ids not null) their row
+// ids and ranks written in order.
+template <class K>
+__device__ u64 group_walk(const K *keys, const u64 *ids, u64 m, u64 s, u32 lo, u32 fn, u64 k,
+                          u64 *out_ids, u64 *out_ranks) {
+    const K first = keys[s];
+    K prev = first;
+    u64 kept = 0, rank = 0, dense = 0;
+    for (u64 j = s; j < m; ++j) {
+        const K key = keys[j];
+        if (j > s && !same_group(key, first, lo)) break;
+        const u64 position = j - s + 1;
+        if (j == s || !same_key(key, prev)) {
+            rank = position;
+            dense += 1;
+        }
+        const u64 r = fn == 0 ? position : fn == 1 ? rank : dense;
+        if (r > k) break;
+        if (out_ids) {
+            out_ids[kept] = ids[j];
+            out_ranks[kept] = r;
+        }
+        ++kept;
+        prev = key;
+    }
+    return kept;
+}
+
+// Exclusive prefix sums of one value per thread over a block of GROUP_THREADS; `total` gets
+// the block's sum.
+__device__ __forceinline__ u64 block_exclusive(u64 v, u64 *total) {
+    __shared__ u64 warp_sums[GROUP_THREADS / 32];
+    const u32 lane = lane_id(), warp = threadIdx.x / 32;
+    u64 x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u64 y = __shfl_up_sync(FULL_MASK, x, o);
+        if ((int)lane >= o) x += y;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    u64 before = 0, all = 0;
+    for (u32 w = 0; w < GROUP_THREADS / 32; ++w) {
+        if (w < warp) before += warp_sums[w];
+        all += warp_sums[w];
+    }
+    *total = all;
+    return before + x - v;
+}
+
+template <class K>
+__device__ void group_count(const K *keys, const u64 *ids, u64 m, u32 lo, u32 fn, u64 k, u64 *block_sums) {
+    const u64 i = (u64)blockIdx.x * GROUP_THREADS + threadIdx.x;
+    u64 c = 0;
+    if (i < m && group_starts(keys, i, lo)) c = group_walk(keys, ids, m, i, lo, fn, k, (u64 *)0, (u64 *)0);
+    u64 total;
+    block_exclusive(c, &total);
+    if (threadIdx.x == 0) block_sums[blockIdx.x] = total;
+}
+
+template <class K>
+__device__ void group_write(const K *keys, const u64 *ids, u64 m, u32 lo, u32 fn, u64 k, const u64 *block_offsets,
+                            u64 *out_ids, u64 *out_ranks) {
+    const u64 i = (u64)blockIdx.x * GROUP_THREADS + threadIdx.x;
+    const bool starts = i < m && group_starts(keys, i, lo);
+    const u64 c = starts ? group_walk(keys, ids, m, i, lo, fn, k, (u64 *)0, (u64 *)0) : 0;
+    u64 total;
+    const u64 at = block_offsets[blockIdx.x] + block_exclusive(c, &total);
+    if (c > 0) group_walk(keys, ids, m, i, lo, fn, k, out_ids + at, out_ranks + at);
+}
+
+// In place: the n block sums become exclusive offsets; `total` gets their sum. One block.
+extern "C" __global__ void __launch_bounds__(GROUP_SCAN_THREADS) group_scan(u64 *sums, u64 n, u64 *total) {
+    grid_dependency_wait();
+    __shared__ u64 chunk_sums[GROUP_SCAN_THREADS];
+    const u64 per = (n + GROUP_SCAN_THREADS - 1) / GROUP_SCAN_THREADS;
+    const u64 lo = threadIdx.x * per, hi = min(lo + per, n);
+    u64 s = 0;
+    for (u64 j = lo; j < hi; ++j) s += sums[j];
+    chunk_sums[threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64 run = 0;
+        for (u32 t = 0; t < GROUP_SCAN_THREADS; ++t) {
+            const u64 v = chunk_sums[t];
+            chunk_sums[t] = run;
+            run += v;
+        }
+        *total = run;
+    }
+    __syncthreads();
+    u64 run = chunk_sums[threadIdx.x];
+    for (u64 j = lo; j < hi; ++j) {
+        const u64 v = sums[j];
+        sums[j] = run;
+        run += v;
+    }
+}
+
+#define GROUP_ENTRIES(K, S)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(GROUP_THREADS)                                                   \
+        group_count_##S(const K *keys, const u64 *ids, u64 m, u32 lo, u32 fn, u64 k, u64 *block_sums) {           \
+        grid_dependency_wait();                                                                                   \
+        group_count<K>(keys, ids, m, lo, fn, k, block_sums);                                                      \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GROUP_THREADS)                                                   \
+        group_write_##S(const K *keys, const u64 *ids, u64 m, u32 lo, u32 fn, u64 k, const u64 *block_offsets,    \
+                        u64 *out_ids, u64 *out_ranks) {                                                           \
+        grid_dependency_wait();                                                                                   \
+        group_write<K>(keys, ids, m, lo, fn, k, block_offsets, out_ids, out_ranks);                               \
+    }
+INSTANTIATE_KEYS(GROUP_ENTRIES)
