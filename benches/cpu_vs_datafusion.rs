@@ -11,6 +11,8 @@
 //! cargo bench --bench cpu_vs_datafusion -- --groups [--rows N] [--runs R]
 //! ```
 //!
+//! `--verbose` prints each engine's checked run as it ends (on stderr).
+//!
 //! Each query runs R times per engine (after one checked run), alternating engines; the table
 //! shows medians and the ratio ours / DataFusion. Results are checked to be the same rows as
 //! DataFusion's (as multisets of the sort-key values, since DataFusion orders ties
@@ -228,6 +230,7 @@ async fn main() -> Result<()> {
     let lineitem: String = arg("--lineitem", String::new());
     let memory = std::env::args().any(|a| a == "--memory");
     let groups = std::env::args().any(|a| a == "--groups");
+    let verbose = std::env::args().any(|a| a == "--verbose");
     let plain = session(false, Backend::Cpu, true);
     // Our operator on the CPU path, and on the GPU when there is one, predicate and keys in
     // generated GPU code: "cold" streams the columns over PCIe on every query (no column
@@ -335,12 +338,31 @@ async fn main() -> Result<()> {
     }
     println!("{header}  same rows");
     let mut results = Vec::new();
+    let mut answers = Vec::new();
     for (name, sql) in queries(sweep) {
-        let (_, want) = time_sql(&plain, &sql).await?;
+        let (ms, want) = time_sql(&plain, &sql).await?;
+        if verbose {
+            eprintln!("# {name}: DataFusion checked run {ms:.1} ms");
+        }
         let want = key_multiset(&want);
         let mut same = true;
         for engine in &engines {
-            same &= key_multiset(&time_engine(engine, &sql).await?.1) == want;
+            let (ms, got) = time_engine(engine, &sql).await?;
+            if verbose {
+                eprintln!("# {name}: {} checked run {ms:.1} ms", engine.name);
+            }
+            if verbose && groups && engine.name == "warm" {
+                // Where the operator's time goes: its metrics from EXPLAIN ANALYZE.
+                let explained = engine.ctx.sql(&format!("EXPLAIN ANALYZE {sql}")).await?;
+                let text = datafusion::arrow::util::pretty::pretty_format_batches(
+                    &explained.collect().await?,
+                )?
+                .to_string();
+                for line in text.lines().filter(|l| l.contains("GpuGroupTopKExec")) {
+                    eprintln!("#   {}", line.trim_matches(|c: char| c == '|' || c == ' '));
+                }
+            }
+            same &= key_multiset(&got) == want;
         }
         let mut times = vec![Vec::new(); engines.len() + 1];
         for _ in 0..runs {
@@ -361,7 +383,15 @@ async fn main() -> Result<()> {
         }
         println!("{line}  {}", if same { "yes" } else { "NO" });
         assert!(same, "{name}: results differ from DataFusion's");
+        answers.push(format!("{name}: {}", want.join(" ")));
         results.push((name, medians));
+    }
+    if groups {
+        // To compare with `benches/duckdb_topk.py --tweets`, which prints the same.
+        println!(
+            "# answers (sum of the kept rows' ids): {}",
+            answers.join("; ")
+        );
     }
     if !csv.is_empty() {
         std::fs::write(&csv, lines.join("\n") + "\n")?;

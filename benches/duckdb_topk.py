@@ -2,6 +2,12 @@
 """String top-k queries in DuckDB over TPC-H lineitem, as a peer for this crate's operator.
 
     python3 benches/duckdb_topk.py --data /tmp/tpch-1 [--threads N] [--runs 3] [--json out.json]
+    python3 benches/duckdb_topk.py --tweets DIR [--threads N] [--runs 3]
+
+`--tweets DIR`: the per-group top-k queries of `cpu_vs_datafusion --groups` (G1-G3, with and
+without a filter) instead, over the tweets in DIR/*.parquet (`gpu-topk gen --out DIR`) loaded
+into a DuckDB table; each reports the rows kept and the sum of their ids, which the Rust
+benchmark prints too.
 
 Reads DIR/lineitem/*.parquet (as benches/tpch/generate.py writes them) two ways:
   - parquet: a view over read_parquet(...), so every run scans the files;
@@ -42,6 +48,49 @@ QUERIES = {
     "ORDER BY l_comment DESC LIMIT {k}",
 }
 KS = (10, 1000, 10000)
+
+
+def group_queries():
+    """The per-group queries, as benches/cpu_vs_datafusion.rs `group_queries` writes them."""
+    shapes = [
+        ("G1", "uid", "retweet_count DESC, id", "rn <= 10"),
+        ("G2", "lang", "retweet_count DESC, id", "rn <= 3"),
+        ("G3", "uid", "tweet_time DESC, id", "rn = 1"),
+    ]
+    queries = {}
+    for where, tag in (("", ""), ("WHERE retweet_count > 0", " filtered")):
+        for name, group, order, keep in shapes:
+            queries[name + tag] = (
+                "SELECT count(*) AS n, sum(id) AS ids FROM (SELECT id, ROW_NUMBER() OVER "
+                f"(PARTITION BY {group} ORDER BY {order}) AS rn FROM tweets {where}) WHERE {keep}"
+            )
+    return queries
+
+
+def run_groups(duckdb, directory, threads, runs):
+    """The per-group queries over the tweets in `directory`, loaded into memory."""
+    files = sorted(directory.glob("*.parquet"))
+    if not files:
+        fail(f"no Parquet files in {directory} (gpu-topk gen --out DIR writes them)")
+    con = duckdb.connect()
+    con.execute(f"SET threads = {int(threads)}")
+    pattern = str(directory / "*.parquet").replace("'", "''")
+    start = time.perf_counter()
+    con.execute(f"CREATE TABLE tweets AS SELECT * FROM read_parquet('{pattern}')")
+    total = con.execute("SELECT count(*) FROM tweets").fetchone()[0]
+    print(
+        f"memory: loaded {total} tweets in {time.perf_counter() - start:.1f} s, threads={threads}",
+        flush=True,
+    )
+    print("| query | rows kept | sum of ids | first ms | median ms |")
+    print("|---|---:|---:|---:|---:|")
+    for name, sql in group_queries().items():
+        start = time.perf_counter()
+        n, ids = con.execute(sql).fetchone()
+        first = (time.perf_counter() - start) * 1000.0
+        median = statistics.median(timed(con, sql)[0] for _ in range(runs))
+        print(f"| {name} | {n} | {ids} | {first:.1f} | {median:.1f} |", flush=True)
+    con.close()
 SOURCES = ("memory", "parquet")
 
 
@@ -72,7 +121,10 @@ def connect(duckdb, source, files, threads):
 
 def main():
     parser = argparse.ArgumentParser(description="String top-k queries in DuckDB over lineitem.")
-    parser.add_argument("--data", type=Path, required=True, help="directory with lineitem/*.parquet")
+    parser.add_argument("--data", type=Path, help="directory with lineitem/*.parquet")
+    parser.add_argument(
+        "--tweets", type=Path, help="directory of tweets Parquet files: the per-group queries"
+    )
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count(), help="DuckDB threads (default: all cores)"
     )
@@ -90,6 +142,8 @@ def main():
     args = parser.parse_args()
     if args.runs < 1:
         fail("--runs must be at least 1")
+    if (args.data is None) == (args.tweets is None):
+        fail("give one of --data (lineitem) and --tweets (the per-group queries)")
     sources = [s for s in args.sources.split(",") if s]
     queries = [q for q in args.queries.split(",") if q]
     ks = [int(k) for k in args.k.split(",") if k]
@@ -106,6 +160,9 @@ def main():
         import duckdb
     except ImportError:
         fail("the duckdb Python package is missing; install it with: pip install duckdb")
+    if args.tweets is not None:
+        run_groups(duckdb, args.tweets, args.threads, args.runs)
+        return
 
     directory = args.data / "lineitem"
     if not sorted(directory.glob("*.parquet")):

@@ -497,7 +497,7 @@ impl DeviceRun {
         let _timer = self.metrics.gather_time.timer();
         self.metrics.rows_passed_filter.add(selected.passed);
         self.metrics.rows_kept.add(selected.positions.len());
-        // The table's columns the operator's input columns read, at the kept positions.
+        // The table's columns the operator's input columns read.
         let mut read = vec![false; table_schema.fields().len()];
         for expr in &plan.output_exprs {
             for column in collect_columns(expr) {
@@ -507,47 +507,75 @@ impl DeviceRun {
             }
         }
         let (batches, starts) = table_starts(&memory);
-        let n = selected.positions.len();
-        let columns = gather_rows(&memory, &batches, &starts, &selected.positions, &read)?;
+        // The kept rows in runs of a batch's size, gathered and hashed into the window's
+        // partitions on every core; each partition's pieces then follow in the runs' order,
+        // which is the sort's.
+        let size = self.batch_size.max(1);
+        let runs: Vec<std::ops::Range<usize>> = (0..selected.positions.len())
+            .step_by(size)
+            .map(|at| at..(at + size).min(selected.positions.len()))
+            .collect();
+        let gathered = crate::select::table::on_cores(runs, |run| {
+            let kept = &selected.positions[run.clone()];
+            self.output_parts(
+                &memory,
+                &batches,
+                &starts,
+                &read,
+                kept,
+                &selected.ranks[run],
+            )
+            .map_err(|e| crate::device::GpuError(e.to_string()))
+        })
+        .map_err(|e| DataFusionError::Execution(e.0))?;
+        let mut parts: Vec<Vec<RecordBatch>> = vec![Vec::new(); partitions];
+        for run in gathered {
+            for (p, batch) in run {
+                parts[p].push(batch);
+            }
+        }
+        Ok(Some(parts))
+    }
+
+    /// The output rows of the kept table positions `kept` (with their numbers `ranks`), each
+    /// with the window's output partition it belongs to, as the repartition below the
+    /// window hashed its rows.
+    fn output_parts(
+        &self,
+        memory: &crate::exec::memory::MemoryInput<'_>,
+        batches: &[&RecordBatch],
+        starts: &[u64],
+        read: &[bool],
+        kept: &[u64],
+        ranks: &[u64],
+    ) -> Result<Vec<(usize, RecordBatch)>> {
+        let table_schema = self.plan.table.schema();
+        let n = kept.len();
+        let columns = gather_rows(memory, batches, starts, kept, read)?;
         let columns: Vec<ArrayRef> = (columns.into_iter().zip(table_schema.fields()))
             .map(|(c, field)| c.unwrap_or_else(|| new_null_array(field.data_type(), n)))
             .collect();
         let fields = (table_schema.fields().iter()).map(|f| f.as_ref().clone().with_nullable(true));
         let rows =
             RecordBatch::try_new(Arc::new(Schema::new(fields.collect::<Vec<_>>())), columns)?;
-        let mut arrays = (plan.output_exprs.iter())
+        let mut arrays = (self.plan.output_exprs.iter())
             .map(|e| e.evaluate(&rows)?.into_array(n))
             .collect::<Result<Vec<ArrayRef>>>()?;
-        arrays.push(Arc::new(UInt64Array::from(selected.ranks)));
+        arrays.push(Arc::new(UInt64Array::from(ranks.to_vec())));
         let batch = RecordBatch::try_new(Arc::clone(&self.schema), arrays)?;
-        // Into the window's partitions, as the repartition below it hashed the rows.
-        let mut parts: Vec<Vec<RecordBatch>> = vec![Vec::new(); partitions];
+        let mut parts = Vec::new();
         match &self.partitioning {
             Partitioning::Hash(exprs, count) if *count > 1 => {
                 let hash = Partitioning::Hash(exprs.clone(), *count);
                 let mut partitioner = BatchPartitioner::try_new(hash, Time::new(), 0, 1)?;
                 partitioner.partition(batch, |p, b| {
-                    parts[p].push(b);
+                    parts.push((p, b));
                     Ok(())
                 })?;
             }
-            _ => parts[0].push(batch),
+            _ => parts.push((0, batch)),
         }
-        let size = self.batch_size.max(1);
-        Ok(Some(
-            (parts.into_iter())
-                .map(|batches| {
-                    (batches.into_iter())
-                        .flat_map(|b| {
-                            (0..b.num_rows())
-                                .step_by(size)
-                                .map(|at| b.slice(at, size.min(b.num_rows() - at)))
-                                .collect::<Vec<_>>()
-                        })
-                        .collect()
-                })
-                .collect(),
-        ))
+        Ok(parts)
     }
 }
 

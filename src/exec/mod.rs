@@ -40,7 +40,7 @@
 pub(crate) mod cannot_fail;
 mod dynamic_filter;
 mod group_topk;
-mod memory;
+pub(crate) mod memory;
 mod metrics;
 mod parquet;
 mod row_store;

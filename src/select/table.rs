@@ -847,8 +847,9 @@ fn buffers(data: &datafusion::arrow::array::ArrayData) -> Vec<Buffer> {
 }
 
 /// `f` of each item, in order, the items spread over up to one thread a core: deriving
-/// prefix words, and gathering strings' row ends and bytes (`Utf8View` bytes row by row).
-fn on_cores<T: Send, R: Send>(
+/// prefix words, gathering strings' row ends and bytes (`Utf8View` bytes row by row), and
+/// the rows a per-group selection kept.
+pub(crate) fn on_cores<T: Send, R: Send>(
     items: Vec<T>,
     f: impl Fn(T) -> GpuResult<R> + Sync,
 ) -> GpuResult<Vec<R>> {

@@ -429,17 +429,17 @@ pub(crate) fn gather_rows(
     read: &[bool],
 ) -> Result<Vec<Option<ArrayRef>>> {
     // Each position's batch (numbered among the batches that hold one) and row.
-    let mut slots = std::collections::HashMap::new();
+    let mut slots = vec![usize::MAX; batches.len()];
     let mut holding: Vec<&RecordBatch> = Vec::new();
     let at: Vec<(usize, usize)> = positions
         .iter()
         .map(|&p| {
             let b = starts.partition_point(|&s| s <= p) - 1;
-            let slot = *slots.entry(b).or_insert_with(|| {
+            if slots[b] == usize::MAX {
+                slots[b] = holding.len();
                 holding.push(batches[b]);
-                holding.len() - 1
-            });
-            (slot, (p - starts[b]) as usize)
+            }
+            (slots[b], (p - starts[b]) as usize)
         })
         .collect();
     (memory.columns.iter().zip(read))
