@@ -172,6 +172,23 @@ def test_pandas_and_polars():
     assert pl.DataFrame(ctx.sql("SELECT k FROM p ORDER BY k LIMIT 2"))["k"].to_list() == [1, 2]
 
 
+def test_results_pass_to_the_datafusion_package_and_back():
+    """The `datafusion` package's DataFrames and ours read each other through the Arrow C
+    stream interface."""
+    datafusion = pytest.importorskip("datafusion")
+    ctx = session()
+    ctx.from_arrow(table_of(), name="t")
+    sql = "SELECT id, score FROM t ORDER BY score DESC NULLS LAST, id LIMIT 5"
+    ours = ctx.sql(sql)
+    theirs = datafusion.SessionContext().from_arrow(ours, name="top")
+    assert theirs.to_arrow_table().to_pylist() == rows(ours)
+    back = session().from_arrow(theirs, name="again")
+    assert rows(back) == rows(ours)
+    plain_rows = datafusion.SessionContext()
+    plain_rows.from_arrow(table_of(), name="t")
+    assert plain_rows.sql(sql).to_arrow_table().to_pylist() == rows(ours)
+
+
 def test_settings():
     ctx = session()
     ctx.register_tweets(10_000)
