@@ -55,7 +55,7 @@ use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitio
 
 mod group;
 
-use crate::config::GpuTopKConfig;
+use crate::config::{Algorithm, Backend, GpuTopKConfig};
 use crate::cost::{self, Placement};
 use crate::exec::cannot_fail;
 use crate::exec::{GpuTopKExec, TopKSpec};
@@ -276,16 +276,8 @@ fn match_top_k(
         return because("the sort keys have no row format to compare them in full");
     }
 
-    let cache_dir = (!config.kernel_cache_dir.is_empty())
-        .then(|| std::path::Path::new(config.kernel_cache_dir.as_str()));
     let cached = config.column_cache && replays_from_memory(&absorbed.input);
-    let settings = cost::Settings {
-        backend: config.backend,
-        algorithm: config.algorithm,
-        kernel_cache_dir: cache_dir,
-        recalibrate: config.recalibrate,
-        fault: config.inject_fault,
-    };
+    let settings = cost_settings(config);
     // The fusion plan and the placement; `strings`: the program may read string columns
     // whole, which only a selection over the whole table can give it.
     let place = |strings: bool| {
@@ -363,6 +355,18 @@ fn match_top_k(
     Ok(Arc::new(exec))
 }
 
+/// What the cost model reads of the session's settings.
+fn cost_settings(config: &GpuTopKConfig) -> cost::Settings<'_> {
+    cost::Settings {
+        backend: config.backend,
+        algorithm: config.algorithm,
+        kernel_cache_dir: (!config.kernel_cache_dir.is_empty())
+            .then(|| std::path::Path::new(config.kernel_cache_dir.as_str())),
+        recalibrate: config.recalibrate,
+        fault: config.inject_fault,
+    }
+}
+
 /// The key specs of `sort_exprs` over `schema`, or why they cannot be typed.
 fn key_specs(
     sort_exprs: &LexOrdering,
@@ -393,6 +397,9 @@ pub(super) fn group_device(
     group_keys: usize,
     config: &GpuTopKConfig,
 ) -> std::result::Result<crate::exec::GroupDevicePlan, String> {
+    if config.backend == Backend::Cpu || config.algorithm == Algorithm::Cpu {
+        return Err("CPU path forced by settings".into());
+    }
     if !config.column_cache {
         return Err("gpu_topk.column_cache = false: the device reads cached tables only".into());
     }
@@ -457,16 +464,7 @@ pub(super) fn group_device(
         estimate.resident = resident;
         estimate.whole_table = true;
     }
-    let cache_dir = (!config.kernel_cache_dir.is_empty())
-        .then(|| std::path::Path::new(config.kernel_cache_dir.as_str()));
-    let settings = cost::Settings {
-        backend: config.backend,
-        algorithm: config.algorithm,
-        kernel_cache_dir: cache_dir,
-        recalibrate: config.recalibrate,
-        fault: config.inject_fault,
-    };
-    let (reason, prediction) = cost::choose_groups(settings, &layout, estimate)?;
+    let (reason, prediction) = cost::choose_groups(cost_settings(config), &layout, estimate)?;
     Ok(crate::exec::GroupDevicePlan {
         table: absorbed.input,
         program,
