@@ -15,6 +15,9 @@
 //! (the operator keeps K rows a group; the filter stays and keeps what the query asked for).
 //! Other window functions, several window expressions in one node, or a sort that is not the
 //! window's order leave the plan to DataFusion.
+//!
+//! With `datafusion.optimizer.enable_window_topn`, DataFusion plans the window over its own
+//! `PartitionedTopKExec` (K rows a group) instead of the sort; the operator replaces both.
 
 use std::sync::Arc;
 
@@ -27,6 +30,7 @@ use datafusion::physical_expr::{PhysicalExpr, PhysicalSortExpr};
 use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
 use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::sorts::partitioned_topk::{PartitionedTopKExec, WindowFnKind};
 use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::windows::{BoundedWindowAggExec, WindowAggExec, WindowUDFExpr};
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
@@ -41,6 +45,10 @@ pub(super) fn match_group_top_k(
     node: &Arc<dyn ExecutionPlan>,
     config: &GpuTopKConfig,
 ) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
+    match match_partitioned_topk(node, config) {
+        Err(Declined::NotTopK) => {}
+        taken_or_declined => return taken_or_declined,
+    }
     let Some(filter) = node.downcast_ref::<FilterExec>() else {
         return Err(Declined::NotTopK);
     };
@@ -132,6 +140,56 @@ pub(super) fn match_group_top_k(
         None => exec,
     };
     replace(node, below)
+}
+
+/// DataFusion's own per-group plan (`datafusion.optimizer.enable_window_topn`): a
+/// `ROW_NUMBER()` or `RANK()` window over a `PartitionedTopKExec`, which keeps `fetch` rows a
+/// group (with the ties of the last under `RANK()`). The operator takes the place of both; a
+/// filter DataFusion kept above stays.
+fn match_partitioned_topk(
+    node: &Arc<dyn ExecutionPlan>,
+    config: &GpuTopKConfig,
+) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
+    let (exprs, below) = if let Some(w) = node.downcast_ref::<BoundedWindowAggExec>() {
+        (w.window_expr(), w.input())
+    } else if let Some(w) = node.downcast_ref::<WindowAggExec>() {
+        (w.window_expr(), w.input())
+    } else {
+        return Err(Declined::NotTopK);
+    };
+    let Some(topk) = below.downcast_ref::<PartitionedTopKExec>() else {
+        return Err(Declined::NotTopK);
+    };
+    let [expr] = exprs else {
+        return because("per-group top-k: several window functions over PartitionedTopKExec");
+    };
+    let wanted = match topk.fn_kind() {
+        WindowFnKind::RowNumber => RankFunction::RowNumber,
+        WindowFnKind::Rank => RankFunction::Rank,
+    };
+    let function = rank_function(expr.as_ref()).filter(|f| *f == wanted);
+    let Some(function) = function else {
+        return because(format!(
+            "per-group top-k: {} over a PartitionedTopKExec of another function",
+            expr.name()
+        ));
+    };
+    let input = Arc::clone(topk.input());
+    if input.boundedness().is_unbounded() {
+        return because("per-group top-k: the input is unbounded");
+    }
+    let (ordering, groups, k) = (
+        topk.expr().clone(),
+        topk.partition_prefix_len(),
+        topk.fetch(),
+    );
+    let device = super::group_device(&input, &ordering, groups, config);
+    let exec = GpuGroupTopKExec::try_new(input, function, ordering, groups, k, node.as_ref())
+        .or_else(|e| because(format!("per-group top-k: {e}")))?;
+    Ok(Arc::new(match device {
+        Ok(plan) => exec.with_device(plan),
+        Err(why) => exec.with_cpu_reason(why),
+    }))
 }
 
 /// The operator's function for `expr`: `ROW_NUMBER()`, `RANK()` or `DENSE_RANK()`, `None`

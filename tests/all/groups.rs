@@ -350,3 +350,36 @@ fn find_group_topk(plan: &Arc<dyn ExecutionPlan>) -> Option<&Arc<dyn ExecutionPl
     }
     plan.children().into_iter().find_map(find_group_topk)
 }
+
+/// With `enable_window_topn`, DataFusion plans the window over its own `PartitionedTopKExec`:
+/// the operator takes that plan too, with the rows of DataFusion's window plan either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn datafusions_partitioned_top_k_plan_is_taken_too() {
+    const TOPN: &str = "SET datafusion.optimizer.enable_window_topn = true";
+    let dir = test_dir("groups-topn");
+    let data = table(3000, 3, 40);
+    for storage in [Storage::Memory, Storage::Parquet, Storage::Csv] {
+        let ours = session(true, 3, 128);
+        let topn = plain_session(3, storage);
+        let plain = plain_session(3, storage);
+        for ctx in [&ours, &topn, &plain] {
+            register_as(ctx, "t", &data, storage, &dir).await;
+        }
+        run(&ours, TOPN).await.unwrap();
+        run(&topn, TOPN).await.unwrap();
+        let mut seen = 0;
+        for sql in QUERIES {
+            let datafusions = plan_text(&physical_plan(&topn, sql).await.unwrap());
+            seen += usize::from(datafusions.contains("PartitionedTopKExec"));
+            let text = plan_text(&physical_plan(&ours, sql).await.unwrap());
+            assert!(!text.contains("PartitionedTopKExec"), "{sql}:\n{text}");
+            same_rows(&ours, &plain, sql, true).await;
+            same_rows(&ours, &topn, sql, true).await;
+        }
+        assert!(
+            seen >= 5,
+            "{storage:?}: DataFusion planned PartitionedTopKExec {seen} times"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
