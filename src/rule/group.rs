@@ -56,11 +56,7 @@ pub(super) fn match_group_top_k(
     let projection = (filter.input().downcast_ref::<ProjectionExec>())
         .filter(|p| (p.expr().iter()).all(|e| e.expr.downcast_ref::<Column>().is_some()));
     let window = projection.map_or(filter.input(), |p| p.input());
-    let (exprs, sorted) = if let Some(w) = window.downcast_ref::<BoundedWindowAggExec>() {
-        (w.window_expr(), w.input())
-    } else if let Some(w) = window.downcast_ref::<WindowAggExec>() {
-        (w.window_expr(), w.input())
-    } else {
+    let Some((exprs, sorted)) = window_parts(window) else {
         return Err(Declined::NotTopK);
     };
     // The row number is the window's last output column, at its place in the projection.
@@ -119,14 +115,7 @@ pub(super) fn match_group_top_k(
     if input.boundedness().is_unbounded() {
         return because("per-group top-k: the input is unbounded");
     }
-    let device = super::group_device(&input, &ordering, groups.len(), config);
-    let exec =
-        GpuGroupTopKExec::try_new(input, function, ordering, groups.len(), k, window.as_ref())
-            .or_else(|e| because(format!("per-group top-k: {e}")))?;
-    let exec: Arc<dyn ExecutionPlan> = Arc::new(match device {
-        Ok(plan) => exec.with_device(plan),
-        Err(why) => exec.with_cpu_reason(why),
-    });
+    let exec = group_exec(input, function, ordering, groups.len(), k, window, config)?;
     let replace = |plan: &Arc<dyn ExecutionPlan>, child| {
         Arc::clone(plan)
             .replace_children(
@@ -150,11 +139,7 @@ fn match_partitioned_topk(
     node: &Arc<dyn ExecutionPlan>,
     config: &GpuTopKConfig,
 ) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
-    let (exprs, below) = if let Some(w) = node.downcast_ref::<BoundedWindowAggExec>() {
-        (w.window_expr(), w.input())
-    } else if let Some(w) = node.downcast_ref::<WindowAggExec>() {
-        (w.window_expr(), w.input())
-    } else {
+    let Some((exprs, below)) = window_parts(node) else {
         return Err(Declined::NotTopK);
     };
     let Some(topk) = below.downcast_ref::<PartitionedTopKExec>() else {
@@ -183,8 +168,36 @@ fn match_partitioned_topk(
         topk.partition_prefix_len(),
         topk.fetch(),
     );
+    group_exec(input, function, ordering, groups, k, node, config)
+}
+
+/// A window node's expressions and its input.
+type WindowParts<'a> = (&'a [Arc<dyn WindowExpr>], &'a Arc<dyn ExecutionPlan>);
+
+/// [`WindowParts`] of a window node.
+fn window_parts(node: &Arc<dyn ExecutionPlan>) -> Option<WindowParts<'_>> {
+    if let Some(w) = node.downcast_ref::<BoundedWindowAggExec>() {
+        Some((w.window_expr(), w.input()))
+    } else {
+        let w = node.downcast_ref::<WindowAggExec>()?;
+        Some((w.window_expr(), w.input()))
+    }
+}
+
+/// The operator in place of `window` over `input` sorted by `ordering` (its first `groups`
+/// keys the groups), keeping `k` rows a group: on the GPU where the rule places it there,
+/// else on the CPU path with the reason.
+fn group_exec(
+    input: Arc<dyn ExecutionPlan>,
+    function: RankFunction,
+    ordering: datafusion::physical_expr::LexOrdering,
+    groups: usize,
+    k: usize,
+    window: &Arc<dyn ExecutionPlan>,
+    config: &GpuTopKConfig,
+) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
     let device = super::group_device(&input, &ordering, groups, config);
-    let exec = GpuGroupTopKExec::try_new(input, function, ordering, groups, k, node.as_ref())
+    let exec = GpuGroupTopKExec::try_new(input, function, ordering, groups, k, window.as_ref())
         .or_else(|e| because(format!("per-group top-k: {e}")))?;
     Ok(Arc::new(match device {
         Ok(plan) => exec.with_device(plan),
