@@ -162,6 +162,7 @@ pub fn calibration(
     {
         calibration.model.machine.cpu_cores = cpu_cores();
         let calibration = Arc::new(calibration);
+        crate::device::planning_changed();
         *held = Some(Cached {
             recalibrated: false,
             calibration: Ok(Arc::clone(&calibration)),
@@ -173,6 +174,7 @@ pub fn calibration(
         Ok(measured) => measured,
         Err(e) => {
             let e = GpuError(format!("the calibration failed: {e}"));
+            crate::device::planning_changed();
             *held = Some(Cached {
                 recalibrated: recalibrate,
                 calibration: Err(e.clone()),
@@ -208,6 +210,7 @@ pub fn calibration(
     }
     log::info!("{}", calibration.describe());
     let calibration = Arc::new(calibration);
+    crate::device::planning_changed();
     *held = Some(Cached {
         recalibrated: recalibrate,
         calibration: Ok(Arc::clone(&calibration)),

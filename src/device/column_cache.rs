@@ -280,6 +280,7 @@ impl ColumnCache {
     /// table pinned) until the entries fit it.
     fn set_budget(&self, bytes: usize) {
         self.budget.store(bytes, Ordering::Release);
+        super::planning_changed();
         let mut state = self.state();
         while state.bytes > bytes && evict_oldest(&mut state) {}
     }
@@ -370,6 +371,7 @@ impl ColumnCache {
                 state.bytes = state.bytes.saturating_sub(bytes);
             }
             std::collections::hash_map::Entry::Vacant(slot) => {
+                super::planning_changed();
                 let addresses: Vec<usize> = match by_identity(slot.key()) {
                     true => Vec::new(),
                     false => slot.key().iter().map(|&(a, _)| a).collect(),
@@ -423,6 +425,9 @@ impl ColumnCache {
             keep
         });
         state.bytes -= freed;
+        if !gone.is_empty() {
+            super::planning_changed();
+        }
         for key in gone {
             forget_slices(&mut state.slices, &key);
         }
@@ -477,6 +482,7 @@ fn evict_oldest(state: &mut State) -> bool {
         return false;
     };
     let entry = state.entries.remove(&victim).expect("found above");
+    super::planning_changed();
     state.bytes -= entry.bytes;
     forget_slices(&mut state.slices, &victim);
     true

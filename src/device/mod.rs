@@ -210,6 +210,7 @@ impl GpuDevice {
             cache_dir.as_deref(),
         )?);
         *slot = Some(Arc::clone(&kernel));
+        planning_changed();
         let took = started.elapsed();
         *self.last_compile.lock().unwrap_or_else(|e| e.into_inner()) = Some(took);
         Ok((kernel, took))
@@ -275,10 +276,16 @@ const MAX_IDLE_ENGINES: usize = 32;
 
 /// The process's GPU, detected on first call.
 pub fn gpu_status() -> &'static GpuStatus {
-    STATUS.get_or_init(|| match contain_panics(detect) {
-        Ok(Ok(device)) => GpuStatus::Available(Arc::new(device)),
-        Ok(Err(reason)) => GpuStatus::Unavailable(reason),
-        Err(panic) => GpuStatus::Unavailable(format!("the CUDA libraries are unusable: {panic}")),
+    STATUS.get_or_init(|| {
+        let status = match contain_panics(detect) {
+            Ok(Ok(device)) => GpuStatus::Available(Arc::new(device)),
+            Ok(Err(reason)) => GpuStatus::Unavailable(reason),
+            Err(panic) => {
+                GpuStatus::Unavailable(format!("the CUDA libraries are unusable: {panic}"))
+            }
+        };
+        planning_changed();
+        status
     })
 }
 
@@ -312,6 +319,22 @@ pub(crate) fn contain_panics<T>(work: impl FnOnce() -> T) -> Result<T, String> {
 }
 
 static STATUS: OnceLock<GpuStatus> = OnceLock::new();
+
+/// Counts the changes of what planning reads from the device: its status, the column cache's
+/// entries, the generated programs loaded, the calibration.
+static PLANNING_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The number of changes so far to the device state planning reads (whether the device is
+/// started, what the column cache holds, which programs are compiled, the calibration): a
+/// physical plan built at one value may be reused while the value holds.
+pub fn planning_generation() -> u64 {
+    PLANNING_GENERATION.load(std::sync::atomic::Ordering::Acquire)
+}
+
+/// Records a change of the device state planning reads ([`planning_generation`]).
+pub(crate) fn planning_changed() {
+    PLANNING_GENERATION.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+}
 
 /// The status if the device was already probed, without probing it: planning asks this where
 /// starting the device (a context, the kernels) could cost more than the query it plans.

@@ -349,9 +349,13 @@ impl ExecutionPlan for GpuTopKExec {
     }
 
     fn reset_state(self: Arc<Self>) -> Result<Arc<dyn ExecutionPlan>> {
+        // The scans below hold this very filter, so it is set back to passing every row rather
+        // than replaced: the next execution (a recursive query's next round, a reused plan)
+        // must neither prune by the last run's threshold nor lose the pushdown.
+        self.dynamic_filter.update(lit(true))?;
         let mut fresh = self.with_input(Arc::clone(&self.input));
-        fresh.dynamic_filter = Arc::new(new_dynamic_filter(&self.spec.sort_exprs));
         fresh.metrics = ExecutionPlanMetricsSet::new();
+        fresh.fallback = Arc::default();
         Ok(Arc::new(fresh))
     }
 

@@ -84,7 +84,7 @@ impl ScalarUDFImpl for Jitter {
 
 /// A tie-heavy table: `g` (5 values), `c` (40 values, NULLs), `f` (a few floats: ±0.0, NaN,
 /// NULL), `w` (wide), `rid` the input position; partitions of several batches, one empty.
-fn ties_table(seed: u64) -> Vec<Vec<RecordBatch>> {
+pub(crate) fn ties_table(seed: u64) -> Vec<Vec<RecordBatch>> {
     let schema = Arc::new(Schema::new(vec![
         Field::new("rid", DataType::Int64, false),
         Field::new("g", DataType::Int32, true),
@@ -115,7 +115,7 @@ fn ties_table(seed: u64) -> Vec<Vec<RecordBatch>> {
 }
 
 /// A small table to join with: `g` → `label`, two rows per value of `g` but one.
-fn labels() -> Vec<Vec<RecordBatch>> {
+pub(crate) fn labels() -> Vec<Vec<RecordBatch>> {
     let schema = Arc::new(Schema::new(vec![
         Field::new("g", DataType::Int32, false),
         Field::new("label", DataType::Int64, false),
@@ -144,7 +144,7 @@ async fn same_as_datafusion(
 
 /// The same rows, or the same error (the failing value a cast names aside: it is the first one
 /// read).
-fn assert_same(
+pub(crate) fn assert_same(
     sql: &str,
     got: std::result::Result<Vec<String>, String>,
     want: std::result::Result<Vec<String>, String>,
@@ -163,7 +163,7 @@ fn assert_same(
 }
 
 /// Registers the tie-heavy table `t` (as `storage`) and the join table `l` in both sessions.
-async fn register_tables(
+pub(crate) async fn register_tables(
     sessions: &[&SessionContext],
     storage: Storage,
     dir: &Path,

@@ -14,6 +14,7 @@ mod fuzz;
 mod gpu;
 mod groups;
 mod plan;
+mod plan_cache;
 mod reliability;
 mod resident;
 #[path = "../shared/sessions.rs"]
