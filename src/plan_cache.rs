@@ -14,9 +14,11 @@
 //! - every table the plan scans has the same contents: an in-memory table the same batches, a
 //!   listing table (Parquet, CSV, …) the same files with the same sizes and modification times,
 //!   a [`GpuTable`] is immutable; a plan scanning any other kind of table is not kept;
-//! - the device state the cost model read is unchanged ([`planning_generation`]: the device
-//!   started, columns loaded into or evicted from the column cache, a program compiled), so a
-//!   plan that chose the CPU before the columns were resident is replaced once they are;
+//! - the device state the cost model read is unchanged: whether each column it asked about is
+//!   resident and each program compiled (observed while planning, [`observe_planning`]), and
+//!   the device's status, calibration and cache budget ([`planning_generation`]); so a plan
+//!   that chose the CPU before its columns were resident is replaced once they are, while
+//!   other tables' loads leave it be;
 //! - the plan folds no time-dependent function (`now()`, `current_date`, …).
 //!
 //! The kept plan is never executed: each execution gets a copy with its state reset
@@ -49,7 +51,7 @@ use datafusion::physical_plan::{ExecutionPlan, collect, execute_stream};
 use datafusion::prelude::SessionContext;
 use futures::TryStreamExt;
 
-use crate::device::planning_generation;
+use crate::device::{PlanningObservations, observe_planning, planning_generation};
 use crate::table::GpuTable;
 
 /// Statements kept by [`PlanCache::new`].
@@ -217,6 +219,8 @@ struct Entry {
     functions: u64,
     runtime: usize,
     generation: u64,
+    /// The columns' residency and the programs' compilation the cost model saw.
+    observations: PlanningObservations,
     /// The tables the statement names, as they resolved.
     names: Vec<(TableReference, Arc<dyn TableProvider>)>,
     /// The tables the plan scans, with what they held.
@@ -240,7 +244,10 @@ enum Contents {
 impl Entry {
     /// Whether the plan may still be used in `ctx` to run `sql`.
     async fn valid(&self, ctx: &SessionContext, sql: &str) -> bool {
-        if planning_generation() != self.generation || ctx.session_id() != self.session {
+        if planning_generation() != self.generation
+            || ctx.session_id() != self.session
+            || !self.observations.hold()
+        {
             return false;
         }
         {
@@ -416,7 +423,8 @@ async fn plan_statement(ctx: &SessionContext, sql: &str) -> Result<(CachedPlan, 
         )
     };
     let generation = planning_generation();
-    let plan = frame.create_physical_plan().await?;
+    let (plan, observations) = observe_planning(frame.create_physical_plan()).await;
+    let plan = plan?;
     // The kept plan is never executed itself, only copies of it with their state reset: a
     // dynamic filter of DataFusion's (its TopK, a hash join) is replaced in the copy of its
     // producer while the scans keep the kept plan's, which no run ever updates.
@@ -443,6 +451,7 @@ async fn plan_statement(ctx: &SessionContext, sql: &str) -> Result<(CachedPlan, 
         functions,
         runtime,
         generation,
+        observations,
         names,
         contents,
         executed: execute.then_some(logical),

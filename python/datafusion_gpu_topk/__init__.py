@@ -130,8 +130,15 @@ class SessionContext:
 
     def sql(self, query: str) -> DataFrame:
         """Plans ``query``. Statements that change the session (``CREATE EXTERNAL TABLE``,
-        ``SET``, ``DROP TABLE``) run now."""
+        ``SET``, ``DROP TABLE``) run now. A query asked again reuses its plan while the
+        settings, the tables it reads and the device's column cache are unchanged."""
         return DataFrame(self._native.sql(query))
+
+    def plan_cache_stats(self) -> dict[str, int]:
+        """How often a query reused its plan (``hits``), was planned (``misses``), and how many
+        plans the session keeps (``entries``)."""
+        hits, misses, entries = self._native.plan_cache_stats()
+        return {"hits": hits, "misses": misses, "entries": entries}
 
     def set(self, key: str, value: Any) -> None:
         """Sets one option, as ``SET key = value`` does."""

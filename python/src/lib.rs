@@ -11,7 +11,7 @@
 //! conveniences that need pyarrow, pandas or polars.
 
 use std::ffi::CStr;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use datafusion::arrow::array::RecordBatch;
 use datafusion::arrow::datatypes::SchemaRef;
@@ -27,7 +27,9 @@ use datafusion::prelude::{
     CsvReadOptions, DataFrame, ParquetReadOptions, SessionConfig, SessionContext,
 };
 use datafusion_gpu_topk::datasets::{QUERIES, TweetsSpec, tweets_mem_table};
-use datafusion_gpu_topk::{GpuTopKConfig, SessionStateBuilderExt, gpu_summary, topk_report};
+use datafusion_gpu_topk::{
+    CachedPlan, GpuTopKConfig, PlanCache, SessionStateBuilderExt, gpu_summary, topk_report,
+};
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict};
@@ -103,6 +105,8 @@ fn import_stream(data: &Bound<'_, PyAny>) -> PyResult<(SchemaRef, Vec<RecordBatc
 )]
 struct PySessionContext {
     ctx: SessionContext,
+    /// Queries repeated in this session reuse their physical plans.
+    plans: Arc<PlanCache>,
 }
 
 #[pymethods]
@@ -139,14 +143,39 @@ impl PySessionContext {
         for (key, value) in ours {
             set_option(&ctx, &key, &value)?;
         }
-        Ok(Self { ctx })
+        Ok(Self {
+            ctx,
+            plans: Arc::new(PlanCache::new()),
+        })
     }
 
     /// Plans `query` (any statement DataFusion takes: a query, `CREATE EXTERNAL TABLE`,
     /// `SET`, `EXPLAIN`); statements that change the session run now.
+    /// A query (or `EXECUTE`) is planned through the session's `PlanCache`: repeated, it
+    /// reuses its plan while nothing it was planned from changed.
     fn sql(&self, py: Python<'_>, query: &str) -> PyResult<PyDataFrame> {
-        let frame = wait(py, self.ctx.sql(query)).map_err(error)?;
-        Ok(PyDataFrame { frame })
+        if !is_query(&self.ctx, query) {
+            let frame = wait(py, self.ctx.sql(query)).map_err(error)?;
+            return Ok(PyDataFrame::of(frame));
+        }
+        let planned = wait(py, self.plans.plan(&self.ctx, query)).map_err(error)?;
+        Ok(PyDataFrame {
+            schema: planned.plan().schema(),
+            frame: OnceLock::new(),
+            query: Some(Query {
+                ctx: self.ctx.clone(),
+                plans: Arc::clone(&self.plans),
+                sql: query.to_string(),
+                planned: Mutex::new(Some(planned)),
+            }),
+        })
+    }
+
+    /// How the session's plan cache has served: plans reused (`hits`), queries planned
+    /// (`misses`), plans kept now (`entries`).
+    fn plan_cache_stats(&self) -> (u64, u64, usize) {
+        let stats = self.plans.stats();
+        (stats.hits, stats.misses, stats.entries)
     }
 
     /// Sets one option by its SQL name, as `SET key = value` does.
@@ -218,7 +247,7 @@ impl PySessionContext {
                 .map_err(error)?;
         }
         let frame = self.ctx.read_table(table).map_err(error)?;
-        Ok(PyDataFrame { frame })
+        Ok(PyDataFrame::of(frame))
     }
 
     /// Registers the generated tweets table of the benchmarks (the columns `id`, `tweet_time`,
@@ -236,7 +265,7 @@ impl PySessionContext {
     /// The DataFrame of table `name`.
     fn table(&self, py: Python<'_>, name: &str) -> PyResult<PyDataFrame> {
         let frame = wait(py, self.ctx.table(name)).map_err(error)?;
-        Ok(PyDataFrame { frame })
+        Ok(PyDataFrame::of(frame))
     }
 
     /// Removes table `name`; whether it was there.
@@ -255,6 +284,20 @@ impl PySessionContext {
         names.sort();
         names
     }
+}
+
+/// Whether `sql` is one statement that only reads (a query, `EXECUTE`): planning it again
+/// changes nothing. Anything else, or what does not parse, takes `SessionContext::sql`'s path.
+fn is_query(ctx: &SessionContext, sql: &str) -> bool {
+    use datafusion::sql::parser::Statement as DfStatement;
+    use datafusion::sql::sqlparser::ast::Statement;
+    let state = ctx.state_ref();
+    let state = state.read();
+    let dialect = state.config().options().sql_parser.dialect;
+    matches!(
+        state.sql_to_statement(sql, &dialect),
+        Ok(DfStatement::Statement(s)) if matches!(*s, Statement::Query(_) | Statement::Execute { .. })
+    )
 }
 
 fn set_option(ctx: &SessionContext, key: &str, value: &str) -> PyResult<()> {
@@ -319,7 +362,64 @@ fn conform(batch: RecordBatch, schema: &SchemaRef) -> Result<RecordBatch, ArrowE
 /// read it through `__arrow_c_stream__`). Each run executes the query again.
 #[pyclass(name = "DataFrame", module = "datafusion_gpu_topk._internal", frozen)]
 struct PyDataFrame {
-    frame: DataFrame,
+    /// The result's schema.
+    schema: SchemaRef,
+    /// The logical plan, made when first needed for a query (`explain`, `count`, `show`).
+    frame: OnceLock<DataFrame>,
+    /// Where the frame came from a query: its text and the plan made for it.
+    query: Option<Query>,
+}
+
+/// A query of a [`PySessionContext`], run through its `PlanCache`.
+struct Query {
+    ctx: SessionContext,
+    plans: Arc<PlanCache>,
+    sql: String,
+    /// The plan made by `sql()`, for the first run; later runs ask the cache again.
+    planned: Mutex<Option<CachedPlan>>,
+}
+
+impl PyDataFrame {
+    fn of(frame: DataFrame) -> Self {
+        Self {
+            schema: Arc::new(frame.schema().as_arrow().clone()),
+            frame: OnceLock::from(frame),
+            query: None,
+        }
+    }
+
+    /// The logical plan.
+    fn frame(&self, py: Python<'_>) -> PyResult<DataFrame> {
+        if let Some(frame) = self.frame.get() {
+            return Ok(frame.clone());
+        }
+        let query = self
+            .query
+            .as_ref()
+            .expect("a frame without one comes from a query");
+        let frame = wait(py, query.ctx.sql(&query.sql)).map_err(error)?;
+        Ok(self.frame.get_or_init(|| frame).clone())
+    }
+
+    /// Runs the query to the end.
+    fn run(&self, py: Python<'_>) -> PyResult<Vec<RecordBatch>> {
+        let Some(query) = &self.query else {
+            return wait(py, self.frame(py)?.collect()).map_err(error);
+        };
+        let first = query
+            .planned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        wait(py, async {
+            let planned = match first {
+                Some(planned) => planned,
+                None => query.plans.plan(&query.ctx, &query.sql).await?,
+            };
+            planned.collect().await
+        })
+        .map_err(error)
+    }
 }
 
 #[pymethods]
@@ -334,8 +434,8 @@ impl PyDataFrame {
     ) -> PyResult<Bound<'py, PyCapsule>> {
         // The result is given in its own schema; consumers cast where they asked otherwise.
         let _ = requested_schema;
-        let schema: SchemaRef = Arc::new(self.frame.schema().as_arrow().clone());
-        let batches = wait(py, self.frame.clone().collect()).map_err(error)?;
+        let schema = Arc::clone(&self.schema);
+        let batches = self.run(py)?;
         let batches = (batches.into_iter())
             .map(|b| conform(b, &schema))
             .collect::<Result<Vec<_>, _>>()
@@ -347,8 +447,7 @@ impl PyDataFrame {
 
     /// The result's schema as an Arrow C schema (a PyCapsule), for `pyarrow.schema`.
     fn __arrow_c_schema__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
-        let schema =
-            FFI_ArrowSchema::try_from(self.frame.schema().as_arrow()).map_err(arrow_error)?;
+        let schema = FFI_ArrowSchema::try_from(self.schema.as_ref()).map_err(arrow_error)?;
         PyCapsule::new_with_value(py, schema, SCHEMA)
     }
 
@@ -356,12 +455,9 @@ impl PyDataFrame {
     /// line per top-k operator: where it runs, or why DataFusion's TopK was kept.
     #[pyo3(signature = (verbose = false, analyze = false))]
     fn explain(&self, py: Python<'_>, verbose: bool, analyze: bool) -> PyResult<String> {
-        let explained = self
-            .frame
-            .clone()
-            .explain(verbose, analyze)
-            .map_err(error)?;
-        let (state, logical) = self.frame.clone().into_parts();
+        let frame = self.frame(py)?;
+        let explained = frame.clone().explain(verbose, analyze).map_err(error)?;
+        let (state, logical) = frame.into_parts();
         let (batches, report) = wait(py, async move {
             let batches = explained.collect().await?;
             let plan = state.create_physical_plan(&logical).await?;
@@ -381,7 +477,7 @@ impl PyDataFrame {
     /// The first `n` rows as a table of text.
     #[pyo3(signature = (n = 20))]
     fn show_string(&self, py: Python<'_>, n: usize) -> PyResult<String> {
-        let frame = self.frame.clone().limit(0, Some(n)).map_err(error)?;
+        let frame = self.frame(py)?.limit(0, Some(n)).map_err(error)?;
         let batches = wait(py, frame.collect()).map_err(error)?;
         Ok(pretty_format_batches(&batches)
             .map_err(arrow_error)?
@@ -390,13 +486,13 @@ impl PyDataFrame {
 
     /// The number of rows the query returns.
     fn count(&self, py: Python<'_>) -> PyResult<usize> {
-        wait(py, self.frame.clone().count()).map_err(error)
+        let frame = self.frame(py)?;
+        wait(py, frame.count()).map_err(error)
     }
 
     /// The names of the result's columns.
     fn columns(&self) -> Vec<String> {
-        self.frame
-            .schema()
+        self.schema
             .fields()
             .iter()
             .map(|f| f.name().clone())

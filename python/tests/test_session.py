@@ -189,6 +189,37 @@ def test_results_pass_to_the_datafusion_package_and_back():
     assert plain_rows.sql(sql).to_arrow_table().to_pylist() == rows(ours)
 
 
+def test_repeated_queries_reuse_their_plan_until_something_changes(tmp_path):
+    data = table_of()
+    ours, base = session(), plain()
+    for ctx in (ours, base):
+        ctx.register_record_batches("t", [data.to_batches(max_chunksize=700)])
+    sql = "SELECT id, score FROM t ORDER BY score DESC NULLS LAST, id LIMIT 12"
+    want = rows(base.sql(sql))
+    for _ in range(4):
+        assert rows(ours.sql(sql)) == want
+    stats = ours.plan_cache_stats()
+    assert stats["hits"] >= 2 and stats["entries"] == 1, stats
+    # A DataFrame runs its query again each time it is asked for.
+    df = ours.sql(sql)
+    assert rows(df) == want and rows(df) == want and df.count() == 12
+    # Another table under the same name: planned again, its rows.
+    smaller = data.slice(0, 100)
+    for ctx in (ours, base):
+        ctx.deregister_table("t")
+        ctx.register_record_batches("t", [smaller.to_batches()])
+    misses = ours.plan_cache_stats()["misses"]
+    assert rows(ours.sql(sql)) == rows(base.sql(sql))
+    assert ours.plan_cache_stats()["misses"] == misses + 1
+    # A setting changed: planned again.
+    ours.set("datafusion.execution.batch_size", 77)
+    assert rows(ours.sql(sql)) == rows(base.sql(sql))
+    assert ours.plan_cache_stats()["misses"] == misses + 2
+    # Statements with side effects are not kept, and run once per `sql`.
+    ours.sql("CREATE TABLE u AS SELECT id FROM t WHERE id < 5")
+    assert ours.sql("SELECT count(*) AS n FROM u").to_pylist() == [{"n": 5}]
+
+
 def test_settings():
     ctx = session()
     ctx.register_tweets(10_000)

@@ -371,7 +371,6 @@ impl ColumnCache {
                 state.bytes = state.bytes.saturating_sub(bytes);
             }
             std::collections::hash_map::Entry::Vacant(slot) => {
-                super::planning_changed();
                 let addresses: Vec<usize> = match by_identity(slot.key()) {
                     true => Vec::new(),
                     false => slot.key().iter().map(|&(a, _)| a).collect(),
@@ -425,17 +424,22 @@ impl ColumnCache {
             keep
         });
         state.bytes -= freed;
-        if !gone.is_empty() {
-            super::planning_changed();
-        }
         for key in gone {
             forget_slices(&mut state.slices, &key);
         }
         before - state.entries.len()
     }
 
-    /// Whether the cache has an entry for `key` (without using it).
+    /// Whether the cache has an entry for `key` (without using it); planning's answers are
+    /// observed (`observe_planning`).
     pub(crate) fn contains(&self, key: &CacheKey) -> bool {
+        let held = self.holds_key(key);
+        super::observed(|o| o.resident.push((key.clone(), held)));
+        held
+    }
+
+    /// [`contains`](Self::contains), unobserved.
+    pub(crate) fn holds_key(&self, key: &CacheKey) -> bool {
         self.state().entries.contains_key(key)
     }
 
@@ -482,7 +486,6 @@ fn evict_oldest(state: &mut State) -> bool {
         return false;
     };
     let entry = state.entries.remove(&victim).expect("found above");
-    super::planning_changed();
     state.bytes -= entry.bytes;
     forget_slices(&mut state.slices, &victim);
     true

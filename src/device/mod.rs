@@ -210,7 +210,6 @@ impl GpuDevice {
             cache_dir.as_deref(),
         )?);
         *slot = Some(Arc::clone(&kernel));
-        planning_changed();
         let took = started.elapsed();
         *self.last_compile.lock().unwrap_or_else(|e| e.into_inner()) = Some(took);
         Ok((kernel, took))
@@ -219,6 +218,13 @@ impl GpuDevice {
     /// Whether the generated program with this source is loaded in this process, or its
     /// CUBIN is in the disk cache: running it then compiles nothing.
     pub(crate) fn has_generated_kernel(&self, source: &str) -> bool {
+        let compiled = self.compiled(source);
+        observed(|o| o.compiled.push((source.to_string(), compiled)));
+        compiled
+    }
+
+    /// [`has_generated_kernel`](Self::has_generated_kernel), unobserved.
+    fn compiled(&self, source: &str) -> bool {
         let entry = {
             let loaded = self.generated.lock().unwrap_or_else(|e| e.into_inner());
             loaded.get(source).cloned()
@@ -320,20 +326,66 @@ pub(crate) fn contain_panics<T>(work: impl FnOnce() -> T) -> Result<T, String> {
 
 static STATUS: OnceLock<GpuStatus> = OnceLock::new();
 
-/// Counts the changes of what planning reads from the device: its status, the column cache's
-/// entries, the generated programs loaded, the calibration.
+/// Counts the changes of the device state planning reads as a whole: its status, the
+/// calibration, the column cache's budget. What it reads per query (whether a column is
+/// resident, a program compiled) is observed instead ([`observe_planning`]).
 static PLANNING_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// The number of changes so far to the device state planning reads (whether the device is
-/// started, what the column cache holds, which programs are compiled, the calibration): a
-/// physical plan built at one value may be reused while the value holds.
+/// The number of changes so far to the device state planning reads as a whole (whether the
+/// device is started, the calibration, the column cache's budget): a physical plan built at
+/// one value may be reused while the value holds and its [`PlanningObservations`] still do.
 pub fn planning_generation() -> u64 {
     PLANNING_GENERATION.load(std::sync::atomic::Ordering::Acquire)
 }
 
-/// Records a change of the device state planning reads ([`planning_generation`]).
+/// Records a change of the device state planning reads as a whole ([`planning_generation`]).
 pub(crate) fn planning_changed() {
     PLANNING_GENERATION.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+}
+
+/// What one planning read of the device's state, per column and program: a plan made from
+/// it is as valid as [`PlanningObservations::hold`] says.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PlanningObservations {
+    /// Cache keys looked up, and whether the cache held each.
+    resident: Vec<(column_cache::CacheKey, bool)>,
+    /// Generated programs asked about, and whether each was compiled.
+    compiled: Vec<(String, bool)>,
+}
+
+impl PlanningObservations {
+    /// Whether the device would answer every observation the same now.
+    pub fn hold(&self) -> bool {
+        let Some(device) = started_gpu() else {
+            return self.resident.iter().all(|(_, held)| !held)
+                && self.compiled.iter().all(|(_, compiled)| !compiled);
+        };
+        self.resident
+            .iter()
+            .all(|(key, held)| device.column_cache.holds_key(key) == *held)
+            && (self.compiled.iter()).all(|(source, compiled)| device.compiled(source) == *compiled)
+    }
+}
+
+tokio::task_local! {
+    static OBSERVING: std::cell::RefCell<PlanningObservations>;
+}
+
+/// Runs `planning`, recording the per-column and per-program device state it reads.
+pub async fn observe_planning<F: std::future::Future>(
+    planning: F,
+) -> (F::Output, PlanningObservations) {
+    OBSERVING
+        .scope(std::cell::RefCell::default(), async move {
+            let output = planning.await;
+            (output, OBSERVING.with(|o| o.take()))
+        })
+        .await
+}
+
+/// Records an answer about the device's state, where planning is being observed.
+fn observed(record: impl FnOnce(&mut PlanningObservations)) {
+    let _ = OBSERVING.try_with(|o| record(&mut o.borrow_mut()));
 }
 
 /// The status if the device was already probed, without probing it: planning asks this where

@@ -609,3 +609,67 @@ async fn auto_loads_the_columns_after_a_cold_run_on_the_cpu_path() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_kept_plan_follows_the_residency_of_its_own_columns() {
+    if !gpu_or_skip("a_kept_plan_follows_the_residency_of_its_own_columns") {
+        return;
+    }
+    let _serial = CACHE.lock().await;
+    let device = gpu().expect("checked above");
+    let data = table(2, 5, 100_000, 17);
+    let other = table(2, 5, 100_000, 18);
+    let ctx = session_with(2, 8192, GpuTopKConfig::default());
+    let plain = plain_session_with(2, 8192, Storage::Memory);
+    for c in [&ctx, &plain] {
+        register(c, "t", data.clone());
+        register(c, "u", other.clone());
+    }
+    let plans = datafusion_gpu_topk::PlanCache::new();
+    let run = |sql: &'static str| {
+        let (plans, ctx) = (&plans, &ctx);
+        async move {
+            let planned = plans.plan(ctx, sql).await.unwrap();
+            let text = plan_text(planned.plan());
+            let reused = planned.reused();
+            let rows = exact_rows(&planned.collect().await.unwrap());
+            (text, reused, rows)
+        }
+    };
+    let want = run_oracle(&plain, ORACLE).await.unwrap();
+    device.column_cache.clear();
+    let (cold, _, rows) = run(QUERY).await;
+    assert_eq!(rows, want);
+    let started = std::time::Instant::now();
+    while ours(&device, 10).count() < 2 && started.elapsed() < std::time::Duration::from_secs(20) {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // Its columns resident now: planned again where the plan saw them absent.
+    let (warm, reused, rows) = run(QUERY).await;
+    assert_eq!(rows, want);
+    assert_eq!(reused, !cold.contains("resident=0%"), "{cold}\n{warm}");
+    assert!(warm.contains("resident=100%"), "{warm}");
+    assert!(run(QUERY).await.1, "unchanged: reused");
+    // Another table's columns loaded: this plan stays.
+    let other_query = "SELECT rid, v FROM u WHERE f < 0.25 ORDER BY v LIMIT 5";
+    let cuda = session_with(
+        2,
+        8192,
+        GpuTopKConfig::default().with_backend(Backend::Cuda),
+    );
+    register(&cuda, "u", other.clone());
+    cuda.sql(other_query)
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let (_, reused, rows) = run(QUERY).await;
+    assert!(reused, "another table's load replanned it");
+    assert_eq!(rows, want);
+    // Its own columns evicted: planned again.
+    device.column_cache.clear();
+    let (_, reused, rows) = run(QUERY).await;
+    assert!(!reused, "its columns were evicted");
+    assert_eq!(rows, want);
+}
