@@ -80,6 +80,7 @@ async fn check_against(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn reused_plans_give_datafusions_rows_over_every_storage() {
+    let _serial = crate::cache::CACHE.lock().await;
     let dir = test_dir("plan-cache-storages");
     let t = ties_table(71);
     for storage in STORAGES {
@@ -108,6 +109,7 @@ async fn reused_plans_give_datafusions_rows_over_every_storage() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn changed_rows_and_files_are_planned_again() {
+    let _serial = crate::cache::CACHE.lock().await;
     let dir = test_dir("plan-cache-changes");
     let t = ties_table(72);
     let sql = "SELECT g, rid FROM t ORDER BY g, rid LIMIT 5";
@@ -166,6 +168,7 @@ async fn changed_rows_and_files_are_planned_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn settings_views_and_tables_redefined_are_planned_again() {
+    let _serial = crate::cache::CACHE.lock().await;
     let dir = test_dir("plan-cache-redefined");
     let (t, u) = (ties_table(73), ties_table(74));
     let ours = session(true, 4, 100);
@@ -213,6 +216,7 @@ async fn settings_views_and_tables_redefined_are_planned_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn prepared_statements_reuse_their_plan_until_prepared_again() {
+    let _serial = crate::cache::CACHE.lock().await;
     let dir = test_dir("plan-cache-prepared");
     let t = ties_table(75);
     for storage in [Storage::Memory, Storage::Parquet] {
@@ -244,6 +248,7 @@ async fn prepared_statements_reuse_their_plan_until_prepared_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn time_dependent_statements_and_errors_are_not_kept() {
+    let _serial = crate::cache::CACHE.lock().await;
     let dir = test_dir("plan-cache-not-kept");
     let t = ties_table(76);
     let ours = session(true, 4, 100);
@@ -291,6 +296,7 @@ async fn time_dependent_statements_and_errors_are_not_kept() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_kept_plan_runs_in_many_queries_at_once() {
+    let _serial = crate::cache::CACHE.lock().await;
     let dir = test_dir("plan-cache-concurrent");
     let t = ties_table(77);
     for storage in [Storage::Memory, Storage::Parquet] {
