@@ -25,8 +25,9 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
+use datafusion::arrow::array::ArrayRef;
 use datafusion::arrow::buffer::Buffer;
 
 use super::memory::PooledBuffer;
@@ -104,6 +105,21 @@ pub(crate) struct CacheEntry {
     users: AtomicUsize,
     /// Loaded ahead by its table ([`crate::GpuTable::load`]): never evicted while set.
     pinned: AtomicBool,
+    /// Each chunk's least and greatest value and NULLs, worked out when first asked for
+    /// (`None`: not for this column's type).
+    zones: OnceLock<Option<Arc<ChunkZones>>>,
+}
+
+/// What each chunk (batch) of a cached column holds, for skipping those that cannot pass a
+/// query's filter: one entry per chunk in each array.
+#[derive(Debug)]
+pub struct ChunkZones {
+    pub mins: ArrayRef,
+    pub maxs: ArrayRef,
+    /// NULLs per chunk (`UInt64`).
+    pub nulls: ArrayRef,
+    /// Rows per chunk (`UInt64`).
+    pub rows: ArrayRef,
 }
 
 impl CacheEntry {
@@ -361,6 +377,7 @@ impl ColumnCache {
             last_use: AtomicU64::new(self.tick()),
             users: AtomicUsize::new(0),
             pinned: AtomicBool::new(pinned),
+            zones: OnceLock::new(),
         });
         let mut state = self.state();
         match state.entries.entry(key) {
@@ -428,6 +445,17 @@ impl ColumnCache {
             forget_slices(&mut state.slices, &key);
         }
         before - state.entries.len()
+    }
+
+    /// The chunk zones of the entry for `key`, worked out by `compute` the first time; `None`
+    /// without an entry.
+    pub(crate) fn zones(
+        &self,
+        key: &CacheKey,
+        compute: impl FnOnce() -> Option<ChunkZones>,
+    ) -> Option<Arc<ChunkZones>> {
+        let entry = Arc::clone(self.state().entries.get(key)?);
+        entry.zones.get_or_init(|| compute().map(Arc::new)).clone()
     }
 
     /// Whether the cache has an entry for `key` (without using it); planning's answers are

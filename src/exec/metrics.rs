@@ -15,6 +15,8 @@ pub(super) struct TopKMetrics {
     pub(super) gpu_fallbacks: Count,
     /// Rows whose key prefix tied the k-th candidate's and were compared in full.
     pub(super) rows_refined: Count,
+    /// Chunks of a whole table not read: their zones showed no row could pass the filter.
+    pub(super) chunks_skipped: Count,
     /// Device and pinned host bytes the selection holds now (zero once a run is over) and
     /// the most device bytes it held at once.
     pub(super) device_bytes_held: Gauge,
@@ -49,6 +51,7 @@ impl TopKMetrics {
             output_rows: MetricBuilder::new(set).output_rows(0),
             gpu_fallbacks: MetricBuilder::new(set).counter("gpu_fallbacks", 0),
             rows_refined: MetricBuilder::new(set).counter("rows_refined", 0),
+            chunks_skipped: MetricBuilder::new(set).counter("chunks_skipped", 0),
             device_bytes_held: MetricBuilder::new(set).gauge("device_bytes_held", 0),
             pinned_bytes_held: MetricBuilder::new(set).gauge("pinned_bytes_held", 0),
             device_peak_bytes: MetricBuilder::new(set).gauge("device_peak_bytes", 0),

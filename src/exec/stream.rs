@@ -26,6 +26,7 @@ use futures::StreamExt;
 mod fused;
 mod host;
 mod whole_table;
+mod zones;
 
 pub(super) use whole_table::{gather_rows, table_starts};
 

@@ -28,7 +28,7 @@ use datafusion::error::Result;
 use super::SelectionSpec;
 use super::cuda::{ColumnBuffers, exec_error, gpu_error, program_error};
 use crate::device::column_cache::{
-    CacheKey, CacheUse, ColumnCache, Loading, NewEntry, prefix_key, strings_key,
+    CacheKey, CacheUse, ChunkZones, ColumnCache, Loading, NewEntry, prefix_key, strings_key,
 };
 use crate::device::watch::{self, DeviceWatch};
 use crate::device::{
@@ -306,8 +306,12 @@ pub struct TableSelection {
 /// What a selection over a whole table computes after the generated program's pass.
 #[derive(Debug, Clone, Copy)]
 enum TableStep {
-    /// The k best rows, by this algorithm.
-    TopK(DeviceAlgorithm),
+    /// The k best rows, by this algorithm, of the first `within` rows (all where `None`):
+    /// the caller knows that no row after them passes the filter.
+    TopK {
+        algorithm: DeviceAlgorithm,
+        within: Option<usize>,
+    },
     /// The k best rows of every group, the group keys from composite bit `lo` up.
     Groups { lo: u32, ranking: GroupRanking },
 }
@@ -655,6 +659,63 @@ pub fn resident_share_of(
     }
 }
 
+/// The chunk zones of a per-row input whose values the column cache holds: each chunk's least
+/// and greatest value, NULLs and rows, worked out on the host's cores the first time and kept
+/// with the entry. `None` where the cache does not hold the column, the input comes without
+/// its chunks, or its type is not an integer, decimal or temporal one (floats' NaNs and
+/// signed zeros are left to the pass).
+pub fn chunk_zones(device: &GpuDevice, input: &TableInput<'_>) -> Option<Arc<ChunkZones>> {
+    let first = input.chunks.first()?;
+    let ordered = first.data_type().is_integer()
+        || first.data_type().is_temporal()
+        || matches!(
+            first.data_type(),
+            DataType::Decimal32(..)
+                | DataType::Decimal64(..)
+                | DataType::Decimal128(..)
+                | DataType::Decimal256(..)
+        );
+    if input.image != Image::Values || input.lookup.is_some() || !ordered {
+        return None;
+    }
+    let key = TableColumn::new(input).ok()?.key;
+    device
+        .column_cache
+        .zones(&key, || derive_zones(&input.chunks).ok())
+}
+
+/// [`ChunkZones`] of `chunks`, on up to one thread a core.
+pub(crate) fn derive_zones(chunks: &[ArrayRef]) -> Result<ChunkZones> {
+    use datafusion::functions_aggregate::min_max::{MaxAccumulator, MinAccumulator};
+    use datafusion::logical_expr::Accumulator;
+    let zone = |chunk: &ArrayRef| -> Result<_> {
+        let mut min = MinAccumulator::try_new(chunk.data_type())?;
+        let mut max = MaxAccumulator::try_new(chunk.data_type())?;
+        min.update_batch(std::slice::from_ref(chunk))?;
+        max.update_batch(std::slice::from_ref(chunk))?;
+        Ok((min.evaluate()?, max.evaluate()?, chunk.null_count() as u64))
+    };
+    let zones = on_cores(chunks.iter().collect(), |c| {
+        zone(c).map_err(|e| GpuError(e.to_string()))
+    })
+    .map_err(gpu_error)?;
+    let (mut mins, mut maxs, mut nulls) = (Vec::new(), Vec::new(), Vec::new());
+    for (min, max, null) in zones {
+        mins.push(min);
+        maxs.push(max);
+        nulls.push(null);
+    }
+    let rows = chunks.iter().map(|c| c.len() as u64);
+    Ok(ChunkZones {
+        mins: datafusion::common::ScalarValue::iter_to_array(mins)?,
+        maxs: datafusion::common::ScalarValue::iter_to_array(maxs)?,
+        nulls: Arc::new(datafusion::arrow::array::UInt64Array::from(nulls)),
+        rows: Arc::new(datafusion::arrow::array::UInt64Array::from_iter_values(
+            rows,
+        )),
+    })
+}
+
 /// Uploads one table column (a `GpuTable`'s, known by identity) into the column cache and pins
 /// it there; returns its device bytes. A column already cached is pinned where it is.
 pub fn pin_column(device: &Arc<GpuDevice>, input: &TableInput<'_>) -> Result<usize> {
@@ -977,8 +1038,18 @@ impl TableSelector {
     ///
     /// `Ok(None)`: the missing columns do not fit the cache's budget; the caller streams the
     /// table instead. Device failures are [`super::DeviceError`]s (the caller falls back).
-    pub fn select(&self, inputs: &[TableInput<'_>]) -> Result<Option<TableSelection>> {
-        let step = TableStep::TopK(self.algorithm);
+    ///
+    /// With `within`, only the table's first `within` rows are read: the caller knows that no
+    /// later row passes the filter (the chunks' zones say so).
+    pub fn select(
+        &self,
+        inputs: &[TableInput<'_>],
+        within: Option<usize>,
+    ) -> Result<Option<TableSelection>> {
+        let step = TableStep::TopK {
+            algorithm: self.algorithm,
+            within,
+        };
         select_table(&self.spec, &self.device, step, inputs)
     }
 
@@ -1256,9 +1327,13 @@ fn run_table(
         }
         args.extend(column.addresses(&mut addresses.into_iter()));
     }
-    let rows = columns.first().map_or(0, |c| c.rows);
+    let mut rows = columns.first().map_or(0, |c| c.rows);
     let algorithm = match step {
-        TableStep::TopK(algorithm) => algorithm,
+        TableStep::TopK { algorithm, within } => {
+            // The first rows of every column: the program reads them as a shorter table.
+            rows = within.map_or(rows, |w| w.min(rows));
+            algorithm
+        }
         TableStep::Groups { lo, ranking } => {
             let kept = engine.fused_groups(&kernel, &args, rows, lo, ranking, spec.k)?;
             drop(lookup_tables);

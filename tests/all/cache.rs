@@ -674,3 +674,50 @@ async fn a_kept_plan_follows_the_residency_of_its_own_columns() {
     assert!(!reused, "its columns were evicted");
     assert_eq!(rows, want);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn chunks_no_row_can_pass_are_not_read() {
+    if !gpu_or_skip("chunks_no_row_can_pass_are_not_read") {
+        return;
+    }
+    let _serial = CACHE.lock().await;
+    // `rid` ascends through the table: 10 chunks of 100 000 rows.
+    let data = table(2, 5, 100_000, 19);
+    for gpu_table in [false, true] {
+        let (ctx, plain) = sessions(data.clone(), true);
+        if gpu_table {
+            let table = GpuTable::try_new(data[0][0].schema(), data.clone()).unwrap();
+            ctx.deregister_table("t").unwrap();
+            ctx.register_table("t", Arc::new(table)).unwrap();
+        }
+        // (bound, extra filter, chunks skipped once the columns are resident)
+        for (bound, extra, skipped) in [
+            (0, "", 10),
+            (1, "", 9),
+            (150_000, "", 8),
+            (550_000, " AND v > 500", 4),
+            (1_000_000, "", 0),
+            (1_000_001, " OR v = 3", 0),
+        ] {
+            let sql =
+                format!("SELECT rid, v FROM t WHERE rid < {bound}{extra} ORDER BY v DESC LIMIT 20");
+            let oracle = format!(
+                "SELECT rid, v FROM t WHERE rid < {bound}{extra} ORDER BY v DESC, rid LIMIT 20"
+            );
+            check(&ctx, &plain, &sql, &oracle).await; // the columns resident after it
+            let report = check(&ctx, &plain, &sql, &oracle).await;
+            assert_eq!(
+                report.chunks_skipped, skipped,
+                "gpu_table={gpu_table}: {sql}"
+            );
+            if skipped < 10 {
+                assert_eq!(report.cache_hits, 2, "{sql}: {report:?}");
+            }
+        }
+        // A bound from the end skips nothing: only a prefix of the table is read.
+        let sql = "SELECT rid, v FROM t WHERE rid >= 900000 ORDER BY v DESC LIMIT 20";
+        let oracle = "SELECT rid, v FROM t WHERE rid >= 900000 ORDER BY v DESC, rid LIMIT 20";
+        let report = check(&ctx, &plain, sql, oracle).await;
+        assert_eq!(report.chunks_skipped, 0);
+    }
+}

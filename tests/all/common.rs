@@ -42,6 +42,8 @@ pub struct Report {
     pub cache_misses: usize,
     pub resident_bytes: usize,
     pub uploaded_bytes: usize,
+    /// Chunks of a whole table the pass did not read (their zones let no row pass).
+    pub chunks_skipped: usize,
 }
 
 /// The metrics of every `GpuTopKExec` in `plan` (after it ran), summed.
@@ -62,6 +64,7 @@ pub fn report(plan: &Arc<dyn ExecutionPlan>) -> Report {
             report.cache_misses += metric("cache_misses");
             report.resident_bytes += metric("resident_bytes");
             report.uploaded_bytes += metric("uploaded_bytes");
+            report.chunks_skipped += metric("chunks_skipped");
         }
         plan.children().into_iter().for_each(|c| walk(c, report));
     }

@@ -85,7 +85,20 @@ impl TopKRun {
                 &self.schema,
             ))));
         }
-        let selected = match self.select(selector, &inputs, rows)? {
+        // Chunks past the last one whose zones let a row pass are not read.
+        let skip = (self.spec.filter.as_ref())
+            .and_then(|filter| super::zones::skip(filter, &schema, program, &inputs));
+        if let Some(skip) = skip {
+            self.metrics.chunks_skipped.add(skip.chunks);
+            if skip.within == 0 {
+                self.metrics.rows_in.add(rows);
+                return Ok(WholeTable::Done(RecordBatch::new_empty(Arc::clone(
+                    &self.schema,
+                ))));
+            }
+        }
+        let within = skip.map(|s| s.within);
+        let selected = match self.select(selector, &inputs, rows, within)? {
             Ok(selected) => selected,
             Err(other) => return Ok(other),
         };
@@ -205,7 +218,7 @@ impl TopKRun {
                 file_column(key, data_type, layout.rows, chunks, &schema, c, image)
             })
             .collect();
-        let selected = self.select(selector, &inputs, layout.rows)?;
+        let selected = self.select(selector, &inputs, layout.rows, None)?;
         drop((held, inputs, decoded, host));
         let selected = match selected {
             Ok(selected) => selected,
@@ -292,10 +305,11 @@ impl TopKRun {
         selector: &TableSelector,
         inputs: &[TableInput<'_>],
         rows: usize,
+        within: Option<usize>,
     ) -> Result<std::result::Result<TableSelection, WholeTable>> {
         let selected = {
             let _timer = self.metrics.select_time.timer();
-            selector.select(inputs)
+            selector.select(inputs, within)
         };
         let selected = match selected {
             Ok(Some(selected)) => selected,

@@ -1,0 +1,206 @@
+//! Skipping the chunks of a whole table that cannot pass the filter: each cached column keeps
+//! its chunks' least and greatest values and NULLs ([`ChunkZones`]), DataFusion's pruning
+//! predicate tells from them which chunks may hold a passing row, and the pass
+//! reads the table only up to the last such chunk. Data kept in the order of a column the
+//! query filters on (events by time, as the tweets are) then costs what the matching rows
+//! cost; a filter no chunk can pass costs no pass at all.
+//!
+//! Only a prefix of the table is skipped to: the program reads its columns from their first
+//! row, so a chunk ahead of the last one that may pass is read even where it cannot.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use datafusion::arrow::array::{Array, ArrayRef, AsArray, BooleanArray};
+use datafusion::arrow::datatypes::{SchemaRef, UInt64Type};
+use datafusion::common::pruning::PruningStatistics;
+use datafusion::common::{Column, ScalarValue};
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_expr::utils::collect_columns;
+use datafusion::physical_optimizer::pruning::PruningPredicateBuilder;
+
+use crate::device::column_cache::ChunkZones;
+use crate::exec::cannot_fail;
+use crate::fusion::{FusedProgram, KernelInput};
+use crate::select::table::{TableInput, chunk_zones};
+
+/// Where the pass over a table may stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Skip {
+    /// Rows from the table's start that may hold a passing row (0: none may).
+    pub within: usize,
+    /// Chunks after them, not read.
+    pub chunks: usize,
+}
+
+/// How far into the table the rows passing `filter` can lie, by the zones the column cache
+/// keeps for the filter's columns; `None` where every chunk may hold one or the zones do not
+/// tell (a column the cache does not hold, a type without zones, a filter that can fail on a
+/// row, whose error the pass must meet).
+pub(super) fn skip(
+    filter: &Arc<dyn PhysicalExpr>,
+    schema: &SchemaRef,
+    program: &FusedProgram,
+    inputs: &[TableInput<'_>],
+) -> Option<Skip> {
+    if !cannot_fail::predicate(filter) {
+        return None;
+    }
+    let device = crate::device::started_gpu()?;
+    let mut zones = HashMap::new();
+    for column in collect_columns(filter) {
+        let at = (program.inputs.iter())
+            .position(|p| matches!(p, KernelInput::Column(c) if *c == column.index()))?;
+        zones.insert(
+            column.name().to_string(),
+            chunk_zones(&device, inputs.get(at)?)?,
+        );
+    }
+    skip_by(filter, schema, zones)
+}
+
+/// [`skip`] given the zones of the filter's columns, by name.
+fn skip_by(
+    filter: &Arc<dyn PhysicalExpr>,
+    schema: &SchemaRef,
+    zones: HashMap<String, Arc<ChunkZones>>,
+) -> Option<Skip> {
+    let first = zones.values().next()?;
+    let chunks = first.rows.len();
+    if zones.values().any(|z| z.rows.len() != chunks) {
+        return None;
+    }
+    let rows = Arc::clone(&first.rows);
+    let predicate = PruningPredicateBuilder::new()
+        .with_file_schema(Arc::clone(schema))
+        .try_build(Arc::clone(filter))
+        .ok()?;
+    let keep = predicate
+        .prune(&Zones {
+            zones,
+            rows: Arc::clone(&rows),
+            chunks,
+        })
+        .ok()?;
+    let last = keep.iter().rposition(|&k| k);
+    let skipped = chunks - last.map_or(0, |j| j + 1);
+    if skipped == 0 {
+        return None;
+    }
+    let rows = rows.as_primitive::<UInt64Type>();
+    let within = last.map_or(0, |j| rows.values()[..=j].iter().sum::<u64>() as usize);
+    Some(Skip {
+        within,
+        chunks: skipped,
+    })
+}
+
+/// The zones of the filter's columns, as DataFusion's pruning reads statistics: one
+/// container a chunk.
+struct Zones {
+    zones: HashMap<String, Arc<ChunkZones>>,
+    rows: ArrayRef,
+    chunks: usize,
+}
+
+impl PruningStatistics for Zones {
+    fn min_values(&self, column: &Column) -> Option<ArrayRef> {
+        self.zones.get(column.name()).map(|z| Arc::clone(&z.mins))
+    }
+
+    fn max_values(&self, column: &Column) -> Option<ArrayRef> {
+        self.zones.get(column.name()).map(|z| Arc::clone(&z.maxs))
+    }
+
+    fn num_containers(&self) -> usize {
+        self.chunks
+    }
+
+    fn null_counts(&self, column: &Column) -> Option<ArrayRef> {
+        self.zones.get(column.name()).map(|z| Arc::clone(&z.nulls))
+    }
+
+    fn row_counts(&self) -> Option<ArrayRef> {
+        Some(Arc::clone(&self.rows))
+    }
+
+    #[allow(clippy::mutable_key_type)] // the trait's signature
+    fn contained(&self, _: &Column, _: &HashSet<ScalarValue>) -> Option<BooleanArray> {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use datafusion::arrow::array::Int64Array;
+    use datafusion::arrow::datatypes::{DataType, Field, Schema};
+    use datafusion::common::DFSchema;
+    use datafusion::logical_expr::{col, lit};
+    use datafusion::physical_expr::create_physical_expr;
+    use datafusion::physical_expr::execution_props::ExecutionProps;
+
+    use super::*;
+    use crate::select::table::derive_zones;
+
+    /// Four chunks of `t`: 0..10, 10..20, 20..30 (every other row NULL), and all NULL; `u`
+    /// descends.
+    fn zones() -> (SchemaRef, HashMap<String, Arc<ChunkZones>>) {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("t", DataType::Int64, true),
+            Field::new("u", DataType::Int64, true),
+        ]));
+        let t: Vec<ArrayRef> = vec![
+            Arc::new(Int64Array::from_iter_values(0..10)),
+            Arc::new(Int64Array::from_iter_values(10..20)),
+            Arc::new(Int64Array::from_iter(
+                (20..30).map(|v| (v % 2 == 0).then_some(v)),
+            )),
+            Arc::new(Int64Array::from(vec![None::<i64>; 10])),
+        ];
+        let u: Vec<ArrayRef> = (0..4)
+            .map(|c| {
+                Arc::new(Int64Array::from_iter_values(
+                    (0..10).map(|r| 100 - c * 10 - r),
+                )) as _
+            })
+            .collect();
+        let zones = [("t", t), ("u", u)]
+            .into_iter()
+            .map(|(name, chunks)| (name.to_string(), Arc::new(derive_zones(&chunks).unwrap())))
+            .collect();
+        (schema, zones)
+    }
+
+    fn skip_for(filter: datafusion::logical_expr::Expr) -> Option<Skip> {
+        let (schema, zones) = zones();
+        let df_schema = DFSchema::try_from(schema.as_ref().clone()).unwrap();
+        let context =
+            datafusion::logical_expr::physical_planning_context::PhysicalPlanningContext::default();
+        let filter =
+            create_physical_expr(&filter, &df_schema, &ExecutionProps::new(), &context).unwrap();
+        skip_by(&filter, &schema, zones)
+    }
+
+    #[test]
+    fn the_pass_stops_after_the_last_chunk_that_may_pass() {
+        let skip = |within, chunks| Some(Skip { within, chunks });
+        assert_eq!(skip_for(col("t").lt(lit(25i64))), skip(30, 1));
+        assert_eq!(skip_for(col("t").lt(lit(10i64))), skip(10, 3));
+        assert_eq!(skip_for(col("t").lt(lit(0i64))), skip(0, 4));
+        // A chunk ahead of the last one that may pass is read: only a prefix is skipped to.
+        assert_eq!(
+            skip_for(col("t").lt(lit(5i64)).or(col("t").eq(lit(24i64)))),
+            skip(30, 1)
+        );
+        // The last chunk's rows are all NULL: no comparison passes there, `IS NULL` does.
+        assert_eq!(skip_for(col("t").gt(lit(5i64))), skip(30, 1));
+        assert_eq!(skip_for(col("t").is_null()), None);
+        assert_eq!(skip_for(col("u").gt(lit(0i64))), None);
+        // Both columns: `u` descends 100 → 61 across the chunks.
+        assert_eq!(
+            skip_for(col("t").lt(lit(25i64)).and(col("u").gt(lit(85i64)))),
+            skip(20, 2)
+        );
+        assert_eq!(skip_for(col("u").lt(lit(0i64))), skip(0, 4));
+    }
+}
