@@ -108,6 +108,18 @@ pub(crate) struct CacheEntry {
     /// Each chunk's least and greatest value and NULLs, worked out when first asked for
     /// (`None`: not for this column's type).
     zones: OnceLock<Option<Arc<ChunkZones>>>,
+    /// Set once their derivation started.
+    deriving: AtomicBool,
+}
+
+/// Where the zones of one cache entry go once worked out ([`ColumnCache::zones`]).
+pub(crate) struct ZonesSlot(Arc<CacheEntry>);
+
+impl ZonesSlot {
+    /// Keeps `zones` with the entry (`None`: the column has none).
+    pub(crate) fn fill(self, zones: Option<ChunkZones>) {
+        let _ = self.0.zones.set(zones.map(Arc::new));
+    }
 }
 
 /// What each chunk (batch) of a cached column holds, for skipping those that cannot pass a
@@ -378,6 +390,7 @@ impl ColumnCache {
             users: AtomicUsize::new(0),
             pinned: AtomicBool::new(pinned),
             zones: OnceLock::new(),
+            deriving: AtomicBool::new(false),
         });
         let mut state = self.state();
         match state.entries.entry(key) {
@@ -447,15 +460,22 @@ impl ColumnCache {
         before - state.entries.len()
     }
 
-    /// The chunk zones of the entry for `key`, worked out by `compute` the first time; `None`
-    /// without an entry.
+    /// The chunk zones of the entry for `key` where they are worked out; `None` without an
+    /// entry, or until then. The first ask calls `derive` with the slot to fill (the caller
+    /// works them out off the query's path).
     pub(crate) fn zones(
         &self,
         key: &CacheKey,
-        compute: impl FnOnce() -> Option<ChunkZones>,
+        derive: impl FnOnce(ZonesSlot),
     ) -> Option<Arc<ChunkZones>> {
         let entry = Arc::clone(self.state().entries.get(key)?);
-        entry.zones.get_or_init(|| compute().map(Arc::new)).clone()
+        if let Some(zones) = entry.zones.get() {
+            return zones.clone();
+        }
+        if !entry.deriving.swap(true, Ordering::AcqRel) {
+            derive(ZonesSlot(entry));
+        }
+        None
     }
 
     /// Whether the cache has an entry for `key` (without using it); planning's answers are

@@ -660,10 +660,11 @@ pub fn resident_share_of(
 }
 
 /// The chunk zones of a per-row input whose values the column cache holds: each chunk's least
-/// and greatest value, NULLs and rows, worked out on the host's cores the first time and kept
-/// with the entry. `None` where the cache does not hold the column, the input comes without
-/// its chunks, or its type is not an integer, decimal or temporal one (floats' NaNs and
-/// signed zeros are left to the pass).
+/// and greatest value, NULLs and rows, kept with the entry. The first ask starts working them
+/// out on a thread of its own (a pass over the column) and the query goes on without them.
+/// `None` until then, where the cache does not hold the column, the input comes without its
+/// chunks, or its type is not an integer, decimal or temporal one (floats' NaNs and signed
+/// zeros are left to the pass).
 pub fn chunk_zones(device: &GpuDevice, input: &TableInput<'_>) -> Option<Arc<ChunkZones>> {
     let first = input.chunks.first()?;
     let ordered = first.data_type().is_integer()
@@ -679,9 +680,15 @@ pub fn chunk_zones(device: &GpuDevice, input: &TableInput<'_>) -> Option<Arc<Chu
         return None;
     }
     let key = TableColumn::new(input).ok()?.key;
-    device
-        .column_cache
-        .zones(&key, || derive_zones(&input.chunks).ok())
+    device.column_cache.zones(&key, |slot| {
+        let chunks = input.chunks.to_vec();
+        let spawned = std::thread::Builder::new()
+            .name("gpu-topk-zones".into())
+            .spawn(move || slot.fill(derive_zones(&chunks).ok()));
+        if let Err(e) = spawned {
+            log::warn!("cannot start working out chunk zones: {e}");
+        }
+    })
 }
 
 /// [`ChunkZones`] of `chunks`, on up to one thread a core.
