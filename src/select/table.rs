@@ -661,7 +661,7 @@ pub fn resident_share_of(
 
 /// The chunk zones of a per-row input whose values the column cache holds: each chunk's least
 /// and greatest value, NULLs and rows, kept with the entry. The first ask starts working them
-/// out on a thread of its own (a pass over the column) and the query goes on without them.
+/// out on one thread of its own (a pass over the column) and the query goes on without them.
 /// `None` until then, where the cache does not hold the column, the input comes without its
 /// chunks, or its type is not an integer, decimal or temporal one (floats' NaNs and signed
 /// zeros are left to the pass).
@@ -691,7 +691,8 @@ pub fn chunk_zones(device: &GpuDevice, input: &TableInput<'_>) -> Option<Arc<Chu
     })
 }
 
-/// [`ChunkZones`] of `chunks`, on up to one thread a core.
+/// [`ChunkZones`] of `chunks`, on the calling thread: they are worked out in the background,
+/// where all cores would slow the queries running meanwhile.
 pub(crate) fn derive_zones(chunks: &[ArrayRef]) -> Result<ChunkZones> {
     use datafusion::functions_aggregate::min_max::{MaxAccumulator, MinAccumulator};
     use datafusion::logical_expr::Accumulator;
@@ -702,12 +703,9 @@ pub(crate) fn derive_zones(chunks: &[ArrayRef]) -> Result<ChunkZones> {
         max.update_batch(std::slice::from_ref(chunk))?;
         Ok((min.evaluate()?, max.evaluate()?, chunk.null_count() as u64))
     };
-    let zones = on_cores(chunks.iter().collect(), |c| {
-        zone(c).map_err(|e| GpuError(e.to_string()))
-    })
-    .map_err(gpu_error)?;
     let (mut mins, mut maxs, mut nulls) = (Vec::new(), Vec::new(), Vec::new());
-    for (min, max, null) in zones {
+    for chunk in chunks {
+        let (min, max, null) = zone(chunk)?;
         mins.push(min);
         maxs.push(max);
         nulls.push(null);
