@@ -377,14 +377,22 @@ fn functions_fingerprint(state: &datafusion::execution::SessionState) -> u64 {
     fingerprint
 }
 
-/// Plans `sql` as [`SessionContext::sql`] would, and the entry that keeps the plan where it
-/// may be reused.
-async fn plan_statement(ctx: &SessionContext, sql: &str) -> Result<(CachedPlan, Option<Entry>)> {
+/// The tables `sql` names and its logical plan, unoptimized, in the session's dialect.
+async fn statement_plan(
+    ctx: &SessionContext,
+    sql: &str,
+) -> Result<(Vec<TableReference>, LogicalPlan)> {
     let state = ctx.state();
     let dialect = state.config().options().sql_parser.dialect;
     let statement = state.sql_to_statement(sql, &dialect)?;
     let references = state.resolve_table_references(&statement)?;
-    let logical = state.statement_to_plan(statement).await?;
+    Ok((references, state.statement_to_plan(statement).await?))
+}
+
+/// Plans `sql` as [`SessionContext::sql`] would, and the entry that keeps the plan where it
+/// may be reused.
+async fn plan_statement(ctx: &SessionContext, sql: &str) -> Result<(CachedPlan, Option<Entry>)> {
+    let (references, logical) = statement_plan(ctx, sql).await?;
     let execute = matches!(&logical, LogicalPlan::Statement(Statement::Execute(_)));
     let keepable = match &logical {
         LogicalPlan::Statement(Statement::Execute(_)) => true,
@@ -462,10 +470,7 @@ async fn plan_statement(ctx: &SessionContext, sql: &str) -> Result<(CachedPlan, 
 
 /// The plan an `EXECUTE` statement runs now: the prepared plan with the parameters' values.
 async fn executed_plan(ctx: &SessionContext, sql: &str) -> Result<LogicalPlan> {
-    let state = ctx.state();
-    let dialect = state.config().options().sql_parser.dialect;
-    let statement = state.sql_to_statement(sql, &dialect)?;
-    let logical = state.statement_to_plan(statement).await?;
+    let (_, logical) = statement_plan(ctx, sql).await?;
     Ok(ctx
         .execute_logical_plan(logical)
         .await?
