@@ -14,6 +14,17 @@
 //                kept pairs' row ids and ranks, in order: the output is sorted like the pairs.
 // The walk is serial within a group (its kept pairs plus one): a group with many peers at its
 // k-th key is walked by one thread, which is still linear in what it keeps.
+//
+// Few large groups (the `group-threshold` algorithm) first drop the pairs that cannot be kept,
+// so that only a few per group are sorted:
+//   group_sample  every step-th pair's key (the host sorts them and picks, in each group the
+//                 sample covers well, a sampled key with enough pairs at or below it: the
+//                 group's limit);
+//   group_filter  the pairs at or below their group's limit (binary search in the limits,
+//                 sorted), and every pair of a group without one, appended to a new buffer.
+// A limit is a real pair's key with at least k (distinct, under DENSE_RANK) sampled keys of its
+// group at or below it, so every pair the walk keeps passes the filter: the sample decides
+// only how many others are sorted with them.
 
 #include "common.cuh"
 
@@ -143,6 +154,61 @@ extern "C" __global__ void __launch_bounds__(GROUP_SCAN_THREADS) group_scan(u64 
     }
 }
 
+// The sign of (a's group bits) - (b's): the bits from `lo` up, most significant word first.
+template <class K> __device__ __forceinline__ int group_cmp(const K &a, const K &b, u32 lo) {
+    constexpr int W = 8 * sizeof(typename K::Word);
+#pragma unroll
+    for (int j = K::N - 1; j >= 0; --j) {
+        if ((j + 1) * W <= (int)lo) continue;
+        typename K::Word mask = (typename K::Word)~0ull;
+        if (j * W < (int)lo) mask = (typename K::Word)(mask << ((int)lo - j * W));
+        const typename K::Word x = a.w[j] & mask, y = b.w[j] & mask;
+        if (x != y) return x < y ? -1 : 1;
+    }
+    return 0;
+}
+
+template <class K> __device__ __forceinline__ bool key_less(const K &a, const K &b) {
+#pragma unroll
+    for (int j = K::N - 1; j >= 0; --j) {
+        if (a.w[j] != b.w[j]) return a.w[j] < b.w[j];
+    }
+    return false;
+}
+
+template <class K> __device__ void group_sample(const K *keys, u64 step, u64 s, K *out) {
+    const u64 i = (u64)blockIdx.x * GROUP_THREADS + threadIdx.x;
+    if (i < s) out[i] = keys[i * step];
+}
+
+template <class K>
+__device__ void group_filter(const K *keys, const u64 *ids, u64 m, u32 lo, const K *limits, u64 n, K *out_keys,
+                             u64 *out_ids, u64 *count) {
+    FOR_BLOCK_ROUNDS(i0, m) {
+        const u64 i = i0 + threadIdx.x;
+        bool keep = false;
+        K k;
+        u64 id = 0;
+        if (i < m) {
+            k = keys[i];
+            id = ids[i];
+            // The first limit whose group is not below k's.
+            u64 a = 0, b = n;
+            while (a < b) {
+                const u64 mid = (a + b) / 2;
+                if (group_cmp(limits[mid], k, lo) < 0) a = mid + 1;
+                else b = mid;
+            }
+            keep = a == n || group_cmp(limits[a], k, lo) != 0 || !key_less(limits[a], k);
+        }
+        const u64 pos = warp_append(keep, count);
+        if (keep) {
+            out_keys[pos] = k;
+            out_ids[pos] = id;
+        }
+    }
+}
+
 #define GROUP_ENTRIES(K, S)                                                                                       \
     extern "C" __global__ void __launch_bounds__(GROUP_THREADS)                                                   \
         group_count_##S(const K *keys, const u64 *ids, u64 m, u32 lo, u32 fn, u64 k, u64 *block_sums) {           \
@@ -154,5 +220,16 @@ extern "C" __global__ void __launch_bounds__(GROUP_SCAN_THREADS) group_scan(u64 
                         u64 *out_ids, u64 *out_ranks) {                                                           \
         grid_dependency_wait();                                                                                   \
         group_write<K>(keys, ids, m, lo, fn, k, block_offsets, out_ids, out_ranks);                               \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GROUP_THREADS)                                                   \
+        group_sample_##S(const K *keys, u64 step, u64 s, K *out) {                                                \
+        grid_dependency_wait();                                                                                   \
+        group_sample<K>(keys, step, s, out);                                                                      \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GROUP_THREADS)                                                   \
+        group_filter_##S(const K *keys, const u64 *ids, u64 m, u32 lo, const K *limits, u64 n, K *out_keys,       \
+                         u64 *out_ids, u64 *count) {                                                              \
+        grid_dependency_wait();                                                                                   \
+        group_filter<K>(keys, ids, m, lo, limits, n, out_keys, out_ids, count);                                   \
     }
 INSTANTIATE_KEYS(GROUP_ENTRIES)

@@ -13,7 +13,9 @@ use super::calibration;
 use super::model::{Case, CostModel};
 use crate::config::{Algorithm, Backend, FaultPoint};
 use crate::device::plan::{self, reduction};
-use crate::device::{DeviceAlgorithm, GpuDevice, GpuStatus, KeyWidth, gpu_status};
+use crate::device::{
+    DeviceAlgorithm, GROUP_SAMPLE, GpuDevice, GpuStatus, GroupAlgorithm, KeyWidth, gpu_status,
+};
 use crate::keys::KeyLayout;
 use crate::select::cuda::MIN_CAPACITY;
 use crate::select::{FinalChoice, InputForm, SelectionChoice, SelectionPlan};
@@ -303,8 +305,34 @@ fn input_form(k: usize, estimate: &Estimate, fault: FaultPoint) -> InputForm {
 /// Whether a run on the CPU path is followed by loading the input's columns into the column
 /// cache: under `auto`, over a whole table whose columns are not all resident (the GPU would
 /// have had to ship them first), so that the next query finds them there.
-/// Where a per-group top-k runs ([`crate::exec::GpuGroupTopKExec`]): `Ok` with the reason and
-/// the model's prediction for the GPU's segmented sort, `Err` with why the CPU path. Under
+/// A per-group top-k placed on the GPU: how, why, and the model's prediction.
+pub(crate) struct GroupChoice {
+    pub algorithm: GroupAlgorithm,
+    pub reason: String,
+    pub prediction: Option<Box<Prediction>>,
+}
+
+/// The device's algorithm for `groups` groups (estimated; `None`: unknown) keeping `k` rows
+/// each out of `rows`, and the pairs it sorts. `group-threshold` where its limits leave at
+/// most an eighth of the pairs to sort (about k sampled keys a group, each standing for
+/// rows / sample pairs), else `segmented-sort`.
+pub(crate) fn group_algorithm(
+    groups: Option<usize>,
+    k: usize,
+    rows: usize,
+) -> (GroupAlgorithm, usize) {
+    let per_sampled = rows.div_ceil(GROUP_SAMPLE).max(1);
+    match groups {
+        Some(groups) if groups.saturating_mul(k).saturating_mul(per_sampled) <= rows / 8 => {
+            let sorted = (groups * k * per_sampled).min(rows);
+            (GroupAlgorithm::Threshold, sorted)
+        }
+        _ => (GroupAlgorithm::SegmentedSort, rows),
+    }
+}
+
+/// Where a per-group top-k runs ([`crate::exec::GpuGroupTopKExec`]): `Ok` with the algorithm,
+/// the reason and the model's prediction for the GPU, `Err` with why the CPU path. Under
 /// `auto` the GPU runs where the model predicts its pass and sort (and the columns it ships)
 /// below the CPU path's time at the top-k selector's calibrated rate, which the per-group
 /// heaps do not beat: the comparison leans to the CPU path.
@@ -312,7 +340,9 @@ pub(crate) fn choose_groups(
     settings: Settings<'_>,
     layout: &KeyLayout,
     estimate: Estimate,
-) -> std::result::Result<(String, Option<Box<Prediction>>), String> {
+    groups: Option<usize>,
+    k: usize,
+) -> std::result::Result<GroupChoice, String> {
     let backend = settings.backend;
     if backend == Backend::Cpu || settings.algorithm == Algorithm::Cpu {
         return Err("CPU path forced by settings".into());
@@ -334,15 +364,25 @@ pub(crate) fn choose_groups(
     let (model, rows) = match model {
         Ok(model) => (model, estimate.rows()),
         Err(e) if backend == Backend::Cuda => {
-            return Ok((format!("{gpu}; backend=cuda, uncalibrated ({e})"), None));
+            return Ok(GroupChoice {
+                algorithm: group_algorithm(groups, k, estimate.rows()).0,
+                reason: format!("{gpu}; backend=cuda, uncalibrated ({e})"),
+                prediction: None,
+            });
         }
         Err(e) => return Err(format!("{gpu}; uncalibrated ({e}): CPU path")),
     };
     let shipped = (rows * estimate.bytes_per_row) as f64 * (1.0 - estimate.resident);
+    let (algorithm, sorted) = group_algorithm(groups, k, rows);
+    let limits = match algorithm {
+        GroupAlgorithm::Threshold => model.filter_time(rows, sorted, kind),
+        GroupAlgorithm::SegmentedSort => 0.0,
+    };
     let seconds = compile_seconds(device, &estimate)
         + STAGED_TRANSFER * model.transfer_time(shipped as usize)
         + model.filter_time(rows, rows, kind)
-        + model.sort_time(rows, kind, rows, 0);
+        + limits
+        + model.sort_time(sorted, kind, rows, 0);
     let cpu = model.cpu_time(rows);
     let prediction = Box::new(Prediction {
         rows,
@@ -353,13 +393,19 @@ pub(crate) fn choose_groups(
         resident: estimate.resident,
     });
     let versus = format!(
-        "segmented sort {} against the CPU path's {} or more",
+        "{} {} against the CPU path's {} or more",
+        algorithm.name(),
         format_seconds(seconds),
         format_seconds(cpu)
     );
+    let chosen = |reason| GroupChoice {
+        algorithm,
+        reason,
+        prediction: Some(prediction),
+    };
     match backend {
-        Backend::Cuda => Ok((format!("{gpu}; backend=cuda; {versus}"), Some(prediction))),
-        _ if seconds < cpu => Ok((format!("{gpu}; {versus}"), Some(prediction))),
+        Backend::Cuda => Ok(chosen(format!("{gpu}; backend=cuda; {versus}"))),
+        _ if seconds < cpu => Ok(chosen(format!("{gpu}; {versus}"))),
         _ => Err(format!("{gpu}; {versus}: CPU path")),
     }
 }
@@ -563,6 +609,36 @@ pub fn device_algorithm(
 mod tests {
     use super::*;
     use crate::cost::model::h100_like;
+
+    /// Few large groups drop pairs by their limits (30 languages, 3 each); many small groups
+    /// (a user's tweets), a K as large as the groups, and an unknown count sort them all.
+    #[test]
+    fn the_group_algorithm_follows_groups_and_k() {
+        let rows = 20_000_000;
+        let (algorithm, sorted) = group_algorithm(Some(30), 3, rows);
+        assert_eq!(algorithm, GroupAlgorithm::Threshold);
+        assert_eq!(sorted, 30 * 3 * rows.div_ceil(GROUP_SAMPLE));
+        assert_eq!(
+            group_algorithm(Some(4_500_000), 10, rows),
+            (GroupAlgorithm::SegmentedSort, rows)
+        );
+        assert_eq!(
+            group_algorithm(Some(30), 100_000, rows).0,
+            GroupAlgorithm::SegmentedSort
+        );
+        assert_eq!(
+            group_algorithm(None, 1, rows).0,
+            GroupAlgorithm::SegmentedSort
+        );
+        assert_eq!(
+            group_algorithm(Some(1), 2, 0).0,
+            GroupAlgorithm::SegmentedSort
+        );
+        assert_eq!(
+            group_algorithm(Some(40), 3, 20_000).0,
+            GroupAlgorithm::Threshold
+        );
+    }
 
     /// Before the device is started, `auto` keeps a query the CPU path ends first off the
     /// device (and still loads a whole table for the next query); a larger or unknown input

@@ -33,7 +33,9 @@ use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
 pub(crate) use options::DeviceOptions;
 
-pub use engine::{DevicePairs, FusedReport, GroupRanking, GroupsKept, TopKEngine};
+pub use engine::{
+    DevicePairs, FusedReport, GROUP_SAMPLE, GroupAlgorithm, GroupRanking, GroupsKept, TopKEngine,
+};
 pub use kernels::{GeneratedKernel, Kernels};
 pub(crate) use memory::{BufferPool, PinnedPool, PooledBuffer};
 pub use plan::{DeviceAlgorithm, FUSED_SAMPLE_CLUSTER, FUSED_SAMPLE_ROWS, KeyWidth};

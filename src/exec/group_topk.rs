@@ -36,6 +36,14 @@
 //! them into the window's output partitions as the repartition below would have. Every output
 //! partition waits for that one run. Ties are broken by table position, deterministic
 //! whatever the arrival order. Any device failure runs the CPU path instead.
+//!
+//! Which pairs are sorted is the cost model's choice ([`GroupAlgorithm`]), by the number of
+//! groups the rule estimates from a sample of the table (EXPLAIN shows it as `groups≈`) and
+//! K: over many small groups all of them (`segmented-sort`); over few large groups only those
+//! at or below their group's limit, the K-th key of a sample of the pairs (`group-threshold`),
+//! a few thousand pairs where the table has millions. Group and order keys are the top-k
+//! operator's exact keys, and strings (or dictionaries of them) whose every value is at most
+//! 16 bytes, none ending in a zero byte, compared by their bytes in the composite.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::{self, Formatter};
@@ -67,7 +75,7 @@ use super::stream::{gather_rows, table_starts};
 use crate::config::FaultPoint;
 use crate::cost::Prediction;
 use crate::device::watch::DeviceWatch;
-use crate::device::{DeviceAlgorithm, GroupRanking};
+use crate::device::{DeviceAlgorithm, GroupAlgorithm, GroupRanking};
 use crate::fusion::FusedProgram;
 use crate::keys::KeyLayout;
 use crate::select::SelectionSpec;
@@ -85,6 +93,8 @@ pub struct GroupDevicePlan {
     pub lo: u32,
     /// The operator's input columns as expressions over the table's.
     pub output_exprs: Vec<Arc<dyn PhysicalExpr>>,
+    /// How the device finds each group's best rows, as the cost model chose.
+    pub algorithm: GroupAlgorithm,
     /// Why the GPU (EXPLAIN VERBOSE), and the model's prediction.
     pub reason: String,
     pub prediction: Option<Prediction>,
@@ -116,6 +126,9 @@ pub struct GpuGroupTopKExec {
     device: Option<Arc<GroupDevicePlan>>,
     /// Why the CPU path (EXPLAIN VERBOSE), where it is not.
     cpu_reason: String,
+    /// The groups among the rows that pass, estimated at planning where the input is an
+    /// in-memory table (EXPLAIN shows it).
+    groups: Option<usize>,
     shared: SharedRun,
 }
 
@@ -157,8 +170,15 @@ impl GpuGroupTopKExec {
             metrics: ExecutionPlanMetricsSet::new(),
             device: None,
             cpu_reason: String::new(),
+            groups: None,
             shared: SharedRun::default(),
         })
+    }
+
+    /// The operator with the planner's estimate of the number of groups.
+    pub fn with_groups_estimate(mut self, groups: Option<usize>) -> Self {
+        self.groups = groups;
+        self
     }
 
     /// The operator selecting on the GPU by `plan`.
@@ -206,10 +226,13 @@ impl DisplayAs for GpuGroupTopKExec {
             list(order),
             self.function.name()
         )?;
+        if let Some(groups) = self.groups {
+            write!(f, ", groups≈{groups}")?;
+        }
         let verbose = matches!(t, DisplayFormatType::Verbose);
         match &self.device {
             Some(device) => {
-                f.write_str(", backend=cuda, algorithm=segmented-sort")?;
+                write!(f, ", backend=cuda, algorithm={}", device.algorithm.name())?;
                 if let Some(prediction) = &device.prediction {
                     write!(f, ", {}", prediction.describe(verbose))?;
                 }
@@ -276,6 +299,7 @@ impl ExecutionPlan for GpuGroupTopKExec {
             metrics: ExecutionPlanMetricsSet::new(),
             device: self.device.clone(),
             cpu_reason: self.cpu_reason.clone(),
+            groups: self.groups,
             shared: SharedRun::default(),
         }))
     }
@@ -388,6 +412,8 @@ struct DeviceMetrics {
     gpu_fallbacks: Count,
     rows_passed_filter: Count,
     rows_kept: Count,
+    /// Pairs the device sorted: all that passed, or those below their groups' limits.
+    rows_sorted: Count,
     select_time: Time,
     gather_time: Time,
     device_bytes_held: Gauge,
@@ -402,6 +428,7 @@ impl DeviceMetrics {
             gpu_fallbacks: builder().global_counter("gpu_fallbacks"),
             rows_passed_filter: builder().global_counter("rows_passed_filter"),
             rows_kept: builder().global_counter("rows_kept"),
+            rows_sorted: builder().global_counter("rows_sorted"),
             select_time: builder().subset_time("select_time", 0),
             gather_time: builder().subset_time("gather_time", 0),
             device_bytes_held: builder().global_gauge("device_bytes_held"),
@@ -489,7 +516,7 @@ impl DeviceRun {
         let selected = {
             let _timer = self.metrics.select_time.timer();
             let selector = TableSelector::new(&spec, device, DeviceAlgorithm::Sample)?;
-            match selector.select_groups(&inputs, plan.lo, ranking)? {
+            match selector.select_groups(&inputs, plan.lo, ranking, plan.algorithm)? {
                 Some(selected) => selected,
                 None => return Ok(None),
             }
@@ -497,6 +524,7 @@ impl DeviceRun {
         let _timer = self.metrics.gather_time.timer();
         self.metrics.rows_passed_filter.add(selected.passed);
         self.metrics.rows_kept.add(selected.positions.len());
+        self.metrics.rows_sorted.add(selected.sorted);
         // The table's columns the operator's input columns read.
         let mut read = vec![false; table_schema.fields().len()];
         for expr in &plan.output_exprs {

@@ -47,7 +47,7 @@ mod row_store;
 mod stream;
 
 pub use group_topk::{GpuGroupTopKExec, GroupDevicePlan, RankFunction};
-pub(crate) use memory::{memory_input, table_inputs};
+pub(crate) use memory::{MemoryInput, memory_input, table_inputs};
 pub(crate) use parquet::parquet_input;
 
 use std::fmt::{self, Formatter};

@@ -59,6 +59,11 @@
 //! ([`crate::select::prefix`]; over a whole table on the GPU, [`crate::select::table`], whose
 //! program reads a string's bytes as its [`prefix_words`]). [`KeyLayout::exact`] tells the two
 //! kinds apart.
+//!
+//! A byte key whose values are all short is exact after all: where every value of a column is
+//! at most 16 bytes and none ends in a zero byte ([`short_bytes`], known for an in-memory
+//! table at planning), its zero-padded prefix is the whole value, and
+//! [`KeyLayout::with_short_bytes`] lays it out as a field of all its bytes.
 
 use std::ops::{BitAnd, BitOr, Not};
 
@@ -162,6 +167,9 @@ enum Part {
     High { dropped: u32 },
     /// Its first `bytes` bytes, zero-padded, big-endian.
     Bytes { bytes: u32 },
+    /// All of its bytes, as [`Part::Bytes`]: every value is at most `bytes` long and none
+    /// ends in a zero byte ([`short_bytes`]), so equal fields mean equal values.
+    AllBytes { bytes: u32 },
 }
 
 /// The most prefix bytes a byte key's field takes (one `u128`).
@@ -346,6 +354,29 @@ impl KeyLayout {
         Ok(Self::placed(specs, parts, value_bits))
     }
 
+    /// An exact layout where every byte key has a known short length: `short[i]` is
+    /// [`short_bytes`] of key `i`'s values, and a byte key's field holds all of its bytes.
+    /// `None` where a byte key's length is not known or the fields need more than
+    /// [`MAX_KEY_BITS`] bits.
+    pub fn with_short_bytes(specs: Vec<KeySpec>, short: &[Option<u32>]) -> Option<Self> {
+        let (mut parts, mut value_bits, mut used) = (Vec::new(), Vec::new(), 0u32);
+        for (i, spec) in specs.iter().enumerate() {
+            let (part, bits) = match (spec.value_bits(), short.get(i).copied().flatten()) {
+                (Some(bits), _) => (Part::Whole, bits),
+                (None, Some(bytes)) if spec.by_bytes() && bytes <= MAX_PREFIX_BYTES => {
+                    // An empty field would have no bits: one byte holds the empty value.
+                    let bytes = bytes.max(1);
+                    (Part::AllBytes { bytes }, 8 * bytes)
+                }
+                _ => return None,
+            };
+            used += bits + u32::from(spec.nullable);
+            parts.push(part);
+            value_bits.push(bits);
+        }
+        (used <= MAX_KEY_BITS).then(|| Self::placed(specs, parts, value_bits))
+    }
+
     /// The layout of the leading `parts.len()` keys, `value_bits` kept of each.
     fn placed(specs: Vec<KeySpec>, parts: Vec<Part>, value_bits: Vec<u32>) -> Self {
         let field_bits: Vec<u32> = (specs.iter().zip(&value_bits))
@@ -370,7 +401,8 @@ impl KeyLayout {
     /// Whether the composite holds every key in full: equal composites then mean equal keys.
     /// A prefix layout's composite is only monotone (see the module documentation).
     pub fn exact(&self) -> bool {
-        self.parts.len() == self.specs.len() && self.parts.iter().all(|p| *p == Part::Whole)
+        self.parts.len() == self.specs.len()
+            && (self.parts.iter()).all(|p| matches!(p, Part::Whole | Part::AllBytes { .. }))
     }
 
     /// For EXPLAIN, in a prefix layout: which keys the composite holds in part, and how.
@@ -386,10 +418,10 @@ impl KeyLayout {
                 let of = kept + dropped;
                 format!("sort key {} by its high {kept} of {of} bits", last + 1)
             }
-            Part::Whole if self.parts.len() < self.specs.len() => {
+            Part::Whole | Part::AllBytes { .. } if self.parts.len() < self.specs.len() => {
                 format!("sort keys 1..={} in full", self.parts.len())
             }
-            Part::Whole => unreachable!("an inexact layout cuts a key"),
+            Part::Whole | Part::AllBytes { .. } => unreachable!("an inexact layout cuts a key"),
         };
         Some(format!(
             "the composite holds {cut}; ties there are compared in full on the host"
@@ -412,7 +444,7 @@ impl KeyLayout {
     /// bytes; `None` for a fixed-width field and for a key without one.
     pub fn prefix_bytes(&self, key: usize) -> Option<u32> {
         match self.parts.get(key) {
-            Some(Part::Bytes { bytes }) => Some(*bytes),
+            Some(Part::Bytes { bytes } | Part::AllBytes { bytes }) => Some(*bytes),
             _ => None,
         }
     }
@@ -513,6 +545,38 @@ impl KeyLayout {
 /// `Decimal256`).
 pub(crate) fn has_prefix_words(data_type: &DataType) -> bool {
     bytes_type(data_type)
+}
+
+/// The longest value of a string or binary column (or a dictionary of them), where every
+/// value is at most [`MAX_PREFIX_BYTES`] long and none ends in a zero byte: then a value's
+/// zero-padded prefix word is the value itself, equal words meaning equal values. `None`
+/// otherwise, and for other types. NULL slots are not looked at; a dictionary's entries all
+/// are, used or not.
+pub(crate) fn short_bytes(array: &dyn Array) -> Option<u32> {
+    fn longest<'a, V: AsRef<[u8]> + ?Sized + 'a>(
+        values: impl Iterator<Item = Option<&'a V>>,
+    ) -> Option<u32> {
+        let mut longest = 0;
+        for value in values.flatten() {
+            let value = value.as_ref();
+            if value.len() > PREFIX_WORD_BYTES || value.last() == Some(&0) {
+                return None;
+            }
+            longest = longest.max(value.len());
+        }
+        Some(longest as u32)
+    }
+    use DataType::*;
+    match array.data_type() {
+        Utf8 => longest(array.as_string::<i32>().iter()),
+        LargeUtf8 => longest(array.as_string::<i64>().iter()),
+        Utf8View => longest(array.as_string_view().iter()),
+        Binary => longest(array.as_binary::<i32>().iter()),
+        LargeBinary => longest(array.as_binary::<i64>().iter()),
+        BinaryView => longest(array.as_binary_view().iter()),
+        Dictionary(..) => short_bytes(array.as_any_dictionary().values().as_ref()),
+        _ => None,
+    }
 }
 
 /// Each row's first [`MAX_PREFIX_BYTES`] bytes, zero-padded, as a big-endian `u128` (0 for a
@@ -1038,7 +1102,7 @@ fn encode_column_into<C: Container>(
             let high = values.into_iter().map(|v| v >> dropped);
             run_column(&Field { xor: 0, ..*field }, high, out);
         }
-        Part::Bytes { bytes } => {
+        Part::Bytes { bytes } | Part::AllBytes { bytes } => {
             let prefixes = byte_prefixes(key, spec, array, bytes as usize)?;
             run_column(field, prefixes.into_iter(), out);
         }

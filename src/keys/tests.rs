@@ -1098,3 +1098,102 @@ fn prefix_words_of_dictionaries_decimals_and_fixed_binary() {
         }
     }
 }
+
+/// Short byte keys: [`short_bytes`] says when every value fits a prefix word and ends in a
+/// non-zero byte, and the layout [`KeyLayout::with_short_bytes`] builds of them is exact:
+/// composites compare as arrow's row format does, ties included, in every direction.
+#[test]
+fn short_byte_keys_are_exact() {
+    use datafusion::arrow::array::{BinaryArray, DictionaryArray, Int32Array, StringArray};
+    use datafusion::arrow::row::RowConverter;
+    let strings = |v: &[Option<&str>]| StringArray::from(v.to_vec());
+    assert_eq!(
+        short_bytes(&strings(&[
+            Some("a"),
+            None,
+            Some(""),
+            Some("abcdefghijklmnop")
+        ])),
+        Some(16)
+    );
+    assert_eq!(short_bytes(&strings(&[Some("abcdefghijklmnopq")])), None);
+    assert_eq!(short_bytes(&strings(&[Some("a\0")])), None);
+    assert_eq!(short_bytes(&strings(&[Some("a\0b"), None])), Some(3));
+    assert_eq!(short_bytes(&strings(&[None, None])), Some(0));
+    let binary = BinaryArray::from(vec![&b"\x00\x01"[..], b"\xff"]);
+    assert_eq!(short_bytes(&binary), Some(2));
+    let dictionary: DictionaryArray<Int32Type> =
+        vec![Some("xy"), None, Some("xyz")].into_iter().collect();
+    assert_eq!(short_bytes(&dictionary), Some(3));
+    assert_eq!(short_bytes(&Int32Array::from(vec![1])), None);
+
+    let mut rng = Rng(41);
+    let alphabet = [
+        "",
+        "a",
+        "b",
+        "a\0b",
+        "ab",
+        "b\u{ff}",
+        "日本",
+        "abcdefghijklmnop",
+    ];
+    let n = 300;
+    let string: ArrayRef = Arc::new(StringArray::from(
+        (0..n)
+            .map(|_| (rng.below(8) != 0).then(|| alphabet[rng.below(8) as usize]))
+            .collect::<Vec<_>>(),
+    ));
+    let dictionary: ArrayRef = Arc::new(
+        (0..n)
+            .map(|_| (rng.below(6) != 0).then(|| alphabet[rng.below(4) as usize]))
+            .collect::<DictionaryArray<Int32Type>>(),
+    );
+    let small: ArrayRef = Arc::new(Int32Array::from_iter_values(
+        (0..n).map(|_| rng.below(3) as i32),
+    ));
+    for round in 0..8 {
+        let columns = vec![
+            Arc::clone(&string),
+            Arc::clone(&small),
+            Arc::clone(&dictionary),
+        ];
+        let specs: Vec<KeySpec> = (columns.iter().enumerate())
+            .map(|(i, c)| KeySpec {
+                data_type: c.data_type().clone(),
+                descending: (round + i) % 2 == 1,
+                nulls_first: (round / 2 + i) % 2 == 0,
+                nullable: true,
+            })
+            .collect();
+        let short: Vec<Option<u32>> = columns.iter().map(|c| short_bytes(c.as_ref())).collect();
+        assert_eq!(short, vec![Some(16), None, Some(3)]);
+        let layout = KeyLayout::with_short_bytes(specs, &short).unwrap();
+        assert!(layout.exact() && layout.prefix_note().is_none());
+        assert_eq!(layout.total_bits(), (1 + 128) + (1 + 32) + (1 + 24));
+        assert_eq!(layout.prefix_bytes(2), Some(3));
+        let rows = RowConverter::new(layout.sort_fields())
+            .unwrap()
+            .convert_columns(&columns)
+            .unwrap();
+        let composites = keys_as_u256(&layout.encode(&columns).unwrap());
+        for a in 0..n {
+            for b in 0..n {
+                assert_eq!(
+                    rows.row(a).cmp(&rows.row(b)),
+                    composites[a].cmp(&composites[b]),
+                    "round {round}: rows {a} and {b}"
+                );
+            }
+        }
+    }
+    // A key of unknown length, or too many bits, has no short layout.
+    let spec = |data_type| KeySpec::new(data_type, SortOptions::default(), false);
+    assert!(KeyLayout::with_short_bytes(vec![spec(DataType::Utf8)], &[None]).is_none());
+    let wide = vec![
+        spec(DataType::Utf8),
+        spec(DataType::Decimal128(38, 0)),
+        spec(DataType::Decimal128(38, 0)),
+    ];
+    assert!(KeyLayout::with_short_bytes(wide, &[Some(16), None, None]).is_none());
+}

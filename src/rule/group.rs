@@ -19,6 +19,7 @@
 //! With `datafusion.optimizer.enable_window_topn`, DataFusion plans the window over its own
 //! `PartitionedTopKExec` (K rows a group) instead of the sort; the operator replaces both.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use datafusion::common::ScalarValue;
@@ -196,9 +197,11 @@ fn group_exec(
     window: &Arc<dyn ExecutionPlan>,
     config: &GpuTopKConfig,
 ) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
-    let device = super::group_device(&input, &ordering, groups, config);
+    let mut estimate = None;
+    let device = super::group_device(&input, &ordering, (groups, k), config, &mut estimate);
     let exec = GpuGroupTopKExec::try_new(input, function, ordering, groups, k, window.as_ref())
-        .or_else(|e| because(format!("per-group top-k: {e}")))?;
+        .or_else(|e| because(format!("per-group top-k: {e}")))?
+        .with_groups_estimate(estimate);
     Ok(Arc::new(match device {
         Ok(plan) => exec.with_device(plan),
         Err(why) => exec.with_cpu_reason(why),
@@ -267,4 +270,71 @@ fn rows_kept(predicate: &Arc<dyn PhysicalExpr>, row_number: usize) -> Option<usi
         .filter_map(bound)
         .min()
         .map(|k| usize::try_from(k).unwrap_or(usize::MAX))
+}
+
+/// Rows of an in-memory table [`estimate_groups`] reads.
+const GROUPS_SAMPLE: usize = 1 << 14;
+
+/// The number of distinct `group_exprs` among the rows of `memory` that pass `filter`,
+/// estimated from every n-th row ([`GROUPS_SAMPLE`] of them): exact where the sample is the
+/// table; else the groups seen plus Chao's estimate of those unseen (f1² / 2f2, from the groups
+/// seen once and twice), at most one a passing row. `None` where an expression fails on the
+/// sample.
+pub(super) fn estimate_groups(
+    memory: &crate::exec::MemoryInput<'_>,
+    filter: Option<&Arc<dyn PhysicalExpr>>,
+    group_exprs: &[PhysicalSortExpr],
+) -> Option<usize> {
+    use datafusion::arrow::array::{AsArray, UInt32Array};
+    use datafusion::arrow::compute::{filter_record_batch, take_record_batch};
+    use datafusion::arrow::row::{RowConverter, SortField};
+    let rows: usize = memory.batches().map(|b| b.num_rows()).sum();
+    let step = rows.div_ceil(GROUPS_SAMPLE).max(1);
+    let mut converter = None;
+    let mut counts: HashMap<Vec<u8>, usize> = HashMap::new();
+    let (mut at, mut passed) = (0, 0);
+    for batch in memory.batches() {
+        let n = batch.num_rows();
+        let first = (step - at % step) % step;
+        at += n;
+        if first >= n {
+            continue;
+        }
+        let picked = UInt32Array::from_iter_values((first..n).step_by(step).map(|i| i as u32));
+        let sample = take_record_batch(&memory.project(batch).ok()?, &picked).ok()?;
+        let sample = match filter {
+            Some(filter) => {
+                let mask = filter.evaluate(&sample).ok()?;
+                let mask = mask.into_array(sample.num_rows()).ok()?;
+                filter_record_batch(&sample, mask.as_boolean_opt()?).ok()?
+            }
+            None => sample,
+        };
+        let columns = (group_exprs.iter())
+            .map(|e| e.expr.evaluate(&sample)?.into_array(sample.num_rows()))
+            .collect::<datafusion::error::Result<Vec<_>>>()
+            .ok()?;
+        if converter.is_none() {
+            let fields = columns
+                .iter()
+                .map(|c| SortField::new(c.data_type().clone()));
+            converter = Some(RowConverter::new(fields.collect()).ok()?);
+        }
+        let keys = converter.as_ref()?.convert_columns(&columns).ok()?;
+        passed += keys.num_rows();
+        for key in keys.iter() {
+            *counts.entry(key.as_ref().to_vec()).or_default() += 1;
+        }
+    }
+    if group_exprs.is_empty() {
+        return Some(usize::from(passed > 0));
+    }
+    let seen = counts.len();
+    if step == 1 {
+        return Some(seen);
+    }
+    let once = counts.values().filter(|&&c| c == 1).count() as f64;
+    let twice = counts.values().filter(|&&c| c == 2).count() as f64;
+    let unseen = once * once / (2.0 * twice.max(1.0));
+    Some((seen + unseen as usize).min(passed * step))
 }

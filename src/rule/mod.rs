@@ -35,6 +35,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use datafusion::arrow::array::AsArray;
 use datafusion::arrow::row::RowConverter;
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
@@ -391,18 +392,16 @@ fn key_specs(
 /// device selects over a whole in-memory table (below the hash repartition and the filters
 /// and projections it absorbs), with every key exact in the composite and the predicate and
 /// keys in its generated code.
+///
+/// Where the input is an in-memory table, `groups` gets the estimated number of groups among
+/// the rows that pass, whichever path is chosen.
 pub(super) fn group_device(
     input: &Arc<dyn ExecutionPlan>,
     ordering: &LexOrdering,
-    group_keys: usize,
+    (group_keys, k): (usize, usize),
     config: &GpuTopKConfig,
+    groups: &mut Option<usize>,
 ) -> std::result::Result<crate::exec::GroupDevicePlan, String> {
-    if config.backend == Backend::Cpu || config.algorithm == Algorithm::Cpu {
-        return Err("CPU path forced by settings".into());
-    }
-    if !config.column_cache {
-        return Err("gpu_topk.column_cache = false: the device reads cached tables only".into());
-    }
     // The rows as the hash repartition below the sort received them.
     let below = match input.downcast_ref::<RepartitionExec>() {
         Some(r) if matches!(r.partitioning(), Partitioning::Hash(..)) && !r.preserve_order() => {
@@ -415,17 +414,44 @@ pub(super) fn group_device(
         Err(Declined::Because(why)) => return Err(why),
         Err(Declined::NotTopK) => return Err("the input cannot be absorbed".into()),
     };
-    if crate::exec::memory_input(&absorbed.input).is_none() {
+    let Some(memory) = crate::exec::memory_input(&absorbed.input) else {
         return Err("the device selects per group over in-memory tables only".into());
+    };
+    *groups = group::estimate_groups(
+        &memory,
+        absorbed.filter.as_ref(),
+        &absorbed.sort_exprs[..group_keys],
+    );
+    if config.backend == Backend::Cpu || config.algorithm == Algorithm::Cpu {
+        return Err("CPU path forced by settings".into());
+    }
+    if !config.column_cache {
+        return Err("gpu_topk.column_cache = false: the device reads cached tables only".into());
     }
     let schema = absorbed.input.schema();
-    let layout = KeyLayout::with_prefixes(key_specs(&absorbed.sort_exprs, &schema)?)?;
-    if !layout.exact() {
-        return Err(format!(
-            "{}: the device selects per group over exact keys only",
-            layout.prefix_note().unwrap_or_default()
-        ));
-    }
+    let specs = key_specs(&absorbed.sort_exprs, &schema)?;
+    let short: Vec<Option<u32>> = (absorbed.sort_exprs.iter().zip(&specs))
+        .map(|(sort, spec)| {
+            let column = sort.expr.downcast_ref::<Column>()?;
+            spec.by_bytes()
+                .then(|| short_column(&memory, column.index()))
+                .flatten()
+        })
+        .collect();
+    let layout = match KeyLayout::with_short_bytes(specs.clone(), &short) {
+        Some(layout) => layout,
+        None => {
+            let layout = KeyLayout::with_prefixes(specs)?;
+            if !layout.exact() {
+                return Err(format!(
+                    "{}: the device selects per group over exact keys only (strings of at \
+                     most 16 bytes, none ending in a zero byte, are exact)",
+                    layout.prefix_note().unwrap_or_default()
+                ));
+            }
+            layout
+        }
+    };
     let lo = match group_keys {
         0 => layout.total_bits(),
         g => layout.field_shift(g - 1),
@@ -464,18 +490,38 @@ pub(super) fn group_device(
         estimate.resident = resident;
         estimate.whole_table = true;
     }
-    let (reason, prediction) = cost::choose_groups(cost_settings(config), &layout, estimate)?;
+    let choice = cost::choose_groups(cost_settings(config), &layout, estimate, *groups, k)?;
     Ok(crate::exec::GroupDevicePlan {
+        algorithm: choice.algorithm,
+        reason: choice.reason,
+        prediction: choice.prediction.map(|p| *p),
         table: absorbed.input,
         program,
         layout,
         lo,
         output_exprs: absorbed.output_exprs,
-        reason,
-        prediction: prediction.map(|p| *p),
         fault: config.inject_fault,
         device_memory_limit: config.device_memory_limit,
     })
+}
+
+/// [`crate::keys::short_bytes`] over every batch of an in-memory input's column `index`: the
+/// longest value where all are short enough to be exact in a composite. Each dictionary's
+/// entries are read once however many batches share them.
+fn short_column(memory: &crate::exec::MemoryInput<'_>, index: usize) -> Option<u32> {
+    let column = *memory.columns.get(index)?;
+    let mut seen = std::collections::HashSet::new();
+    let mut longest = 0;
+    for batch in memory.batches() {
+        let array = batch.columns().get(column)?;
+        if let Some(dictionary) = array.as_any_dictionary_opt()
+            && !seen.insert(Arc::as_ptr(dictionary.values()).cast::<()>())
+        {
+            continue;
+        }
+        longest = longest.max(crate::keys::short_bytes(array.as_ref())?);
+    }
+    Some(longest)
 }
 
 /// Whether `input` hands out an in-memory table's own batches, whose buffers the next query

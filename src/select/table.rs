@@ -33,7 +33,7 @@ use crate::device::column_cache::{
 use crate::device::watch::{self, DeviceWatch};
 use crate::device::{
     DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_ROWS, FusedReport, GeneratedKernel, GpuDevice,
-    GpuError, GpuResult, GroupRanking, PooledBuffer, TopKEngine, contain_panics,
+    GpuError, GpuResult, GroupAlgorithm, GroupRanking, PooledBuffer, TopKEngine, contain_panics,
 };
 use crate::fusion::{self, FusedProgram, KernelInput};
 
@@ -295,6 +295,8 @@ pub struct TableSelection {
     pub refine: bool,
     /// Candidates besides the k-th whose composite equals its: the ties the whole keys settle.
     pub tied: usize,
+    /// A per-group selection's pairs sorted (all that passed, or fewer: [`GroupAlgorithm`]).
+    pub sorted: usize,
     /// Rows that passed the predicate.
     pub passed: usize,
     /// Time spent compiling or loading the generated program.
@@ -313,7 +315,11 @@ enum TableStep {
         within: Option<usize>,
     },
     /// The k best rows of every group, the group keys from composite bit `lo` up.
-    Groups { lo: u32, ranking: GroupRanking },
+    Groups {
+        lo: u32,
+        ranking: GroupRanking,
+        algorithm: GroupAlgorithm,
+    },
 }
 
 /// The values buffer of a primitive array, sliced to its rows.
@@ -1066,8 +1072,13 @@ impl TableSelector {
         inputs: &[TableInput<'_>],
         lo: u32,
         ranking: GroupRanking,
+        algorithm: GroupAlgorithm,
     ) -> Result<Option<TableSelection>> {
-        let step = TableStep::Groups { lo, ranking };
+        let step = TableStep::Groups {
+            lo,
+            ranking,
+            algorithm,
+        };
         select_table(&self.spec, &self.device, step, inputs)
     }
 }
@@ -1233,10 +1244,15 @@ fn select_table(
     spec.transfers.resident_bytes.add(transfers.2);
     spec.transfers.uploaded_bytes.add(transfers.3);
     program_error(report.error)?;
+    let (tied, sorted) = match step {
+        TableStep::Groups { .. } => (0, tied),
+        TableStep::TopK { .. } => (tied, 0),
+    };
     Ok(Some(TableSelection {
         positions,
         refine: program.refines,
         tied,
+        sorted,
         passed: report.passed as usize,
         compile_time,
         ranks,
@@ -1339,12 +1355,25 @@ fn run_table(
             rows = within.map_or(rows, |w| w.min(rows));
             algorithm
         }
-        TableStep::Groups { lo, ranking } => {
-            let kept = engine.fused_groups(&kernel, &args, rows, lo, ranking, spec.k)?;
+        TableStep::Groups {
+            lo,
+            ranking,
+            algorithm,
+        } => {
+            let kept = engine.fused_groups(&kernel, &args, rows, lo, ranking, spec.k, algorithm)?;
             drop(lookup_tables);
             engine.synchronize()?;
             device.idle_engine(engine);
-            return Ok((kept.ids, kept.ranks, 0, kept.report, compile_time, uploaded));
+            // A per-group selection has no ties to refine: the count is of its pairs sorted.
+            let sorted = kept.sorted;
+            return Ok((
+                kept.ids,
+                kept.ranks,
+                sorted,
+                kept.report,
+                compile_time,
+                uploaded,
+            ));
         }
     };
     let (sorted, m, report) =

@@ -275,9 +275,46 @@ const DEVICE_QUERIES: [&str; 7] = [
     "SELECT id, g, v, r FROM (SELECT *, RANK() OVER (PARTITION BY g ORDER BY v DESC NULLS FIRST) AS r FROM t) WHERE r <= 3 ORDER BY v DESC, id LIMIT 7",
 ];
 
+/// Groups of strings, over `t` (`Utf8`) and `td` (the same rows, `s` a dictionary per batch):
+/// all its values are short (at most 16 bytes, none ending in a zero byte), so the device
+/// groups them by their bytes in the composite.
+const DEVICE_STRING_QUERIES: [&str; 4] = [
+    "SELECT id, s, v, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY s ORDER BY v DESC, id) AS rn FROM t) WHERE rn <= 3",
+    "SELECT id, s, g FROM t QUALIFY RANK() OVER (PARTITION BY s, g ORDER BY v NULLS FIRST) <= 2",
+    "SELECT * FROM (SELECT id, s, v, ROW_NUMBER() OVER (PARTITION BY s ORDER BY id DESC) AS rn FROM t) WHERE rn = 1",
+    "SELECT id, g, s, r FROM (SELECT *, DENSE_RANK() OVER (PARTITION BY g ORDER BY s DESC NULLS LAST) AS r FROM t WHERE s <> 'es') WHERE r <= 2",
+];
+
+/// `t` with `s` dictionary-encoded, a dictionary per batch.
+fn dictionary_table(data: &[Vec<RecordBatch>]) -> Vec<Vec<RecordBatch>> {
+    use datafusion::arrow::compute::cast;
+    let dictionary = DataType::Dictionary(Box::new(DataType::Int32), Box::new(DataType::Utf8));
+    let schema = data[0][0].schema();
+    let fields: Vec<Field> = (schema.fields().iter())
+        .map(|f| match f.name().as_str() {
+            "s" => Field::new("s", dictionary.clone(), true),
+            _ => f.as_ref().clone(),
+        })
+        .collect();
+    let schema = Arc::new(Schema::new(fields));
+    let index = schema.index_of("s").unwrap();
+    (data.iter())
+        .map(|batches| {
+            (batches.iter())
+                .map(|batch| {
+                    let mut columns = batch.columns().to_vec();
+                    columns[index] = cast(&columns[index], &dictionary).unwrap();
+                    RecordBatch::try_new(Arc::clone(&schema), columns).unwrap()
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// On the GPU (skips without one): the segmented sort selects every group over in-memory
-/// tables (EXPLAIN says so) with the CPU path's rows and numbers and DataFusion's; an injected
-/// device failure runs the CPU path, with the same answer.
+/// tables (EXPLAIN says so) with the CPU path's rows and numbers and DataFusion's, groups of
+/// short strings and dictionaries included; an injected device failure runs the CPU path,
+/// with the same answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_gpu_selects_per_group_as_the_cpu_path() {
     use datafusion_gpu_topk::internal::device::gpu;
@@ -289,6 +326,7 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
     }
     let dir = test_dir("groups-device");
     let config = |backend| GpuTopKConfig::default().with_backend(backend);
+    let mut algorithms = std::collections::HashSet::new();
     for (groups, partitions) in [(40, 3), (1, 2), (5000, 4)] {
         let data = table(20_000, partitions, groups);
         for storage in [Storage::Memory, Storage::GpuTable] {
@@ -297,14 +335,20 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
             let plain = plain_session(partitions, storage);
             for ctx in [&cuda, &cpu, &plain] {
                 register_as(ctx, "t", &data, storage, &dir).await;
+                register_as(ctx, "td", &dictionary_table(&data), storage, &dir).await;
             }
-            for sql in DEVICE_QUERIES {
+            let strings = DEVICE_STRING_QUERIES
+                .iter()
+                .flat_map(|sql| [sql.to_string(), sql.replace("FROM t", "FROM td")]);
+            for sql in DEVICE_QUERIES.iter().map(|s| s.to_string()).chain(strings) {
+                let sql = sql.as_str();
                 let plan = physical_plan(&cuda, sql).await.unwrap();
                 let text = plan_text(&plan);
-                assert!(
-                    text.contains("backend=cuda, algorithm=segmented-sort"),
-                    "{storage:?} {sql}:\n{text}"
-                );
+                let algorithm = ["segmented-sort", "group-threshold"]
+                    .into_iter()
+                    .find(|a| text.contains(&format!("backend=cuda, algorithm={a}")));
+                assert!(algorithm.is_some(), "{storage:?} {sql}:\n{text}");
+                algorithms.insert(algorithm);
                 let mut got = exact_rows(&collect(plan, cuda.task_ctx()).await.unwrap());
                 let mut host = exact_rows(&run(&cpu, sql).await.unwrap());
                 let mut want = exact_rows(&run(&plain, sql).await.unwrap());
@@ -316,6 +360,17 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
             }
         }
     }
+    // Few large groups drop pairs before the sort; many small ones sort them all.
+    assert_eq!(algorithms.len(), 2, "{algorithms:?}");
+    // Groups of strings that are not all short stay on the CPU path, and say why.
+    let long = crate::common::session_with(2, 1000, config(Backend::Cuda));
+    register_as(&long, "t", &table(2000, 2, 40), Storage::Memory, &dir).await;
+    let sql = "SELECT id, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY s || '-a-long-suffix' ORDER BY id) AS rn FROM t) WHERE rn <= 2";
+    let text = plan_text(&physical_plan(&long, sql).await.unwrap());
+    assert!(
+        text.contains("GpuGroupTopKExec") && !text.contains("backend=cuda"),
+        "{sql}:\n{text}"
+    );
     // A failing launch: the CPU path answers, and the operator counts the fallback.
     let data = table(5000, 2, 30);
     let faulty = crate::common::session_with(
@@ -381,5 +436,38 @@ async fn datafusions_partitioned_top_k_plan_is_taken_too() {
             "{storage:?}: DataFusion planned PartitionedTopKExec {seen} times"
         );
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// EXPLAIN shows the number of groups estimated from a sample of an in-memory table (every
+/// second row of 20,000 here): the 40 values and NULL, each row its own group, the groups
+/// that pass a filter. Files are not sampled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn explain_shows_the_groups_estimate() {
+    let dir = test_dir("groups-estimate");
+    let data = table(20_000, 3, 40);
+    let window = |partition: &str, filter: &str| {
+        format!(
+            "SELECT id, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY {partition} ORDER BY v, id) AS rn FROM t {filter}) WHERE rn <= 2"
+        )
+    };
+    let ours = session(true, 3, 1000);
+    register_as(&ours, "t", &data, Storage::Memory, &dir).await;
+    for (sql, groups) in [
+        (window("g", ""), "groups≈41,"),
+        (window("id", ""), "groups≈20000,"),
+        (window("g", "WHERE g < 10"), "groups≈10,"),
+        (window("g, s", "WHERE g < 10"), "groups≈50,"),
+    ] {
+        let text = plan_text(&physical_plan(&ours, &sql).await.unwrap());
+        assert!(text.contains(groups), "{sql}: {groups}\n{text}");
+    }
+    let files = session(true, 3, 1000);
+    register_as(&files, "t", &data, Storage::Parquet, &dir).await;
+    let text = plan_text(&physical_plan(&files, &window("g", "")).await.unwrap());
+    assert!(
+        text.contains("GpuGroupTopKExec") && !text.contains("groups≈"),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,8 +1,10 @@
 //! Top-k per group on the device (groups.cu): the generated program's pass appends every
 //! passing row's (composite key, row id), the pairs are sorted, and each group's first pair
-//! keeps its group's best rows, with their ranks, in the pairs' order.
+//! keeps its group's best rows, with their ranks, in the pairs' order. Over few large groups
+//! the pairs that cannot be kept are dropped before the sort ([`GroupAlgorithm::Threshold`]).
 
 use super::*;
+use crate::keys::U256;
 
 /// Threads of a block of groups.cu's keyed kernels (`GROUP_THREADS`).
 const GROUP_THREADS: usize = 256;
@@ -20,6 +22,32 @@ pub enum GroupRanking {
     DenseRank = 2,
 }
 
+/// How a per-group selection finds each group's best pairs; the cost model picks one by the
+/// estimated number of groups and k ([`crate::cost`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupAlgorithm {
+    /// Sorts every passing pair. Wins over many small groups (a user's tweets), where few
+    /// pairs could be dropped before the sort.
+    SegmentedSort,
+    /// Samples [`GROUP_SAMPLE`] pairs, limits each well-sampled group to its k-th sampled key
+    /// and sorts only the pairs at or below their group's limit: about k · m / sample a group.
+    /// Wins over few large groups (tweets per language), where that is a small share of m.
+    Threshold,
+}
+
+impl GroupAlgorithm {
+    /// The name EXPLAIN shows.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::SegmentedSort => "segmented-sort",
+            Self::Threshold => "group-threshold",
+        }
+    }
+}
+
+/// Pairs the threshold algorithm samples.
+pub const GROUP_SAMPLE: usize = 1 << 16;
+
 /// What a per-group selection kept: row ids in (group, order keys, row id) order, each with
 /// its rank in its group.
 #[derive(Debug, Default)]
@@ -27,6 +55,8 @@ pub struct GroupsKept {
     pub ids: Vec<u64>,
     pub ranks: Vec<u64>,
     pub report: FusedReport,
+    /// Pairs sorted (all passing pairs, or those at or below their group's limit).
+    pub sorted: usize,
 }
 
 impl TopKEngine {
@@ -42,6 +72,7 @@ impl TopKEngine {
         lo: u32,
         ranking: GroupRanking,
         k: usize,
+        algorithm: GroupAlgorithm,
     ) -> GpuResult<GroupsKept> {
         let mut kept = GroupsKept::default();
         // Rows passed (u64), error flags (u32 at 8), rows appended (u64 at 16).
@@ -76,6 +107,13 @@ impl TopKEngine {
                 "the program appended {m} rows of a table of {rows}"
             )));
         }
+        let (candidates, m) = match algorithm {
+            GroupAlgorithm::SegmentedSort => (candidates, m),
+            GroupAlgorithm::Threshold => {
+                self.below_group_limits(candidates, m, rows, lo, ranking, k)?
+            }
+        };
+        kept.sorted = m;
         let sorted = self.sort_pairs(&candidates, m, rows as u64)?;
         drop(candidates);
         let blocks = m.div_ceil(GROUP_THREADS);
@@ -130,5 +168,185 @@ impl TopKEngine {
         kept.ids = words(self.read_bytes(out_ids.ptr(), 8 * total)?);
         kept.ranks = words(self.read_bytes(out_ranks.ptr(), 8 * total)?);
         Ok(kept)
+    }
+
+    /// [`GroupAlgorithm::Threshold`]'s filter of pairs `[0, m)` of `candidates` (row ids below
+    /// `rows`): the pairs at or below their group's limit ([`group_limits`] over a sample of
+    /// [`GROUP_SAMPLE`] keys), and every pair of a group without one, in a new buffer.
+    fn below_group_limits(
+        &mut self,
+        candidates: DevicePairs,
+        m: usize,
+        rows: usize,
+        lo: u32,
+        ranking: GroupRanking,
+        k: usize,
+    ) -> GpuResult<(DevicePairs, usize)> {
+        let s = m.min(GROUP_SAMPLE);
+        let sample = self.alloc_pairs(s)?;
+        self.launch(
+            &self.kernel("group_sample"),
+            s.div_ceil(GROUP_THREADS) as u32,
+            GROUP_THREADS as u32,
+            0,
+            args![candidates.key_at(0), m / s, s, sample.key_at(0)],
+        )?;
+        let size = self.kind.key_bytes();
+        let bytes = self.download_keys(&sample, s)?;
+        drop(sample);
+        let mut keys: Vec<U256> = bytes.chunks_exact(size).map(u256_of_le).collect();
+        keys.sort_unstable();
+        let limits = group_limits(&keys, lo, ranking, k);
+        if limits.is_empty() {
+            return Ok((candidates, m));
+        }
+        let table: Vec<u8> = (limits.iter()).flat_map(|l| le_of_u256(*l, size)).collect();
+        let table = self.upload_pairs(&table, &vec![0; limits.len()])?;
+        let mut out = self.alloc_pairs(m)?;
+        out.set_ids_below(rows as u64);
+        let count = self.device.pool.alloc(8, &self.stream)?;
+        self.memset_zero(count.ptr(), 8)?;
+        self.launch(
+            &self.kernel("group_filter"),
+            self.grid_for(m, 8),
+            GROUP_THREADS as u32,
+            0,
+            args![
+                candidates.key_at(0),
+                candidates.id_at(0),
+                m,
+                lo,
+                table.key_at(0),
+                limits.len(),
+                out.key_at(0),
+                out.id_at(0),
+                count.ptr()
+            ],
+        )?;
+        let kept = self.read_u64(count.ptr())? as usize;
+        if kept > m {
+            return Err(GpuError(format!(
+                "{kept} of {m} pairs passed their groups' limits"
+            )));
+        }
+        Ok((out, kept))
+    }
+}
+
+/// A key of `bytes.len()` bytes (little-endian words, least significant first) as a `U256`.
+fn u256_of_le(bytes: &[u8]) -> U256 {
+    let mut word = [0u8; 32];
+    word[..bytes.len()].copy_from_slice(bytes);
+    U256 {
+        lo: u128::from_le_bytes(word[..16].try_into().expect("16 bytes")),
+        hi: u128::from_le_bytes(word[16..].try_into().expect("16 bytes")),
+    }
+}
+
+/// The first `size` bytes of `key`'s little-endian image: the device's key of that width.
+fn le_of_u256(key: U256, size: usize) -> Vec<u8> {
+    let mut bytes = key.lo.to_le_bytes().to_vec();
+    bytes.extend_from_slice(&key.hi.to_le_bytes());
+    bytes.truncate(size);
+    bytes
+}
+
+/// A key's bits from `lo` up: its group.
+fn group_bits(key: U256, lo: u32) -> U256 {
+    match lo {
+        0 => key,
+        256.. => U256::default(),
+        128.. => U256::from_u128(key.hi >> (lo - 128)),
+        _ => U256 {
+            hi: key.hi >> lo,
+            lo: (key.lo >> lo) | (key.hi << (128 - lo)),
+        },
+    }
+}
+
+/// Each sampled group's limit, from sampled keys in ascending order: the smallest sampled key
+/// with k sampled keys of its group at or below it (k distinct keys under `DENSE_RANK`).
+/// Every pair the group keeps is at or below it, whatever the sample: a limit is a real
+/// pair's key, so at least k pairs (k distinct keys) of the group are at or below it, and the
+/// kept pairs are at or below the k-th. Groups with fewer sampled keys get none. Ascending,
+/// like their groups.
+pub(crate) fn group_limits(sorted: &[U256], lo: u32, ranking: GroupRanking, k: usize) -> Vec<U256> {
+    let mut limits = Vec::new();
+    if k == 0 {
+        return limits;
+    }
+    let mut i = 0;
+    while i < sorted.len() {
+        let group = group_bits(sorted[i], lo);
+        let (mut counted, mut limited) = (0, false);
+        let mut j = i;
+        while j < sorted.len() && group_bits(sorted[j], lo) == group {
+            let new = match ranking {
+                GroupRanking::DenseRank => j == i || sorted[j] != sorted[j - 1],
+                GroupRanking::RowNumber | GroupRanking::Rank => true,
+            };
+            counted += usize::from(new);
+            if counted == k && !limited {
+                limits.push(sorted[j]);
+                limited = true;
+            }
+            j += 1;
+        }
+        i = j;
+    }
+    limits
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Limits come one per group with enough sampled keys, at its k-th (distinct) key, and
+    /// keys round-trip through the device's byte image.
+    #[test]
+    fn limits_are_each_groups_kth_sampled_key() {
+        let key = |group: u128, order: u128| U256::shl_u128(group, 200) | U256::from_u128(order);
+        let mut sample = vec![
+            key(1, 5),
+            key(1, 5),
+            key(1, 7),
+            key(1, 9),
+            key(2, 1),
+            key(3, 4),
+            key(3, 4),
+            key(3, 4),
+        ];
+        sample.sort_unstable();
+        let limits = |ranking, k| group_limits(&sample, 200, ranking, k);
+        assert_eq!(
+            limits(GroupRanking::RowNumber, 2),
+            vec![key(1, 5), key(3, 4)]
+        );
+        assert_eq!(limits(GroupRanking::Rank, 3), vec![key(1, 7), key(3, 4)]);
+        assert_eq!(limits(GroupRanking::DenseRank, 2), vec![key(1, 7)]);
+        assert_eq!(
+            limits(GroupRanking::RowNumber, 1),
+            vec![key(1, 5), key(2, 1), key(3, 4)]
+        );
+        assert!(limits(GroupRanking::RowNumber, 0).is_empty());
+        assert!(limits(GroupRanking::RowNumber, 5).is_empty());
+        // (2^56 - 1) << 200 | 17, shifted right.
+        let a = key(u128::MAX, 17);
+        let ones = (1u128 << 56) - 1;
+        assert_eq!(group_bits(a, 0), a);
+        assert_eq!(group_bits(a, 200), U256::from_u128(ones));
+        assert_eq!(group_bits(a, 128), U256::from_u128(ones << 72));
+        assert_eq!(group_bits(a, 64), U256::shl_u128(ones << 8, 128));
+        assert_eq!(
+            group_bits(a, 4),
+            U256::shl_u128(ones << 68, 128) | U256::from_u128(1)
+        );
+        assert_eq!(group_bits(a, 256), U256::default());
+        for size in [4, 8, 16, 32] {
+            let k = U256::from_u128(u128::MAX >> (128 - 8 * size.min(16)));
+            assert_eq!(u256_of_le(&le_of_u256(k, size)), k);
+        }
+        let wide = key(3, 9);
+        assert_eq!(u256_of_le(&le_of_u256(wide, 32)), wide);
     }
 }

@@ -223,7 +223,7 @@ mod staging;
 mod top_bits;
 
 pub use fused::FusedReport;
-pub use groups::{GroupRanking, GroupsKept};
+pub use groups::{GROUP_SAMPLE, GroupAlgorithm, GroupRanking, GroupsKept};
 use sample::SampleRun;
 pub(crate) use staging::fill_staging;
 use top_bits::TopBitsRun;
