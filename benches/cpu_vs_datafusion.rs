@@ -11,6 +11,9 @@
 //! cargo bench --bench cpu_vs_datafusion -- --groups [--rows N] [--runs R]
 //! ```
 //!
+//! Every mode takes `--only 'Q1,Q2 k=50'` (the queries whose names start so) and `--engines
+//! 'warm,auto'` (only these of ours; DataFusion always runs, as the reference).
+//!
 //! `--verbose` prints each engine's checked run as it ends (on stderr).
 //!
 //! Each query runs R times per engine (after one checked run), alternating engines; the table
@@ -298,6 +301,12 @@ async fn main() -> Result<()> {
             device.name,
             100.0 * staged / pinned
         );
+    }
+    // `--engines 'warm,auto'`: only these of ours (DataFusion always runs: it checks them).
+    let wanted: String = arg("--engines", String::new());
+    if !wanted.is_empty() {
+        let wanted: Vec<&str> = wanted.split(',').map(str::trim).collect();
+        engines.retain(|e| wanted.contains(&e.name));
     }
     let partitions = plain.copied_config().target_partitions();
     let started = Instant::now();

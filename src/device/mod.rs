@@ -34,7 +34,8 @@ use cudarc::driver::{CudaContext, CudaStream, DriverError};
 pub(crate) use options::DeviceOptions;
 
 pub use engine::{
-    DevicePairs, FusedReport, GROUP_SAMPLE, GroupAlgorithm, GroupRanking, GroupsKept, TopKEngine,
+    DevicePairs, FusedReport, GROUP_SAMPLE, GroupAlgorithm, GroupRanking, GroupSpec, GroupsKept,
+    TopKEngine,
 };
 pub use kernels::{GeneratedKernel, Kernels};
 pub(crate) use memory::{BufferPool, PinnedPool, PooledBuffer};

@@ -75,7 +75,7 @@ use super::stream::{gather_rows, table_starts};
 use crate::config::FaultPoint;
 use crate::cost::Prediction;
 use crate::device::watch::DeviceWatch;
-use crate::device::{DeviceAlgorithm, GroupAlgorithm, GroupRanking};
+use crate::device::{DeviceAlgorithm, GroupAlgorithm, GroupRanking, GroupSpec};
 use crate::fusion::FusedProgram;
 use crate::keys::KeyLayout;
 use crate::select::SelectionSpec;
@@ -415,6 +415,11 @@ struct DeviceMetrics {
     /// Pairs the device sorted: all that passed, or those below their groups' limits.
     rows_sorted: Count,
     select_time: Time,
+    /// Device time (CUDA events) of the pass, the sort with the groups' limits, and the walk
+    /// with the read-back: parts of `select_time`.
+    device_pass_time: Time,
+    device_sort_time: Time,
+    device_keep_time: Time,
     gather_time: Time,
     device_bytes_held: Gauge,
     device_peak_bytes: Gauge,
@@ -430,6 +435,9 @@ impl DeviceMetrics {
             rows_kept: builder().global_counter("rows_kept"),
             rows_sorted: builder().global_counter("rows_sorted"),
             select_time: builder().subset_time("select_time", 0),
+            device_pass_time: builder().subset_time("device_pass_time", 0),
+            device_sort_time: builder().subset_time("device_sort_time", 0),
+            device_keep_time: builder().subset_time("device_keep_time", 0),
             gather_time: builder().subset_time("gather_time", 0),
             device_bytes_held: builder().global_gauge("device_bytes_held"),
             device_peak_bytes: builder().global_gauge("device_peak_bytes"),
@@ -516,7 +524,12 @@ impl DeviceRun {
         let selected = {
             let _timer = self.metrics.select_time.timer();
             let selector = TableSelector::new(&spec, device, DeviceAlgorithm::Sample)?;
-            match selector.select_groups(&inputs, plan.lo, ranking, plan.algorithm)? {
+            let groups = GroupSpec {
+                lo: plan.lo,
+                ranking,
+                algorithm: plan.algorithm,
+            };
+            match selector.select_groups(&inputs, groups)? {
                 Some(selected) => selected,
                 None => return Ok(None),
             }
@@ -525,6 +538,16 @@ impl DeviceRun {
         self.metrics.rows_passed_filter.add(selected.passed);
         self.metrics.rows_kept.add(selected.positions.len());
         self.metrics.rows_sorted.add(selected.sorted);
+        let phases = [
+            &self.metrics.device_pass_time,
+            &self.metrics.device_sort_time,
+            &self.metrics.device_keep_time,
+        ];
+        for (time, ms) in phases.into_iter().zip(selected.group_phases_ms) {
+            time.add_duration(std::time::Duration::from_secs_f64(
+                f64::from(ms.max(0.0)) / 1e3,
+            ));
+        }
         // The table's columns the operator's input columns read.
         let mut read = vec![false; table_schema.fields().len()];
         for expr in &plan.output_exprs {

@@ -1141,12 +1141,12 @@ fn short_byte_keys_are_exact() {
     let n = 300;
     let string: ArrayRef = Arc::new(StringArray::from(
         (0..n)
-            .map(|_| (rng.below(8) != 0).then(|| alphabet[rng.below(8) as usize]))
+            .map(|_| (rng.below(8) != 0).then(|| alphabet[rng.below(8)]))
             .collect::<Vec<_>>(),
     ));
     let dictionary: ArrayRef = Arc::new(
         (0..n)
-            .map(|_| (rng.below(6) != 0).then(|| alphabet[rng.below(4) as usize]))
+            .map(|_| (rng.below(6) != 0).then(|| alphabet[rng.below(4)]))
             .collect::<DictionaryArray<Int32Type>>(),
     );
     let small: ArrayRef = Arc::new(Int32Array::from_iter_values(

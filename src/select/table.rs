@@ -33,7 +33,7 @@ use crate::device::column_cache::{
 use crate::device::watch::{self, DeviceWatch};
 use crate::device::{
     DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_ROWS, FusedReport, GeneratedKernel, GpuDevice,
-    GpuError, GpuResult, GroupAlgorithm, GroupRanking, PooledBuffer, TopKEngine, contain_panics,
+    GpuError, GpuResult, GroupSpec, PooledBuffer, TopKEngine, contain_panics,
 };
 use crate::fusion::{self, FusedProgram, KernelInput};
 
@@ -295,8 +295,11 @@ pub struct TableSelection {
     pub refine: bool,
     /// Candidates besides the k-th whose composite equals its: the ties the whole keys settle.
     pub tied: usize,
-    /// A per-group selection's pairs sorted (all that passed, or fewer: [`GroupAlgorithm`]).
+    /// A per-group selection's pairs sorted (all that passed, or fewer:
+    /// [`crate::device::GroupAlgorithm`]).
     pub sorted: usize,
+    /// A per-group selection's device phases in ms ([`crate::device::FusedReport`]).
+    pub group_phases_ms: [f32; 3],
     /// Rows that passed the predicate.
     pub passed: usize,
     /// Time spent compiling or loading the generated program.
@@ -315,11 +318,7 @@ enum TableStep {
         within: Option<usize>,
     },
     /// The k best rows of every group, the group keys from composite bit `lo` up.
-    Groups {
-        lo: u32,
-        ranking: GroupRanking,
-        algorithm: GroupAlgorithm,
-    },
+    Groups(GroupSpec),
 }
 
 /// The values buffer of a primitive array, sliced to its rows.
@@ -1070,15 +1069,9 @@ impl TableSelector {
     pub fn select_groups(
         &self,
         inputs: &[TableInput<'_>],
-        lo: u32,
-        ranking: GroupRanking,
-        algorithm: GroupAlgorithm,
+        groups: GroupSpec,
     ) -> Result<Option<TableSelection>> {
-        let step = TableStep::Groups {
-            lo,
-            ranking,
-            algorithm,
-        };
+        let step = TableStep::Groups(groups);
         select_table(&self.spec, &self.device, step, inputs)
     }
 }
@@ -1245,7 +1238,7 @@ fn select_table(
     spec.transfers.uploaded_bytes.add(transfers.3);
     program_error(report.error)?;
     let (tied, sorted) = match step {
-        TableStep::Groups { .. } => (0, tied),
+        TableStep::Groups(_) => (0, tied),
         TableStep::TopK { .. } => (tied, 0),
     };
     Ok(Some(TableSelection {
@@ -1253,6 +1246,7 @@ fn select_table(
         refine: program.refines,
         tied,
         sorted,
+        group_phases_ms: report.group_phases_ms,
         passed: report.passed as usize,
         compile_time,
         ranks,
@@ -1355,12 +1349,8 @@ fn run_table(
             rows = within.map_or(rows, |w| w.min(rows));
             algorithm
         }
-        TableStep::Groups {
-            lo,
-            ranking,
-            algorithm,
-        } => {
-            let kept = engine.fused_groups(&kernel, &args, rows, lo, ranking, spec.k, algorithm)?;
+        TableStep::Groups(groups) => {
+            let kept = engine.fused_groups(&kernel, &args, rows, groups, spec.k)?;
             drop(lookup_tables);
             engine.synchronize()?;
             device.idle_engine(engine);

@@ -530,4 +530,7 @@ pub struct FusedReport {
     /// Bits of the 64-bit words a large k's candidates were packed into for their keys-only
     /// merge sort (the key bits that vary, then the row id's); 0 when they were not packed.
     pub packed_bits: u32,
+    /// A per-group selection's device time in ms (CUDA events): the pass, the sort with the
+    /// groups' limits, and the walk with the read-back of what it kept.
+    pub group_phases_ms: [f32; 3],
 }

@@ -45,6 +45,15 @@ impl GroupAlgorithm {
     }
 }
 
+/// A per-group selection: the composite's lowest bit of the group keys, the ranking and the
+/// algorithm.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupSpec {
+    pub lo: u32,
+    pub ranking: GroupRanking,
+    pub algorithm: GroupAlgorithm,
+}
+
 /// Pairs the threshold algorithm samples.
 pub const GROUP_SAMPLE: usize = 1 << 16;
 
@@ -69,12 +78,16 @@ impl TopKEngine {
         kernel: &GeneratedKernel,
         inputs: &[u64],
         rows: usize,
-        lo: u32,
-        ranking: GroupRanking,
+        groups: GroupSpec,
         k: usize,
-        algorithm: GroupAlgorithm,
     ) -> GpuResult<GroupsKept> {
+        let GroupSpec {
+            lo,
+            ranking,
+            algorithm,
+        } = groups;
         let mut kept = GroupsKept::default();
+        let timer = GpuTimer::start(&self.stream)?;
         // Rows passed (u64), error flags (u32 at 8), rows appended (u64 at 16).
         let out = self.device.pool.alloc(24, &self.stream)?;
         self.memset_zero(self.scalars.ptr() + THRESHOLD_OFFSET, THRESHOLD_BYTES)?;
@@ -99,6 +112,8 @@ impl TopKEngine {
         kept.report.error = word(8) as u32;
         let m = word(16) as usize;
         kept.report.candidates = m;
+        let pass = timer.elapsed()?;
+        kept.report.group_phases_ms[0] = pass;
         if kept.report.error != 0 || m == 0 || k == 0 {
             return Ok(kept);
         }
@@ -116,6 +131,8 @@ impl TopKEngine {
         kept.sorted = m;
         let sorted = self.sort_pairs(&candidates, m, rows as u64)?;
         drop(candidates);
+        let sort = timer.elapsed()?;
+        kept.report.group_phases_ms[1] = sort - pass;
         let blocks = m.div_ceil(GROUP_THREADS);
         // The block sums, then the total.
         let sums = self.device.pool.alloc(8 * (blocks + 1), &self.stream)?;
@@ -167,6 +184,7 @@ impl TopKEngine {
         };
         kept.ids = words(self.read_bytes(out_ids.ptr(), 8 * total)?);
         kept.ranks = words(self.read_bytes(out_ranks.ptr(), 8 * total)?);
+        kept.report.group_phases_ms[2] = timer.elapsed()? - sort;
         Ok(kept)
     }
 

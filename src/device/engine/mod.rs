@@ -223,7 +223,7 @@ mod staging;
 mod top_bits;
 
 pub use fused::FusedReport;
-pub use groups::{GROUP_SAMPLE, GroupAlgorithm, GroupRanking, GroupsKept};
+pub use groups::{GROUP_SAMPLE, GroupAlgorithm, GroupRanking, GroupSpec, GroupsKept};
 use sample::SampleRun;
 pub(crate) use staging::fill_staging;
 use top_bits::TopBitsRun;

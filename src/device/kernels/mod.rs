@@ -109,7 +109,10 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
         ],
     ),
     ("delegate.cu", &["delegate_min", "delegate_gather"]),
-    ("groups.cu", &["group_count", "group_write", "group_sample", "group_filter"]),
+    (
+        "groups.cu",
+        &["group_count", "group_write", "group_sample", "group_filter"],
+    ),
 ];
 
 /// Entry points without a key type.
