@@ -272,14 +272,16 @@ fn rows_kept(predicate: &Arc<dyn PhysicalExpr>, row_number: usize) -> Option<usi
         .map(|k| usize::try_from(k).unwrap_or(usize::MAX))
 }
 
-/// Rows of an in-memory table [`estimate_groups`] reads.
+/// Rows of an in-memory table [`estimate_groups`] reads, and the batches it reads them from.
 const GROUPS_SAMPLE: usize = 1 << 14;
+const GROUPS_SAMPLE_BATCHES: usize = 256;
 
 /// The number of distinct `group_exprs` among the rows of `memory` that pass `filter`,
-/// estimated from every n-th row ([`GROUPS_SAMPLE`] of them): exact where the sample is the
-/// table; else the groups seen plus Chao's estimate of those unseen (f1² / 2f2, from the groups
-/// seen once and twice), at most one a passing row. `None` where an expression fails on the
-/// sample.
+/// estimated from a sample: every n-th row of every m-th batch, [`GROUPS_SAMPLE`] rows from
+/// at most [`GROUPS_SAMPLE_BATCHES`] batches (few batch operations at planning). Exact where
+/// the sample is the table; else the groups seen plus Chao's estimate of those unseen
+/// (f1² / 2f2, from the groups seen once and twice), at most one a passing row. `None` where
+/// an expression fails on the sample.
 pub(super) fn estimate_groups(
     memory: &crate::exec::MemoryInput<'_>,
     filter: Option<&Arc<dyn PhysicalExpr>>,
@@ -288,19 +290,22 @@ pub(super) fn estimate_groups(
     use datafusion::arrow::array::{AsArray, UInt32Array};
     use datafusion::arrow::compute::{filter_record_batch, take_record_batch};
     use datafusion::arrow::row::{RowConverter, SortField};
-    let rows: usize = memory.batches().map(|b| b.num_rows()).sum();
-    let step = rows.div_ceil(GROUPS_SAMPLE).max(1);
+    let batches: Vec<_> = memory.batches().filter(|b| b.num_rows() > 0).collect();
+    let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
+    let batch_step = batches.len().div_ceil(GROUPS_SAMPLE_BATCHES).max(1);
+    let read: usize = batches
+        .iter()
+        .step_by(batch_step)
+        .map(|b| b.num_rows())
+        .sum();
+    let row_step = read.div_ceil(GROUPS_SAMPLE).max(1);
     let mut converter = None;
     let mut counts: HashMap<Vec<u8>, usize> = HashMap::new();
-    let (mut at, mut passed) = (0, 0);
-    for batch in memory.batches() {
-        let n = batch.num_rows();
-        let first = (step - at % step) % step;
-        at += n;
-        if first >= n {
-            continue;
-        }
-        let picked = UInt32Array::from_iter_values((first..n).step_by(step).map(|i| i as u32));
+    let (mut sampled, mut passed) = (0, 0);
+    for batch in batches.iter().step_by(batch_step) {
+        let picked = (0..batch.num_rows()).step_by(row_step).map(|i| i as u32);
+        let picked = UInt32Array::from_iter_values(picked);
+        sampled += picked.len();
         let sample = take_record_batch(&memory.project(batch).ok()?, &picked).ok()?;
         let sample = match filter {
             Some(filter) => {
@@ -330,11 +335,13 @@ pub(super) fn estimate_groups(
         return Some(usize::from(passed > 0));
     }
     let seen = counts.len();
-    if step == 1 {
+    if batch_step == 1 && row_step == 1 {
         return Some(seen);
     }
     let once = counts.values().filter(|&&c| c == 1).count() as f64;
     let twice = counts.values().filter(|&&c| c == 2).count() as f64;
     let unseen = once * once / (2.0 * twice.max(1.0));
-    Some((seen + unseen as usize).min(passed * step))
+    // Each sampled row stands for this many of the table.
+    let scale = rows as f64 / sampled.max(1) as f64;
+    Some((seen + unseen as usize).min((passed as f64 * scale).round() as usize))
 }

@@ -85,6 +85,15 @@ async fn same_rows(ours: &SessionContext, plain: &SessionContext, sql: &str, tak
 
 /// [`same_rows`], saying whether the operator took the query.
 async fn same_rows_taken(ours: &SessionContext, plain: &SessionContext, sql: &str) -> bool {
+    same_rows_placed(ours, plain, sql).await.0
+}
+
+/// [`same_rows`], saying whether the operator took the query and whether it ran on the GPU.
+async fn same_rows_placed(
+    ours: &SessionContext,
+    plain: &SessionContext,
+    sql: &str,
+) -> (bool, bool) {
     let plan = physical_plan(ours, sql)
         .await
         .unwrap_or_else(|e| panic!("{sql}: {e}"));
@@ -93,12 +102,15 @@ async fn same_rows_taken(ours: &SessionContext, plain: &SessionContext, sql: &st
         1 => true,
         n => panic!("{sql}: {n} operators:\n{}", plan_text(&plan)),
     };
+    let on_device = find_group_topk(&plan)
+        .and_then(|p| p.downcast_ref::<GpuGroupTopKExec>())
+        .is_some_and(GpuGroupTopKExec::on_device);
     let mut got = exact_rows(&collect(plan, ours.task_ctx()).await.unwrap());
     let mut want = exact_rows(&run(plain, sql).await.unwrap());
     got.sort();
     want.sort();
     assert_eq!(got, want, "{sql}");
-    taken
+    (taken, on_device)
 }
 
 const QUERIES: [&str; 16] = [
@@ -181,16 +193,16 @@ async fn other_window_queries_keep_datafusions_plan() {
 
 /// Random tables and random per-group queries (functions, keys, directions, NULL order, K and
 /// its comparison, filters below and beside), against DataFusion's window plan.
-/// `GPU_TOPK_GROUP_QUERIES` sets how many (default 120).
+/// `GPU_TOPK_GROUP_QUERIES` sets how many (default 120), `GPU_TOPK_GROUP_SEED` the seed (so
+/// that processes in parallel draw different queries).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn random_group_queries_match_datafusion() {
-    let queries: usize = std::env::var("GPU_TOPK_GROUP_QUERIES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(120);
-    let dir = test_dir("groups-random");
-    let mut rng = Rng::new(0x6a09_e667);
-    let (mut done, mut taken) = (0, 0);
+    let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
+    let queries = env("GPU_TOPK_GROUP_QUERIES").unwrap_or(120) as usize;
+    let seed = env("GPU_TOPK_GROUP_SEED").unwrap_or(0x6a09_e667);
+    let dir = test_dir(&format!("groups-random-{seed}"));
+    let mut rng = Rng::new(seed);
+    let (mut done, mut taken, mut on_device) = (0, 0, 0);
     while done < queries {
         let partitions = 1 + rng.below(4) as usize;
         let n = 1 + rng.below(2500) as usize;
@@ -203,12 +215,16 @@ async fn random_group_queries_match_datafusion() {
         register_as(&plain, "t", &data, storage, &dir).await;
         for _ in 0..20 {
             let sql = random_query(&mut rng);
-            taken += usize::from(same_rows_taken(&ours, &plain, &sql).await);
+            let (took, device) = same_rows_placed(&ours, &plain, &sql).await;
+            taken += usize::from(took);
+            on_device += usize::from(device);
             done += 1;
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
-    eprintln!("{taken} of {done} random per-group queries taken by the operator");
+    eprintln!(
+        "{taken} of {done} random per-group queries taken by the operator, {on_device} on the GPU"
+    );
     assert_eq!(taken, done, "every random query has the operator's shape");
 }
 
