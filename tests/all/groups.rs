@@ -378,6 +378,38 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
     }
     // Few large groups drop pairs before the sort; many small ones sort them all.
     assert_eq!(algorithms.len(), 2, "{algorithms:?}");
+    // Millions of kept rows come back from the device in pieces.
+    let n = 5_000_000i64;
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("v", DataType::Int64, false),
+    ]));
+    let batches: Vec<RecordBatch> = (0..n)
+        .step_by(8192)
+        .map(|at| {
+            let ids: Vec<i64> = (at..(at + 8192).min(n)).collect();
+            let v: Vec<i64> = ids.iter().map(|i| (i * 7919) % 1000).collect();
+            let columns: Vec<Arc<dyn datafusion::arrow::array::Array>> = vec![
+                Arc::new(Int64Array::from(ids)),
+                Arc::new(Int64Array::from(v)),
+            ];
+            RecordBatch::try_new(Arc::clone(&schema), columns).unwrap()
+        })
+        .collect();
+    let parts: Vec<Vec<RecordBatch>> = batches.chunks(200).map(<[_]>::to_vec).collect();
+    let cuda = crate::common::session_with(4, 8192, config(Backend::Cuda));
+    let plain = plain_session(4, Storage::Memory);
+    register(&cuda, "big", parts.clone());
+    register(&plain, "big", parts);
+    let sql = "SELECT count(*), sum(id), sum(rn) FROM (SELECT id, ROW_NUMBER() OVER (PARTITION BY v ORDER BY id) AS rn FROM big) WHERE rn <= 4000";
+    let plan = physical_plan(&cuda, sql).await.unwrap();
+    assert!(
+        plan_text(&plan).contains("backend=cuda"),
+        "{}",
+        plan_text(&plan)
+    );
+    let got = exact_rows(&collect(plan, cuda.task_ctx()).await.unwrap());
+    assert_eq!(got, exact_rows(&run(&plain, sql).await.unwrap()), "{sql}");
     // Groups of strings that are not all short stay on the CPU path, and say why.
     let long = crate::common::session_with(2, 1000, config(Backend::Cuda));
     register_as(&long, "t", &table(2000, 2, 40), Storage::Memory, &dir).await;

@@ -177,13 +177,8 @@ impl TopKEngine {
                 out_ranks.ptr()
             ],
         )?;
-        let words = |bytes: Vec<u8>| -> Vec<u64> {
-            (bytes.chunks_exact(8))
-                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-                .collect()
-        };
-        kept.ids = words(self.read_bytes(out_ids.ptr(), 8 * total)?);
-        kept.ranks = words(self.read_bytes(out_ranks.ptr(), 8 * total)?);
+        kept.ids = self.read_words(out_ids.ptr(), total)?;
+        kept.ranks = self.read_words(out_ranks.ptr(), total)?;
         kept.report.group_phases_ms[2] = timer.elapsed()? - sort;
         Ok(kept)
     }

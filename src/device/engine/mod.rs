@@ -283,6 +283,8 @@ const SAMPLE_SCRATCH_BYTES: usize = SAMPLE_CTL_BYTES + 4 * RANK_SORT_MAX;
 const SAMPLE_STATUS_FINAL_LARGE: u32 = 4;
 /// Threads per block of the grid-stride kernels; of the bitonic top-k's blocks.
 const THREADS: u32 = 256;
+/// Bytes of each of [`TopKEngine::read_words`]'s two pinned buffers.
+const READ_PIECE: usize = 16 << 20;
 const BITONIC_THREADS: u32 = 512;
 /// Largest chunk one upload through pinned memory moves.
 const UPLOAD_CHUNK: usize = 64 << 20;
@@ -599,6 +601,41 @@ impl TopKEngine {
         let lease = self.readback.as_mut().expect("set above");
         lease.download(src, len, stream)?;
         Ok(lease.as_slice()?[..len].to_vec())
+    }
+
+    /// `count` u64 words at device address `src` (waits for all work enqueued so far), read
+    /// back in pieces through two pinned buffers of [`READ_PIECE`] bytes: the host copies one
+    /// piece into the result while the next one crosses PCIe. Large read-backs neither pin a
+    /// buffer of their size (pinning costs more than the copy) nor copy twice.
+    pub(crate) fn read_words(&mut self, src: u64, count: usize) -> GpuResult<Vec<u64>> {
+        let len = 8 * count;
+        if len <= READ_PIECE {
+            let bytes = self.read_bytes(src, len)?;
+            return Ok(bytes
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect());
+        }
+        let stream = Arc::clone(&self.stream);
+        let mut leases = [
+            self.device.pinned.take(READ_PIECE, false)?,
+            self.device.pinned.take(READ_PIECE, false)?,
+        ];
+        let piece = |p: usize| (p * READ_PIECE, READ_PIECE.min(len - p * READ_PIECE));
+        let pieces = len.div_ceil(READ_PIECE);
+        leases[0].download(src, piece(0).1, &stream)?;
+        let mut words = Vec::with_capacity(count);
+        for p in 0..pieces {
+            if p + 1 < pieces {
+                let (at, n) = piece(p + 1);
+                leases[(p + 1) % 2].download(src + at as u64, n, &stream)?;
+            }
+            let bytes = &leases[p % 2].as_slice()?[..piece(p).1];
+            words.extend(
+                (bytes.chunks_exact(8)).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))),
+            );
+        }
+        Ok(words)
     }
 
     fn read_u64(&mut self, src: u64) -> GpuResult<u64> {
