@@ -14,8 +14,15 @@
 //! DataFusion's own answer to the very query is consulted (its TopK can skip rows whose key
 //! fails, and which partition fails first is a race on both sides).
 //!
+//! Each table also gets per-group queries ([`GROUP_QUERIES_PER_TABLE`]): `ROW_NUMBER()`,
+//! `RANK()` or `DENSE_RANK()` `OVER (PARTITION BY …)` of any one or two columns, ordered by any
+//! columns, kept by `<=`, `<` or `=`, against DataFusion's window plan (rows in any order: the
+//! window's partitions are hashed; `ROW_NUMBER()` ends its keys with `rid`, so its numbers are
+//! DataFusion's).
+//!
 //! A mismatch is minimised (the query, then the rows) and written as a `.slt` case to
-//! `GPU_TOPK_FUZZ_OUT` (default: a temporary directory), to keep in `sql-tests/`.
+//! `GPU_TOPK_FUZZ_OUT` (default: a temporary directory), to keep in `sql-tests/`; a per-group
+//! mismatch is written as its query and the two answers.
 //!
 //! `fuzz_slice_matches_datafusion` runs a fixed-seed slice in CI. The full run is ignored:
 //! `GPU_TOPK_FUZZ_QUERIES=100000 cargo test --release --test all fuzz_budget -- --ignored
@@ -43,6 +50,8 @@ use sqllogictest::ColumnType as _;
 
 /// Queries per random table.
 const QUERIES_PER_TABLE: usize = 25;
+/// Per-group queries per random table, besides those.
+const GROUP_QUERIES_PER_TABLE: usize = 4;
 
 /// One random table and how it is read.
 #[derive(Clone)]
@@ -481,6 +490,101 @@ fn random_query(rng: &mut Rng, rows: usize, programs: &Programs) -> Query {
         limit,
         offset,
     }
+}
+
+/// A random per-group query over the fuzzed table (see the module documentation).
+fn random_group_query(rng: &mut Rng) -> String {
+    let names = columns();
+    let pick =
+        |rng: &mut Rng, items: &[String]| items[rng.below(items.len() as u64) as usize].clone();
+    let mut groups = vec![pick(rng, &names)];
+    let second = pick(rng, &names);
+    if rng.chance(0.3) && !groups.contains(&second) {
+        groups.push(second);
+    }
+    let function = ["ROW_NUMBER", "ROW_NUMBER", "RANK", "DENSE_RANK"][rng.below(4) as usize];
+    let mut order: Vec<String> = (0..1 + rng.below(2))
+        .map(|_| {
+            let direction = DIRECTIONS[rng.below(DIRECTIONS.len() as u64) as usize];
+            format!("{}{direction}", pick(rng, &names))
+        })
+        .collect();
+    if function == "ROW_NUMBER" {
+        order.push("rid".into());
+    }
+    let k = [0, 1, 1, 2, 3, 10, 100, 5000][rng.below(8) as usize];
+    let keep = match rng.below(3) {
+        0 => format!("rn <= {k}"),
+        1 => format!("rn < {}", k + 1),
+        _ => format!("rn = {}", k.max(1)),
+    };
+    let filter = match rng.chance(0.3) {
+        true => format!("WHERE rid % {} <> 0", 2 + rng.below(4)),
+        false => String::new(),
+    };
+    format!(
+        "SELECT rid, {g}, rn FROM (SELECT *, {function}() OVER (PARTITION BY {g} ORDER BY {o}) \
+         AS rn FROM t {filter}) WHERE {keep}",
+        g = groups.join(", "),
+        o = order.join(", ")
+    )
+}
+
+/// Number of `GpuGroupTopKExec` nodes in a plan.
+fn count_group_topk(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> usize {
+    let here = usize::from(
+        plan.downcast_ref::<datafusion_gpu_topk::GpuGroupTopKExec>()
+            .is_some(),
+    );
+    here + plan
+        .children()
+        .into_iter()
+        .map(count_group_topk)
+        .sum::<usize>()
+}
+
+/// A per-group query run by the operator and by DataFusion's window plan over the same
+/// storage: the same rows in any order, or the same error. `None` where they agree.
+async fn group_check(sessions: &Sessions, sql: &str, taken: &mut usize) -> Option<String> {
+    let ours: Outcome = match sessions.ours.sql(sql).await {
+        Err(e) => Err(e.to_string()),
+        Ok(frame) => match frame.create_physical_plan().await {
+            Err(e) => Err(e.to_string()),
+            Ok(plan) => {
+                *taken += usize::from(count_group_topk(&plan) > 0);
+                collect(plan, sessions.ours.task_ctx())
+                    .await
+                    .map(|b| exact_rows(&b))
+                    .map_err(|e| e.to_string())
+            }
+        },
+    };
+    let sorted = |outcome: Outcome| {
+        normal(outcome).map(|mut rows| {
+            rows.sort();
+            rows
+        })
+    };
+    let ours = sorted(ours);
+    for ctx in [&sessions.oracle, &sessions.oracle_one] {
+        let want = sorted(
+            run(ctx, sql)
+                .await
+                .map(|b| exact_rows(&b))
+                .map_err(|e| e.to_string()),
+        );
+        if ours == want {
+            return None;
+        }
+        // DataFusion's sanity check rejects some of its plans over several partitions from
+        // one planning to the next: its answer over one partition is its answer.
+        if !want.as_ref().is_err_and(|e| e.contains("SanityCheckPlan")) {
+            return Some(format!("{sql}\nours: {ours:?}\nwant: {want:?}"));
+        }
+    }
+    Some(format!(
+        "{sql}\nours: {ours:?}\nwant: DataFusion's sanity check failed"
+    ))
 }
 
 /// Ours (`enabled`) or the oracle, which reads every row of files (see
@@ -1098,6 +1202,9 @@ struct Counts {
     tied: usize,
     /// Queries with string, binary or wide keys.
     prefix: usize,
+    /// Per-group queries, and those the per-group operator ran.
+    groups: usize,
+    groups_taken: usize,
     mismatches: Vec<PathBuf>,
 }
 
@@ -1138,6 +1245,23 @@ async fn fuzz(seed: u64, queries: usize, seconds: Option<u64>, programs: Arc<Pro
             );
             counts.mismatches.push(path);
         }
+        let mut group_rng = Rng::new(table_seed ^ 0x9e37_79b9_7f4a_7c15);
+        for _ in 0..GROUP_QUERIES_PER_TABLE {
+            let sql = random_group_query(&mut group_rng);
+            counts.groups += 1;
+            let Some(found) = group_check(&ctx, &sql, &mut counts.groups_taken).await else {
+                continue;
+            };
+            let origin = format!("seed {seed}, table {}", counts.tables);
+            std::fs::create_dir_all(&out).unwrap();
+            let path = out.join(format!("fuzz-group-{seed}-{}.txt", counts.groups));
+            std::fs::write(&path, format!("-- {origin}\n{found}\n")).unwrap();
+            eprintln!(
+                "MISMATCH ({origin}) written to {}:\n{found}",
+                path.display()
+            );
+            counts.mismatches.push(path);
+        }
         if counts.tables % 200 == 0 {
             eprintln!(
                 "fuzz: {} queries ({} by the operator), {} mismatches, {:.0?}",
@@ -1150,13 +1274,15 @@ async fn fuzz(seed: u64, queries: usize, seconds: Option<u64>, programs: Arc<Pro
     }
     eprintln!(
         "fuzz (seed {seed}, backend {}): {} queries ({} with string, binary or wide keys) over \
-         {} tables, {} run by the operator, {} mismatches, {} equal only in their key values, \
-         {:.1?}",
+         {} tables, {} run by the operator, {} per-group queries ({} by the operator), {} \
+         mismatches, {} equal only in their key values, {:.1?}",
         test_backend(),
         counts.queries,
         counts.prefix,
         counts.tables,
         counts.taken,
+        counts.groups,
+        counts.groups_taken,
         counts.mismatches.len(),
         counts.tied,
         started.elapsed()
@@ -1177,6 +1303,12 @@ async fn fuzz_slice_matches_datafusion() {
         counts.taken > 150,
         "only {} queries reached the operator",
         counts.taken
+    );
+    assert!(
+        counts.groups_taken * 2 > counts.groups,
+        "only {} of {} per-group queries reached the operator",
+        counts.groups_taken,
+        counts.groups
     );
 }
 
@@ -1209,16 +1341,17 @@ async fn fuzz_budget() {
             Arc::clone(&programs),
         ));
     }
-    let (mut total, mut prefix, mut mismatches) = (0, 0, Vec::new());
+    let (mut total, mut prefix, mut groups, mut mismatches) = (0, 0, 0, Vec::new());
     while let Some(counts) = running.join_next().await {
         let counts = counts.expect("a fuzzing task panicked");
         total += counts.queries;
         prefix += counts.prefix;
+        groups += counts.groups;
         mismatches.extend(counts.mismatches);
     }
     eprintln!(
-        "fuzz: {total} queries ({prefix} with string, binary or wide keys) in {tasks} tasks, {} \
-         mismatches",
+        "fuzz: {total} queries ({prefix} with string, binary or wide keys) and {groups} \
+         per-group queries in {tasks} tasks, {} mismatches",
         mismatches.len()
     );
     assert!(mismatches.is_empty(), "mismatches: {mismatches:?}");
