@@ -14,6 +14,13 @@
 //! Every mode takes `--only 'Q1,Q2 k=50'` (the queries whose names start so) and `--engines
 //! 'warm,auto'` (only these of ours; DataFusion always runs, as the reference).
 //!
+//! `--duckdb` (the tweet queries, top-k or `--groups`): DuckDB in the same run, through
+//! `benches/duckdb_topk.py --sql` (`--duckdb-script PATH`, `--python PYTHON`; needs `pip
+//! install duckdb`) over the same rows as Parquet files (the `--parquet` files, else written
+//! to a temporary directory): a table loaded from them, and with `--parquet` the files
+//! themselves too. Its answers' sort-key values are checked against DataFusion's; its medians
+//! follow DataFusion's in each line.
+//!
 //! `--verbose` prints each engine's checked run as it ends (on stderr).
 //!
 //! Each query runs R times per engine (after one checked run), alternating engines; the table
@@ -197,6 +204,66 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// One query's DuckDB figures from one source (`memory` or `parquet`): its median and its
+/// answer's sort-key values, sorted, as [`key_multiset`] writes them.
+struct DuckResult {
+    source: String,
+    name: String,
+    median_ms: f64,
+    keys: Vec<String>,
+}
+
+/// Runs `queries` in DuckDB over the tweets Parquet files in `files` (`sources`: `memory`, a
+/// table loaded from them; `parquet`, the files) through `benches/duckdb_topk.py --sql`.
+fn run_duckdb(
+    files: &str,
+    sources: &str,
+    queries: &[(String, String)],
+    runs: usize,
+) -> Result<Vec<DuckResult>> {
+    let failed = |why: String| datafusion::error::DataFusionError::Execution(why);
+    let script: String = arg("--duckdb-script", "benches/duckdb_topk.py".to_string());
+    let python: String = arg("--python", "python3".to_string());
+    let dir = std::env::temp_dir().join(format!("gpu-topk-duckdb-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let (sql, out) = (dir.join("queries.json"), dir.join("results.json"));
+    std::fs::write(
+        &sql,
+        serde_json::to_string(queries).map_err(|e| failed(e.to_string()))?,
+    )?;
+    println!("# DuckDB ({python} {script}) over {files}: {sources}");
+    let status = std::process::Command::new(&python)
+        .arg(&script)
+        .args(["--tweets", files, "--sources", sources, "--runs"])
+        .arg(runs.max(1).to_string())
+        .arg("--sql")
+        .arg(&sql)
+        .arg("--json")
+        .arg(&out)
+        .status()
+        .map_err(|e| failed(format!("cannot run {python} {script}: {e}")))?;
+    if !status.success() {
+        return Err(failed(format!("{python} {script} failed ({status})")));
+    }
+    let text = std::fs::read_to_string(&out)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| failed(e.to_string()))?;
+    println!("# DuckDB {}", json["duckdb"].as_str().unwrap_or("?"));
+    let results = json["results"].as_array().cloned().unwrap_or_default();
+    let text_of = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
+    Ok(results
+        .iter()
+        .map(|r| DuckResult {
+            source: text_of(&r["source"]),
+            name: text_of(&r["name"]),
+            median_ms: r["median_ms"].as_f64().unwrap_or(f64::NAN),
+            keys: (r["keys"].as_array().into_iter().flatten())
+                .map(text_of)
+                .collect(),
+        })
+        .collect())
+}
+
 /// One engine of the comparison: its name, its session, whether the column cache is emptied
 /// before each of its runs (the first run of a query over a table: columns shipped), and the
 /// plan cache its statements go through, if any (a repeated statement reuses its plan).
@@ -243,6 +310,7 @@ async fn main() -> Result<()> {
     let memory = std::env::args().any(|a| a == "--memory");
     let groups = std::env::args().any(|a| a == "--groups");
     let verbose = std::env::args().any(|a| a == "--verbose");
+    let duckdb = std::env::args().any(|a| a == "--duckdb") && lineitem.is_empty();
     let plain = session(false, Backend::Cpu, true);
     // Our operator on the CPU path, and on the GPU when there is one, predicate and keys in
     // generated GPU code: "cold" streams the columns over PCIe on every query (no column
@@ -328,6 +396,8 @@ async fn main() -> Result<()> {
             .filter(|(name, _)| wanted(name))
             .collect::<Vec<_>>()
     };
+    // The Parquet files DuckDB reads (`--duckdb`).
+    let mut duck_files = String::new();
     // The same batches: a MemTable for DataFusion, a GpuTable for our operator.
     let storage = if !lineitem.is_empty() {
         let source = register_lineitem(&lineitem, memory, &plain, &engines).await?;
@@ -339,6 +409,12 @@ async fn main() -> Result<()> {
     } else if parquet.is_empty() {
         let parts = tweets::tweets_partitions(&TweetsSpec::new(rows), partitions, 8192)?;
         let schema = tweets::tweets_schema();
+        if duckdb {
+            // DuckDB loads the same rows from Parquet files.
+            let dir = std::env::temp_dir().join(format!("gpu-topk-tweets-{rows}-{partitions}"));
+            duck_files = dir.to_string_lossy().into_owned();
+            write_parquet(&duck_files, &schema, parts.clone()).await?;
+        }
         let table = std::sync::Arc::new(MemTable::try_new(schema.clone(), parts.clone())?);
         plain.register_table("tweets", table)?;
         let table = std::sync::Arc::new(GpuTable::try_new(schema, parts)?);
@@ -355,6 +431,7 @@ async fn main() -> Result<()> {
         let parts = tweets::tweets_partitions(&TweetsSpec::new(rows), partitions, 8192)?;
         let schema = tweets::tweets_schema();
         let bytes = write_parquet(&parquet, &schema, parts).await?;
+        duck_files = parquet.clone();
         for ctx in std::iter::once(&plain).chain(engines.iter().map(|e| &e.ctx)) {
             ctx.register_parquet("tweets", &parquet, Default::default())
                 .await?;
@@ -367,7 +444,27 @@ async fn main() -> Result<()> {
         );
         "in Parquet files"
     };
+    let duck = match duckdb {
+        true => {
+            let sources = if parquet.is_empty() {
+                "memory"
+            } else {
+                "memory,parquet"
+            };
+            run_duckdb(&duck_files, sources, &queries(sweep), runs)?
+        }
+        false => Vec::new(),
+    };
+    let duck_sources: Vec<String> = duck.iter().fold(Vec::new(), |mut seen, r| {
+        if !seen.contains(&r.source) {
+            seen.push(r.source.clone());
+        }
+        seen
+    });
     let mut header = format!("{:<14} {:>13}", "query", "DataFusion ms");
+    for source in &duck_sources {
+        header += &format!(" {:>17}", format!("DuckDB {source} ms"));
+    }
     let mut lines = vec!["query,rows,engine,ms,datafusion_ms,ratio".to_string()];
     for engine in &engines {
         let name = engine.name;
@@ -410,6 +507,17 @@ async fn main() -> Result<()> {
         }
         let medians: Vec<f64> = times.into_iter().map(median).collect();
         let mut line = format!("{name:<14} {:>13.1}", medians[0]);
+        for result in duck.iter().filter(|r| r.name == name) {
+            line += &format!(" {:>17.1}", result.median_ms);
+            lines.push(format!(
+                "{name},{rows},duckdb {},{:.3},{:.3},{:.4}",
+                result.source,
+                result.median_ms,
+                medians[0],
+                result.median_ms / medians[0]
+            ));
+            same &= result.keys == want;
+        }
         for (e, engine) in engines.iter().enumerate() {
             let (ms, ratio) = (medians[e + 1], medians[e + 1] / medians[0]);
             line += &format!(" {ms:>9.1} {ratio:>7.2}");

@@ -9,6 +9,12 @@ without a filter) instead, over the tweets in DIR/*.parquet (`gpu-topk gen --out
 into a DuckDB table; each reports the rows kept and the sum of their ids, which the Rust
 benchmark prints too.
 
+`--tweets DIR --sql FILE --json OUT`: the queries FILE lists (a JSON list of [name, sql] over
+the table `tweets`) instead, from each of `--sources` (memory: a table loaded from the files;
+parquet: a view over them), written to OUT with each result's last column (its sort key),
+sorted, as text: `cpu_vs_datafusion --duckdb` runs it this way, in the same run as the other
+engines, and checks those values against DataFusion's.
+
 Reads DIR/lineitem/*.parquet (as benches/tpch/generate.py writes them) two ways:
   - parquet: a view over read_parquet(...), so every run scans the files;
   - memory:  a DuckDB table loaded once from them (CREATE TABLE lineitem AS SELECT * ...).
@@ -99,6 +105,64 @@ def fail(message):
     sys.exit(1)
 
 
+def key_text(value):
+    """A result value as the Rust benchmark prints it: integers wrapped to 64 bits (DataFusion
+    sums Int64 with wrapping), floats with a fractional part."""
+    if isinstance(value, bool) or value is None:
+        return str(value).lower() if value is not None else ""
+    if isinstance(value, int):
+        return str((value + 2**63) % 2**64 - 2**63)
+    if isinstance(value, float) and value.is_integer():
+        return f"{value:.1f}"
+    return str(value)
+
+
+def run_sql_file(duckdb, directory, sql_file, sources, threads, runs, out):
+    """The named queries of `sql_file` over the tweets in `directory` (see the module doc)."""
+    files = sorted(directory.glob("*.parquet"))
+    if not files:
+        fail(f"no Parquet files in {directory}")
+    queries = json.loads(sql_file.read_text())
+    pattern = str(directory / "*.parquet").replace("'", "''")
+    results = []
+    for source in sources:
+        con = duckdb.connect()
+        con.execute(f"SET threads = {int(threads)}")
+        start = time.perf_counter()
+        if source == "memory":
+            con.execute(f"CREATE TABLE tweets AS SELECT * FROM read_parquet('{pattern}')")
+        else:
+            con.execute(f"CREATE VIEW tweets AS SELECT * FROM read_parquet('{pattern}')")
+        total = con.execute("SELECT count(*) FROM tweets").fetchone()[0]
+        print(
+            f"{source}: {total} tweets ready in {time.perf_counter() - start:.1f} s, "
+            f"threads={threads}",
+            flush=True,
+        )
+        for name, sql in queries:
+            start = time.perf_counter()
+            rows = con.execute(sql).fetchall()
+            first = (time.perf_counter() - start) * 1000.0
+            times = [timed(con, sql)[0] for _ in range(runs)]
+            keys = sorted(key_text(row[-1]) for row in rows)
+            results.append(
+                {
+                    "source": source,
+                    "name": name,
+                    "first_ms": first,
+                    "median_ms": statistics.median(times),
+                    "keys": keys,
+                }
+            )
+            print(
+                f"{source} {name}: {len(rows)} rows, first {first:.1f} ms, "
+                f"median {statistics.median(times):.1f} ms",
+                flush=True,
+            )
+        con.close()
+    out.write_text(json.dumps({"duckdb": duckdb.__version__, "results": results}))
+
+
 def timed(con, sql):
     """Milliseconds to run `sql` and fetch its whole result, and the number of rows."""
     start = time.perf_counter()
@@ -131,6 +195,9 @@ def main():
     parser.add_argument("--runs", type=int, default=3, help="timed runs after the first (default 3)")
     parser.add_argument("--json", type=Path, help="also write the numbers to this JSON file")
     parser.add_argument(
+        "--sql", type=Path, help="with --tweets: a JSON list of [name, sql] to run instead"
+    )
+    parser.add_argument(
         "--sources", default=",".join(SOURCES), help="comma-separated: memory, parquet (default both)"
     )
     parser.add_argument(
@@ -160,6 +227,11 @@ def main():
         import duckdb
     except ImportError:
         fail("the duckdb Python package is missing; install it with: pip install duckdb")
+    if args.sql is not None:
+        if args.tweets is None or args.json is None:
+            fail("--sql needs --tweets DIR and --json OUT")
+        run_sql_file(duckdb, args.tweets, args.sql, sources, args.threads, args.runs, args.json)
+        return
     if args.tweets is not None:
         run_groups(duckdb, args.tweets, args.threads, args.runs)
         return
