@@ -374,6 +374,13 @@ async fn main() -> Result<()> {
     let wanted: String = arg("--engines", String::new());
     if !wanted.is_empty() {
         let wanted: Vec<&str> = wanted.split(',').map(str::trim).collect();
+        let names: Vec<&str> = engines.iter().map(|e| e.name).collect();
+        if let Some(unknown) = wanted.iter().find(|w| !names.contains(w)) {
+            return Err(datafusion::error::DataFusionError::Plan(format!(
+                "--engines: no engine '{unknown}' here; the engines are {}",
+                names.join(", ")
+            )));
+        }
         engines.retain(|e| wanted.contains(&e.name));
     }
     let partitions = plain.copied_config().target_partitions();
