@@ -790,6 +790,19 @@ fn awkward_strings(rng: &mut Rng, n: usize) -> Vec<Option<String>> {
         .collect()
 }
 
+/// Nullable keys over `columns` whose directions and NULL placements vary with `round` and
+/// the key's position, so that rounds cover every combination.
+fn round_specs(columns: &[ArrayRef], round: usize) -> Vec<KeySpec> {
+    (columns.iter().enumerate())
+        .map(|(i, c)| KeySpec {
+            data_type: c.data_type().clone(),
+            descending: (round + i) % 2 == 1,
+            nulls_first: (round / 2 + i) % 2 == 0,
+            nullable: true,
+        })
+        .collect()
+}
+
 /// A prefix layout's composite never orders two rows against their full keys: whenever arrow's
 /// row format (DataFusion's comparison) puts a row first, its composite is not larger.
 #[test]
@@ -837,16 +850,7 @@ fn prefix_composites_are_monotone_in_the_full_order() {
             1 => vec![Arc::clone(&small), Arc::clone(&string_column)],
             _ => vec![Arc::clone(&wide), Arc::clone(&wide), Arc::clone(&small)],
         };
-        let specs: Vec<KeySpec> = columns
-            .iter()
-            .enumerate()
-            .map(|(i, c)| KeySpec {
-                data_type: c.data_type().clone(),
-                descending: (round + i) % 2 == 1,
-                nulls_first: (round / 2 + i) % 2 == 0,
-                nullable: true,
-            })
-            .collect();
+        let specs = round_specs(&columns, round);
         let layout = KeyLayout::with_prefixes(specs).unwrap();
         assert!(!layout.exact(), "round {round}");
         assert!(layout.prefix_note().is_some());
@@ -1158,14 +1162,7 @@ fn short_byte_keys_are_exact() {
             Arc::clone(&small),
             Arc::clone(&dictionary),
         ];
-        let specs: Vec<KeySpec> = (columns.iter().enumerate())
-            .map(|(i, c)| KeySpec {
-                data_type: c.data_type().clone(),
-                descending: (round + i) % 2 == 1,
-                nulls_first: (round / 2 + i) % 2 == 0,
-                nullable: true,
-            })
-            .collect();
+        let specs = round_specs(&columns, round);
         let short: Vec<Option<u32>> = columns.iter().map(|c| short_bytes(c.as_ref())).collect();
         assert_eq!(short, vec![Some(16), None, Some(3)]);
         let layout = KeyLayout::with_short_bytes(specs, &short).unwrap();
