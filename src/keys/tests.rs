@@ -797,7 +797,7 @@ fn round_specs(columns: &[ArrayRef], round: usize) -> Vec<KeySpec> {
         .map(|(i, c)| KeySpec {
             data_type: c.data_type().clone(),
             descending: (round + i) % 2 == 1,
-            nulls_first: (round / 2 + i) % 2 == 0,
+            nulls_first: (round / 2 + i).is_multiple_of(2),
             nullable: true,
         })
         .collect()
