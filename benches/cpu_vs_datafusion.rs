@@ -24,7 +24,8 @@
 //! `--verbose` prints each engine's checked run as it ends (on stderr).
 //!
 //! Each query runs R times per engine (after one checked run), alternating engines; the table
-//! shows medians and the ratio ours / DataFusion. Results are checked to be the same rows as
+//! shows medians and the ratio ours / DataFusion (`--runs 0`: the checked runs' times, for
+//! inputs where one run takes long). Results are checked to be the same rows as
 //! DataFusion's (as multisets of the sort-key values, since DataFusion orders ties
 //! arbitrarily). `--sweep`: Q1 at selectivities 0 to 1, Q2 at k = 1 to 10^6. `--plots DIR`:
 //! Q1 and Q2 as SVG line plots. `--clients C`: C concurrent clients against the warm table,
@@ -485,10 +486,12 @@ async fn main() -> Result<()> {
         if verbose {
             eprintln!("# {name}: DataFusion checked run {ms:.1} ms");
         }
+        let mut checked = vec![ms];
         let want = key_multiset(&want);
         let mut same = true;
         for engine in &engines {
             let (ms, got) = time_engine(engine, &sql).await?;
+            checked.push(ms);
             if verbose {
                 eprintln!("# {name}: {} checked run {ms:.1} ms", engine.name);
             }
@@ -512,7 +515,10 @@ async fn main() -> Result<()> {
                 times[e + 1].push(time_engine(engine, &sql).await?.0);
             }
         }
-        let medians: Vec<f64> = times.into_iter().map(median).collect();
+        let medians: Vec<f64> = match runs {
+            0 => checked,
+            _ => times.into_iter().map(median).collect(),
+        };
         let mut line = format!("{name:<14} {:>13.1}", medians[0]);
         for result in duck.iter().filter(|r| r.name == name) {
             line += &format!(" {:>17.1}", result.median_ms);

@@ -25,6 +25,17 @@
 // A limit is a real pair's key with at least k (distinct, under DENSE_RANK) sampled keys of its
 // group at or below it, so every pair the walk keeps passes the filter: the sample decides
 // only how many others are sorted with them.
+//
+// K = 1 (the `group-min` algorithm) keeps, before the sort, only the pairs that may be their
+// group's first:
+//   group_min_word    one launch a word, from the most significant: each pair's group hashes
+//                     to one of mask + 1 slots (initialised to all ones), and a pair whose
+//                     higher words equal its slot's takes the atomic minimum of word j; after
+//                     the last word a slot holds the smallest composite hashed to it;
+//   group_min_filter  drops each pair whose slot holds a smaller composite of its own group.
+// A slot's composite is a real pair's, so a dropped pair has a better pair in its group: the
+// result is exact whatever the hash, which decides only how many pairs are kept (a group that
+// shares its slot with a smaller group keeps all of its pairs).
 
 #include "common.cuh"
 
@@ -209,6 +220,63 @@ __device__ void group_filter(const K *keys, const u64 *ids, u64 m, u32 lo, const
     }
 }
 
+// A hash of a's bits from `lo` up (its group).
+template <class K> __device__ __forceinline__ u64 group_hash(const K &a, u32 lo) {
+    constexpr int W = 8 * sizeof(typename K::Word);
+    u64 h = 0x9E3779B97F4A7C15ull;
+#pragma unroll
+    for (int j = 0; j < K::N; ++j) {
+        // Words wholly below `lo` hash as zero.
+        const int below = (int)lo - j * W;
+        const typename K::Word mask = below >= W  ? (typename K::Word)0
+                                      : below > 0 ? (typename K::Word)((typename K::Word)~0ull << below)
+                                                  : (typename K::Word)~0ull;
+        u64 x = h ^ (u64)(a.w[j] & mask);
+        // splitmix64's finaliser.
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+        h = x ^ (x >> 31);
+    }
+    return h;
+}
+
+__device__ __forceinline__ void atomic_min_word(u32 *at, u32 v) { atomicMin(at, v); }
+__device__ __forceinline__ void atomic_min_word(u64 *at, u64 v) { atomicMin(at, v); }
+
+template <class K> __device__ void group_min_word(const K *keys, u64 m, u32 lo, K *slots, u64 mask, u32 j) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (u64)gridDim.x * blockDim.x) {
+        const typename K::Word *key = keys[i].w;
+        typename K::Word *slot = slots[group_hash(keys[i], lo) & mask].w;
+        bool higher = true;
+        for (int w = K::N - 1; w > (int)j; --w) higher = higher && slot[w] == key[w];
+        const typename K::Word kj = key[j], sj = slot[j];
+        // Words only fall, so a stale read can only cost an atomic, never skip one.
+        if (higher && kj < sj) atomic_min_word(slot + j, kj);
+    }
+}
+
+template <class K>
+__device__ void group_min_filter(const K *keys, const u64 *ids, u64 m, u32 lo, const K *slots, u64 mask,
+                                 K *out_keys, u64 *out_ids, u64 *count) {
+    FOR_BLOCK_ROUNDS(i0, m) {
+        const u64 i = i0 + threadIdx.x;
+        bool keep = false;
+        K k;
+        u64 id = 0;
+        if (i < m) {
+            k = keys[i];
+            id = ids[i];
+            const K s = slots[group_hash(k, lo) & mask];
+            keep = !same_group(s, k, lo) || !key_less(s, k);
+        }
+        const u64 pos = warp_append(keep, count);
+        if (keep) {
+            out_keys[pos] = k;
+            out_ids[pos] = id;
+        }
+    }
+}
+
 #define GROUP_ENTRIES(K, S)                                                                                       \
     extern "C" __global__ void __launch_bounds__(GROUP_THREADS)                                                   \
         group_count_##S(const K *keys, const u64 *ids, u64 m, u32 lo, u32 fn, u64 k, u64 *block_sums) {           \
@@ -231,5 +299,16 @@ __device__ void group_filter(const K *keys, const u64 *ids, u64 m, u32 lo, const
                          u64 *out_ids, u64 *count) {                                                              \
         grid_dependency_wait();                                                                                   \
         group_filter<K>(keys, ids, m, lo, limits, n, out_keys, out_ids, count);                                   \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GROUP_THREADS)                                                   \
+        group_min_word_##S(const K *keys, u64 m, u32 lo, K *slots, u64 mask, u32 j) {                             \
+        grid_dependency_wait();                                                                                   \
+        group_min_word<K>(keys, m, lo, slots, mask, j);                                                           \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GROUP_THREADS)                                                   \
+        group_min_filter_##S(const K *keys, const u64 *ids, u64 m, u32 lo, const K *slots, u64 mask, K *out_keys, \
+                             u64 *out_ids, u64 *count) {                                                          \
+        grid_dependency_wait();                                                                                   \
+        group_min_filter<K>(keys, ids, m, lo, slots, mask, out_keys, out_ids, count);                             \
     }
 INSTANTIATE_KEYS(GROUP_ENTRIES)

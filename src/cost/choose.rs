@@ -313,15 +313,18 @@ pub(crate) struct GroupChoice {
 }
 
 /// The device's algorithm for `groups` groups (estimated; `None`: unknown) keeping `k` rows
-/// each out of `rows`, and the pairs it sorts. `group-threshold` where its limits leave at
-/// most an eighth of the pairs to sort (about k sampled keys a group, each standing for
-/// rows / sample pairs), else `segmented-sort`.
+/// each out of `rows`, and the pairs it sorts. At K = 1 `group-min` (about one pair a group);
+/// else `group-threshold` where its limits leave at most an eighth of the pairs to sort (about
+/// k sampled keys a group, each standing for rows / sample pairs), else `segmented-sort`.
 pub(crate) fn group_algorithm(
     groups: Option<usize>,
     k: usize,
     rows: usize,
 ) -> (GroupAlgorithm, usize) {
     let per_sampled = rows.div_ceil(GROUP_SAMPLE).max(1);
+    if k == 1 {
+        return (GroupAlgorithm::Min, groups.unwrap_or(rows).min(rows));
+    }
     match groups {
         Some(groups) if groups.saturating_mul(k).saturating_mul(per_sampled) <= rows / 8 => {
             let sorted = (groups * k * per_sampled).min(rows);
@@ -376,6 +379,10 @@ pub(crate) fn choose_groups(
     let (algorithm, sorted) = group_algorithm(groups, k, rows);
     let limits = match algorithm {
         GroupAlgorithm::Threshold => model.filter_time(rows, sorted, kind),
+        // A pass a key word, then the filter.
+        GroupAlgorithm::Min => {
+            (kind.key_words() + 1) as f64 * model.filter_time(rows, sorted, kind)
+        }
         GroupAlgorithm::SegmentedSort => 0.0,
     };
     let seconds = compile_seconds(device, &estimate)
@@ -627,9 +634,15 @@ mod tests {
             GroupAlgorithm::SegmentedSort
         );
         assert_eq!(
-            group_algorithm(None, 1, rows).0,
+            group_algorithm(None, 2, rows).0,
             GroupAlgorithm::SegmentedSort
         );
+        assert_eq!(
+            group_algorithm(Some(4_500_000), 1, rows),
+            (GroupAlgorithm::Min, 4_500_000)
+        );
+        assert_eq!(group_algorithm(Some(30), 1, rows).0, GroupAlgorithm::Min);
+        assert_eq!(group_algorithm(None, 1, rows), (GroupAlgorithm::Min, rows));
         assert_eq!(
             group_algorithm(Some(1), 2, 0).0,
             GroupAlgorithm::SegmentedSort

@@ -281,7 +281,7 @@ fn random_query(rng: &mut Rng) -> String {
 
 /// Per-group queries whose every key the device's composite holds exactly (integer and float
 /// groups and order keys): the segmented sort takes them over in-memory tables.
-const DEVICE_QUERIES: [&str; 7] = [
+const DEVICE_QUERIES: [&str; 10] = [
     "SELECT id, g, v, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY v DESC, id) AS rn FROM t WHERE id % 7 <> 0) WHERE rn <= 3",
     "SELECT id, g, v, r FROM (SELECT *, RANK() OVER (PARTITION BY g ORDER BY v) AS r FROM t) WHERE r <= 2",
     "SELECT id, g, c, r FROM (SELECT *, DENSE_RANK() OVER (PARTITION BY g, c ORDER BY v DESC NULLS LAST) AS r FROM t) WHERE r <= 2",
@@ -289,16 +289,20 @@ const DEVICE_QUERIES: [&str; 7] = [
     "SELECT id, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY id ORDER BY v) AS rn FROM t) WHERE rn <= 2",
     "SELECT id, g, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY id) AS rn FROM t) WHERE rn <= 100000",
     "SELECT id, g, v, r FROM (SELECT *, RANK() OVER (PARTITION BY g ORDER BY v DESC NULLS FIRST) AS r FROM t) WHERE r <= 3 ORDER BY v DESC, id LIMIT 7",
+    "SELECT id, g, v, r FROM (SELECT *, RANK() OVER (PARTITION BY g ORDER BY v) AS r FROM t WHERE id % 5 <> 0) WHERE r = 1",
+    "SELECT id, g, c, r FROM (SELECT *, DENSE_RANK() OVER (PARTITION BY g, c ORDER BY v DESC NULLS LAST) AS r FROM t) WHERE r <= 1",
+    "SELECT id, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY id / 3 ORDER BY v, id DESC) AS rn FROM t) WHERE rn < 2",
 ];
 
 /// Groups of strings, over `t` (`Utf8`) and `td` (the same rows, `s` a dictionary per batch):
 /// all its values are short (at most 16 bytes, none ending in a zero byte), so the device
 /// groups them by their bytes in the composite.
-const DEVICE_STRING_QUERIES: [&str; 4] = [
+const DEVICE_STRING_QUERIES: [&str; 5] = [
     "SELECT id, s, v, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY s ORDER BY v DESC, id) AS rn FROM t) WHERE rn <= 3",
     "SELECT id, s, g FROM t QUALIFY RANK() OVER (PARTITION BY s, g ORDER BY v NULLS FIRST) <= 2",
     "SELECT * FROM (SELECT id, s, v, ROW_NUMBER() OVER (PARTITION BY s ORDER BY id DESC) AS rn FROM t) WHERE rn = 1",
     "SELECT id, g, s, r FROM (SELECT *, DENSE_RANK() OVER (PARTITION BY g ORDER BY s DESC NULLS LAST) AS r FROM t WHERE s <> 'es') WHERE r <= 2",
+    "SELECT id, s, g, c, r FROM (SELECT *, RANK() OVER (PARTITION BY s, g, c ORDER BY v DESC, id) AS r FROM t) WHERE r = 1",
 ];
 
 /// `t` with `s` dictionary-encoded, a dictionary per batch.
@@ -360,7 +364,7 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
                 let sql = sql.as_str();
                 let plan = physical_plan(&cuda, sql).await.unwrap();
                 let text = plan_text(&plan);
-                let algorithm = ["segmented-sort", "group-threshold"]
+                let algorithm = ["segmented-sort", "group-threshold", "group-min"]
                     .into_iter()
                     .find(|a| text.contains(&format!("backend=cuda, algorithm={a}")));
                 assert!(algorithm.is_some(), "{storage:?} {sql}:\n{text}");
@@ -376,8 +380,9 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
             }
         }
     }
-    // Few large groups drop pairs before the sort; many small ones sort them all.
-    assert_eq!(algorithms.len(), 2, "{algorithms:?}");
+    // Few large groups drop pairs before the sort; many small ones sort them all; K = 1 keeps
+    // each group's smallest.
+    assert_eq!(algorithms.len(), 3, "{algorithms:?}");
     // Millions of kept rows come back from the device in pieces.
     let n = 5_000_000i64;
     let schema = Arc::new(Schema::new(vec![
@@ -401,15 +406,20 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
     let plain = plain_session(4, Storage::Memory);
     register(&cuda, "big", parts.clone());
     register(&plain, "big", parts);
-    let sql = "SELECT count(*), sum(id), sum(rn) FROM (SELECT id, ROW_NUMBER() OVER (PARTITION BY v ORDER BY id) AS rn FROM big) WHERE rn <= 4000";
-    let plan = physical_plan(&cuda, sql).await.unwrap();
-    assert!(
-        plan_text(&plan).contains("backend=cuda"),
-        "{}",
-        plan_text(&plan)
-    );
-    let got = exact_rows(&collect(plan, cuda.task_ctx()).await.unwrap());
-    assert_eq!(got, exact_rows(&run(&plain, sql).await.unwrap()), "{sql}");
+    // Then 1.7M groups of one row kept each, many sharing their hash slot.
+    for sql in [
+        "SELECT count(*), sum(id), sum(rn) FROM (SELECT id, ROW_NUMBER() OVER (PARTITION BY v ORDER BY id) AS rn FROM big) WHERE rn <= 4000",
+        "SELECT count(*), sum(id), sum(r) FROM (SELECT id, RANK() OVER (PARTITION BY id / 3 ORDER BY v DESC) AS r FROM big) WHERE r = 1",
+    ] {
+        let plan = physical_plan(&cuda, sql).await.unwrap();
+        assert!(
+            plan_text(&plan).contains("backend=cuda"),
+            "{}",
+            plan_text(&plan)
+        );
+        let got = exact_rows(&collect(plan, cuda.task_ctx()).await.unwrap());
+        assert_eq!(got, exact_rows(&run(&plain, sql).await.unwrap()), "{sql}");
+    }
     // Groups of strings that are not all short stay on the CPU path, and say why.
     let long = crate::common::session_with(2, 1000, config(Backend::Cuda));
     register_as(&long, "t", &table(2000, 2, 40), Storage::Memory, &dir).await;

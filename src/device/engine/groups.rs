@@ -1,7 +1,8 @@
 //! Top-k per group on the device (groups.cu): the generated program's pass appends every
 //! passing row's (composite key, row id), the pairs are sorted, and each group's first pair
 //! keeps its group's best rows, with their ranks, in the pairs' order. Over few large groups
-//! the pairs that cannot be kept are dropped before the sort ([`GroupAlgorithm::Threshold`]).
+//! the pairs that cannot be kept are dropped before the sort ([`GroupAlgorithm::Threshold`]),
+//! and at K = 1 all but each group's best ([`GroupAlgorithm::Min`]).
 
 use super::*;
 use crate::keys::U256;
@@ -33,6 +34,10 @@ pub enum GroupAlgorithm {
     /// and sorts only the pairs at or below their group's limit: about k · m / sample a group.
     /// Wins over few large groups (tweets per language), where that is a small share of m.
     Threshold,
+    /// K = 1: each group's smallest composite (its best row) found in a hash table of the
+    /// groups, word by word with atomic minima, and only the pairs that equal it sorted:
+    /// about one a group, whatever their number and size.
+    Min,
 }
 
 impl GroupAlgorithm {
@@ -41,6 +46,7 @@ impl GroupAlgorithm {
         match self {
             Self::SegmentedSort => "segmented-sort",
             Self::Threshold => "group-threshold",
+            Self::Min => "group-min",
         }
     }
 }
@@ -127,6 +133,10 @@ impl TopKEngine {
             GroupAlgorithm::Threshold => {
                 self.below_group_limits(candidates, m, rows, lo, ranking, k)?
             }
+            GroupAlgorithm::Min if k == 1 => self.group_minima(candidates, m, rows, lo)?,
+            GroupAlgorithm::Min => {
+                return Err(GpuError(format!("group-min keeps 1 row a group, not {k}")));
+            }
         };
         kept.sorted = m;
         let sorted = self.sort_pairs(&candidates, m, rows as u64)?;
@@ -178,7 +188,11 @@ impl TopKEngine {
             ],
         )?;
         kept.ids = self.read_words(out_ids.ptr(), total)?;
-        kept.ranks = self.read_words(out_ranks.ptr(), total)?;
+        // Every kept row of a selection of one a group has rank 1.
+        kept.ranks = match k {
+            1 => vec![1; total],
+            _ => self.read_words(out_ranks.ptr(), total)?,
+        };
         kept.report.group_phases_ms[2] = timer.elapsed()? - sort;
         Ok(kept)
     }
@@ -244,6 +258,68 @@ impl TopKEngine {
         }
         Ok((out, kept))
     }
+}
+
+impl TopKEngine {
+    /// [`GroupAlgorithm::Min`]'s filter of pairs `[0, m)` of `candidates` (row ids below
+    /// `rows`): each pair unless its group's hash slot holds a smaller composite of the same
+    /// group, in a new buffer (see groups.cu).
+    fn group_minima(
+        &mut self,
+        candidates: DevicePairs,
+        m: usize,
+        rows: usize,
+        lo: u32,
+    ) -> GpuResult<(DevicePairs, usize)> {
+        let slots = group_slots(m);
+        let size = self.kind.key_bytes();
+        let table = self.device.pool.alloc(slots * size, &self.stream)?;
+        self.memset_ones(table.ptr(), slots * size)?;
+        let (mask, words) = ((slots - 1) as u64, self.kind.key_words());
+        for j in (0..words as u32).rev() {
+            self.launch(
+                &self.kernel("group_min_word"),
+                self.grid_for(m, 8),
+                GROUP_THREADS as u32,
+                0,
+                args![candidates.key_at(0), m, lo, table.ptr(), mask, j],
+            )?;
+        }
+        let mut out = self.alloc_pairs(m)?;
+        out.set_ids_below(rows as u64);
+        let count = self.device.pool.alloc(8, &self.stream)?;
+        self.memset_zero(count.ptr(), 8)?;
+        self.launch(
+            &self.kernel("group_min_filter"),
+            self.grid_for(m, 8),
+            GROUP_THREADS as u32,
+            0,
+            args![
+                candidates.key_at(0),
+                candidates.id_at(0),
+                m,
+                lo,
+                table.ptr(),
+                mask,
+                out.key_at(0),
+                out.id_at(0),
+                count.ptr()
+            ],
+        )?;
+        let kept = self.read_u64(count.ptr())? as usize;
+        if kept == 0 || kept > m {
+            return Err(GpuError(format!(
+                "{kept} of {m} pairs were their groups' smallest"
+            )));
+        }
+        Ok((out, kept))
+    }
+}
+
+/// Hash slots of [`GroupAlgorithm::Min`] for `m` pairs: at least one a pair, so that most
+/// groups have a slot of their own, up to 2^26.
+fn group_slots(m: usize) -> usize {
+    m.next_power_of_two().clamp(1024, 1 << 26)
 }
 
 /// A key of `bytes.len()` bytes (little-endian words, least significant first) as a `U256`.

@@ -493,6 +493,14 @@ impl TopKEngine {
         Ok(())
     }
 
+    /// Sets `bytes` bytes at `dst` to 0xFF (stream-ordered).
+    fn memset_ones(&self, dst: u64, bytes: usize) -> GpuResult<()> {
+        self.device.context.bind_to_thread()?;
+        // SAFETY: dst..dst+bytes lies in a live buffer of this engine, used on this stream.
+        unsafe { result::memset_d8_async(dst, 0xFF, bytes, self.stream.cu_stream()) }?;
+        Ok(())
+    }
+
     fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> GpuResult<()> {
         if bytes == 0 {
             return Ok(());

@@ -111,7 +111,14 @@ const KEYED_ENTRIES: &[(&str, &[&str])] = &[
     ("delegate.cu", &["delegate_min", "delegate_gather"]),
     (
         "groups.cu",
-        &["group_count", "group_write", "group_sample", "group_filter"],
+        &[
+            "group_count",
+            "group_write",
+            "group_sample",
+            "group_filter",
+            "group_min_word",
+            "group_min_filter",
+        ],
     ),
 ];
 
