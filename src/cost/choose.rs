@@ -334,11 +334,16 @@ pub(crate) fn group_algorithm(
     }
 }
 
+/// How many times the top-k selector's time a row costs the per-group CPU path at least: each
+/// row is converted to arrow's row format and its group looked up before any heap compares it.
+const GROUP_CPU_FACTOR: f64 = 4.0;
+
 /// Where a per-group top-k runs ([`crate::exec::GpuGroupTopKExec`]): `Ok` with the algorithm,
 /// the reason and the model's prediction for the GPU, `Err` with why the CPU path. Under
 /// `auto` the GPU runs where the model predicts its pass and sort (and the columns it ships)
-/// below the CPU path's time at the top-k selector's calibrated rate, which the per-group
-/// heaps do not beat: the comparison leans to the CPU path.
+/// below the CPU path's time: [`GROUP_CPU_FACTOR`] times the top-k selector's calibrated
+/// rate, which the per-group heaps do not beat, so the comparison still leans to the CPU
+/// path.
 pub(crate) fn choose_groups(
     settings: Settings<'_>,
     layout: &KeyLayout,
@@ -390,7 +395,7 @@ pub(crate) fn choose_groups(
         + model.filter_time(rows, rows, kind)
         + limits
         + model.sort_time(sorted, kind, rows, 0);
-    let cpu = model.cpu_time(rows);
+    let cpu = GROUP_CPU_FACTOR * model.cpu_time(rows);
     let prediction = Box::new(Prediction {
         rows,
         rows_known: estimate.rows.is_some(),

@@ -41,7 +41,9 @@
 //! groups the rule estimates from a sample of the table (EXPLAIN shows it as `groups≈`) and
 //! K: over many small groups all of them (`segmented-sort`); over few large groups only those
 //! at or below their group's limit, the K-th key of a sample of the pairs (`group-threshold`),
-//! a few thousand pairs where the table has millions. Group and order keys are the top-k
+//! a few thousand pairs where the table has millions; at K = 1 only those that equal their
+//! group's smallest composite, found by atomic minima in a hash table of the groups
+//! (`group-min`). Group and order keys are the top-k
 //! operator's exact keys, and strings (or dictionaries of them) whose every value is at most
 //! 16 bytes, none ending in a zero byte, compared by their bytes in the composite.
 

@@ -317,9 +317,10 @@ impl TopKEngine {
 }
 
 /// Hash slots of [`GroupAlgorithm::Min`] for `m` pairs: at least one a pair, so that most
-/// groups have a slot of their own, up to 2^26.
+/// groups have a slot of their own (a user's latest tweet: tens of millions of groups), up to
+/// 2^28.
 fn group_slots(m: usize) -> usize {
-    m.next_power_of_two().clamp(1024, 1 << 26)
+    m.next_power_of_two().clamp(1024, 1 << 28)
 }
 
 /// A key of `bytes.len()` bytes (little-endian words, least significant first) as a `U256`.
