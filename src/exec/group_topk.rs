@@ -559,7 +559,7 @@ impl DeviceRun {
                 }
             }
         }
-        let (batches, starts) = table_starts(&memory);
+        let (batches, located) = table_starts(&memory);
         // The kept rows in runs of a batch's size, gathered and hashed into the window's
         // partitions on every core; each partition's pieces then follow in the runs' order,
         // which is the sort's.
@@ -573,7 +573,7 @@ impl DeviceRun {
             self.output_parts(
                 &memory,
                 &batches,
-                &starts,
+                &located,
                 &read,
                 kept,
                 &selected.ranks[run],
@@ -597,14 +597,14 @@ impl DeviceRun {
         &self,
         memory: &crate::exec::memory::MemoryInput<'_>,
         batches: &[&RecordBatch],
-        starts: &[u64],
+        located: &super::stream::RowLocator<'_>,
         read: &[bool],
         kept: &[u64],
         ranks: &[u64],
     ) -> Result<Vec<(usize, RecordBatch)>> {
         let table_schema = self.plan.table.schema();
         let n = kept.len();
-        let columns = gather_rows(memory, batches, starts, kept, read)?;
+        let columns = gather_rows(memory, batches, located, kept, read)?;
         let columns: Vec<ArrayRef> = (columns.into_iter().zip(table_schema.fields()))
             .map(|(c, field)| c.unwrap_or_else(|| new_null_array(field.data_type(), n)))
             .collect();

@@ -28,7 +28,7 @@ mod host;
 mod whole_table;
 mod zones;
 
-pub(super) use whole_table::{gather_rows, table_starts};
+pub(super) use whole_table::{RowLocator, gather_rows, table_starts};
 
 use super::TopKSpec;
 use super::dynamic_filter::threshold_predicate;

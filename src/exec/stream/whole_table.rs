@@ -108,9 +108,9 @@ impl TopKRun {
                 &self.schema,
             ))));
         }
-        let (batches, starts) = table_starts(&memory);
+        let (batches, located) = table_starts(&memory);
         let gather = |positions: &[u64], read: &[bool]| {
-            gather_rows(&memory, &batches, &starts, positions, read)
+            gather_rows(&memory, &batches, &located, positions, read)
         };
         let positions = if selected.refine {
             let candidates = &selected.positions;
@@ -434,11 +434,11 @@ impl TopKRun {
 }
 
 /// The input columns `read` of an in-memory table at table positions `positions`, in their
-/// order; `batches` and `starts` are [`table_starts`]'.
+/// order; `batches` and `rows` are [`table_starts`]'.
 pub(crate) fn gather_rows(
     memory: &crate::exec::memory::MemoryInput<'_>,
     batches: &[&RecordBatch],
-    starts: &[u64],
+    rows: &RowLocator<'_>,
     positions: &[u64],
     read: &[bool],
 ) -> Result<Vec<Option<ArrayRef>>> {
@@ -448,12 +448,12 @@ pub(crate) fn gather_rows(
     let at: Vec<(usize, usize)> = positions
         .iter()
         .map(|&p| {
-            let b = starts.partition_point(|&s| s <= p) - 1;
+            let (b, row) = rows.locate(p);
             if slots[b] == usize::MAX {
                 slots[b] = holding.len();
                 holding.push(batches[b]);
             }
-            (slots[b], (p - starts[b]) as usize)
+            (slots[b], row)
         })
         .collect();
     (memory.columns.iter().zip(read))
@@ -468,27 +468,113 @@ pub(crate) fn gather_rows(
         .collect()
 }
 
-/// The table's non-empty batches and the position of each one's first row (a `GpuTable`
-/// worked them out once).
-pub(crate) fn table_starts<'a>(
-    memory: &crate::exec::memory::MemoryInput<'a>,
-) -> (Vec<&'a RecordBatch>, std::borrow::Cow<'a, [u64]>) {
-    if let Some(table) = memory.table {
-        return (
-            table.batches.iter().collect(),
-            std::borrow::Cow::Borrowed(&table.starts),
-        );
-    }
-    let batches: Vec<&RecordBatch> = memory.batches().filter(|b| b.num_rows() > 0).collect();
-    let mut starts = Vec::with_capacity(batches.len());
-    let mut next = 0u64;
-    for batch in &batches {
-        starts.push(next);
-        next += batch.num_rows() as u64;
-    }
-    (batches, std::borrow::Cow::Owned(starts))
+/// The batch and row of a table position, from the position of each batch's first row: a
+/// bucket of 2^`shift` positions (at most the average batch) names the batches that start in
+/// it, so a lookup searches a few starts instead of all of them (tens of millions of kept rows
+/// are located this way, each at random).
+pub(crate) struct RowLocator<'a> {
+    starts: std::borrow::Cow<'a, [u64]>,
+    shift: u32,
+    /// For each bucket, the batch that holds its first position.
+    buckets: Vec<u32>,
 }
 
+impl<'a> RowLocator<'a> {
+    /// Over batches starting at `starts` (ascending, the first at 0) and holding `rows` rows.
+    pub(crate) fn new(starts: std::borrow::Cow<'a, [u64]>, rows: u64) -> Self {
+        let average = (rows / starts.len().max(1) as u64).max(1);
+        let shift = average.ilog2();
+        let count = (rows >> shift) as usize + 1;
+        let mut buckets = Vec::with_capacity(count);
+        let mut b = 0usize;
+        for bucket in 0..count as u64 {
+            let first = bucket << shift;
+            while b + 1 < starts.len() && starts[b + 1] <= first {
+                b += 1;
+            }
+            buckets.push(b as u32);
+        }
+        Self {
+            starts,
+            shift,
+            buckets,
+        }
+    }
+
+    /// The batch holding table position `p`, and `p`'s row in it.
+    pub(crate) fn locate(&self, p: u64) -> (usize, usize) {
+        let bucket = ((p >> self.shift) as usize).min(self.buckets.len() - 1);
+        let lo = self.buckets[bucket] as usize;
+        let hi = match self.buckets.get(bucket + 1) {
+            Some(&next) => next as usize + 1,
+            None => self.starts.len(),
+        };
+        let b = lo + self.starts[lo..hi].partition_point(|&s| s <= p) - 1;
+        (b, (p - self.starts[b]) as usize)
+    }
+}
+
+/// The table's non-empty batches and the locator of their rows (a `GpuTable` worked out the
+/// batches' starts once).
+pub(crate) fn table_starts<'a>(
+    memory: &crate::exec::memory::MemoryInput<'a>,
+) -> (Vec<&'a RecordBatch>, RowLocator<'a>) {
+    let batches: Vec<&RecordBatch> = match memory.table {
+        Some(table) => table.batches.iter().collect(),
+        None => memory.batches().filter(|b| b.num_rows() > 0).collect(),
+    };
+    let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
+    let starts = match memory.table {
+        Some(table) => std::borrow::Cow::Borrowed(table.starts.as_slice()),
+        None => {
+            let mut starts = Vec::with_capacity(batches.len());
+            let mut next = 0u64;
+            for batch in &batches {
+                starts.push(next);
+                next += batch.num_rows() as u64;
+            }
+            std::borrow::Cow::Owned(starts)
+        }
+    };
+    (batches, RowLocator::new(starts, rows))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RowLocator;
+
+    /// Every position of batches of uneven sizes (empty buckets, a batch inside one bucket,
+    /// one spanning many) is found in its batch, as a search of all the starts finds it.
+    #[test]
+    fn the_locator_finds_every_positions_batch() {
+        let cases: [&[u64]; 5] = [
+            &[8192, 8192, 100, 8192, 3],
+            &[1],
+            &[5, 1, 1, 1, 1, 1, 1, 1, 1, 1000, 2, 2],
+            &[
+                1000, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+            ],
+            &[3, 7, 64, 64, 65, 1, 127, 128, 129],
+        ];
+        for sizes in cases {
+            let mut starts = Vec::new();
+            let mut rows = 0u64;
+            for &n in sizes {
+                starts.push(rows);
+                rows += n;
+            }
+            let locator = RowLocator::new(std::borrow::Cow::Borrowed(&starts), rows);
+            for p in 0..rows {
+                let b = starts.partition_point(|&s| s <= p) - 1;
+                assert_eq!(
+                    locator.locate(p),
+                    (b, (p - starts[b]) as usize),
+                    "{sizes:?} at {p}"
+                );
+            }
+        }
+    }
+}
 /// Loads the program's per-row input columns of a whole-table input (in memory or Parquet
 /// files) into the column cache, unpinned, within its budget.
 async fn load_inputs(
