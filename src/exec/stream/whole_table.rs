@@ -539,42 +539,6 @@ pub(crate) fn table_starts<'a>(
     (batches, RowLocator::new(starts, rows))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::RowLocator;
-
-    /// Every position of batches of uneven sizes (empty buckets, a batch inside one bucket,
-    /// one spanning many) is found in its batch, as a search of all the starts finds it.
-    #[test]
-    fn the_locator_finds_every_positions_batch() {
-        let cases: [&[u64]; 5] = [
-            &[8192, 8192, 100, 8192, 3],
-            &[1],
-            &[5, 1, 1, 1, 1, 1, 1, 1, 1, 1000, 2, 2],
-            &[
-                1000, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-            ],
-            &[3, 7, 64, 64, 65, 1, 127, 128, 129],
-        ];
-        for sizes in cases {
-            let mut starts = Vec::new();
-            let mut rows = 0u64;
-            for &n in sizes {
-                starts.push(rows);
-                rows += n;
-            }
-            let locator = RowLocator::new(std::borrow::Cow::Borrowed(&starts), rows);
-            for p in 0..rows {
-                let b = starts.partition_point(|&s| s <= p) - 1;
-                assert_eq!(
-                    locator.locate(p),
-                    (b, (p - starts[b]) as usize),
-                    "{sizes:?} at {p}"
-                );
-            }
-        }
-    }
-}
 /// Loads the program's per-row input columns of a whole-table input (in memory or Parquet
 /// files) into the column cache, unpinned, within its budget.
 async fn load_inputs(
@@ -643,5 +607,42 @@ fn file_column(
         lookup: None,
         name: schema.field(c).name().clone(),
         image,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RowLocator;
+
+    /// Every position of batches of uneven sizes (empty buckets, a batch inside one bucket,
+    /// one spanning many) is found in its batch, as a search of all the starts finds it.
+    #[test]
+    fn the_locator_finds_every_positions_batch() {
+        let cases: [&[u64]; 5] = [
+            &[8192, 8192, 100, 8192, 3],
+            &[1],
+            &[5, 1, 1, 1, 1, 1, 1, 1, 1, 1000, 2, 2],
+            &[
+                1000, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+            ],
+            &[3, 7, 64, 64, 65, 1, 127, 128, 129],
+        ];
+        for sizes in cases {
+            let mut starts = Vec::new();
+            let mut rows = 0u64;
+            for &n in sizes {
+                starts.push(rows);
+                rows += n;
+            }
+            let locator = RowLocator::new(std::borrow::Cow::Borrowed(&starts), rows);
+            for p in 0..rows {
+                let b = starts.partition_point(|&s| s <= p) - 1;
+                assert_eq!(
+                    locator.locate(p),
+                    (b, (p - starts[b]) as usize),
+                    "{sizes:?} at {p}"
+                );
+            }
+        }
     }
 }
