@@ -9,9 +9,12 @@
 //! the columns top-k queries read in device memory between queries, in a column cache that is
 //! the process's ([`set_column_cache_budget`] sizes it); [`GpuTable`] is the in-memory table
 //! made for that (constant-time planning, columns loaded and pinned ahead).
-//! [`datasets`] generates the tweets table of the benchmarks and the CLI.
+//! [`datasets`] generates the tweets table of the benchmarks and the CLI. Under
+//! datafusion-distributed, [`SessionStateBuilderExt::with_gpu_topk_cluster`] and
+//! [`gpu_worker`] run the operator on a cluster's workers, each with its own GPU.
 //!
-//! Inside, one module per step of the data flow, each importing only those after it: `rule`
+//! Inside, one module per step of the data flow, each importing only those after it
+//! (`distributed`, the operator's codec and stage rules for a cluster, sits above them all): `rule`
 //! rewrites the physical plan → `exec` runs the operator, executing the plan and owning the
 //! fallbacks → `cost` chooses where, with which algorithm and over which input form (one
 //! `SelectionPlan`) → `select` runs the selection on the CPU or the device → `fusion`
@@ -27,6 +30,7 @@ mod cost;
 #[path = "../datasets/mod.rs"]
 pub mod datasets;
 mod device;
+mod distributed;
 mod exec;
 mod fusion;
 mod keys;
@@ -39,6 +43,7 @@ mod table;
 
 pub use config::{Algorithm, Backend, DeviceOp, FaultPoint, GpuTopKConfig, GpuTopKSettings};
 pub use device::column_cache::{column_cache_budget, set_column_cache_budget};
+pub use distributed::{GpuTopKCodec, StaticWorkers, gpu_worker};
 pub use exec::{GpuGroupTopKExec, GpuTopKExec};
 pub use plan_cache::{CachedPlan, PlanCache, PlanCacheStats};
 pub use report::{gpu_summary, topk_report};

@@ -31,6 +31,13 @@ pub trait SessionStateBuilderExt {
     /// device column cache's entries) and `gpu_topk_cache_clear()` (evicts every entry not in
     /// use and says how many), and `CREATE EXTERNAL TABLE … STORED AS GPU` ([`GpuTableFactory`]).
     fn with_gpu_topk(self, config: GpuTopKConfig) -> Self;
+
+    /// Makes the operator run under datafusion-distributed: registers its codec
+    /// ([`crate::GpuTopKCodec`]) and the rules by which the engine splits its stages
+    /// ([`crate::distributed`]). Call it on the coordinator's builder (with the engine's
+    /// `with_distributed_worker_resolver` and `with_distributed_planner`) and on every
+    /// worker's ([`crate::gpu_worker`] does).
+    fn with_gpu_topk_cluster(self) -> Self;
 }
 
 impl SessionStateBuilderExt for SessionStateBuilder {
@@ -57,6 +64,10 @@ impl SessionStateBuilderExt for SessionStateBuilder {
             functions.insert(name.into(), Arc::new(function));
         }
         self
+    }
+
+    fn with_gpu_topk_cluster(self) -> Self {
+        crate::distributed::install(self)
     }
 }
 

@@ -339,6 +339,18 @@ impl GpuTableExec {
         &self.data
     }
 
+    /// The same scan as DataFusion's in-memory source (the same batches, partitions and
+    /// projection), which every DataFusion process can decode: what a cluster's workers run.
+    pub(crate) fn as_memory_scan(&self) -> Result<Arc<dyn ExecutionPlan>> {
+        let data = &self.data;
+        let scan = datafusion::datasource::memory::MemorySourceConfig::try_new_exec(
+            &data.partitions,
+            Arc::clone(&data.schema),
+            self.projection.clone(),
+        )?;
+        Ok(scan)
+    }
+
     /// For each output column, the table's column it is.
     pub(crate) fn columns(&self) -> Vec<usize> {
         match &self.projection {

@@ -7,6 +7,8 @@
 //! gpu-topk tweets [--rows N] [--show N]       the four tweet queries on an in-memory table
 //! gpu-topk query SQL [--table NAME=PATH]… [--explain]   one statement, with where it ran
 //! gpu-topk gen --rows N --out DIR             write the tweets dataset as Parquet
+//! gpu-topk worker --listen HOST:PORT          serve as a datafusion-distributed worker
+//! gpu-topk --workers URL,URL … [command]      plan as a distributed coordinator
 //! ```
 //!
 //! The in-memory `tweets` table is generated (`--rows`, default 10M) the first time a
@@ -27,7 +29,9 @@ use datafusion::physical_plan::{ExecutionPlan, collect, displayable};
 use datafusion::prelude::{CsvReadOptions, ParquetReadOptions, SessionContext};
 
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
-use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, gpu_summary, topk_report};
+use datafusion_gpu_topk::{
+    Backend, GpuTopKConfig, GpuTopKExec, StaticWorkers, gpu_summary, gpu_worker, topk_report,
+};
 
 /// Rows of the generated tweets table unless `--rows` says.
 const DEFAULT_ROWS: u64 = 10_000_000;
@@ -58,6 +62,10 @@ struct Common {
     /// the device's; 0: no cache)
     #[arg(long, global = true, value_name = "BYTES")]
     cache_bytes: Option<usize>,
+    /// Run queries on these datafusion-distributed workers (started with `gpu-topk worker`),
+    /// this process planning and merging: comma-separated URLs such as http://host:50051
+    #[arg(long, global = true, value_name = "URL,...", value_delimiter = ',')]
+    workers: Vec<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -88,6 +96,13 @@ enum Command {
         /// The directory to write
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
+    },
+    /// Serve as a datafusion-distributed worker with the operator installed, until
+    /// interrupted; a coordinator (`--workers`) sends it its tasks with their settings
+    Worker {
+        /// The address to listen on
+        #[arg(long, value_name = "HOST:PORT", default_value = "0.0.0.0:50051")]
+        listen: std::net::SocketAddr,
     },
 }
 
@@ -135,8 +150,18 @@ async fn run(cli: Cli) -> CliResult<()> {
         datafusion_gpu_topk::set_column_cache_budget(common.cache_bytes);
     }
     let rows = common.rows.unwrap_or(DEFAULT_ROWS);
+    let workers = match common.workers.is_empty() {
+        true => None,
+        false => {
+            Some(StaticWorkers::parse(&common.workers).map_err(|e| format!("--workers: {e}"))?)
+        }
+    };
     let Some(command) = command else {
-        return shell::run(shell, common.backend, rows).await;
+        return shell::run(shell, common.backend, rows, workers).await;
+    };
+    let runtime = shell::Runtime {
+        workers,
+        ..Default::default()
     };
     shell.only_for_the_shell()?;
     match command {
@@ -162,7 +187,7 @@ async fn run(cli: Cli) -> CliResult<()> {
         }
         Command::Tweets { show } => {
             let gpu = GpuTopKConfig::default().with_backend(common.backend);
-            let ctx = shell::session(gpu, rows, false, &shell::Runtime::default())?;
+            let ctx = shell::session(gpu, rows, false, &runtime)?;
             print_gpu_status();
             for (name, sql) in tweets::QUERIES {
                 println!("\n== {name}: {sql}");
@@ -186,7 +211,7 @@ async fn run(cli: Cli) -> CliResult<()> {
             let gpu = GpuTopKConfig::default()
                 .with_backend(common.backend)
                 .with_load_after_cpu(false);
-            let ctx = shell::session(gpu, rows, false, &shell::Runtime::default())?;
+            let ctx = shell::session(gpu, rows, false, &runtime)?;
             for ((name, path), kind) in tables.iter().zip(kinds) {
                 // DataFusion's message (a corrupt footer, a short row) does not say which table.
                 let registered = match kind {
@@ -205,6 +230,25 @@ async fn run(cli: Cli) -> CliResult<()> {
                 None => println!("GPU: not started (the query did not need it)"),
             }
             Ok(result?)
+        }
+        Command::Worker { listen } => {
+            if runtime.workers.is_some() {
+                return Err("a worker takes no --workers: its coordinator has them".into());
+            }
+            let worker = gpu_worker(GpuTopKConfig::default().with_backend(common.backend));
+            println!(
+                "gpu-topk worker listening on {listen} (GPU: {}); Ctrl-C stops it",
+                gpu_summary()
+            );
+            let stop = async {
+                let _ = tokio::signal::ctrl_c().await;
+            };
+            tonic::transport::Server::builder()
+                .add_service(worker.into_worker_server())
+                .serve_with_shutdown(listen, stop)
+                .await
+                .map_err(|e| format!("worker on {listen}: {e}"))?;
+            Ok(())
         }
     }
 }

@@ -130,6 +130,8 @@ pub struct Runtime {
     pub batch_size: Option<usize>,
     pub memory_limit: Option<usize>,
     pub fair_pool: bool,
+    /// Plan for these datafusion-distributed workers.
+    pub workers: Option<datafusion_gpu_topk::StaticWorkers>,
 }
 
 /// A session with the operator installed (with `gpu` as its settings), datafusion-cli's
@@ -155,12 +157,19 @@ pub fn session(
         };
         builder = builder.with_memory_pool(pool);
     }
-    let state = SessionStateBuilder::new()
+    let mut state = SessionStateBuilder::new()
         .with_config(config)
         .with_runtime_env(builder.build_arc()?)
         .with_default_features()
-        .with_gpu_topk(gpu)
-        .build();
+        .with_gpu_topk(gpu);
+    if let Some(workers) = &runtime.workers {
+        use datafusion_distributed::{DistributedExt, SessionStateBuilderExt as _};
+        state = state
+            .with_gpu_topk_cluster()
+            .with_distributed_worker_resolver(workers.clone())
+            .with_distributed_planner();
+    }
+    let state = state.build();
     let ctx = SessionContext::new_with_state(state);
     let catalog = ctx
         .catalog("datafusion")
@@ -190,11 +199,17 @@ pub fn session(
 }
 
 /// The shell: the REPL, or the statements of `-f` files and `-c`, then exit.
-pub async fn run(args: ShellArgs, backend: Backend, rows: u64) -> CliResult<()> {
+pub async fn run(
+    args: ShellArgs,
+    backend: Backend,
+    rows: u64,
+    workers: Option<datafusion_gpu_topk::StaticWorkers>,
+) -> CliResult<()> {
     let runtime = Runtime {
         batch_size: args.batch_size,
         memory_limit: args.memory_limit,
         fair_pool: args.mem_pool_type == "fair",
+        workers,
     };
     if let Some(dir) = &args.data_path {
         std::env::set_current_dir(dir).map_err(|e| format!("-p {dir}: {e}"))?;

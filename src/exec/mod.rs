@@ -60,6 +60,7 @@ use datafusion::error::Result;
 use datafusion::execution::TaskContext;
 use datafusion::physical_expr::expressions::{Column, DynamicFilterPhysicalExpr, lit};
 use datafusion::physical_expr::{LexOrdering, PhysicalExpr};
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::execution_plan::{
     ChildrenPropertiesMode, EmissionType, ReplaceChildrenOptions,
 };
@@ -105,6 +106,11 @@ pub struct TopKSpec {
     /// Most device bytes one execution's selection may hold (`gpu_topk.device_memory_limit`;
     /// 0: no limit).
     pub device_memory_limit: usize,
+    /// One task's part of a distributed top-k: the engine merges the tasks' sorted outputs
+    /// (and so may run this operator once per slice of its input).
+    pub per_task: bool,
+    /// The session's settings the operator was planned with: a worker plans it again with them.
+    pub settings: crate::config::GpuTopKConfig,
 }
 
 /// Whether columns are being loaded into the column cache in the background after a run on
@@ -149,7 +155,17 @@ impl GpuTopKExec {
         spec: TopKSpec,
         replaced: &dyn ExecutionPlan,
     ) -> Result<Self> {
-        let schema = replaced.schema();
+        let equivalences = replaced.properties().equivalence_properties().clone();
+        Self::with_properties(input, spec, replaced.schema(), equivalences)
+    }
+
+    /// As [`Self::try_new`], with the output's schema and equivalences given.
+    pub fn with_properties(
+        input: Arc<dyn ExecutionPlan>,
+        spec: TopKSpec,
+        schema: SchemaRef,
+        equivalences: datafusion::physical_expr::EquivalenceProperties,
+    ) -> Result<Self> {
         if spec.output_exprs.len() != schema.fields().len() {
             return datafusion::common::internal_err!(
                 "GpuTopKExec: {} output expressions for {} columns",
@@ -158,7 +174,7 @@ impl GpuTopKExec {
             );
         }
         let properties = PlanProperties::new(
-            replaced.properties().equivalence_properties().clone(),
+            equivalences,
             Partitioning::UnknownPartitioning(1),
             EmissionType::Final,
             // The rule declines unbounded inputs; should one come through another way, the
@@ -251,6 +267,9 @@ impl DisplayAs for GpuTopKExec {
                 }
                 if spec.plan.warm_up() {
                     f.write_str(", cache=warm-up")?;
+                }
+                if spec.per_task {
+                    f.write_str(", per_task")?;
                 }
                 if verbose {
                     write!(f, ", reason=[{}]", spec.reason)?;
@@ -369,8 +388,14 @@ impl ExecutionPlan for GpuTopKExec {
                 "GpuTopKExec has one output partition, asked for {partition}"
             );
         }
+        // A coalesce below is a distributed engine's stage boundary (the rule drops it
+        // otherwise): its input's partitions are read in order, so that ties stay in order.
+        let input = match self.input.downcast_ref::<CoalescePartitionsExec>() {
+            Some(coalesce) if coalesce.fetch().is_none() => Arc::clone(coalesce.input()),
+            _ => Arc::clone(&self.input),
+        };
         stream::execute(
-            Arc::clone(&self.input),
+            input,
             Arc::clone(&self.spec),
             Arc::clone(&self.schema),
             Arc::clone(&self.dynamic_filter),

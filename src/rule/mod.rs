@@ -104,12 +104,23 @@ impl PhysicalOptimizerRule for GpuTopKRule {
             *self.decisions.lock().unwrap_or_else(|e| e.into_inner()) = decisions;
             return Ok(plan);
         }
+        let distributed = distributed_planning(options);
         // Per-group top-k first: an outer top-k may absorb the filter on the row number.
-        let plan = rewrite(plan, &mut decisions, "window plan", |node| {
-            group::match_group_top_k(node, config)
-        })?;
+        let plan = if distributed {
+            // The engine splits a window plan's stages by its hash repartition; the operator
+            // reads every group of its input, so it would have to run as one task.
+            decisions.push(
+                "per-group top-k in a distributed plan stays with DataFusion's window plan"
+                    .to_string(),
+            );
+            plan
+        } else {
+            rewrite(plan, &mut decisions, "window plan", |node| {
+                group::match_group_top_k(node, config)
+            })?
+        };
         let plan = rewrite(plan, &mut decisions, "TopK", |node| {
-            match_top_k(node, config)
+            match_top_k(node, config, distributed)
         })?;
         *self.decisions.lock().unwrap_or_else(|e| e.into_inner()) = decisions;
         Ok(plan)
@@ -192,9 +203,15 @@ fn substitute_ordering(
 }
 
 /// Recognises a top-k subtree rooted at `node` and builds its replacement.
+///
+/// Under a distributed planner (`distributed`), a merge over per-partition sorts becomes two
+/// operators: one per task over its share of the input (marked per-task), and one that merges
+/// the tasks' rows, with a coalesce between them where the engine cuts the stages (see
+/// [`crate::distributed`]).
 fn match_top_k(
     node: &Arc<dyn ExecutionPlan>,
     config: &GpuTopKConfig,
+    distributed: bool,
 ) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
     // [GlobalLimitExec skip]
     let (skip, limit_fetch, below_limit) = match node.downcast_ref::<GlobalLimitExec>() {
@@ -208,7 +225,9 @@ fn match_top_k(
     // DataFusion normalised with the filter's equalities (for floats `x = -0.0` also holds for
     // 0.0, so a key it drops as constant can still order rows).
     let mut merge_order: Option<&LexOrdering> = None;
-    let (sort, fetch) = if let Some(merge) = below_limit.downcast_ref::<SortPreservingMergeExec>() {
+    let (sort_node, sort, fetch) = if let Some(merge) =
+        below_limit.downcast_ref::<SortPreservingMergeExec>()
+    {
         merge_order = Some(merge.expr());
         let mut below_merge = merge.input();
         if let Some(projection) = below_merge.downcast_ref::<ProjectionExec>() {
@@ -224,7 +243,7 @@ fn match_top_k(
         let (Some(merge_fetch), Some(sort_fetch)) = (merge.fetch(), sort.fetch()) else {
             return Err(Declined::NotTopK);
         };
-        (sort, merge_fetch.min(sort_fetch))
+        (below_merge, sort, merge_fetch.min(sort_fetch))
     } else if let Some(sort) = below_limit.downcast_ref::<SortExec>() {
         let Some(fetch) = sort.fetch() else {
             return Err(Declined::NotTopK);
@@ -234,7 +253,7 @@ fn match_top_k(
             // A per-partition TopK without a merge above it is not a whole-query top-k.
             return Err(Declined::NotTopK);
         }
-        (sort, fetch)
+        (below_limit, sort, fetch)
     } else {
         return Err(Declined::NotTopK);
     };
@@ -262,10 +281,100 @@ fn match_top_k(
         }
         _ => sort.expr().clone(),
     };
-    let mut absorbed = absorb_below(sort.input(), &order, above_sort)?;
+    if distributed && merge_order.is_some() {
+        // Each task: the top k of its share of the input, yielding the sort's output (which
+        // `order` is over). The engine cuts the stage at the coalesce above it.
+        let absorbed = in_input_order(absorb_below(sort.input(), &order, None)?)?;
+        let schema = sort_node.schema();
+        let equivalences = sort_node.equivalence_properties().clone();
+        let per_task = Shape {
+            k,
+            skip: 0,
+            per_task: true,
+        };
+        let tasks = build_top_k(absorbed, per_task, config, schema, equivalences)?;
+        // Their merge, on the CPU path (k rows a task): it reads the coalesce's input
+        // partitions in order, so ties go to the first task, as in one process (DataFusion's
+        // merge would take tied rows from its inputs in turn).
+        let tasks: Arc<dyn ExecutionPlan> = Arc::new(CoalescePartitionsExec::new(Arc::new(tasks)));
+        let schema = tasks.schema();
+        let output_exprs = match above_sort {
+            Some(projection) => (projection.expr().iter())
+                .map(|p| Arc::clone(&p.expr))
+                .collect(),
+            None => (0..schema.fields().len())
+                .map(|i| Arc::new(Column::new(schema.field(i).name(), i)) as Arc<dyn PhysicalExpr>)
+                .collect(),
+        };
+        let merge = Absorbed {
+            input: tasks,
+            sort_exprs: order,
+            filter: None,
+            output_exprs,
+        };
+        let mut merge_config = config.clone();
+        merge_config.backend = Backend::Cpu;
+        let shape = Shape {
+            k,
+            skip,
+            per_task: false,
+        };
+        let equivalences = node.equivalence_properties().clone();
+        let exec = build_top_k(merge, shape, &merge_config, node.schema(), equivalences)?;
+        return Ok(Arc::new(exec));
+    }
+    let absorbed = in_input_order(absorb_below(sort.input(), &order, above_sort)?)?;
+    let shape = Shape {
+        k,
+        skip,
+        per_task: false,
+    };
+    let exec = build_top_k(
+        absorbed,
+        shape,
+        config,
+        node.schema(),
+        node.equivalence_properties().clone(),
+    )?;
+    Ok(Arc::new(exec))
+}
+
+/// What a top-k operator selects: `k` rows (fetch + offset), of which the first `skip` are
+/// dropped; `per_task` when it is one task's part of a distributed top-k.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Shape {
+    pub k: usize,
+    pub skip: usize,
+    pub per_task: bool,
+}
+
+/// Whether the session plans for a distributed engine (datafusion-distributed's planner is
+/// installed): its stages are cut at merges, so a top-k keeps DataFusion's merge above it.
+fn distributed_planning(options: &ConfigOptions) -> bool {
+    (options.extensions)
+        .get::<datafusion_distributed::DistributedConfig>()
+        .is_some()
+}
+
+/// `absorbed` reading its input in a fixed order: without round-robin repartitioning or
+/// coalescing left above it, its file scans reading their files in order.
+fn in_input_order(mut absorbed: Absorbed) -> std::result::Result<Absorbed, Declined> {
     absorbed.input = without_round_robin(Arc::clone(&absorbed.input))
         .and_then(scans_in_order)
         .or_else(|e| because(format!("cannot fix the input's order: {e}")))?;
+    Ok(absorbed)
+}
+
+/// The operator over `absorbed` (the input and expressions below the replaced nodes), planned
+/// for this machine, with the replaced nodes' `schema` and `equivalences`; or why DataFusion's
+/// plan stays.
+fn build_top_k(
+    absorbed: Absorbed,
+    Shape { k, skip, per_task }: Shape,
+    config: &GpuTopKConfig,
+    schema: datafusion::arrow::datatypes::SchemaRef,
+    equivalences: datafusion::physical_expr::EquivalenceProperties,
+) -> std::result::Result<GpuTopKExec, Declined> {
     if absorbed.input.boundedness().is_unbounded() {
         // A top-k emits only at the end of its input: DataFusion's sanity check decides.
         return because("the input is unbounded");
@@ -350,10 +459,64 @@ fn match_top_k(
         prediction,
         fault: config.inject_fault,
         device_memory_limit: config.device_memory_limit,
+        per_task,
+        settings: config.clone(),
     };
-    let exec = GpuTopKExec::try_new(absorbed.input, spec, node.as_ref())
-        .or_else(|e| because(format!("cannot build the operator: {e}")))?;
-    Ok(Arc::new(exec))
+    GpuTopKExec::with_properties(absorbed.input, spec, schema, equivalences)
+        .or_else(|e| because(format!("cannot build the operator: {e}")))
+}
+
+/// A top-k's sort keys, fused predicate and output columns, over its input's schema.
+pub(crate) type TopKExprs = (
+    LexOrdering,
+    Option<Arc<dyn PhysicalExpr>>,
+    Vec<Arc<dyn PhysicalExpr>>,
+);
+
+/// The operator a worker decodes ([`crate::distributed`]): `GpuTopKExec` planned again on
+/// this machine (its device, cache and calibration) from the expressions the coordinator's
+/// rule absorbed, or, where this machine declines it (no GPU under `backend = auto`),
+/// DataFusion's plan of the same rows: filter, sort with fetch, projection, offset.
+pub(crate) fn decoded_top_k(
+    input: Arc<dyn ExecutionPlan>,
+    (sort_exprs, filter, output_exprs): TopKExprs,
+    shape: Shape,
+    config: &GpuTopKConfig,
+    schema: datafusion::arrow::datatypes::SchemaRef,
+    equivalences: datafusion::physical_expr::EquivalenceProperties,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    let absorbed = Absorbed {
+        input: Arc::clone(&input),
+        sort_exprs: sort_exprs.clone(),
+        filter: filter.clone(),
+        output_exprs: output_exprs.clone(),
+    };
+    let planned = in_input_order(absorbed).and_then(|absorbed| {
+        build_top_k(absorbed, shape, config, Arc::clone(&schema), equivalences)
+    });
+    let why = match planned {
+        Ok(exec) => return Ok(Arc::new(exec)),
+        Err(Declined::Because(why)) => why,
+        Err(Declined::NotTopK) => "not a top-k".to_string(),
+    };
+    log::info!("gpu-topk: DataFusion's TopK runs this task: {why}");
+    let mut plan = input;
+    if let Some(predicate) = filter {
+        plan = Arc::new(FilterExec::try_new(predicate, plan)?);
+    }
+    if plan.output_partitioning().partition_count() > 1 {
+        plan = Arc::new(CoalescePartitionsExec::new(plan));
+    }
+    plan = Arc::new(SortExec::new(sort_exprs, plan).with_fetch(Some(shape.k)));
+    let named = (output_exprs.into_iter().zip(schema.fields()))
+        .map(|(expr, field)| (expr, field.name().clone()))
+        .collect::<Vec<_>>();
+    plan = Arc::new(ProjectionExec::try_new(named, plan)?);
+    if shape.skip > 0 {
+        let fetch = shape.k.saturating_sub(shape.skip);
+        plan = Arc::new(GlobalLimitExec::new(plan, shape.skip, Some(fetch)));
+    }
+    Ok(plan)
 }
 
 /// What the cost model reads of the session's settings.

@@ -286,3 +286,83 @@ fn a_small_query_does_not_start_the_device() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Workers started with `gpu-topk worker` (a process each) serve a coordinator started with
+/// `--workers`: the rows are the one process's. (The in-process cluster's tests check what
+/// each worker runs.)
+#[test]
+fn workers_serve_a_coordinators_queries() {
+    let dir = test_dir("cli-cluster");
+    let data = dir.join("tweets");
+    let spec = datafusion_gpu_topk::datasets::tweets::TweetsSpec::new(30_000);
+    datafusion_gpu_topk::datasets::tweets::write_parquet(&spec, &data, 7_000, false)
+        .expect("five files");
+    let mut workers = Vec::new();
+    let mut urls = Vec::new();
+    for _ in 0..2 {
+        // A free port: the listener is dropped just before the worker binds it.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let child = gpu_topk()
+            .args(["worker", "--listen", &format!("127.0.0.1:{port}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start a worker");
+        workers.push(child);
+        let started = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "worker on {port} not up"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        urls.push(format!("http://127.0.0.1:{port}"));
+    }
+    let sql = "SELECT id, retweet_count FROM t WHERE lang <> 'en' ORDER BY retweet_count DESC \
+               LIMIT 30";
+    fn statements<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+        let mut args = extra.to_vec();
+        args.extend(["-q", "--format", "csv", "-c"]);
+        args
+    }
+    let create = format!(
+        "CREATE EXTERNAL TABLE t STORED AS PARQUET LOCATION '{}/'",
+        data.display()
+    );
+    let urls = urls.join(",");
+    let mut cluster_args = statements(&["--workers", &urls]);
+    // A task per byte: this small table is split between both workers.
+    cluster_args.extend([
+        "SET distributed.file_scan_config_bytes_per_partition = 1",
+        "-c",
+        &create,
+        "-c",
+        sql,
+        "-c",
+    ]);
+    let explain = format!("EXPLAIN {sql}");
+    cluster_args.push(&explain);
+    let (cluster, cluster_out, cluster_err) = run(&cluster_args);
+    let mut local_args = statements(&[]);
+    local_args.extend([create.as_str(), "-c", sql]);
+    let (local, local_out, local_err) = run(&local_args);
+    for mut worker in workers {
+        let _ = worker.kill();
+        let _ = worker.wait();
+    }
+    assert!(cluster.status.success(), "{cluster_out}\n{cluster_err}");
+    assert!(local.status.success(), "{local_out}\n{local_err}");
+    let rows = csv_block(&local_out, "id,retweet_count");
+    assert_eq!(rows.len(), 30, "{local_out}");
+    assert_eq!(
+        csv_block(&cluster_out, "id,retweet_count"),
+        rows,
+        "{cluster_out}"
+    );
+    // Planned for the engine: a per-task operator under DataFusion's merge.
+    assert!(cluster_out.contains("per_task"), "{cluster_out}");
+}

@@ -8,6 +8,7 @@ mod cache;
 mod cli;
 mod common;
 mod differential;
+mod distributed;
 mod files;
 mod fusion;
 mod fuzz;

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# cluster.sh: the tweet queries Q1–Q3 over Parquet files on a datafusion-distributed cluster of
+# `gpu-topk worker`s on this host, one per GPU (CUDA_VISIBLE_DEVICES), against one process
+# without workers, each on the same files in the same call.
+#
+#   benches/cluster.sh GPU_TOPK PARQUET_DIR [RUNS]      (gpu-topk gen --rows N --out PARQUET_DIR)
+#
+# For each configuration a fresh coordinator (and fresh workers) runs every query once cold
+# and RUNS more times; the table printed last has the first run and the median of the others
+# (ms, from datafusion-cli's "Elapsed" lines), and each configuration's log is under $OUT.
+# WORKERS=N starts N workers (default: one per GPU); worker i gets GPU i modulo the GPUs.
+set -euo pipefail
+bin=$(realpath "$1")
+data=$(realpath "$2")
+runs=${3:-5}
+OUT=${OUT:-/tmp/cluster}
+mkdir -p "$OUT"
+visible=$(nvidia-smi -L | wc -l)
+gpus=${WORKERS:-$visible}
+queries=(
+    "SELECT id FROM tw WHERE tweet_time < '2017-05-04' ORDER BY retweet_count DESC LIMIT 50"
+    "SELECT id FROM tw ORDER BY retweet_count + 0.5 * likes_count DESC LIMIT 50"
+    "SELECT id FROM tw WHERE lang = 'en' OR lang = 'es' ORDER BY retweet_count DESC LIMIT 50"
+)
+pids=()
+stop_workers() {
+    for pid in "${pids[@]}"; do kill "$pid" 2> /dev/null || true; done
+    for pid in "${pids[@]}"; do wait "$pid" 2> /dev/null || true; done
+    pids=()
+}
+trap stop_workers EXIT
+
+# start_workers N: N workers, ports 50051.., once each port answers; prints
+# their URLs, comma-separated.
+start_workers() {
+    local urls=()
+    for ((i = 0; i < $1; i++)); do
+        local port=$((50051 + i))
+        CUDA_VISIBLE_DEVICES=$((i % visible)) "$bin" worker --listen "127.0.0.1:$port" \
+            > "$OUT/worker-$1-$i.log" 2>&1 &
+        pids+=($!)
+        for _ in $(seq 300); do
+            (exec 3<> "/dev/tcp/127.0.0.1/$port") 2> /dev/null && break
+            sleep 0.1
+        done
+        urls+=("http://127.0.0.1:$port")
+    done
+    local IFS=,
+    echo "${urls[*]}"
+}
+
+# run_config NAME [ARGS…]: every query 1 + RUNS times in one coordinator; one table row each.
+run_config() {
+    local name=$1
+    shift
+    local statements=(-c "CREATE EXTERNAL TABLE tw STORED AS PARQUET LOCATION '$data/'")
+    for sql in "${queries[@]}"; do
+        for ((r = 0; r <= runs; r++)); do statements+=(-c "$sql"); done
+    done
+    local log="$OUT/$(echo "$name" | tr ' ' '-').log"
+    "$bin" "$@" --format csv "${statements[@]}" > "$log" 2>&1
+    grep -o 'Elapsed [0-9.]* seconds' "$log" | python3 -c '
+import statistics, sys
+name, runs = sys.argv[1], int(sys.argv[2])
+ms = [float(line.split()[1]) * 1000 for line in sys.stdin][1:]  # the first: CREATE
+for q in range(3):
+    times = ms[q * (runs + 1):(q + 1) * (runs + 1)]
+    if len(times) < runs + 1:
+        print(f"| {name} | Q{q + 1} | failed | see the log |")
+        continue
+    print(f"| {name} | Q{q + 1} | {times[0]:.1f} | {statistics.median(times[1:]):.1f} |")
+' "$name" "$runs"
+}
+
+table=()
+table+=("$(run_config "one process")")
+urls=$(start_workers "$gpus")
+table+=("$(run_config "$gpus workers" --workers "$urls")")
+stop_workers
+echo "| configuration | query | first ms | warm median ms |"
+echo "|---|---|---:|---:|"
+printf '%s\n' "${table[@]}"
