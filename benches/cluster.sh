@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# cluster.sh: the tweet queries Q1–Q3 over Parquet files on a datafusion-distributed cluster of
-# `gpu-topk worker`s on this host, one per GPU (CUDA_VISIBLE_DEVICES), against one process
-# without workers, each on the same files in the same call.
+# cluster.sh: the tweet queries Q1–Q3 over Parquet files in one process on one GPU, in one
+# process split between the host's GPUs (`gpu_topk.devices`), and on a datafusion-distributed
+# cluster of `gpu-topk worker`s on this host, one per GPU (CUDA_VISIBLE_DEVICES); each on the
+# same files in the same call.
 #
 #   benches/cluster.sh GPU_TOPK PARQUET_DIR [RUNS]      (gpu-topk gen --rows N --out PARQUET_DIR)
 #
 # For each configuration a fresh coordinator (and fresh workers) runs every query once cold
 # and RUNS more times; the table printed last has the first run and the median of the others
 # (ms, from datafusion-cli's "Elapsed" lines), and each configuration's log is under $OUT.
-# WORKERS=N starts N workers (default: one per GPU); worker i gets GPU i modulo the GPUs.
+# WORKERS=N starts N workers and splits between N devices (default: one per GPU); worker
+# (device) i is GPU i modulo the GPUs, so one GPU gives two logical devices for N = 2.
 set -euo pipefail
 bin=$(realpath "$1")
 data=$(realpath "$2")
@@ -49,20 +51,22 @@ start_workers() {
     echo "${urls[*]}"
 }
 
-# run_config NAME [ARGS…]: every query 1 + RUNS times in one coordinator; one table row each.
+# run_config NAME DEVICES [ARGS…]: every query 1 + RUNS times in one process (a coordinator
+# with --workers), split between DEVICES; one table row each.
 run_config() {
-    local name=$1
-    shift
-    local statements=(-c "CREATE EXTERNAL TABLE tw STORED AS PARQUET LOCATION '$data/'")
+    local name=$1 devices=$2
+    shift 2
+    local statements=(-c "SET gpu_topk.devices = '$devices'"
+        -c "CREATE EXTERNAL TABLE tw STORED AS PARQUET LOCATION '$data/'")
     for sql in "${queries[@]}"; do
         for ((r = 0; r <= runs; r++)); do statements+=(-c "$sql"); done
     done
-    local log="$OUT/$(echo "$name" | tr ' ' '-').log"
+    local log="$OUT/$(echo "$name" | tr -d , | tr ' ' '-').log"
     "$bin" "$@" --format csv "${statements[@]}" > "$log" 2>&1
     grep -o 'Elapsed [0-9.]* seconds' "$log" | python3 -c '
 import statistics, sys
 name, runs = sys.argv[1], int(sys.argv[2])
-ms = [float(line.split()[1]) * 1000 for line in sys.stdin][1:]  # the first: CREATE
+ms = [float(line.split()[1]) * 1000 for line in sys.stdin][2:]  # SET, CREATE
 for q in range(3):
     times = ms[q * (runs + 1):(q + 1) * (runs + 1)]
     if len(times) < runs + 1:
@@ -72,10 +76,12 @@ for q in range(3):
 ' "$name" "$runs"
 }
 
+ordinals=$(for ((i = 0; i < gpus; i++)); do echo $((i % visible)); done | paste -sd,)
 table=()
-table+=("$(run_config "one process")")
+table+=("$(run_config "one process, 1 device" 0)")
+table+=("$(run_config "one process, $gpus devices" "$ordinals")")
 urls=$(start_workers "$gpus")
-table+=("$(run_config "$gpus workers" --workers "$urls")")
+table+=("$(run_config "$gpus workers" 0 --workers "$urls")")
 stop_workers
 echo "| configuration | query | first ms | warm median ms |"
 echo "|---|---|---:|---:|"

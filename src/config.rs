@@ -162,6 +162,29 @@ extensions_options! {
         /// not), so that the next query runs warm. The CLI turns it off for a lone `-c`
         /// statement, which has no next query to wait for it.
         pub load_after_cpu: bool, default = true
+        /// The GPUs a top-k over several partitions is split between: `all` (every GPU the
+        /// driver reports) or their ordinals, e.g. `0,1`. Each takes a contiguous run of a
+        /// file or in-memory scan's partitions, selects its top k with its own column cache,
+        /// and the rows are merged on the host. A GPU named twice is two logical devices.
+        pub devices: String, default = "all".to_string()
+    }
+}
+
+/// The ordinals `gpu_topk.devices` lists (`None`: `all`), or why the value is not a list.
+pub(crate) fn device_ordinals(value: &str) -> Result<Option<Vec<usize>>, String> {
+    let value = value.trim();
+    if value.eq_ignore_ascii_case("all") {
+        return Ok(None);
+    }
+    let ordinals = (value.split(','))
+        .map(|o| o.trim().parse::<usize>().ok().filter(|&o| o < 1024))
+        .collect::<Option<Vec<_>>>()
+        .filter(|o| !o.is_empty());
+    match ordinals {
+        Some(ordinals) => Ok(Some(ordinals)),
+        None => Err(format!(
+            "invalid gpu_topk.devices '{value}': expected all or GPU ordinals such as 0,1"
+        )),
     }
 }
 
@@ -202,6 +225,9 @@ impl ExtensionOptions for GpuTopKConfig {
                 "unknown setting gpu_topk.{key}: expected one of {}",
                 names.join(", ")
             )));
+        }
+        if key == "devices" {
+            device_ordinals(value).map_err(DataFusionError::Configuration)?;
         }
         self.0.set(key, value).map_err(|e| match e {
             // The keyword settings' own messages name the setting already.
@@ -258,6 +284,17 @@ impl GpuTopKConfig {
     }
     pub fn with_load_after_cpu(mut self, load: bool) -> Self {
         self.load_after_cpu = load;
+        self
+    }
+    /// The GPUs to split top-k queries between (`gpu_topk.devices`): ordinals, or `None`
+    /// for all.
+    pub fn with_devices(mut self, ordinals: Option<&[usize]>) -> Self {
+        self.devices = match ordinals {
+            None => "all".to_string(),
+            Some(o) => (o.iter().map(|o| o.to_string()))
+                .collect::<Vec<_>>()
+                .join(","),
+        };
         self
     }
     pub fn with_inject_fault(mut self, fault: FaultPoint) -> Self {

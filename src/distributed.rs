@@ -228,6 +228,7 @@ impl PhysicalExtensionCodec for GpuTopKCodec {
             k: usize::try_from(node.k).map_err(|e| DataFusionError::External(Box::new(e)))?,
             skip: usize::try_from(node.skip).map_err(|e| DataFusionError::External(Box::new(e)))?,
             per_task: node.per_task,
+            device: None,
         };
         crate::rule::decoded_top_k(
             Arc::clone(input),

@@ -2,7 +2,9 @@
 //!
 //! Detection never panics: with `dynamic-loading`, cudarc panics on first use of a library it
 //! cannot find, so [`gpu_status`] first asks `is_culib_present` for the driver and NVRTC, then
-//! initialises the driver and opens device 0. The result is computed once per process.
+//! initialises the driver and opens device 0. The result is computed once per process. The
+//! process's other devices ([`gpu_on`]: other GPUs, or further logical devices of one) open
+//! on first use, each with its own pools, column cache and kernels.
 //!
 //! The rest of the runtime, one module each:
 //! - [`memory`]: pooled device buffers (reused by size class) and pinned staging buffers;
@@ -423,6 +425,82 @@ pub fn gpu() -> Option<Arc<GpuDevice>> {
     }
 }
 
+/// One of the devices an operator may run on: a GPU (`ordinal`, as CUDA numbers them) and,
+/// where a setting names that GPU more than once, which of its logical devices (`instance`),
+/// each with its own buffers and column cache. `(0, 0)` is the process's device ([`gpu`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct DeviceSlot {
+    pub ordinal: usize,
+    pub instance: usize,
+}
+
+impl fmt::Display for DeviceSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.instance {
+            0 => write!(f, "{}", self.ordinal),
+            n => write!(f, "{}#{n}", self.ordinal),
+        }
+    }
+}
+
+/// The devices of `ordinals` (GPUs as CUDA numbers them; one named twice is two logical
+/// devices), in order.
+pub fn slots(ordinals: &[usize]) -> Vec<DeviceSlot> {
+    let mut seen = HashMap::<usize, usize>::new();
+    (ordinals.iter())
+        .map(|&ordinal| {
+            let instance = seen.entry(ordinal).or_default();
+            *instance += 1;
+            DeviceSlot {
+                ordinal,
+                instance: *instance - 1,
+            }
+        })
+        .collect()
+}
+
+/// The GPUs the driver reports, once the process's device is started (`None` before, so that
+/// planning does not start it).
+pub fn started_device_count() -> Option<usize> {
+    static COUNT: OnceLock<usize> = OnceLock::new();
+    started_gpu()?;
+    Some(*COUNT.get_or_init(|| CudaContext::device_count().map_or(1, |n| n.max(1) as usize)))
+}
+
+/// The device in `slot`, opened on first use; `(0, 0)` is [`gpu`]'s.
+pub fn gpu_on(slot: DeviceSlot) -> Option<Arc<GpuDevice>> {
+    static_gpu_on(slot).map(Arc::clone)
+}
+
+/// [`gpu_on`], as the process keeps it: like the process's device, every device opened
+/// lives as long as the process.
+pub(crate) fn static_gpu_on(slot: DeviceSlot) -> Option<&'static Arc<GpuDevice>> {
+    static OTHERS: OnceLock<Mutex<HashMap<DeviceSlot, &'static GpuStatus>>> = OnceLock::new();
+    // The driver is initialised, and the libraries checked, by the process's device.
+    let GpuStatus::Available(first) = gpu_status() else {
+        return None;
+    };
+    if slot == DeviceSlot::default() {
+        return Some(first);
+    }
+    let mut others =
+        (OTHERS.get_or_init(Default::default).lock()).unwrap_or_else(|e| e.into_inner());
+    let status: &'static GpuStatus = others.entry(slot).or_insert_with(|| {
+        let opened = contain_panics(|| open(slot.ordinal, DeviceOptions::process().clone()));
+        Box::leak(Box::new(match opened {
+            Ok(Ok(device)) => GpuStatus::Available(Arc::new(device)),
+            Ok(Err(reason)) | Err(reason) => {
+                log::warn!("gpu-topk: device {slot} unusable: {reason}");
+                GpuStatus::Unavailable(reason)
+            }
+        }))
+    });
+    match status {
+        GpuStatus::Available(device) => Some(device),
+        GpuStatus::Unavailable(_) => None,
+    }
+}
+
 fn detect() -> Result<GpuDevice, String> {
     let options = DeviceOptions::process().clone();
     if options.disabled {
@@ -442,7 +520,13 @@ fn detect() -> Result<GpuDevice, String> {
     if count < 1 {
         return Err("the CUDA driver reports no device".into());
     }
-    let context = CudaContext::new(0).map_err(|e| format!("cannot open CUDA device 0: {e}"))?;
+    open(0, options)
+}
+
+/// Opens GPU `ordinal` (the driver initialised) with its own pools, cache and kernels.
+fn open(ordinal: usize, options: DeviceOptions) -> Result<GpuDevice, String> {
+    let context =
+        CudaContext::new(ordinal).map_err(|e| format!("cannot open CUDA device {ordinal}: {e}"))?;
     let name = context.name().unwrap_or_else(|_| "unknown GPU".into());
     let compute_capability = context
         .compute_capability()

@@ -111,6 +111,9 @@ pub struct TopKSpec {
     pub per_task: bool,
     /// The session's settings the operator was planned with: a worker plans it again with them.
     pub settings: crate::config::GpuTopKConfig,
+    /// The device the selection runs on, where the rule split the input between devices
+    /// (`None`: the process's device).
+    pub device: Option<crate::device::DeviceSlot>,
 }
 
 /// Whether columns are being loaded into the column cache in the background after a run on
@@ -270,6 +273,9 @@ impl DisplayAs for GpuTopKExec {
                 }
                 if spec.per_task {
                     f.write_str(", per_task")?;
+                }
+                if let Some(device) = spec.device {
+                    write!(f, ", device={device}")?;
                 }
                 if verbose {
                     write!(f, ", reason=[{}]", spec.reason)?;

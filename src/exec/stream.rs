@@ -272,6 +272,7 @@ impl TopKRun {
             watch: Some(Arc::new(watch)),
             transfers: self.metrics.transfers.clone(),
             refined_rows: self.metrics.rows_refined.clone(),
+            device: spec.device.unwrap_or_default(),
             ..SelectionSpec::new(spec.layout.clone(), spec.k)
         }
     }

@@ -26,6 +26,12 @@
 //!
 //! Unbounded inputs are left to DataFusion (a top-k emits only once its input ends).
 //!
+//! With several devices (`gpu_topk.devices`), a merge over per-partition sorts of a file or
+//! in-memory scan becomes an operator per device, each over a contiguous run of the scan's
+//! partitions, under a `UnionExec` and one operator that merges their rows on the CPU path,
+//! reading the union's partitions in order so that ties keep the input order (`Split`). Under
+//! datafusion-distributed's planner the same split makes an operator per task instead.
+//!
 //! Before the top-k subtrees, the rule replaces each per-group top-k subtree (a filter on a
 //! `ROW_NUMBER()` window over a sort) with [`crate::exec::GpuGroupTopKExec`] (`group`), so
 //! that an outer top-k over its rows is then taken as any other.
@@ -52,12 +58,14 @@ use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
+use datafusion::physical_plan::union::UnionExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitioning};
 
 mod group;
 
 use crate::config::{Algorithm, Backend, GpuTopKConfig};
 use crate::cost::{self, Placement};
+use crate::device::DeviceSlot;
 use crate::exec::cannot_fail;
 use crate::exec::{GpuTopKExec, TopKSpec};
 use crate::fusion;
@@ -281,53 +289,30 @@ fn match_top_k(
         }
         _ => sort.expr().clone(),
     };
-    if distributed && merge_order.is_some() {
-        // Each task: the top k of its share of the input, yielding the sort's output (which
-        // `order` is over). The engine cuts the stage at the coalesce above it.
-        let absorbed = in_input_order(absorb_below(sort.input(), &order, None)?)?;
-        let schema = sort_node.schema();
-        let equivalences = sort_node.equivalence_properties().clone();
-        let per_task = Shape {
-            k,
-            skip: 0,
-            per_task: true,
-        };
-        let tasks = build_top_k(absorbed, per_task, config, schema, equivalences)?;
-        // Their merge, on the CPU path (k rows a task): it reads the coalesce's input
-        // partitions in order, so ties go to the first task, as in one process (DataFusion's
-        // merge would take tied rows from its inputs in turn).
-        let tasks: Arc<dyn ExecutionPlan> = Arc::new(CoalescePartitionsExec::new(Arc::new(tasks)));
-        let schema = tasks.schema();
-        let output_exprs = match above_sort {
-            Some(projection) => (projection.expr().iter())
-                .map(|p| Arc::clone(&p.expr))
-                .collect(),
-            None => (0..schema.fields().len())
-                .map(|i| Arc::new(Column::new(schema.field(i).name(), i)) as Arc<dyn PhysicalExpr>)
-                .collect(),
-        };
-        let merge = Absorbed {
-            input: tasks,
-            sort_exprs: order,
-            filter: None,
-            output_exprs,
-        };
-        let mut merge_config = config.clone();
-        merge_config.backend = Backend::Cpu;
-        let shape = Shape {
+    if merge_order.is_some() {
+        let split = Split {
+            sort_node,
+            order: &order,
+            above_sort,
             k,
             skip,
-            per_task: false,
         };
-        let equivalences = node.equivalence_properties().clone();
-        let exec = build_top_k(merge, shape, &merge_config, node.schema(), equivalences)?;
-        return Ok(Arc::new(exec));
+        if distributed {
+            return split.between_tasks(node, config);
+        }
+        let devices = resolve_devices(config).or_else(because)?;
+        if devices.len() > 1
+            && let Some(exec) = split.between_devices(node, config, &devices)?
+        {
+            return Ok(exec);
+        }
     }
     let absorbed = in_input_order(absorb_below(sort.input(), &order, above_sort)?)?;
     let shape = Shape {
         k,
         skip,
         per_task: false,
+        device: None,
     };
     let exec = build_top_k(
         absorbed,
@@ -340,12 +325,185 @@ fn match_top_k(
 }
 
 /// What a top-k operator selects: `k` rows (fetch + offset), of which the first `skip` are
-/// dropped; `per_task` when it is one task's part of a distributed top-k.
+/// dropped; `per_task` when it is one task's part of a distributed top-k; on which `device`
+/// where the input is split between devices.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Shape {
     pub k: usize,
     pub skip: usize,
     pub per_task: bool,
+    pub device: Option<DeviceSlot>,
+}
+
+/// A top-k over several partitions (a merge over per-partition sorts) run as parts, each over
+/// a contiguous run of the input's partitions, and one operator that merges their rows on
+/// the CPU path, reading the parts in order: ties go to the first part, whose rows come first
+/// in input order, as in one operator.
+struct Split<'a> {
+    /// The per-partition sort, whose output each part yields (and `order` is over).
+    sort_node: &'a Arc<dyn ExecutionPlan>,
+    order: &'a LexOrdering,
+    /// A column projection between the merge and the sort, which the merge applies.
+    above_sort: Option<&'a ProjectionExec>,
+    k: usize,
+    skip: usize,
+}
+
+impl Split<'_> {
+    /// The input below the sort, and the part operator over `input` (a share of it).
+    fn part(
+        &self,
+        input: Option<Arc<dyn ExecutionPlan>>,
+        (per_task, device): (bool, Option<DeviceSlot>),
+        config: &GpuTopKConfig,
+    ) -> std::result::Result<GpuTopKExec, Declined> {
+        let sort = self.sort_node.downcast_ref::<SortExec>().expect("a sort");
+        let mut absorbed = in_input_order(absorb_below(sort.input(), self.order, None)?)?;
+        if let Some(input) = input {
+            absorbed.input = input;
+        }
+        let shape = Shape {
+            k: self.k,
+            skip: 0,
+            per_task,
+            device,
+        };
+        let schema = self.sort_node.schema();
+        let equivalences = self.sort_node.equivalence_properties().clone();
+        build_top_k(absorbed, shape, config, schema, equivalences)
+    }
+
+    /// The merge of the parts' rows (`parts`: their output partitions, in order), with the
+    /// replaced `node`'s offset, columns and schema.
+    fn merge(
+        &self,
+        parts: Arc<dyn ExecutionPlan>,
+        node: &Arc<dyn ExecutionPlan>,
+        config: &GpuTopKConfig,
+    ) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
+        let schema = parts.schema();
+        let output_exprs = match self.above_sort {
+            Some(projection) => (projection.expr().iter())
+                .map(|p| Arc::clone(&p.expr))
+                .collect(),
+            None => (0..schema.fields().len())
+                .map(|i| Arc::new(Column::new(schema.field(i).name(), i)) as Arc<dyn PhysicalExpr>)
+                .collect(),
+        };
+        let merge = Absorbed {
+            input: parts,
+            sort_exprs: self.order.clone(),
+            filter: None,
+            output_exprs,
+        };
+        let mut merge_config = config.clone();
+        merge_config.backend = Backend::Cpu;
+        let shape = Shape {
+            k: self.k,
+            skip: self.skip,
+            per_task: false,
+            device: None,
+        };
+        let equivalences = node.equivalence_properties().clone();
+        let exec = build_top_k(merge, shape, &merge_config, node.schema(), equivalences)?;
+        Ok(Arc::new(exec))
+    }
+
+    /// Under a distributed engine: one part per task (marked per-task), which the engine
+    /// cuts from the merge at the coalesce between them (the merge reads through it).
+    fn between_tasks(
+        &self,
+        node: &Arc<dyn ExecutionPlan>,
+        config: &GpuTopKConfig,
+    ) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
+        let tasks = self.part(None, (true, None), config)?;
+        let tasks = Arc::new(CoalescePartitionsExec::new(Arc::new(tasks)));
+        self.merge(tasks, node, config)
+    }
+
+    /// With several devices: a part per device over its share of a file or in-memory scan's
+    /// partitions, each with its own device's column cache. `None` where the input is not such
+    /// a scan, or has fewer partitions than two.
+    fn between_devices(
+        &self,
+        node: &Arc<dyn ExecutionPlan>,
+        config: &GpuTopKConfig,
+        devices: &[DeviceSlot],
+    ) -> std::result::Result<Option<Arc<dyn ExecutionPlan>>, Declined> {
+        let sort = self.sort_node.downcast_ref::<SortExec>().expect("a sort");
+        let input = in_input_order(absorb_below(sort.input(), self.order, None)?)?.input;
+        let Some(slices) = scan_slices(&input, devices.len()) else {
+            return Ok(None);
+        };
+        let parts = (slices.into_iter().zip(devices))
+            .map(|(slice, &device)| {
+                let part = self.part(Some(slice), (false, Some(device)), config)?;
+                Ok(Arc::new(part) as Arc<dyn ExecutionPlan>)
+            })
+            .collect::<std::result::Result<Vec<_>, Declined>>()?;
+        let parts = UnionExec::try_new(parts)
+            .or_else(|e| because(format!("cannot join the devices' parts: {e}")))?;
+        self.merge(parts, node, config).map(Some)
+    }
+}
+
+/// `input`, a file or in-memory scan of at least two partitions, as at most `parts` scans of
+/// contiguous runs of its partitions, in order.
+fn scan_slices(
+    input: &Arc<dyn ExecutionPlan>,
+    parts: usize,
+) -> Option<Vec<Arc<dyn ExecutionPlan>>> {
+    let scan = input.downcast_ref::<DataSourceExec>()?;
+    let partitions = input.output_partitioning().partition_count();
+    if partitions < 2 {
+        return None;
+    }
+    let parts = parts.min(partitions);
+    let range = |part: usize| part * partitions / parts..(part + 1) * partitions / parts;
+    let source = scan.data_source();
+    if let Some(files) =
+        source.downcast_ref::<datafusion::datasource::physical_plan::FileScanConfig>()
+    {
+        return Some(
+            (0..parts)
+                .map(|part| {
+                    let mut slice = files.clone();
+                    slice.file_groups = files.file_groups[range(part)].to_vec();
+                    DataSourceExec::from_data_source(slice) as Arc<dyn ExecutionPlan>
+                })
+                .collect(),
+        );
+    }
+    let memory = source.downcast_ref::<datafusion::datasource::memory::MemorySourceConfig>()?;
+    if datafusion::datasource::source::DataSource::fetch(memory).is_some()
+        || !memory.sort_information().is_empty()
+    {
+        return None;
+    }
+    (0..parts)
+        .map(|part| {
+            let slice = datafusion::datasource::memory::MemorySourceConfig::try_new_exec(
+                &memory.partitions()[range(part)],
+                memory.original_schema(),
+                memory.projection().clone(),
+            )
+            .ok()?;
+            Some(slice as Arc<dyn ExecutionPlan>)
+        })
+        .collect()
+}
+
+/// The devices `gpu_topk.devices` names: `all` is every GPU the driver reports once the
+/// process's device is started (before, the one device planning may assume), a list their
+/// ordinals (one named twice is two logical devices, each with its own cache).
+fn resolve_devices(config: &GpuTopKConfig) -> std::result::Result<Vec<DeviceSlot>, String> {
+    match crate::config::device_ordinals(&config.devices)? {
+        Some(ordinals) => Ok(crate::device::slots(&ordinals)),
+        None => {
+            let count = crate::device::started_device_count().unwrap_or(1);
+            Ok(crate::device::slots(&(0..count).collect::<Vec<_>>()))
+        }
+    }
 }
 
 /// Whether the session plans for a distributed engine (datafusion-distributed's planner is
@@ -370,7 +528,12 @@ fn in_input_order(mut absorbed: Absorbed) -> std::result::Result<Absorbed, Decli
 /// plan stays.
 fn build_top_k(
     absorbed: Absorbed,
-    Shape { k, skip, per_task }: Shape,
+    Shape {
+        k,
+        skip,
+        per_task,
+        device,
+    }: Shape,
     config: &GpuTopKConfig,
     schema: datafusion::arrow::datatypes::SchemaRef,
     equivalences: datafusion::physical_expr::EquivalenceProperties,
@@ -413,7 +576,7 @@ fn build_top_k(
         );
         if cached
             && let Some(program) = &fusion.program
-            && let Some(resident) = resident_share(&absorbed.input, program)
+            && let Some(resident) = resident_share(&absorbed.input, program, device)
         {
             estimate.resident = resident;
             estimate.whole_table = true;
@@ -461,6 +624,7 @@ fn build_top_k(
         device_memory_limit: config.device_memory_limit,
         per_task,
         settings: config.clone(),
+        device,
     };
     GpuTopKExec::with_properties(absorbed.input, spec, schema, equivalences)
         .or_else(|e| because(format!("cannot build the operator: {e}")))
@@ -649,7 +813,7 @@ pub(super) fn group_device(
         &fusion,
         absorbed.filter.is_some(),
     );
-    if let Some(resident) = resident_share(&absorbed.input, &program) {
+    if let Some(resident) = resident_share(&absorbed.input, &program, None) {
         estimate.resident = resident;
         estimate.whole_table = true;
     }
@@ -697,15 +861,21 @@ fn replays_from_memory(input: &Arc<dyn ExecutionPlan>) -> bool {
 /// The share of the bytes a generated program reads from an in-memory input or Parquet files
 /// that the device's column cache already holds (the cost model counts no PCIe transfer for
 /// them); `None` where the input cannot be read as a whole table.
-fn resident_share(input: &Arc<dyn ExecutionPlan>, program: &fusion::FusedProgram) -> Option<f64> {
+fn resident_share(
+    input: &Arc<dyn ExecutionPlan>,
+    program: &fusion::FusedProgram,
+    slot: Option<DeviceSlot>,
+) -> Option<f64> {
     use crate::device::GpuStatus;
     use crate::select::table;
-    // A device not started yet holds nothing, and planning does not start it.
+    // A device not started yet holds nothing, and planning does not start it (another of the
+    // process's devices opens once the first is started).
     let device = match crate::device::probed_status() {
         Some(GpuStatus::Unavailable(_)) => return None,
-        Some(GpuStatus::Available(device)) => Some(device),
+        Some(GpuStatus::Available(_)) => crate::device::gpu_on(slot.unwrap_or_default()),
         None => None,
     };
+    let device = device.as_ref();
     if let Some(files) = crate::exec::parquet_input(input) {
         let columns = (program.inputs.iter())
             .map(|program_input| match program_input {

@@ -309,6 +309,8 @@ pub struct SelectionSpec {
     pub transfers: TransferMetrics,
     /// Rows whose key prefix tied the k-th candidate's, compared in full ([`prefix`]).
     pub refined_rows: Count,
+    /// The device a device selection runs on.
+    pub device: crate::device::DeviceSlot,
 }
 
 impl SelectionSpec {
@@ -324,6 +326,7 @@ impl SelectionSpec {
             watch: None,
             transfers: TransferMetrics::default(),
             refined_rows: Count::new(),
+            device: crate::device::DeviceSlot::default(),
         }
     }
 }
@@ -369,8 +372,9 @@ pub(crate) fn create_selector(spec: &SelectionSpec, plan: &SelectionPlan) -> Res
             );
         }
         SelectionPlan::Cuda { algorithm, input } => {
-            let device = crate::device::gpu()
-                .ok_or_else(|| DeviceError("no GPU available".into()).into_error())?;
+            let device = crate::device::gpu_on(spec.device).ok_or_else(|| {
+                DeviceError(format!("GPU {} unavailable", spec.device)).into_error()
+            })?;
             match input {
                 InputForm::Streamed => cuda::new_cuda_selector(spec, device, algorithm)?,
                 InputForm::WholeTable => {

@@ -1091,7 +1091,7 @@ impl CacheLoader {
     /// Runs `load` in the background with the loader, if there is a GPU and no other load
     /// runs. The device is started there where planning left it unstarted (the query ran on
     /// the CPU path before it could have started), so the query does not wait for it.
-    pub fn spawn<F, Fut>(load: F)
+    pub fn spawn<F, Fut>(slot: crate::device::DeviceSlot, load: F)
     where
         F: FnOnce(CacheLoader) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = ()> + Send + 'static,
@@ -1099,7 +1099,7 @@ impl CacheLoader {
         use std::sync::atomic::Ordering;
         STARTING.fetch_add(1, Ordering::SeqCst);
         tokio::spawn(async move {
-            let loader = tokio::task::spawn_blocking(CacheLoader::start).await;
+            let loader = tokio::task::spawn_blocking(move || CacheLoader::start(slot)).await;
             // The loader (if any) marks the cache as loading before this count drops.
             STARTING.fetch_sub(1, Ordering::SeqCst);
             if let Ok(Some(loader)) = loader {
@@ -1114,13 +1114,9 @@ impl CacheLoader {
             || crate::device::started_gpu().is_some_and(|d| d.column_cache.loading())
     }
 
-    /// The loader, where there is a GPU and no other load runs.
-    pub fn start() -> Option<Self> {
-        // The device lives as long as the process (`gpu_status` holds it in a static).
-        let device = match crate::device::gpu_status() {
-            crate::device::GpuStatus::Available(device) => device,
-            crate::device::GpuStatus::Unavailable(_) => return None,
-        };
+    /// The loader of the device in `slot`, where it is usable and no other load runs.
+    pub fn start(slot: crate::device::DeviceSlot) -> Option<Self> {
+        let device = crate::device::static_gpu_on(slot)?;
         let cache: &'static ColumnCache = &device.column_cache;
         let loading = cache.start_loading()?;
         Some(Self {

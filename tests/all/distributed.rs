@@ -78,7 +78,7 @@ fn coordinator(workers: &[String], partitions: usize) -> SessionContext {
 
 /// Queries whose every tie the operator breaks by input position; their oracle is the same
 /// query run by this process.
-const TWEET_QUERIES: &[&str] = &[
+pub(crate) const TWEET_QUERIES: &[&str] = &[
     tweets::QUERIES[0].1,
     tweets::QUERIES[1].1,
     tweets::QUERIES[2].1,
@@ -89,7 +89,7 @@ const TWEET_QUERIES: &[&str] = &[
 
 /// Tie-free queries, with plain DataFusion's answer as the oracle: the tie-heavy table in
 /// input order (`rid`), and an aggregate below the top-k.
-const ORACLE_QUERIES: &[(&str, &str)] = &[
+pub(crate) const ORACLE_QUERIES: &[(&str, &str)] = &[
     (
         "SELECT g, rid FROM t ORDER BY g LIMIT 400",
         "SELECT g, rid FROM t ORDER BY g, rid LIMIT 400",

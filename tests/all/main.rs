@@ -7,6 +7,7 @@ mod bad_input;
 mod cache;
 mod cli;
 mod common;
+mod devices;
 mod differential;
 mod distributed;
 mod files;

@@ -86,8 +86,10 @@ impl TopKRun {
             ))));
         }
         // Chunks past the last one whose zones let a row pass are not read.
-        let skip = (self.spec.filter.as_ref())
-            .and_then(|filter| super::zones::skip(filter, &schema, program, &inputs));
+        let skip = (self.spec.filter.as_ref()).and_then(|filter| {
+            let slot = self.spec.device.unwrap_or_default();
+            super::zones::skip(filter, &schema, program, &inputs, slot)
+        });
         if let Some(skip) = skip {
             self.metrics.chunks_skipped.add(skip.chunks);
             if skip.within == 0 {
@@ -287,7 +289,7 @@ impl TopKRun {
         };
         let input = Arc::clone(&self.input);
         let context = Arc::clone(&self.context);
-        CacheLoader::spawn(|loader| async move {
+        CacheLoader::spawn(self.spec.device.unwrap_or_default(), |loader| async move {
             // The next run's plan counts a compile the program still needs.
             if let Err(e) = loader.compile(&program) {
                 log::debug!("gpu-topk: the generated program did not compile: {e}");

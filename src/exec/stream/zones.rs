@@ -42,11 +42,14 @@ pub(super) fn skip(
     schema: &SchemaRef,
     program: &FusedProgram,
     inputs: &[TableInput<'_>],
+    slot: crate::device::DeviceSlot,
 ) -> Option<Skip> {
     if !cannot_fail::predicate(filter) {
         return None;
     }
-    let device = crate::device::started_gpu()?;
+    // The zones are the device's own (kept with its cached chunks).
+    crate::device::started_gpu()?;
+    let device = crate::device::gpu_on(slot)?;
     let mut zones = HashMap::new();
     for column in collect_columns(filter) {
         let at = (program.inputs.iter())

@@ -1,0 +1,87 @@
+//! A top-k split between devices (`gpu_topk.devices`): each device takes a contiguous run of
+//! a file or in-memory scan's partitions and the host merges their rows. Two logical devices
+//! of GPU 0 (and GPUs 0 and 1 where there are two); without a GPU, on the CPU path, the same
+//! plan of two parts and a merge.
+
+use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
+
+use crate::common::{
+    Storage, exact_rows, physical_plan, plain_session, plan_text, register_as, run, session,
+    session_with, test_dir,
+};
+use crate::distributed::{ORACLE_QUERIES, TWEET_QUERIES};
+use crate::files::ties_table;
+use crate::sessions::{test_backend, test_config};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_query_split_between_devices_gives_one_operators_rows() {
+    let tweets = tweets::tweets_partitions(&TweetsSpec::new(6_000), 6, 500).expect("tweets");
+    let ties = ties_table(23);
+    let dir = test_dir("devices");
+    let mut device_lists = vec![vec![0, 0]];
+    if test_backend() == datafusion_gpu_topk::Backend::Cuda {
+        datafusion_gpu_topk::internal::device::gpu_status(); // starts the device
+    }
+    let gpus = datafusion_gpu_topk::internal::device::started_device_count().unwrap_or(0);
+    if gpus >= 2 {
+        device_lists.push(vec![0, 1]);
+    }
+    for devices in &device_lists {
+        for storage in [
+            Storage::Parquet,
+            Storage::Csv,
+            Storage::Memory,
+            Storage::GpuTable,
+        ] {
+            let split = session_with(4, 100, test_config(true).with_devices(Some(devices)));
+            let one = session(true, 4, 100);
+            let plain = plain_session(4, storage);
+            for ctx in [&split, &one, &plain] {
+                register_as(ctx, "tweets", &tweets, storage, &dir).await;
+                register_as(ctx, "t", &ties, storage, &dir).await;
+            }
+            // A GpuTable is not split: its columns are one table in the column cache.
+            let sliced = storage != Storage::GpuTable;
+            for (i, sql) in TWEET_QUERIES.iter().enumerate() {
+                let text = plan_text(&physical_plan(&split, sql).await.expect("planned"));
+                let second = format!("device={}", if devices[1] == 0 { "0#1" } else { "1" });
+                // All but the last query read the scan directly; a computed column between
+                // (the last one's) leaves the top-k on one device.
+                let parts = match sliced && i + 1 < TWEET_QUERIES.len() {
+                    true => (3, true),
+                    false => (1, false),
+                };
+                assert_eq!(
+                    (text.matches("GpuTopKExec").count(), text.contains(&second)),
+                    parts,
+                    "{devices:?} {storage:?} {sql}:\n{text}"
+                );
+                let expected = exact_rows(&run(&one, sql).await.expect("one operator"));
+                let got = exact_rows(&run(&split, sql).await.expect("split"));
+                assert_eq!(got, expected, "{devices:?} {storage:?} {sql}:\n{text}");
+            }
+            for (sql, oracle) in ORACLE_QUERIES {
+                let expected = exact_rows(&run(&plain, oracle).await.expect("DataFusion"));
+                let got = exact_rows(&run(&split, sql).await.expect("split"));
+                assert_eq!(got, expected, "{devices:?} {storage:?} {sql}");
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_bad_device_list_is_refused_naming_it() {
+    let ctx = session(true, 2, 100);
+    for bad in ["x", "0,,1", "-1", ""] {
+        let err = ctx
+            .sql(&format!("SET gpu_topk.devices = '{bad}'"))
+            .await
+            .expect_err(bad)
+            .to_string();
+        assert!(err.contains("invalid gpu_topk.devices"), "{bad}: {err}");
+    }
+    ctx.sql("SET gpu_topk.devices = '1,0'")
+        .await
+        .expect("a list");
+    ctx.sql("SET gpu_topk.devices = 'ALL'").await.expect("all");
+}
