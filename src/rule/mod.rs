@@ -396,8 +396,10 @@ impl Split<'_> {
             filter: None,
             output_exprs,
         };
+        // The merge never runs on a device: no device fault is injected into it.
         let mut merge_config = config.clone();
         merge_config.backend = Backend::Cpu;
+        merge_config.inject_fault = crate::config::FaultPoint::None;
         let shape = Shape {
             k: self.k,
             skip: self.skip,

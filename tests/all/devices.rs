@@ -6,8 +6,8 @@
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
 
 use crate::common::{
-    Storage, exact_rows, physical_plan, plain_session, plan_text, register_as, run, session,
-    session_with, test_dir,
+    Storage, exact_rows, physical_plan, plain_session, plan_text, register_as, run, run_reporting,
+    session, session_with, test_dir,
 };
 use crate::distributed::{ORACLE_QUERIES, TWEET_QUERIES};
 use crate::files::ties_table;
@@ -84,4 +84,35 @@ async fn a_bad_device_list_is_refused_naming_it() {
         .await
         .expect("a list");
     ctx.sql("SET gpu_topk.devices = 'ALL'").await.expect("all");
+}
+
+/// A device that fails (here every part's, as its selection starts or at its final
+/// selection, which the device reaches on every path) moves that part to the CPU path; the
+/// answer stays one operator's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failing_device_leaves_the_split_answer_unchanged() {
+    use datafusion_gpu_topk::FaultPoint;
+    let tweets = tweets::tweets_partitions(&TweetsSpec::new(6_000), 6, 500).expect("tweets");
+    let dir = test_dir("devices-faults");
+    for storage in [Storage::Parquet, Storage::Memory] {
+        let one = session(true, 4, 100);
+        register_as(&one, "tweets", &tweets, storage, &dir).await;
+        for fault in [FaultPoint::Create, FaultPoint::Finish] {
+            let config = test_config(true)
+                .with_devices(Some(&[0, 0]))
+                .with_inject_fault(fault);
+            let split = session_with(4, 100, config);
+            register_as(&split, "tweets", &tweets, storage, &dir).await;
+            // Queries without a filter: both parts read rows (the first half of the table
+            // holds every row of Q1's time range).
+            for sql in [TWEET_QUERIES[1], TWEET_QUERIES[3]] {
+                let expected = exact_rows(&run(&one, sql).await.expect("one operator"));
+                let (got, report) = run_reporting(&split, sql).await;
+                assert_eq!(exact_rows(&got.expect("split")), expected, "{fault} {sql}");
+                assert_eq!(report.operators, 3, "{storage:?} {fault} {sql}");
+                // Each device's part fell back; the merge never runs on a device.
+                assert_eq!(report.fallbacks, 2, "{storage:?} {fault} {sql}: {report:?}");
+            }
+        }
+    }
 }
