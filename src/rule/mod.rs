@@ -350,18 +350,19 @@ struct Split<'a> {
 }
 
 impl Split<'_> {
-    /// The input below the sort, and the part operator over `input` (a share of it).
+    /// What is below the sort, absorbed, read in input order.
+    fn absorbed(&self) -> std::result::Result<Absorbed, Declined> {
+        let sort = self.sort_node.downcast_ref::<SortExec>().expect("a sort");
+        in_input_order(absorb_below(sort.input(), self.order, None)?)
+    }
+
+    /// A part: the operator over `absorbed` (or a share of its input).
     fn part(
         &self,
-        input: Option<Arc<dyn ExecutionPlan>>,
+        absorbed: Absorbed,
         (per_task, device): (bool, Option<DeviceSlot>),
         config: &GpuTopKConfig,
     ) -> std::result::Result<GpuTopKExec, Declined> {
-        let sort = self.sort_node.downcast_ref::<SortExec>().expect("a sort");
-        let mut absorbed = in_input_order(absorb_below(sort.input(), self.order, None)?)?;
-        if let Some(input) = input {
-            absorbed.input = input;
-        }
         let shape = Shape {
             k: self.k,
             skip: 0,
@@ -418,31 +419,37 @@ impl Split<'_> {
         node: &Arc<dyn ExecutionPlan>,
         config: &GpuTopKConfig,
     ) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
-        let tasks = self.part(None, (true, None), config)?;
+        let tasks = self.part(self.absorbed()?, (true, None), config)?;
         let tasks = Arc::new(CoalescePartitionsExec::new(Arc::new(tasks)));
         self.merge(tasks, node, config)
     }
 
     /// With several devices: a part per device over its share of a file or in-memory scan's
-    /// partitions, each with its own device's column cache. `None` where the input is not such
-    /// a scan, or has fewer partitions than two.
+    /// partitions, each with its own device's column cache. `None` (one operator) where the
+    /// input is not such a scan, has fewer partitions than two, or a part is declined.
     fn between_devices(
         &self,
         node: &Arc<dyn ExecutionPlan>,
         config: &GpuTopKConfig,
         devices: &[DeviceSlot],
     ) -> std::result::Result<Option<Arc<dyn ExecutionPlan>>, Declined> {
-        let sort = self.sort_node.downcast_ref::<SortExec>().expect("a sort");
-        let input = in_input_order(absorb_below(sort.input(), self.order, None)?)?.input;
-        let Some(slices) = scan_slices(&input, devices.len()) else {
+        let absorbed = self.absorbed()?;
+        let Some(slices) = scan_slices(&absorbed.input, devices.len()) else {
             return Ok(None);
         };
         let parts = (slices.into_iter().zip(devices))
             .map(|(slice, &device)| {
-                let part = self.part(Some(slice), (false, Some(device)), config)?;
-                Ok(Arc::new(part) as Arc<dyn ExecutionPlan>)
+                let share = Absorbed {
+                    input: slice,
+                    ..absorbed.clone()
+                };
+                let part = self.part(share, (false, Some(device)), config).ok()?;
+                Some(Arc::new(part) as Arc<dyn ExecutionPlan>)
             })
-            .collect::<std::result::Result<Vec<_>, Declined>>()?;
+            .collect::<Option<Vec<_>>>();
+        let Some(parts) = parts else {
+            return Ok(None);
+        };
         let parts = UnionExec::try_new(parts)
             .or_else(|e| because(format!("cannot join the devices' parts: {e}")))?;
         self.merge(parts, node, config).map(Some)
@@ -509,7 +516,8 @@ fn resolve_devices(config: &GpuTopKConfig) -> std::result::Result<Vec<DeviceSlot
 }
 
 /// Whether the session plans for a distributed engine (datafusion-distributed's planner is
-/// installed): its stages are cut at merges, so a top-k keeps DataFusion's merge above it.
+/// installed), whose stages are cut at coalesces: a top-k is then split into per-task parts
+/// and their merge ([`Split::between_tasks`]).
 fn distributed_planning(options: &ConfigOptions) -> bool {
     (options.extensions)
         .get::<datafusion_distributed::DistributedConfig>()
@@ -902,6 +910,7 @@ fn resident_share(
 
 /// The operator's inputs once the nodes below the sort are absorbed; every expression is
 /// rewritten against `input`'s schema.
+#[derive(Clone)]
 struct Absorbed {
     input: Arc<dyn ExecutionPlan>,
     sort_exprs: LexOrdering,
