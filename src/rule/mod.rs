@@ -383,14 +383,7 @@ impl Split<'_> {
         config: &GpuTopKConfig,
     ) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
         let schema = parts.schema();
-        let output_exprs = match self.above_sort {
-            Some(projection) => (projection.expr().iter())
-                .map(|p| Arc::clone(&p.expr))
-                .collect(),
-            None => (0..schema.fields().len())
-                .map(|i| Arc::new(Column::new(schema.field(i).name(), i)) as Arc<dyn PhysicalExpr>)
-                .collect(),
-        };
+        let output_exprs = output_columns(self.above_sort, &schema);
         let merge = Absorbed {
             input: parts,
             sort_exprs: self.order.clone(),
@@ -908,6 +901,22 @@ fn resident_share(
     Some(device.map_or(0.0, |d| table::resident_share(d, &inputs)))
 }
 
+/// The columns a top-k outputs: the expressions of the projection above its sort, or else
+/// every column of `schema` (the sort's input) as it is.
+fn output_columns(
+    above_sort: Option<&ProjectionExec>,
+    schema: &datafusion::arrow::datatypes::Schema,
+) -> Vec<Arc<dyn PhysicalExpr>> {
+    match above_sort {
+        Some(projection) => (projection.expr().iter())
+            .map(|p| Arc::clone(&p.expr))
+            .collect(),
+        None => (0..schema.fields().len())
+            .map(|i| Arc::new(Column::new(schema.field(i).name(), i)) as Arc<dyn PhysicalExpr>)
+            .collect(),
+    }
+}
+
 /// The operator's inputs once the nodes below the sort are absorbed; every expression is
 /// rewritten against `input`'s schema.
 #[derive(Clone)]
@@ -925,16 +934,7 @@ fn absorb_below(
     above_sort: Option<&ProjectionExec>,
 ) -> std::result::Result<Absorbed, Declined> {
     let schema = sort_input.schema();
-    let output_exprs = match above_sort {
-        Some(projection) => projection
-            .expr()
-            .iter()
-            .map(|p| Arc::clone(&p.expr))
-            .collect(),
-        None => (0..schema.fields().len())
-            .map(|i| Arc::new(Column::new(schema.field(i).name(), i)) as Arc<dyn PhysicalExpr>)
-            .collect(),
-    };
+    let output_exprs = output_columns(above_sort, &schema);
     let mut absorbed = Absorbed {
         input: Arc::clone(sort_input),
         sort_exprs: ordering.clone(),
