@@ -236,13 +236,15 @@ struct State {
 static REQUESTED_BUDGET: AtomicUsize = AtomicUsize::new(usize::MAX);
 
 /// Sets the device column cache's budget for the process: the device bytes every cached
-/// column together may hold (`None`: a quarter of the device's memory, the default; `Some(0)`:
-/// nothing is cached). It applies to every session at once, now and to a device opened later;
-/// entries beyond a smaller budget that no query is reading are evicted, least recently used
-/// first. A session turns the cache off for its own queries with `gpu_topk.column_cache`.
+/// column together may hold on each device (`None`: a quarter of the device's memory, the
+/// default; `Some(0)`: nothing is cached). It applies to every session and every device at
+/// once, now and to a device opened later; entries beyond a smaller budget that no query is
+/// reading are evicted, least recently used first. A session turns the cache off for its own
+/// queries with `gpu_topk.column_cache`.
 pub fn set_column_cache_budget(bytes: Option<usize>) {
     REQUESTED_BUDGET.store(bytes.unwrap_or(usize::MAX), Ordering::Release);
-    if let Some(device) = super::gpu() {
+    super::gpu(); // started, so that it too gets the budget now
+    for device in super::opened_devices() {
         device
             .column_cache
             .set_budget(bytes.unwrap_or(device.total_memory / 4));
@@ -262,6 +264,8 @@ pub struct ColumnCache {
     budget: AtomicUsize,
     /// Set while a background load fills the cache ([`ColumnCache::start_loading`]).
     loading: AtomicBool,
+    /// The device whose cache this is (planning's observations name it).
+    slot: super::DeviceSlot,
 }
 
 /// A background load of columns into the cache; the next may start once it is dropped.
@@ -286,7 +290,7 @@ impl std::fmt::Debug for ColumnCache {
 impl ColumnCache {
     /// An empty cache on a device of `device_memory` bytes: its budget is the process's
     /// ([`set_column_cache_budget`]), else a quarter of that memory.
-    pub(crate) fn new(device_memory: usize) -> Self {
+    pub(crate) fn new(device_memory: usize, slot: super::DeviceSlot) -> Self {
         let budget = match REQUESTED_BUDGET.load(Ordering::Acquire) {
             usize::MAX => device_memory / 4,
             requested => requested,
@@ -296,6 +300,7 @@ impl ColumnCache {
             clock: AtomicU64::new(0),
             budget: AtomicUsize::new(budget),
             loading: AtomicBool::new(false),
+            slot,
         }
     }
 
@@ -482,7 +487,7 @@ impl ColumnCache {
     /// observed (`observe_planning`).
     pub(crate) fn contains(&self, key: &CacheKey) -> bool {
         let held = self.holds_key(key);
-        super::observed(|o| o.resident.push((key.clone(), held)));
+        super::observed(|o| o.resident.push((self.slot, key.clone(), held)));
         held
     }
 
@@ -565,7 +570,7 @@ mod tests {
     /// takes effect at once; an entry a table pins is bounded by no budget.
     #[test]
     fn reservations_are_bounded_by_the_caches_own_budget() {
-        let cache = ColumnCache::new(4 << 20); // a quarter: 1 MiB
+        let cache = ColumnCache::new(4 << 20, Default::default()); // a quarter: 1 MiB
         assert_eq!(cache.budget(), 1 << 20);
         assert!(cache.reserve(600 << 10));
         assert!(
@@ -586,7 +591,7 @@ mod tests {
     /// One background load at a time; the next may start once it is done.
     #[test]
     fn one_background_load_at_a_time() {
-        let cache = ColumnCache::new(1 << 20);
+        let cache = ColumnCache::new(1 << 20, Default::default());
         let first = cache.start_loading().expect("idle");
         assert!(cache.loading());
         assert!(cache.start_loading().is_none());

@@ -86,6 +86,8 @@ type GeneratedSlot = Arc<Mutex<Option<Arc<GeneratedKernel>>>>;
 
 /// One CUDA device and its context, with the device-wide buffer pools and the kernels.
 pub struct GpuDevice {
+    /// Which of the process's devices this is (`(0, 0)`: the process's device, [`gpu`]).
+    pub slot: DeviceSlot,
     pub context: Arc<CudaContext>,
     pub name: String,
     /// Compute capability (major, minor), e.g. (9, 0) for the H100.
@@ -224,7 +226,7 @@ impl GpuDevice {
     /// CUBIN is in the disk cache: running it then compiles nothing.
     pub(crate) fn has_generated_kernel(&self, source: &str) -> bool {
         let compiled = self.compiled(source);
-        observed(|o| o.compiled.push((source.to_string(), compiled)));
+        observed(|o| o.compiled.push((self.slot, source.to_string(), compiled)));
         compiled
     }
 
@@ -352,23 +354,26 @@ pub(crate) fn planning_changed() {
 /// it is as valid as [`PlanningObservations::hold`] says.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PlanningObservations {
-    /// Cache keys looked up, and whether the cache held each.
-    resident: Vec<(column_cache::CacheKey, bool)>,
-    /// Generated programs asked about, and whether each was compiled.
-    compiled: Vec<(String, bool)>,
+    /// Cache keys looked up on each device, and whether its cache held each.
+    resident: Vec<(DeviceSlot, column_cache::CacheKey, bool)>,
+    /// Generated programs asked about on each device, and whether each was compiled.
+    compiled: Vec<(DeviceSlot, String, bool)>,
 }
 
 impl PlanningObservations {
-    /// Whether the device would answer every observation the same now.
+    /// Whether the devices would answer every observation the same now.
     pub fn hold(&self) -> bool {
-        let Some(device) = started_gpu() else {
-            return self.resident.iter().all(|(_, held)| !held)
-                && self.compiled.iter().all(|(_, compiled)| !compiled);
-        };
-        self.resident
-            .iter()
-            .all(|(key, held)| device.column_cache.holds_key(key) == *held)
-            && (self.compiled.iter()).all(|(source, compiled)| device.compiled(source) == *compiled)
+        if started_gpu().is_none() {
+            return self.resident.iter().all(|(_, _, held)| !held)
+                && self.compiled.iter().all(|(_, _, compiled)| !compiled);
+        }
+        // Every device observed was opened while planning: looking it up opens nothing.
+        let device = |slot: &DeviceSlot| static_gpu_on(*slot);
+        (self.resident.iter()).all(|(slot, key, held)| {
+            device(slot).is_some_and(|d| d.column_cache.holds_key(key)) == *held
+        }) && (self.compiled.iter()).all(|(slot, source, compiled)| {
+            device(slot).is_some_and(|d| d.compiled(source)) == *compiled
+        })
     }
 }
 
@@ -472,10 +477,28 @@ pub fn gpu_on(slot: DeviceSlot) -> Option<Arc<GpuDevice>> {
     static_gpu_on(slot).map(Arc::clone)
 }
 
+/// The devices opened besides the process's, by [`static_gpu_on`].
+static OTHERS: OnceLock<Mutex<HashMap<DeviceSlot, &'static GpuStatus>>> = OnceLock::new();
+
+/// Every usable device opened so far: the process's (if started) and those [`gpu_on`] opened.
+pub(crate) fn opened_devices() -> Vec<&'static Arc<GpuDevice>> {
+    let mut devices = Vec::new();
+    if let Some(GpuStatus::Available(first)) = probed_status() {
+        devices.push(first);
+    }
+    if let Some(others) = OTHERS.get() {
+        let others = others.lock().unwrap_or_else(|e| e.into_inner());
+        devices.extend(others.values().filter_map(|status| match status {
+            GpuStatus::Available(device) => Some(device),
+            GpuStatus::Unavailable(_) => None,
+        }));
+    }
+    devices
+}
+
 /// [`gpu_on`], as the process keeps it: like the process's device, every device opened
 /// lives as long as the process.
 pub(crate) fn static_gpu_on(slot: DeviceSlot) -> Option<&'static Arc<GpuDevice>> {
-    static OTHERS: OnceLock<Mutex<HashMap<DeviceSlot, &'static GpuStatus>>> = OnceLock::new();
     // The driver is initialised, and the libraries checked, by the process's device.
     let GpuStatus::Available(first) = gpu_status() else {
         return None;
@@ -486,7 +509,7 @@ pub(crate) fn static_gpu_on(slot: DeviceSlot) -> Option<&'static Arc<GpuDevice>>
     let mut others =
         (OTHERS.get_or_init(Default::default).lock()).unwrap_or_else(|e| e.into_inner());
     let status: &'static GpuStatus = others.entry(slot).or_insert_with(|| {
-        let opened = contain_panics(|| open(slot.ordinal, DeviceOptions::process().clone()));
+        let opened = contain_panics(|| open(slot, DeviceOptions::process().clone()));
         Box::leak(Box::new(match opened {
             Ok(Ok(device)) => GpuStatus::Available(Arc::new(device)),
             Ok(Err(reason)) | Err(reason) => {
@@ -520,11 +543,12 @@ fn detect() -> Result<GpuDevice, String> {
     if count < 1 {
         return Err("the CUDA driver reports no device".into());
     }
-    open(0, options)
+    open(DeviceSlot::default(), options)
 }
 
 /// Opens GPU `ordinal` (the driver initialised) with its own pools, cache and kernels.
-fn open(ordinal: usize, options: DeviceOptions) -> Result<GpuDevice, String> {
+fn open(slot: DeviceSlot, options: DeviceOptions) -> Result<GpuDevice, String> {
+    let ordinal = slot.ordinal;
     let context =
         CudaContext::new(ordinal).map_err(|e| format!("cannot open CUDA device {ordinal}: {e}"))?;
     let name = context.name().unwrap_or_else(|_| "unknown GPU".into());
@@ -547,7 +571,8 @@ fn open(ordinal: usize, options: DeviceOptions) -> Result<GpuDevice, String> {
         .map_err(|e| format!("cannot read the driver version: {e}"))?;
     Ok(GpuDevice {
         pool: Arc::new(BufferPool::new(Arc::clone(&context), total_memory / 4)),
-        column_cache: column_cache::ColumnCache::new(total_memory),
+        column_cache: column_cache::ColumnCache::new(total_memory, slot),
+        slot,
         pinned: Arc::new(PinnedPool::new(Arc::clone(&context), 1 << 30)),
         context,
         name,

@@ -102,7 +102,7 @@ const ORACLE: &str = "SELECT rid, v FROM t WHERE f < 0.5 ORDER BY v DESC, rid LI
 /// DataFusion over the same batches.
 fn sessions(data: Vec<Vec<RecordBatch>>, use_cache: bool) -> (SessionContext, SessionContext) {
     let partitions = data.len();
-    let config = GpuTopKConfig::default()
+    let config = crate::sessions::base_config()
         .with_backend(Backend::Cuda)
         .with_column_cache(use_cache);
     let ctx = session_with(partitions, 8192, config);
@@ -229,6 +229,50 @@ async fn a_small_budget_evicts_and_a_query_larger_than_it_still_runs() {
     check(&ctx, &plain, QUERY, ORACLE).await;
 }
 
+/// A table larger than one device's budget, split between two devices (GPUs 0 and 1, or two
+/// logical devices of GPU 0 on a one-GPU machine), stays resident: each device caches its
+/// share of the partitions, and a repeated query ships nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_table_larger_than_one_devices_budget_stays_resident_on_two() {
+    if !gpu_or_skip("a_table_larger_than_one_devices_budget_stays_resident_on_two") {
+        return;
+    }
+    let _serial = CACHE.lock().await;
+    use datafusion_gpu_topk::internal::device::{gpu_on, slots};
+    // f and v: 2 × 8 bytes × 600K rows = 9.6 MB in 6 partitions of 2 batches; the budget
+    // holds 6 MB, so not both columns on one device, but each device's half of them.
+    let data = table(6, 2, 50_000, 7);
+    let budget = 6 << 20;
+    let _budget = Budget::set(budget);
+    let (one, plain) = sessions(data.clone(), true);
+    for _ in 0..2 {
+        let report = check(&one, &plain, QUERY, ORACLE).await;
+        assert!(report.uploaded_bytes > 0, "one device: {report:?}");
+    }
+    let devices = crate::sessions::split_devices();
+    let config = GpuTopKConfig::default()
+        .with_backend(Backend::Cuda)
+        .with_devices(Some(&devices));
+    let split = session_with(6, 8192, config);
+    register(&split, "t", data);
+    check(&split, &plain, QUERY, ORACLE).await;
+    let warm = check(&split, &plain, QUERY, ORACLE).await;
+    assert_eq!(warm.operators, 3, "two parts and the merge: {warm:?}");
+    assert_eq!(warm.uploaded_bytes, 0, "{devices:?}: {warm:?}");
+    assert_eq!(
+        warm.resident_bytes,
+        2 * 8 * 600_000,
+        "{devices:?}: {warm:?}"
+    );
+    for slot in slots(&devices) {
+        let device = gpu_on(slot).expect("opened by the query");
+        // Each part's columns are 6 batches (3 partitions of 2) of this table.
+        let held: usize = ours(&device, 6).map(|e| e.bytes).sum();
+        assert!(held >= 8 * 600_000, "device {slot} holds {held} bytes");
+        assert!(device.column_cache.bytes() <= budget, "device {slot}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 8)]
 async fn concurrent_and_cancelled_queries_leave_no_entry_in_use() {
     if !gpu_or_skip("concurrent_and_cancelled_queries_leave_no_entry_in_use") {
@@ -290,7 +334,7 @@ async fn the_cache_is_used_for_tables_and_parquet_files_and_can_be_turned_off() 
     assert!(!uses_cache(off).await);
     let dir = test_dir("cache-planning");
     for (storage, cached) in [(Storage::Parquet, gpu_present), (Storage::Csv, false)] {
-        let config = GpuTopKConfig::default().with_backend(Backend::Cuda);
+        let config = crate::sessions::base_config().with_backend(Backend::Cuda);
         let ctx = session_with(2, 8192, config);
         register_as(&ctx, "t", &data, storage, &dir).await;
         assert_eq!(uses_cache(ctx).await, cached, "{storage:?}");
@@ -323,7 +367,7 @@ async fn parquet_sessions(
     partitions: usize,
 ) -> (SessionContext, SessionContext) {
     use datafusion::prelude::ParquetReadOptions;
-    let config = GpuTopKConfig::default().with_backend(Backend::Cuda);
+    let config = crate::sessions::base_config().with_backend(Backend::Cuda);
     let ctx = session_with(partitions, 8192, config);
     let plain = plain_session_with(partitions, 8192, Storage::Parquet);
     for c in [&ctx, &plain] {
@@ -452,7 +496,7 @@ fn gpu_table_sessions(
     data: Vec<Vec<RecordBatch>>,
 ) -> (SessionContext, SessionContext, Arc<GpuTable>) {
     let partitions = data.len();
-    let config = GpuTopKConfig::default().with_backend(Backend::Cuda);
+    let config = crate::sessions::base_config().with_backend(Backend::Cuda);
     let ctx = session_with(partitions, 8192, config);
     let table = Arc::new(GpuTable::try_new(data[0][0].schema(), data.clone()).unwrap());
     ctx.register_table("t", table.clone()).unwrap();
@@ -570,7 +614,7 @@ async fn auto_loads_the_columns_after_a_cold_run_on_the_cpu_path() {
     write_parquet(&dir, &data, 50_000);
     // In memory: 10 batches; in Parquet files: 20 row groups.
     for (storage, chunks) in [(Storage::Memory, 10), (Storage::Parquet, 20)] {
-        let ctx = session_with(2, 8192, GpuTopKConfig::default());
+        let ctx = session_with(2, 8192, crate::sessions::base_config());
         let plain = plain_session_with(2, 8192, storage);
         if storage == Storage::Memory {
             register(&ctx, "t", data.clone());
@@ -620,7 +664,7 @@ async fn a_kept_plan_follows_the_residency_of_its_own_columns() {
     let device = gpu().expect("checked above");
     let data = table(2, 5, 100_000, 17);
     let other = table(2, 5, 100_000, 18);
-    let ctx = session_with(2, 8192, GpuTopKConfig::default());
+    let ctx = session_with(2, 8192, crate::sessions::base_config());
     let plain = plain_session_with(2, 8192, Storage::Memory);
     for c in [&ctx, &plain] {
         register(c, "t", data.clone());
@@ -656,7 +700,7 @@ async fn a_kept_plan_follows_the_residency_of_its_own_columns() {
     let cuda = session_with(
         2,
         8192,
-        GpuTopKConfig::default().with_backend(Backend::Cuda),
+        crate::sessions::base_config().with_backend(Backend::Cuda),
     );
     register(&cuda, "u", other.clone());
     cuda.sql(other_query)
