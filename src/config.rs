@@ -165,7 +165,8 @@ extensions_options! {
         /// The GPUs a top-k over several partitions is split between: `all` (every GPU the
         /// driver reports) or their ordinals, e.g. `0,1`. Each takes a contiguous run of a
         /// file or in-memory scan's partitions, selects its top k with its own column cache,
-        /// and the rows are merged on the host. A GPU named twice is two logical devices.
+        /// and the rows are merged on the host; the best k-th key of any device prunes every
+        /// device's scans. A GPU named twice is two logical devices.
         pub devices: String, default = "all".to_string()
     }
 }

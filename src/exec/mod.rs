@@ -35,6 +35,8 @@
 //!
 //! The running threshold is published through a [`DynamicFilterPhysicalExpr`] that DataFusion's
 //! `FilterPushdown(Post)` hands to the scans below, so they can skip row groups that cannot win.
+//! The parts of a top-k split between devices share it: the best k-th key of any part goes to
+//! every part's scans.
 //! Memory for retained rows is reserved from DataFusion's memory pool.
 
 pub(crate) mod cannot_fail;
@@ -46,6 +48,7 @@ mod parquet;
 mod row_store;
 mod stream;
 
+use dynamic_filter::{Publisher, SharedThreshold};
 pub use group_topk::{GpuGroupTopKExec, GroupDevicePlan, RankFunction};
 pub(crate) use memory::{MemoryInput, memory_input, table_inputs};
 pub(crate) use parquet::parquet_input;
@@ -148,6 +151,8 @@ pub struct GpuTopKExec {
     properties: Arc<PlanProperties>,
     /// Why the last execution left the GPU for the CPU path, if it did (EXPLAIN ANALYZE).
     fallback: Arc<Mutex<Option<String>>>,
+    /// The threshold this operator shares with the other parts of a split top-k, if it is one.
+    shared_threshold: Option<Arc<SharedThreshold>>,
 }
 
 impl GpuTopKExec {
@@ -193,7 +198,22 @@ impl GpuTopKExec {
             metrics: ExecutionPlanMetricsSet::new(),
             properties: Arc::new(properties),
             fallback: Arc::default(),
+            shared_threshold: None,
         })
+    }
+
+    /// Makes `parts` (operators over shares of one input, whose rows one merge ranks) share
+    /// their threshold: the best k-th key of any part prunes every part's scans.
+    pub(crate) fn share_threshold(mut parts: Vec<GpuTopKExec>) -> Vec<GpuTopKExec> {
+        let filters = parts
+            .iter()
+            .map(|p| Arc::clone(&p.dynamic_filter))
+            .collect();
+        let shared = Arc::new(SharedThreshold::new(filters));
+        for part in &mut parts {
+            part.shared_threshold = Some(Arc::clone(&shared));
+        }
+        parts
     }
 
     pub fn input(&self) -> &Arc<dyn ExecutionPlan> {
@@ -225,6 +245,7 @@ impl GpuTopKExec {
             metrics: self.metrics.clone(),
             properties: Arc::clone(&self.properties),
             fallback: Arc::clone(&self.fallback),
+            shared_threshold: self.shared_threshold.clone(),
         }
     }
 }
@@ -378,6 +399,9 @@ impl ExecutionPlan for GpuTopKExec {
         // than replaced: the next execution (a recursive query's next round, a reused plan)
         // must neither prune by the last run's threshold nor lose the pushdown.
         self.dynamic_filter.update(lit(true))?;
+        if let Some(shared) = &self.shared_threshold {
+            shared.reset();
+        }
         let mut fresh = self.with_input(Arc::clone(&self.input));
         fresh.metrics = ExecutionPlanMetricsSet::new();
         fresh.fallback = Arc::default();
@@ -404,7 +428,10 @@ impl ExecutionPlan for GpuTopKExec {
             input,
             Arc::clone(&self.spec),
             Arc::clone(&self.schema),
-            Arc::clone(&self.dynamic_filter),
+            Publisher {
+                own: Arc::clone(&self.dynamic_filter),
+                shared: self.shared_threshold.clone(),
+            },
             &self.metrics,
             Arc::clone(&self.fallback),
             context,

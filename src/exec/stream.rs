@@ -14,7 +14,7 @@ use datafusion::common::runtime::JoinSet;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
-use datafusion::physical_expr::expressions::{Column, DynamicFilterPhysicalExpr};
+use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::{PhysicalExpr, PhysicalSortExpr};
 use datafusion::physical_plan::metrics::ExecutionPlanMetricsSet;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
@@ -31,7 +31,7 @@ mod zones;
 pub(super) use whole_table::{RowLocator, gather_rows, table_starts};
 
 use super::TopKSpec;
-use super::dynamic_filter::threshold_predicate;
+use super::dynamic_filter::{Publisher, threshold_predicate};
 use super::metrics::TopKMetrics;
 use super::row_store::RowStore;
 use crate::config::FaultPoint;
@@ -47,7 +47,7 @@ pub(super) fn execute(
     input: Arc<dyn ExecutionPlan>,
     spec: Arc<TopKSpec>,
     schema: SchemaRef,
-    dynamic_filter: Arc<DynamicFilterPhysicalExpr>,
+    publisher: Publisher,
     metrics: &ExecutionPlanMetricsSet,
     fallback: Arc<Mutex<Option<String>>>,
     context: Arc<TaskContext>,
@@ -61,7 +61,7 @@ pub(super) fn execute(
         input,
         spec,
         schema: Arc::clone(&schema),
-        dynamic_filter,
+        publisher,
         metrics: TopKMetrics::new(metrics),
         context,
     };
@@ -79,7 +79,7 @@ struct TopKRun {
     input: Arc<dyn ExecutionPlan>,
     spec: Arc<TopKSpec>,
     schema: SchemaRef,
-    dynamic_filter: Arc<DynamicFilterPhysicalExpr>,
+    publisher: Publisher,
     metrics: TopKMetrics,
     context: Arc<TaskContext>,
     reservation: MemoryReservation,
@@ -139,7 +139,7 @@ struct Shared {
     store_schema: SchemaRef,
     /// Index of the first sort key's column in the stored batches (the keys follow it).
     first_key: usize,
-    dynamic_filter: Arc<DynamicFilterPhysicalExpr>,
+    publisher: Publisher,
     reservation: MemoryReservation,
     metrics: TopKMetrics,
     fallback: Arc<Mutex<Option<String>>>,
@@ -187,7 +187,7 @@ impl TopKRun {
             InputForm::Streamed => plan,
             InputForm::WholeTable => match self.run_whole_table(&plan).await? {
                 WholeTable::Done(batch) => {
-                    self.dynamic_filter.mark_complete();
+                    self.publisher.own.mark_complete();
                     self.metrics.output_rows.add(batch.num_rows());
                     return Ok(batch);
                 }
@@ -239,7 +239,7 @@ impl TopKRun {
             .lock_store()
             .rows
             .gather(&winners[skip..], &self.schema)?;
-        self.dynamic_filter.mark_complete();
+        self.publisher.own.mark_complete();
         self.metrics.output_rows.add(batch.num_rows());
         if plan.warm_up() {
             self.warm_up();
@@ -342,7 +342,7 @@ impl TopKRun {
             }),
             store_schema: Arc::new(Schema::new(fields)),
             first_key,
-            dynamic_filter: Arc::clone(&self.dynamic_filter),
+            publisher: self.publisher.clone(),
             reservation: self.reservation.new_empty(),
             metrics: self.metrics.clone(),
             fallback: Arc::clone(&self.fallback),
@@ -448,11 +448,9 @@ impl Shared {
         let first = self.spec.sort_exprs.first();
         // Not for floats (Parquet statistics leave NaNs out, so a scan would prune row groups
         // whose NaNs belong in the answer) nor dictionaries: see `compares_with_threshold`.
-        if self.spec.layout.specs()[0].compares_with_threshold()
-            && self.spec.scans_may_skip_rows()
-            && let Some(predicate) = threshold_predicate(first, &value)?
+        if self.spec.layout.specs()[0].compares_with_threshold() && self.spec.scans_may_skip_rows()
         {
-            self.dynamic_filter.update(predicate)?;
+            self.publisher.publish(first, value.clone())?;
         }
         // The same bound over the stored rows' key column drops rows that can no longer win.
         let stored_key = PhysicalSortExpr::new(

@@ -436,13 +436,16 @@ impl Split<'_> {
                     input: slice,
                     ..absorbed.clone()
                 };
-                let part = self.part(share, (false, Some(device)), config).ok()?;
-                Some(Arc::new(part) as Arc<dyn ExecutionPlan>)
+                self.part(share, (false, Some(device)), config).ok()
             })
             .collect::<Option<Vec<_>>>();
         let Some(parts) = parts else {
             return Ok(None);
         };
+        // The best k-th key of any device prunes every device's scans.
+        let parts = (GpuTopKExec::share_threshold(parts).into_iter())
+            .map(|part| Arc::new(part) as Arc<dyn ExecutionPlan>)
+            .collect();
         let parts = UnionExec::try_new(parts)
             .or_else(|e| because(format!("cannot join the devices' parts: {e}")))?;
         self.merge(parts, node, config).map(Some)

@@ -69,6 +69,51 @@ async fn a_query_split_between_devices_gives_one_operators_rows() {
     }
 }
 
+/// Every part publishes its k-th key to the parts' shared threshold, and the best of them
+/// prunes every part's scans: by `id` (increasing with the input), the second part holds the
+/// answer, and its threshold becomes the first part's too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_devices_share_their_threshold() {
+    let tweets = tweets::tweets_partitions(&TweetsSpec::new(6_000), 6, 500).expect("tweets");
+    let dir = test_dir("devices-threshold");
+    let sql = "SELECT id FROM tweets ORDER BY id DESC LIMIT 25";
+    for storage in [Storage::Parquet, Storage::Csv, Storage::Memory] {
+        let split = session_with(4, 100, test_config(true).with_devices(Some(&[0, 0])));
+        register_as(&split, "tweets", &tweets, storage, &dir).await;
+        let plan = physical_plan(&split, sql).await.expect("planned");
+        let ctx = split.task_ctx();
+        let rows = datafusion::physical_plan::collect(std::sync::Arc::clone(&plan), ctx).await;
+        let rows = exact_rows(&rows.expect("ran"));
+        let kth = rows.last().expect("25 rows").clone();
+        let text = plan_text(&plan);
+        let parts: Vec<&str> = text.lines().filter(|l| l.contains("device=")).collect();
+        assert_eq!(parts.len(), 2, "{storage:?}:\n{text}");
+        // The device's streamed selection (over CSV) keeps its candidates on the device and
+        // publishes no threshold; the CPU path's does, and so does a whole table's selection
+        // with its last row.
+        let published = parts.iter().filter(|p| p.contains("threshold=")).count();
+        if test_backend() == datafusion_gpu_topk::Backend::Cpu || storage != Storage::Csv {
+            assert_eq!(published, 2, "{storage:?}:\n{text}");
+        }
+        // Ids are unique and the first part's all smaller than the second's: the first part
+        // shows a threshold of the second's rows only if it was shared. It is never tighter
+        // than the answer's k-th id.
+        let thresholds: Vec<i64> = (parts.iter())
+            .filter_map(|p| p.split(" >= ").nth(1))
+            .map(|rest| rest[..rest.find(']').expect("]")].parse().expect("an id"))
+            .collect();
+        assert!(
+            thresholds.windows(2).all(|w| w[0] == w[1]),
+            "{storage:?}: {thresholds:?}:\n{text}"
+        );
+        let kth: i64 = kth.parse().expect("an id");
+        assert!(
+            thresholds.iter().all(|&t| t <= kth),
+            "{storage:?} {kth}:\n{text}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_bad_device_list_is_refused_naming_it() {
     let ctx = session(true, 2, 100);
@@ -88,18 +133,19 @@ async fn a_bad_device_list_is_refused_naming_it() {
 
 /// A device that fails (here every part's, as its selection starts or at its final
 /// selection, which the device reaches on every path) moves that part to the CPU path; the
-/// answer stays one operator's.
+/// answer stays one operator's. GPUs 0 and 1 where there are two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failing_device_leaves_the_split_answer_unchanged() {
     use datafusion_gpu_topk::FaultPoint;
     let tweets = tweets::tweets_partitions(&TweetsSpec::new(6_000), 6, 500).expect("tweets");
     let dir = test_dir("devices-faults");
+    let devices = crate::sessions::split_devices();
     for storage in [Storage::Parquet, Storage::Memory] {
         let one = session(true, 4, 100);
         register_as(&one, "tweets", &tweets, storage, &dir).await;
         for fault in [FaultPoint::Create, FaultPoint::Finish] {
             let config = test_config(true)
-                .with_devices(Some(&[0, 0]))
+                .with_devices(Some(&devices))
                 .with_inject_fault(fault);
             let split = session_with(4, 100, config);
             register_as(&split, "tweets", &tweets, storage, &dir).await;

@@ -25,7 +25,7 @@ use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_plan::ExecutionPlan;
 
-use super::{TopKRun, check_empty_batch, threshold_predicate};
+use super::{TopKRun, check_empty_batch};
 use crate::cost::SelectionPlan;
 use crate::device::column_cache::CacheKey;
 use crate::exec::{memory_input, parquet_input, table_inputs};
@@ -428,10 +428,7 @@ impl TopKRun {
             return Ok(());
         }
         let value = datafusion::common::ScalarValue::try_from_array(&key, 0)?;
-        if let Some(predicate) = threshold_predicate(first, &value)? {
-            self.dynamic_filter.update(predicate)?;
-        }
-        Ok(())
+        self.publisher.publish(first, value)
     }
 }
 
