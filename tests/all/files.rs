@@ -23,7 +23,6 @@ use datafusion::logical_expr::{
     ColumnarValue, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl, Signature, Volatility,
 };
 use datafusion::prelude::SessionContext;
-use datafusion_gpu_topk::GpuTopKConfig;
 use datafusion_gpu_topk::internal::config::FaultPoint;
 
 use crate::common::{
@@ -33,7 +32,7 @@ use crate::common::{
 
 /// A session with the operator (injecting `fault`) and the `jitter` function.
 fn session_with_fault(partitions: usize, fault: FaultPoint) -> SessionContext {
-    let gpu = GpuTopKConfig::default()
+    let gpu = crate::sessions::base_config()
         .with_backend(test_backend())
         .with_inject_fault(fault);
     let ctx = session_with(partitions, 100, gpu);

@@ -14,7 +14,7 @@ use datafusion_gpu_topk::internal::device::kernels::{
     compile_generated, kernels_without_dependency_wait, nvrtc_available,
 };
 use datafusion_gpu_topk::internal::fusion::{FusedProgram, KernelInput, Part};
-use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
+use datafusion_gpu_topk::{Backend, GpuTopKExec, SessionStateBuilderExt};
 
 use crate::common::{physical_plan, register};
 use crate::differential::{schema, table};
@@ -24,7 +24,7 @@ fn planning_session() -> SessionContext {
     let state = SessionStateBuilder::new()
         .with_config(SessionConfig::new().with_target_partitions(2))
         .with_default_features()
-        .with_gpu_topk(GpuTopKConfig::default().with_backend(Backend::Cpu))
+        .with_gpu_topk(crate::sessions::base_config().with_backend(Backend::Cpu))
         .build();
     SessionContext::new_with_state(state)
 }
@@ -432,7 +432,7 @@ async fn string_predicates_run_on_the_device_over_whole_tables_only() {
             .with_config(SessionConfig::new().with_target_partitions(2))
             .with_default_features()
             .with_gpu_topk(
-                GpuTopKConfig::default()
+                crate::sessions::base_config()
                     .with_backend(Backend::Cpu)
                     .with_column_cache(false),
             )

@@ -42,7 +42,7 @@ use datafusion::prelude::SessionContext;
 
 use crate::common::{
     Rng, Storage, count_gpu_topk, exact_rows, plain_session_with, register_as, run, run_oracle,
-    session, test_backend, test_dir,
+    test_backend, test_dir,
 };
 use crate::differential::{ExprGen, same_error_text, schema, table};
 use crate::slt_format::{column_type, format_rows};
@@ -587,16 +587,25 @@ async fn group_check(sessions: &Sessions, sql: &str, taken: &mut usize) -> Optio
     ))
 }
 
-/// Ours (`enabled`) or the oracle, which reads every row of files (see
-/// `common::plain_session`).
+/// Ours (`enabled`; split between devices over an even number of partitions) or the oracle,
+/// which reads every row of files (see `common::plain_session`).
 fn context(
     enabled: bool,
     partitions: usize,
     batch_size: usize,
     storage: Storage,
 ) -> SessionContext {
+    // Half the setups split the top-k between two devices (see `split_devices`).
+    let devices = match partitions % 2 {
+        0 => crate::sessions::split_devices(),
+        _ => vec![0],
+    };
     match enabled {
-        true => session(true, partitions, batch_size),
+        true => crate::common::session_with(
+            partitions,
+            batch_size,
+            crate::sessions::test_config(true).with_devices(Some(&devices)),
+        ),
         false => plain_session_with(partitions, batch_size, storage),
     }
 }

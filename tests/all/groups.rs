@@ -337,15 +337,15 @@ fn dictionary_table(data: &[Vec<RecordBatch>]) -> Vec<Vec<RecordBatch>> {
 /// with the same answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_gpu_selects_per_group_as_the_cpu_path() {
+    use datafusion_gpu_topk::Backend;
     use datafusion_gpu_topk::internal::device::gpu;
-    use datafusion_gpu_topk::{Backend, GpuTopKConfig};
 
     if gpu().is_none() {
         eprintln!("SKIP the_gpu_selects_per_group_as_the_cpu_path: no GPU");
         return;
     }
     let dir = test_dir("groups-device");
-    let config = |backend| GpuTopKConfig::default().with_backend(backend);
+    let config = |backend| crate::sessions::base_config().with_backend(backend);
     let mut algorithms = std::collections::HashSet::new();
     for (groups, partitions) in [(40, 3), (1, 2), (5000, 4)] {
         let data = table(20_000, partitions, groups);

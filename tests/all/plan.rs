@@ -9,7 +9,7 @@ use datafusion::physical_plan::{ExecutionPlan, collect};
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_gpu_topk::internal::config::FaultPoint;
 use datafusion_gpu_topk::internal::device::gpu;
-use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
+use datafusion_gpu_topk::{Backend, GpuTopKExec, SessionStateBuilderExt};
 use futures::StreamExt;
 
 use crate::common::{
@@ -242,7 +242,7 @@ async fn auto_without_a_gpu_keeps_datafusions_topk() {
         eprintln!("SKIP auto_without_a_gpu_keeps_datafusions_topk: a GPU is present");
         return;
     }
-    let config = GpuTopKConfig::default().with_backend(Backend::Auto);
+    let config = crate::sessions::base_config().with_backend(Backend::Auto);
     let state = SessionStateBuilder::new()
         .with_default_features()
         .with_gpu_topk(config)
@@ -353,7 +353,7 @@ async fn with_gpu_topk_keeps_the_users_config_and_places_the_rule() {
     let state = SessionStateBuilder::new()
         .with_config(SessionConfig::new().with_batch_size(123))
         .with_default_features()
-        .with_gpu_topk(GpuTopKConfig::default())
+        .with_gpu_topk(crate::sessions::base_config())
         .build();
     assert_eq!(state.config().batch_size(), 123);
     let names: Vec<&str> = state
@@ -414,7 +414,7 @@ async fn gpu_fault_falls_back_to_the_cpu_path() {
         )
         .with_default_features()
         .with_gpu_topk(
-            GpuTopKConfig::default()
+            crate::sessions::base_config()
                 .with_backend(Backend::Cuda)
                 .with_inject_fault(FaultPoint::Push(1)),
         )
@@ -455,7 +455,7 @@ async fn retained_rows_are_reserved_from_the_memory_pool() {
         .with_config(SessionConfig::new().with_target_partitions(2))
         .with_runtime_env(runtime)
         .with_default_features()
-        .with_gpu_topk(GpuTopKConfig::default().with_backend(test_backend()))
+        .with_gpu_topk(crate::sessions::base_config().with_backend(test_backend()))
         .build();
     let ctx = SessionContext::new_with_state(state);
     register(&ctx, "t", numbers(2, 400_000));
@@ -483,7 +483,7 @@ fn model_session(backend: Backend) -> SessionContext {
     let state = SessionStateBuilder::new()
         .with_config(SessionConfig::new().with_target_partitions(2))
         .with_default_features()
-        .with_gpu_topk(GpuTopKConfig::default().with_backend(backend))
+        .with_gpu_topk(crate::sessions::base_config().with_backend(backend))
         .build();
     SessionContext::new_with_state(state)
 }
@@ -535,7 +535,7 @@ async fn the_cost_model_chooses_and_explains() {
             .with_config(SessionConfig::new().with_target_partitions(2))
             .with_default_features()
             .with_gpu_topk(
-                GpuTopKConfig::default()
+                crate::sessions::base_config()
                     .with_backend(Backend::Cuda)
                     .with_column_cache(false),
             )

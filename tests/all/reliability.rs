@@ -24,7 +24,7 @@ use datafusion::physical_plan::collect;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_gpu_topk::internal::config::{DeviceOp, FaultPoint};
 use datafusion_gpu_topk::internal::device::{GpuStatus, gpu_status};
-use datafusion_gpu_topk::{Backend, GpuTopKConfig, SessionStateBuilderExt};
+use datafusion_gpu_topk::{Backend, SessionStateBuilderExt};
 use futures::StreamExt;
 
 use crate::common::{
@@ -83,7 +83,7 @@ async fn a_fault_at_any_device_operation_gives_datafusions_answer_and_frees_memo
             for fuse in [true, false] {
                 for op in DeviceOp::ALL {
                     for n in 1..=MAX_POINTS {
-                        let config = GpuTopKConfig::default()
+                        let config = crate::sessions::base_config()
                             .with_backend(Backend::Cuda)
                             .with_algorithm(algorithm.parse().unwrap())
                             .with_fuse_expressions(fuse)
@@ -141,7 +141,7 @@ async fn a_query_over_the_device_memory_limit_falls_back_and_says_why() {
     for (sql, oracle) in FAULT_QUERIES {
         let want = run_oracle(&plain, oracle).await.map_err(|e| e.to_string());
         for (limit, falls_back) in [(64 << 10, true), (1 << 30, false)] {
-            let config = GpuTopKConfig::default()
+            let config = crate::sessions::base_config()
                 .with_backend(Backend::Cuda)
                 .with_device_memory_limit(limit);
             let ctx = session_with(2, 100, config);
@@ -209,7 +209,7 @@ async fn under_a_memory_limit_large_k_completes_or_reports_resources_exhausted()
                 .with_config(SessionConfig::new().with_target_partitions(4))
                 .with_runtime_env(runtime)
                 .with_default_features()
-                .with_gpu_topk(GpuTopKConfig::default().with_backend(test_backend()))
+                .with_gpu_topk(crate::sessions::base_config().with_backend(test_backend()))
                 .build();
             let ctx = SessionContext::new_with_state(state);
             register_as(&ctx, "t", &data, storage, &dir).await;
@@ -248,7 +248,7 @@ async fn cancelled_queries_release_what_they_held() {
         let ctx = session_with(
             3,
             100,
-            GpuTopKConfig::default().with_backend(test_backend()),
+            crate::sessions::base_config().with_backend(test_backend()),
         );
         register_as(&plain, "t", &data, storage, &dir).await;
         register_as(&ctx, "t", &data, storage, &dir).await;
@@ -306,7 +306,7 @@ async fn concurrent_queries_under_a_small_device_budget() {
     for (_, oracle) in &queries {
         wanted.push(run_oracle(&plain, oracle).await.map_err(|e| e.to_string()));
     }
-    let config = GpuTopKConfig::default()
+    let config = crate::sessions::base_config()
         .with_backend(test_backend())
         .with_device_memory_limit(96 << 10);
     let ctx = session_with(4, 100, config);

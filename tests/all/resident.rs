@@ -20,14 +20,14 @@ use datafusion_gpu_topk::internal::device::{
 use datafusion_gpu_topk::internal::exec::TopKSpec;
 use datafusion_gpu_topk::internal::fusion::{ENTRY, FusedProgram, Part};
 use datafusion_gpu_topk::internal::select::table::ResidentColumns;
-use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
+use datafusion_gpu_topk::{Backend, GpuTopKExec, SessionStateBuilderExt};
 
 fn sessions() -> (SessionContext, SessionContext) {
     let make = |enabled: bool| {
         let state = datafusion::execution::SessionStateBuilder::new()
             .with_default_features()
             .with_gpu_topk(
-                GpuTopKConfig::default()
+                crate::sessions::base_config()
                     .with_enabled(enabled)
                     .with_backend(Backend::Cpu),
             )

@@ -31,7 +31,7 @@ use std::path::Path;
 use datafusion::arrow::array::RecordBatch;
 use datafusion::physical_plan::collect;
 use datafusion::prelude::{ParquetReadOptions, SessionContext};
-use datafusion_gpu_topk::{Backend, GpuTopKConfig};
+use datafusion_gpu_topk::Backend;
 
 use crate::common::{
     Storage, count_gpu_topk, exact_rows, physical_plan, plain_session_with, plan_text, run,
@@ -104,7 +104,7 @@ async fn tpch_topk_plans_take_the_operator() {
     let ours = session_with(
         PARTITIONS,
         BATCH_SIZE,
-        GpuTopKConfig::default().with_backend(backend),
+        crate::sessions::base_config().with_backend(backend),
     );
     for ctx in [&plain, &ours] {
         register_tables(ctx, dir).await;
