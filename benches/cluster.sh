@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # cluster.sh: the tweet queries Q1–Q3 over Parquet files in one process on one GPU, in one
-# process split between the host's GPUs (`gpu_topk.devices`), and on a datafusion-distributed
-# cluster of `gpu-topk worker`s on this host, one per GPU (CUDA_VISIBLE_DEVICES); each on the
-# same files in the same call.
+# process split between the host's GPUs (`gpu_topk.devices`), and on datafusion-distributed
+# clusters of `gpu-topk worker`s on this host: one worker, and one per GPU
+# (CUDA_VISIBLE_DEVICES); each on the same files in the same call.
 #
 #   benches/cluster.sh GPU_TOPK PARQUET_DIR [RUNS]      (gpu-topk gen --rows N --out PARQUET_DIR)
 #
@@ -11,6 +11,14 @@
 # (ms, from datafusion-cli's "Elapsed" lines), and each configuration's log is under $OUT.
 # WORKERS=N starts N workers and splits between N devices (default: one per GPU); worker
 # (device) i is GPU i modulo the GPUs, so one GPU gives two logical devices for N = 2.
+# BACKEND=cuda forces the GPU (default auto: a first run over Parquet takes the CPU path and
+# loads the columns into the cache in the background; the coordinator waits for that load
+# before its next statement, a worker does not, so its next runs may race the load).
+# CACHE_BYTES=B sets every process's column cache budget (per device, `--cache-bytes`), e.g.
+# to half of what the queries read, so that only the split holds them all. After the timed
+# runs each configuration runs every query once more under EXPLAIN ANALYZE, and the first
+# table lists what each operator shipped to its device then (`uploaded_bytes`, Q1's operators
+# first; 0 where every column read was resident; a worker's operators are not listed).
 set -euo pipefail
 bin=$(realpath "$1")
 data=$(realpath "$2")
@@ -24,6 +32,8 @@ queries=(
     "SELECT id FROM tw ORDER BY retweet_count + 0.5 * likes_count DESC LIMIT 50"
     "SELECT id FROM tw WHERE lang = 'en' OR lang = 'es' ORDER BY retweet_count DESC LIMIT 50"
 )
+cache=(--backend "${BACKEND:-auto}")
+[ -n "${CACHE_BYTES:-}" ] && cache+=(--cache-bytes "$CACHE_BYTES")
 pids=()
 stop_workers() {
     for pid in "${pids[@]}"; do kill "$pid" 2> /dev/null || true; done
@@ -32,19 +42,24 @@ stop_workers() {
 }
 trap stop_workers EXIT
 
-# start_workers N: N workers, ports 50051.., once each port answers; prints
-# their URLs, comma-separated.
+# start_workers N BASE: N workers on ports BASE.., once each port answers; prints their URLs,
+# comma-separated. Stops the benchmark if one does not start.
 start_workers() {
     local urls=()
     for ((i = 0; i < $1; i++)); do
-        local port=$((50051 + i))
-        CUDA_VISIBLE_DEVICES=$((i % visible)) "$bin" worker --listen "127.0.0.1:$port" \
+        local port=$(($2 + i))
+        CUDA_VISIBLE_DEVICES=$((i % visible)) "$bin" "${cache[@]}" worker --listen "127.0.0.1:$port" \
             > "$OUT/worker-$1-$i.log" 2>&1 &
         pids+=($!)
         for _ in $(seq 300); do
             (exec 3<> "/dev/tcp/127.0.0.1/$port") 2> /dev/null && break
+            kill -0 "${pids[-1]}" 2> /dev/null || break
             sleep 0.1
         done
+        if ! kill -0 "${pids[-1]}" 2> /dev/null; then
+            echo "worker $i did not start: $(cat "$OUT/worker-$1-$i.log")" >&2
+            exit 1
+        fi
         urls+=("http://127.0.0.1:$port")
     done
     local IFS=,
@@ -61,8 +76,13 @@ run_config() {
     for sql in "${queries[@]}"; do
         for ((r = 0; r <= runs; r++)); do statements+=(-c "$sql"); done
     done
+    for sql in "${queries[@]}"; do statements+=(-c "EXPLAIN ANALYZE $sql"); done
     local log="$OUT/$(echo "$name" | tr -d , | tr ' ' '-').log"
-    "$bin" "$@" --format csv "${statements[@]}" > "$log" 2>&1
+    "$bin" "${cache[@]}" "$@" --format csv "${statements[@]}" > "$log" 2>&1
+    for pid in "${pids[@]}"; do
+        kill -0 "$pid" 2> /dev/null || echo "| $name | a worker exited during the run: see its log |"
+    done
+    shipped+=("| $name | $(grep -o 'uploaded_bytes=[^,\]]*' "$log" | cut -d= -f2 | paste -sd' ') |")
     grep -o 'Elapsed [0-9.]* seconds' "$log" | python3 -c '
 import statistics, sys
 name, runs = sys.argv[1], int(sys.argv[2])
@@ -78,11 +98,27 @@ for q in range(3):
 
 ordinals=$(for ((i = 0; i < gpus; i++)); do echo $((i % visible)); done | paste -sd,)
 table=()
-table+=("$(run_config "one process, 1 device" 0)")
-table+=("$(run_config "one process, $gpus devices" "$ordinals")")
-urls=$(start_workers "$gpus")
-table+=("$(run_config "$gpus workers" 0 --workers "$urls")")
+shipped=()
+row() { # one configuration's rows (run in this shell, which keeps its shipped bytes)
+    local tmp
+    tmp=$(mktemp)
+    run_config "$@" > "$tmp"
+    table+=("$(cat "$tmp")")
+    rm -f "$tmp"
+}
+row "one process, 1 device" 0
+row "one process, $gpus devices" "$ordinals"
+start_workers 1 50051 > "$OUT/urls"
+row "1 worker" 0 --workers "$(cat "$OUT/urls")"
 stop_workers
+start_workers "$gpus" 50061 > "$OUT/urls"
+row "$gpus workers" 0 --workers "$(cat "$OUT/urls")"
+stop_workers
+rm -f "$OUT/urls"
+echo "| configuration | shipped by each operator under EXPLAIN ANALYZE, warm (Q1, Q2, Q3) |"
+echo "|---|---|"
+printf '%s\n' "${shipped[@]}"
+echo
 echo "| configuration | query | first ms | warm median ms |"
 echo "|---|---|---:|---:|"
 printf '%s\n' "${table[@]}"

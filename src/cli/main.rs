@@ -236,21 +236,48 @@ async fn run(cli: Cli) -> CliResult<()> {
                 return Err("a worker takes no --workers: its coordinator has them".into());
             }
             let worker = gpu_worker(GpuTopKConfig::default().with_backend(common.backend));
+            let incoming = tonic::transport::server::TcpIncoming::bind(listen)
+                .map_err(|e| format!("worker: cannot listen on {listen}: {e}"))?
+                .with_nodelay(Some(true));
             println!(
-                "gpu-topk worker listening on {listen} (GPU: {}); Ctrl-C stops it",
+                "gpu-topk worker listening on {listen} (GPU: {}); Ctrl-C or SIGTERM stops it",
                 gpu_summary()
             );
-            let stop = async {
-                let _ = tokio::signal::ctrl_c().await;
-            };
             tonic::transport::Server::builder()
                 .add_service(worker.into_worker_server())
-                .serve_with_shutdown(listen, stop)
+                .serve_with_incoming_shutdown(incoming, stop_signal())
                 .await
-                .map_err(|e| format!("worker on {listen}: {e}"))?;
+                .map_err(|e| format!("worker on {listen}: {}", error_chain(&e)))?;
             Ok(())
         }
     }
+}
+
+/// Completes at Ctrl-C or, on Unix, SIGTERM (how service managers stop a worker).
+async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// An error and its causes, `: `-separated (a transport error says little on its own).
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    text
 }
 
 fn print_gpu_status() {

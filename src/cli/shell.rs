@@ -263,8 +263,13 @@ pub async fn run(
     if !args.file.is_empty() {
         exec::exec_from_files(&ctx, args.file, &print_options).await?;
     }
-    if !args.command.is_empty() {
-        exec::exec_from_commands(&ctx, args.command, &print_options).await?;
+    // A `-c` statement after a run that is loading the column cache (a first run on the CPU
+    // path) waits for the load: a repeated query then runs warm instead of racing it.
+    for command in args.command {
+        while datafusion_gpu_topk::internal::exec::warming_up() {
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        exec::exec_from_commands(&ctx, vec![command], &print_options).await?;
     }
     Ok(())
 }
