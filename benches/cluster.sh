@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# cluster.sh: the tweet queries Q1–Q3 over Parquet files in one process on one GPU, in one
-# process split between the host's GPUs (`gpu_topk.devices`), and on datafusion-distributed
-# clusters of `gpu-topk worker`s on this host: one worker, and one per GPU
-# (CUDA_VISIBLE_DEVICES); each on the same files in the same call.
+# cluster.sh: the tweet queries Q1–Q3 over Parquet files in plain DataFusion (the operator
+# off), in one process on one GPU, in one process split between the host's GPUs
+# (`gpu_topk.devices`), and on datafusion-distributed clusters of `gpu-topk worker`s on this
+# host: one worker, and one per GPU (CUDA_VISIBLE_DEVICES); each on the same files in the same
+# call.
 #
 #   benches/cluster.sh GPU_TOPK PARQUET_DIR [RUNS]      (gpu-topk gen --rows N --out PARQUET_DIR)
 #
@@ -66,12 +67,12 @@ start_workers() {
     echo "${urls[*]}"
 }
 
-# run_config NAME DEVICES [ARGS…]: every query 1 + RUNS times in one process (a coordinator
-# with --workers), split between DEVICES; one table row each.
+# run_config NAME SETTING [ARGS…]: every query 1 + RUNS times in one process (a coordinator
+# with --workers) after `SET SETTING`; one table row each.
 run_config() {
-    local name=$1 devices=$2
+    local name=$1 setting=$2
     shift 2
-    local statements=(-c "SET gpu_topk.devices = '$devices'"
+    local statements=(-c "SET $setting"
         -c "CREATE EXTERNAL TABLE tw STORED AS PARQUET LOCATION '$data/'")
     for sql in "${queries[@]}"; do
         for ((r = 0; r <= runs; r++)); do statements+=(-c "$sql"); done
@@ -82,7 +83,7 @@ run_config() {
     for pid in "${pids[@]}"; do
         kill -0 "$pid" 2> /dev/null || echo "| $name | a worker exited during the run: see its log |"
     done
-    shipped+=("| $name | $(grep -o 'uploaded_bytes=[^,\]]*' "$log" | cut -d= -f2 | paste -sd' ') |")
+    shipped+=("| $name | $( (grep -o 'uploaded_bytes=[^,\]]*' "$log" || true) | cut -d= -f2 | paste -sd' ') |")
     grep -o 'Elapsed [0-9.]* seconds' "$log" | python3 -c '
 import statistics, sys
 name, runs = sys.argv[1], int(sys.argv[2])
@@ -106,13 +107,14 @@ row() { # one configuration's rows (run in this shell, which keeps its shipped b
     table+=("$(cat "$tmp")")
     rm -f "$tmp"
 }
-row "one process, 1 device" 0
-row "one process, $gpus devices" "$ordinals"
+row "DataFusion" "gpu_topk.enabled = false"
+row "one process, 1 device" "gpu_topk.devices = '0'"
+row "one process, $gpus devices" "gpu_topk.devices = '$ordinals'"
 start_workers 1 50051 > "$OUT/urls"
-row "1 worker" 0 --workers "$(cat "$OUT/urls")"
+row "1 worker" "gpu_topk.devices = '0'" --workers "$(cat "$OUT/urls")"
 stop_workers
 start_workers "$gpus" 50061 > "$OUT/urls"
-row "$gpus workers" 0 --workers "$(cat "$OUT/urls")"
+row "$gpus workers" "gpu_topk.devices = '0'" --workers "$(cat "$OUT/urls")"
 stop_workers
 rm -f "$OUT/urls"
 echo "| configuration | shipped by each operator under EXPLAIN ANALYZE, warm (Q1, Q2, Q3) |"
