@@ -23,13 +23,15 @@
 //! tasks in order, so rows keep their one-process input order (partition, batch, row). An
 //! operator that must read all of its input (the merge, a lone sort over one partition) runs
 //! as one task ([`one_task`]). Per-group top-k stays with DataFusion's window plan, which the
-//! engine distributes by its hash repartition.
+//! engine distributes by its hash repartition. A per-task top-k's task `i` runs on worker `i`
+//! on every query ([`same_workers`]), so each worker's column cache keeps serving its files.
 //!
 //! [datafusion-distributed]: https://github.com/datafusion-contrib/datafusion-distributed
 
 use std::sync::Arc;
 
 use datafusion::common::config::ExtensionOptions;
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::common::{exec_err, internal_datafusion_err};
 use datafusion::datasource::physical_plan::{FileGroup, FileScanConfig};
 use datafusion::datasource::source::DataSourceExec;
@@ -38,7 +40,8 @@ use datafusion::execution::{SessionState, SessionStateBuilder, TaskContext};
 use datafusion::physical_expr::{EquivalenceProperties, LexOrdering, PhysicalSortExpr};
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion_distributed::{
-    DesiredTaskCountEvent, DesiredTaskCountEventResponse, DistributedExt, DistributedLeafExec,
+    DesiredTaskCountEvent, DesiredTaskCountEventResponse, DistributedExt, DistributedGetterExt,
+    DistributedLeafExec, NetworkBoundaryExt, RouteTasksEvent, RouteTasksEventResponse,
     ScaleUpLeafNodeEvent, ScaleUpLeafNodeEventResponse, Worker, WorkerQueryContext, WorkerResolver,
 };
 use datafusion_proto::physical_plan::from_proto::parse_physical_sort_exprs;
@@ -283,6 +286,42 @@ fn files_in_order(event: ScaleUpLeafNodeEvent<'_>) -> Option<Result<ScaleUpLeafN
     )
 }
 
+/// Sends task `i` of a stage that runs a per-task top-k to worker `i` (modulo the workers) on
+/// every query: the task reads the same run of the files each time ([`files_in_order`]), so
+/// that worker's column cache keeps serving it. The engine's own routing starts at a random
+/// worker, and under a cache budget each worker's cache would take turns with the others'
+/// files.
+fn same_workers(event: RouteTasksEvent<'_>) -> Option<Result<RouteTasksEventResponse>> {
+    let mut per_task = false;
+    let walked = event.plan.apply(|plan| {
+        if plan.as_network_boundary().is_some() {
+            return Ok(TreeNodeRecursion::Jump);
+        }
+        per_task |= (plan.downcast_ref::<GpuTopKExec>()).is_some_and(|e| e.spec().per_task);
+        Ok(TreeNodeRecursion::Continue)
+    });
+    if let Err(e) = walked {
+        return Some(Err(e));
+    }
+    if !per_task {
+        return None;
+    }
+    let urls = (event.task_ctx.session_config())
+        .get_distributed_worker_resolver()
+        .and_then(|resolver| resolver.get_urls());
+    Some(urls.and_then(|urls| in_order(&urls, event.task_count).map(RouteTasksEventResponse::new)))
+}
+
+/// Task `i` on worker `i` modulo the workers.
+fn in_order(workers: &[Url], tasks: usize) -> Result<Vec<Url>> {
+    if workers.is_empty() {
+        return exec_err!("no worker to run a top-k's tasks on");
+    }
+    Ok((0..tasks)
+        .map(|i| workers[i % workers.len()].clone())
+        .collect())
+}
+
 /// Registers [`GpuTopKCodec`] and the operator's stage rules on a session builder, coordinator
 /// or worker.
 pub(crate) fn install(builder: SessionStateBuilder) -> SessionStateBuilder {
@@ -290,6 +329,7 @@ pub(crate) fn install(builder: SessionStateBuilder) -> SessionStateBuilder {
         .with_distributed_user_codec(GpuTopKCodec)
         .with_distributed_desired_task_count_handler(one_task)
         .with_distributed_scale_up_leaf_node_handler(files_in_order)
+        .with_distributed_route_tasks_handler(same_workers)
 }
 
 /// A datafusion-distributed worker whose sessions run the operator with `config` (each
@@ -359,5 +399,20 @@ mod tests {
         );
         let none: [&str; 0] = [];
         assert!(StaticWorkers::parse(none).is_err());
+    }
+
+    #[test]
+    fn a_task_goes_to_the_same_worker_on_every_query() {
+        let workers = StaticWorkers::parse(["http://a:1", "http://b:1", "http://c:1"]).unwrap();
+        let hosts = |tasks| -> Vec<String> {
+            let urls = in_order(workers.urls(), tasks).unwrap();
+            urls.iter()
+                .map(|u| u.host_str().unwrap().to_string())
+                .collect()
+        };
+        assert_eq!(hosts(2), ["a", "b"]);
+        assert_eq!(hosts(2), hosts(2));
+        assert_eq!(hosts(5), ["a", "b", "c", "a", "b"]);
+        assert!(in_order(&[], 2).is_err());
     }
 }
