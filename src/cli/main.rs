@@ -339,9 +339,7 @@ async fn run_query(ctx: &SessionContext, sql: &str, explain: bool, max_rows: usi
 /// an in-memory table or Parquet files reads its columns from the GPU's column cache.
 async fn warm_run(ctx: &SessionContext, sql: &str) -> Result<()> {
     // A first run on the CPU path loads its columns into the GPU's cache after it.
-    while datafusion_gpu_topk::internal::exec::warming_up() {
-        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
-    }
+    shell::cache_loaded().await;
     let plan = ctx.sql(sql).await?.create_physical_plan().await?;
     let started = Instant::now();
     collect(Arc::clone(&plan), ctx.task_ctx()).await?;

@@ -266,12 +266,17 @@ pub async fn run(
     // A `-c` statement after a run that is loading the column cache (a first run on the CPU
     // path) waits for the load: a repeated query then runs warm instead of racing it.
     for command in args.command {
-        while datafusion_gpu_topk::internal::exec::warming_up() {
-            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
-        }
+        cache_loaded().await;
         exec::exec_from_commands(&ctx, vec![command], &print_options).await?;
     }
     Ok(())
+}
+
+/// Returns once no column-cache load started by a run on the CPU path is in progress.
+pub(crate) async fn cache_loaded() {
+    while datafusion_gpu_topk::internal::exec::warming_up() {
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
 }
 
 /// The default schema, with a `tweets` table generated the first time a statement names it

@@ -53,6 +53,16 @@ pub enum GpuStatus {
     Unavailable(String),
 }
 
+impl GpuStatus {
+    /// The device, if it is usable.
+    pub fn device(&self) -> Option<&Arc<GpuDevice>> {
+        match self {
+            GpuStatus::Available(device) => Some(device),
+            GpuStatus::Unavailable(_) => None,
+        }
+    }
+}
+
 /// An error of the device runtime: a driver error, a kernel compile error (with NVRTC's log),
 /// or a failed consistency check. The selectors turn it into a `DataFusionError`, and the
 /// caller falls back to the CPU path.
@@ -416,18 +426,12 @@ pub fn probe_is_slow() -> bool {
 
 /// The device if it is started and usable, without starting it.
 pub fn started_gpu() -> Option<Arc<GpuDevice>> {
-    match probed_status()? {
-        GpuStatus::Available(device) => Some(Arc::clone(device)),
-        GpuStatus::Unavailable(_) => None,
-    }
+    probed_status()?.device().cloned()
 }
 
 /// The usable device, if any.
 pub fn gpu() -> Option<Arc<GpuDevice>> {
-    match gpu_status() {
-        GpuStatus::Available(device) => Some(Arc::clone(device)),
-        GpuStatus::Unavailable(_) => None,
-    }
+    gpu_status().device().cloned()
 }
 
 /// One of the devices an operator may run on: a GPU (`ordinal`, as CUDA numbers them) and,
@@ -482,16 +486,13 @@ static OTHERS: OnceLock<Mutex<HashMap<DeviceSlot, &'static GpuStatus>>> = OnceLo
 
 /// Every usable device opened so far: the process's (if started) and those [`gpu_on`] opened.
 pub(crate) fn opened_devices() -> Vec<&'static Arc<GpuDevice>> {
-    let mut devices = Vec::new();
-    if let Some(GpuStatus::Available(first)) = probed_status() {
-        devices.push(first);
-    }
+    let mut devices: Vec<_> = probed_status()
+        .and_then(GpuStatus::device)
+        .into_iter()
+        .collect();
     if let Some(others) = OTHERS.get() {
         let others = others.lock().unwrap_or_else(|e| e.into_inner());
-        devices.extend(others.values().filter_map(|status| match status {
-            GpuStatus::Available(device) => Some(device),
-            GpuStatus::Unavailable(_) => None,
-        }));
+        devices.extend(others.values().filter_map(|status| status.device()));
     }
     devices
 }
@@ -518,10 +519,7 @@ pub(crate) fn static_gpu_on(slot: DeviceSlot) -> Option<&'static Arc<GpuDevice>>
             }
         }))
     });
-    match status {
-        GpuStatus::Available(device) => Some(device),
-        GpuStatus::Unavailable(_) => None,
-    }
+    status.device()
 }
 
 fn detect() -> Result<GpuDevice, String> {
