@@ -36,6 +36,11 @@
 // A slot's composite is a real pair's, so a dropped pair has a better pair in its group: the
 // result is exact whatever the hash, which decides only how many pairs are kept (a group that
 // shares its slot with a smaller group keeps all of its pairs).
+//
+// The kept rows' output columns, where the column cache holds them:
+//   group_gather  one launch a column: the kept row ids' values (1, 2, 4, 8 or 16 bytes each)
+//                 and validity bits, in the kept rows' order, so the host reads back the
+//                 columns instead of row ids to look up at random in host memory.
 
 #include "common.cuh"
 
@@ -162,6 +167,37 @@ extern "C" __global__ void __launch_bounds__(GROUP_SCAN_THREADS) group_scan(u64 
         const u64 v = sums[j];
         sums[j] = run;
         run += v;
+    }
+}
+
+// dst[i] = src[ids[i]] for i < n, `width` bytes a value; with `src_valid` (a bitmap of the
+// table's rows, bit i of byte i / 8) also the bits into `dst_valid`, one 32-bit word a warp of
+// 32 consecutive rows (every lane of a warp stays in the loop for the ballot).
+extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
+    group_gather(const u8 *src, u32 width, const u8 *src_valid, const u64 *ids, u64 n, u8 *dst,
+                 u32 *dst_valid) {
+    grid_dependency_wait();
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 base = (u64)blockIdx.x * blockDim.x + (threadIdx.x & ~31u); base < n; base += stride) {
+        const u64 i = base + lane_id();
+        bool valid = false;
+        if (i < n) {
+            const u64 row = ids[i];
+            switch (width) {
+            case 1: dst[i] = src[row]; break;
+            case 2: ((u16 *)dst)[i] = ((const u16 *)src)[row]; break;
+            case 4: ((u32 *)dst)[i] = ((const u32 *)src)[row]; break;
+            case 8: ((u64 *)dst)[i] = ((const u64 *)src)[row]; break;
+            default:
+                ((u64 *)dst)[2 * i] = ((const u64 *)src)[2 * row];
+                ((u64 *)dst)[2 * i + 1] = ((const u64 *)src)[2 * row + 1];
+            }
+            if (src_valid) valid = (src_valid[row >> 3] >> (row & 7)) & 1u;
+        }
+        if (src_valid) {
+            const u32 bits = __ballot_sync(FULL_MASK, valid);
+            if (lane_id() == 0) dst_valid[base >> 5] = bits;
+        }
     }
 }
 

@@ -346,17 +346,28 @@ impl PinnedBuffer {
 
     /// Enqueues a copy of `len` bytes from device address `src` into the first `len` bytes.
     pub(crate) fn download(&mut self, src: u64, len: usize, stream: &CudaStream) -> GpuResult<()> {
+        self.download_at(0, src, len, stream)
+    }
+
+    /// Enqueues a copy of `len` bytes from device address `src` into the bytes from `at`.
+    pub(crate) fn download_at(
+        &mut self,
+        at: usize,
+        src: u64,
+        len: usize,
+        stream: &CudaStream,
+    ) -> GpuResult<()> {
         watch::check(DeviceOp::Download)?;
-        if len > self.bytes {
+        if at.checked_add(len).is_none_or(|end| end > self.bytes) {
             return Err(GpuError(format!(
-                "download of {len} bytes into a {}-byte pinned buffer",
+                "download of {len} bytes at {at} into a {}-byte pinned buffer",
                 self.bytes
             )));
         }
         self.ctx.bind_to_thread()?;
         // SAFETY: as for upload; the host reads only after the event.
         unsafe {
-            let dst = std::slice::from_raw_parts_mut(self.ptr, len);
+            let dst = std::slice::from_raw_parts_mut(self.ptr.add(at), len);
             result::memcpy_dtoh_async(dst, src, stream.cu_stream())?;
         }
         self.event.record(stream)?;

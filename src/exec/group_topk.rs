@@ -31,10 +31,14 @@
 //! The program's pass appends every passing row's composite key, the group keys in its high
 //! bits and the order keys below, with the row's position in the table; the pairs are sorted
 //! on the device, and the thread at each group's first pair walks the group and keeps its K
-//! best rows with their numbers (kernels/groups.cu), written in sorted order. The host reads
-//! back only the kept positions and numbers, gathers their rows from the table, and hashes
-//! them into the window's output partitions as the repartition below would have. Every output
-//! partition waits for that one run. Ties are broken by table position, deterministic
+//! best rows with their numbers (kernels/groups.cu), written in sorted order. Where the
+//! column cache holds every table column the output reads as fixed-width values (the group and
+//! order keys, and the filter's columns, are there already), the device gathers the kept rows'
+//! values and the host reads back those columns and numbers in pieces, building each piece's
+//! batches on every core while the next crosses PCIe; otherwise it reads back the kept
+//! positions and gathers their rows from the table. Either way the host hashes the rows into
+//! the window's output partitions as the repartition below would have. Every output partition
+//! waits for that one run. Ties are broken by table position, deterministic
 //! whatever the arrival order. Any device failure runs the CPU path instead.
 //!
 //! Which pairs are sorted is the cost model's choice ([`GroupAlgorithm`]), by the number of
@@ -77,10 +81,11 @@ use super::stream::{gather_rows, table_starts};
 use crate::config::FaultPoint;
 use crate::cost::Prediction;
 use crate::device::watch::DeviceWatch;
-use crate::device::{DeviceAlgorithm, GroupAlgorithm, GroupRanking, GroupSpec};
-use crate::fusion::FusedProgram;
+use crate::device::{DeviceAlgorithm, GroupAlgorithm, GroupRanking, GroupSpec, KeptPiece};
+use crate::fusion::{FusedProgram, KernelInput};
 use crate::keys::KeyLayout;
 use crate::select::SelectionSpec;
+use crate::select::table::GroupRows;
 
 /// The device side of a per-group top-k over a whole in-memory table (see the module
 /// documentation), as the rule planned it.
@@ -422,7 +427,11 @@ struct DeviceMetrics {
     device_pass_time: Time,
     device_sort_time: Time,
     device_keep_time: Time,
+    /// The host's building of the output rows from the kept rows: their gather from the
+    /// table, or (inside `select_time`) from the columns the device gathered.
     gather_time: Time,
+    /// Kept rows whose columns the device gathered.
+    rows_gathered_on_device: Count,
     device_bytes_held: Gauge,
     device_peak_bytes: Gauge,
     pinned_bytes_held: Gauge,
@@ -441,6 +450,7 @@ impl DeviceMetrics {
             device_sort_time: builder().subset_time("device_sort_time", 0),
             device_keep_time: builder().subset_time("device_keep_time", 0),
             gather_time: builder().subset_time("gather_time", 0),
+            rows_gathered_on_device: builder().global_counter("rows_gathered_on_device"),
             device_bytes_held: builder().global_gauge("device_bytes_held"),
             device_peak_bytes: builder().global_gauge("device_peak_bytes"),
             pinned_bytes_held: builder().global_gauge("pinned_bytes_held"),
@@ -523,6 +533,23 @@ impl DeviceRun {
             RankFunction::Rank => GroupRanking::Rank,
             RankFunction::DenseRank => GroupRanking::DenseRank,
         };
+        // The table's columns the operator's input columns read.
+        let mut read = vec![false; table_schema.fields().len()];
+        for expr in &plan.output_exprs {
+            for column in collect_columns(expr) {
+                if let Some(r) = read.get_mut(column.index()) {
+                    *r = true;
+                }
+            }
+        }
+        let gathered = device_gathered(
+            &plan.program,
+            &plan.output_exprs,
+            &inputs,
+            &read,
+            &table_schema,
+        );
+        let mut parts: Vec<Vec<RecordBatch>> = vec![Vec::new(); partitions];
         let selected = {
             let _timer = self.metrics.select_time.timer();
             let selector = TableSelector::new(&spec, device, DeviceAlgorithm::Sample)?;
@@ -531,14 +558,34 @@ impl DeviceRun {
                 ranking,
                 algorithm: plan.algorithm,
             };
-            match selector.select_groups(&inputs, groups)? {
+            let mut sink;
+            let rows_out = match &gathered {
+                Some(gathered) => {
+                    let parts = &mut parts;
+                    sink = move |piece: KeptPiece<'_>| -> Result<()> {
+                        let _timer = self.metrics.gather_time.timer();
+                        for run in self.piece_parts(gathered, &piece)? {
+                            for (p, batch) in run {
+                                parts[p].push(batch);
+                            }
+                        }
+                        Ok(())
+                    };
+                    Some(GroupRows {
+                        inputs: gathered.inputs.clone(),
+                        sink: &mut sink,
+                    })
+                }
+                None => None,
+            };
+            match selector.select_groups(&inputs, groups, rows_out)? {
                 Some(selected) => selected,
                 None => return Ok(None),
             }
         };
         let _timer = self.metrics.gather_time.timer();
         self.metrics.rows_passed_filter.add(selected.passed);
-        self.metrics.rows_kept.add(selected.positions.len());
+        self.metrics.rows_kept.add(selected.kept);
         self.metrics.rows_sorted.add(selected.sorted);
         let phases = [
             &self.metrics.device_pass_time,
@@ -550,14 +597,9 @@ impl DeviceRun {
                 f64::from(ms.max(0.0)) / 1e3,
             ));
         }
-        // The table's columns the operator's input columns read.
-        let mut read = vec![false; table_schema.fields().len()];
-        for expr in &plan.output_exprs {
-            for column in collect_columns(expr) {
-                if let Some(r) = read.get_mut(column.index()) {
-                    *r = true;
-                }
-            }
+        if gathered.is_some() {
+            self.metrics.rows_gathered_on_device.add(selected.kept);
+            return Ok(Some(parts));
         }
         let (batches, located) = table_starts(&memory);
         // The kept rows in runs of a batch's size, gathered and hashed into the window's
@@ -611,10 +653,86 @@ impl DeviceRun {
         let fields = (table_schema.fields().iter()).map(|f| f.as_ref().clone().with_nullable(true));
         let rows =
             RecordBatch::try_new(Arc::new(Schema::new(fields.collect::<Vec<_>>())), columns)?;
-        let mut arrays = (self.plan.output_exprs.iter())
-            .map(|e| e.evaluate(&rows)?.into_array(n))
+        let ranks: ArrayRef = Arc::new(UInt64Array::from(ranks.to_vec()));
+        self.partitioned(&rows, &self.plan.output_exprs, ranks)
+    }
+
+    /// The output rows of a piece of kept rows whose columns the device gathered, in runs of
+    /// a batch's size built and hashed into the window's partitions on every core, in order.
+    fn piece_parts(
+        &self,
+        gathered: &Gathered,
+        piece: &KeptPiece<'_>,
+    ) -> Result<Vec<Vec<(usize, RecordBatch)>>> {
+        let size = self.batch_size.max(1);
+        let runs: Vec<std::ops::Range<usize>> = (0..piece.rows)
+            .step_by(size)
+            .map(|at| at..(at + size).min(piece.rows))
+            .collect();
+        crate::select::table::on_cores(runs, |run| {
+            self.gathered_run(gathered, piece, run)
+                .map_err(|e| crate::device::GpuError(e.to_string()))
+        })
+        .map_err(|e| DataFusionError::Execution(e.0))
+    }
+
+    /// Rows `run` of a piece of kept rows as arrays over their gathered bytes, then as
+    /// [`partitioned`](Self::partitioned) output rows.
+    fn gathered_run(
+        &self,
+        gathered: &Gathered,
+        piece: &KeptPiece<'_>,
+        run: std::ops::Range<usize>,
+    ) -> Result<Vec<(usize, RecordBatch)>> {
+        use datafusion::arrow::array::{ArrayData, make_array};
+        use datafusion::arrow::buffer::{BooleanBuffer, Buffer, NullBuffer, ScalarBuffer};
+        let n = run.len();
+        let columns = (gathered.schema.fields().iter().zip(&piece.columns))
+            .map(|(field, (values, validity))| {
+                let width = values.len() / piece.rows.max(1);
+                let values = Buffer::from_slice_ref(&values[run.start * width..run.end * width]);
+                let nulls = validity.map(|bits| {
+                    let bytes = &bits[run.start / 8..run.end.div_ceil(8)];
+                    NullBuffer::new(BooleanBuffer::new(
+                        Buffer::from_slice_ref(bytes),
+                        run.start % 8,
+                        n,
+                    ))
+                });
+                let nulls = nulls.filter(|n| n.null_count() > 0);
+                let data = ArrayData::builder(field.data_type().clone())
+                    .len(n)
+                    .add_buffer(values)
+                    .nulls(nulls)
+                    .build()?;
+                Ok(make_array(data))
+            })
             .collect::<Result<Vec<ArrayRef>>>()?;
-        arrays.push(Arc::new(UInt64Array::from(ranks.to_vec())));
+        let rows = RecordBatch::try_new(Arc::clone(&gathered.schema), columns)?;
+        let ranks: ArrayRef = match piece.ranks {
+            Some(bytes) => {
+                let bytes = Buffer::from_slice_ref(&bytes[8 * run.start..8 * run.end]);
+                Arc::new(UInt64Array::new(ScalarBuffer::new(bytes, 0, n), None))
+            }
+            None => Arc::new(UInt64Array::from_value(1, n)),
+        };
+        self.partitioned(&rows, &gathered.exprs, ranks)
+    }
+
+    /// The operator's output rows, `exprs` over `rows` with their numbers `ranks`, each with
+    /// the window's output partition it belongs to, as the repartition below the window
+    /// hashed its rows.
+    fn partitioned(
+        &self,
+        rows: &RecordBatch,
+        exprs: &[Arc<dyn PhysicalExpr>],
+        ranks: ArrayRef,
+    ) -> Result<Vec<(usize, RecordBatch)>> {
+        let n = rows.num_rows();
+        let mut arrays = (exprs.iter())
+            .map(|e| e.evaluate(rows)?.into_array(n))
+            .collect::<Result<Vec<ArrayRef>>>()?;
+        arrays.push(ranks);
         let batch = RecordBatch::try_new(Arc::clone(&self.schema), arrays)?;
         let mut parts = Vec::new();
         match &self.partitioning {
@@ -630,6 +748,66 @@ impl DeviceRun {
         }
         Ok(parts)
     }
+}
+
+/// The kept rows' columns that the device gathers (where the column cache holds every table
+/// column the output reads, as fixed-width values): the program inputs holding them, in
+/// table order, the schema of those columns, and the output expressions over it.
+struct Gathered {
+    inputs: Vec<usize>,
+    schema: SchemaRef,
+    exprs: Vec<Arc<dyn PhysicalExpr>>,
+}
+
+/// The device gather of the table columns `read` (see [`Gathered`]), or `None` where one of
+/// them is not a program input of fixed-width values (strings, booleans, columns only the
+/// output reads): the host then gathers the kept rows from the table.
+fn device_gathered(
+    program: &FusedProgram,
+    output_exprs: &[Arc<dyn PhysicalExpr>],
+    inputs: &[crate::select::table::TableInput<'_>],
+    read: &[bool],
+    table_schema: &SchemaRef,
+) -> Option<Gathered> {
+    use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
+    use datafusion::physical_expr::expressions::Column;
+    let mut at = Vec::new();
+    let mut fields = Vec::new();
+    let mut index = vec![usize::MAX; read.len()];
+    for (c, _) in read.iter().enumerate().filter(|(_, r)| **r) {
+        let field = table_schema.fields().get(c)?;
+        field.data_type().primitive_width()?;
+        let i = (program.inputs.iter().zip(inputs)).position(|(input, given)| {
+            matches!(input, KernelInput::Column(x) if *x == c)
+                && given.lookup.is_none()
+                && given.image == crate::select::table::Image::Values
+        })?;
+        index[c] = fields.len();
+        at.push(i);
+        fields.push(field.as_ref().clone().with_nullable(true));
+    }
+    let schema = Arc::new(Schema::new(fields));
+    let exprs = output_exprs
+        .iter()
+        .map(|e| {
+            Arc::clone(e)
+                .transform(|e| {
+                    let Some(column) = e.downcast_ref::<Column>() else {
+                        return Ok(Transformed::no(e));
+                    };
+                    let expr: Arc<dyn PhysicalExpr> =
+                        Arc::new(Column::new(column.name(), index[column.index()]));
+                    Ok(Transformed::yes(expr))
+                })
+                .data()
+        })
+        .collect::<Result<Vec<_>>>()
+        .ok()?;
+    Some(Gathered {
+        inputs: at,
+        schema,
+        exprs,
+    })
 }
 
 /// The window function whose value the operator gives each row it keeps.
@@ -673,10 +851,54 @@ struct Selection {
 /// batch's key rows), its position in the input (ties) and its group.
 #[derive(Debug, Clone, Copy)]
 struct Kept {
-    batch: usize,
-    row: usize,
+    batch: u32,
+    row: u32,
     position: u64,
-    group: usize,
+    group: u32,
+}
+
+/// Numbers the groups by their encoded keys (arrow's row format) in order of arrival: the keys
+/// in one buffer, and a map from each key's hash to its latest group, groups of equal hashes
+/// chained. Millions of groups cost a few buffers, not an allocation each. (DataFusion's hash
+/// map hashes the keys and again their hashes: a hash is cheap next to a key's comparison.)
+#[derive(Default)]
+struct GroupIds {
+    bytes: Vec<u8>,
+    /// Where each group's key ends in `bytes`.
+    ends: Vec<usize>,
+    latest: datafusion::common::HashMap<u64, u32>,
+    /// Per group, the previous group of the same hash (`u32::MAX`: none).
+    previous: Vec<u32>,
+}
+
+impl GroupIds {
+    /// The group of `key`, numbered next where it is new.
+    fn id(&mut self, key: &[u8]) -> usize {
+        use std::hash::BuildHasher;
+        let hash = self.latest.hasher().hash_one(key);
+        let mut at = self.latest.get(&hash).copied().unwrap_or(u32::MAX);
+        while at != u32::MAX {
+            if self.key(at as usize) == key {
+                return at as usize;
+            }
+            at = self.previous[at as usize];
+        }
+        let id = self.ends.len();
+        self.previous
+            .push(self.latest.insert(hash, id as u32).unwrap_or(u32::MAX));
+        self.bytes.extend_from_slice(key);
+        self.ends.push(self.bytes.len());
+        id
+    }
+
+    /// Group `id`'s key.
+    fn key(&self, id: usize) -> &[u8] {
+        let start = match id {
+            0 => 0,
+            _ => self.ends[id - 1],
+        };
+        &self.bytes[start..self.ends[id]]
+    }
 }
 
 impl Selection {
@@ -696,9 +918,7 @@ impl Selection {
         let sort_converter = RowConverter::new(fields(&self.ordering)?)?;
         let group_converter = RowConverter::new(fields(&self.ordering[..self.group_keys])?)?;
         // Each group's number, and its kept rows in ascending (key, position) order.
-        // DataFusion's hash map (a faster hasher than the standard library's).
-        let mut groups: datafusion::common::HashMap<Box<[u8]>, usize> =
-            datafusion::common::HashMap::default();
+        let mut groups = GroupIds::default();
         let mut members: Vec<Vec<Kept>> = Vec::new();
         // Under RANK(), per group the rows beyond its K kept ones whose key ties the K-th's.
         let mut ties: Vec<Vec<Kept>> = Vec::new();
@@ -727,27 +947,25 @@ impl Selection {
                 batches.push(Some((batch, keys)));
                 live.push(0);
                 for row in 0..n {
-                    let group = group_rows.row(row);
-                    let gid = match groups.get(group.as_ref()) {
-                        Some(&gid) => gid,
-                        None => {
-                            groups.insert(group.as_ref().into(), members.len());
-                            members.push(Vec::with_capacity(self.k.min(8)));
-                            ties.push(Vec::new());
+                    let gid = groups.id(group_rows.row(row).as_ref());
+                    if gid == members.len() {
+                        // Vec::new and BTreeMap::new allocate nothing until a row arrives.
+                        members.push(Vec::new());
+                        ties.push(Vec::new());
+                        if dense {
                             distinct.push(BTreeMap::new());
-                            members.len() - 1
                         }
-                    };
+                    }
                     let heap = &mut members[gid];
                     let new = Kept {
-                        batch: index,
-                        row,
+                        batch: index as u32,
+                        row: row as u32,
                         position: position + row as u64,
-                        group: gid,
+                        group: gid as u32,
                     };
                     let key = |k: &Kept| {
-                        let (_, rows) = batches[k.batch].as_ref().expect("held");
-                        rows.row(k.row)
+                        let (_, rows) = batches[k.batch as usize].as_ref().expect("held");
+                        rows.row(k.row as usize)
                     };
                     let less = |a: &Kept, b: &Kept| (key(a), a.position) < (key(b), b.position);
                     let mut released = Vec::new();
@@ -798,10 +1016,11 @@ impl Selection {
                     }
                     live[index] += 1;
                     for gone in released {
-                        live[gone.batch] -= 1;
-                        if live[gone.batch] == 0
-                            && gone.batch != index
-                            && let Some((batch, rows)) = batches[gone.batch].take()
+                        let at = gone.batch as usize;
+                        live[at] -= 1;
+                        if live[at] == 0
+                            && at != index
+                            && let Some((batch, rows)) = batches[at].take()
                         {
                             self.reservation
                                 .shrink(batch.get_array_memory_size() + rows.size());
@@ -819,23 +1038,30 @@ impl Selection {
         }
         let _timer = self.baseline.elapsed_compute().timer();
         self.groups_metric.add(members.len());
+        if batches.len() > u32::MAX as usize {
+            return datafusion::common::internal_err!("GpuGroupTopKExec: more than 2^32 batches");
+        }
         // In sort order (group keys first, so each group's rows are consecutive), numbered
         // 1, 2, … within their group; under RANK() a row whose key ties the previous row's
         // takes its number.
         // The groups in the order of their keys (the sort's leading keys, encoded alike), each
         // group's rows sorted on their own: small sorts over few rows each.
         let key = |k: &Kept| {
-            let (_, rows) = batches[k.batch].as_ref().expect("held");
-            rows.row(k.row)
+            let (_, rows) = batches[k.batch as usize].as_ref().expect("held");
+            rows.row(k.row as usize)
         };
-        let mut order: Vec<(Box<[u8]>, usize)> = groups.into_iter().collect();
-        order.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        let mut order: Vec<u32> = (0..members.len() as u32).collect();
+        order.sort_unstable_by(|&a, &b| groups.key(a as usize).cmp(groups.key(b as usize)));
+        drop(groups);
         let mut kept: Vec<Kept> = Vec::with_capacity(members.iter().map(Vec::len).sum());
-        for (_, gid) in order {
+        for gid in order {
+            let gid = gid as usize;
             let start = kept.len();
             kept.append(&mut members[gid]);
             kept.append(&mut ties[gid]);
-            kept.extend(std::mem::take(&mut distinct[gid]).into_values().flatten());
+            if dense {
+                kept.extend(std::mem::take(&mut distinct[gid]).into_values().flatten());
+            }
             kept[start..].sort_unstable_by(|a, b| (key(a), a.position).cmp(&(key(b), b.position)));
         }
         let mut numbers: Vec<u64> = Vec::with_capacity(kept.len());
@@ -863,7 +1089,9 @@ impl Selection {
         let slot: HashMap<usize, usize> = (held.iter().enumerate())
             .map(|(s, (i, _))| (*i, s))
             .collect();
-        let at: Vec<(usize, usize)> = kept.iter().map(|k| (slot[&k.batch], k.row)).collect();
+        let at: Vec<(usize, usize)> = (kept.iter())
+            .map(|k| (slot[&(k.batch as usize)], k.row as usize))
+            .collect();
         let mut output = Vec::new();
         let columns = self.schema.fields().len() - 1;
         for (chunk, numbers) in at
@@ -904,5 +1132,44 @@ fn sift_down(heap: &mut [Kept], mut i: usize, less: impl Fn(&Kept, &Kept) -> boo
         }
         heap.swap(i, largest);
         i = largest;
+    }
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Equal keys get one number, in order of arrival, whatever their length (the empty key,
+    /// and keys that are prefixes of others, included); each key reads back as it came.
+    #[test]
+    fn group_ids_number_keys_in_order_of_arrival() {
+        let mut ids = GroupIds::default();
+        let keys: Vec<Vec<u8>> = (0..20_000u32)
+            .map(|i| {
+                let n = (i % 23) as usize;
+                (0..n)
+                    .map(|j| (i.wrapping_mul(31) >> (j % 4)) as u8)
+                    .collect()
+            })
+            .collect();
+        let mut first: Vec<Vec<u8>> = Vec::new();
+        let mut known: HashMap<Vec<u8>, usize> = HashMap::new();
+        for round in 0..2 {
+            for key in &keys {
+                let id = ids.id(key);
+                match known.get(key) {
+                    Some(&at) => assert_eq!(id, at, "{key:?}"),
+                    None => {
+                        assert_eq!(round, 0);
+                        assert_eq!(id, first.len());
+                        known.insert(key.clone(), id);
+                        first.push(key.clone());
+                    }
+                }
+            }
+        }
+        assert!(first.len() > 1000, "{} distinct keys", first.len());
+        for (id, key) in first.iter().enumerate() {
+            assert_eq!(ids.key(id), key.as_slice());
+        }
     }
 }

@@ -32,8 +32,9 @@ use crate::device::column_cache::{
 };
 use crate::device::watch::{self, DeviceWatch};
 use crate::device::{
-    DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_ROWS, FusedReport, GeneratedKernel, GpuDevice,
-    GpuError, GpuResult, GroupSpec, PooledBuffer, TopKEngine, contain_panics,
+    DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_ROWS, FusedReport, GatherColumn, GeneratedKernel,
+    GpuDevice, GpuError, GpuResult, GroupSpec, KeptPiece, KeptRows, PooledBuffer, TopKEngine,
+    contain_panics,
 };
 use crate::fusion::{self, FusedProgram, KernelInput};
 
@@ -306,6 +307,16 @@ pub struct TableSelection {
     pub compile_time: std::time::Duration,
     /// A per-group selection's: each position's rank in its group (empty for a top-k).
     pub ranks: Vec<u64>,
+    /// A per-group selection's rows kept.
+    pub kept: usize,
+}
+
+/// Where a per-group selection sends its kept rows' columns: the program inputs (indices
+/// into its inputs: per-row columns of fixed-width values) whose values the kept rows take on
+/// the device, and the consumer of each piece read back, in the kept rows' order.
+pub struct GroupRows<'s> {
+    pub inputs: Vec<usize>,
+    pub sink: &'s mut dyn FnMut(KeptPiece<'_>) -> Result<()>,
 }
 
 /// What a selection over a whole table computes after the generated program's pass.
@@ -1060,19 +1071,23 @@ impl TableSelector {
             algorithm: self.algorithm,
             within,
         };
-        select_table(&self.spec, &self.device, step, inputs)
+        select_table(&self.spec, &self.device, step, inputs, None)
     }
 
     /// As [`select`](Self::select), the k best rows of every group instead: the program's
     /// composite holds the group keys from bit `lo` up; the positions come in (group, order
     /// keys, position) order with their ranks ([`TableSelection::ranks`]).
+    ///
+    /// With `rows_out`, the kept rows' columns are gathered on the device and handed to its
+    /// sink in pieces instead (the selection's positions and ranks are then empty).
     pub fn select_groups(
         &self,
         inputs: &[TableInput<'_>],
         groups: GroupSpec,
+        rows_out: Option<GroupRows<'_>>,
     ) -> Result<Option<TableSelection>> {
         let step = TableStep::Groups(groups);
-        select_table(&self.spec, &self.device, step, inputs)
+        select_table(&self.spec, &self.device, step, inputs, rows_out)
     }
 }
 
@@ -1151,6 +1166,7 @@ fn select_table(
     device: &Arc<GpuDevice>,
     step: TableStep,
     inputs: &[TableInput<'_>],
+    rows_out: Option<GroupRows<'_>>,
 ) -> Result<Option<TableSelection>> {
     let Some(program) = &spec.program else {
         return datafusion::common::internal_err!("a table selection needs a generated program");
@@ -1189,11 +1205,18 @@ fn select_table(
         device,
         bytes: missing,
     };
-    let result =
-        contain_panics(|| run_table(spec, device, program, step, inputs, &columns, &lookups))
-            .unwrap_or_else(|panic| Err(GpuError(format!("the CUDA bindings panicked: {panic}"))))
-            .map_err(gpu_error)?;
+    let result = contain_panics(|| {
+        run_table(
+            spec, device, program, step, inputs, &columns, &lookups, rows_out,
+        )
+    })
+    .unwrap_or_else(|panic| Err(GpuError(format!("the CUDA bindings panicked: {panic}"))))
+    .map_err(gpu_error)?;
     let (positions, ranks, tied, report, compile_time, uploaded) = result;
+    let kept = match step {
+        TableStep::Groups(_) => report.kept,
+        TableStep::TopK { .. } => positions.len(),
+    };
     let hit_bytes: Vec<usize> = (lookups.iter())
         .map(|hit| hit.as_ref().map_or(0, |h| h.entry().bytes()))
         .collect();
@@ -1246,12 +1269,13 @@ fn select_table(
         passed: report.passed as usize,
         compile_time,
         ranks,
+        kept,
     }))
 }
 
 /// The device work of [`select_table`]: the uploads of missing columns (their new buffers,
 /// in column order, `None` where resident), the selection and the read-back.
-#[allow(clippy::type_complexity)]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 fn run_table(
     spec: &SelectionSpec,
     device: &Arc<GpuDevice>,
@@ -1260,6 +1284,7 @@ fn run_table(
     inputs: &[TableInput<'_>],
     columns: &[TableColumn<'_, '_>],
     lookups: &[Option<CacheUse>],
+    rows_out: Option<GroupRows<'_>>,
 ) -> GpuResult<(
     Vec<u64>,
     Vec<u64>,
@@ -1346,7 +1371,23 @@ fn run_table(
             algorithm
         }
         TableStep::Groups(groups) => {
-            let kept = engine.fused_groups(&kernel, &args, rows, groups, spec.k)?;
+            let mut rows_out = rows_out;
+            let mut forward;
+            let kept_rows = match &mut rows_out {
+                None => None,
+                Some(out) => {
+                    let columns = gather_columns(inputs, columns, &args, &out.inputs)?;
+                    let sink = &mut out.sink;
+                    forward = move |piece: KeptPiece<'_>| -> GpuResult<()> {
+                        sink(piece).map_err(|e| GpuError(e.to_string()))
+                    };
+                    Some(KeptRows {
+                        columns,
+                        sink: &mut forward,
+                    })
+                }
+            };
+            let kept = engine.fused_groups(&kernel, &args, rows, groups, spec.k, kept_rows)?;
             drop(lookup_tables);
             engine.synchronize()?;
             device.idle_engine(engine);
@@ -1377,6 +1418,41 @@ fn run_table(
     engine.synchronize()?;
     device.idle_engine(engine);
     Ok((positions, Vec::new(), tied, report, compile_time, uploaded))
+}
+
+/// The device columns of program inputs `wanted` (indices into `inputs`, each a per-row
+/// input of fixed-width values; `columns` are the per-row inputs' images, `args` the
+/// program's arguments, four an input).
+fn gather_columns(
+    inputs: &[TableInput<'_>],
+    columns: &[TableColumn<'_, '_>],
+    args: &[u64],
+    wanted: &[usize],
+) -> GpuResult<Vec<GatherColumn>> {
+    wanted
+        .iter()
+        .map(|&i| {
+            let input = inputs
+                .get(i)
+                .ok_or_else(|| GpuError(format!("no program input {i} to gather")))?;
+            let per_row = inputs[..i].iter().filter(|x| x.lookup.is_none()).count();
+            let width = match (input.lookup.is_none(), input.image, columns.get(per_row)) {
+                (true, Image::Values, Some(column)) => column.width,
+                _ => None,
+            };
+            let Some(width) = width else {
+                return Err(GpuError(format!(
+                    "program input {} is no column of fixed-width values",
+                    input.name
+                )));
+            };
+            Ok(GatherColumn {
+                values: args[4 * i],
+                width,
+                validity: args[4 * i + 2],
+            })
+        })
+        .collect()
 }
 
 /// Room reserved in the column cache for a table selection's new entries; what no entry

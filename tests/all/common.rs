@@ -388,3 +388,39 @@ fn write_file(
     }
     writer.close().expect("close parquet");
 }
+
+/// The warnings the library logged since [`capture_warnings`] was first called (a GPU
+/// fallback says why it fell back), across all tests of the process.
+pub fn logged_warnings() -> Vec<String> {
+    WARNINGS.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// Keeps the library's warnings for [`logged_warnings`] from now on.
+pub fn capture_warnings() {
+    static INSTALL: std::sync::Once = std::sync::Once::new();
+    INSTALL.call_once(|| {
+        if log::set_logger(&CAPTURE).is_ok() {
+            log::set_max_level(log::LevelFilter::Warn);
+        }
+    });
+}
+
+static WARNINGS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+static CAPTURE: Capture = Capture;
+
+struct Capture;
+
+impl log::Log for Capture {
+    fn enabled(&self, metadata: &log::Metadata) -> bool {
+        metadata.level() <= log::Level::Warn
+    }
+
+    fn log(&self, record: &log::Record) {
+        if self.enabled(record.metadata()) {
+            let mut warnings = WARNINGS.lock().unwrap_or_else(|e| e.into_inner());
+            warnings.push(record.args().to_string());
+        }
+    }
+
+    fn flush(&self) {}
+}

@@ -344,8 +344,22 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
         eprintln!("SKIP the_gpu_selects_per_group_as_the_cpu_path: no GPU");
         return;
     }
+    crate::common::capture_warnings();
     let dir = test_dir("groups-device");
     let config = |backend| crate::sessions::base_config().with_backend(backend);
+    // Each query ran on the device to its end (the CPU path answered none of them).
+    let no_fallback = |plan: &Arc<dyn ExecutionPlan>, sql: &str| {
+        let fallbacks = find_group_topk(plan)
+            .and_then(|exec| exec.metrics())
+            .and_then(|m| m.sum_by_name("gpu_fallbacks"))
+            .map_or(0, |v| v.as_usize());
+        assert_eq!(
+            fallbacks,
+            0,
+            "{sql}: fell back to the CPU path; warnings: {:?}",
+            crate::common::logged_warnings()
+        );
+    };
     let mut algorithms = std::collections::HashSet::new();
     for (groups, partitions) in [(40, 3), (1, 2), (5000, 4)] {
         let data = table(20_000, partitions, groups);
@@ -369,7 +383,9 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
                     .find(|a| text.contains(&format!("backend=cuda, algorithm={a}")));
                 assert!(algorithm.is_some(), "{storage:?} {sql}:\n{text}");
                 algorithms.insert(algorithm);
-                let mut got = exact_rows(&collect(plan, cuda.task_ctx()).await.unwrap());
+                let mut got =
+                    exact_rows(&collect(Arc::clone(&plan), cuda.task_ctx()).await.unwrap());
+                no_fallback(&plan, sql);
                 let mut host = exact_rows(&run(&cpu, sql).await.unwrap());
                 let mut want = exact_rows(&run(&plain, sql).await.unwrap());
                 got.sort();
@@ -417,8 +433,70 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
             "{}",
             plan_text(&plan)
         );
-        let got = exact_rows(&collect(plan, cuda.task_ctx()).await.unwrap());
+        let got = exact_rows(&collect(Arc::clone(&plan), cuda.task_ctx()).await.unwrap());
+        no_fallback(&plan, sql);
         assert_eq!(got, exact_rows(&run(&plain, sql).await.unwrap()), "{sql}");
+    }
+    // The kept rows' columns gathered on the device, over every width (1, 2, 4, 8 and 16
+    // bytes) with NULLs, in several pieces; and the host's gather where the output reads a
+    // column the program does not.
+    let typed = typed_table(3_000_000);
+    let cuda = crate::common::session_with(4, 8192, config(Backend::Cuda));
+    let plain = plain_session(4, Storage::Memory);
+    register(&cuda, "typed", typed.clone());
+    register(&plain, "typed", typed);
+    let filter = "WHERE b IS NOT NULL OR dt > DATE '1970-03-01' OR f > 0.5";
+    for (sql, on_device) in [
+        (
+            format!(
+                "SELECT count(*), count(g), sum(g), count(d), sum(d), count(b), sum(b), min(dt), \
+                 max(dt), sum(f), sum(id), sum(rn) FROM (SELECT id, g, d, b, dt, f, \
+                 ROW_NUMBER() OVER (PARTITION BY g ORDER BY d DESC, id) AS rn FROM typed \
+                 {filter}) WHERE rn <= 2000"
+            ),
+            true,
+        ),
+        (
+            format!(
+                "SELECT * FROM (SELECT g, b, d, dt, RANK() OVER (PARTITION BY g, b ORDER BY d) \
+                 AS r FROM typed {filter}) WHERE r <= 2"
+            ),
+            true,
+        ),
+        (
+            "SELECT count(*), sum(id), sum(b) FROM (SELECT id, b, ROW_NUMBER() OVER \
+             (PARTITION BY g ORDER BY id) AS rn FROM typed) WHERE rn <= 5"
+                .to_string(),
+            false,
+        ),
+    ] {
+        let plan = physical_plan(&cuda, &sql).await.unwrap();
+        assert!(
+            plan_text(&plan).contains("backend=cuda"),
+            "{}",
+            plan_text(&plan)
+        );
+        let mut got = exact_rows(&collect(Arc::clone(&plan), cuda.task_ctx()).await.unwrap());
+        let mut want = exact_rows(&run(&plain, &sql).await.unwrap());
+        got.sort();
+        want.sort();
+        assert_eq!(got, want, "{sql}");
+        let metric = |name| {
+            find_group_topk(&plan)
+                .and_then(|exec| exec.metrics())
+                .and_then(|m| m.sum_by_name(name))
+                .map_or(0, |v| v.as_usize())
+        };
+        no_fallback(&plan, &sql);
+        let gathered = metric("rows_gathered_on_device");
+        assert_eq!(
+            gathered > 0,
+            on_device,
+            "{sql}: {gathered} rows gathered on the device"
+        );
+        if on_device {
+            assert_eq!(gathered, metric("rows_kept"), "{sql}");
+        }
     }
     // Groups of strings that are not all short stay on the CPU path, and say why.
     let long = crate::common::session_with(2, 1000, config(Backend::Cuda));
@@ -455,6 +533,57 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
         .map(|v| v.as_usize());
     assert_eq!(fallbacks, Some(1), "{}", plan_text(&plan));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `n` rows of every fixed width in 8192-row batches over 4 partitions: a unique `id`, a
+/// group `g` (`Int16`, 700 values, some NULL), a `Decimal128(38, 2)` `d`, an `Int8` `b` and a
+/// `Float32` `f` (some NULL), and a `Date32` `dt`.
+fn typed_table(n: i64) -> Vec<Vec<RecordBatch>> {
+    use datafusion::arrow::array::{
+        Date32Array, Decimal128Array, Float32Array, Int8Array, Int16Array,
+    };
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("g", DataType::Int16, true),
+        Field::new("d", DataType::Decimal128(38, 2), true),
+        Field::new("b", DataType::Int8, true),
+        Field::new("dt", DataType::Date32, false),
+        Field::new("f", DataType::Float32, true),
+    ]));
+    let batches: Vec<RecordBatch> = (0..n)
+        .step_by(8192)
+        .map(|at| {
+            let ids: Vec<i64> = (at..(at + 8192).min(n)).collect();
+            let hash = |i: i64, m: i64| (i.wrapping_mul(2_654_435_761) >> 7).rem_euclid(m);
+            let g = ids
+                .iter()
+                .map(|&i| (hash(i, 23) != 0).then(|| hash(i, 700) as i16));
+            let d = ids.iter().map(|&i| {
+                (hash(i, 11) != 0).then(|| i128::from(hash(i * 3, 5000)) * 10i128.pow(12) + 7)
+            });
+            let b = ids
+                .iter()
+                .map(|&i| (hash(i, 5) != 0).then(|| hash(i * 5, 200) as i8 - 100));
+            let dt = ids.iter().map(|&i| hash(i * 7, 120) as i32);
+            let f = ids
+                .iter()
+                .map(|&i| (hash(i, 13) != 0).then(|| hash(i * 11, 1000) as f32 / 1000.0));
+            let columns: Vec<Arc<dyn datafusion::arrow::array::Array>> = vec![
+                Arc::new(Int64Array::from(ids.clone())),
+                Arc::new(Int16Array::from_iter(g)),
+                Arc::new(
+                    Decimal128Array::from_iter(d)
+                        .with_precision_and_scale(38, 2)
+                        .unwrap(),
+                ),
+                Arc::new(Int8Array::from_iter(b)),
+                Arc::new(Date32Array::from_iter_values(dt)),
+                Arc::new(Float32Array::from_iter(f)),
+            ];
+            RecordBatch::try_new(Arc::clone(&schema), columns).unwrap()
+        })
+        .collect();
+    batches.chunks(100).map(<[_]>::to_vec).collect()
 }
 
 fn find_group_topk(plan: &Arc<dyn ExecutionPlan>) -> Option<&Arc<dyn ExecutionPlan>> {

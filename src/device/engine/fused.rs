@@ -533,4 +533,6 @@ pub struct FusedReport {
     /// A per-group selection's device time in ms (CUDA events): the pass, the sort with the
     /// groups' limits, and the walk with the read-back of what it kept.
     pub group_phases_ms: [f32; 3],
+    /// A per-group selection's rows kept.
+    pub kept: usize,
 }

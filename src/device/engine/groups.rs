@@ -63,8 +63,42 @@ pub struct GroupSpec {
 /// Pairs the threshold algorithm samples.
 pub const GROUP_SAMPLE: usize = 1 << 16;
 
+/// Bytes of one piece of a [`KeptRows`] read-back (two pinned buffers of about this size
+/// alternate: the host consumes one piece while the next crosses PCIe).
+const KEPT_PIECE_BYTES: usize = 64 << 20;
+
+/// A device-resident table column whose values the kept rows take on the device
+/// (`group_gather`): `width` bytes a row (1, 2, 4, 8 or 16) at `values`, and the table's
+/// validity bitmap at `validity` (0: no NULLs).
+#[derive(Debug, Clone, Copy)]
+pub struct GatherColumn {
+    pub values: u64,
+    pub width: usize,
+    pub validity: u64,
+}
+
+/// A piece of the kept rows, read back: rows `start..start + rows` in kept order, each
+/// gathered column's values and (for a column with a validity bitmap) its validity bits
+/// from the piece's first row, and the rows' ranks (little-endian u64; `None` at k = 1, where
+/// every rank is 1). The bytes are valid for the call only.
+pub struct KeptPiece<'a> {
+    pub start: usize,
+    pub rows: usize,
+    pub columns: Vec<(&'a [u8], Option<&'a [u8]>)>,
+    pub ranks: Option<&'a [u8]>,
+}
+
+/// Where a per-group selection sends its kept rows' columns instead of their row ids: the
+/// columns to gather on the device, and the host's consumer of each piece read back, in
+/// order.
+pub struct KeptRows<'s> {
+    pub columns: Vec<GatherColumn>,
+    pub sink: &'s mut dyn FnMut(KeptPiece<'_>) -> GpuResult<()>,
+}
+
 /// What a per-group selection kept: row ids in (group, order keys, row id) order, each with
-/// its rank in its group.
+/// its rank in its group (both empty where the kept rows' columns went to a [`KeptRows`]
+/// sink instead).
 #[derive(Debug, Default)]
 pub struct GroupsKept {
     pub ids: Vec<u64>,
@@ -86,6 +120,7 @@ impl TopKEngine {
         rows: usize,
         groups: GroupSpec,
         k: usize,
+        rows_out: Option<KeptRows<'_>>,
     ) -> GpuResult<GroupsKept> {
         let GroupSpec {
             lo,
@@ -187,14 +222,154 @@ impl TopKEngine {
                 out_ranks.ptr()
             ],
         )?;
-        kept.ids = self.read_words(out_ids.ptr(), total)?;
-        // Every kept row of a selection of one a group has rank 1.
-        kept.ranks = match k {
-            1 => vec![1; total],
-            _ => self.read_words(out_ranks.ptr(), total)?,
-        };
+        kept.report.kept = total;
+        match rows_out {
+            Some(rows_out) => {
+                self.read_kept_rows(out_ids.ptr(), out_ranks.ptr(), total, k == 1, rows_out)?
+            }
+            None => {
+                kept.ids = self.read_words(out_ids.ptr(), total)?;
+                // Every kept row of a selection of one a group has rank 1.
+                kept.ranks = match k {
+                    1 => vec![1; total],
+                    _ => self.read_words(out_ranks.ptr(), total)?,
+                };
+            }
+        }
         kept.report.group_phases_ms[2] = timer.elapsed()? - sort;
         Ok(kept)
+    }
+
+    /// The `total` kept rows' columns, gathered on the device (`group_gather`) at the row ids
+    /// at `ids`, and their ranks at `ranks` (none where `ones`), read back in pieces of about
+    /// [`KEPT_PIECE_BYTES`] through two pinned buffers, each handed to the sink in order
+    /// while the next crosses PCIe.
+    fn read_kept_rows(
+        &mut self,
+        ids: u64,
+        ranks: u64,
+        total: usize,
+        ones: bool,
+        rows_out: KeptRows<'_>,
+    ) -> GpuResult<()> {
+        let KeptRows { columns, sink } = rows_out;
+        let mut gathered = Vec::with_capacity(columns.len());
+        for column in &columns {
+            if !matches!(column.width, 1 | 2 | 4 | 8 | 16) {
+                return Err(GpuError(format!(
+                    "no device gather of {}-byte values",
+                    column.width
+                )));
+            }
+            let values = self.device.pool.alloc(total * column.width, &self.stream)?;
+            let validity = match column.validity {
+                0 => None,
+                _ => Some(
+                    self.device
+                        .pool
+                        .alloc(4 * total.div_ceil(32), &self.stream)?,
+                ),
+            };
+            let (width, dst_valid) = (
+                column.width as u32,
+                validity.as_ref().map_or(0, |v| v.ptr()),
+            );
+            self.launch(
+                "group_gather",
+                self.grid_for(total, 4),
+                GROUP_THREADS as u32,
+                0,
+                args![
+                    column.values,
+                    width,
+                    column.validity,
+                    ids,
+                    total,
+                    values.ptr(),
+                    dst_valid
+                ],
+            )?;
+            gathered.push((values, validity));
+        }
+        // A row's bytes in a piece; pieces start at multiples of 64 rows, so that each
+        // column's validity starts at a whole byte.
+        let row_bytes: usize = (columns.iter())
+            .map(|c| c.width + usize::from(c.validity != 0))
+            .sum::<usize>()
+            + if ones { 0 } else { 8 };
+        let piece_rows = (KEPT_PIECE_BYTES / row_bytes.max(1)) / 64 * 64;
+        let piece_rows = piece_rows.clamp(64, total.div_ceil(64) * 64);
+        // Each part's place in a piece: values, validity, then the ranks, 64-byte aligned.
+        let align = |n: usize| n.div_ceil(64) * 64;
+        let mut layout = Vec::with_capacity(columns.len());
+        let mut end = 0;
+        for column in &columns {
+            let values = end;
+            end = align(values + piece_rows * column.width);
+            let validity = (column.validity != 0).then_some(end);
+            if validity.is_some() {
+                end = align(end + piece_rows / 8);
+            }
+            layout.push((values, validity));
+        }
+        let ranks_at = end;
+        if !ones {
+            end += 8 * piece_rows;
+        }
+        let stream = Arc::clone(&self.stream);
+        let mut leases = [
+            self.device.pinned.take(end.max(64), false)?,
+            self.device.pinned.take(end.max(64), false)?,
+        ];
+        let pieces = total.div_ceil(piece_rows);
+        let download = |lease: &mut PinnedLease, p: usize| -> GpuResult<()> {
+            let start = p * piece_rows;
+            let n = piece_rows.min(total - start);
+            for ((column, (values, validity)), (at, valid_at)) in
+                columns.iter().zip(&gathered).zip(&layout)
+            {
+                let w = column.width;
+                lease.download_at(*at, values.ptr() + (start * w) as u64, n * w, &stream)?;
+                if let (Some(validity), Some(valid_at)) = (validity, valid_at) {
+                    let bytes = n.div_ceil(8);
+                    lease.download_at(
+                        *valid_at,
+                        validity.ptr() + (start / 8) as u64,
+                        bytes,
+                        &stream,
+                    )?;
+                }
+            }
+            if !ones {
+                lease.download_at(ranks_at, ranks + 8 * start as u64, 8 * n, &stream)?;
+            }
+            Ok(())
+        };
+        download(&mut leases[0], 0)?;
+        for p in 0..pieces {
+            if p + 1 < pieces {
+                download(&mut leases[(p + 1) % 2], p + 1)?;
+            }
+            let bytes = leases[p % 2].as_slice()?;
+            let start = p * piece_rows;
+            let n = piece_rows.min(total - start);
+            let columns = (columns.iter().zip(&layout))
+                .map(|(column, (at, valid_at))| {
+                    let values = &bytes[*at..*at + n * column.width];
+                    let validity = valid_at.map(|v| &bytes[v..v + n.div_ceil(8)]);
+                    (values, validity)
+                })
+                .collect();
+            let ranks = (!ones).then(|| &bytes[ranks_at..ranks_at + 8 * n]);
+            sink(KeptPiece {
+                start,
+                rows: n,
+                columns,
+                ranks,
+            })?;
+        }
+        drop(gathered);
+        Ok(())
     }
 
     /// [`GroupAlgorithm::Threshold`]'s filter of pairs `[0, m)` of `candidates` (row ids below

@@ -223,7 +223,10 @@ mod staging;
 mod top_bits;
 
 pub use fused::FusedReport;
-pub use groups::{GROUP_SAMPLE, GroupAlgorithm, GroupRanking, GroupSpec, GroupsKept};
+pub use groups::{
+    GROUP_SAMPLE, GatherColumn, GroupAlgorithm, GroupRanking, GroupSpec, GroupsKept, KeptPiece,
+    KeptRows,
+};
 use sample::SampleRun;
 pub(crate) use staging::fill_staging;
 use top_bits::TopBitsRun;

@@ -128,7 +128,7 @@ const PLAIN_ENTRIES: &[(&str, &[&str])] = &[
     ("radix_sort.cu", &["rsort_scan"]),
     ("merge_sort.cu", &["msort_merge_words"]),
     ("read_floor.cu", &["read_floor_w32", "read_floor_w64"]),
-    ("groups.cu", &["group_scan"]),
+    ("groups.cu", &["group_scan", "group_gather"]),
 ];
 
 /// Entry points that take more than 48 KiB of dynamic shared memory.
