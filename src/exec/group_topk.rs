@@ -657,14 +657,19 @@ impl DeviceRun {
         self.partitioned(&rows, &self.plan.output_exprs, ranks)
     }
 
-    /// The output rows of a piece of kept rows whose columns the device gathered, in runs of
-    /// a batch's size built and hashed into the window's partitions on every core, in order.
+    /// The output rows of a piece of kept rows whose columns the device gathered, in runs
+    /// built and hashed into the window's partitions on every core, in order. A run is a
+    /// batch's size for each partition, so that it hashes into about a batch a partition.
     fn piece_parts(
         &self,
         gathered: &Gathered,
         piece: &KeptPiece<'_>,
     ) -> Result<Vec<Vec<(usize, RecordBatch)>>> {
-        let size = self.batch_size.max(1);
+        let partitions = match &self.partitioning {
+            Partitioning::Hash(_, count) => (*count).max(1),
+            _ => 1,
+        };
+        let size = self.batch_size.max(1) * partitions;
         let runs: Vec<std::ops::Range<usize>> = (0..piece.rows)
             .step_by(size)
             .map(|at| at..(at + size).min(piece.rows))
