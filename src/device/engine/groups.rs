@@ -2,7 +2,9 @@
 //! passing row's (composite key, row id), the pairs are sorted, and each group's first pair
 //! keeps its group's best rows, with their ranks, in the pairs' order. Over few large groups
 //! the pairs that cannot be kept are dropped before the sort ([`GroupAlgorithm::Threshold`]),
-//! and at K = 1 all but each group's best ([`GroupAlgorithm::Min`]).
+//! and at K = 1 all but each group's best ([`GroupAlgorithm::Min`]). The kept row ids and
+//! ranks come back to the host, or, given [`KeptRows`], the device gathers the kept rows'
+//! resident columns and those come back instead, in pieces handed to the caller in order.
 
 use super::*;
 use crate::keys::U256;
