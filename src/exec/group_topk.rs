@@ -63,12 +63,14 @@ use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
+use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_expr::{LexOrdering, PhysicalExpr};
 use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
 use datafusion::physical_plan::metrics::{
     BaselineMetrics, Count, ExecutionPlanMetricsSet, Gauge, MetricBuilder, MetricsSet, Time,
 };
+use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::BatchPartitioner;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
@@ -126,6 +128,8 @@ pub struct GpuGroupTopKExec {
     group_keys: usize,
     /// Rows kept per group.
     k: usize,
+    /// Each output column's place among the window's columns (the input's, then the number).
+    columns: Vec<usize>,
     schema: SchemaRef,
     properties: Arc<PlanProperties>,
     metrics: ExecutionPlanMetricsSet,
@@ -167,6 +171,7 @@ impl GpuGroupTopKExec {
             );
         }
         Ok(Self {
+            columns: (0..schema.fields().len()).collect(),
             input,
             function,
             ordering,
@@ -178,6 +183,59 @@ impl GpuGroupTopKExec {
             device: None,
             cpu_reason: String::new(),
             groups: None,
+            shared: SharedRun::default(),
+        })
+    }
+
+    /// The operator in place of `projection`, a projection of columns over it: it outputs
+    /// only those columns, with the projection's schema, partitioning and order. Where the
+    /// projection drops a group key, the output's partitioning is unknown and the device run
+    /// spreads the kept rows over the partitions without hashing them.
+    pub fn with_projection(mut self, projection: &ProjectionExec) -> Result<Self> {
+        let columns = (projection.expr().iter())
+            .map(|e| {
+                let column = e.expr.downcast_ref::<Column>()?;
+                self.columns.get(column.index()).copied()
+            })
+            .collect::<Option<Vec<_>>>();
+        let Some(columns) = columns else {
+            return datafusion::common::internal_err!(
+                "GpuGroupTopKExec: a projection of other than its columns"
+            );
+        };
+        if projection.input().schema().fields().len() != self.schema.fields().len() {
+            return datafusion::common::internal_err!(
+                "GpuGroupTopKExec: a projection over another schema"
+            );
+        }
+        self.columns = columns;
+        self.schema = projection.schema();
+        self.properties = Arc::clone(projection.properties());
+        Ok(self)
+    }
+
+    /// The operator claiming no partitioning of its output where it claims the window's
+    /// hash partitioning (for when no operator above needs it): the device run then spreads
+    /// the kept rows over the partitions without hashing them. `None` where it claims none.
+    pub fn without_hash_partitioning(&self) -> Option<Self> {
+        let Partitioning::Hash(_, count) = self.properties.output_partitioning() else {
+            return None;
+        };
+        let unknown = Partitioning::UnknownPartitioning(*count);
+        let properties = self.properties.as_ref().clone().with_partitioning(unknown);
+        Some(Self {
+            input: Arc::clone(&self.input),
+            function: self.function,
+            ordering: self.ordering.clone(),
+            group_keys: self.group_keys,
+            k: self.k,
+            columns: self.columns.clone(),
+            schema: Arc::clone(&self.schema),
+            properties: Arc::new(properties),
+            metrics: ExecutionPlanMetricsSet::new(),
+            device: self.device.clone(),
+            cpu_reason: self.cpu_reason.clone(),
+            groups: self.groups,
             shared: SharedRun::default(),
         })
     }
@@ -233,6 +291,16 @@ impl DisplayAs for GpuGroupTopKExec {
             list(order),
             self.function.name()
         )?;
+        if self.columns.len() != self.input.schema().fields().len() + 1 {
+            let rank = self.input.schema().fields().len();
+            let names: Vec<&str> = (self.schema.fields().iter().zip(&self.columns))
+                .map(|(f, &c)| match c == rank {
+                    true => self.function.name(),
+                    false => f.name().as_str(),
+                })
+                .collect();
+            write!(f, ", output=[{}]", names.join(", "))?;
+        }
         if let Some(groups) = self.groups {
             write!(f, ", groups≈{groups}")?;
         }
@@ -301,6 +369,7 @@ impl ExecutionPlan for GpuGroupTopKExec {
             ordering: self.ordering.clone(),
             group_keys: self.group_keys,
             k: self.k,
+            columns: self.columns.clone(),
             schema: Arc::clone(&self.schema),
             properties: Arc::clone(&self.properties),
             metrics: ExecutionPlanMetricsSet::new(),
@@ -359,6 +428,7 @@ impl ExecutionPlan for GpuGroupTopKExec {
             ordering: self.ordering.clone(),
             group_keys: self.group_keys,
             k: self.k,
+            columns: self.columns.clone(),
             schema: Arc::clone(&self.schema),
             input_schema: self.input.schema(),
             batch_size: context.session_config().batch_size(),
@@ -379,10 +449,15 @@ impl ExecutionPlan for GpuGroupTopKExec {
         {
             None => cpu.boxed(),
             Some(plan) => {
+                let rank = self.input.schema().fields().len();
+                let output = (self.columns.iter())
+                    .map(|&c| (c != rank).then(|| Arc::clone(&plan.output_exprs[c])))
+                    .collect();
                 let device = DeviceRun {
                     plan: Arc::clone(plan),
                     function: self.function,
                     k: self.k,
+                    output,
                     schema: Arc::clone(&self.schema),
                     partitioning: self.properties.output_partitioning().clone(),
                     batch_size: context.session_config().batch_size(),
@@ -463,6 +538,8 @@ struct DeviceRun {
     plan: Arc<GroupDevicePlan>,
     function: RankFunction,
     k: usize,
+    /// Each output column: an expression over the table, or (`None`) the row's number.
+    output: Vec<Option<Arc<dyn PhysicalExpr>>>,
     schema: SchemaRef,
     partitioning: Partitioning,
     batch_size: usize,
@@ -533,23 +610,17 @@ impl DeviceRun {
             RankFunction::Rank => GroupRanking::Rank,
             RankFunction::DenseRank => GroupRanking::DenseRank,
         };
-        // The table's columns the operator's input columns read.
+        // The table's columns the output reads.
         let mut read = vec![false; table_schema.fields().len()];
-        for expr in &plan.output_exprs {
+        for expr in self.output.iter().flatten() {
             for column in collect_columns(expr) {
                 if let Some(r) = read.get_mut(column.index()) {
                     *r = true;
                 }
             }
         }
-        let gathered = device_gathered(
-            &plan.program,
-            &plan.output_exprs,
-            &inputs,
-            &read,
-            &table_schema,
-        );
-        let mut parts: Vec<Vec<RecordBatch>> = vec![Vec::new(); partitions];
+        let gathered = device_gathered(&plan.program, &self.output, &inputs, &read, &table_schema);
+        let mut parts = Spread::new(&self.partitioning);
         let selected = {
             let _timer = self.metrics.select_time.timer();
             let selector = TableSelector::new(&spec, device, DeviceAlgorithm::Sample)?;
@@ -565,9 +636,7 @@ impl DeviceRun {
                     sink = move |piece: KeptPiece<'_>| -> Result<()> {
                         let _timer = self.metrics.gather_time.timer();
                         for run in self.piece_parts(gathered, &piece)? {
-                            for (p, batch) in run {
-                                parts[p].push(batch);
-                            }
+                            parts.place(run);
                         }
                         Ok(())
                     };
@@ -599,7 +668,7 @@ impl DeviceRun {
         }
         if gathered.is_some() {
             self.metrics.rows_gathered_on_device.add(selected.kept);
-            return Ok(Some(parts));
+            return Ok(Some(parts.parts));
         }
         let (batches, located) = table_starts(&memory);
         // The kept rows in runs of a batch's size, gathered and hashed into the window's
@@ -623,13 +692,11 @@ impl DeviceRun {
             .map_err(|e| crate::device::GpuError(e.to_string()))
         })
         .map_err(|e| DataFusionError::Execution(e.0))?;
-        let mut parts: Vec<Vec<RecordBatch>> = vec![Vec::new(); partitions];
+        let mut parts = Spread::new(&self.partitioning);
         for run in gathered {
-            for (p, batch) in run {
-                parts[p].push(batch);
-            }
+            parts.place(run);
         }
-        Ok(Some(parts))
+        Ok(Some(parts.parts))
     }
 
     /// The output rows of the kept table positions `kept` (with their numbers `ranks`), each
@@ -654,7 +721,7 @@ impl DeviceRun {
         let rows =
             RecordBatch::try_new(Arc::new(Schema::new(fields.collect::<Vec<_>>())), columns)?;
         let ranks: ArrayRef = Arc::new(UInt64Array::from(ranks.to_vec()));
-        self.partitioned(&rows, &self.plan.output_exprs, ranks)
+        self.partitioned(&rows, &self.output, ranks)
     }
 
     /// The output rows of a piece of kept rows whose columns the device gathered, in runs
@@ -724,20 +791,22 @@ impl DeviceRun {
         self.partitioned(&rows, &gathered.exprs, ranks)
     }
 
-    /// The operator's output rows, `exprs` over `rows` with their numbers `ranks`, each with
-    /// the window's output partition it belongs to, as the repartition below the window
-    /// hashed its rows.
+    /// The operator's output rows, `exprs` over `rows` (`None`: their numbers `ranks`), each
+    /// with the window's output partition it belongs to where that is a hash partitioning, as
+    /// the repartition below the window hashed its rows (else 0, for [`Spread`] to place).
     fn partitioned(
         &self,
         rows: &RecordBatch,
-        exprs: &[Arc<dyn PhysicalExpr>],
+        exprs: &[Option<Arc<dyn PhysicalExpr>>],
         ranks: ArrayRef,
     ) -> Result<Vec<(usize, RecordBatch)>> {
         let n = rows.num_rows();
-        let mut arrays = (exprs.iter())
-            .map(|e| e.evaluate(rows)?.into_array(n))
+        let arrays = (exprs.iter())
+            .map(|e| match e {
+                Some(e) => e.evaluate(rows)?.into_array(n),
+                None => Ok(Arc::clone(&ranks)),
+            })
             .collect::<Result<Vec<ArrayRef>>>()?;
-        arrays.push(ranks);
         let batch = RecordBatch::try_new(Arc::clone(&self.schema), arrays)?;
         let mut parts = Vec::new();
         match &self.partitioning {
@@ -755,13 +824,47 @@ impl DeviceRun {
     }
 }
 
+/// The output partitions of a device run, filled with runs of rows in the sort's order: a
+/// hashed run's pieces go to the partitions it names; under any other partitioning each run
+/// goes to the next partition in turn (a partition then holds rows in the sort's order, which
+/// is all that partitioning promises).
+struct Spread {
+    parts: Vec<Vec<RecordBatch>>,
+    hashed: bool,
+    next: usize,
+}
+
+impl Spread {
+    fn new(partitioning: &Partitioning) -> Self {
+        Self {
+            parts: vec![Vec::new(); partitioning.partition_count().max(1)],
+            hashed: matches!(partitioning, Partitioning::Hash(..)),
+            next: 0,
+        }
+    }
+
+    fn place(&mut self, run: Vec<(usize, RecordBatch)>) {
+        for (p, batch) in run {
+            let p = match self.hashed {
+                true => p,
+                false => {
+                    self.next += 1;
+                    (self.next - 1) % self.parts.len()
+                }
+            };
+            self.parts[p].push(batch);
+        }
+    }
+}
+
 /// The kept rows' columns that the device gathers (where the column cache holds every table
 /// column the output reads, as fixed-width values): the program inputs holding them, in
-/// table order, the schema of those columns, and the output expressions over it.
+/// table order, the schema of those columns, and the output expressions over it (`None`: the
+/// row's number).
 struct Gathered {
     inputs: Vec<usize>,
     schema: SchemaRef,
-    exprs: Vec<Arc<dyn PhysicalExpr>>,
+    exprs: Vec<Option<Arc<dyn PhysicalExpr>>>,
 }
 
 /// The device gather of the table columns `read` (see [`Gathered`]), or `None` where one of
@@ -769,13 +872,12 @@ struct Gathered {
 /// output reads): the host then gathers the kept rows from the table.
 fn device_gathered(
     program: &FusedProgram,
-    output_exprs: &[Arc<dyn PhysicalExpr>],
+    output_exprs: &[Option<Arc<dyn PhysicalExpr>>],
     inputs: &[crate::select::table::TableInput<'_>],
     read: &[bool],
     table_schema: &SchemaRef,
 ) -> Option<Gathered> {
     use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
-    use datafusion::physical_expr::expressions::Column;
     let mut at = Vec::new();
     let mut fields = Vec::new();
     let mut index = vec![usize::MAX; read.len()];
@@ -795,6 +897,7 @@ fn device_gathered(
     let exprs = output_exprs
         .iter()
         .map(|e| {
+            let Some(e) = e else { return Ok(None) };
             Arc::clone(e)
                 .transform(|e| {
                     let Some(column) = e.downcast_ref::<Column>() else {
@@ -805,6 +908,7 @@ fn device_gathered(
                     Ok(Transformed::yes(expr))
                 })
                 .data()
+                .map(Some)
         })
         .collect::<Result<Vec<_>>>()
         .ok()?;
@@ -844,6 +948,8 @@ struct Selection {
     ordering: LexOrdering,
     group_keys: usize,
     k: usize,
+    /// Each output column's place among the input's columns then the number.
+    columns: Vec<usize>,
     schema: SchemaRef,
     input_schema: SchemaRef,
     batch_size: usize,
@@ -1098,19 +1204,21 @@ impl Selection {
             .map(|k| (slot[&(k.batch as usize)], k.row as usize))
             .collect();
         let mut output = Vec::new();
-        let columns = self.schema.fields().len() - 1;
+        let rank = self.input_schema.fields().len();
         for (chunk, numbers) in at
             .chunks(self.batch_size.max(1))
             .zip(numbers.chunks(self.batch_size.max(1)))
         {
-            let mut arrays = (0..columns)
-                .map(|c| {
+            let arrays = (self.columns.iter())
+                .map(|&c| {
+                    if c == rank {
+                        return Ok(Arc::new(UInt64Array::from(numbers.to_vec())) as ArrayRef);
+                    }
                     let sources: Vec<&dyn Array> =
                         held.iter().map(|(_, b)| b.column(c).as_ref()).collect();
                     Ok(interleave(&sources, chunk)?)
                 })
                 .collect::<Result<Vec<ArrayRef>>>()?;
-            arrays.push(Arc::new(UInt64Array::from(numbers.to_vec())));
             let batch = RecordBatch::try_new(Arc::clone(&self.schema), arrays)
                 .map_err(|e| DataFusionError::ArrowError(Box::new(e), None))?;
             self.baseline.record_output(batch.num_rows());

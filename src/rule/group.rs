@@ -4,12 +4,16 @@
 //!
 //! ```text
 //! FilterExec rn <= K [AND …]                         FilterExec rn <= K [AND …]
-//!   [ProjectionExec of columns]                         [ProjectionExec of columns]
-//!     BoundedWindowAggExec (or WindowAggExec)   ═▶        GpuGroupTopKExec K, sort order
+//!   [ProjectionExec of columns]                         GpuGroupTopKExec K, sort order,
+//!     BoundedWindowAggExec (or WindowAggExec)   ═▶        [the projection's columns]
 //!       ROW_NUMBER() OVER (PARTITION BY g… ORDER BY k…)     input
 //!       SortExec g…, k…
 //!         input
 //! ```
+//!
+//! The operator takes the projection's place too and outputs only its columns, so the rows it
+//! keeps carry only what the operators above read; where the projection drops a group key,
+//! the output has no partitioning to keep and the device run does not hash its rows.
 //!
 //! K comes from the filter's conjuncts on the row number: `rn <= K`, `rn < K + 1`, `rn = K`
 //! (the operator keeps K rows a group; the filter stays and keeps what the query asked for).
@@ -28,13 +32,17 @@ use datafusion::physical_expr::expressions::{BinaryExpr, Column, Literal};
 use datafusion::physical_expr::split_conjunction;
 use datafusion::physical_expr::window::{StandardWindowExpr, WindowExpr};
 use datafusion::physical_expr::{PhysicalExpr, PhysicalSortExpr};
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
 use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::partitioned_topk::{PartitionedTopKExec, WindowFnKind};
 use datafusion::physical_plan::sorts::sort::SortExec;
+use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
+use datafusion::physical_plan::union::{InterleaveExec, UnionExec};
 use datafusion::physical_plan::windows::{BoundedWindowAggExec, WindowAggExec, WindowUDFExpr};
-use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
+use datafusion::physical_plan::{Distribution, ExecutionPlan, ExecutionPlanProperties};
 
 use super::{Declined, because};
 use crate::config::GpuTopKConfig;
@@ -46,20 +54,34 @@ pub(super) fn match_group_top_k(
     node: &Arc<dyn ExecutionPlan>,
     config: &GpuTopKConfig,
 ) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
+    // DataFusion's own per-group plan, under a projection of columns or not.
+    let projection = node
+        .downcast_ref::<ProjectionExec>()
+        .filter(|p| of_columns(p));
+    if let Some(projection) = projection {
+        match match_partitioned_topk(projection.input(), config) {
+            Err(Declined::NotTopK) => {}
+            Ok(exec) => return projected(exec, projection),
+            Err(declined) => return Err(declined),
+        }
+    }
     match match_partitioned_topk(node, config) {
         Err(Declined::NotTopK) => {}
-        taken_or_declined => return taken_or_declined,
+        taken_or_declined => return taken_or_declined.map(|exec| Arc::new(exec) as _),
     }
     let Some(filter) = node.downcast_ref::<FilterExec>() else {
         return Err(Declined::NotTopK);
     };
     // A projection of columns may lie between the filter and the window.
-    let projection = (filter.input().downcast_ref::<ProjectionExec>())
-        .filter(|p| (p.expr().iter()).all(|e| e.expr.downcast_ref::<Column>().is_some()));
+    let projection = (filter.input().downcast_ref::<ProjectionExec>()).filter(|p| of_columns(p));
     let window = projection.map_or(filter.input(), |p| p.input());
     let Some((exprs, sorted)) = window_parts(window) else {
         return Err(Declined::NotTopK);
     };
+    if sorted.downcast_ref::<PartitionedTopKExec>().is_some() {
+        // Taken below, at the window or at the projection over it.
+        return Err(Declined::NotTopK);
+    }
     // The row number is the window's last output column, at its place in the projection.
     let window_row_number = window.schema().fields().len() - 1;
     let row_number = match projection {
@@ -117,19 +139,33 @@ pub(super) fn match_group_top_k(
         return because("per-group top-k: the input is unbounded");
     }
     let exec = group_exec(input, function, ordering, groups.len(), k, window, config)?;
-    let replace = |plan: &Arc<dyn ExecutionPlan>, child| {
-        Arc::clone(plan)
-            .replace_children(
-                vec![child],
-                ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute),
-            )
-            .or_else(|e| because(format!("per-group top-k: {e}")))
-    };
     let below = match projection {
-        Some(_) => replace(filter.input(), exec)?,
-        None => exec,
+        Some(projection) => projected(exec, projection)?,
+        None => Arc::new(exec),
     };
-    replace(node, below)
+    Arc::clone(node)
+        .replace_children(
+            vec![below],
+            ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute),
+        )
+        .or_else(|e| because(format!("per-group top-k: {e}")))
+}
+
+/// Whether `projection` only picks (and names) columns.
+fn of_columns(projection: &ProjectionExec) -> bool {
+    (projection.expr().iter()).all(|e| e.expr.downcast_ref::<Column>().is_some())
+}
+
+/// `exec` in place of `projection` (of columns) over its window: it outputs only the columns
+/// the operators above read.
+fn projected(
+    exec: GpuGroupTopKExec,
+    projection: &ProjectionExec,
+) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
+    match exec.with_projection(projection) {
+        Ok(exec) => Ok(Arc::new(exec)),
+        Err(e) => because(format!("per-group top-k: {e}")),
+    }
 }
 
 /// DataFusion's own per-group plan (`datafusion.optimizer.enable_window_topn`): a
@@ -139,7 +175,7 @@ pub(super) fn match_group_top_k(
 fn match_partitioned_topk(
     node: &Arc<dyn ExecutionPlan>,
     config: &GpuTopKConfig,
-) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
+) -> std::result::Result<GpuGroupTopKExec, Declined> {
     let Some((exprs, below)) = window_parts(node) else {
         return Err(Declined::NotTopK);
     };
@@ -196,16 +232,16 @@ fn group_exec(
     k: usize,
     window: &Arc<dyn ExecutionPlan>,
     config: &GpuTopKConfig,
-) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined> {
+) -> std::result::Result<GpuGroupTopKExec, Declined> {
     let mut estimate = None;
     let device = super::group_device(&input, &ordering, (groups, k), config, &mut estimate);
     let exec = GpuGroupTopKExec::try_new(input, function, ordering, groups, k, window.as_ref())
         .or_else(|e| because(format!("per-group top-k: {e}")))?
         .with_groups_estimate(estimate);
-    Ok(Arc::new(match device {
+    Ok(match device {
         Ok(plan) => exec.with_device(plan),
         Err(why) => exec.with_cpu_reason(why),
-    }))
+    })
 }
 
 /// The operator's function for `expr`: `ROW_NUMBER()`, `RANK()` or `DENSE_RANK()`, `None`
@@ -344,4 +380,59 @@ pub(super) fn estimate_groups(
     // Each sampled row stands for this many of the table.
     let scale = rows as f64 / sampled.max(1) as f64;
     Some((seen + unseen as usize).min((passed as f64 * scale).round() as usize))
+}
+
+/// `plan` with every [`GpuGroupTopKExec`] whose hash partitioning no operator above needs
+/// claiming none (see [`GpuGroupTopKExec::without_hash_partitioning`]). An operator needs its
+/// child's partitioning where it requires a distribution of its input, or where it passes the
+/// child's partitioning on (every operator but those that make their own: repartitions,
+/// merges, unions) and its own is needed. The root's is not.
+pub(super) fn drop_unneeded_hashing(
+    plan: Arc<dyn ExecutionPlan>,
+) -> datafusion::error::Result<Arc<dyn ExecutionPlan>> {
+    fn walk(
+        plan: &Arc<dyn ExecutionPlan>,
+        needed: bool,
+    ) -> datafusion::error::Result<Option<Arc<dyn ExecutionPlan>>> {
+        if let Some(group) = plan.downcast_ref::<GpuGroupTopKExec>() {
+            return Ok(match needed {
+                true => None,
+                false => (group.without_hash_partitioning()).map(|g| Arc::new(g) as _),
+            });
+        }
+        let own = plan.downcast_ref::<RepartitionExec>().is_some()
+            || plan.downcast_ref::<CoalescePartitionsExec>().is_some()
+            || plan.downcast_ref::<SortPreservingMergeExec>().is_some();
+        let passes = needed && !own && plan.downcast_ref::<UnionExec>().is_none();
+        if plan.downcast_ref::<InterleaveExec>().is_some() {
+            // Its rows are grouped by its inputs' common hash partitioning.
+            return Ok(None);
+        }
+        let required = plan.input_distribution_requirements();
+        let children = plan.children();
+        let mut changed = false;
+        let mut new_children = Vec::with_capacity(children.len());
+        for (i, child) in children.into_iter().enumerate() {
+            let requires = required
+                .child_distribution(i)
+                .is_some_and(|d| !matches!(d, Distribution::UnspecifiedDistribution));
+            match walk(child, requires || passes)? {
+                Some(new) => {
+                    changed = true;
+                    new_children.push(new);
+                }
+                None => new_children.push(Arc::clone(child)),
+            }
+        }
+        match changed {
+            true => Arc::clone(plan)
+                .replace_children(
+                    new_children,
+                    ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute),
+                )
+                .map(Some),
+            false => Ok(None),
+        }
+    }
+    Ok(walk(&plan, false)?.unwrap_or(plan))
 }

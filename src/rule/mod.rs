@@ -123,9 +123,10 @@ impl PhysicalOptimizerRule for GpuTopKRule {
             );
             plan
         } else {
-            rewrite(plan, &mut decisions, "window plan", |node| {
+            let plan = rewrite(plan, &mut decisions, "window plan", |node| {
                 group::match_group_top_k(node, config)
-            })?
+            })?;
+            group::drop_unneeded_hashing(plan)?
         };
         let plan = rewrite(plan, &mut decisions, "TopK", |node| {
             match_top_k(node, config, distributed)

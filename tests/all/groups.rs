@@ -426,6 +426,8 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
     for sql in [
         "SELECT count(*), sum(id), sum(rn) FROM (SELECT id, ROW_NUMBER() OVER (PARTITION BY v ORDER BY id) AS rn FROM big) WHERE rn <= 4000",
         "SELECT count(*), sum(id), sum(r) FROM (SELECT id, RANK() OVER (PARTITION BY id / 3 ORDER BY v DESC) AS r FROM big) WHERE r = 1",
+        // The aggregate above needs the window's hash partitioning by `v`.
+        "SELECT v, count(*), sum(id), max(rn) FROM (SELECT id, v, ROW_NUMBER() OVER (PARTITION BY v ORDER BY id) AS rn FROM big) WHERE rn <= 700 GROUP BY v",
     ] {
         let plan = physical_plan(&cuda, sql).await.unwrap();
         assert!(
@@ -435,7 +437,11 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
         );
         let got = exact_rows(&collect(Arc::clone(&plan), cuda.task_ctx()).await.unwrap());
         no_fallback(&plan, sql);
-        assert_eq!(got, exact_rows(&run(&plain, sql).await.unwrap()), "{sql}");
+        let mut want = exact_rows(&run(&plain, sql).await.unwrap());
+        let mut got = got;
+        got.sort();
+        want.sort();
+        assert_eq!(got, want, "{sql}");
     }
     // The kept rows' columns gathered on the device, over every width (1, 2, 4, 8 and 16
     // bytes) with NULLs, in several pieces; and the host's gather where the output reads a
@@ -656,5 +662,72 @@ async fn explain_shows_the_groups_estimate() {
         text.contains("GpuGroupTopKExec") && !text.contains("groups≈"),
         "{text}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The operator takes the place of the projection above the window too, and outputs only
+/// the columns the operators above read, under DataFusion's window plan and its
+/// `PartitionedTopKExec` plan alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_operator_outputs_only_the_columns_read_above() {
+    let dir = test_dir("groups-columns");
+    let data = table(3000, 3, 40);
+    let ours = session(true, 3, 128);
+    let plain = plain_session(3, Storage::Memory);
+    for ctx in [&ours, &plain] {
+        register_as(ctx, "t", &data, Storage::Memory, &dir).await;
+    }
+    for topn in ["false", "true"] {
+        let set = format!("SET datafusion.optimizer.enable_window_topn = {topn}");
+        run(&ours, &set).await.unwrap();
+        for (sql, output) in [
+            (
+                "SELECT count(*), sum(id) FROM (SELECT id, ROW_NUMBER() OVER (PARTITION BY g ORDER BY v DESC, id) AS rn FROM t) WHERE rn <= 3",
+                "output=[id, row_number]",
+            ),
+            (
+                "SELECT id, v, r FROM (SELECT *, RANK() OVER (PARTITION BY g ORDER BY v) AS r FROM t) WHERE r <= 2",
+                "output=[id, v, rank]",
+            ),
+        ] {
+            let text = plan_text(&physical_plan(&ours, sql).await.unwrap());
+            let line = (text.lines())
+                .position(|l| l.contains("GpuGroupTopKExec"))
+                .unwrap_or_else(|| panic!("{sql}:\n{text}"));
+            assert!(
+                text.lines().nth(line).unwrap().contains(output),
+                "{sql}:\n{text}"
+            );
+            let above = text.lines().nth(line - 1).unwrap();
+            assert!(!above.contains("ProjectionExec"), "{sql}:\n{text}");
+            same_rows(&ours, &plain, sql, true).await;
+        }
+        // The window's hash partitioning stays claimed only where an operator above needs
+        // it: here the aggregate by the group key, not the query's output.
+        for (sql, hashed) in [
+            (
+                "SELECT id, g, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY v, id) AS rn FROM t) WHERE rn <= 2",
+                false,
+            ),
+            (
+                "SELECT g, count(*), max(rn) FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY v, id) AS rn FROM t) WHERE rn <= 2 GROUP BY g",
+                true,
+            ),
+        ] {
+            let plan = physical_plan(&ours, sql).await.unwrap();
+            let exec = find_group_topk(&plan).unwrap_or_else(|| panic!("{sql}"));
+            let partitioning = exec.properties().output_partitioning();
+            assert_eq!(
+                matches!(
+                    partitioning,
+                    datafusion::physical_plan::Partitioning::Hash(..)
+                ),
+                hashed,
+                "{sql}: {partitioning:?}\n{}",
+                plan_text(&plan)
+            );
+            same_rows(&ours, &plain, sql, true).await;
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
