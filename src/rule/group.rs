@@ -78,10 +78,6 @@ pub(super) fn match_group_top_k(
     let Some((exprs, sorted)) = window_parts(window) else {
         return Err(Declined::NotTopK);
     };
-    if sorted.downcast_ref::<PartitionedTopKExec>().is_some() {
-        // Taken below, at the window or at the projection over it.
-        return Err(Declined::NotTopK);
-    }
     // The row number is the window's last output column, at its place in the projection.
     let window_row_number = window.schema().fields().len() - 1;
     let row_number = match projection {
@@ -92,9 +88,47 @@ pub(super) fn match_group_top_k(
                 .is_some_and(|c| c.index() == window_row_number)
         }),
     };
-    let Some(k) = row_number.and_then(|rn| rows_kept(filter.predicate(), rn)) else {
+    let (Some(row_number), Some(k)) = (
+        row_number,
+        row_number.and_then(|rn| rows_kept(filter.predicate(), rn)),
+    ) else {
         return Err(Declined::NotTopK);
     };
+    let exec = if sorted.downcast_ref::<PartitionedTopKExec>().is_some() {
+        match_partitioned_topk(window, config)?
+    } else {
+        over_sort(exprs, sorted, window, k, config)?
+    };
+    let exec = match projection {
+        Some(projection) => exec
+            .with_projection(projection)
+            .or_else(|e| because(format!("per-group top-k: {e}")))?,
+        None => exec,
+    };
+    // A filter on nothing but the number, which every kept row passes, goes too.
+    if filter.fetch().is_none() && passes_every_kept_row(filter.predicate(), row_number, exec.k()) {
+        return match exec.in_place_of_filter(filter) {
+            Ok(exec) => Ok(Arc::new(exec)),
+            Err(e) => because(format!("per-group top-k: {e}")),
+        };
+    }
+    Arc::clone(node)
+        .replace_children(
+            vec![Arc::new(exec)],
+            ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute),
+        )
+        .or_else(|e| because(format!("per-group top-k: {e}")))
+}
+
+/// The operator in place of `window` (`exprs`) over `sorted`, keeping `k` rows a group,
+/// where `sorted` is a sort by the window's `PARTITION BY` then `ORDER BY` keys.
+fn over_sort(
+    exprs: &[Arc<dyn WindowExpr>],
+    sorted: &Arc<dyn ExecutionPlan>,
+    window: &Arc<dyn ExecutionPlan>,
+    k: usize,
+    config: &GpuTopKConfig,
+) -> std::result::Result<GpuGroupTopKExec, Declined> {
     let [expr] = exprs else {
         return because("per-group top-k: several window functions in one window");
     };
@@ -138,17 +172,7 @@ pub(super) fn match_group_top_k(
     if input.boundedness().is_unbounded() {
         return because("per-group top-k: the input is unbounded");
     }
-    let exec = group_exec(input, function, ordering, groups.len(), k, window, config)?;
-    let below = match projection {
-        Some(projection) => projected(exec, projection)?,
-        None => Arc::new(exec),
-    };
-    Arc::clone(node)
-        .replace_children(
-            vec![below],
-            ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute),
-        )
-        .or_else(|e| because(format!("per-group top-k: {e}")))
+    group_exec(input, function, ordering, groups.len(), k, window, config)
 }
 
 /// Whether `projection` only picks (and names) columns.
@@ -264,48 +288,69 @@ fn rank_function(expr: &dyn WindowExpr) -> Option<RankFunction> {
     }
 }
 
+/// `conjunct` as a bound on the row number in column `row_number`, `rn op v` with `op` one
+/// of `<=`, `<` and `=` (either side), else `None`.
+fn row_number_bound(
+    conjunct: &Arc<dyn PhysicalExpr>,
+    row_number: usize,
+) -> Option<(Operator, u64)> {
+    let binary = conjunct.downcast_ref::<BinaryExpr>()?;
+    let is_rn = |e: &Arc<dyn PhysicalExpr>| {
+        e.downcast_ref::<Column>()
+            .is_some_and(|c| c.index() == row_number)
+    };
+    let literal = |e: &Arc<dyn PhysicalExpr>| -> Option<u64> {
+        match e.downcast_ref::<Literal>()?.value() {
+            ScalarValue::UInt64(Some(v)) => Some(*v),
+            ScalarValue::Int64(Some(v)) => u64::try_from(*v).ok(),
+            _ => None,
+        }
+    };
+    let (op, v) = if is_rn(binary.left()) {
+        (*binary.op(), literal(binary.right())?)
+    } else if is_rn(binary.right()) {
+        let flipped = match binary.op() {
+            Operator::GtEq => Operator::LtEq,
+            Operator::Gt => Operator::Lt,
+            Operator::Eq => Operator::Eq,
+            _ => return None,
+        };
+        (flipped, literal(binary.left())?)
+    } else {
+        return None;
+    };
+    matches!(op, Operator::LtEq | Operator::Lt | Operator::Eq).then_some((op, v))
+}
+
 /// The rows a group keeps under `predicate` (a conjunction) on the row number in column
 /// `row_number`: the smallest bound of its `rn <= K`, `rn < K`, `rn = K` conjuncts (either
 /// side), `None` where it has none.
 fn rows_kept(predicate: &Arc<dyn PhysicalExpr>, row_number: usize) -> Option<usize> {
-    let bound = |conjunct: &Arc<dyn PhysicalExpr>| -> Option<u64> {
-        let binary = conjunct.downcast_ref::<BinaryExpr>()?;
-        let is_rn = |e: &Arc<dyn PhysicalExpr>| {
-            e.downcast_ref::<Column>()
-                .is_some_and(|c| c.index() == row_number)
-        };
-        let literal = |e: &Arc<dyn PhysicalExpr>| -> Option<u64> {
-            match e.downcast_ref::<Literal>()?.value() {
-                ScalarValue::UInt64(Some(v)) => Some(*v),
-                ScalarValue::Int64(Some(v)) => u64::try_from(*v).ok(),
-                _ => None,
-            }
-        };
-        // As `rn op v`.
-        let (op, v) = if is_rn(binary.left()) {
-            (*binary.op(), literal(binary.right())?)
-        } else if is_rn(binary.right()) {
-            let flipped = match binary.op() {
-                Operator::GtEq => Operator::LtEq,
-                Operator::Gt => Operator::Lt,
-                Operator::Eq => Operator::Eq,
-                _ => return None,
-            };
-            (flipped, literal(binary.left())?)
-        } else {
-            return None;
-        };
-        match op {
-            Operator::LtEq | Operator::Eq => Some(v),
-            Operator::Lt => Some(v.saturating_sub(1)),
-            _ => None,
-        }
-    };
     split_conjunction(predicate)
         .into_iter()
-        .filter_map(bound)
+        .filter_map(|c| row_number_bound(c, row_number))
+        .map(|(op, v)| match op {
+            Operator::Lt => v.saturating_sub(1),
+            _ => v,
+        })
         .min()
         .map(|k| usize::try_from(k).unwrap_or(usize::MAX))
+}
+
+/// Whether every row the operator keeps at `k` rows a group passes `predicate`: each of its
+/// conjuncts bounds the number (column `row_number`) at `k` or above, or is `= 1` with `k` at
+/// most 1. A kept row's number is at most `k` under each function (`RANK()`'s ties at the
+/// K-th share a number at most `k`).
+fn passes_every_kept_row(predicate: &Arc<dyn PhysicalExpr>, row_number: usize, k: usize) -> bool {
+    let k = k as u64;
+    split_conjunction(predicate)
+        .into_iter()
+        .all(|c| match row_number_bound(c, row_number) {
+            Some((Operator::LtEq, v)) => v >= k,
+            Some((Operator::Lt, v)) => v > k,
+            Some((Operator::Eq, 1)) => k <= 1,
+            _ => false,
+        })
 }
 
 /// Rows of an in-memory table [`estimate_groups`] reads, and the batches it reads them from.

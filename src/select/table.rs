@@ -316,6 +316,8 @@ pub struct TableSelection {
 /// the device, and the consumer of each piece read back, in the kept rows' order.
 pub struct GroupRows<'s> {
     pub inputs: Vec<usize>,
+    /// Whether the kept rows' ranks come back too.
+    pub ranks: bool,
     pub sink: &'s mut dyn FnMut(KeptPiece<'_>) -> Result<()>,
 }
 
@@ -1383,6 +1385,7 @@ fn run_table(
                     };
                     Some(KeptRows {
                         columns,
+                        ranks: out.ranks,
                         sink: &mut forward,
                     })
                 }

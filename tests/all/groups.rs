@@ -426,6 +426,8 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
     for sql in [
         "SELECT count(*), sum(id), sum(rn) FROM (SELECT id, ROW_NUMBER() OVER (PARTITION BY v ORDER BY id) AS rn FROM big) WHERE rn <= 4000",
         "SELECT count(*), sum(id), sum(r) FROM (SELECT id, RANK() OVER (PARTITION BY id / 3 ORDER BY v DESC) AS r FROM big) WHERE r = 1",
+        // No number read above: the filter goes, and the numbers stay on the device.
+        "SELECT count(*), sum(id) FROM (SELECT id, ROW_NUMBER() OVER (PARTITION BY v ORDER BY id DESC) AS rn FROM big) WHERE rn <= 3000",
         // The aggregate above needs the window's hash partitioning by `v`.
         "SELECT v, count(*), sum(id), max(rn) FROM (SELECT id, v, ROW_NUMBER() OVER (PARTITION BY v ORDER BY id) AS rn FROM big) WHERE rn <= 700 GROUP BY v",
     ] {
@@ -667,7 +669,8 @@ async fn explain_shows_the_groups_estimate() {
 
 /// The operator takes the place of the projection above the window too, and outputs only
 /// the columns the operators above read, under DataFusion's window plan and its
-/// `PartitionedTopKExec` plan alike.
+/// `PartitionedTopKExec` plan alike; and of the filter above, where every row it keeps
+/// passes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_operator_outputs_only_the_columns_read_above() {
     let dir = test_dir("groups-columns");
@@ -680,14 +683,32 @@ async fn the_operator_outputs_only_the_columns_read_above() {
     for topn in ["false", "true"] {
         let set = format!("SET datafusion.optimizer.enable_window_topn = {topn}");
         run(&ours, &set).await.unwrap();
-        for (sql, output) in [
+        // The filter goes too where every kept row passes it.
+        for (sql, output, filtered) in [
             (
                 "SELECT count(*), sum(id) FROM (SELECT id, ROW_NUMBER() OVER (PARTITION BY g ORDER BY v DESC, id) AS rn FROM t) WHERE rn <= 3",
-                "output=[id, row_number]",
+                "output=[id],",
+                false,
             ),
             (
                 "SELECT id, v, r FROM (SELECT *, RANK() OVER (PARTITION BY g ORDER BY v) AS r FROM t) WHERE r <= 2",
-                "output=[id, v, rank]",
+                "output=[id, v, rank],",
+                false,
+            ),
+            (
+                "SELECT id, r FROM (SELECT *, DENSE_RANK() OVER (PARTITION BY g ORDER BY v) AS r FROM t) WHERE r = 1 AND 4 > r",
+                "output=[id, dense_rank],",
+                false,
+            ),
+            (
+                "SELECT sum(id) FROM (SELECT id, ROW_NUMBER() OVER (PARTITION BY g ORDER BY v DESC, id) AS rn FROM t) WHERE rn = 2",
+                "output=[id, row_number],",
+                true,
+            ),
+            (
+                "SELECT id, v FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY v DESC, id) AS rn FROM t) WHERE rn <= 2 AND v > 10",
+                "output=[id, v, row_number],",
+                true,
             ),
         ] {
             let text = plan_text(&physical_plan(&ours, sql).await.unwrap());
@@ -699,7 +720,7 @@ async fn the_operator_outputs_only_the_columns_read_above() {
                 "{sql}:\n{text}"
             );
             let above = text.lines().nth(line - 1).unwrap();
-            assert!(!above.contains("ProjectionExec"), "{sql}:\n{text}");
+            assert_eq!(above.contains("FilterExec"), filtered, "{sql}:\n{text}");
             same_rows(&ours, &plain, sql, true).await;
         }
         // The window's hash partitioning stays claimed only where an operator above needs

@@ -95,6 +95,8 @@ pub struct KeptPiece<'a> {
 /// order.
 pub struct KeptRows<'s> {
     pub columns: Vec<GatherColumn>,
+    /// Whether the ranks come back too (else the pieces have none).
+    pub ranks: bool,
     pub sink: &'s mut dyn FnMut(KeptPiece<'_>) -> GpuResult<()>,
 }
 
@@ -227,7 +229,8 @@ impl TopKEngine {
         kept.report.kept = total;
         match rows_out {
             Some(rows_out) => {
-                self.read_kept_rows(out_ids.ptr(), out_ranks.ptr(), total, k == 1, rows_out)?
+                let ones = k == 1 || !rows_out.ranks;
+                self.read_kept_rows(out_ids.ptr(), out_ranks.ptr(), total, ones, rows_out)?
             }
             None => {
                 kept.ids = self.read_words(out_ids.ptr(), total)?;
@@ -243,9 +246,9 @@ impl TopKEngine {
     }
 
     /// The `total` kept rows' columns, gathered on the device (`group_gather`) at the row ids
-    /// at `ids`, and their ranks at `ranks` (none where `ones`), read back in pieces of about
-    /// [`KEPT_PIECE_BYTES`] through two pinned buffers, each handed to the sink in order
-    /// while the next crosses PCIe.
+    /// at `ids`, and their ranks at `ranks` (none where `ones`: every rank is 1, or none is
+    /// wanted), read back in pieces of about [`KEPT_PIECE_BYTES`] through two pinned
+    /// buffers, each handed to the sink in order while the next crosses PCIe.
     fn read_kept_rows(
         &mut self,
         ids: u64,
@@ -254,7 +257,7 @@ impl TopKEngine {
         ones: bool,
         rows_out: KeptRows<'_>,
     ) -> GpuResult<()> {
-        let KeptRows { columns, sink } = rows_out;
+        let KeptRows { columns, sink, .. } = rows_out;
         let mut gathered = Vec::with_capacity(columns.len());
         for column in &columns {
             if !matches!(column.width, 1 | 2 | 4 | 8 | 16) {
