@@ -836,7 +836,7 @@ impl DeviceRun {
             Ok(make_array(data))
         })
         .collect::<Result<Vec<ArrayRef>>>()?;
-        let rows = RecordBatch::try_new(Arc::clone(&gathered.schema), columns)?;
+        let rows = batch_of(Arc::clone(&gathered.schema), columns, n)?;
         let ranks: ArrayRef = Arc::new(UInt64Array::new(ScalarBuffer::new(ranks, 0, n), None));
         self.partitioned(&rows, &gathered.exprs, ranks)
     }
@@ -857,7 +857,7 @@ impl DeviceRun {
                 None => Ok(Arc::clone(&ranks)),
             })
             .collect::<Result<Vec<ArrayRef>>>()?;
-        let batch = RecordBatch::try_new(Arc::clone(&self.schema), arrays)?;
+        let batch = batch_of(Arc::clone(&self.schema), arrays, n)?;
         let mut parts = Vec::new();
         match &self.partitioning {
             Partitioning::Hash(exprs, count) if *count > 1 => {
@@ -872,6 +872,17 @@ impl DeviceRun {
         }
         Ok(parts)
     }
+}
+
+/// A batch of `rows` rows of `columns`, which may be none (`count(*)` above reads none).
+fn batch_of(
+    schema: SchemaRef,
+    columns: Vec<ArrayRef>,
+    rows: usize,
+) -> std::result::Result<RecordBatch, datafusion::arrow::error::ArrowError> {
+    use datafusion::arrow::array::RecordBatchOptions;
+    let options = RecordBatchOptions::new().with_row_count(Some(rows));
+    RecordBatch::try_new_with_options(schema, columns, &options)
 }
 
 /// `bytes` in a new buffer aligned for any fixed-width value, copied in parts over the cores.
@@ -1304,7 +1315,7 @@ impl Selection {
                     Ok(interleave(&sources, chunk)?)
                 })
                 .collect::<Result<Vec<ArrayRef>>>()?;
-            let batch = RecordBatch::try_new(Arc::clone(&self.schema), arrays)
+            let batch = batch_of(Arc::clone(&self.schema), arrays, chunk.len())
                 .map_err(|e| DataFusionError::ArrowError(Box::new(e), None))?;
             self.baseline.record_output(batch.num_rows());
             output.push(batch);

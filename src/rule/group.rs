@@ -12,11 +12,14 @@
 //! ```
 //!
 //! The operator takes the projection's place too and outputs only its columns, so the rows it
-//! keeps carry only what the operators above read; where the projection drops a group key,
-//! the output has no partitioning to keep and the device run does not hash its rows.
+//! keeps carry only what the operators above read; and the filter's, where every row it keeps
+//! passes the filter (`rn <= K`, `rn < K + 1`, `rn = 1` at K = 1). Where no operator above
+//! needs the window's hash partitioning (`drop_unneeded_hashing`), the operator claims none
+//! and the device run does not hash its rows.
 //!
 //! K comes from the filter's conjuncts on the row number: `rn <= K`, `rn < K + 1`, `rn = K`
-//! (the operator keeps K rows a group; the filter stays and keeps what the query asked for).
+//! (the operator keeps K rows a group; a filter that asks for more, such as `rn = K` at K > 1
+//! or a condition on another column, stays).
 //! Other window functions, several window expressions in one node, or a sort that is not the
 //! window's order leave the plan to DataFusion.
 //!

@@ -426,7 +426,9 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
     for sql in [
         "SELECT count(*), sum(id), sum(rn) FROM (SELECT id, ROW_NUMBER() OVER (PARTITION BY v ORDER BY id) AS rn FROM big) WHERE rn <= 4000",
         "SELECT count(*), sum(id), sum(r) FROM (SELECT id, RANK() OVER (PARTITION BY id / 3 ORDER BY v DESC) AS r FROM big) WHERE r = 1",
-        // No number read above: the filter goes, and the numbers stay on the device.
+        // No number read above: the filter goes, and the numbers stay on the device; and no
+        // column at all.
+        "SELECT count(*) FROM (SELECT id, ROW_NUMBER() OVER (PARTITION BY v ORDER BY id) AS rn FROM big) WHERE rn <= 2500",
         "SELECT count(*), sum(id) FROM (SELECT id, ROW_NUMBER() OVER (PARTITION BY v ORDER BY id DESC) AS rn FROM big) WHERE rn <= 3000",
         // The aggregate above needs the window's hash partitioning by `v`.
         "SELECT v, count(*), sum(id), max(rn) FROM (SELECT id, v, ROW_NUMBER() OVER (PARTITION BY v ORDER BY id) AS rn FROM big) WHERE rn <= 700 GROUP BY v",
@@ -693,6 +695,11 @@ async fn the_operator_outputs_only_the_columns_read_above() {
             (
                 "SELECT id, v, r FROM (SELECT *, RANK() OVER (PARTITION BY g ORDER BY v) AS r FROM t) WHERE r <= 2",
                 "output=[id, v, rank],",
+                false,
+            ),
+            (
+                "SELECT count(*) FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY v) AS rn FROM t) WHERE rn <= 2",
+                "output=[],",
                 false,
             ),
             (
