@@ -197,51 +197,50 @@ impl GpuGroupTopKExec {
     /// only those columns, with the projection's schema, partitioning and order. Where the
     /// projection drops a group key, the output's partitioning is unknown and the device run
     /// spreads the kept rows over the partitions without hashing them.
-    pub fn with_projection(mut self, projection: &ProjectionExec) -> Result<Self> {
-        let columns = (projection.expr().iter())
-            .map(|e| {
-                let column = e.expr.downcast_ref::<Column>()?;
-                self.columns.get(column.index()).copied()
-            })
+    pub fn with_projection(self, projection: &ProjectionExec) -> Result<Self> {
+        let picks = (projection.expr().iter())
+            .map(|e| e.expr.downcast_ref::<Column>().map(Column::index))
             .collect::<Option<Vec<_>>>();
-        let Some(columns) = columns else {
-            return datafusion::common::internal_err!(
+        match picks {
+            Some(picks) => self.in_place_of(projection, Some(&picks)),
+            None => datafusion::common::internal_err!(
                 "GpuGroupTopKExec: a projection of other than its columns"
-            );
-        };
-        if projection.input().schema().fields().len() != self.schema.fields().len() {
-            return datafusion::common::internal_err!(
-                "GpuGroupTopKExec: a projection over another schema"
-            );
+            ),
         }
-        self.columns = columns;
-        self.schema = projection.schema();
-        self.properties = Arc::clone(projection.properties());
-        Ok(self)
     }
 
     /// The operator in place of `filter` over it, whose predicate every row it keeps passes
     /// (a bound on the number at K or above): it outputs the filter's columns, with the
     /// filter's schema and properties.
-    pub fn in_place_of_filter(mut self, filter: &FilterExec) -> Result<Self> {
-        if filter.input().schema().fields().len() != self.schema.fields().len() {
+    pub fn in_place_of_filter(self, filter: &FilterExec) -> Result<Self> {
+        let picks = filter.projection().as_ref().map(|p| p.to_vec());
+        self.in_place_of(filter, picks.as_deref())
+    }
+
+    /// The operator in place of `above`, an operator over it that outputs its columns
+    /// `picks` (all where `None`), with `above`'s schema and properties.
+    fn in_place_of(mut self, above: &dyn ExecutionPlan, picks: Option<&[usize]>) -> Result<Self> {
+        let over = above.children().first().map(|c| c.schema().fields().len());
+        if over != Some(self.schema.fields().len()) {
             return datafusion::common::internal_err!(
-                "GpuGroupTopKExec: a filter over another schema"
+                "GpuGroupTopKExec: {} over another schema",
+                above.name()
             );
         }
-        if let Some(projection) = filter.projection() {
-            let columns = (projection.iter())
+        if let Some(picks) = picks {
+            let columns = (picks.iter())
                 .map(|&i| self.columns.get(i).copied())
                 .collect::<Option<Vec<_>>>();
             let Some(columns) = columns else {
                 return datafusion::common::internal_err!(
-                    "GpuGroupTopKExec: a filter's projection past its columns"
+                    "GpuGroupTopKExec: {} picks past its columns",
+                    above.name()
                 );
             };
             self.columns = columns;
         }
-        self.schema = filter.schema();
-        self.properties = Arc::clone(filter.properties());
+        self.schema = above.schema();
+        self.properties = Arc::clone(above.properties());
         Ok(self)
     }
 
@@ -253,22 +252,28 @@ impl GpuGroupTopKExec {
             return None;
         };
         let unknown = Partitioning::UnknownPartitioning(*count);
-        let properties = self.properties.as_ref().clone().with_partitioning(unknown);
-        Some(Self {
-            input: Arc::clone(&self.input),
+        let mut exec = self.copy_over(Arc::clone(&self.input));
+        exec.properties = Arc::new(self.properties.as_ref().clone().with_partitioning(unknown));
+        Some(exec)
+    }
+
+    /// The operator over `input`, with fresh metrics and no run shared with this one.
+    fn copy_over(&self, input: Arc<dyn ExecutionPlan>) -> Self {
+        Self {
+            input,
             function: self.function,
             ordering: self.ordering.clone(),
             group_keys: self.group_keys,
             k: self.k,
             columns: self.columns.clone(),
             schema: Arc::clone(&self.schema),
-            properties: Arc::new(properties),
+            properties: Arc::clone(&self.properties),
             metrics: ExecutionPlanMetricsSet::new(),
             device: self.device.clone(),
             cpu_reason: self.cpu_reason.clone(),
             groups: self.groups,
             shared: SharedRun::default(),
-        })
+        }
     }
 
     /// The operator with the planner's estimate of the number of groups.
@@ -394,21 +399,7 @@ impl ExecutionPlan for GpuGroupTopKExec {
         if children.len() != 1 {
             return datafusion::common::internal_err!("GpuGroupTopKExec takes exactly one child");
         }
-        Ok(Arc::new(Self {
-            input: children.swap_remove(0),
-            function: self.function,
-            ordering: self.ordering.clone(),
-            group_keys: self.group_keys,
-            k: self.k,
-            columns: self.columns.clone(),
-            schema: Arc::clone(&self.schema),
-            properties: Arc::clone(&self.properties),
-            metrics: ExecutionPlanMetricsSet::new(),
-            device: self.device.clone(),
-            cpu_reason: self.cpu_reason.clone(),
-            groups: self.groups,
-            shared: SharedRun::default(),
-        }))
+        Ok(Arc::new(self.copy_over(children.swap_remove(0))))
     }
 
     fn with_new_children(
