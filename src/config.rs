@@ -152,6 +152,12 @@ extensions_options! {
         /// Most device memory, in bytes, one query's selection may hold (0: no limit but the
         /// device's). A query that needs more falls back to the CPU path.
         pub device_memory_limit: usize, default = 0
+        /// Most pinned host memory, in bytes, that a per-group top-k's output batches may
+        /// hold: up to it, the rows the device reads back stay in the buffers they arrived
+        /// in (no copy), which return to the process's pinned pool (1 GiB) when the batches
+        /// are dropped; past it, and at 0, each piece is copied out. Above half the pool, a
+        /// repeated query no longer finds its buffers there and pins new ones.
+        pub pinned_output_bytes: usize, default = 1 << 29
         /// Whether this session's queries use the device column cache, which keeps in-memory
         /// tables' and Parquet files' columns on the GPU between queries so that a repeated
         /// query does not ship them over PCIe again. The cache is the process's, shared by
@@ -277,6 +283,10 @@ impl GpuTopKConfig {
     }
     pub fn with_device_memory_limit(mut self, bytes: usize) -> Self {
         self.device_memory_limit = bytes;
+        self
+    }
+    pub fn with_pinned_output_bytes(mut self, bytes: usize) -> Self {
+        self.pinned_output_bytes = bytes;
         self
     }
     pub fn with_column_cache(mut self, use_cache: bool) -> Self {

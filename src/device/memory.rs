@@ -423,7 +423,7 @@ impl PinnedPool {
                 .filter(|(_, b)| b.write_combined == write_combined && b.bytes >= bytes)
                 .min_by_key(|(_, b)| b.bytes)
                 .map(|(i, _)| i);
-            best.map(|i| free.swap_remove(i))
+            best.map(|i| free.remove(i))
         };
         let held = match Held::pinned(hit.as_ref().map_or(size_class(bytes), |b| b.bytes)) {
             Ok(held) => held,
@@ -445,12 +445,25 @@ impl PinnedPool {
         })
     }
 
+    /// Keeps `buffer` for reuse, freeing the longest-kept buffers past the limit (a repeated
+    /// query then finds the buffers its last run returned).
     fn release(&self, buffer: PinnedBuffer) {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        let cached: usize = free.iter().map(|b| b.bytes).sum();
-        if cached + buffer.bytes <= self.limit {
-            free.push(buffer);
+        if buffer.bytes > self.limit {
+            return;
         }
+        let evicted = {
+            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            free.push(buffer);
+            let mut cached: usize = free.iter().map(|b| b.bytes).sum();
+            let mut oldest = 0;
+            while cached > self.limit {
+                cached -= free[oldest].bytes;
+                oldest += 1;
+            }
+            free.drain(..oldest).collect::<Vec<_>>()
+        };
+        // Freed outside the lock: unpinning is slow.
+        drop(evicted);
     }
 }
 

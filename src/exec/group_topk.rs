@@ -29,22 +29,24 @@
 //! **On the GPU** ([`GroupDevicePlan`], where the rule found a whole in-memory table below the
 //! hash repartition, with a filter and keys its generated code evaluates): a segmented sort.
 //! The program's pass appends every passing row's composite key, the group keys in its high
-//! bits and the order keys below, with the row's position in the table; the pairs are sorted
-//! on the device, and the thread at each group's first pair walks the group and keeps its K
-//! best rows with their numbers (kernels/groups.cu), written in sorted order. Where the
-//! column cache holds every table column the output reads as fixed-width values (the group and
-//! order keys, and the filter's columns, are there already), the device gathers the kept rows'
-//! values and the host reads back those columns and numbers in pieces, building each piece's
-//! batches on every core while the next crosses PCIe; otherwise it reads back the kept
-//! positions and gathers their rows from the table. Either way the host hashes the rows into
-//! the window's output partitions as the repartition below would have, where an operator
-//! above needs that partitioning; else it deals runs of rows in sort order to the partitions
-//! in turn. Every output partition waits for that one run.
+//! bits and the order keys below, with the row's position in the table; the pairs are sorted on
+//! the device, and the thread at each group's first pair walks the group and keeps its K best
+//! rows with their numbers (kernels/groups.cu), written in sorted order. Where the column cache
+//! holds every table column the output reads as fixed-width values (the group and order keys,
+//! and the filter's columns, are there already), the device gathers the kept rows' values and
+//! the host reads back those columns and numbers in pieces, building each piece's batches on
+//! every core while the next crosses PCIe. The batches' arrays are slices of the pinned buffer
+//! a piece arrived in, which goes back to the pool when they are dropped (up to
+//! `gpu_topk.pinned_output_bytes`; pieces past it are copied out). Otherwise it reads back the
+//! kept positions and gathers their rows from the table. Either way the host hashes the rows
+//! into the window's output partitions as the repartition below would have, where an operator
+//! above needs that partitioning; else it deals runs of rows in sort order to the partitions in
+//! turn. Every output partition waits for that one run.
 //!
 //! The operator also takes the place of a projection of columns over the window (the rule
-//! passes it with [`GpuGroupTopKExec::with_projection`]), and then outputs only those
-//! columns: the device gathers and reads back only them. Ties are broken by table position, deterministic
-//! whatever the arrival order. Any device failure runs the CPU path instead.
+//! passes it with [`GpuGroupTopKExec::with_projection`]), and then outputs only those columns:
+//! the device gathers and reads back only them. Ties are broken by table position,
+//! deterministic whatever the arrival order. Any device failure runs the CPU path instead.
 //!
 //! Which pairs are sorted is the cost model's choice ([`GroupAlgorithm`]), by the number of
 //! groups the rule estimates from a sample of the table (EXPLAIN shows it as `groups≈`) and
@@ -117,6 +119,8 @@ pub struct GroupDevicePlan {
     pub fault: FaultPoint,
     /// `gpu_topk.device_memory_limit`.
     pub device_memory_limit: usize,
+    /// `gpu_topk.pinned_output_bytes`.
+    pub pinned_output_bytes: usize,
 }
 
 /// The device run's output partitions, shared by every output partition's stream; `None`:
@@ -665,6 +669,7 @@ impl DeviceRun {
                     Some(GroupRows {
                         inputs: gathered.inputs.clone(),
                         ranks: self.output.iter().any(Option::is_none),
+                        lend: plan.pinned_output_bytes,
                         sink: &mut sink,
                     })
                 }
@@ -750,15 +755,11 @@ impl DeviceRun {
     /// The output rows of a piece of kept rows whose columns the device gathered, in runs
     /// built and hashed into the window's partitions on every core, in order. A run is a
     /// batch's size for each partition, so that it hashes into about a batch a partition.
-    /// Each column's values (and the numbers) are copied out of the pinned piece once, over
-    /// the cores, into one buffer whose slices the runs' arrays are: a few large allocations
-    /// a piece rather than a few a batch.
     fn piece_parts(
         &self,
         gathered: &Gathered,
         piece: &KeptPiece<'_>,
     ) -> Result<Vec<Vec<(usize, RecordBatch)>>> {
-        use datafusion::arrow::buffer::{Buffer, ScalarBuffer};
         let partitions = match &self.partitioning {
             Partitioning::Hash(_, count) => (*count).max(1),
             _ => 1,
@@ -768,67 +769,54 @@ impl DeviceRun {
             .step_by(size)
             .map(|at| at..(at + size).min(piece.rows))
             .collect();
-        let values: Vec<Buffer> = (piece.columns.iter())
-            .map(|(values, _)| copy_on_cores(values))
-            .collect();
-        let ranks = match piece.ranks {
-            Some(bytes) => copy_on_cores(bytes),
-            None => ScalarBuffer::from(vec![1u64; size.min(piece.rows)]).into_inner(),
-        };
-        let numbered = piece.ranks.is_some();
         crate::select::table::on_cores(runs, |run| {
-            let ranks = match numbered {
-                true => ranks.slice_with_length(8 * run.start, 8 * run.len()),
-                false => ranks.slice_with_length(0, 8 * run.len()),
-            };
-            self.gathered_run(gathered, piece, &values, ranks, run)
+            self.gathered_run(gathered, piece, run)
                 .map_err(|e| crate::device::GpuError(e.to_string()))
         })
         .map_err(|e| DataFusionError::Execution(e.0))
     }
 
-    /// Rows `run` of a piece of kept rows as arrays over slices of its columns' `values`
-    /// (and `ranks`, the run's numbers), then as [`partitioned`](Self::partitioned) output
-    /// rows.
+    /// Rows `run` of a piece of kept rows as arrays over their read-back bytes (the pinned
+    /// memory itself where the piece is lent, else copies), then as
+    /// [`partitioned`](Self::partitioned) output rows.
     fn gathered_run(
         &self,
         gathered: &Gathered,
         piece: &KeptPiece<'_>,
-        values: &[datafusion::arrow::buffer::Buffer],
-        ranks: datafusion::arrow::buffer::Buffer,
         run: std::ops::Range<usize>,
     ) -> Result<Vec<(usize, RecordBatch)>> {
         use datafusion::arrow::array::{ArrayData, make_array};
-        use datafusion::arrow::buffer::{BooleanBuffer, Buffer, NullBuffer, ScalarBuffer};
+        use datafusion::arrow::buffer::{BooleanBuffer, NullBuffer, ScalarBuffer};
         let n = run.len();
-        let columns = (gathered
-            .schema
-            .fields()
-            .iter()
-            .zip(&piece.columns)
-            .zip(values))
-        .map(|((field, (_, validity)), values)| {
-            let width = values.len() / piece.rows.max(1);
-            let values = values.slice_with_length(run.start * width, n * width);
-            let nulls = validity.map(|bits| {
-                let bytes = &bits[run.start / 8..run.end.div_ceil(8)];
-                NullBuffer::new(BooleanBuffer::new(
-                    Buffer::from_slice_ref(bytes),
-                    run.start % 8,
-                    n,
-                ))
-            });
-            let nulls = nulls.filter(|n| n.null_count() > 0);
-            let data = ArrayData::builder(field.data_type().clone())
-                .len(n)
-                .add_buffer(values)
-                .nulls(nulls)
-                .build()?;
-            Ok(make_array(data))
-        })
-        .collect::<Result<Vec<ArrayRef>>>()?;
+        let columns = (gathered.schema.fields().iter().zip(&piece.columns))
+            .map(|(field, (values, validity))| {
+                let width = values.len() / piece.rows.max(1);
+                let values = piece.buffer(&values[run.start * width..run.end * width]);
+                let nulls = validity.map(|bits| {
+                    let bytes = &bits[run.start / 8..run.end.div_ceil(8)];
+                    NullBuffer::new(BooleanBuffer::new(piece.buffer(bytes), run.start % 8, n))
+                });
+                let nulls = nulls.filter(|n| n.null_count() > 0);
+                let data = ArrayData::builder(field.data_type().clone())
+                    .len(n)
+                    .add_buffer(values)
+                    .nulls(nulls)
+                    .build()?;
+                Ok(make_array(data))
+            })
+            .collect::<Result<Vec<ArrayRef>>>()?;
         let rows = batch_of(Arc::clone(&gathered.schema), columns, n)?;
-        let ranks: ArrayRef = Arc::new(UInt64Array::new(ScalarBuffer::new(ranks, 0, n), None));
+        let ranks: ArrayRef = match piece.ranks {
+            Some(bytes) => {
+                let bytes = piece.buffer(&bytes[8 * run.start..8 * run.end]);
+                Arc::new(UInt64Array::new(ScalarBuffer::new(bytes, 0, n), None))
+            }
+            // Every number is 1 (k = 1), or no output reads them.
+            None if gathered.exprs.iter().any(Option::is_none) => {
+                Arc::new(UInt64Array::from_value(1, n))
+            }
+            None => Arc::new(UInt64Array::new_null(0)),
+        };
         self.partitioned(&rows, &gathered.exprs, ranks)
     }
 
@@ -874,41 +862,6 @@ fn batch_of(
     use datafusion::arrow::array::RecordBatchOptions;
     let options = RecordBatchOptions::new().with_row_count(Some(rows));
     RecordBatch::try_new_with_options(schema, columns, &options)
-}
-
-/// `bytes` in a new buffer aligned for any fixed-width value, copied in parts over the cores.
-fn copy_on_cores(bytes: &[u8]) -> datafusion::arrow::buffer::Buffer {
-    use datafusion::arrow::buffer::Buffer;
-    const PART: usize = 1 << 20;
-    let mut words: Vec<u128> = Vec::with_capacity(bytes.len().div_ceil(16));
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(bytes.len().div_ceil(PART))
-        .max(1);
-    let part = bytes.len().div_ceil(threads).div_ceil(16) * 16;
-    {
-        let spare = &mut words.spare_capacity_mut()[..bytes.len().div_ceil(16)];
-        let dst = spare.as_mut_ptr().cast::<std::mem::MaybeUninit<u8>>();
-        // SAFETY: the spare capacity holds at least `bytes.len()` bytes, viewed as bytes.
-        let dst = unsafe { std::slice::from_raw_parts_mut(dst, bytes.len()) };
-        std::thread::scope(|scope| {
-            for (dst, src) in dst.chunks_mut(part.max(1)).zip(bytes.chunks(part.max(1))) {
-                scope.spawn(move || dst.write_copy_of_slice(src));
-            }
-        });
-    }
-    let tail = bytes.len() % 16;
-    if tail != 0 {
-        // The last word's bytes past the end, so that every word is initialized.
-        let last = words.spare_capacity_mut()[bytes.len() / 16]
-            .as_mut_ptr()
-            .cast::<u8>();
-        // SAFETY: within the last word of the spare capacity.
-        unsafe { std::ptr::write_bytes(last.add(tail), 0, 16 - tail) };
-    }
-    // SAFETY: every byte of the first `bytes.len().div_ceil(16)` words was written above.
-    unsafe { words.set_len(bytes.len().div_ceil(16)) };
-    Buffer::from_vec(words).slice_with_length(0, bytes.len())
 }
 
 /// The output partitions of a device run, filled with runs of rows in the sort's order: a
@@ -1337,18 +1290,6 @@ fn sift_down(heap: &mut [Kept], mut i: usize, less: impl Fn(&Kept, &Kept) -> boo
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The copy holds the bytes, at an address aligned for 16-byte values, whatever the
-    /// length (several parts over the cores at the largest).
-    #[test]
-    fn copies_over_the_cores_keep_every_byte() {
-        for len in [0usize, 5, 16, 1000, (3 << 20) + 7] {
-            let bytes: Vec<u8> = (0..len).map(|i| (i * 131 % 251) as u8).collect();
-            let copy = copy_on_cores(&bytes);
-            assert_eq!(copy.as_slice(), bytes.as_slice(), "{len} bytes");
-            assert_eq!(copy.as_ptr() as usize % 16, 0, "{len} bytes");
-        }
-    }
 
     /// Equal keys get one number, in order of arrival, whatever their length (the empty key,
     /// and keys that are prefixes of others, included); each key reads back as it came.

@@ -836,6 +836,7 @@ pub(super) fn group_device(
         output_exprs: absorbed.output_exprs,
         fault: config.inject_fault,
         device_memory_limit: config.device_memory_limit,
+        pinned_output_bytes: config.pinned_output_bytes,
     })
 }
 

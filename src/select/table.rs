@@ -318,6 +318,8 @@ pub struct GroupRows<'s> {
     pub inputs: Vec<usize>,
     /// Whether the kept rows' ranks come back too.
     pub ranks: bool,
+    /// Most bytes of read-back pieces the sink may keep as they are ([`KeptPiece::buffer`]).
+    pub lend: usize,
     pub sink: &'s mut dyn FnMut(KeptPiece<'_>) -> Result<()>,
 }
 
@@ -1386,6 +1388,7 @@ fn run_table(
                     Some(KeptRows {
                         columns,
                         ranks: out.ranks,
+                        lend: out.lend,
                         sink: &mut forward,
                     })
                 }

@@ -454,7 +454,7 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
     let cuda = crate::common::session_with(4, 8192, config(Backend::Cuda));
     let plain = plain_session(4, Storage::Memory);
     register(&cuda, "typed", typed.clone());
-    register(&plain, "typed", typed);
+    register(&plain, "typed", typed.clone());
     let filter = "WHERE b IS NOT NULL OR dt > DATE '1970-03-01' OR f > 0.5";
     for (sql, on_device) in [
         (
@@ -507,6 +507,42 @@ async fn the_gpu_selects_per_group_as_the_cpu_path() {
         if on_device {
             assert_eq!(gathered, metric("rows_kept"), "{sql}");
         }
+    }
+    // The output's batches keep the pinned pieces they arrived in (two here), up to the
+    // limit (then copies), and give them back when dropped.
+    let sql = format!(
+        "SELECT * FROM (SELECT id, g, d, b, dt, f, ROW_NUMBER() OVER (PARTITION BY g ORDER BY \
+         d DESC, id) AS rn FROM typed {filter}) WHERE rn <= 4000"
+    );
+    let mut want = exact_rows(&run(&plain, &sql).await.unwrap());
+    want.sort();
+    for lend in [1 << 30, 100 << 20, 0] {
+        let lending = crate::common::session_with(
+            4,
+            8192,
+            config(Backend::Cuda).with_pinned_output_bytes(lend),
+        );
+        register(&lending, "typed", typed.clone());
+        let plan = physical_plan(&lending, &sql).await.unwrap();
+        let batches = collect(Arc::clone(&plan), lending.task_ctx())
+            .await
+            .unwrap();
+        no_fallback(&plan, &sql);
+        let mut got = exact_rows(&batches);
+        got.sort();
+        assert_eq!(got, want, "{sql} lending {lend} bytes");
+        let metrics = find_group_topk(&plan)
+            .and_then(|exec| exec.metrics())
+            .expect("the operator's metrics");
+        let held = || (metrics.sum_by_name("pinned_bytes_held")).map_or(0, |v| v.as_usize());
+        assert_eq!(
+            held() > 0,
+            lend > 0,
+            "{sql} lending {lend}: {} held",
+            held()
+        );
+        drop((batches, plan));
+        assert_eq!(held(), 0, "{sql} lending {lend} bytes: pinned bytes kept");
     }
     // Groups of strings that are not all short stay on the CPU path, and say why.
     let long = crate::common::session_with(2, 1000, config(Backend::Cuda));

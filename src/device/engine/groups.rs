@@ -82,12 +82,52 @@ pub struct GatherColumn {
 /// A piece of the kept rows, read back: rows `start..start + rows` in kept order, each
 /// gathered column's values and (for a column with a validity bitmap) its validity bits
 /// from the piece's first row, and the rows' ranks (little-endian u64; `None` at k = 1, where
-/// every rank is 1). The bytes are valid for the call only.
+/// every rank is 1). The bytes are valid for the call only; [`buffer`](Self::buffer) makes
+/// Arrow buffers of them that outlive it.
 pub struct KeptPiece<'a> {
     pub start: usize,
     pub rows: usize,
     pub columns: Vec<(&'a [u8], Option<&'a [u8]>)>,
     pub ranks: Option<&'a [u8]>,
+    /// The pinned memory holding the bytes, where the sink may keep it.
+    lent: Option<&'a Arc<LentPiece>>,
+}
+
+impl KeptPiece<'_> {
+    /// `bytes` (a part of this piece) as an Arrow buffer: the pinned memory itself where the
+    /// piece is lent (it goes back to the pool when the last such buffer is dropped), else a
+    /// copy.
+    pub fn buffer(&self, bytes: &[u8]) -> datafusion::arrow::buffer::Buffer {
+        use datafusion::arrow::buffer::Buffer;
+        match self.lent {
+            Some(lent) if lent.holds(bytes) => {
+                let ptr = std::ptr::NonNull::from(bytes).cast::<u8>();
+                let owner: Arc<dyn datafusion::arrow::alloc::Allocation> = Arc::clone(lent) as _;
+                // SAFETY: `bytes` lie in the lease `owner` holds; the read-back into it has
+                // completed, and nothing writes to it until the last owner drops it.
+                unsafe { Buffer::from_custom_allocation(ptr, bytes.len(), owner) }
+            }
+            _ => Buffer::from_slice_ref(bytes),
+        }
+    }
+}
+
+/// A pinned read-back buffer that a piece's Arrow buffers keep (returned to the pool on drop).
+struct LentPiece(PinnedLease);
+
+// The lease's memory is written only before it is lent; a panic cannot leave it half-updated.
+impl std::panic::RefUnwindSafe for LentPiece {}
+
+impl LentPiece {
+    /// Whether `bytes` lie within the lease.
+    fn holds(&self, bytes: &[u8]) -> bool {
+        let Ok(all) = self.0.as_slice() else {
+            return false;
+        };
+        let (at, end) = (all.as_ptr() as usize, all.as_ptr() as usize + all.len());
+        let p = bytes.as_ptr() as usize;
+        at <= p && p + bytes.len() <= end
+    }
 }
 
 /// Where a per-group selection sends its kept rows' columns instead of their row ids: the
@@ -97,6 +137,9 @@ pub struct KeptRows<'s> {
     pub columns: Vec<GatherColumn>,
     /// Whether the ranks come back too (else the pieces have none).
     pub ranks: bool,
+    /// Most bytes of read-back pieces the sink may keep as they are ([`KeptPiece::buffer`]);
+    /// pieces past it come through two buffers in turn, and their buffers are copies.
+    pub lend: usize,
     pub sink: &'s mut dyn FnMut(KeptPiece<'_>) -> GpuResult<()>,
 }
 
@@ -257,7 +300,12 @@ impl TopKEngine {
         ones: bool,
         rows_out: KeptRows<'_>,
     ) -> GpuResult<()> {
-        let KeptRows { columns, sink, .. } = rows_out;
+        let KeptRows {
+            columns,
+            sink,
+            lend,
+            ..
+        } = rows_out;
         let mut gathered = Vec::with_capacity(columns.len());
         for column in &columns {
             if !matches!(column.width, 1 | 2 | 4 | 8 | 16) {
@@ -322,11 +370,10 @@ impl TopKEngine {
             end += 8 * piece_rows;
         }
         let stream = Arc::clone(&self.stream);
-        let mut leases = [
-            self.device.pinned.take(end.max(64), false)?,
-            self.device.pinned.take(end.max(64), false)?,
-        ];
         let pieces = total.div_ceil(piece_rows);
+        // Pieces wholly within `lend` bytes keep their own buffer, which the sink's batches
+        // may hold; after them, two buffers alternate and the sink copies.
+        let lent_pieces = lend / end.max(64);
         let download = |lease: &mut PinnedLease, p: usize| -> GpuResult<()> {
             let start = p * piece_rows;
             let n = piece_rows.min(total - start);
@@ -350,12 +397,26 @@ impl TopKEngine {
             }
             Ok(())
         };
-        download(&mut leases[0], 0)?;
+        let mut next = Some(self.device.pinned.take(end.max(64), false)?);
+        if let Some(lease) = &mut next {
+            download(lease, 0)?;
+        }
+        // A buffer the sink gave back, for the piece after next.
+        let mut spare: Option<PinnedLease> = None;
         for p in 0..pieces {
+            let Some(current) = next.take() else {
+                return Err(GpuError("a kept piece was not read back".into()));
+            };
             if p + 1 < pieces {
-                download(&mut leases[(p + 1) % 2], p + 1)?;
+                let mut lease = match spare.take() {
+                    Some(lease) => lease,
+                    None => self.device.pinned.take(end.max(64), false)?,
+                };
+                download(&mut lease, p + 1)?;
+                next = Some(lease);
             }
-            let bytes = leases[p % 2].as_slice()?;
+            let current = Arc::new(LentPiece(current));
+            let bytes = current.0.as_slice()?;
             let start = p * piece_rows;
             let n = piece_rows.min(total - start);
             let columns = (columns.iter().zip(&layout))
@@ -371,7 +432,9 @@ impl TopKEngine {
                 rows: n,
                 columns,
                 ranks,
+                lent: (p < lent_pieces).then_some(&current),
             })?;
+            spare = Arc::try_unwrap(current).ok().map(|lent| lent.0);
         }
         drop(gathered);
         Ok(())
