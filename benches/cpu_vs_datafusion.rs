@@ -371,14 +371,19 @@ async fn main() -> Result<()> {
             session_with(GpuTopKConfig::default()),
             true,
         ));
-        let (pinned, staged) =
-            datafusion_gpu_topk::internal::device::measure::upload_rates(&device, 1 << 30)
-                .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?;
+        let rates = datafusion_gpu_topk::internal::device::measure::upload_rates(&device, 1 << 30)
+            .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?;
         println!(
-            "# {}: host to device {pinned:.1} GB/s from pinned memory, {staged:.1} GB/s staged \
-             from pageable memory ({:.0}%)",
+            "# {}: host to device {:.1} GB/s from pinned memory, {:.1} GB/s staged from \
+             pageable memory ({:.0}%), {:.1} GB/s from registered pageable memory ({:.0}%; \
+             {:.1} GB/s counting its registration)",
             device.name,
-            100.0 * staged / pinned
+            rates.pinned,
+            rates.staged,
+            100.0 * rates.staged / rates.pinned,
+            rates.registered,
+            100.0 * rates.registered / rates.pinned,
+            rates.registering
         );
     }
     // `--engines 'warm,auto'`: only these of ours (DataFusion always runs: it checks them).
