@@ -112,21 +112,29 @@ impl KeptPiece<'_> {
     }
 }
 
-/// A pinned read-back buffer that a piece's Arrow buffers keep (returned to the pool on drop).
-struct LentPiece(PinnedLease);
+/// A pinned read-back buffer that a piece's Arrow buffers keep (returned to the pool on drop),
+/// with the address range of its bytes.
+struct LentPiece {
+    lease: PinnedLease,
+    at: usize,
+    len: usize,
+}
 
 // The lease's memory is written only before it is lent; a panic cannot leave it half-updated.
 impl std::panic::RefUnwindSafe for LentPiece {}
 
 impl LentPiece {
+    /// The lease, once the read-back into it is done.
+    fn new(lease: PinnedLease) -> GpuResult<Self> {
+        let bytes = lease.as_slice()?;
+        let (at, len) = (bytes.as_ptr() as usize, bytes.len());
+        Ok(Self { lease, at, len })
+    }
+
     /// Whether `bytes` lie within the lease.
     fn holds(&self, bytes: &[u8]) -> bool {
-        let Ok(all) = self.0.as_slice() else {
-            return false;
-        };
-        let (at, end) = (all.as_ptr() as usize, all.as_ptr() as usize + all.len());
         let p = bytes.as_ptr() as usize;
-        at <= p && p + bytes.len() <= end
+        self.at <= p && p + bytes.len() <= self.at + self.len
     }
 }
 
@@ -415,8 +423,8 @@ impl TopKEngine {
                 download(&mut lease, p + 1)?;
                 next = Some(lease);
             }
-            let current = Arc::new(LentPiece(current));
-            let bytes = current.0.as_slice()?;
+            let current = Arc::new(LentPiece::new(current)?);
+            let bytes = current.lease.as_slice()?;
             let start = p * piece_rows;
             let n = piece_rows.min(total - start);
             let columns = (columns.iter().zip(&layout))
@@ -434,7 +442,7 @@ impl TopKEngine {
                 ranks,
                 lent: (p < lent_pieces).then_some(&current),
             })?;
-            spare = Arc::try_unwrap(current).ok().map(|lent| lent.0);
+            spare = Arc::try_unwrap(current).ok().map(|lent| lent.lease);
         }
         drop(gathered);
         Ok(())
