@@ -163,6 +163,11 @@ extensions_options! {
         /// query does not ship them over PCIe again. The cache is the process's, shared by
         /// every session; its budget is set for the process (`set_column_cache_budget`).
         pub column_cache: bool, default = true
+        /// Load Parquet columns into the column cache as their pages, decoded on the device
+        /// (PLAIN and dictionary-encoded fixed-width values of a flat schema; the host reads
+        /// and decompresses the pages), instead of decoding them on the host. Columns the
+        /// device does not decode are decoded on the host either way.
+        pub decode_parquet_on_device: bool, default = true
         /// After a run on the CPU path over a table the column cache can hold, load the
         /// columns it read into the cache in the background (starting the device if it is
         /// not), so that the next query runs warm. The CLI turns it off for a lone `-c`
@@ -287,6 +292,10 @@ impl GpuTopKConfig {
     }
     pub fn with_pinned_output_bytes(mut self, bytes: usize) -> Self {
         self.pinned_output_bytes = bytes;
+        self
+    }
+    pub fn with_decode_parquet_on_device(mut self, on_device: bool) -> Self {
+        self.decode_parquet_on_device = on_device;
         self
     }
     pub fn with_column_cache(mut self, use_cache: bool) -> Self {

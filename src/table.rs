@@ -134,6 +134,7 @@ impl TableData {
                 nullable: column.nullable,
             }),
             image: Default::default(),
+            encoded: None,
         }
     }
 
@@ -159,6 +160,7 @@ impl TableData {
                 nullable: encoded.iter().any(|c| c.logical_null_count() > 0),
             }),
             image: Image::Prefix,
+            encoded: None,
         }
     }
 }

@@ -36,8 +36,8 @@ use cudarc::driver::{CudaContext, CudaStream, DriverError};
 pub(crate) use options::DeviceOptions;
 
 pub use engine::{
-    DevicePairs, FusedReport, GROUP_SAMPLE, GatherColumn, GroupAlgorithm, GroupRanking, GroupSpec,
-    GroupsKept, KeptPiece, KeptRows, TopKEngine,
+    DevicePairs, EncodedChunk, EncodedColumn, EncodedPage, FusedReport, GROUP_SAMPLE, GatherColumn,
+    GroupAlgorithm, GroupRanking, GroupSpec, GroupsKept, KeptPiece, KeptRows, TopKEngine,
 };
 pub use kernels::{GeneratedKernel, Kernels};
 pub(crate) use memory::{BufferPool, PinnedPool, PooledBuffer};

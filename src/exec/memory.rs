@@ -181,6 +181,7 @@ pub(crate) fn table_inputs<'a>(
             name: name.cloned().unwrap_or_default(),
             identity: None,
             image,
+            encoded: None,
         });
     }
     Ok(Some(inputs))
@@ -223,6 +224,7 @@ fn gpu_table_inputs<'a>(
                     name: name(*c).to_string(),
                     identity: None,
                     image: Image::Values,
+                    encoded: None,
                 })
             }
         })

@@ -27,8 +27,11 @@ pub(super) struct TopKMetrics {
     pub(super) select_time: Time,
     pub(super) retain_time: Time,
     pub(super) gather_time: Time,
-    /// Time spent decoding a Parquet input's columns for the column cache.
+    /// Time spent reading a Parquet input's columns for the column cache: decoding them, or,
+    /// for those decoded on the device, reading and decompressing their pages.
     pub(super) read_time: Time,
+    /// A Parquet input's columns shipped as pages and decoded on the device.
+    pub(super) device_decoded_columns: Count,
     /// Time this execution spent compiling (NVRTC) or loading its generated kernel: zero when
     /// the kernel was already in memory, as on a query's second run.
     pub(super) compile_time: Time,
@@ -61,6 +64,7 @@ impl TopKMetrics {
             retain_time: time("retain_time"),
             gather_time: time("gather_time"),
             read_time: time("read_time"),
+            device_decoded_columns: MetricBuilder::new(set).counter("device_decoded_columns", 0),
             compile_time: time("compile_time"),
             predicted_time: time("predicted_time"),
             operator_time: time("operator_time"),

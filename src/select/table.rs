@@ -32,9 +32,9 @@ use crate::device::column_cache::{
 };
 use crate::device::watch::{self, DeviceWatch};
 use crate::device::{
-    DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_ROWS, FusedReport, GatherColumn, GeneratedKernel,
-    GpuDevice, GpuError, GpuResult, GroupSpec, KeptPiece, KeptRows, PooledBuffer, TopKEngine,
-    contain_panics,
+    DeviceAlgorithm, DevicePairs, EncodedColumn, FUSED_SAMPLE_ROWS, FusedReport, GatherColumn,
+    GeneratedKernel, GpuDevice, GpuError, GpuResult, GroupSpec, KeptPiece, KeptRows, PooledBuffer,
+    TopKEngine, contain_panics,
 };
 use crate::fusion::{self, FusedProgram, KernelInput};
 
@@ -228,6 +228,24 @@ pub struct TableInput<'a> {
     pub identity: Option<Identity>,
     /// Which image of the chunks the program reads (and the cache holds).
     pub image: Image,
+    /// The column as Parquet pages to decode on the device, instead of chunks (a column of
+    /// Parquet files the cache does not hold; its values image only).
+    pub encoded: Option<Arc<EncodedColumn>>,
+}
+
+impl TableInput<'_> {
+    /// Whether the column's rows are given (as chunks or pages), not only its identity.
+    fn given(&self) -> bool {
+        !self.chunks.is_empty() || self.encoded.is_some()
+    }
+
+    /// The pieces the column comes in (the cache listing's chunks).
+    fn pieces(&self) -> usize {
+        match &self.encoded {
+            Some(encoded) => encoded.chunks.len(),
+            None => self.chunks.len(),
+        }
+    }
 }
 
 /// The device image of a column that a program input reads, each its own cache entry.
@@ -520,6 +538,20 @@ impl<'i, 'a> TableColumn<'i, 'a> {
     /// Uploads the image to `dst`: fixed-width values straight from the chunks' buffers,
     /// bit-packed values and validity repacked into one bitmap first.
     fn upload(&self, engine: &mut TopKEngine, dst: u64, offsets: &[usize]) -> GpuResult<()> {
+        if let Some(encoded) = &self.input.encoded {
+            if self.input.image != Image::Values || self.width != Some(encoded.width) {
+                return Err(GpuError(format!(
+                    "no device decode of Parquet pages into the {:?} image of {:?}-byte values",
+                    self.input.image, self.width
+                )));
+            }
+            let validity = if self.nullable {
+                dst + offsets[1] as u64
+            } else {
+                0
+            };
+            return engine.decode_pages(encoded, dst, validity);
+        }
         let bitmap = |bits: &dyn Fn(&dyn Array, &mut BooleanBufferBuilder)| {
             let mut builder = BooleanBufferBuilder::new(self.rows);
             for chunk in self.input.chunks.iter() {
@@ -771,7 +803,7 @@ fn load_column(
     if !pinned && device.column_cache.contains(&column.key) {
         return Ok(Some(bytes));
     }
-    if input.chunks.is_empty() {
+    if !input.given() {
         return Ok(None);
     }
     let reserved = match pinned {
@@ -796,7 +828,7 @@ fn load_column(
         offsets,
         owners: column.owners(),
         column: input.name.clone(),
-        chunks: input.chunks.len(),
+        chunks: input.pieces(),
         pinned,
     };
     device.column_cache.insert(column.key.clone(), entry);
@@ -1227,9 +1259,10 @@ fn select_table(
     drop(lookups);
     let mut transfers = (0, 0, 0, 0);
     for ((column, buffer), hit_bytes) in columns.iter().zip(uploaded).zip(hit_bytes) {
-        let bytes = match buffer {
-            None => hit_bytes,
-            Some(_) => column.values_bytes(),
+        let bytes = match (buffer.is_some(), &column.input.encoded) {
+            (false, _) => hit_bytes,
+            (true, Some(encoded)) => encoded.shipped_bytes(),
+            (true, None) => column.values_bytes(),
         };
         match buffer {
             None => {
@@ -1246,7 +1279,7 @@ fn select_table(
                     offsets,
                     owners: column.owners(),
                     column: column.input.name.clone(),
-                    chunks: column.input.chunks.len(),
+                    chunks: column.input.pieces(),
                     pinned: false,
                 };
                 device.column_cache.insert(column.key.clone(), entry);
@@ -1309,7 +1342,7 @@ fn run_table(
                 column_args.push(column.args(&hit.entry().addresses()));
                 uploaded.push(None);
             }
-            None if column.input.chunks.is_empty() => {
+            None if !column.input.given() => {
                 return Err(GpuError(format!(
                     "column {} is neither cached nor given",
                     column.input.name

@@ -389,9 +389,14 @@ async fn parquet_files_are_read_into_the_cache_once() {
     // Three files of 100,000 rows, three row groups each.
     write_parquet(&dir, &table(3, 2, 50_000, 11), 40_000);
     let (ctx, plain) = parquet_sessions(&dir, 3).await;
+    // Decoded on the host, the columns' values cross PCIe.
+    ctx.sql("SET gpu_topk.decode_parquet_on_device = false")
+        .await
+        .unwrap();
     let cold = check(&ctx, &plain, QUERY, ORACLE).await;
     assert_eq!(cold.cache_misses, 2, "{cold:?}");
     assert_eq!(cold.uploaded_bytes, 2 * 8 * 300_000, "{cold:?}");
+    assert_eq!(cold.device_decoded_columns, 0, "{cold:?}");
     let warm = check(&ctx, &plain, QUERY, ORACLE).await;
     assert_eq!(warm.cache_misses, 0, "{warm:?}");
     assert_eq!(warm.cache_hits, 2, "{warm:?}");
@@ -425,6 +430,142 @@ async fn parquet_files_are_read_into_the_cache_once() {
     assert!(plan.contains("cache=on"), "{plan}");
     for _ in 0..2 {
         check(&split, &plain, QUERY, ORACLE).await;
+    }
+}
+
+/// Parquet columns shipped as their pages and decoded on the device: integers of every width
+/// (truncated from INT32), floats, timestamps, with NULLs, without, and NULLs only in later row
+/// groups; files with dictionaries (v1 and v2 pages), without (zstd), with a dictionary that
+/// overflows into PLAIN pages (lz4), and with DELTA_BINARY_PACKED integers, decoded on the
+/// host; many pages a row group; NULLs first and last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn parquet_pages_are_decoded_on_the_device() {
+    use datafusion::arrow::array::{
+        Float32Array, Int16Array, Int32Array, TimestampMicrosecondArray, UInt32Array,
+    };
+    use datafusion::arrow::datatypes::TimeUnit;
+    use datafusion::parquet::arrow::ArrowWriter;
+    use datafusion::parquet::basic::{Compression, ZstdLevel};
+    use datafusion::parquet::file::properties::{WriterProperties, WriterVersion};
+    if !gpu_or_skip("parquet_pages_are_decoded_on_the_device") {
+        return;
+    }
+    let _serial = CACHE.lock().await;
+    let n = 9000usize;
+    let v = |i: usize| ((i * 7919) % 1000) as i64 - 500;
+    let opt = |i: usize, x: i64| (i % 11 != 3).then_some(x);
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("a", DataType::Int16, true),
+        Field::new("b", DataType::Int32, false),
+        Field::new("c", DataType::UInt32, true),
+        Field::new("d", DataType::Float32, true),
+        Field::new("e", DataType::Float64, true),
+        Field::new("f", DataType::Timestamp(TimeUnit::Microsecond, None), true),
+        Field::new("g", DataType::Int64, true),
+    ]));
+    let columns: Vec<datafusion::arrow::array::ArrayRef> = vec![
+        Arc::new(Int64Array::from_iter_values(
+            (0..n).map(|i| i as i64 * 1_000_003),
+        )),
+        Arc::new(Int16Array::from_iter(
+            (0..n).map(|i| opt(i, v(i) * 60).map(|x| x as i16)),
+        )),
+        Arc::new(Int32Array::from_iter_values(
+            (0..n).map(|i| v(i) as i32 * 4_000_000),
+        )),
+        Arc::new(UInt32Array::from_iter(
+            (0..n).map(|i| opt(i, v(i) << 22).map(|x| x as u32)),
+        )),
+        Arc::new(Float32Array::from_iter(
+            (0..n).map(|i| opt(i, v(i)).map(|x| x as f32 / 3.0)),
+        )),
+        Arc::new(Float64Array::from_iter(
+            (0..n).map(|i| opt(i, i as i64).map(|x| x as f64 * 0.1)),
+        )),
+        Arc::new(TimestampMicrosecondArray::from_iter(
+            (0..n).map(|i| opt(i, v(i) << 30)),
+        )),
+        Arc::new(Int64Array::from_iter(
+            (0..n).map(|i| (i >= n / 2).then_some(v(i))),
+        )),
+    ];
+    let batch = RecordBatch::try_new(Arc::clone(&schema), columns).unwrap();
+    let zstd = Compression::ZSTD(ZstdLevel::default());
+    // Without a dictionary, v2 pages store integers DELTA_BINARY_PACKED: host-decoded.
+    let writers = [
+        (
+            "dictionary",
+            true,
+            WriterVersion::PARQUET_1_0,
+            Compression::UNCOMPRESSED,
+            1 << 20,
+        ),
+        (
+            "plain-zstd",
+            false,
+            WriterVersion::PARQUET_1_0,
+            zstd,
+            1 << 20,
+        ),
+        (
+            "dictionary-v2-snappy",
+            true,
+            WriterVersion::PARQUET_2_0,
+            Compression::SNAPPY,
+            1 << 20,
+        ),
+        (
+            "overflow-lz4",
+            true,
+            WriterVersion::PARQUET_1_0,
+            Compression::LZ4_RAW,
+            512,
+        ),
+        (
+            "delta-v2",
+            false,
+            WriterVersion::PARQUET_2_0,
+            Compression::UNCOMPRESSED,
+            1 << 20,
+        ),
+    ];
+    for (name, dictionary, version, compression, dictionary_bytes) in writers {
+        let dir = test_dir(&format!("cache-pages-{name}"));
+        for file in 0..2 {
+            let properties = WriterProperties::builder()
+                .set_max_row_group_row_count(Some(2000 + 700 * file))
+                .set_data_page_row_count_limit(300)
+                .set_write_batch_size(100)
+                .set_dictionary_enabled(dictionary)
+                .set_dictionary_page_size_limit(dictionary_bytes)
+                .set_writer_version(version)
+                .set_compression(compression)
+                .build();
+            let out = std::fs::File::create(dir.join(format!("f{file}.parquet"))).unwrap();
+            let mut writer =
+                ArrowWriter::try_new(out, Arc::clone(&schema), Some(properties)).unwrap();
+            writer.write(&batch).unwrap();
+            writer.close().unwrap();
+        }
+        let (ctx, plain) = parquet_sessions(&dir, 3).await;
+        let mut decoded = 0;
+        for column in ["a", "b", "c", "d", "e", "f", "g"] {
+            for order in ["NULLS FIRST", "DESC NULLS LAST"] {
+                let sql =
+                    format!("SELECT id, {column} FROM t ORDER BY {column} {order}, id LIMIT 40");
+                let report = check(&ctx, &plain, &sql, &sql).await;
+                decoded += report.device_decoded_columns;
+            }
+        }
+        // Each column once, `id` with the first; of DELTA_BINARY_PACKED v2 pages (integers),
+        // the floats only.
+        let expected = if name == "delta-v2" { 2 } else { 8 };
+        assert_eq!(decoded, expected, "{name}");
+        let filtered =
+            "SELECT id, e FROM t WHERE a > 100 AND g IS NULL ORDER BY f DESC, id LIMIT 25";
+        let report = check(&ctx, &plain, filtered, filtered).await;
+        assert_eq!(report.cache_misses, 0, "{name}: {report:?}");
     }
 }
 

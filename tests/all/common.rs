@@ -44,6 +44,8 @@ pub struct Report {
     pub uploaded_bytes: usize,
     /// Chunks of a whole table the pass did not read (their zones let no row pass).
     pub chunks_skipped: usize,
+    /// Parquet columns shipped as pages and decoded on the device.
+    pub device_decoded_columns: usize,
 }
 
 /// The metrics of every `GpuTopKExec` in `plan` (after it ran), summed.
@@ -64,6 +66,7 @@ pub fn report(plan: &Arc<dyn ExecutionPlan>) -> Report {
             report.cache_misses += metric("cache_misses");
             report.resident_bytes += metric("resident_bytes");
             report.uploaded_bytes += metric("uploaded_bytes");
+            report.device_decoded_columns += metric("device_decoded_columns");
             report.chunks_skipped += metric("chunks_skipped");
         }
         plan.children().into_iter().for_each(|c| walk(c, report));

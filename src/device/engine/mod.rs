@@ -216,6 +216,7 @@ mod delegate;
 mod dispatch;
 mod fused;
 mod groups;
+mod parquet;
 mod radix;
 mod sample;
 mod sort;
@@ -227,6 +228,7 @@ pub use groups::{
     GROUP_SAMPLE, GatherColumn, GroupAlgorithm, GroupRanking, GroupSpec, GroupsKept, KeptPiece,
     KeptRows,
 };
+pub use parquet::{EncodedChunk, EncodedColumn, EncodedPage};
 use sample::SampleRun;
 pub(crate) use staging::fill_staging;
 use top_bits::TopBitsRun;

@@ -53,6 +53,7 @@ pub const EMBEDDED: &[(&str, &str)] = &[
     ),
     ("delegate.cu", include_str!("../../../kernels/delegate.cu")),
     ("groups.cu", include_str!("../../../kernels/groups.cu")),
+    ("parquet.cu", include_str!("../../../kernels/parquet.cu")),
 ];
 
 /// Entry points instantiated once per key type (`NAME_k32` … `NAME_k256`), per file.
@@ -129,6 +130,7 @@ const PLAIN_ENTRIES: &[(&str, &[&str])] = &[
     ("merge_sort.cu", &["msort_merge_words"]),
     ("read_floor.cu", &["read_floor_w32", "read_floor_w64"]),
     ("groups.cu", &["group_scan", "group_gather"]),
+    ("parquet.cu", &["parquet_decode"]),
 ];
 
 /// Entry points that take more than 48 KiB of dynamic shared memory.

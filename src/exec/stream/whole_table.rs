@@ -21,13 +21,16 @@ use datafusion::arrow::datatypes::{DataType, Schema};
 use datafusion::arrow::row::RowConverter;
 use datafusion::error::Result;
 use datafusion::execution::TaskContext;
+use datafusion::object_store::ObjectStore;
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_plan::ExecutionPlan;
 
 use super::{TopKRun, check_empty_batch};
 use crate::cost::SelectionPlan;
+use crate::device::EncodedColumn;
 use crate::device::column_cache::CacheKey;
+use crate::exec::parquet::{Layout, ParquetInput};
 use crate::exec::{memory_input, parquet_input, table_inputs};
 use crate::fusion::{FusedProgram, KernelInput};
 use crate::select::table::{
@@ -188,22 +191,34 @@ impl TopKRun {
         if !selector.fits(missing_bytes) {
             return Ok(WholeTable::Stream);
         }
-        let decoded = if missing.is_empty() {
-            Vec::new()
-        } else {
+        let (decoded, encoded) = {
             let _timer = self.metrics.read_time.timer();
-            match files.read_columns(&store, &layout, &missing).await {
-                Ok(decoded) => decoded,
+            // Pages go to the device for the values image only.
+            let on_device: Vec<bool> = (columns.iter().zip(&held).zip(&images))
+                .filter(|((_, hit), _)| hit.is_none())
+                .map(|(_, &image)| {
+                    image == Image::Values && self.spec.settings.decode_parquet_on_device
+                })
+                .collect();
+            let (host_decoded, encoded) =
+                read_missing(&files, &store, &layout, &missing, &on_device).await;
+            match host_decoded {
+                Ok(decoded) => (decoded, encoded),
                 Err(e) => {
                     log::debug!("gpu-topk: the files are streamed: {e}");
                     return Ok(WholeTable::Stream);
                 }
             }
         };
-        // Decoded columns held until uploaded; where the pool has no room, the input streams.
+        self.metrics
+            .device_decoded_columns
+            .add(encoded.iter().flatten().count());
+        // Decoded columns and pages held until uploaded; where the pool has no room, the
+        // input streams.
         let host = self.reservation.new_empty();
         let decoded_bytes = (decoded.iter().flatten())
             .map(|a| a.get_array_memory_size())
+            .chain(encoded.iter().flatten().map(|e| e.shipped_bytes()))
             .sum();
         if host.try_grow(decoded_bytes).is_err() {
             return Ok(WholeTable::Stream);
@@ -211,17 +226,19 @@ impl TopKRun {
         let schema = self.input.schema();
         let inputs: Vec<TableInput<'_>> = (columns.iter().zip(&images).zip(types))
             .map(|((&c, &image), data_type)| {
-                let chunks = missing
-                    .iter()
-                    .position(|&m| m == c)
-                    .map(|i| decoded[i].clone())
-                    .unwrap_or_default();
+                let at = missing.iter().position(|&m| m == c);
+                let chunks = at.map(|i| decoded[i].clone()).unwrap_or_default();
+                let pages = at.and_then(|i| encoded[i].clone());
                 let key = files.key(c);
-                file_column(key, data_type, layout.rows, chunks, &schema, c, image)
+                let column = file_column(key, data_type, layout.rows, chunks, &schema, c, image);
+                TableInput {
+                    encoded: pages,
+                    ..column
+                }
             })
             .collect();
         let selected = self.select(selector, &inputs, layout.rows, None)?;
-        drop((held, inputs, decoded, host));
+        drop((held, inputs, decoded, encoded, host));
         let selected = match selected {
             Ok(selected) => selected,
             Err(other) => return Ok(other),
@@ -289,15 +306,19 @@ impl TopKRun {
         };
         let input = Arc::clone(&self.input);
         let context = Arc::clone(&self.context);
-        CacheLoader::spawn(self.spec.device.unwrap_or_default(), |loader| async move {
-            // The next run's plan counts a compile the program still needs.
-            if let Err(e) = loader.compile(&program) {
-                log::debug!("gpu-topk: the generated program did not compile: {e}");
-            }
-            if let Err(e) = load_inputs(&input, &context, &program, &loader).await {
-                log::debug!("gpu-topk: the columns were not loaded into the cache: {e}");
-            }
-        });
+        let on_device = self.spec.settings.decode_parquet_on_device;
+        CacheLoader::spawn(
+            self.spec.device.unwrap_or_default(),
+            move |loader| async move {
+                // The next run's plan counts a compile the program still needs.
+                if let Err(e) = loader.compile(&program) {
+                    log::debug!("gpu-topk: the generated program did not compile: {e}");
+                }
+                if let Err(e) = load_inputs(&input, &context, &program, &loader, on_device).await {
+                    log::debug!("gpu-topk: the columns were not loaded into the cache: {e}");
+                }
+            },
+        );
     }
 
     /// The selection over the whole table; `Err` with how the run goes on where it does not
@@ -539,12 +560,14 @@ pub(crate) fn table_starts<'a>(
 }
 
 /// Loads the program's per-row input columns of a whole-table input (in memory or Parquet
-/// files) into the column cache, unpinned, within its budget.
+/// files) into the column cache, unpinned, within its budget (Parquet columns as pages decoded
+/// on the device where `on_device`).
 async fn load_inputs(
     input: &Arc<dyn ExecutionPlan>,
     context: &Arc<TaskContext>,
     program: &FusedProgram,
     loader: &CacheLoader,
+    on_device: bool,
 ) -> Result<()> {
     if let Some(memory) = memory_input(input) {
         let schema = input.schema();
@@ -574,14 +597,66 @@ async fn load_inputs(
         if loader.is_resident(&image.key(key.clone())) {
             continue;
         }
-        let chunks = files.read_columns(&store, &layout, &[c]).await?.remove(0);
+        let on_device = [image == Image::Values && on_device];
+        let (decoded, mut encoded) = read_missing(&files, &store, &layout, &[c], &on_device).await;
+        let chunks = decoded?.remove(0);
         let data_type = files.data_type(c)?;
         let column = file_column(key, data_type, layout.rows, chunks, &schema, c, image);
+        let column = TableInput {
+            encoded: encoded.remove(0),
+            ..column
+        };
         if !loader.load(&column)? {
             break;
         }
     }
     Ok(())
+}
+
+/// The columns `missing` of a Parquet input's row groups for the column cache: as pages to
+/// decode on the device where `on_device` says so and the device decodes them (the second list,
+/// `None` elsewhere), the others decoded on the host (the first list: none for a column read
+/// as pages). A column whose pages cannot be read as such is decoded on the host.
+async fn read_missing(
+    files: &ParquetInput,
+    store: &Arc<dyn ObjectStore>,
+    layout: &Layout,
+    missing: &[usize],
+    on_device: &[bool],
+) -> (Result<Vec<Vec<ArrayRef>>>, Vec<Option<Arc<EncodedColumn>>>) {
+    let mut encoded = Vec::with_capacity(missing.len());
+    for (&c, &on_device) in missing.iter().zip(on_device) {
+        let pages = match on_device {
+            true => files.read_pages(store, layout, c).await,
+            false => Ok(None),
+        };
+        encoded.push(match pages {
+            Ok(pages) => pages.map(Arc::new),
+            Err(e) => {
+                log::debug!("gpu-topk: column {c} is decoded on the host: {e}");
+                None
+            }
+        });
+    }
+    let host: Vec<usize> = (missing.iter().zip(&encoded))
+        .filter(|(_, pages)| pages.is_none())
+        .map(|(&c, _)| c)
+        .collect();
+    let decoded = match host.is_empty() {
+        true => Ok(Vec::new()),
+        false => files.read_columns(store, layout, &host).await,
+    };
+    // In `missing`'s order, empty where the column is read as pages.
+    let decoded = decoded.map(|mut decoded| {
+        let mut next = decoded.drain(..);
+        (encoded.iter())
+            .map(|pages| match pages {
+                Some(_) => Vec::new(),
+                None => next.next().unwrap_or_default(),
+            })
+            .collect()
+    });
+    (decoded, encoded)
 }
 
 /// Column `c` of a Parquet input as a program input known by its key, read as `image`:
@@ -606,6 +681,7 @@ fn file_column(
         lookup: None,
         name: schema.field(c).name().clone(),
         image,
+        encoded: None,
     }
 }
 
