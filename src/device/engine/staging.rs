@@ -61,18 +61,106 @@ fn fill_window(window: &mut [u8], start: usize, parts: &[(usize, &[u8])]) {
             }
         }
     };
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(window.len() / PARALLEL_FILL_BYTES);
+    let threads = fill_threads().min(window.len() / PARALLEL_FILL_BYTES);
     if threads <= 1 {
         return copy(window, start);
     }
     let piece = window.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        for (i, part) in window.chunks_mut(piece).enumerate() {
-            scope.spawn(move || copy(part, start + i * piece));
-        }
+    let pieces: Vec<(usize, &mut [u8])> = window.chunks_mut(piece).enumerate().collect();
+    on_fill_threads(pieces, |(i, part)| copy(part, start + i * piece));
+}
+
+/// Threads the staging fills run on: the machine's cores.
+fn fill_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// A piece of fill work handed to a fill thread, with its lifetime erased (see
+/// [`on_fill_threads`]).
+type FillJob = Box<dyn FnOnce() + Send + 'static>;
+
+/// The fill threads, started on first use and kept: spawning threads for every chunk costs a
+/// good part of the chunk's copy at PCIe rates.
+static FILL_THREADS: std::sync::LazyLock<Vec<std::sync::Mutex<std::sync::mpsc::Sender<FillJob>>>> =
+    std::sync::LazyLock::new(|| {
+        (0..fill_threads())
+            .filter_map(|i| {
+                let (send, receive) = std::sync::mpsc::channel::<FillJob>();
+                std::thread::Builder::new()
+                    .name(format!("gpu-topk-fill-{i}"))
+                    .spawn(move || {
+                        while let Ok(job) = receive.recv() {
+                            job();
+                        }
+                    })
+                    .ok()
+                    .map(|_| std::sync::Mutex::new(send))
+            })
+            .collect()
     });
+
+/// Runs `work` on each of `items`, the first on the calling thread and the others on the fill
+/// threads, and returns when all are done (a panic in one is raised here).
+fn on_fill_threads<T: Send>(items: Vec<T>, work: impl Fn(T) + Sync) {
+    use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Condvar, Mutex};
+    /// Jobs not finished, and whether one panicked (shared, so that a job's last touch of it
+    /// never outlives it).
+    struct Done {
+        left: Mutex<usize>,
+        all: Condvar,
+        panicked: AtomicBool,
+    }
+    let done = Arc::new(Done {
+        left: Mutex::new(0),
+        all: Condvar::new(),
+        panicked: AtomicBool::new(false),
+    });
+    let mut items = items.into_iter();
+    let first = items.next();
+    let threads = &*FILL_THREADS;
+    for (i, item) in items.enumerate() {
+        *done.left.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        let (work, done) = (&work, Arc::clone(&done));
+        let job = move || {
+            if catch_unwind(AssertUnwindSafe(|| work(item))).is_err() {
+                done.panicked.store(true, Ordering::Relaxed);
+            }
+            let mut left = done.left.lock().unwrap_or_else(|e| e.into_inner());
+            *left -= 1;
+            if *left == 0 {
+                done.all.notify_all();
+            }
+        };
+        let job: Box<dyn FnOnce() + Send + '_> = Box::new(job);
+        // SAFETY: the job borrows `work` and the item's data, which outlive this function, and
+        // this function returns (or unwinds) only once every job sent has finished with them
+        // (`left` back to 0); a job that cannot be sent runs here instead.
+        let job: FillJob = unsafe { std::mem::transmute(job) };
+        let sent = match threads.get(i % threads.len().max(1)) {
+            Some(thread) => match thread.lock() {
+                Ok(sender) => sender.send(job).map_err(|e| e.0),
+                Err(_) => Err(job),
+            },
+            None => Err(job),
+        };
+        if let Err(job) = sent {
+            job();
+        }
+    }
+    let here = first.map(|item| catch_unwind(AssertUnwindSafe(|| work(item))));
+    let mut left = done.left.lock().unwrap_or_else(|e| e.into_inner());
+    while *left > 0 {
+        left = done.all.wait(left).unwrap_or_else(|e| e.into_inner());
+    }
+    drop(left);
+    if let Some(Err(panic)) = here {
+        resume_unwind(panic);
+    }
+    if done.panicked.load(Ordering::Relaxed) {
+        panic!("a staging fill thread panicked");
+    }
 }
 
 /// Bytes per thread below which a staging copy is not split.
@@ -153,5 +241,61 @@ impl TopKEngine {
         let base = self.staging.as_ref().expect("set above").ptr();
         staged.lease.upload(staged.total, base, &self.stream)?;
         Ok(staged.offsets.iter().map(|&o| base + o as u64).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Windows large enough to be split between the fill threads, and small ones, at offsets
+    /// that cut parts in two: every byte of every part lands where the image has it.
+    #[test]
+    fn fill_windows_copy_every_part_in_place() {
+        let total = 3 * PARALLEL_FILL_BYTES * fill_threads().max(2) + 12_345;
+        let mut parts_data = Vec::new();
+        let mut at = 0usize;
+        let mut seed = 7u64;
+        while at < total {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let len = ((seed >> 33) as usize % (3 << 20)).min(total - at);
+            let gap = (seed >> 20) as usize % 4096;
+            let bytes: Vec<u8> = (0..len).map(|i| (i as u64 ^ seed) as u8).collect();
+            parts_data.push((at, bytes));
+            at += len + gap;
+        }
+        let parts: Vec<(usize, &[u8])> = parts_data.iter().map(|(a, b)| (*a, &b[..])).collect();
+        let mut image = vec![0u8; total];
+        for &(at, bytes) in &parts {
+            let end = (at + bytes.len()).min(total);
+            image[at..end].copy_from_slice(&bytes[..end - at]);
+        }
+        for window in [total, 2 * PARALLEL_FILL_BYTES + 1, 1000] {
+            let mut start = 0;
+            while start < total {
+                let end = (start + window).min(total);
+                let mut got = vec![0u8; end - start];
+                fill_window(&mut got, start, &parts);
+                assert!(got == image[start..end], "window {window} at {start}");
+                start = end;
+            }
+        }
+    }
+
+    /// A panic in a piece of fill work is raised to the caller once every piece is done.
+    #[test]
+    fn a_panicking_fill_is_raised_after_all_pieces() {
+        let done = std::sync::atomic::AtomicUsize::new(0);
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            on_fill_threads((0..8).collect(), |i: usize| {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+                done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                assert!(i != 5, "piece 5");
+            })
+        }));
+        assert!(caught.is_err());
+        assert_eq!(done.load(std::sync::atomic::Ordering::SeqCst), 8);
     }
 }
