@@ -40,11 +40,19 @@ pub(crate) struct Estimate {
     pub whole_table: bool,
     /// Whether that whole table is files whose missing columns must be decoded first.
     pub decoded: bool,
+    /// Whether it is files whose missing columns the device decodes from their pages, which
+    /// the host reads first.
+    pub pages: bool,
 }
 
 /// How much longer an upload from pageable host memory takes than one from pinned memory: the
-/// host copies into pinned staging first, overlapped with the transfer but slower than it.
-const STAGED_TRANSFER: f64 = 1.8;
+/// host copies into pinned staging first, overlapped with the transfer.
+const STAGED_TRANSFER: f64 = 1.1;
+
+/// How much longer loading Parquet columns as their pages takes than uploading their decoded
+/// values from pinned memory: the host reads the column chunks first, then the pages are
+/// staged and decoded on the device.
+const PAGES_TRANSFER: f64 = 3.7;
 
 /// Rows assumed when the statistics do not say.
 pub(crate) const ASSUMED_ROWS: usize = 1 << 24;
@@ -456,10 +464,11 @@ fn warm_up(backend: Backend, estimate: &Estimate) -> bool {
     backend == Backend::Auto && estimate.whole_table && estimate.resident < 1.0
 }
 
-/// Under `auto`, files whose columns are not resident run on the CPU path: the GPU's first
-/// run decodes every row group of those columns before its pass, where the scan decodes while
-/// the selection runs (and skips row groups the threshold rules out); the columns are loaded
-/// into the cache after the run ([`warm_up`]), for the next query.
+/// Under `auto`, files whose columns are not resident and would be decoded on the host run on
+/// the CPU path: the GPU's first run would decode every row group of those columns before its
+/// pass, where the scan decodes while the selection runs (and skips row groups the threshold
+/// rules out); the columns are loaded into the cache after the run ([`warm_up`]), for the next
+/// query. Columns the device decodes from their pages are the model's to weigh.
 fn cold_files(
     backend: Backend,
     estimate: &Estimate,
@@ -547,10 +556,14 @@ pub(crate) fn operator_seconds(
         // The missing columns staged from pageable memory, then one pass and the selection of
         // the few rows that beat its sampled threshold.
         let shipped = (n * estimate.bytes_per_row) as f64 * (1.0 - estimate.resident);
+        let staged = match estimate.pages {
+            true => PAGES_TRANSFER,
+            false => STAGED_TRANSFER,
+        };
         let candidates = n.min(2 * k.max(1));
         return Some(
             compile
-                + STAGED_TRANSFER * model.transfer_time(shipped as usize)
+                + staged * model.transfer_time(shipped as usize)
                 + model.filter_time(n, candidates, kind)
                 + model.predict(algorithm, &Case::pairs(candidates, k, kind, n))?,
         );
@@ -670,6 +683,7 @@ mod tests {
             resident: 0.0,
             whole_table,
             decoded: false,
+            pages: false,
         };
         let small = cpu_before_start(Backend::Auto, &estimate(Some(1_000_000), true), 16);
         match small {
@@ -715,6 +729,7 @@ mod tests {
             resident,
             whole_table,
             decoded: false,
+            pages: false,
         };
         let time = |e: &Estimate| {
             operator_seconds(&m, 0.0, DeviceAlgorithm::Sample, n, k, kind, e).unwrap()
@@ -728,6 +743,13 @@ mod tests {
             "{cold} vs {shipped}"
         );
         assert!(warm < half && half < cold, "{warm} {half} {cold}");
+        // Files loaded as their pages: the host reads them before they are staged.
+        let pages = time(&Estimate {
+            pages: true,
+            ..estimate(0.0, true)
+        });
+        let read = PAGES_TRANSFER * m.transfer_time(n * 12);
+        assert!(pages > read && pages < cold + read, "{pages} vs {read}");
         assert!(warm < 0.05 * m.cpu_time(n), "{warm} vs {}", m.cpu_time(n));
         assert!(
             warm < time(&estimate(1.0, false)),
@@ -750,6 +772,7 @@ mod tests {
             resident,
             whole_table: true,
             decoded,
+            pages: false,
         };
         let cpu = Some((SelectionChoice::Cpu, 0.2));
         assert_eq!(cold_files(Backend::Auto, &files(0.0, true), &options), cpu);
@@ -770,6 +793,7 @@ mod tests {
             resident,
             whole_table,
             decoded: false,
+            pages: false,
         }
     }
 

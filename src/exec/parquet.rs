@@ -7,8 +7,10 @@
 //! scan's row groups are those DataFusion's scan reads (a file range reads the row groups whose
 //! first page starts inside it), so positions in the image are the streaming path's input
 //! order, partition by partition, and ties resolve alike. On a miss the program's columns are
-//! decoded from the files, all row groups at once; only the winners' rows of the output columns
-//! are read afterwards, through a row selection.
+//! read from the files, all row groups at once: as their pages (read and decompressed here,
+//! decoded on the device: [`ParquetInput::read_pages`]) where the device decodes them, else
+//! decoded here; only the winners' rows of the output columns are read afterwards, through a
+//! row selection.
 //!
 //! Files' footers are kept in memory (keyed by the same identity), so a query whose columns
 //! are resident reads nothing from the files but the winners' rows.
@@ -338,6 +340,33 @@ impl ParquetInput {
             .collect()
     }
 
+    /// Whether the scan's output column `output` may be read as pages for the device to
+    /// decode (a file column of a type it decodes; its files' encodings are known once read).
+    pub fn may_read_pages(&self, output: usize) -> bool {
+        use DataType::*;
+        let Some(column) = self
+            .columns
+            .get(output)
+            .and_then(|c| c.downcast_ref::<Column>())
+        else {
+            return false;
+        };
+        matches!(
+            self.file_schema.field(column.index()).data_type(),
+            Int8 | Int16
+                | Int32
+                | Int64
+                | UInt8
+                | UInt16
+                | UInt32
+                | UInt64
+                | Float32
+                | Float64
+                | Date32
+                | Timestamp(..)
+        )
+    }
+
     /// The scan's output column `output` over every row group of `layout` as its pages, to be
     /// decoded on the device: `None` where it cannot be (a computed column, a type or encoding
     /// the device does not decode, a nested schema). The host reads the column chunks and
@@ -357,6 +386,8 @@ impl ParquetInput {
         let mut nullable = false;
         let mut tasks = Vec::new();
         for rows in &layout.files {
+            // Files the scan's schema cannot read are read by the scan, with its errors.
+            self.reader_metadata(rows)?;
             // A flat schema whose leaf `c` is the field, read as the field's own type.
             let schema = rows.metadata.file_metadata().schema_descr();
             if schema.num_columns() != self.file_schema.fields().len() {

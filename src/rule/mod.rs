@@ -587,7 +587,17 @@ fn build_top_k(
         {
             estimate.resident = resident;
             estimate.whole_table = true;
-            estimate.decoded = crate::exec::parquet_input(&absorbed.input).is_some();
+            if let Some(files) = crate::exec::parquet_input(&absorbed.input) {
+                // Files whose columns the device decodes from their pages need the host only
+                // to read them; the others are decoded on the host first.
+                let pages = config.decode_parquet_on_device
+                    && (program.inputs.iter()).all(|input| match input {
+                        fusion::KernelInput::Column(c) => files.may_read_pages(*c),
+                        _ => false,
+                    });
+                estimate.decoded = !pages;
+                estimate.pages = pages;
+            }
         }
         (fusion, cost::choose(settings, &layout, k, estimate))
     };
@@ -1118,5 +1128,6 @@ fn estimate(
         resident: 0.0,
         whole_table: false,
         decoded: false,
+        pages: false,
     }
 }

@@ -230,11 +230,15 @@ impl TopKRun {
                 let chunks = at.map(|i| decoded[i].clone()).unwrap_or_default();
                 let pages = at.and_then(|i| encoded[i].clone());
                 let key = files.key(c);
-                let column = file_column(key, data_type, layout.rows, chunks, &schema, c, image);
-                TableInput {
-                    encoded: pages,
-                    ..column
-                }
+                file_column(
+                    key,
+                    data_type,
+                    layout.rows,
+                    (chunks, pages),
+                    &schema,
+                    c,
+                    image,
+                )
             })
             .collect();
         let selected = self.select(selector, &inputs, layout.rows, None)?;
@@ -599,13 +603,9 @@ async fn load_inputs(
         }
         let on_device = [image == Image::Values && on_device];
         let (decoded, mut encoded) = read_missing(&files, &store, &layout, &[c], &on_device).await;
-        let chunks = decoded?.remove(0);
+        let read = (decoded?.remove(0), encoded.remove(0));
         let data_type = files.data_type(c)?;
-        let column = file_column(key, data_type, layout.rows, chunks, &schema, c, image);
-        let column = TableInput {
-            encoded: encoded.remove(0),
-            ..column
-        };
+        let column = file_column(key, data_type, layout.rows, read, &schema, c, image);
         if !loader.load(&column)? {
             break;
         }
@@ -659,29 +659,33 @@ async fn read_missing(
     (decoded, encoded)
 }
 
-/// Column `c` of a Parquet input as a program input known by its key, read as `image`:
-/// `chunks` are its row groups, decoded (none where the cache holds it).
+/// Column `c` of a Parquet input as a program input known by its key, read as `image`: `read`
+/// is its row groups decoded, or its pages to decode on the device (neither where the cache
+/// holds it).
 fn file_column(
     key: CacheKey,
     data_type: DataType,
     rows: usize,
-    chunks: Vec<ArrayRef>,
+    read: (Vec<ArrayRef>, Option<Arc<EncodedColumn>>),
     schema: &Schema,
     c: usize,
     image: Image,
 ) -> TableInput<'static> {
+    let (chunks, encoded) = read;
+    let nullable =
+        chunks.iter().any(|a| a.null_count() > 0) || encoded.as_ref().is_some_and(|e| e.nullable);
     TableInput {
         identity: Some(Identity {
             key,
             data_type,
             rows,
-            nullable: chunks.iter().any(|a| a.null_count() > 0),
+            nullable,
         }),
         chunks: Cow::Owned(chunks),
         lookup: None,
         name: schema.field(c).name().clone(),
         image,
-        encoded: None,
+        encoded,
     }
 }
 
