@@ -27,8 +27,9 @@ pub(super) struct TopKMetrics {
     pub(super) select_time: Time,
     pub(super) retain_time: Time,
     pub(super) gather_time: Time,
-    /// Time spent reading a Parquet input's columns for the column cache: decoding them, or,
-    /// for those decoded on the device, reading and decompressing their pages.
+    /// Time spent reading a Parquet input's columns for the column cache before the selection:
+    /// decoding them on the host (columns decoded on the device are read while they are
+    /// shipped, within `select_time`, or here where the runtime has one thread).
     pub(super) read_time: Time,
     /// A Parquet input's columns shipped as pages and decoded on the device.
     pub(super) device_decoded_columns: Count,

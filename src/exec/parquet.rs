@@ -370,12 +370,15 @@ impl ParquetInput {
     /// The scan's output column `output` over every row group of `layout` as its pages, to be
     /// decoded on the device: `None` where it cannot be (a computed column, a type or encoding
     /// the device does not decode, a nested schema). The host reads the column chunks and
-    /// decompresses their pages on all cores (one task per row group).
+    /// decompresses their pages on all cores, one task per row group; with `streaming` the
+    /// column is returned at once and its chunks follow as they are read (the tasks run on
+    /// the runtime meanwhile), else once all are read.
     pub async fn read_pages(
         &self,
         store: &Arc<dyn ObjectStore>,
         layout: &Layout,
         output: usize,
+        streaming: bool,
     ) -> Result<Option<EncodedColumn>> {
         let Some(column) = self.columns[output].downcast_ref::<Column>() else {
             return Ok(None);
@@ -383,7 +386,7 @@ impl ParquetInput {
         let c = column.index();
         let data_type = self.file_schema.field(c).data_type().clone();
         let mut widths = None;
-        let mut nullable = false;
+        let (mut nullable, mut page_bytes) = (false, 0usize);
         let mut tasks = Vec::new();
         for rows in &layout.files {
             // Files the scan's schema cannot read are read by the scan, with its errors.
@@ -415,8 +418,22 @@ impl ParquetInput {
             widths = Some(these);
             for &(group, first_row, n) in &rows.groups {
                 let meta = rows.metadata.row_group(group).column(c).clone();
+                // The chunk's encodings, by its metadata: those the device decodes.
+                let decodes = meta.encodings().all(|e| {
+                    matches!(
+                        e,
+                        Encoding::PLAIN
+                            | Encoding::RLE
+                            | Encoding::RLE_DICTIONARY
+                            | Encoding::PLAIN_DICTIONARY
+                    )
+                });
+                if !decodes {
+                    return Ok(None);
+                }
                 nullable |= leaf.max_def_level() > 0
                     && meta.statistics().and_then(|s| s.null_count_opt()) != Some(0);
+                page_bytes += usize::try_from(meta.uncompressed_size()).unwrap_or(0);
                 let mut reader = self.reader(store, rows.file)?;
                 let file_len = self.files[rows.file].object_meta.size;
                 let stored = these.0;
@@ -437,28 +454,40 @@ impl ParquetInput {
                 });
             }
         }
-        let Some((stored_width, width)) = widths else {
+        let Some(widths) = widths else {
             return Ok(None);
         };
-        let mut running = tokio::task::JoinSet::new();
-        for (index, task) in tasks.into_iter().enumerate() {
-            running.spawn(async move { (index, task.await) });
+        let count = tasks.len();
+        let (send, receive) = std::sync::mpsc::channel();
+        let column = EncodedColumn::new(receive, count, layout.rows, widths, nullable, page_bytes);
+        let sent = |chunk: Result<Option<EncodedChunk>>| match chunk {
+            Ok(Some(chunk)) => Ok(chunk),
+            Ok(None) => Err("a page in an encoding the device does not decode".to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if streaming {
+            // Each task sends its chunk; once the column is dropped, a send fails and the
+            // remaining tasks end after their read.
+            for task in tasks {
+                let send = send.clone();
+                tokio::spawn(async move {
+                    let _ = send.send(sent(task.await));
+                });
+            }
+            return Ok(Some(column));
         }
-        let mut chunks: Vec<Option<EncodedChunk>> = vec![None; running.len()];
+        let mut running = tokio::task::JoinSet::new();
+        for task in tasks {
+            running.spawn(task);
+        }
         while let Some(done) = running.join_next().await {
-            let (index, chunk) = done.map_err(|e| DataFusionError::External(Box::new(e)))?;
+            let chunk = done.map_err(|e| DataFusionError::External(Box::new(e)))?;
             match chunk? {
-                Some(chunk) => chunks[index] = Some(chunk),
+                Some(chunk) => send.send(Ok(chunk)).expect("the receiver is held here"),
                 None => return Ok(None),
             }
         }
-        Ok(Some(EncodedColumn {
-            chunks: chunks.into_iter().flatten().collect(),
-            rows: layout.rows,
-            stored_width,
-            width,
-            nullable,
-        }))
+        Ok(Some(column))
     }
 
     /// The rows at table `positions` of the scan's output columns `outputs`: one batch per
@@ -893,6 +922,13 @@ mod tests {
     /// What parquet.cu computes from a column's pages, on the host: each row's value (its
     /// image bytes, little-endian) and validity, walking the same runs.
     fn decode_like_the_device(column: &EncodedColumn) -> (Vec<u64>, Vec<bool>) {
+        let chunks: Vec<EncodedChunk> = (0..column.chunk_count)
+            .map(|_| column.next_chunk().unwrap())
+            .collect();
+        assert!(
+            chunks.iter().any(|c| c.pages.len() > 1),
+            "pages of 300 rows"
+        );
         fn runs(stream: &[u8], bits: u32, n: usize) -> Vec<u32> {
             let mut out = Vec::with_capacity(n);
             let mut at = 0;
@@ -943,8 +979,9 @@ mod tests {
                 v
             }
         };
-        let (mut values, mut valid) = (Vec::new(), Vec::new());
-        for chunk in &column.chunks {
+        let (mut values, mut valid) = (vec![0; column.rows], vec![false; column.rows]);
+        // Chunks arrive in any order; each page knows its rows.
+        for chunk in &chunks {
             for page in &chunk.pages {
                 let bytes = &page.bytes;
                 let rows = page.rows as usize;
@@ -969,9 +1006,10 @@ mod tests {
                     (false, _) => (0..count).map(|i| value(data, i)).collect(),
                 };
                 let mut next = taken.into_iter();
-                for is_valid in here {
-                    values.push(if is_valid { next.next().unwrap() } else { 0 });
-                    valid.push(is_valid);
+                for (i, is_valid) in here.into_iter().enumerate() {
+                    let row = page.first_row as usize + i;
+                    values[row] = if is_valid { next.next().unwrap() } else { 0 };
+                    valid[row] = is_valid;
                 }
             }
         }
@@ -1147,13 +1185,17 @@ mod tests {
             let strings = schema.fields().len() - 1;
             assert!(
                 input
-                    .read_pages(&store, &layout, strings)
+                    .read_pages(&store, &layout, strings, false)
                     .await
                     .unwrap()
                     .is_none()
             );
             for c in 0..strings {
-                let pages = input.read_pages(&store, &layout, c).await.unwrap();
+                let streaming = c % 2 == 0;
+                let pages = input
+                    .read_pages(&store, &layout, c, streaming)
+                    .await
+                    .unwrap();
                 let float = matches!(
                     schema.field(c).data_type(),
                     DataType::Float32 | DataType::Float64
@@ -1176,8 +1218,6 @@ mod tests {
                     want.null_count() > 0 || c == strings - 1,
                     "{name} {c}"
                 );
-                let multi_page = pages.chunks.iter().any(|c| c.pages.len() > 1);
-                assert!(multi_page, "{name}: column {c} has pages of 300 rows");
                 let (values, valid) = decode_like_the_device(&pages);
                 let data = want.to_data();
                 let bytes = data.buffers()[0].as_slice();

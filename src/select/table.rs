@@ -242,7 +242,7 @@ impl TableInput<'_> {
     /// The pieces the column comes in (the cache listing's chunks).
     fn pieces(&self) -> usize {
         match &self.encoded {
-            Some(encoded) => encoded.chunks.len(),
+            Some(encoded) => encoded.chunk_count,
             None => self.chunks.len(),
         }
     }
@@ -504,8 +504,9 @@ impl<'i, 'a> TableColumn<'i, 'a> {
         let mut offsets = vec![0];
         let mut end = values;
         if self.nullable {
+            // Whole 32-bit words: the device sets validity bits a word at a time.
             offsets.push(values);
-            end = values + self.rows.div_ceil(8);
+            end = values + self.rows.div_ceil(32) * 4;
         }
         if self.input.image == Image::Strings {
             let at = align(end);

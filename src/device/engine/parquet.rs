@@ -1,9 +1,9 @@
 //! Parquet pages decoded on the device (parquet.cu): a column's data pages, shipped as they
 //! are stored (decompressed), become its column cache image.
 //!
-//! The pages go up a window of whole column chunks at a time (their bytes and dictionaries
-//! back to back, then one descriptor a page), and one launch decodes a window's pages; the host
-//! fills the next window's staging meanwhile. A malformed page sets the kernel's error flag, read
+//! The pages go up a window of whole column chunks at a time, as the host reads them (their
+//! bytes and dictionaries back to back, then one descriptor a page), and one launch decodes a
+//! window's pages; the host reads and stages the next window's meanwhile. A malformed page sets the kernel's error flag, read
 //! once after the last window; the caller then decodes the files on the host.
 
 use super::*;
@@ -41,10 +41,14 @@ impl EncodedChunk {
     }
 }
 
-/// A column of fixed-width values as Parquet pages, to be decoded into its image.
-#[derive(Debug, Clone)]
+/// A column of fixed-width values as Parquet pages, to be decoded into its image. Its chunks
+/// arrive as the host reads them, in any order (each page knows its rows), so that shipping
+/// and decoding overlap the reads; a chunk that could not be read arrives as the reason.
+#[derive(Debug)]
 pub struct EncodedColumn {
-    pub chunks: Vec<EncodedChunk>,
+    chunks: std::sync::Mutex<std::sync::mpsc::Receiver<Result<EncodedChunk, String>>>,
+    /// Chunks to come.
+    pub chunk_count: usize,
     /// Rows of the column.
     pub rows: usize,
     /// Bytes of a stored value (4: INT32 and FLOAT, 8: INT64 and DOUBLE).
@@ -53,17 +57,54 @@ pub struct EncodedColumn {
     pub width: usize,
     /// Whether any page may hold NULLs (the image then has a validity bitmap).
     pub nullable: bool,
+    /// Bytes of the pages as stored, uncompressed, by the files' metadata: about what the
+    /// host holds and ships.
+    pub page_bytes: usize,
+    shipped: std::sync::atomic::AtomicUsize,
 }
 
 impl EncodedColumn {
-    /// Bytes of every page and dictionary: what crosses PCIe.
+    /// A column whose `chunk_count` chunks come through `chunks`.
+    pub fn new(
+        chunks: std::sync::mpsc::Receiver<Result<EncodedChunk, String>>,
+        chunk_count: usize,
+        rows: usize,
+        (stored_width, width): (usize, usize),
+        nullable: bool,
+        page_bytes: usize,
+    ) -> Self {
+        Self {
+            chunks: std::sync::Mutex::new(chunks),
+            chunk_count,
+            rows,
+            stored_width,
+            width,
+            nullable,
+            page_bytes,
+            shipped: Default::default(),
+        }
+    }
+
+    /// The next chunk read (waiting for it), or why none comes.
+    pub fn next_chunk(&self) -> Result<EncodedChunk, String> {
+        let chunks = self
+            .chunks
+            .lock()
+            .map_err(|_| "the pages' receiver is poisoned")?;
+        chunks
+            .recv()
+            .map_err(|_| "the pages' reader stopped".to_string())?
+    }
+
+    /// Bytes of pages and dictionaries shipped so far: what crossed PCIe.
     pub fn shipped_bytes(&self) -> usize {
-        self.chunks.iter().map(EncodedChunk::bytes).sum()
+        self.shipped.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
-/// Page bytes shipped per decode launch, at most (a larger chunk goes alone).
-const DECODE_WINDOW: usize = 128 << 20;
+/// Page bytes shipped per decode launch, at least (the last window's excepted): a window goes
+/// as soon as the chunks read fill it.
+const DECODE_WINDOW: usize = 64 << 20;
 /// Warps (one a page) per block of `parquet_decode`.
 const DECODE_WARPS: usize = 8;
 /// u64 words of a page's descriptor.
@@ -92,20 +133,27 @@ impl TopKEngine {
         }
         let error = self.device.pool.alloc(4, &self.stream)?;
         self.memset_zero(error.ptr(), 4)?;
-        // Windows of whole chunks, each its bytes and descriptors in one device buffer.
-        let mut start = 0;
-        while start < column.chunks.len() {
-            let mut end = start;
-            let mut bytes = 0;
-            while end < column.chunks.len()
-                && (end == start || bytes + column.chunks[end].bytes() <= DECODE_WINDOW)
-            {
-                bytes += column.chunks[end].bytes();
-                end += 1;
+        // Windows of whole chunks as they arrive, each its bytes and descriptors in one device
+        // buffer.
+        let (mut window, mut bytes, mut rows) = (Vec::new(), 0, 0usize);
+        for received in 0..column.chunk_count {
+            let chunk = column.next_chunk().map_err(GpuError)?;
+            bytes += chunk.bytes();
+            rows += chunk.pages.iter().map(|p| p.rows as usize).sum::<usize>();
+            window.push(chunk);
+            if bytes >= DECODE_WINDOW || received + 1 == column.chunk_count {
+                self.decode_window(column, &window, dst, validity, error.ptr())?;
+                column
+                    .shipped
+                    .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+                (window, bytes) = (Vec::new(), 0);
             }
-            let window = &column.chunks[start..end];
-            self.decode_window(column, window, dst, validity, error.ptr())?;
-            start = end;
+        }
+        if rows != column.rows {
+            return Err(GpuError(format!(
+                "the pages hold {rows} rows of the column's {}",
+                column.rows
+            )));
         }
         let flag = self.read_bytes(error.ptr(), 4)?;
         let flag = u32::from_le_bytes(flag[..4].try_into().expect("4 bytes"));
@@ -159,9 +207,22 @@ impl TopKEngine {
         }
         let data = self.device.pool.alloc(total.max(16), &self.stream)?;
         self.upload_image(&parts, total, data.ptr())?;
-        let first_row = placed[0].1.first_row;
-        let last = placed[placed.len() - 1].1;
-        let window_rows = (last.first_row + u64::from(last.rows) - first_row) as usize;
+        // Chunks come in any order: the scratch spans the window's rows.
+        let first_row = (placed.iter())
+            .map(|(_, p, _)| p.first_row)
+            .min()
+            .unwrap_or(0);
+        let end_row = (placed.iter())
+            .map(|(_, p, _)| p.first_row + u64::from(p.rows))
+            .max()
+            .unwrap_or(0);
+        let window_rows = (end_row - first_row) as usize;
+        if end_row > column.rows as u64 {
+            return Err(GpuError(format!(
+                "a page's rows end at {end_row}, past the column's {}",
+                column.rows
+            )));
+        }
         let mut words = Vec::with_capacity(placed.len() * DESCRIPTOR_WORDS);
         let mut uses_dictionary = false;
         for (at, page, dictionary) in &placed {

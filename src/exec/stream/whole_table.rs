@@ -191,6 +191,10 @@ impl TopKRun {
         if !selector.fits(missing_bytes) {
             return Ok(WholeTable::Stream);
         }
+        // Pages are shipped as they are read where the selection can wait for the reads
+        // without holding up the runtime that runs them (it leaves its worker to the others).
+        let streaming = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
         let (decoded, encoded) = {
             let _timer = self.metrics.read_time.timer();
             // Pages go to the device for the values image only.
@@ -201,7 +205,7 @@ impl TopKRun {
                 })
                 .collect();
             let (host_decoded, encoded) =
-                read_missing(&files, &store, &layout, &missing, &on_device).await;
+                read_missing(&files, &store, &layout, &missing, &on_device, streaming).await;
             match host_decoded {
                 Ok(decoded) => (decoded, encoded),
                 Err(e) => {
@@ -218,7 +222,7 @@ impl TopKRun {
         let host = self.reservation.new_empty();
         let decoded_bytes = (decoded.iter().flatten())
             .map(|a| a.get_array_memory_size())
-            .chain(encoded.iter().flatten().map(|e| e.shipped_bytes()))
+            .chain(encoded.iter().flatten().map(|e| e.page_bytes))
             .sum();
         if host.try_grow(decoded_bytes).is_err() {
             return Ok(WholeTable::Stream);
@@ -241,7 +245,13 @@ impl TopKRun {
                 )
             })
             .collect();
-        let selected = self.select(selector, &inputs, layout.rows, None)?;
+        let streamed = streaming && encoded.iter().any(Option::is_some);
+        let selected = match streamed {
+            true => {
+                tokio::task::block_in_place(|| self.select(selector, &inputs, layout.rows, None))
+            }
+            false => self.select(selector, &inputs, layout.rows, None),
+        }?;
         drop((held, inputs, decoded, encoded, host));
         let selected = match selected {
             Ok(selected) => selected,
@@ -602,7 +612,8 @@ async fn load_inputs(
             continue;
         }
         let on_device = [image == Image::Values && on_device];
-        let (decoded, mut encoded) = read_missing(&files, &store, &layout, &[c], &on_device).await;
+        let (decoded, mut encoded) =
+            read_missing(&files, &store, &layout, &[c], &on_device, false).await;
         let read = (decoded?.remove(0), encoded.remove(0));
         let data_type = files.data_type(c)?;
         let column = file_column(key, data_type, layout.rows, read, &schema, c, image);
@@ -616,18 +627,20 @@ async fn load_inputs(
 /// The columns `missing` of a Parquet input's row groups for the column cache: as pages to
 /// decode on the device where `on_device` says so and the device decodes them (the second list,
 /// `None` elsewhere), the others decoded on the host (the first list: none for a column read
-/// as pages). A column whose pages cannot be read as such is decoded on the host.
+/// as pages). A column whose pages cannot be read as such is decoded on the host. With
+/// `streaming`, pages come as they are read ([`ParquetInput::read_pages`]).
 async fn read_missing(
     files: &ParquetInput,
     store: &Arc<dyn ObjectStore>,
     layout: &Layout,
     missing: &[usize],
     on_device: &[bool],
+    streaming: bool,
 ) -> (Result<Vec<Vec<ArrayRef>>>, Vec<Option<Arc<EncodedColumn>>>) {
     let mut encoded = Vec::with_capacity(missing.len());
     for (&c, &on_device) in missing.iter().zip(on_device) {
         let pages = match on_device {
-            true => files.read_pages(store, layout, c).await,
+            true => files.read_pages(store, layout, c, streaming).await,
             false => Ok(None),
         };
         encoded.push(match pages {
