@@ -51,7 +51,7 @@ use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::metrics::ExecutionPlanMetricsSet;
 use futures::TryStreamExt;
 
-use crate::device::column_cache::{CacheKey, files_key};
+use crate::device::column_cache::{CacheKey, ChunkZones, files_key};
 use crate::device::{EncodedChunk, EncodedColumn, EncodedPage};
 
 /// A scan of Parquet files read as a table (see the module documentation).
@@ -67,6 +67,9 @@ pub(crate) struct ParquetInput {
     schema_hash: u64,
     /// The scan's own reader factory, if it has one.
     factory: Option<Arc<dyn ParquetFileReaderFactory>>,
+    /// Whether the scan skips row groups by their statistics (the session's
+    /// `datafusion.execution.parquet.pruning`): the table path then may too.
+    prunes: bool,
 }
 
 /// `input` as a Parquet input, when it is a Parquet scan that hands over its files' rows as
@@ -117,6 +120,7 @@ pub(crate) fn parquet_input(input: &Arc<dyn ExecutionPlan>) -> Option<ParquetInp
         file_schema,
         schema_hash: hasher.finish(),
         factory: source.parquet_file_reader_factory().cloned(),
+        prunes: source.table_parquet_options().global.pruning,
     })
 }
 
@@ -124,6 +128,28 @@ pub(crate) fn parquet_input(input: &Arc<dyn ExecutionPlan>) -> Option<ParquetInp
 pub(crate) struct Layout {
     files: Vec<FileRows>,
     pub rows: usize,
+}
+
+impl Layout {
+    /// The row groups holding the table's first `rows` rows (whole row groups: it may hold
+    /// more).
+    pub fn prefix(&self, rows: usize) -> Layout {
+        let files: Vec<FileRows> = (self.files.iter())
+            .map(|file| FileRows {
+                file: file.file,
+                metadata: Arc::clone(&file.metadata),
+                groups: (file.groups.iter())
+                    .filter(|&&(_, start, _)| (start as usize) < rows)
+                    .copied()
+                    .collect(),
+            })
+            .filter(|file| !file.groups.is_empty())
+            .collect();
+        let rows = (files.iter().flat_map(|f| &f.groups))
+            .map(|&(_, _, n)| n)
+            .sum();
+        Layout { files, rows }
+    }
 }
 
 struct FileRows {
@@ -365,6 +391,49 @@ impl ParquetInput {
                 | Date32
                 | Timestamp(..)
         )
+    }
+
+    /// The least and greatest values and the NULLs of the scan's output column `output` in
+    /// each row group of `layout`, from the files' statistics, as the column cache keeps its
+    /// chunks' zones: `None` where the scan does not prune by statistics, the column is
+    /// computed in the scan, its type has no zones (floats: the statistics leave NaNs out), or
+    /// a file does not read as the scan's schema. A row group without statistics has NULL
+    /// zones, which rule nothing out.
+    pub fn row_group_zones(&self, layout: &Layout, output: usize) -> Option<ChunkZones> {
+        use datafusion::parquet::arrow::arrow_reader::statistics::StatisticsConverter;
+        let column = self.columns.get(output)?.downcast_ref::<Column>()?;
+        let field = self.file_schema.field(column.index());
+        if !self.prunes || !crate::select::table::has_zones(field.data_type()) {
+            return None;
+        }
+        let (mut mins, mut maxs, mut nulls) = (Vec::new(), Vec::new(), Vec::new());
+        for rows in &layout.files {
+            self.reader_metadata(rows).ok()?;
+            let converter = StatisticsConverter::try_new(
+                field.name(),
+                &self.file_schema,
+                rows.metadata.file_metadata().schema_descr(),
+            )
+            .ok()?;
+            let groups = || (rows.groups.iter()).map(|&(g, _, _)| rows.metadata.row_group(g));
+            mins.push(converter.row_group_mins(groups()).ok()?);
+            maxs.push(converter.row_group_maxes(groups()).ok()?);
+            nulls.push(Arc::new(converter.row_group_null_counts(groups()).ok()?) as ArrayRef);
+        }
+        let concat = |arrays: &[ArrayRef]| {
+            let arrays: Vec<&dyn datafusion::arrow::array::Array> =
+                arrays.iter().map(|a| a.as_ref()).collect();
+            datafusion::arrow::compute::concat(&arrays).ok()
+        };
+        let rows = (layout.files.iter().flat_map(|f| &f.groups)).map(|&(_, _, n)| n as u64);
+        Some(ChunkZones {
+            mins: concat(&mins)?,
+            maxs: concat(&maxs)?,
+            nulls: concat(&nulls)?,
+            rows: Arc::new(datafusion::arrow::array::UInt64Array::from_iter_values(
+                rows,
+            )),
+        })
     }
 
     /// The scan's output column `output` over every row group of `layout` as its pages, to be
@@ -913,6 +982,88 @@ mod tests {
                 for (got, column) in [(0, 1), (1, 0)] {
                     let got = batches[slot][got].slice(row, 1);
                     assert_eq!(&got, expected.column(column), "{sql}: position {p}");
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Row groups' statistics read as chunk zones: each row group's least and greatest values
+    /// and NULLs, as the column cache derives them from the decoded row groups, for the
+    /// scan's row groups of split files; none for floats or where the session turns pruning
+    /// off. A prefix layout holds the whole row groups of the first rows.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn row_group_statistics_are_the_zones_of_the_row_groups() {
+        let dir = std::env::temp_dir().join(format!("gpu-topk-zones-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("t", DataType::Int64, true),
+            Field::new("x", DataType::Float64, true),
+        ]));
+        for file in 0..2i64 {
+            let properties = WriterProperties::builder()
+                .set_max_row_group_row_count(Some(700))
+                .build();
+            let out = std::fs::File::create(dir.join(format!("f{file}.parquet"))).unwrap();
+            let mut writer =
+                ArrowWriter::try_new(out, Arc::clone(&schema), Some(properties)).unwrap();
+            // Ascending, NULL every 11th row, and all NULL in one row group.
+            let ts: Vec<Option<i64>> = (0..3000i64)
+                .map(|i| (i % 11 != 0 && !(1400..2100).contains(&i)).then_some(file * 5000 + i))
+                .collect();
+            let xs: Vec<f64> = (0..3000).map(|i| i as f64).collect();
+            let batch = RecordBatch::try_new(
+                Arc::clone(&schema),
+                vec![
+                    Arc::new(Int64Array::from(ts)),
+                    Arc::new(Float64Array::from(xs)),
+                ],
+            )
+            .unwrap();
+            writer.write(&batch).unwrap();
+            writer.close().unwrap();
+        }
+        for pruning in [true, false] {
+            let config = SessionConfig::new()
+                .with_target_partitions(3)
+                .with_repartition_file_min_size(1024)
+                .set_bool("datafusion.execution.parquet.pruning", pruning);
+            let ctx = SessionContext::new_with_config(config);
+            let path = dir.to_str().unwrap();
+            ctx.register_parquet("t", path, ParquetReadOptions::default())
+                .await
+                .unwrap();
+            let plan = (ctx.sql("SELECT t, x FROM t").await.unwrap())
+                .create_physical_plan()
+                .await
+                .unwrap();
+            let input = parquet_input(&plan).expect("a Parquet scan");
+            let store = ctx.runtime_env().object_store(input.store()).unwrap();
+            let layout = input.layout(&store).await.unwrap();
+            assert_eq!(layout.rows, 6000);
+            assert!(input.row_group_zones(&layout, 1).is_none(), "floats");
+            let Some(zones) = input.row_group_zones(&layout, 0) else {
+                assert!(!pruning, "zones expected");
+                continue;
+            };
+            assert!(pruning, "no zones without pruning");
+            let chunks = input.read_columns(&store, &layout, &[0]).await.unwrap();
+            assert_eq!(chunks[0].len(), 10, "five row groups a file");
+            let want = crate::select::table::derive_zones(&chunks[0]).unwrap();
+            assert_eq!(zones.mins.as_ref(), want.mins.as_ref());
+            assert_eq!(zones.maxs.as_ref(), want.maxs.as_ref());
+            assert_eq!(zones.nulls.as_ref(), want.nulls.as_ref());
+            assert_eq!(zones.rows.as_ref(), want.rows.as_ref());
+            // The first rows, in whole row groups.
+            for (rows, groups) in [(1, 1), (700, 1), (701, 2), (3001, 6), (6000, 10)] {
+                let prefix = layout.prefix(rows);
+                let held: usize = chunks[0][..groups].iter().map(|a| a.len()).sum();
+                assert_eq!(prefix.rows, held, "{rows}");
+                let read = input.read_columns(&store, &prefix, &[0]).await.unwrap();
+                assert_eq!(read[0].len(), groups, "{rows}");
+                for (got, want) in read[0].iter().zip(&chunks[0]) {
+                    assert_eq!(got.as_ref(), want.as_ref(), "{rows}");
                 }
             }
         }

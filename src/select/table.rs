@@ -301,6 +301,10 @@ pub struct Identity {
     pub rows: usize,
     /// Whether any chunk holds NULLs (read only where the column is uploaded).
     pub nullable: bool,
+    /// Whether these are only the column's first `rows` rows, read for one selection that
+    /// reads no further: uploaded for it and not kept (the key names the whole column, which
+    /// the cache may hold meanwhile and the selection then reads).
+    pub transient: bool,
 }
 
 /// What [`TableSelector::select`] found.
@@ -470,6 +474,11 @@ impl<'i, 'a> TableColumn<'i, 'a> {
             nullable,
             data_bytes,
         })
+    }
+
+    /// Whether the column is uploaded for one selection only ([`Identity::transient`]).
+    fn transient(&self) -> bool {
+        self.input.identity.as_ref().is_some_and(|i| i.transient)
     }
 
     /// Bytes of the per-row values, a strings image's bytes not included.
@@ -720,16 +729,7 @@ pub fn resident_share_of(
 /// zeros are left to the pass).
 pub fn chunk_zones(device: &GpuDevice, input: &TableInput<'_>) -> Option<Arc<ChunkZones>> {
     let first = input.chunks.first()?;
-    let ordered = first.data_type().is_integer()
-        || first.data_type().is_temporal()
-        || matches!(
-            first.data_type(),
-            DataType::Decimal32(..)
-                | DataType::Decimal64(..)
-                | DataType::Decimal128(..)
-                | DataType::Decimal256(..)
-        );
-    if input.image != Image::Values || input.lookup.is_some() || !ordered {
+    if input.image != Image::Values || input.lookup.is_some() || !has_zones(first.data_type()) {
         return None;
     }
     let key = TableColumn::new(input).ok()?.key;
@@ -742,6 +742,20 @@ pub fn chunk_zones(device: &GpuDevice, input: &TableInput<'_>) -> Option<Arc<Chu
             log::warn!("cannot start working out chunk zones: {e}");
         }
     })
+}
+
+/// Whether columns of `data_type` have zones: integer, decimal and temporal ones, ordered as
+/// their values (floats' NaNs and signed zeros are left to the pass).
+pub(crate) fn has_zones(data_type: &DataType) -> bool {
+    data_type.is_integer()
+        || data_type.is_temporal()
+        || matches!(
+            data_type,
+            DataType::Decimal32(..)
+                | DataType::Decimal64(..)
+                | DataType::Decimal128(..)
+                | DataType::Decimal256(..)
+        )
 }
 
 /// [`ChunkZones`] of `chunks`, on the calling thread: they are worked out in the background,
@@ -1223,8 +1237,17 @@ fn select_table(
         lookups.push(device.column_cache.acquire(&column.key));
         columns.push(column);
     }
+    // Columns given in part hold at least the rows the selection reads.
+    let within = match step {
+        TableStep::TopK { within, .. } => within,
+        TableStep::Groups(_) => None,
+    };
     let rows = columns.first().map_or(0, |c| c.rows);
-    if let Some(c) = columns.iter().find(|c| c.rows != rows) {
+    let short = |c: &TableColumn<'_, '_>| match within {
+        Some(within) => c.rows < within,
+        None => c.rows != rows,
+    };
+    if let Some(c) = columns.iter().find(|&c| short(c)) {
         return Err(exec_error(format!(
             "the program's inputs have {rows} and {} rows",
             c.rows
@@ -1269,6 +1292,10 @@ fn select_table(
             None => {
                 transfers.0 += 1;
                 transfers.2 += bytes;
+            }
+            Some(_) if column.transient() => {
+                transfers.1 += 1;
+                transfers.3 += bytes;
             }
             Some((buffer, offsets)) => {
                 transfers.1 += 1;

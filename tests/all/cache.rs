@@ -862,6 +862,91 @@ async fn a_kept_plan_follows_the_residency_of_its_own_columns() {
     assert_eq!(rows, want);
 }
 
+/// Over Parquet files, the row groups' statistics rule out row groups before any column is
+/// read: a filter no row group can pass reads nothing, a first run whose rows lie in the first
+/// half of the table reads only those row groups (the whole columns are loaded afterwards, in
+/// the background), and warm runs read the cache only up to the last row group that may pass.
+/// None is skipped where the session turns Parquet pruning off. Every run has DataFusion's rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn parquet_row_groups_no_row_can_pass_are_not_read() {
+    if !gpu_or_skip("parquet_row_groups_no_row_can_pass_are_not_read") {
+        return;
+    }
+    let _serial = CACHE.lock().await;
+    let device = gpu().expect("a GPU");
+    let dir = test_dir("cache-parquet-zones");
+    // `rid` ascends through three files of 100 000 rows, 12 row groups of 25 000 in all.
+    write_parquet(&dir, &table(3, 2, 50_000, 29), 25_000);
+    let (ctx, plain) = parquet_sessions(&dir, 4).await;
+    let settled = async || {
+        while datafusion_gpu_topk::internal::exec::warming_up() {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    };
+    // The bytes a first run ships reading every row group.
+    settled().await;
+    device.column_cache.clear();
+    let sql = "SELECT rid, v FROM t WHERE rid >= 0 ORDER BY v DESC LIMIT 20";
+    let oracle = "SELECT rid, v FROM t WHERE rid >= 0 ORDER BY v DESC, rid LIMIT 20";
+    let whole = check(&ctx, &plain, sql, oracle).await.uploaded_bytes;
+    assert!(whole > 0);
+    // (filter, row groups skipped, whether a first run reads only the first rows)
+    for (filter, skipped, prefix) in [
+        ("rid < 0", 12, false),
+        ("rid < 1", 11, true),
+        ("rid < 150000", 6, true),
+        ("rid < 175000 AND v > 500", 5, false),
+        ("(rid < 20000 OR rid = 60000) AND v <> 7", 9, true),
+        ("rid < 300001 OR v = 3", 0, false),
+        ("rid >= 250000", 0, false),
+    ] {
+        let sql = format!("SELECT rid, v FROM t WHERE {filter} ORDER BY v DESC LIMIT 20");
+        let oracle = format!("SELECT rid, v FROM t WHERE {filter} ORDER BY v DESC, rid LIMIT 20");
+        settled().await;
+        device.column_cache.clear();
+        let cold = check(&ctx, &plain, &sql, &oracle).await;
+        assert_eq!(cold.chunks_skipped, skipped, "{filter}: {cold:?}");
+        let shipped = if skipped == 12 { 0 } else { 2 };
+        assert_eq!(cold.cache_misses, shipped, "{filter}: {cold:?}");
+        settled().await;
+        // The prefix was read for the first run alone; the whole columns are loaded after it.
+        let resident = (device.column_cache.listing().into_iter())
+            .filter(|e| (e.column == "rid" || e.column == "v") && e.chunks == 12)
+            .count();
+        assert_eq!(resident, if skipped == 12 { 0 } else { 2 }, "{filter}");
+        // Row groups of about the same bytes each.
+        let part = whole * (12 - skipped) / 12;
+        match (prefix, skipped) {
+            (true, _) => assert!(
+                cold.uploaded_bytes <= part + whole / 24,
+                "{filter}: {cold:?}"
+            ),
+            (false, 12) => assert_eq!(cold.uploaded_bytes, 0, "{filter}"),
+            (false, _) => assert_eq!(cold.uploaded_bytes, whole, "{filter}"),
+        }
+        let warm = check(&ctx, &plain, &sql, &oracle).await;
+        assert_eq!(warm.chunks_skipped, skipped, "{filter}: {warm:?}");
+        assert_eq!(warm.cache_misses, 0, "{filter}: {warm:?}");
+    }
+    // Pruning off (the table's options are the session's when it is registered): the scan
+    // reads every row group, and so does the pass.
+    let ctx = session_with(
+        4,
+        8192,
+        crate::sessions::base_config().with_backend(Backend::Cuda),
+    );
+    ctx.sql("SET datafusion.execution.parquet.pruning = false")
+        .await
+        .unwrap();
+    let path = dir.to_str().unwrap();
+    let options = datafusion::prelude::ParquetReadOptions::default();
+    ctx.register_parquet("t", path, options).await.unwrap();
+    let sql = "SELECT rid, v FROM t WHERE rid < 1 ORDER BY v DESC LIMIT 20";
+    let oracle = "SELECT rid, v FROM t WHERE rid < 1 ORDER BY v DESC, rid LIMIT 20";
+    let report = check(&ctx, &plain, sql, oracle).await;
+    assert_eq!(report.chunks_skipped, 0, "{report:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn chunks_no_row_can_pass_are_not_read() {
     if !gpu_or_skip("chunks_no_row_can_pass_are_not_read") {

@@ -38,6 +38,12 @@ use crate::select::table::{
 };
 use crate::select::{self, Selector};
 
+/// The largest share of a table's rows a first run over Parquet files reads for itself
+/// alone, where the row groups' statistics rule out the rest; the whole columns are loaded
+/// afterwards. Past it, the run loads them (reading the first rows twice would cost more
+/// than the rows it saves).
+const PREFIX_SHARE: f64 = 0.5;
+
 /// How a run over a whole table ended.
 pub(super) enum WholeTable {
     /// The result.
@@ -170,6 +176,20 @@ impl TopKRun {
                 return Ok(WholeTable::Stream);
             }
         };
+        let schema = self.input.schema();
+        // Row groups past the last one whose statistics let a row pass are not read.
+        let skip = (self.spec.filter.as_ref())
+            .and_then(|filter| super::zones::skip_row_groups(filter, &schema, &files, &layout));
+        if let Some(skip) = skip {
+            self.metrics.chunks_skipped.add(skip.chunks);
+            if skip.within == 0 {
+                self.metrics.rows_in.add(layout.rows);
+                return Ok(WholeTable::Done(RecordBatch::new_empty(Arc::clone(
+                    &self.schema,
+                ))));
+            }
+        }
+        let within = skip.map(|s| s.within);
         let keys: Vec<_> = (columns.iter().zip(&images))
             .map(|(&c, &image)| image.key(files.key(c)))
             .collect();
@@ -179,13 +199,21 @@ impl TopKRun {
             .filter(|(_, hit)| hit.is_none())
             .map(|(&c, _)| c)
             .collect();
+        // Where the rows that may pass are at most a share of the table, the missing columns'
+        // first rows are read for this selection only, and the whole columns are loaded into
+        // the cache after it, in the background: the answer waits for the rows it needs.
+        let prefix = within
+            .filter(|&w| !missing.is_empty() && (w as f64) <= PREFIX_SHARE * layout.rows as f64);
+        let prefix_layout = prefix.map(|w| layout.prefix(w));
+        let read_layout = prefix_layout.as_ref().unwrap_or(&layout);
+        let read_rows = read_layout.rows;
         let mut missing_bytes = 0;
         for ((data_type, hit), &image) in types.iter().zip(&held).zip(&images) {
             if hit.is_none() {
                 // A strings image's bytes are not known before they are read: the check
                 // counts its row ends, and the upload reserves the rest.
                 let width = image.row_bytes(data_type);
-                missing_bytes += width.map_or(layout.rows.div_ceil(8), |w| w * layout.rows);
+                missing_bytes += width.map_or(read_rows.div_ceil(8), |w| w * read_rows);
             }
         }
         if !selector.fits(missing_bytes) {
@@ -205,7 +233,7 @@ impl TopKRun {
                 })
                 .collect();
             let (host_decoded, encoded) =
-                read_missing(&files, &store, &layout, &missing, &on_device, streaming).await;
+                read_missing(&files, &store, read_layout, &missing, &on_device, streaming).await;
             match host_decoded {
                 Ok(decoded) => (decoded, encoded),
                 Err(e) => {
@@ -227,32 +255,31 @@ impl TopKRun {
         if host.try_grow(decoded_bytes).is_err() {
             return Ok(WholeTable::Stream);
         }
-        let schema = self.input.schema();
         let inputs: Vec<TableInput<'_>> = (columns.iter().zip(&images).zip(types))
             .map(|((&c, &image), data_type)| {
                 let at = missing.iter().position(|&m| m == c);
                 let chunks = at.map(|i| decoded[i].clone()).unwrap_or_default();
                 let pages = at.and_then(|i| encoded[i].clone());
+                // A missing column's first rows, read for this selection only.
+                let rows = match (at, prefix) {
+                    (Some(_), Some(_)) => Rows::Prefix(read_rows),
+                    _ => Rows::Whole(layout.rows),
+                };
                 let key = files.key(c);
-                file_column(
-                    key,
-                    data_type,
-                    layout.rows,
-                    (chunks, pages),
-                    &schema,
-                    c,
-                    image,
-                )
+                file_column(key, data_type, rows, (chunks, pages), &schema, c, image)
             })
             .collect();
         let streamed = streaming && encoded.iter().any(Option::is_some);
         let selected = match streamed {
             true => {
-                tokio::task::block_in_place(|| self.select(selector, &inputs, layout.rows, None))
+                tokio::task::block_in_place(|| self.select(selector, &inputs, layout.rows, within))
             }
-            false => self.select(selector, &inputs, layout.rows, None),
+            false => self.select(selector, &inputs, layout.rows, within),
         }?;
         drop((held, inputs, decoded, encoded, host));
+        if prefix.is_some() {
+            self.warm_up();
+        }
         let selected = match selected {
             Ok(selected) => selected,
             Err(other) => return Ok(other),
@@ -312,7 +339,8 @@ impl TopKRun {
 
     /// Compiles the generated program and loads the columns it reads into the column cache,
     /// in the background, after a run on the CPU path whose plan says so
-    /// ([`SelectionPlan::warm_up`]). One load at a time; a load that does not fit the budget,
+    /// ([`SelectionPlan::warm_up`]), or a first run over Parquet files that read only their
+    /// first rows. One load at a time; a load that does not fit the budget,
     /// or fails, leaves the cache as it was.
     pub(super) fn warm_up(&self) {
         let Some(program) = self.spec.fusion.program.clone() else {
@@ -616,7 +644,8 @@ async fn load_inputs(
             read_missing(&files, &store, &layout, &[c], &on_device, false).await;
         let read = (decoded?.remove(0), encoded.remove(0));
         let data_type = files.data_type(c)?;
-        let column = file_column(key, data_type, layout.rows, read, &schema, c, image);
+        let rows = Rows::Whole(layout.rows);
+        let column = file_column(key, data_type, rows, read, &schema, c, image);
         if !loader.load(&column)? {
             break;
         }
@@ -672,13 +701,22 @@ async fn read_missing(
     (decoded, encoded)
 }
 
+/// The rows of a Parquet input's column that a program input holds.
+#[derive(Debug, Clone, Copy)]
+enum Rows {
+    /// All the table's rows: the column the cache keeps.
+    Whole(usize),
+    /// The table's first rows only, for one selection ([`Identity::transient`]).
+    Prefix(usize),
+}
+
 /// Column `c` of a Parquet input as a program input known by its key, read as `image`: `read`
 /// is its row groups decoded, or its pages to decode on the device (neither where the cache
 /// holds it).
 fn file_column(
     key: CacheKey,
     data_type: DataType,
-    rows: usize,
+    rows: Rows,
     read: (Vec<ArrayRef>, Option<Arc<EncodedColumn>>),
     schema: &Schema,
     c: usize,
@@ -687,12 +725,17 @@ fn file_column(
     let (chunks, encoded) = read;
     let nullable =
         chunks.iter().any(|a| a.null_count() > 0) || encoded.as_ref().is_some_and(|e| e.nullable);
+    let (rows, transient) = match rows {
+        Rows::Whole(rows) => (rows, false),
+        Rows::Prefix(rows) => (rows, true),
+    };
     TableInput {
         identity: Some(Identity {
             key,
             data_type,
             rows,
             nullable,
+            transient,
         }),
         chunks: Cow::Owned(chunks),
         lookup: None,

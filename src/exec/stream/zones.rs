@@ -5,6 +5,9 @@
 //! query filters on (events by time, as the tweets are) then costs what the matching rows
 //! cost; a filter no chunk can pass costs no pass at all.
 //!
+//! Over Parquet files the zones are the row groups' statistics, known from the footers before
+//! any column is read ([`skip_row_groups`]).
+//!
 //! Only a prefix of the table is skipped to: the program reads its columns from their first
 //! row, so a chunk ahead of the last one that may pass is read even where it cannot.
 
@@ -21,6 +24,7 @@ use datafusion::physical_optimizer::pruning::PruningPredicateBuilder;
 
 use crate::device::column_cache::ChunkZones;
 use crate::exec::cannot_fail;
+use crate::exec::parquet::{Layout, ParquetInput};
 use crate::fusion::{FusedProgram, KernelInput};
 use crate::select::table::{TableInput, chunk_zones};
 
@@ -58,6 +62,26 @@ pub(super) fn skip(
             column.name().to_string(),
             chunk_zones(&device, inputs.get(at)?)?,
         );
+    }
+    skip_by(filter, schema, zones)
+}
+
+/// [`skip`] over a scan of Parquet files, by its row groups' statistics
+/// ([`ParquetInput::row_group_zones`]): known before any column is read, so a first run
+/// reads only the row groups up to the last one that may pass.
+pub(super) fn skip_row_groups(
+    filter: &Arc<dyn PhysicalExpr>,
+    schema: &SchemaRef,
+    files: &ParquetInput,
+    layout: &Layout,
+) -> Option<Skip> {
+    if !cannot_fail::predicate(filter) {
+        return None;
+    }
+    let mut zones = HashMap::new();
+    for column in collect_columns(filter) {
+        let column_zones = files.row_group_zones(layout, column.index())?;
+        zones.insert(column.name().to_string(), Arc::new(column_zones));
     }
     skip_by(filter, schema, zones)
 }
