@@ -44,6 +44,20 @@ use crate::select::{self, Selector};
 /// than the rows it saves).
 const PREFIX_SHARE: f64 = 0.5;
 
+/// Starts the background load of a run's columns when dropped ([`TopKRun::warm_up`]).
+struct LoadAfter<'a>(Option<&'a TopKRun>);
+
+impl Drop for LoadAfter<'_> {
+    fn drop(&mut self) {
+        // A run dropped outside a runtime (cancelled) leaves the load to the next run.
+        if let Some(run) = self.0
+            && tokio::runtime::Handle::try_current().is_ok()
+        {
+            run.warm_up();
+        }
+    }
+}
+
 /// How a run over a whole table ended.
 pub(super) enum WholeTable {
     /// The result.
@@ -277,13 +291,12 @@ impl TopKRun {
             false => self.select(selector, &inputs, layout.rows, within),
         }?;
         drop((held, inputs, decoded, encoded, host));
-        if prefix.is_some() {
-            self.warm_up();
-        }
         let selected = match selected {
             Ok(selected) => selected,
             Err(other) => return Ok(other),
         };
+        // The whole columns are loaded once the answer is read: not while its rows are.
+        let _load = LoadAfter(prefix.is_some().then_some(self));
         let _timer = self.metrics.gather_time.timer();
         if selected.positions.is_empty() {
             return Ok(WholeTable::Done(RecordBatch::new_empty(Arc::clone(
