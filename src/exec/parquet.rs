@@ -409,6 +409,17 @@ impl ParquetInput {
         let (mut mins, mut maxs, mut nulls) = (Vec::new(), Vec::new(), Vec::new());
         for rows in &layout.files {
             self.reader_metadata(rows).ok()?;
+            // Statistics hold the file's own values: the column must read as them (not, say,
+            // as timestamps of another unit).
+            let natural = ArrowReaderMetadata::try_new(
+                Arc::clone(&rows.metadata),
+                ArrowReaderOptions::new().with_skip_arrow_metadata(true),
+            )
+            .ok()?;
+            let natural = natural.schema().field_with_name(field.name()).ok()?;
+            if !same_values(natural.data_type(), field.data_type()) {
+                return None;
+            }
             let converter = StatisticsConverter::try_new(
                 field.name(),
                 &self.file_schema,
@@ -997,9 +1008,11 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("gpu-topk-zones-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
+        let ms = DataType::Timestamp(datafusion::arrow::datatypes::TimeUnit::Millisecond, None);
         let schema = Arc::new(Schema::new(vec![
             Field::new("t", DataType::Int64, true),
             Field::new("x", DataType::Float64, true),
+            Field::new("ms", ms, false),
         ]));
         for file in 0..2i64 {
             let properties = WriterProperties::builder()
@@ -1018,6 +1031,9 @@ mod tests {
                 vec![
                     Arc::new(Int64Array::from(ts)),
                     Arc::new(Float64Array::from(xs)),
+                    Arc::new(datafusion::arrow::array::TimestampMillisecondArray::from(
+                        (0..3000).collect::<Vec<i64>>(),
+                    )),
                 ],
             )
             .unwrap();
@@ -1034,7 +1050,7 @@ mod tests {
             ctx.register_parquet("t", path, ParquetReadOptions::default())
                 .await
                 .unwrap();
-            let plan = (ctx.sql("SELECT t, x FROM t").await.unwrap())
+            let plan = (ctx.sql("SELECT t, x, ms FROM t").await.unwrap())
                 .create_physical_plan()
                 .await
                 .unwrap();
@@ -1043,6 +1059,28 @@ mod tests {
             let layout = input.layout(&store).await.unwrap();
             assert_eq!(layout.rows, 6000);
             assert!(input.row_group_zones(&layout, 1).is_none(), "floats");
+            assert_eq!(input.row_group_zones(&layout, 2).is_some(), pruning);
+            // The same files read as timestamps of another unit: their statistics are not
+            // those values.
+            let micros =
+                DataType::Timestamp(datafusion::arrow::datatypes::TimeUnit::Microsecond, None);
+            let read_as = Schema::new(vec![
+                Field::new("t", DataType::Int64, true),
+                Field::new("x", DataType::Float64, true),
+                Field::new("ms", micros, false),
+            ]);
+            let options = ParquetReadOptions::default().schema(&read_as);
+            ctx.register_parquet("u", path, options).await.unwrap();
+            let plan = (ctx.sql("SELECT ms FROM u").await.unwrap())
+                .create_physical_plan()
+                .await
+                .unwrap();
+            let other = parquet_input(&plan).expect("a Parquet scan");
+            let other_layout = other.layout(&store).await.unwrap();
+            assert!(
+                other.row_group_zones(&other_layout, 0).is_none(),
+                "another unit"
+            );
             let Some(zones) = input.row_group_zones(&layout, 0) else {
                 assert!(!pruning, "zones expected");
                 continue;
