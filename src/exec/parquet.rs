@@ -660,6 +660,106 @@ impl ParquetInput {
     }
 }
 
+/// The dictionaries of dictionary-encoded columns whose codes the column cache holds, by the
+/// codes' cache key: a query reading the codes looks its entries up in them.
+static DICTIONARIES: LazyLock<Mutex<HashMap<CacheKey, ArrayRef>>> = LazyLock::new(Default::default);
+/// Dictionaries kept at most (a new one past this starts the map afresh).
+const MAX_DICTIONARIES: usize = 1024;
+
+/// Keeps `values`, the dictionary of the codes cached under `key`.
+pub(crate) fn keep_dictionary(key: &CacheKey, values: ArrayRef) {
+    if let Ok(mut kept) = DICTIONARIES.lock() {
+        if kept.len() >= MAX_DICTIONARIES {
+            kept.clear();
+        }
+        kept.insert(key.clone(), values);
+    }
+}
+
+/// The dictionary of the codes cached under `key`, if kept.
+pub(crate) fn kept_dictionary(key: &CacheKey) -> Option<ArrayRef> {
+    DICTIONARIES.lock().ok()?.get(key).cloned()
+}
+
+/// A dictionary-encoded string column's row groups (each with its own dictionary) as codes
+/// into one dictionary for all of them: each chunk's keys renumbered (their type and NULLs
+/// kept), and the dictionary, its entries in the order they first appear in the row groups'
+/// dictionaries (so reading the same files again numbers them alike). An error where the
+/// chunks are not string dictionaries or the entries outnumber the key type.
+pub(crate) fn global_codes(chunks: &[ArrayRef]) -> Result<(Vec<ArrayRef>, ArrayRef)> {
+    use datafusion::arrow::array::{Array, AsArray, PrimitiveArray, StringArray};
+    use datafusion::arrow::datatypes::{
+        ArrowDictionaryKeyType, Int8Type, Int16Type, Int32Type, Int64Type, UInt8Type, UInt16Type,
+        UInt32Type, UInt64Type,
+    };
+    fn renumber<K: ArrowDictionaryKeyType>(
+        chunk: &ArrayRef,
+        entries: &mut HashMap<Option<String>, usize>,
+        order: &mut Vec<Option<String>>,
+    ) -> Result<ArrayRef> {
+        let dictionary = chunk.as_dictionary::<K>();
+        let values = datafusion::arrow::compute::cast(dictionary.values(), &DataType::Utf8)?;
+        let values = values.as_string::<i32>();
+        let mut codes = Vec::with_capacity(values.len());
+        for entry in values.iter() {
+            let entry = entry.map(str::to_string);
+            let next = order.len();
+            let code = *entries.entry(entry.clone()).or_insert_with(|| {
+                order.push(entry);
+                next
+            });
+            let code = num_traits_key::<K>(code).ok_or_else(|| {
+                DataFusionError::Execution(format!(
+                    "{code} dictionary entries do not fit {} keys",
+                    K::DATA_TYPE
+                ))
+            })?;
+            codes.push(code);
+        }
+        let keys: PrimitiveArray<K> = dictionary.keys().unary_opt(|k| {
+            use datafusion::arrow::datatypes::ArrowNativeType;
+            k.to_usize().and_then(|k| codes.get(k).copied())
+        });
+        if keys.null_count() != dictionary.keys().null_count() {
+            return Err(DataFusionError::Execution(
+                "a dictionary key outside its dictionary".into(),
+            ));
+        }
+        Ok(Arc::new(keys))
+    }
+    let (mut entries, mut order) = (HashMap::new(), Vec::new());
+    let codes = chunks
+        .iter()
+        .map(|chunk| match chunk.data_type() {
+            DataType::Dictionary(key, _) => match key.as_ref() {
+                DataType::Int8 => renumber::<Int8Type>(chunk, &mut entries, &mut order),
+                DataType::Int16 => renumber::<Int16Type>(chunk, &mut entries, &mut order),
+                DataType::Int32 => renumber::<Int32Type>(chunk, &mut entries, &mut order),
+                DataType::Int64 => renumber::<Int64Type>(chunk, &mut entries, &mut order),
+                DataType::UInt8 => renumber::<UInt8Type>(chunk, &mut entries, &mut order),
+                DataType::UInt16 => renumber::<UInt16Type>(chunk, &mut entries, &mut order),
+                DataType::UInt32 => renumber::<UInt32Type>(chunk, &mut entries, &mut order),
+                DataType::UInt64 => renumber::<UInt64Type>(chunk, &mut entries, &mut order),
+                other => Err(DataFusionError::Execution(format!(
+                    "{other} dictionary keys"
+                ))),
+            },
+            other => Err(DataFusionError::Execution(format!(
+                "codes of a {other} column"
+            ))),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let values: StringArray = order.into_iter().collect();
+    Ok((codes, Arc::new(values)))
+}
+
+/// `code` as a dictionary key of type `K`, where it fits.
+fn num_traits_key<K: datafusion::arrow::datatypes::ArrowDictionaryKeyType>(
+    code: usize,
+) -> Option<K::Native> {
+    <K::Native as datafusion::arrow::datatypes::ArrowNativeType>::from_usize(code)
+}
+
 /// How a column of a flat Parquet schema is shipped as pages: its leaf's physical value width
 /// and its image's, where the reader's Arrow type is those values as they are (or truncated).
 fn page_widths(data_type: &DataType, physical: PhysicalType) -> Option<(usize, usize)> {
@@ -1106,6 +1206,80 @@ mod tests {
             }
         }
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Row groups' dictionaries renumbered into one: every row's code names its string (NULL
+    /// keys stay NULL, a NULL entry stays one), entries in the order they first appear,
+    /// the same for the same row groups; too many entries for the key type are an error.
+    #[test]
+    fn row_groups_codes_are_renumbered_into_one_dictionary() {
+        use datafusion::arrow::array::{Array, AsArray, DictionaryArray, Int8Array, StringArray};
+        use datafusion::arrow::datatypes::{Int8Type, Int32Type};
+        let group = |keys: Vec<Option<i32>>, values: Vec<Option<&str>>| -> ArrayRef {
+            let keys = datafusion::arrow::array::Int32Array::from(keys);
+            Arc::new(
+                DictionaryArray::<Int32Type>::try_new(keys, Arc::new(StringArray::from(values)))
+                    .unwrap(),
+            )
+        };
+        let chunks = vec![
+            group(
+                vec![Some(0), Some(1), None, Some(1)],
+                vec![Some("en"), Some("es")],
+            ),
+            group(
+                vec![Some(2), Some(0), Some(1), Some(0)],
+                vec![Some("fr"), None, Some("en")],
+            ),
+            group(vec![Some(0)], vec![Some("ja"), Some("unused")]),
+        ];
+        let (codes, dictionary) = global_codes(&chunks).unwrap();
+        let dictionary = dictionary.as_string::<i32>();
+        let order: Vec<Option<&str>> = dictionary.iter().collect();
+        assert_eq!(
+            order,
+            vec![
+                Some("en"),
+                Some("es"),
+                Some("fr"),
+                None,
+                Some("ja"),
+                Some("unused")
+            ]
+        );
+        for (chunk, codes) in chunks.iter().zip(&codes) {
+            let chunk = chunk.as_dictionary::<Int32Type>();
+            let codes = codes.as_primitive::<Int32Type>();
+            assert_eq!(codes.len(), chunk.len());
+            for row in 0..chunk.len() {
+                assert_eq!(codes.is_null(row), chunk.is_null(row), "row {row}");
+                if chunk.is_null(row) {
+                    continue;
+                }
+                let values = chunk.values().as_string::<i32>();
+                let key = chunk.keys().value(row) as usize;
+                let want = values.is_valid(key).then(|| values.value(key));
+                let code = codes.value(row) as usize;
+                let got = dictionary.is_valid(code).then(|| dictionary.value(code));
+                assert_eq!(got, want, "row {row}");
+            }
+        }
+        let (again, _) = global_codes(&chunks).unwrap();
+        assert_eq!(again, codes);
+        // 200 entries do not fit Int8 keys.
+        let wide: Vec<ArrayRef> = (0..2)
+            .map(|g| {
+                let values: Vec<String> = (0..100).map(|i| format!("{g}-{i}")).collect();
+                let keys = Int8Array::from_iter_values(0..100);
+                Arc::new(
+                    DictionaryArray::<Int8Type>::try_new(keys, Arc::new(StringArray::from(values)))
+                        .unwrap(),
+                ) as ArrayRef
+            })
+            .collect();
+        let error = global_codes(&wide).unwrap_err().to_string();
+        assert!(error.contains("do not fit"), "{error}");
+        assert!(global_codes(&[Arc::new(StringArray::from(vec!["x"])) as ArrayRef]).is_err());
     }
 
     /// What parquet.cu computes from a column's pages, on the host: each row's value (its

@@ -178,7 +178,11 @@ pub fn dictionary_match(column: &ArrayRef, values: &[String]) -> Result<ArrayRef
             column.data_type()
         ))
     })?;
-    let entries = dictionary.values();
+    dictionary_entries_match(dictionary.values(), values)
+}
+
+/// [`dictionary_match`] given the dictionary's entries (strings).
+pub fn dictionary_entries_match(entries: &ArrayRef, values: &[String]) -> Result<ArrayRef> {
     let matches = |s: Option<&str>| s.map(|s| values.iter().any(|v| v == s));
     let mask: BooleanArray = if let Some(strings) = entries.as_string_opt::<i32>() {
         strings.iter().map(matches).collect()

@@ -895,15 +895,22 @@ fn resident_share(
     };
     let device = device.as_ref();
     if let Some(files) = crate::exec::parquet_input(input) {
+        // Per-row inputs (a dictionary column's codes are of its key type); the dictionary
+        // lookups move nothing per row.
         let columns = (program.inputs.iter())
-            .map(|program_input| match program_input {
-                fusion::KernelInput::DictionaryCodes(_) => None,
-                input => {
-                    let (c, image) =
-                        table::Image::of(input).filter(|(c, _)| *c < files.columns.len())?;
-                    let width = image.row_bytes(&files.data_type(c).ok()?).unwrap_or(1);
-                    Some((width, image.key(files.key(c))))
-                }
+            .filter(|input| !matches!(input, fusion::KernelInput::DictionaryMatch { .. }))
+            .map(|input| {
+                let (c, image) =
+                    table::Image::of(input).filter(|(c, _)| *c < files.columns.len())?;
+                let data_type = match (input, files.data_type(c).ok()?) {
+                    (
+                        fusion::KernelInput::DictionaryCodes(_),
+                        datafusion::arrow::datatypes::DataType::Dictionary(key, _),
+                    ) => *key,
+                    (_, data_type) => data_type,
+                };
+                let width = image.row_bytes(&data_type).unwrap_or(1);
+                Some((width, image.key(files.key(c))))
             })
             .collect::<Option<Vec<_>>>()?;
         return Some(device.map_or(0.0, |d| table::resident_share_of(d, columns)));

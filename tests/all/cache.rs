@@ -947,6 +947,109 @@ async fn parquet_row_groups_no_row_can_pass_are_not_read() {
     assert_eq!(report.chunks_skipped, 0, "{report:?}");
 }
 
+/// A dictionary-encoded string column of Parquet files (each row group with its own
+/// dictionary, NULLs among its rows and entries) is cached as codes into one dictionary for
+/// all the files, so filters on it (`lang = 'en' OR lang = 'es'`, `IN`) run over the cache:
+/// the second run ships nothing. With a bound on an ordered column, a first run reads only
+/// the first row groups' codes. Every run has DataFusion's rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn parquet_dictionary_columns_are_cached_as_codes_of_one_dictionary() {
+    use datafusion::arrow::array::{DictionaryArray, StringArray};
+    use datafusion::arrow::datatypes::Int32Type;
+    if !gpu_or_skip("parquet_dictionary_columns_are_cached_as_codes_of_one_dictionary") {
+        return;
+    }
+    let _serial = CACHE.lock().await;
+    let device = gpu().expect("a GPU");
+    let dir = test_dir("cache-parquet-codes");
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("rid", DataType::Int64, false),
+        Field::new("v", DataType::Int64, false),
+        Field::new(
+            "lang",
+            DataType::Dictionary(Box::new(DataType::Int32), Box::new(DataType::Utf8)),
+            true,
+        ),
+    ]));
+    let words = [
+        "en",
+        "es",
+        "fr",
+        "de",
+        "ja",
+        "pt",
+        "it",
+        "ko",
+        "zz-long-entry-name",
+    ];
+    let mut rid = 0i64;
+    // Three files of 4 row groups of 10 000 rows; each batch (row group) its own vocabulary.
+    let data: Vec<Vec<RecordBatch>> = (0..3)
+        .map(|_| {
+            (0..4)
+                .map(|g| {
+                    let rows = 10_000i64;
+                    let ids: Vec<i64> = (rid..rid + rows).collect();
+                    rid += rows;
+                    let v: Vec<i64> = ids.iter().map(|&i| (i * 7919) % 1000).collect();
+                    let entries: Vec<Option<&str>> = (0..5)
+                        .map(|e| {
+                            (e != 3).then_some(
+                                words[(g * 2 + e + (rid as usize / 30_000)) % words.len()],
+                            )
+                        })
+                        .collect();
+                    let keys: Vec<Option<i32>> = ids
+                        .iter()
+                        .map(|&i| (i % 13 != 0).then_some(((i * 31) % 5) as i32))
+                        .collect();
+                    let lang = DictionaryArray::<Int32Type>::try_new(
+                        keys.into(),
+                        Arc::new(StringArray::from(entries)),
+                    )
+                    .unwrap();
+                    RecordBatch::try_new(
+                        Arc::clone(&schema),
+                        vec![
+                            Arc::new(Int64Array::from(ids)),
+                            Arc::new(Int64Array::from(v)),
+                            Arc::new(lang),
+                        ],
+                    )
+                    .unwrap()
+                })
+                .collect()
+        })
+        .collect();
+    write_parquet(&dir, &data, 10_000);
+    let (ctx, plain) = parquet_sessions(&dir, 4).await;
+    let settled = async || {
+        while datafusion_gpu_topk::internal::exec::warming_up() {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    };
+    for (filter, skipped) in [
+        ("lang = 'en' OR lang = 'es'", 0),
+        ("lang IN ('fr', 'zz-long-entry-name', 'nowhere')", 0),
+        ("rid < 20000 AND lang = 'de'", 10),
+        ("lang = 'nowhere'", 0),
+    ] {
+        let sql = format!("SELECT rid, v, lang FROM t WHERE {filter} ORDER BY v DESC LIMIT 20");
+        let oracle =
+            format!("SELECT rid, v, lang FROM t WHERE {filter} ORDER BY v DESC, rid LIMIT 20");
+        settled().await;
+        device.column_cache.clear();
+        let cold = check(&ctx, &plain, &sql, &oracle).await;
+        assert_eq!(cold.chunks_skipped, skipped, "{filter}: {cold:?}");
+        assert!(cold.cache_misses >= 2, "{filter}: {cold:?}");
+        settled().await;
+        let warm = check(&ctx, &plain, &sql, &oracle).await;
+        assert_eq!(warm.cache_misses, 0, "{filter}: {warm:?}");
+        assert_eq!(warm.uploaded_bytes, 0, "{filter}: {warm:?}");
+        assert!(warm.cache_hits >= 2, "{filter}: {warm:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn chunks_no_row_can_pass_are_not_read() {
     if !gpu_or_skip("chunks_no_row_can_pass_are_not_read") {

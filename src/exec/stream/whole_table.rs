@@ -30,9 +30,9 @@ use super::{TopKRun, check_empty_batch};
 use crate::cost::SelectionPlan;
 use crate::device::EncodedColumn;
 use crate::device::column_cache::CacheKey;
-use crate::exec::parquet::{Layout, ParquetInput};
+use crate::exec::parquet::{Layout, ParquetInput, global_codes, keep_dictionary, kept_dictionary};
 use crate::exec::{memory_input, parquet_input, table_inputs};
-use crate::fusion::{FusedProgram, KernelInput};
+use crate::fusion::{self, FusedProgram, KernelInput};
 use crate::select::table::{
     CacheLoader, Identity, Image, TableInput, TableSelection, TableSelector,
 };
@@ -158,20 +158,27 @@ impl TopKRun {
         let Some(files) = parquet_input(&self.input) else {
             return Ok(WholeTable::Stream);
         };
-        // Per-row columns only (plain, or a string's prefix words or bytes): a file's
-        // dictionaries differ between row groups.
-        let Some((columns, images)): Option<(Vec<usize>, Vec<Image>)> = (program.inputs.iter())
-            .map(|input| match input {
-                KernelInput::DictionaryCodes(_) => None,
-                input => Image::of(input).filter(|(c, _)| *c < files.columns.len()),
-            })
-            .collect::<Option<Vec<(usize, Image)>>>()
-            .map(|v| v.into_iter().unzip())
-        else {
-            return Ok(WholeTable::Stream);
-        };
-        let Ok(types) = (columns.iter())
-            .map(|&c| files.data_type(c))
+        // Per-row inputs: a column's values, a string's prefix words or bytes, or a dictionary
+        // column's codes, renumbered into one dictionary for all the row groups (each has its
+        // own: [`global_codes`]); the programs' dictionary lookups are over that dictionary.
+        let mut per_row = Vec::new();
+        for input in &program.inputs {
+            match input {
+                KernelInput::DictionaryMatch { .. } => {}
+                KernelInput::DictionaryCodes(c) if *c < files.columns.len() => {
+                    per_row.push((*c, Image::Values, true));
+                }
+                input => match Image::of(input).filter(|(c, _)| *c < files.columns.len()) {
+                    Some((c, image)) => per_row.push((c, image, false)),
+                    None => return Ok(WholeTable::Stream),
+                },
+            }
+        }
+        let columns: Vec<usize> = per_row.iter().map(|&(c, _, _)| c).collect();
+        let images: Vec<Image> = per_row.iter().map(|&(_, image, _)| image).collect();
+        let codes: Vec<bool> = per_row.iter().map(|&(_, _, codes)| codes).collect();
+        let Ok(types) = (per_row.iter())
+            .map(|&(c, _, codes)| image_type(files.data_type(c)?, codes))
             .collect::<Result<Vec<_>>>()
         else {
             return Ok(WholeTable::Stream);
@@ -209,8 +216,19 @@ impl TopKRun {
             .collect();
         // Held while the selection runs: a column found here stays until it has read it.
         let held = selector.hold(&keys);
-        let missing: Vec<usize> = (columns.iter().zip(&held))
-            .filter(|(_, hit)| hit.is_none())
+        // Codes whose dictionary is not kept are read again: their dictionary comes out the
+        // same, and the cached codes are read.
+        let mut dictionaries = std::collections::HashMap::new();
+        let mut read_again = Vec::with_capacity(keys.len());
+        for (((key, hit), &codes), &c) in keys.iter().zip(&held).zip(&codes).zip(&columns) {
+            let kept = codes.then(|| kept_dictionary(key)).flatten();
+            read_again.push(hit.is_none() || (codes && kept.is_none()));
+            if let Some(kept) = kept {
+                dictionaries.insert(c, kept);
+            }
+        }
+        let missing: Vec<usize> = (columns.iter().zip(&read_again))
+            .filter(|(_, read)| **read)
             .map(|(&c, _)| c)
             .collect();
         // Where the rows that may pass are at most a share of the table, the missing columns'
@@ -240,15 +258,34 @@ impl TopKRun {
         let (decoded, encoded) = {
             let _timer = self.metrics.read_time.timer();
             // Pages go to the device for the values image only.
-            let on_device: Vec<bool> = (columns.iter().zip(&held).zip(&images))
-                .filter(|((_, hit), _)| hit.is_none())
-                .map(|(_, &image)| {
-                    image == Image::Values && self.spec.settings.decode_parquet_on_device
+            let on_device: Vec<bool> = (read_again.iter().zip(&images).zip(&codes))
+                .filter(|((read, _), _)| **read)
+                .map(|((_, &image), &codes)| {
+                    image == Image::Values && !codes && self.spec.settings.decode_parquet_on_device
                 })
                 .collect();
             let (host_decoded, encoded) =
                 read_missing(&files, &store, read_layout, &missing, &on_device, streaming).await;
-            match host_decoded {
+            let renumbered = host_decoded.and_then(|mut decoded| {
+                for (i, &c) in missing.iter().enumerate() {
+                    let at = columns
+                        .iter()
+                        .position(|&m| m == c)
+                        .expect("a program column");
+                    if codes[at] {
+                        let (renumbered, dictionary) = global_codes(&decoded[i])?;
+                        // A prefix's dictionary is this query's alone: the whole column's
+                        // has more entries.
+                        if prefix.is_none() {
+                            keep_dictionary(&keys[at], Arc::clone(&dictionary));
+                        }
+                        dictionaries.insert(c, dictionary);
+                        decoded[i] = renumbered;
+                    }
+                }
+                Ok(decoded)
+            });
+            match renumbered {
                 Ok(decoded) => (decoded, encoded),
                 Err(e) => {
                     log::debug!("gpu-topk: the files are streamed: {e}");
@@ -269,8 +306,8 @@ impl TopKRun {
         if host.try_grow(decoded_bytes).is_err() {
             return Ok(WholeTable::Stream);
         }
-        let inputs: Vec<TableInput<'_>> = (columns.iter().zip(&images).zip(types))
-            .map(|((&c, &image), data_type)| {
+        let mut per_row_inputs =
+            (columns.iter().zip(&images).zip(types)).map(|((&c, &image), data_type)| {
                 let at = missing.iter().position(|&m| m == c);
                 let chunks = at.map(|i| decoded[i].clone()).unwrap_or_default();
                 let pages = at.and_then(|i| encoded[i].clone());
@@ -281,8 +318,27 @@ impl TopKRun {
                 };
                 let key = files.key(c);
                 file_column(key, data_type, rows, (chunks, pages), &schema, c, image)
-            })
-            .collect();
+            });
+        // In the program's order, each dictionary lookup over its codes' dictionary.
+        let mut inputs: Vec<TableInput<'_>> = Vec::with_capacity(program.inputs.len());
+        for input in &program.inputs {
+            let KernelInput::DictionaryMatch { column, values } = input else {
+                inputs.push(per_row_inputs.next().expect("one per per-row input"));
+                continue;
+            };
+            let Some(entries) = dictionaries.get(column) else {
+                return Ok(WholeTable::Stream);
+            };
+            inputs.push(TableInput {
+                chunks: Cow::Owned(Vec::new()),
+                lookup: Some(fusion::dictionary_entries_match(entries, values)?),
+                name: schema.field(*column).name().clone(),
+                identity: None,
+                image: Image::Values,
+                encoded: None,
+            });
+        }
+        drop(per_row_inputs);
         let streamed = streaming && encoded.iter().any(Option::is_some);
         let selected = match streamed {
             true => {
@@ -641,22 +697,31 @@ async fn load_inputs(
     let layout = files.layout(&store).await?;
     let schema = input.schema();
     for program_input in &program.inputs {
-        let (c, image) = match program_input {
-            KernelInput::DictionaryCodes(_) => return Ok(()),
+        let (c, image, codes) = match program_input {
+            KernelInput::DictionaryMatch { .. } => continue,
+            KernelInput::DictionaryCodes(c) => (*c, Image::Values, true),
             input => match Image::of(input) {
-                Some(found) => found,
+                Some((c, image)) => (c, image, false),
                 None => return Ok(()),
             },
         };
         let key = files.key(c);
-        if loader.is_resident(&image.key(key.clone())) {
+        if loader.is_resident(&image.key(key.clone()))
+            && !(codes && kept_dictionary(&key).is_none())
+        {
             continue;
         }
-        let on_device = [image == Image::Values && on_device];
+        let on_device = [image == Image::Values && on_device && !codes];
         let (decoded, mut encoded) =
             read_missing(&files, &store, &layout, &[c], &on_device, false).await;
-        let read = (decoded?.remove(0), encoded.remove(0));
-        let data_type = files.data_type(c)?;
+        let mut chunks = decoded?.remove(0);
+        if codes {
+            let (renumbered, dictionary) = global_codes(&chunks)?;
+            keep_dictionary(&key, dictionary);
+            chunks = renumbered;
+        }
+        let read = (chunks, encoded.remove(0));
+        let data_type = image_type(files.data_type(c)?, codes)?;
         let rows = Rows::Whole(layout.rows);
         let column = file_column(key, data_type, rows, read, &schema, c, image);
         if !loader.load(&column)? {
@@ -712,6 +777,16 @@ async fn read_missing(
             .collect()
     });
     (decoded, encoded)
+}
+
+/// The type of the image a program input reads of a column of `data_type`: a dictionary
+/// column's `codes` are of its key type.
+fn image_type(data_type: DataType, codes: bool) -> Result<DataType> {
+    match (codes, data_type) {
+        (false, data_type) => Ok(data_type),
+        (true, DataType::Dictionary(key, _)) => Ok(*key),
+        (true, other) => datafusion::common::internal_err!("codes of a {other} column"),
+    }
 }
 
 /// The rows of a Parquet input's column that a program input holds.

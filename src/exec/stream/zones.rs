@@ -68,7 +68,8 @@ pub(super) fn skip(
 
 /// [`skip`] over a scan of Parquet files, by its row groups' statistics
 /// ([`ParquetInput::row_group_zones`]): known before any column is read, so a first run
-/// reads only the row groups up to the last one that may pass.
+/// reads only the row groups up to the last one that may pass. Columns without statistics
+/// are unknown to the pruning predicate, which keeps every row group for them.
 pub(super) fn skip_row_groups(
     filter: &Arc<dyn PhysicalExpr>,
     schema: &SchemaRef,
@@ -78,10 +79,12 @@ pub(super) fn skip_row_groups(
     if !cannot_fail::predicate(filter) {
         return None;
     }
+    // A column without zones rules nothing out; the others may (`rid < X AND lang = 'en'`).
     let mut zones = HashMap::new();
     for column in collect_columns(filter) {
-        let column_zones = files.row_group_zones(layout, column.index())?;
-        zones.insert(column.name().to_string(), Arc::new(column_zones));
+        if let Some(column_zones) = files.row_group_zones(layout, column.index()) {
+            zones.insert(column.name().to_string(), Arc::new(column_zones));
+        }
     }
     skip_by(filter, schema, zones)
 }
@@ -206,6 +209,34 @@ mod tests {
         let filter =
             create_physical_expr(&filter, &df_schema, &ExecutionProps::new(), &context).unwrap();
         skip_by(&filter, &schema, zones)
+    }
+
+    /// A column whose zones are not known (a string, say) rules nothing out: a conjunction
+    /// still skips by the others, a disjunction does not.
+    #[test]
+    fn a_column_without_zones_rules_nothing_out() {
+        let (schema, mut zones) = zones();
+        zones.remove("u");
+        let df_schema = DFSchema::try_from(schema.as_ref().clone()).unwrap();
+        let context =
+            datafusion::logical_expr::physical_planning_context::PhysicalPlanningContext::default();
+        let skip = |filter: datafusion::logical_expr::Expr| {
+            let filter =
+                create_physical_expr(&filter, &df_schema, &ExecutionProps::new(), &context)
+                    .unwrap();
+            skip_by(&filter, &schema, zones.clone())
+        };
+        let t = col("t").lt(lit(10i64));
+        let u = col("u").gt(lit(85i64));
+        assert_eq!(
+            skip(t.clone().and(u.clone())),
+            Some(Skip {
+                within: 10,
+                chunks: 3
+            })
+        );
+        assert_eq!(skip(t.or(u.clone())), None);
+        assert_eq!(skip(u), None);
     }
 
     #[test]
