@@ -12,6 +12,12 @@
 //! decoded here; only the winners' rows of the output columns are read afterwards, through a
 //! row selection.
 //!
+//! A dictionary-encoded column the program reads as codes (each row group has its own
+//! dictionary) is cached as codes into one dictionary for all the row groups
+//! ([`global_codes`]); that dictionary is kept in memory beside the entry
+//! ([`kept_dictionary`]) for the programs' lookups. Row groups' statistics are read as the
+//! zones of their chunks ([`ParquetInput::row_group_zones`]).
+//!
 //! Files' footers are kept in memory (keyed by the same identity), so a query whose columns
 //! are resident reads nothing from the files but the winners' rows.
 
@@ -689,75 +695,77 @@ pub(crate) fn kept_dictionary(key: &CacheKey) -> Option<ArrayRef> {
 pub(crate) fn global_codes(chunks: &[ArrayRef]) -> Result<(Vec<ArrayRef>, ArrayRef)> {
     use datafusion::arrow::array::{Array, AsArray, PrimitiveArray, StringArray};
     use datafusion::arrow::datatypes::{
-        ArrowDictionaryKeyType, Int8Type, Int16Type, Int32Type, Int64Type, UInt8Type, UInt16Type,
-        UInt32Type, UInt64Type,
+        ArrowDictionaryKeyType, ArrowNativeType, Int8Type, Int16Type, Int32Type, Int64Type,
+        UInt8Type, UInt16Type, UInt32Type, UInt64Type,
     };
-    fn renumber<K: ArrowDictionaryKeyType>(
-        chunk: &ArrayRef,
-        entries: &mut HashMap<Option<String>, usize>,
-        order: &mut Vec<Option<String>>,
-    ) -> Result<ArrayRef> {
-        let dictionary = chunk.as_dictionary::<K>();
-        let values = datafusion::arrow::compute::cast(dictionary.values(), &DataType::Utf8)?;
-        let values = values.as_string::<i32>();
-        let mut codes = Vec::with_capacity(values.len());
-        for entry in values.iter() {
-            let entry = entry.map(str::to_string);
-            let next = order.len();
-            let code = *entries.entry(entry.clone()).or_insert_with(|| {
-                order.push(entry);
-                next
-            });
-            let code = num_traits_key::<K>(code).ok_or_else(|| {
+    /// `chunk`'s keys as the codes `table` gives its entries.
+    fn renumber<K: ArrowDictionaryKeyType>(chunk: &ArrayRef, table: &[usize]) -> Result<ArrayRef> {
+        let keys = chunk.as_dictionary::<K>().keys();
+        let codes: Vec<K::Native> = (table.iter())
+            .map(|&code| K::Native::from_usize(code))
+            .collect::<Option<_>>()
+            .ok_or_else(|| {
                 DataFusionError::Execution(format!(
-                    "{code} dictionary entries do not fit {} keys",
+                    "{} dictionary entries do not fit {} keys",
+                    table.iter().max().map_or(0, |m| m + 1),
                     K::DATA_TYPE
                 ))
             })?;
-            codes.push(code);
-        }
-        let keys: PrimitiveArray<K> = dictionary.keys().unary_opt(|k| {
-            use datafusion::arrow::datatypes::ArrowNativeType;
-            k.to_usize().and_then(|k| codes.get(k).copied())
-        });
-        if keys.null_count() != dictionary.keys().null_count() {
+        let renumbered: PrimitiveArray<K> =
+            keys.unary_opt(|k| k.to_usize().and_then(|k| codes.get(k).copied()));
+        if renumbered.null_count() != keys.null_count() {
             return Err(DataFusionError::Execution(
                 "a dictionary key outside its dictionary".into(),
             ));
         }
-        Ok(Arc::new(keys))
+        Ok(Arc::new(renumbered))
     }
+    // Each row group's entries numbered in the order they first appear (dictionaries are
+    // small), then every row's key renumbered, the row groups spread over the cores.
     let (mut entries, mut order) = (HashMap::new(), Vec::new());
-    let codes = chunks
-        .iter()
-        .map(|chunk| match chunk.data_type() {
-            DataType::Dictionary(key, _) => match key.as_ref() {
-                DataType::Int8 => renumber::<Int8Type>(chunk, &mut entries, &mut order),
-                DataType::Int16 => renumber::<Int16Type>(chunk, &mut entries, &mut order),
-                DataType::Int32 => renumber::<Int32Type>(chunk, &mut entries, &mut order),
-                DataType::Int64 => renumber::<Int64Type>(chunk, &mut entries, &mut order),
-                DataType::UInt8 => renumber::<UInt8Type>(chunk, &mut entries, &mut order),
-                DataType::UInt16 => renumber::<UInt16Type>(chunk, &mut entries, &mut order),
-                DataType::UInt32 => renumber::<UInt32Type>(chunk, &mut entries, &mut order),
-                DataType::UInt64 => renumber::<UInt64Type>(chunk, &mut entries, &mut order),
-                other => Err(DataFusionError::Execution(format!(
-                    "{other} dictionary keys"
-                ))),
-            },
+    let mut tables = Vec::with_capacity(chunks.len());
+    for chunk in chunks {
+        let Some(dictionary) = chunk.as_any_dictionary_opt() else {
+            return Err(DataFusionError::Execution(format!(
+                "codes of a {} column",
+                chunk.data_type()
+            )));
+        };
+        let values = datafusion::arrow::compute::cast(dictionary.values(), &DataType::Utf8)?;
+        let table: Vec<usize> = (values.as_string::<i32>().iter())
+            .map(|entry| {
+                let next = order.len();
+                *entries.entry(entry.map(str::to_string)).or_insert_with(|| {
+                    order.push(entry.map(str::to_string));
+                    next
+                })
+            })
+            .collect();
+        tables.push(table);
+    }
+    let work: Vec<(&ArrayRef, Vec<usize>)> = chunks.iter().zip(tables).collect();
+    let codes = crate::select::table::on_cores(work, |(chunk, table)| {
+        let DataType::Dictionary(key, _) = chunk.data_type() else {
+            unreachable!("checked above");
+        };
+        let renumbered = match key.as_ref() {
+            DataType::Int8 => renumber::<Int8Type>(chunk, &table),
+            DataType::Int16 => renumber::<Int16Type>(chunk, &table),
+            DataType::Int32 => renumber::<Int32Type>(chunk, &table),
+            DataType::Int64 => renumber::<Int64Type>(chunk, &table),
+            DataType::UInt8 => renumber::<UInt8Type>(chunk, &table),
+            DataType::UInt16 => renumber::<UInt16Type>(chunk, &table),
+            DataType::UInt32 => renumber::<UInt32Type>(chunk, &table),
+            DataType::UInt64 => renumber::<UInt64Type>(chunk, &table),
             other => Err(DataFusionError::Execution(format!(
-                "codes of a {other} column"
+                "{other} dictionary keys"
             ))),
-        })
-        .collect::<Result<Vec<_>>>()?;
+        };
+        renumbered.map_err(|e| crate::device::GpuError(e.to_string()))
+    })
+    .map_err(|e| DataFusionError::Execution(e.0))?;
     let values: StringArray = order.into_iter().collect();
     Ok((codes, Arc::new(values)))
-}
-
-/// `code` as a dictionary key of type `K`, where it fits.
-fn num_traits_key<K: datafusion::arrow::datatypes::ArrowDictionaryKeyType>(
-    code: usize,
-) -> Option<K::Native> {
-    <K::Native as datafusion::arrow::datatypes::ArrowNativeType>::from_usize(code)
 }
 
 /// How a column of a flat Parquet schema is shipped as pages: its leaf's physical value width
