@@ -589,10 +589,14 @@ fn build_top_k(
             estimate.whole_table = true;
             if let Some(files) = crate::exec::parquet_input(&absorbed.input) {
                 // Files whose columns the device decodes from their pages need the host only
-                // to read them; the others are decoded on the host first.
+                // to read them; the others are decoded on the host first. A dictionary
+                // column's codes are decoded on the host, but only its keys are renumbered:
+                // it costs about what reading pages does.
                 let pages = config.decode_parquet_on_device
                     && (program.inputs.iter()).all(|input| match input {
                         fusion::KernelInput::Column(c) => files.may_read_pages(*c),
+                        fusion::KernelInput::DictionaryCodes(_)
+                        | fusion::KernelInput::DictionaryMatch { .. } => true,
                         _ => false,
                     });
                 estimate.decoded = !pages;
