@@ -1007,6 +1007,21 @@ mod tests {
 
     use super::*;
 
+    /// The Parquet input of `sql`'s plan (a bare scan), its store and its layout.
+    async fn scanned(
+        ctx: &SessionContext,
+        sql: &str,
+    ) -> (ParquetInput, Arc<dyn ObjectStore>, Layout) {
+        let plan = (ctx.sql(sql).await.unwrap())
+            .create_physical_plan()
+            .await
+            .unwrap();
+        let input = parquet_input(&plan).expect("a Parquet scan");
+        let store = ctx.runtime_env().object_store(input.store()).unwrap();
+        let layout = input.layout(&store).await.unwrap();
+        (input, store, layout)
+    }
+
     /// Files of several row groups, split into byte ranges over more partitions than files:
     /// the columns read as a table and the rows read at positions are the scan's, in its order.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1158,13 +1173,7 @@ mod tests {
             ctx.register_parquet("t", path, ParquetReadOptions::default())
                 .await
                 .unwrap();
-            let plan = (ctx.sql("SELECT t, x, ms FROM t").await.unwrap())
-                .create_physical_plan()
-                .await
-                .unwrap();
-            let input = parquet_input(&plan).expect("a Parquet scan");
-            let store = ctx.runtime_env().object_store(input.store()).unwrap();
-            let layout = input.layout(&store).await.unwrap();
+            let (input, store, layout) = scanned(&ctx, "SELECT t, x, ms FROM t").await;
             assert_eq!(layout.rows, 6000);
             assert!(input.row_group_zones(&layout, 1).is_none(), "floats");
             assert_eq!(input.row_group_zones(&layout, 2).is_some(), pruning);
@@ -1179,12 +1188,7 @@ mod tests {
             ]);
             let options = ParquetReadOptions::default().schema(&read_as);
             ctx.register_parquet("u", path, options).await.unwrap();
-            let plan = (ctx.sql("SELECT ms FROM u").await.unwrap())
-                .create_physical_plan()
-                .await
-                .unwrap();
-            let other = parquet_input(&plan).expect("a Parquet scan");
-            let other_layout = other.layout(&store).await.unwrap();
+            let (other, _, other_layout) = scanned(&ctx, "SELECT ms FROM u").await;
             assert!(
                 other.row_group_zones(&other_layout, 0).is_none(),
                 "another unit"
@@ -1542,16 +1546,7 @@ mod tests {
             ctx.register_parquet("t", dir.to_str().unwrap(), ParquetReadOptions::default())
                 .await
                 .unwrap();
-            let plan = ctx
-                .sql("SELECT * FROM t")
-                .await
-                .unwrap()
-                .create_physical_plan()
-                .await
-                .unwrap();
-            let input = parquet_input(&plan).expect("a Parquet scan");
-            let store = ctx.runtime_env().object_store(input.store()).unwrap();
-            let layout = input.layout(&store).await.unwrap();
+            let (input, store, layout) = scanned(&ctx, "SELECT * FROM t").await;
             assert_eq!(layout.rows, 2 * n);
             let strings = schema.fields().len() - 1;
             assert!(

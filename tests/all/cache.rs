@@ -341,6 +341,13 @@ async fn the_cache_is_used_for_tables_and_parquet_files_and_can_be_turned_off() 
     }
 }
 
+/// Returns once no background load runs (one a run left must not overlap the next).
+async fn settled_loads() {
+    while datafusion_gpu_topk::internal::exec::warming_up() {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
+
 /// `data` written as Parquet files under `dir`, one per partition, row groups of
 /// `group_rows` rows.
 fn write_parquet(dir: &std::path::Path, data: &[Vec<RecordBatch>], group_rows: usize) {
@@ -878,13 +885,8 @@ async fn parquet_row_groups_no_row_can_pass_are_not_read() {
     // `rid` ascends through three files of 100 000 rows, 12 row groups of 25 000 in all.
     write_parquet(&dir, &table(3, 2, 50_000, 29), 25_000);
     let (ctx, plain) = parquet_sessions(&dir, 4).await;
-    let settled = async || {
-        while datafusion_gpu_topk::internal::exec::warming_up() {
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
-    };
     // The bytes a first run ships reading every row group.
-    settled().await;
+    settled_loads().await;
     device.column_cache.clear();
     let sql = "SELECT rid, v FROM t WHERE rid >= 0 ORDER BY v DESC LIMIT 20";
     let oracle = "SELECT rid, v FROM t WHERE rid >= 0 ORDER BY v DESC, rid LIMIT 20";
@@ -902,13 +904,13 @@ async fn parquet_row_groups_no_row_can_pass_are_not_read() {
     ] {
         let sql = format!("SELECT rid, v FROM t WHERE {filter} ORDER BY v DESC LIMIT 20");
         let oracle = format!("SELECT rid, v FROM t WHERE {filter} ORDER BY v DESC, rid LIMIT 20");
-        settled().await;
+        settled_loads().await;
         device.column_cache.clear();
         let cold = check(&ctx, &plain, &sql, &oracle).await;
         assert_eq!(cold.chunks_skipped, skipped, "{filter}: {cold:?}");
         let shipped = if skipped == 12 { 0 } else { 2 };
         assert_eq!(cold.cache_misses, shipped, "{filter}: {cold:?}");
-        settled().await;
+        settled_loads().await;
         // The prefix was read for the first run alone; the whole columns are loaded after it.
         let resident = (device.column_cache.listing().into_iter())
             .filter(|e| (e.column == "rid" || e.column == "v") && e.chunks == 12)
@@ -1023,11 +1025,6 @@ async fn parquet_dictionary_columns_are_cached_as_codes_of_one_dictionary() {
         .collect();
     write_parquet(&dir, &data, 10_000);
     let (ctx, plain) = parquet_sessions(&dir, 4).await;
-    let settled = async || {
-        while datafusion_gpu_topk::internal::exec::warming_up() {
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
-    };
     for (filter, skipped) in [
         ("lang = 'en' OR lang = 'es'", 0),
         ("lang IN ('fr', 'zz-long-entry-name', 'nowhere')", 0),
@@ -1037,12 +1034,12 @@ async fn parquet_dictionary_columns_are_cached_as_codes_of_one_dictionary() {
         let sql = format!("SELECT rid, v, lang FROM t WHERE {filter} ORDER BY v DESC LIMIT 20");
         let oracle =
             format!("SELECT rid, v, lang FROM t WHERE {filter} ORDER BY v DESC, rid LIMIT 20");
-        settled().await;
+        settled_loads().await;
         device.column_cache.clear();
         let cold = check(&ctx, &plain, &sql, &oracle).await;
         assert_eq!(cold.chunks_skipped, skipped, "{filter}: {cold:?}");
         assert!(cold.cache_misses >= 2, "{filter}: {cold:?}");
-        settled().await;
+        settled_loads().await;
         let warm = check(&ctx, &plain, &sql, &oracle).await;
         assert_eq!(warm.cache_misses, 0, "{filter}: {warm:?}");
         assert_eq!(warm.uploaded_bytes, 0, "{filter}: {warm:?}");
