@@ -51,7 +51,7 @@ use datafusion_gpu_topk::internal::device::{
 };
 use datafusion_gpu_topk::internal::exec::GpuTopKExec;
 use datafusion_gpu_topk::internal::fusion::{ENTRY, Part};
-use datafusion_gpu_topk::internal::select::table::ResidentColumns;
+use datafusion_gpu_topk::internal::select::ResidentColumns;
 
 use common::{arg, session, time_sql};
 

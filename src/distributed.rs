@@ -54,8 +54,8 @@ use url::Url;
 
 use crate::config::GpuTopKConfig;
 use crate::exec::{GpuGroupTopKExec, GpuTopKExec};
+use crate::input::gpu_table::GpuTableExec;
 use crate::rule::Shape;
-use crate::table::GpuTableExec;
 
 /// Serialises [`GpuTopKExec`] (and [`crate::GpuTable`] scans) for datafusion-distributed's workers (register it on the
 /// coordinator and on every worker: [`crate::SessionStateBuilderExt::with_gpu_topk_cluster`]

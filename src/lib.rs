@@ -33,23 +33,23 @@ mod device;
 mod distributed;
 mod exec;
 mod fusion;
+mod input;
 mod keys;
 mod plan_cache;
 mod report;
 mod rule;
 mod select;
 mod session;
-mod table;
 
 pub use config::{Algorithm, Backend, DeviceOp, FaultPoint, GpuTopKConfig, GpuTopKSettings};
 pub use device::column_cache::{column_cache_budget, set_column_cache_budget};
 pub use distributed::{GpuTopKCodec, StaticWorkers, gpu_worker};
 pub use exec::{GpuGroupTopKExec, GpuTopKExec};
+pub use input::gpu_table::{GpuTable, GpuTableExec, GpuTableFactory};
 pub use plan_cache::{CachedPlan, PlanCache, PlanCacheStats};
 pub use report::{gpu_summary, topk_report};
 pub use rule::GpuTopKRule;
 pub use session::SessionStateBuilderExt;
-pub use table::{GpuTable, GpuTableExec, GpuTableFactory};
 
 /// The crate's internals, for its own CLI, tests and benchmarks: not part of the API, and
 /// free to change.

@@ -52,7 +52,7 @@ use datafusion::prelude::SessionContext;
 use futures::TryStreamExt;
 
 use crate::device::{PlanningObservations, observe_planning, planning_generation};
-use crate::table::GpuTable;
+use crate::input::gpu_table::GpuTable;
 
 /// Statements kept by [`PlanCache::new`].
 const DEFAULT_CAPACITY: usize = 128;

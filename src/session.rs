@@ -14,8 +14,8 @@ use datafusion::prelude::SessionConfig;
 
 use crate::config::GpuTopKConfig;
 use crate::device::column_cache::CacheListing;
+use crate::input::gpu_table::GpuTableFactory;
 use crate::rule::GpuTopKRule;
-use crate::table::GpuTableFactory;
 
 /// Names of the DataFusion rules [`GpuTopKRule`] goes before (the first present):
 /// `PushdownSort` lets a Parquet scan read row groups in the sort's order, which would change

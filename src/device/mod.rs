@@ -17,6 +17,7 @@
 
 pub mod column_cache;
 pub(crate) mod engine;
+pub mod error;
 pub mod kernels;
 pub mod measure;
 pub mod memory;

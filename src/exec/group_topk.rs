@@ -87,12 +87,12 @@ use datafusion::physical_plan::{
 };
 use futures::{FutureExt, StreamExt};
 
-use super::stream::{gather_rows, table_starts};
 use crate::config::FaultPoint;
 use crate::cost::Prediction;
 use crate::device::watch::DeviceWatch;
 use crate::device::{DeviceAlgorithm, GroupAlgorithm, GroupRanking, GroupSpec, KeptPiece};
 use crate::fusion::{FusedProgram, KernelInput};
+use crate::input::memory::{gather_rows, table_starts};
 use crate::keys::KeyLayout;
 use crate::select::SelectionSpec;
 use crate::select::table::GroupRows;
@@ -592,14 +592,15 @@ impl DeviceRun {
         use crate::select::table::TableSelector;
 
         let plan = &self.plan;
-        let Some(memory) = crate::exec::memory_input(&plan.table) else {
+        let Some(memory) = crate::input::memory::memory_input(&plan.table) else {
             return Ok(None);
         };
         let table_schema = plan.table.schema();
         let names: Vec<String> = (table_schema.fields().iter())
             .map(|f| f.name().clone())
             .collect();
-        let Some(inputs) = crate::exec::table_inputs(&memory, &plan.program, &names)? else {
+        let Some(inputs) = crate::input::memory::table_inputs(&memory, &plan.program, &names)?
+        else {
             return Ok(None);
         };
         let partitions = self.partitioning.partition_count();
@@ -707,7 +708,7 @@ impl DeviceRun {
             .step_by(size)
             .map(|at| at..(at + size).min(selected.positions.len()))
             .collect();
-        let gathered = crate::select::table::on_cores(runs, |run| {
+        let gathered = crate::input::strings::on_cores(runs, |run| {
             let kept = &selected.positions[run.clone()];
             self.output_parts(
                 &memory,
@@ -732,9 +733,9 @@ impl DeviceRun {
     /// window hashed its rows.
     fn output_parts(
         &self,
-        memory: &crate::exec::memory::MemoryInput<'_>,
+        memory: &crate::input::memory::MemoryInput<'_>,
         batches: &[&RecordBatch],
-        located: &super::stream::RowLocator<'_>,
+        located: &crate::input::memory::RowLocator<'_>,
         read: &[bool],
         kept: &[u64],
         ranks: &[u64],
@@ -769,7 +770,7 @@ impl DeviceRun {
             .step_by(size)
             .map(|at| at..(at + size).min(piece.rows))
             .collect();
-        crate::select::table::on_cores(runs, |run| {
+        crate::input::strings::on_cores(runs, |run| {
             self.gathered_run(gathered, piece, run)
                 .map_err(|e| crate::device::GpuError(e.to_string()))
         })
@@ -913,7 +914,7 @@ struct Gathered {
 fn device_gathered(
     program: &FusedProgram,
     output_exprs: &[Option<Arc<dyn PhysicalExpr>>],
-    inputs: &[crate::select::table::TableInput<'_>],
+    inputs: &[crate::input::TableInput<'_>],
     read: &[bool],
     table_schema: &SchemaRef,
 ) -> Option<Gathered> {
@@ -927,7 +928,7 @@ fn device_gathered(
         let i = (program.inputs.iter().zip(inputs)).position(|(input, given)| {
             matches!(input, KernelInput::Column(x) if *x == c)
                 && given.lookup.is_none()
-                && given.image == crate::select::table::Image::Values
+                && given.image == crate::input::ColumnImage::Values
         })?;
         index[c] = fields.len();
         at.push(i);

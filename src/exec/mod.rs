@@ -39,19 +39,14 @@
 //! every part's scans.
 //! Memory for retained rows is reserved from DataFusion's memory pool.
 
-pub(crate) mod cannot_fail;
 mod dynamic_filter;
 mod group_topk;
-pub(crate) mod memory;
 mod metrics;
-mod parquet;
 mod row_store;
 mod stream;
 
 use dynamic_filter::{Publisher, SharedThreshold};
 pub use group_topk::{GpuGroupTopKExec, GroupDevicePlan, RankFunction};
-pub(crate) use memory::{MemoryInput, memory_input, table_inputs};
-pub(crate) use parquet::parquet_input;
 
 use std::fmt::{self, Formatter};
 use std::sync::{Arc, Mutex};
@@ -122,7 +117,7 @@ pub struct TopKSpec {
 /// Whether columns are being loaded into the column cache in the background after a run on
 /// the CPU path (a plan's warm-up): a benchmark waits for it before timing the next query.
 pub fn warming_up() -> bool {
-    crate::select::table::CacheLoader::busy()
+    crate::input::loader::CacheLoader::busy()
 }
 
 impl TopKSpec {
@@ -136,7 +131,10 @@ impl TopKSpec {
             .sort_exprs
             .iter()
             .all(|s| s.expr.downcast_ref::<Column>().is_some());
-        keys && self.filter.as_ref().is_none_or(cannot_fail::predicate)
+        keys && self
+            .filter
+            .as_ref()
+            .is_none_or(crate::fusion::cannot_fail::predicate)
     }
 }
 

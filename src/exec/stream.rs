@@ -26,9 +26,6 @@ use futures::StreamExt;
 mod fused;
 mod host;
 mod whole_table;
-mod zones;
-
-pub(super) use whole_table::{RowLocator, gather_rows, table_starts};
 
 use super::TopKSpec;
 use super::dynamic_filter::{Publisher, threshold_predicate};

@@ -367,7 +367,7 @@ const GROUPS_SAMPLE_BATCHES: usize = 256;
 /// (f1² / 2f2, from the groups seen once and twice), at most one a passing row. `None` where
 /// an expression fails on the sample.
 pub(super) fn estimate_groups(
-    memory: &crate::exec::MemoryInput<'_>,
+    memory: &crate::input::memory::MemoryInput<'_>,
     filter: Option<&Arc<dyn PhysicalExpr>>,
     group_exprs: &[PhysicalSortExpr],
 ) -> Option<usize> {

@@ -66,9 +66,9 @@ mod group;
 use crate::config::{Algorithm, Backend, GpuTopKConfig};
 use crate::cost::{self, Placement};
 use crate::device::DeviceSlot;
-use crate::exec::cannot_fail;
 use crate::exec::{GpuTopKExec, TopKSpec};
 use crate::fusion;
+use crate::fusion::cannot_fail;
 use crate::keys::{KeyLayout, KeySpec};
 use crate::select::{InputForm, SelectionPlan};
 
@@ -556,7 +556,7 @@ fn build_top_k(
         return because("the sort keys have no row format to compare them in full");
     }
 
-    let cached = config.column_cache && replays_from_memory(&absorbed.input);
+    let cached = config.column_cache && crate::input::is_whole_table(&absorbed.input);
     let settings = cost_settings(config);
     // The fusion plan and the placement; `strings`: the program may read string columns
     // whole, which only a selection over the whole table can give it.
@@ -583,11 +583,12 @@ fn build_top_k(
         );
         if cached
             && let Some(program) = &fusion.program
-            && let Some(resident) = resident_share(&absorbed.input, program, device)
+            && let Some(resident) =
+                crate::input::columns::plan_resident_share(&absorbed.input, program, device)
         {
             estimate.resident = resident;
             estimate.whole_table = true;
-            if let Some(files) = crate::exec::parquet_input(&absorbed.input) {
+            if let Some(files) = crate::input::parquet::parquet_input(&absorbed.input) {
                 // Files whose columns the device decodes from their pages need the host only
                 // to read them; the others are decoded on the host first. A dictionary
                 // column's codes are decoded on the host, but only its keys are renumbered:
@@ -762,7 +763,7 @@ pub(super) fn group_device(
         Err(Declined::Because(why)) => return Err(why),
         Err(Declined::NotTopK) => return Err("the input cannot be absorbed".into()),
     };
-    let Some(memory) = crate::exec::memory_input(&absorbed.input) else {
+    let Some(memory) = crate::input::memory::memory_input(&absorbed.input) else {
         return Err("the device selects per group over in-memory tables only".into());
     };
     *groups = group::estimate_groups(
@@ -834,7 +835,9 @@ pub(super) fn group_device(
         &fusion,
         absorbed.filter.is_some(),
     );
-    if let Some(resident) = resident_share(&absorbed.input, &program, None) {
+    if let Some(resident) =
+        crate::input::columns::plan_resident_share(&absorbed.input, &program, None)
+    {
         estimate.resident = resident;
         estimate.whole_table = true;
     }
@@ -857,7 +860,7 @@ pub(super) fn group_device(
 /// [`crate::keys::short_bytes`] over every batch of an in-memory input's column `index`: the
 /// longest value where all are short enough to be exact in a composite. Each dictionary's
 /// entries are read once however many batches share them.
-fn short_column(memory: &crate::exec::MemoryInput<'_>, index: usize) -> Option<u32> {
+fn short_column(memory: &crate::input::memory::MemoryInput<'_>, index: usize) -> Option<u32> {
     let column = *memory.columns.get(index)?;
     let mut seen = std::collections::HashSet::new();
     let mut longest = 0;
@@ -871,60 +874,6 @@ fn short_column(memory: &crate::exec::MemoryInput<'_>, index: usize) -> Option<u
         longest = longest.max(crate::keys::short_bytes(array.as_ref())?);
     }
     Some(longest)
-}
-
-/// Whether `input` hands out an in-memory table's own batches, whose buffers the next query
-/// receives again, or reads Parquet files as they are: only then can the device column cache
-/// serve them.
-fn replays_from_memory(input: &Arc<dyn ExecutionPlan>) -> bool {
-    crate::exec::memory_input(input).is_some() || crate::exec::parquet_input(input).is_some()
-}
-
-/// The share of the bytes a generated program reads from an in-memory input or Parquet files
-/// that the device's column cache already holds (the cost model counts no PCIe transfer for
-/// them); `None` where the input cannot be read as a whole table.
-fn resident_share(
-    input: &Arc<dyn ExecutionPlan>,
-    program: &fusion::FusedProgram,
-    slot: Option<DeviceSlot>,
-) -> Option<f64> {
-    use crate::device::GpuStatus;
-    use crate::select::table;
-    // A device not started yet holds nothing, and planning does not start it (another of the
-    // process's devices opens once the first is started).
-    let device = match crate::device::probed_status() {
-        Some(GpuStatus::Unavailable(_)) => return None,
-        Some(GpuStatus::Available(_)) => crate::device::gpu_on(slot.unwrap_or_default()),
-        None => None,
-    };
-    let device = device.as_ref();
-    if let Some(files) = crate::exec::parquet_input(input) {
-        // Per-row inputs (a dictionary column's codes are of its key type); the dictionary
-        // lookups move nothing per row.
-        let columns = (program.inputs.iter())
-            .filter(|input| !matches!(input, fusion::KernelInput::DictionaryMatch { .. }))
-            .map(|input| {
-                let (c, image) =
-                    table::Image::of(input).filter(|(c, _)| *c < files.columns.len())?;
-                let data_type = match (input, files.data_type(c).ok()?) {
-                    (
-                        fusion::KernelInput::DictionaryCodes(_),
-                        datafusion::arrow::datatypes::DataType::Dictionary(key, _),
-                    ) => *key,
-                    (_, data_type) => data_type,
-                };
-                let width = image.row_bytes(&data_type).unwrap_or(1);
-                Some((width, image.key(files.key(c))))
-            })
-            .collect::<Option<Vec<_>>>()?;
-        return Some(device.map_or(0.0, |d| table::resident_share_of(d, columns)));
-    }
-    let memory = crate::exec::memory_input(input)?;
-    let names: Vec<String> = (input.schema().fields().iter())
-        .map(|f| f.name().clone())
-        .collect();
-    let inputs = crate::exec::table_inputs(&memory, program, &names).ok()??;
-    Some(device.map_or(0.0, |d| table::resident_share(d, &inputs)))
 }
 
 /// The columns a top-k outputs: the expressions of the projection above its sort, or else

@@ -26,8 +26,8 @@ use datafusion::arrow::datatypes::DataType;
 use datafusion::error::{DataFusionError, Result};
 
 use super::{
-    Admitted, ColumnsInput, DeviceError, FinalChoice, FusedAdmitted, RowIds, SelectInput,
-    SelectionSpec, TopKSelector, TransferMetrics,
+    Admitted, ColumnsInput, FinalChoice, FusedAdmitted, RowIds, SelectInput, SelectionSpec,
+    TopKSelector, TransferMetrics,
 };
 use crate::device::engine::{
     ENCODE_FIRST, ENCODE_NULLABLE, ENCODE_NULLS_FIRST, EncodeColumn, NativeCode, fill_staging,
@@ -128,10 +128,7 @@ pub fn new_cuda_selector_with_capacity(
     }))
 }
 
-/// A fault of the device runtime, as the [`DeviceError`] the operator falls back from.
-pub(super) fn gpu_error(e: GpuError) -> DataFusionError {
-    DeviceError(format!("CUDA top-k selection failed: {e}")).into_error()
-}
+pub(super) use crate::device::error::gpu_error;
 
 /// A generated program and its loaded kernel.
 struct FusedKernel {

@@ -21,55 +21,24 @@ pub mod cpu;
 pub mod cuda;
 pub(crate) mod fault;
 pub mod prefix;
+pub mod resident;
 pub mod table;
 
 use std::fmt::{self, Debug};
 use std::sync::Arc;
 
 use datafusion::arrow::array::ArrayRef;
-use datafusion::error::{DataFusionError, Result};
+use datafusion::error::Result;
 use datafusion::physical_plan::metrics::{Count, Time};
 
 use crate::config::FaultPoint;
+pub use crate::device::error::DeviceError;
 use crate::device::watch::DeviceWatch;
 use crate::device::{DeviceAlgorithm, KeyWidth};
 use crate::fusion::FusedProgram;
 use crate::keys::KeyLayout;
+pub use resident::ResidentColumns;
 pub use table::TableSelector;
-
-/// A failure of the device path: a driver, memory or compile error, an injected fault, no
-/// GPU, or a row whose outcome only the host reproduces. The operator finishes the query on
-/// the CPU path on it; any other error is the query's own (DataFusion's) and fails it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeviceError(pub String);
-
-impl DeviceError {
-    /// As the `DataFusionError` it travels in (an external error).
-    pub fn into_error(self) -> DataFusionError {
-        DataFusionError::External(Box::new(self))
-    }
-
-    /// The device error `error` carries, wherever it is in its chain of sources (a context, a
-    /// shared error or an Arrow error may wrap it on the way).
-    pub fn find(error: &DataFusionError) -> Option<&DeviceError> {
-        let mut next: Option<&(dyn std::error::Error + 'static)> = Some(error);
-        while let Some(e) = next {
-            if let Some(found) = e.downcast_ref::<DeviceError>() {
-                return Some(found);
-            }
-            next = e.source();
-        }
-        None
-    }
-}
-
-impl fmt::Display for DeviceError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for DeviceError {}
 
 /// Bits of a row id that hold the row's position inside its input partition.
 pub(crate) const ROW_BITS: u32 = 40;
@@ -388,36 +357,4 @@ pub(crate) fn create_selector(spec: &SelectionSpec, plan: &SelectionPlan) -> Res
         FaultPoint::None | FaultPoint::Device(..) => selector,
         point => Arc::new(fault::FaultInjector::new(selector, point)),
     }))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use datafusion::arrow::error::ArrowError;
-
-    /// A device error is found through the wrappers an error picks up on its way (a context,
-    /// a shared error, an Arrow error); an external error of another kind is not one.
-    #[test]
-    fn a_device_error_is_found_by_its_type_through_wrappers() {
-        let device = || DeviceError("launch failed".into()).into_error();
-        let wrapped = [
-            device(),
-            device().context("reading a batch"),
-            DataFusionError::Shared(Arc::new(device())),
-            DataFusionError::ArrowError(
-                Box::new(ArrowError::ExternalError(Box::new(device()))),
-                None,
-            ),
-        ];
-        for error in &wrapped {
-            let found = DeviceError::find(error).map(|e| e.0.as_str());
-            assert_eq!(found, Some("launch failed"), "{error:?}");
-        }
-        let other = DataFusionError::External("[gpu-topk device] a look-alike".into());
-        assert_eq!(DeviceError::find(&other), None);
-        assert_eq!(
-            DeviceError::find(&DataFusionError::Execution("x".into())),
-            None
-        );
-    }
 }

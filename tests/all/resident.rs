@@ -1,4 +1,4 @@
-//! Top-k over device-resident columns (`select::table::ResidentColumns`): the fused selection (the sampled
+//! Top-k over device-resident columns (`select::ResidentColumns`): the fused selection (the sampled
 //! threshold inside the generated program's pass) and the unfused one against DataFusion, on
 //! the tweet queries and on data built to make the sampled threshold miss both ways. Planning
 //! runs everywhere (every query must be fully fused); the device part skips without a GPU.
@@ -19,7 +19,7 @@ use datafusion_gpu_topk::internal::device::{
 };
 use datafusion_gpu_topk::internal::exec::TopKSpec;
 use datafusion_gpu_topk::internal::fusion::{ENTRY, FusedProgram, Part};
-use datafusion_gpu_topk::internal::select::table::ResidentColumns;
+use datafusion_gpu_topk::internal::select::ResidentColumns;
 use datafusion_gpu_topk::{Backend, GpuTopKExec, SessionStateBuilderExt};
 
 fn sessions() -> (SessionContext, SessionContext) {

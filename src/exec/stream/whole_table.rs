@@ -17,25 +17,23 @@ use std::sync::Arc;
 
 use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, UInt64Array, new_null_array};
 use datafusion::arrow::compute::{interleave, take};
-use datafusion::arrow::datatypes::{DataType, Schema};
+use datafusion::arrow::datatypes::Schema;
 use datafusion::arrow::row::RowConverter;
 use datafusion::error::Result;
-use datafusion::execution::TaskContext;
-use datafusion::object_store::ObjectStore;
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_expr::utils::collect_columns;
-use datafusion::physical_plan::ExecutionPlan;
 
 use super::{TopKRun, check_empty_batch};
 use crate::cost::SelectionPlan;
-use crate::device::EncodedColumn;
-use crate::device::column_cache::CacheKey;
-use crate::exec::parquet::{Layout, ParquetInput, global_codes, keep_dictionary, kept_dictionary};
-use crate::exec::{memory_input, parquet_input, table_inputs};
 use crate::fusion::{self, FusedProgram, KernelInput};
-use crate::select::table::{
-    CacheLoader, Identity, Image, TableInput, TableSelection, TableSelector,
+use crate::input::loader::{CacheLoader, load_inputs};
+use crate::input::memory::{gather_rows, memory_input, table_inputs, table_starts};
+use crate::input::parquet::{
+    ParquetColumnRows, file_column, global_codes, image_type, keep_dictionary, kept_dictionary,
+    parquet_input, read_missing,
 };
+use crate::input::{ColumnImage, TableInput};
+use crate::select::table::{TableSelection, TableSelector};
 use crate::select::{self, Selector};
 
 /// The largest share of a table's rows a first run over Parquet files reads for itself
@@ -111,7 +109,7 @@ impl TopKRun {
         // Chunks past the last one whose zones let a row pass are not read.
         let skip = (self.spec.filter.as_ref()).and_then(|filter| {
             let slot = self.spec.device.unwrap_or_default();
-            super::zones::skip(filter, &schema, program, &inputs, slot)
+            crate::input::zones::skip(filter, &schema, program, &inputs, slot)
         });
         if let Some(skip) = skip {
             self.metrics.chunks_skipped.add(skip.chunks);
@@ -166,16 +164,16 @@ impl TopKRun {
             match input {
                 KernelInput::DictionaryMatch { .. } => {}
                 KernelInput::DictionaryCodes(c) if *c < files.columns.len() => {
-                    per_row.push((*c, Image::Values, true));
+                    per_row.push((*c, ColumnImage::Values, true));
                 }
-                input => match Image::of(input).filter(|(c, _)| *c < files.columns.len()) {
+                input => match ColumnImage::of(input).filter(|(c, _)| *c < files.columns.len()) {
                     Some((c, image)) => per_row.push((c, image, false)),
                     None => return Ok(WholeTable::Stream),
                 },
             }
         }
         let columns: Vec<usize> = per_row.iter().map(|&(c, _, _)| c).collect();
-        let images: Vec<Image> = per_row.iter().map(|&(_, image, _)| image).collect();
+        let images: Vec<ColumnImage> = per_row.iter().map(|&(_, image, _)| image).collect();
         let codes: Vec<bool> = per_row.iter().map(|&(_, _, codes)| codes).collect();
         let Ok(types) = (per_row.iter())
             .map(|&(c, _, codes)| image_type(files.data_type(c)?, codes))
@@ -199,8 +197,9 @@ impl TopKRun {
         };
         let schema = self.input.schema();
         // Row groups past the last one whose statistics let a row pass are not read.
-        let skip = (self.spec.filter.as_ref())
-            .and_then(|filter| super::zones::skip_row_groups(filter, &schema, &files, &layout));
+        let skip = (self.spec.filter.as_ref()).and_then(|filter| {
+            crate::input::zones::skip_row_groups(filter, &schema, &files, &layout)
+        });
         if let Some(skip) = skip {
             self.metrics.chunks_skipped.add(skip.chunks);
             if skip.within == 0 {
@@ -261,7 +260,9 @@ impl TopKRun {
             let on_device: Vec<bool> = (read_again.iter().zip(&images).zip(&codes))
                 .filter(|((read, _), _)| **read)
                 .map(|((_, &image), &codes)| {
-                    image == Image::Values && !codes && self.spec.settings.decode_parquet_on_device
+                    image == ColumnImage::Values
+                        && !codes
+                        && self.spec.settings.decode_parquet_on_device
                 })
                 .collect();
             let (host_decoded, encoded) =
@@ -313,8 +314,8 @@ impl TopKRun {
                 let pages = at.and_then(|i| encoded[i].clone());
                 // A missing column's first rows, read for this selection only.
                 let rows = match (at, prefix) {
-                    (Some(_), Some(_)) => Rows::Prefix(read_rows),
-                    _ => Rows::Whole(layout.rows),
+                    (Some(_), Some(_)) => ParquetColumnRows::Prefix(read_rows),
+                    _ => ParquetColumnRows::Whole(layout.rows),
                 };
                 let key = files.key(c);
                 file_column(key, data_type, rows, (chunks, pages), &schema, c, image)
@@ -334,7 +335,7 @@ impl TopKRun {
                 lookup: Some(fusion::dictionary_entries_match(entries, values)?),
                 name: schema.field(*column).name().clone(),
                 identity: None,
-                image: Image::Values,
+                image: ColumnImage::Values,
                 encoded: None,
             });
         }
@@ -561,311 +562,5 @@ impl TopKRun {
         }
         let value = datafusion::common::ScalarValue::try_from_array(&key, 0)?;
         self.publisher.publish(first, value)
-    }
-}
-
-/// The input columns `read` of an in-memory table at table positions `positions`, in their
-/// order; `batches` and `rows` are [`table_starts`]'.
-pub(crate) fn gather_rows(
-    memory: &crate::exec::memory::MemoryInput<'_>,
-    batches: &[&RecordBatch],
-    rows: &RowLocator<'_>,
-    positions: &[u64],
-    read: &[bool],
-) -> Result<Vec<Option<ArrayRef>>> {
-    // Each position's batch (numbered among the batches that hold one) and row.
-    let mut slots = vec![usize::MAX; batches.len()];
-    let mut holding: Vec<&RecordBatch> = Vec::new();
-    let at: Vec<(usize, usize)> = positions
-        .iter()
-        .map(|&p| {
-            let (b, row) = rows.locate(p);
-            if slots[b] == usize::MAX {
-                slots[b] = holding.len();
-                holding.push(batches[b]);
-            }
-            (slots[b], row)
-        })
-        .collect();
-    (memory.columns.iter().zip(read))
-        .map(|(&c, &read)| {
-            read.then(|| {
-                let arrays: Vec<&dyn Array> =
-                    holding.iter().map(|b| b.column(c).as_ref()).collect();
-                Ok(interleave(&arrays, &at)?)
-            })
-            .transpose()
-        })
-        .collect()
-}
-
-/// The batch and row of a table position, from the position of each batch's first row: a
-/// bucket of 2^`shift` positions (at most the average batch) names the batches that start in
-/// it, so a lookup searches a few starts instead of all of them (tens of millions of kept rows
-/// are located this way, each at random).
-pub(crate) struct RowLocator<'a> {
-    starts: std::borrow::Cow<'a, [u64]>,
-    shift: u32,
-    /// For each bucket, the batch that holds its first position.
-    buckets: Vec<u32>,
-}
-
-impl<'a> RowLocator<'a> {
-    /// Over batches starting at `starts` (ascending, the first at 0) and holding `rows` rows.
-    pub(crate) fn new(starts: std::borrow::Cow<'a, [u64]>, rows: u64) -> Self {
-        let average = (rows / starts.len().max(1) as u64).max(1);
-        let shift = average.ilog2();
-        let count = (rows >> shift) as usize + 1;
-        let mut buckets = Vec::with_capacity(count);
-        let mut b = 0usize;
-        for bucket in 0..count as u64 {
-            let first = bucket << shift;
-            while b + 1 < starts.len() && starts[b + 1] <= first {
-                b += 1;
-            }
-            buckets.push(b as u32);
-        }
-        Self {
-            starts,
-            shift,
-            buckets,
-        }
-    }
-
-    /// The batch holding table position `p`, and `p`'s row in it.
-    pub(crate) fn locate(&self, p: u64) -> (usize, usize) {
-        let bucket = ((p >> self.shift) as usize).min(self.buckets.len() - 1);
-        let lo = self.buckets[bucket] as usize;
-        let hi = match self.buckets.get(bucket + 1) {
-            Some(&next) => next as usize + 1,
-            None => self.starts.len(),
-        };
-        let b = lo + self.starts[lo..hi].partition_point(|&s| s <= p) - 1;
-        (b, (p - self.starts[b]) as usize)
-    }
-}
-
-/// The table's non-empty batches and the locator of their rows (a `GpuTable` worked out the
-/// batches' starts once).
-pub(crate) fn table_starts<'a>(
-    memory: &crate::exec::memory::MemoryInput<'a>,
-) -> (Vec<&'a RecordBatch>, RowLocator<'a>) {
-    let batches: Vec<&RecordBatch> = match memory.table {
-        Some(table) => table.batches.iter().collect(),
-        None => memory.batches().filter(|b| b.num_rows() > 0).collect(),
-    };
-    let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
-    let starts = match memory.table {
-        Some(table) => std::borrow::Cow::Borrowed(table.starts.as_slice()),
-        None => {
-            let mut starts = Vec::with_capacity(batches.len());
-            let mut next = 0u64;
-            for batch in &batches {
-                starts.push(next);
-                next += batch.num_rows() as u64;
-            }
-            std::borrow::Cow::Owned(starts)
-        }
-    };
-    (batches, RowLocator::new(starts, rows))
-}
-
-/// Loads the program's per-row input columns of a whole-table input (in memory or Parquet
-/// files) into the column cache, unpinned, within its budget (Parquet columns as pages decoded
-/// on the device where `on_device`).
-async fn load_inputs(
-    input: &Arc<dyn ExecutionPlan>,
-    context: &Arc<TaskContext>,
-    program: &FusedProgram,
-    loader: &CacheLoader,
-    on_device: bool,
-) -> Result<()> {
-    if let Some(memory) = memory_input(input) {
-        let schema = input.schema();
-        let names: Vec<String> = schema.fields().iter().map(|f| f.name().clone()).collect();
-        for column in table_inputs(&memory, program, &names)?.unwrap_or_default() {
-            if column.lookup.is_none() && !loader.load(&column)? {
-                break;
-            }
-        }
-        return Ok(());
-    }
-    let Some(files) = parquet_input(input) else {
-        return Ok(());
-    };
-    let store = context.runtime_env().object_store(files.store())?;
-    let layout = files.layout(&store).await?;
-    let schema = input.schema();
-    for program_input in &program.inputs {
-        let (c, image, codes) = match program_input {
-            KernelInput::DictionaryMatch { .. } => continue,
-            KernelInput::DictionaryCodes(c) => (*c, Image::Values, true),
-            input => match Image::of(input) {
-                Some((c, image)) => (c, image, false),
-                None => return Ok(()),
-            },
-        };
-        let key = files.key(c);
-        if loader.is_resident(&image.key(key.clone()))
-            && !(codes && kept_dictionary(&key).is_none())
-        {
-            continue;
-        }
-        let on_device = [image == Image::Values && on_device && !codes];
-        let (decoded, mut encoded) =
-            read_missing(&files, &store, &layout, &[c], &on_device, false).await;
-        let mut chunks = decoded?.remove(0);
-        if codes {
-            let (renumbered, dictionary) = global_codes(&chunks)?;
-            keep_dictionary(&key, dictionary);
-            chunks = renumbered;
-        }
-        let read = (chunks, encoded.remove(0));
-        let data_type = image_type(files.data_type(c)?, codes)?;
-        let rows = Rows::Whole(layout.rows);
-        let column = file_column(key, data_type, rows, read, &schema, c, image);
-        if !loader.load(&column)? {
-            break;
-        }
-    }
-    Ok(())
-}
-
-/// The columns `missing` of a Parquet input's row groups for the column cache: as pages to
-/// decode on the device where `on_device` says so and the device decodes them (the second list,
-/// `None` elsewhere), the others decoded on the host (the first list: none for a column read
-/// as pages). A column whose pages cannot be read as such is decoded on the host. With
-/// `streaming`, pages come as they are read ([`ParquetInput::read_pages`]).
-async fn read_missing(
-    files: &ParquetInput,
-    store: &Arc<dyn ObjectStore>,
-    layout: &Layout,
-    missing: &[usize],
-    on_device: &[bool],
-    streaming: bool,
-) -> (Result<Vec<Vec<ArrayRef>>>, Vec<Option<Arc<EncodedColumn>>>) {
-    let mut encoded = Vec::with_capacity(missing.len());
-    for (&c, &on_device) in missing.iter().zip(on_device) {
-        let pages = match on_device {
-            true => files.read_pages(store, layout, c, streaming).await,
-            false => Ok(None),
-        };
-        encoded.push(match pages {
-            Ok(pages) => pages.map(Arc::new),
-            Err(e) => {
-                log::debug!("gpu-topk: column {c} is decoded on the host: {e}");
-                None
-            }
-        });
-    }
-    let host: Vec<usize> = (missing.iter().zip(&encoded))
-        .filter(|(_, pages)| pages.is_none())
-        .map(|(&c, _)| c)
-        .collect();
-    let decoded = match host.is_empty() {
-        true => Ok(Vec::new()),
-        false => files.read_columns(store, layout, &host).await,
-    };
-    // In `missing`'s order, empty where the column is read as pages.
-    let decoded = decoded.map(|mut decoded| {
-        let mut next = decoded.drain(..);
-        (encoded.iter())
-            .map(|pages| match pages {
-                Some(_) => Vec::new(),
-                None => next.next().unwrap_or_default(),
-            })
-            .collect()
-    });
-    (decoded, encoded)
-}
-
-/// The type of the image a program input reads of a column of `data_type`: a dictionary
-/// column's `codes` are of its key type.
-fn image_type(data_type: DataType, codes: bool) -> Result<DataType> {
-    match (codes, data_type) {
-        (false, data_type) => Ok(data_type),
-        (true, DataType::Dictionary(key, _)) => Ok(*key),
-        (true, other) => datafusion::common::internal_err!("codes of a {other} column"),
-    }
-}
-
-/// The rows of a Parquet input's column that a program input holds.
-#[derive(Debug, Clone, Copy)]
-enum Rows {
-    /// All the table's rows: the column the cache keeps.
-    Whole(usize),
-    /// The table's first rows only, for one selection ([`Identity::transient`]).
-    Prefix(usize),
-}
-
-/// Column `c` of a Parquet input as a program input known by its key, read as `image`: `read`
-/// is its row groups decoded, or its pages to decode on the device (neither where the cache
-/// holds it).
-fn file_column(
-    key: CacheKey,
-    data_type: DataType,
-    rows: Rows,
-    read: (Vec<ArrayRef>, Option<Arc<EncodedColumn>>),
-    schema: &Schema,
-    c: usize,
-    image: Image,
-) -> TableInput<'static> {
-    let (chunks, encoded) = read;
-    let nullable =
-        chunks.iter().any(|a| a.null_count() > 0) || encoded.as_ref().is_some_and(|e| e.nullable);
-    let (rows, transient) = match rows {
-        Rows::Whole(rows) => (rows, false),
-        Rows::Prefix(rows) => (rows, true),
-    };
-    TableInput {
-        identity: Some(Identity {
-            key,
-            data_type,
-            rows,
-            nullable,
-            transient,
-        }),
-        chunks: Cow::Owned(chunks),
-        lookup: None,
-        name: schema.field(c).name().clone(),
-        image,
-        encoded,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::RowLocator;
-
-    /// Every position of batches of uneven sizes (empty buckets, a batch inside one bucket,
-    /// one spanning many) is found in its batch, as a search of all the starts finds it.
-    #[test]
-    fn the_locator_finds_every_positions_batch() {
-        let cases: [&[u64]; 5] = [
-            &[8192, 8192, 100, 8192, 3],
-            &[1],
-            &[5, 1, 1, 1, 1, 1, 1, 1, 1, 1000, 2, 2],
-            &[
-                1000, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-            ],
-            &[3, 7, 64, 64, 65, 1, 127, 128, 129],
-        ];
-        for sizes in cases {
-            let mut starts = Vec::new();
-            let mut rows = 0u64;
-            for &n in sizes {
-                starts.push(rows);
-                rows += n;
-            }
-            let locator = RowLocator::new(std::borrow::Cow::Borrowed(&starts), rows);
-            for p in 0..rows {
-                let b = starts.partition_point(|&s| s <= p) - 1;
-                assert_eq!(
-                    locator.locate(p),
-                    (b, (p - starts[b]) as usize),
-                    "{sizes:?} at {p}"
-                );
-            }
-        }
     }
 }

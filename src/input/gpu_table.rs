@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::device::column_cache::table_key;
-use crate::select::table::{Identity, Image, TableInput};
+use crate::input::{ColumnImage, Identity, TableInput};
 use async_trait::async_trait;
 use datafusion::arrow::array::{Array, ArrayRef, AsArray, RecordBatch, make_array};
 use datafusion::arrow::datatypes::{DataType, SchemaRef};
@@ -145,7 +145,7 @@ impl TableData {
         let column = &self.columns[index];
         let Some(encoded) = &column.encoded else {
             return TableInput {
-                image: Image::Prefix,
+                image: ColumnImage::Prefix,
                 ..self.input(index, name)
             };
         };
@@ -161,7 +161,7 @@ impl TableData {
                 nullable: encoded.iter().any(|c| c.logical_null_count() > 0),
                 transient: false,
             }),
-            image: Image::Prefix,
+            image: ColumnImage::Prefix,
             encoded: None,
         }
     }
@@ -254,26 +254,26 @@ impl GpuTable {
             let data_type = self.data.schema.field(index).data_type();
             let mut images = Vec::new();
             if crate::keys::has_prefix_words(data_type) {
-                images.push(Image::Prefix);
+                images.push(ColumnImage::Prefix);
             }
             if crate::fusion::is_device_string(data_type) {
-                images.push(Image::Strings);
+                images.push(ColumnImage::Strings);
             }
             // A dictionary's codes are what its predicates read.
             if !crate::keys::has_prefix_words(data_type)
                 || matches!(data_type, DataType::Dictionary(..))
             {
-                images.push(Image::Values);
+                images.push(ColumnImage::Values);
             }
             for image in images {
                 let input = match image {
-                    Image::Prefix => self.data.prefix_input(index, name),
+                    ColumnImage::Prefix => self.data.prefix_input(index, name),
                     image => TableInput {
                         image,
                         ..input.clone()
                     },
                 };
-                bytes += crate::select::table::pin_column(&device, &input)?;
+                bytes += crate::input::columns::pin_column(&device, &input)?;
             }
         }
         Ok(bytes)

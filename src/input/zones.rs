@@ -23,14 +23,19 @@ use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_optimizer::pruning::PruningPredicateBuilder;
 
 use crate::device::column_cache::ChunkZones;
-use crate::exec::cannot_fail;
-use crate::exec::parquet::{Layout, ParquetInput};
+use crate::fusion::cannot_fail;
+use crate::input::parquet::{Layout, ParquetInput};
+use datafusion::arrow::datatypes::DataType;
+use datafusion::error::Result;
+
+use super::columns::TableColumn;
+use super::{ColumnImage, TableInput};
+use crate::device::GpuDevice;
 use crate::fusion::{FusedProgram, KernelInput};
-use crate::select::table::{TableInput, chunk_zones};
 
 /// Where the pass over a table may stop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Skip {
+pub(crate) struct Skip {
     /// Rows from the table's start that may hold a passing row (0: none may).
     pub within: usize,
     /// Chunks after them, not read.
@@ -41,7 +46,7 @@ pub(super) struct Skip {
 /// keeps for the filter's columns; `None` where every chunk may hold one or the zones do not
 /// tell (a column the cache does not hold, a type without zones, a filter that can fail on a
 /// row, whose error the pass must meet).
-pub(super) fn skip(
+pub(crate) fn skip(
     filter: &Arc<dyn PhysicalExpr>,
     schema: &SchemaRef,
     program: &FusedProgram,
@@ -70,7 +75,7 @@ pub(super) fn skip(
 /// ([`ParquetInput::row_group_zones`]): known before any column is read, so a first run
 /// reads only the row groups up to the last one that may pass. Columns without statistics
 /// are unknown to the pruning predicate, which keeps every row group for them.
-pub(super) fn skip_row_groups(
+pub(crate) fn skip_row_groups(
     filter: &Arc<dyn PhysicalExpr>,
     schema: &SchemaRef,
     files: &ParquetInput,
@@ -160,6 +165,74 @@ impl PruningStatistics for Zones {
     }
 }
 
+/// The chunk zones of a per-row input whose values the column cache holds: each chunk's least
+/// and greatest value, NULLs and rows, kept with the entry. The first ask starts working them
+/// out on one thread of its own (a pass over the column) and the query goes on without them.
+/// `None` until then, where the cache does not hold the column, the input comes without its
+/// chunks, or its type is not an integer, decimal or temporal one (floats' NaNs and signed
+/// zeros are left to the pass).
+pub fn chunk_zones(device: &GpuDevice, input: &TableInput<'_>) -> Option<Arc<ChunkZones>> {
+    let first = input.chunks.first()?;
+    if input.image != ColumnImage::Values || input.lookup.is_some() || !has_zones(first.data_type())
+    {
+        return None;
+    }
+    let key = TableColumn::new(input).ok()?.key;
+    device.column_cache.zones(&key, |slot| {
+        let chunks = input.chunks.to_vec();
+        let spawned = std::thread::Builder::new()
+            .name("gpu-topk-zones".into())
+            .spawn(move || slot.fill(derive_zones(&chunks).ok()));
+        if let Err(e) = spawned {
+            log::warn!("cannot start working out chunk zones: {e}");
+        }
+    })
+}
+
+/// Whether columns of `data_type` have zones: integer, decimal and temporal ones, ordered as
+/// their values (floats' NaNs and signed zeros are left to the pass).
+pub(crate) fn has_zones(data_type: &DataType) -> bool {
+    data_type.is_integer()
+        || data_type.is_temporal()
+        || matches!(
+            data_type,
+            DataType::Decimal32(..)
+                | DataType::Decimal64(..)
+                | DataType::Decimal128(..)
+                | DataType::Decimal256(..)
+        )
+}
+
+/// [`ChunkZones`] of `chunks`, on the calling thread: they are worked out in the background,
+/// where all cores would slow the queries running meanwhile.
+pub(crate) fn derive_zones(chunks: &[ArrayRef]) -> Result<ChunkZones> {
+    use datafusion::functions_aggregate::min_max::{MaxAccumulator, MinAccumulator};
+    use datafusion::logical_expr::Accumulator;
+    let zone = |chunk: &ArrayRef| -> Result<_> {
+        let mut min = MinAccumulator::try_new(chunk.data_type())?;
+        let mut max = MaxAccumulator::try_new(chunk.data_type())?;
+        min.update_batch(std::slice::from_ref(chunk))?;
+        max.update_batch(std::slice::from_ref(chunk))?;
+        Ok((min.evaluate()?, max.evaluate()?, chunk.null_count() as u64))
+    };
+    let (mut mins, mut maxs, mut nulls) = (Vec::new(), Vec::new(), Vec::new());
+    for chunk in chunks {
+        let (min, max, null) = zone(chunk)?;
+        mins.push(min);
+        maxs.push(max);
+        nulls.push(null);
+    }
+    let rows = chunks.iter().map(|c| c.len() as u64);
+    Ok(ChunkZones {
+        mins: datafusion::common::ScalarValue::iter_to_array(mins)?,
+        maxs: datafusion::common::ScalarValue::iter_to_array(maxs)?,
+        nulls: Arc::new(datafusion::arrow::array::UInt64Array::from(nulls)),
+        rows: Arc::new(datafusion::arrow::array::UInt64Array::from_iter_values(
+            rows,
+        )),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use datafusion::arrow::array::Int64Array;
@@ -170,7 +243,7 @@ mod tests {
     use datafusion::physical_expr::execution_props::ExecutionProps;
 
     use super::*;
-    use crate::select::table::derive_zones;
+    use crate::input::zones::derive_zones;
 
     /// Four chunks of `t`: 0..10, 10..20, 20..30 (every other row NULL), and all NULL; `u`
     /// descends.

@@ -6,7 +6,8 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use datafusion::arrow::array::{AsArray, RecordBatch, make_array};
+use datafusion::arrow::array::{Array, ArrayRef, AsArray, RecordBatch, make_array};
+use datafusion::arrow::compute::interleave;
 use datafusion::datasource::memory::MemorySourceConfig;
 use datafusion::datasource::source::{DataSource, DataSourceExec};
 use datafusion::error::{DataFusionError, Result};
@@ -16,8 +17,8 @@ use datafusion::physical_plan::coop::CooperativeExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 
 use crate::fusion::{self, FusedProgram, KernelInput};
-use crate::select::table::{Image, TableInput};
-use crate::table::{GpuTableExec, TableData};
+use crate::input::gpu_table::{GpuTableExec, TableData};
+use crate::input::{ColumnImage, TableInput};
 
 /// An in-memory input: the table's batches, per partition, and for each of the input's
 /// columns the column of those batches it is.
@@ -123,7 +124,7 @@ pub(crate) fn table_inputs<'a>(
     };
     let mut inputs = Vec::with_capacity(program.inputs.len());
     for input in &program.inputs {
-        let image = Image::of(input).map_or(Image::Values, |(_, image)| image);
+        let image = ColumnImage::of(input).map_or(ColumnImage::Values, |(_, image)| image);
         let (chunks, lookup, name) = match input {
             KernelInput::HostPredicate => return Ok(None),
             KernelInput::Column(c)
@@ -209,7 +210,7 @@ fn gpu_table_inputs<'a>(
                 // A dictionary column's chunks are its codes: no strings to read.
                 table.columns[at].encoded.is_none().then_some(())?;
                 Some(TableInput {
-                    image: Image::Strings,
+                    image: ColumnImage::Strings,
                     ..table.input(at, name(*c))
                 })
             }
@@ -223,10 +224,151 @@ fn gpu_table_inputs<'a>(
                     lookup: Some(fusion::dictionary_match(first, values).ok()?),
                     name: name(*c).to_string(),
                     identity: None,
-                    image: Image::Values,
+                    image: ColumnImage::Values,
                     encoded: None,
                 })
             }
         })
         .collect()
+}
+
+/// The input columns `read` of an in-memory table at table positions `positions`, in their
+/// order; `batches` and `rows` are [`table_starts`]'.
+pub(crate) fn gather_rows(
+    memory: &MemoryInput<'_>,
+    batches: &[&RecordBatch],
+    rows: &RowLocator<'_>,
+    positions: &[u64],
+    read: &[bool],
+) -> Result<Vec<Option<ArrayRef>>> {
+    // Each position's batch (numbered among the batches that hold one) and row.
+    let mut slots = vec![usize::MAX; batches.len()];
+    let mut holding: Vec<&RecordBatch> = Vec::new();
+    let at: Vec<(usize, usize)> = positions
+        .iter()
+        .map(|&p| {
+            let (b, row) = rows.locate(p);
+            if slots[b] == usize::MAX {
+                slots[b] = holding.len();
+                holding.push(batches[b]);
+            }
+            (slots[b], row)
+        })
+        .collect();
+    (memory.columns.iter().zip(read))
+        .map(|(&c, &read)| {
+            read.then(|| {
+                let arrays: Vec<&dyn Array> =
+                    holding.iter().map(|b| b.column(c).as_ref()).collect();
+                Ok(interleave(&arrays, &at)?)
+            })
+            .transpose()
+        })
+        .collect()
+}
+
+/// The batch and row of a table position, from the position of each batch's first row: a
+/// bucket of 2^`shift` positions (at most the average batch) names the batches that start in
+/// it, so a lookup searches a few starts instead of all of them (tens of millions of kept rows
+/// are located this way, each at random).
+pub(crate) struct RowLocator<'a> {
+    starts: std::borrow::Cow<'a, [u64]>,
+    shift: u32,
+    /// For each bucket, the batch that holds its first position.
+    buckets: Vec<u32>,
+}
+
+impl<'a> RowLocator<'a> {
+    /// Over batches starting at `starts` (ascending, the first at 0) and holding `rows` rows.
+    pub(crate) fn new(starts: std::borrow::Cow<'a, [u64]>, rows: u64) -> Self {
+        let average = (rows / starts.len().max(1) as u64).max(1);
+        let shift = average.ilog2();
+        let count = (rows >> shift) as usize + 1;
+        let mut buckets = Vec::with_capacity(count);
+        let mut b = 0usize;
+        for bucket in 0..count as u64 {
+            let first = bucket << shift;
+            while b + 1 < starts.len() && starts[b + 1] <= first {
+                b += 1;
+            }
+            buckets.push(b as u32);
+        }
+        Self {
+            starts,
+            shift,
+            buckets,
+        }
+    }
+
+    /// The batch holding table position `p`, and `p`'s row in it.
+    pub(crate) fn locate(&self, p: u64) -> (usize, usize) {
+        let bucket = ((p >> self.shift) as usize).min(self.buckets.len() - 1);
+        let lo = self.buckets[bucket] as usize;
+        let hi = match self.buckets.get(bucket + 1) {
+            Some(&next) => next as usize + 1,
+            None => self.starts.len(),
+        };
+        let b = lo + self.starts[lo..hi].partition_point(|&s| s <= p) - 1;
+        (b, (p - self.starts[b]) as usize)
+    }
+}
+
+/// The table's non-empty batches and the locator of their rows (a `GpuTable` worked out the
+/// batches' starts once).
+pub(crate) fn table_starts<'a>(memory: &MemoryInput<'a>) -> (Vec<&'a RecordBatch>, RowLocator<'a>) {
+    let batches: Vec<&RecordBatch> = match memory.table {
+        Some(table) => table.batches.iter().collect(),
+        None => memory.batches().filter(|b| b.num_rows() > 0).collect(),
+    };
+    let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
+    let starts = match memory.table {
+        Some(table) => std::borrow::Cow::Borrowed(table.starts.as_slice()),
+        None => {
+            let mut starts = Vec::with_capacity(batches.len());
+            let mut next = 0u64;
+            for batch in &batches {
+                starts.push(next);
+                next += batch.num_rows() as u64;
+            }
+            std::borrow::Cow::Owned(starts)
+        }
+    };
+    (batches, RowLocator::new(starts, rows))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RowLocator;
+
+    /// Every position of batches of uneven sizes (empty buckets, a batch inside one bucket,
+    /// one spanning many) is found in its batch, as a search of all the starts finds it.
+    #[test]
+    fn the_locator_finds_every_positions_batch() {
+        let cases: [&[u64]; 5] = [
+            &[8192, 8192, 100, 8192, 3],
+            &[1],
+            &[5, 1, 1, 1, 1, 1, 1, 1, 1, 1000, 2, 2],
+            &[
+                1000, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+            ],
+            &[3, 7, 64, 64, 65, 1, 127, 128, 129],
+        ];
+        for sizes in cases {
+            let mut starts = Vec::new();
+            let mut rows = 0u64;
+            for &n in sizes {
+                starts.push(rows);
+                rows += n;
+            }
+            let locator = RowLocator::new(std::borrow::Cow::Borrowed(&starts), rows);
+            for p in 0..rows {
+                let b = starts.partition_point(|&s| s <= p) - 1;
+                assert_eq!(
+                    locator.locate(p),
+                    (b, (p - starts[b]) as usize),
+                    "{sizes:?} at {p}"
+                );
+            }
+        }
+    }
 }
