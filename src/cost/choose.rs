@@ -14,7 +14,8 @@ use super::model::{Case, CostModel};
 use crate::config::{Algorithm, Backend, FaultPoint};
 use crate::device::plan::{self, reduction};
 use crate::device::{
-    DeviceAlgorithm, GROUP_SAMPLE, GpuDevice, GpuStatus, GroupAlgorithm, KeyWidth, gpu_status,
+    DeviceAlgorithm, DeviceSlot, GROUP_SAMPLE, GpuDevice, GpuStatus, GroupAlgorithm, KeyWidth,
+    gpu_status,
 };
 use crate::keys::KeyLayout;
 use crate::select::cuda::MIN_CAPACITY;
@@ -310,15 +311,21 @@ fn input_form(k: usize, estimate: &Estimate, fault: FaultPoint) -> InputForm {
     }
 }
 
-/// Whether a run on the CPU path is followed by loading the input's columns into the column
-/// cache: under `auto`, over a whole table whose columns are not all resident (the GPU would
-/// have had to ship them first), so that the next query finds them there.
-/// A per-group top-k placed on the GPU: how, why, and the model's prediction.
+/// A per-group top-k placed on the GPU: how, on which device, why, and the model's
+/// prediction.
 pub(crate) struct GroupChoice {
     pub algorithm: GroupAlgorithm,
+    /// The algorithm its whole-table selector is built with ([`GROUP_SELECTOR`]).
+    pub selector_algorithm: DeviceAlgorithm,
+    /// The device weighed, which runs it.
+    pub device: DeviceSlot,
     pub reason: String,
     pub prediction: Option<Box<Prediction>>,
 }
+
+/// A per-group selection's whole-table selector: the fused selection's own, the sampled one
+/// (its groups' step is the [`GroupAlgorithm`]).
+const GROUP_SELECTOR: DeviceAlgorithm = DeviceAlgorithm::Sample;
 
 /// The device's algorithm for `groups` groups (estimated; `None`: unknown) keeping `k` rows
 /// each out of `rows`, and the pairs it sorts. At K = 1 `group-min` (about one pair a group);
@@ -382,6 +389,8 @@ pub(crate) fn choose_groups(
         Err(e) if backend == Backend::Cuda => {
             return Ok(GroupChoice {
                 algorithm: group_algorithm(groups, k, estimate.rows()).0,
+                selector_algorithm: GROUP_SELECTOR,
+                device: device.slot,
                 reason: format!("{gpu}; backend=cuda, uncalibrated ({e})"),
                 prediction: None,
             });
@@ -420,6 +429,8 @@ pub(crate) fn choose_groups(
     );
     let chosen = |reason| GroupChoice {
         algorithm,
+        selector_algorithm: GROUP_SELECTOR,
+        device: device.slot,
         reason,
         prediction: Some(prediction),
     };
@@ -460,6 +471,9 @@ fn cpu_before_start(backend: Backend, estimate: &Estimate, cores: usize) -> Opti
     })
 }
 
+/// Whether a run on the CPU path is followed by loading the input's columns into the column
+/// cache: under `auto`, over a whole table whose columns are not all resident (the GPU would
+/// have had to ship them first), so that the next query finds them there.
 fn warm_up(backend: Backend, estimate: &Estimate) -> bool {
     backend == Backend::Auto && estimate.whole_table && estimate.resident < 1.0
 }

@@ -1,9 +1,13 @@
 //! The operator's metrics, shown by `EXPLAIN ANALYZE`.
 
+use std::sync::Arc;
+
 use datafusion::physical_plan::metrics::{
     Count, ExecutionPlanMetricsSet, Gauge, MetricBuilder, Time,
 };
 
+use crate::config::FaultPoint;
+use crate::device::watch::DeviceWatch;
 use crate::select::TransferMetrics;
 
 /// Metrics shown by `EXPLAIN ANALYZE`.
@@ -78,4 +82,27 @@ impl TopKMetrics {
             },
         }
     }
+}
+
+/// An operator's device accounting for one query ([`DeviceWatch`]): at most `limit` device
+/// bytes (0: no limit), the device operation `fault` names failing (faults at a selector's
+/// steps are the selector's), and the bytes held reported into the operator's gauges.
+pub(super) fn device_watch(
+    limit: usize,
+    fault: FaultPoint,
+    device_bytes_held: &Gauge,
+    device_peak_bytes: &Gauge,
+    pinned_bytes_held: &Gauge,
+) -> Arc<DeviceWatch> {
+    let device_fault = match fault {
+        FaultPoint::Device(op, n) => Some((op, n)),
+        _ => None,
+    };
+    Arc::new(DeviceWatch::new(
+        limit,
+        device_fault,
+        device_bytes_held.clone(),
+        device_peak_bytes.clone(),
+        pinned_bytes_held.clone(),
+    ))
 }

@@ -29,11 +29,10 @@ mod whole_table;
 
 use super::TopKSpec;
 use super::dynamic_filter::{Publisher, threshold_predicate};
-use super::metrics::TopKMetrics;
+use super::metrics::{TopKMetrics, device_watch};
 use super::row_store::RowStore;
 use crate::config::FaultPoint;
 use crate::cost::{InputForm, SelectionPlan};
-use crate::device::watch::DeviceWatch;
 use crate::fusion::FusedProgram;
 use crate::select::{self, DeviceError, SelectionSpec, Selector, TopKSelector};
 use fused::FusedPending;
@@ -248,15 +247,12 @@ impl TopKRun {
     /// fault; `program`: the generated program it runs, if any.
     fn selection_spec(&self, program: Option<Arc<FusedProgram>>) -> SelectionSpec {
         let spec = &self.spec;
-        let watch = DeviceWatch::new(
+        let watch = device_watch(
             spec.device_memory_limit,
-            match spec.fault {
-                FaultPoint::Device(op, n) => Some((op, n)),
-                _ => None,
-            },
-            self.metrics.device_bytes_held.clone(),
-            self.metrics.device_peak_bytes.clone(),
-            self.metrics.pinned_bytes_held.clone(),
+            spec.fault,
+            &self.metrics.device_bytes_held,
+            &self.metrics.device_peak_bytes,
+            &self.metrics.pinned_bytes_held,
         );
         SelectionSpec {
             program,
@@ -266,7 +262,7 @@ impl TopKRun {
                 .and_then(|p| p.model)
                 .map(|m| Arc::new(m) as Arc<dyn select::FinalChoice>),
             fault: spec.fault,
-            watch: Some(Arc::new(watch)),
+            watch: Some(watch),
             transfers: self.metrics.transfers.clone(),
             refined_rows: self.metrics.rows_refined.clone(),
             device: spec.device.unwrap_or_default(),

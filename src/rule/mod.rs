@@ -844,6 +844,8 @@ pub(super) fn group_device(
     let choice = cost::choose_groups(cost_settings(config), &layout, estimate, *groups, k)?;
     Ok(crate::exec::GroupDevicePlan {
         algorithm: choice.algorithm,
+        selector_algorithm: choice.selector_algorithm,
+        device: choice.device,
         reason: choice.reason,
         prediction: choice.prediction.map(|p| *p),
         table: absorbed.input,

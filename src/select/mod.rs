@@ -323,8 +323,9 @@ pub enum Selector {
 }
 
 /// The single entry point: builds the selector of the plan the cost model made (a streaming
-/// one wrapped to fail at `spec.fault` when a fault is injected). A device plan without a
-/// usable GPU is a [`DeviceError`].
+/// one wrapped to fail at `spec.fault` when a fault is injected; a whole-table one, which
+/// selects in one step, fails as it is built). A device plan without a usable GPU is a
+/// [`DeviceError`].
 pub(crate) fn create_selector(spec: &SelectionSpec, plan: &SelectionPlan) -> Result<Selector> {
     if spec.fault == FaultPoint::Create {
         return Err(fault::injected(spec.fault));
@@ -347,6 +348,11 @@ pub(crate) fn create_selector(spec: &SelectionSpec, plan: &SelectionPlan) -> Res
             match input {
                 InputForm::Streamed => cuda::new_cuda_selector(spec, device, algorithm)?,
                 InputForm::WholeTable => {
+                    // A whole-table selection is one step, its only push and its finish: a
+                    // fault injected at either fails it before any device work.
+                    if matches!(spec.fault, FaultPoint::Push(_) | FaultPoint::Finish) {
+                        return Err(fault::injected(spec.fault));
+                    }
                     let table = TableSelector::new(spec, device, algorithm)?;
                     return Ok(Selector::WholeTable(Box::new(table)));
                 }
