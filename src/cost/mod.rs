@@ -15,11 +15,13 @@
 //! candidates. EXPLAIN shows the choice and the prediction, EXPLAIN VERBOSE every
 //! alternative's, and EXPLAIN ANALYZE the measured `operator_time` beside `predicted_time`.
 //! At run time an `auto` selector re-asks the model for the final selection, with the actual
-//! number of candidates.
+//! number of candidates, and the operator asks [`policy`] how its run goes on where the plan
+//! meets the input (a first run's rows, the cache's room, Parquet pages, a device failure).
 
 pub mod calibration;
 mod choose;
 pub(crate) mod model;
+pub mod policy;
 pub mod validation;
 
 pub use crate::select::{InputForm, SelectionChoice, SelectionPlan};

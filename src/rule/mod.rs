@@ -627,9 +627,7 @@ fn build_top_k(
         } => (plan, reason, prediction.map(|p| *p)),
         Placement::Decline(why) => return because(why),
     };
-    if !config.load_after_cpu && plan.warm_up() {
-        plan = SelectionPlan::CPU;
-    }
+    plan = cost::policy::with_load_after_cpu(plan, config.load_after_cpu);
     let spec = TopKSpec {
         fusion,
         sort_exprs: absorbed.sort_exprs,
