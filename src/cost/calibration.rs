@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys::CUdevice_attribute;
 
 use super::model::{Case, CostModel, Fit, Fits, Machine, Part, solve_fit};
-use crate::device::engine::fill_staging;
+use crate::device::engine::{DevicePairs, fill_staging};
 use crate::device::kernels::{KernelSources, cache_key, default_cache_dir};
 use crate::device::measure::{ReadFloor, time_selection};
 use crate::device::{
@@ -269,46 +269,16 @@ fn measure(
     let mut input = engine.upload_pairs(&keys, &ids)?;
     input.set_positional(true);
 
-    let read_s = times(&mut engine, &mut spread, |e| {
-        floor.time_read(e, input.key_at(0), LARGE, 4)
-    })?;
-    let launch_s = times(&mut engine, &mut spread, |e| {
-        let timer = GpuTimer::start(e.stream())?;
-        for _ in 0..64 {
-            floor.launch(e, input.key_at(0), 1024, 4)?;
-        }
-        Ok(f64::from(timer.stop()?) / 64.0)
-    })?;
-    let readback_s = times(&mut engine, &mut 1.0, |e| {
-        e.synchronize()?;
-        let started = Instant::now();
-        e.read_bytes(input.key_at(0), 8)?;
-        Ok(started.elapsed().as_secs_f64() * 1e3)
-    })?;
-    // The DMA from pinned memory alone: the operator's partitions fill their staging
-    // buffers in parallel, off the device lock.
-    let upload_bytes = 64 << 20;
-    let mut staged = fill_staging(device, &[vec![&keys[..upload_bytes]]])?;
-    let upload_s = times(&mut engine, &mut 1.0, |e| {
-        e.synchronize()?;
-        let started = Instant::now();
-        e.upload_staged(&mut staged)?;
-        e.synchronize()?;
-        Ok(started.elapsed().as_secs_f64() * 1e3)
-    })?;
-    drop(staged);
+    let machine = measure_machine(
+        device,
+        params,
+        &mut engine,
+        &floor,
+        (&input, &keys),
+        &mut spread,
+    )?;
     let mut model = CostModel {
-        machine: Machine {
-            read_bw: (4 * LARGE) as f64 / read_s,
-            launch_s,
-            readback_s,
-            pcie_bw: upload_bytes as f64 / upload_s,
-            shared_bw: params.shared_bandwidth(),
-            max_shared_per_block: params.shared_per_block,
-            sm_count: params.sm_count,
-            cpu_rows_per_s: cpu_rows_per_second(),
-            cpu_cores: cpu_cores(),
-        },
+        machine,
         fits: Fits::default(),
     };
     let mut references = Vec::new();
@@ -385,6 +355,80 @@ fn measure(
         predicted_s: model.filter_time(LARGE, LARGE / 2, KeyWidth::W32),
     });
 
+    fit_algorithms(
+        &mut model,
+        &mut engine,
+        &floor,
+        &input,
+        &mut spread,
+        &mut references,
+    )?;
+    engine.synchronize()?;
+    Ok((model, references, spread))
+}
+
+/// The machine's rates ([`Machine`]): the read floor over `input`'s keys, the launch gap, a
+/// read-back's round trip, the upload of `keys` from pinned staging, and the CPU selector's
+/// rows per second.
+fn measure_machine(
+    device: &Arc<GpuDevice>,
+    params: &DeviceParams,
+    engine: &mut TopKEngine,
+    floor: &ReadFloor,
+    (input, keys): (&DevicePairs, &[u8]),
+    spread: &mut f64,
+) -> GpuResult<Machine> {
+    let read_s = times(engine, spread, |e| {
+        floor.time_read(e, input.key_at(0), LARGE, 4)
+    })?;
+    let launch_s = times(engine, spread, |e| {
+        let timer = GpuTimer::start(e.stream())?;
+        for _ in 0..64 {
+            floor.launch(e, input.key_at(0), 1024, 4)?;
+        }
+        Ok(f64::from(timer.stop()?) / 64.0)
+    })?;
+    let readback_s = times(engine, &mut 1.0, |e| {
+        e.synchronize()?;
+        let started = Instant::now();
+        e.read_bytes(input.key_at(0), 8)?;
+        Ok(started.elapsed().as_secs_f64() * 1e3)
+    })?;
+    // The DMA from pinned memory alone: the operator's partitions fill their staging
+    // buffers in parallel, off the device lock.
+    let upload_bytes = 64 << 20;
+    let mut staged = fill_staging(device, &[vec![&keys[..upload_bytes]]])?;
+    let upload_s = times(engine, &mut 1.0, |e| {
+        e.synchronize()?;
+        let started = Instant::now();
+        e.upload_staged(&mut staged)?;
+        e.synchronize()?;
+        Ok(started.elapsed().as_secs_f64() * 1e3)
+    })?;
+    drop(staged);
+    Ok(Machine {
+        read_bw: (4 * LARGE) as f64 / read_s,
+        launch_s,
+        readback_s,
+        pcie_bw: upload_bytes as f64 / upload_s,
+        shared_bw: params.shared_bandwidth(),
+        max_shared_per_block: params.shared_per_block,
+        sm_count: params.sm_count,
+        cpu_rows_per_s: cpu_rows_per_second(),
+        cpu_cores: cpu_cores(),
+    })
+}
+
+/// Fits each device algorithm's two constants from its runs over 2^16 and 2^26 of `input`'s
+/// keys, into `model` (the sort and filter fitted before), with their references.
+fn fit_algorithms(
+    model: &mut CostModel,
+    engine: &mut TopKEngine,
+    floor: &ReadFloor,
+    input: &DevicePairs,
+    spread: &mut f64,
+    references: &mut Vec<Reference>,
+) -> GpuResult<()> {
     // Sample before delegate: the delegates' selection is a sampled one.
     for algorithm in [
         DeviceAlgorithm::Sample,
@@ -394,16 +438,16 @@ fn measure(
     ] {
         let run = |e: &mut TopKEngine, n: usize| -> GpuResult<f64> {
             floor.flush_l2(e)?;
-            Ok(time_selection(e, &input, n, REFERENCE_K, algorithm)?.0)
+            Ok(time_selection(e, input, n, REFERENCE_K, algorithm)?.0)
         };
-        let t_small = times(&mut engine, &mut spread, |e| run(e, SMALL))?;
-        let t_large = times(&mut engine, &mut spread, |e| run(e, LARGE))?;
+        let t_small = times(engine, spread, |e| run(e, SMALL))?;
+        let t_large = times(engine, spread, |e| run(e, LARGE))?;
         let case = |n| Case::positional(n, REFERENCE_K, KeyWidth::W32);
         let fitted = fit(
-            &model,
+            model,
             Part::Algorithm(algorithm),
             [(case(SMALL), t_small), (case(LARGE), t_large)],
-            &mut references,
+            references,
             algorithm.name(),
         );
         match algorithm {
@@ -413,8 +457,7 @@ fn measure(
             DeviceAlgorithm::Delegate => model.fits.delegate = fitted,
         }
     }
-    engine.synchronize()?;
-    Ok((model, references, spread))
+    Ok(())
 }
 
 /// Seconds: the fastest of `REPS` runs of `f` (milliseconds each) after one warm-up. The

@@ -1,21 +1,24 @@
-//! The one place a query's selection is decided: [`choose`] resolves the settings against
-//! the machine and the model once per query into a [`SelectionPlan`] (where the selection
-//! runs, with which algorithm, over which input form, and whether the column cache is warmed
-//! up after it); [`device_algorithm`] resolves a forced algorithm; and the model answers an
-//! `auto` selector's final selection ([`FinalChoice`]).
+//! The one place a query's selection is decided, as pure functions of the settings, the
+//! statistics and the machine's facts ([`super::facts`]): [`before_device`] settles what the
+//! settings and the device's start decide, and [`choose`] resolves the rest against the
+//! device and the model once per query into a [`SelectionPlan`] (where the selection runs,
+//! with which algorithm, over which input form, and whether the column cache is warmed up
+//! after it); [`groups_before_device`] and [`choose_groups`] do the same for a per-group
+//! top-k; [`device_algorithm`] resolves a forced algorithm; and the model answers an `auto`
+//! selector's final selection ([`FinalChoice`]).
 
 use std::path::Path;
 use std::time::Duration;
 
 use datafusion::error::{DataFusionError, Result};
 
-use super::calibration;
+use super::calibration::Calibration;
+use super::facts::{DeviceFacts, GpuFacts, Needs, StartFacts};
 use super::model::{Case, CostModel};
 use crate::config::{Algorithm, Backend, FaultPoint};
 use crate::device::plan::{self, reduction};
 use crate::device::{
-    DeviceAlgorithm, DeviceSlot, GROUP_SAMPLE, GpuDevice, GpuStatus, GroupAlgorithm, KeyWidth,
-    gpu_status,
+    DeviceAlgorithm, DeviceSlot, GROUP_SAMPLE, GpuDevice, GroupAlgorithm, KeyWidth,
 };
 use crate::keys::KeyLayout;
 use crate::select::cuda::MIN_CAPACITY;
@@ -145,148 +148,269 @@ pub(crate) struct Settings<'a> {
     pub fault: FaultPoint,
 }
 
-/// Resolves the settings against the machine and the model. `k` is fetch + offset. On the GPU
-/// the kernels are loaded here (compiled by NVRTC on first use, cached in the kernel cache
-/// directory), so a compile failure shows in EXPLAIN and the query runs on the CPU path; so is
-/// the calibration (measured once per device, then read from the same directory).
+/// What [`before_device`] settled, or what the device must give [`choose`] to settle it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Stage {
+    /// Decided without the device.
+    Decided(Placement),
+    /// Decided by [`choose`] over [`DeviceFacts`] gathered with these needs.
+    Gather(Needs),
+}
+
+/// The decision before the device is touched. `k` is fetch + offset. The CPU path where the
+/// settings force it, or (under `auto`, the device not started) where the statistics show it
+/// ends before the device could start; else what [`DeviceFacts::gather`] must read for
+/// [`choose`]: the calibration, except where the key layout's string prefixes settle the
+/// query on the CPU path whatever the model says.
+pub(crate) fn before_device(
+    settings: Settings<'_>,
+    layout: &KeyLayout,
+    k: usize,
+    estimate: &Estimate,
+    start: &StartFacts,
+) -> Stage {
+    if let Some(placement) = forced_cpu(settings) {
+        return Stage::Decided(placement);
+    }
+    if let Some(placement) = before_start(settings.backend, estimate, start) {
+        return Stage::Decided(placement);
+    }
+    let input = input_form(k, estimate, settings.fault);
+    Stage::Gather(Needs {
+        calibration: prefix_route(settings.backend, layout, input, estimate).is_none(),
+    })
+}
+
+/// The CPU path where the settings force it.
+fn forced_cpu(settings: Settings<'_>) -> Option<Placement> {
+    (settings.backend == Backend::Cpu || settings.algorithm == Algorithm::Cpu).then(|| {
+        Placement::Run {
+            plan: SelectionPlan::CPU,
+            reason: "CPU path forced by settings".into(),
+            prediction: None,
+        }
+    })
+}
+
+/// Where a key layout with string prefixes keeps a query off the device whatever the model
+/// predicts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PrefixRoute {
+    /// The device selects a prefix layout over a whole table only (where it can read the rows
+    /// that tie the k-th composite again): a streamed one runs on the CPU path.
+    Streamed,
+    /// Under `auto`, the host derives a string column's prefix words from every string before
+    /// they can be shipped: more than the CPU path's whole query. They are loaded after the
+    /// run, for the next query.
+    NotResident,
+}
+
+fn prefix_route(
+    backend: Backend,
+    layout: &KeyLayout,
+    input: InputForm,
+    estimate: &Estimate,
+) -> Option<PrefixRoute> {
+    layout.prefix_note()?;
+    if input != InputForm::WholeTable {
+        Some(PrefixRoute::Streamed)
+    } else if backend == Backend::Auto && estimate.resident < 1.0 {
+        Some(PrefixRoute::NotResident)
+    } else {
+        None
+    }
+}
+
+/// Resolves the settings against the device's facts and the model, where [`before_device`]
+/// asked for them (`device` gathered with its [`Needs`]). A device without kernels (a compile
+/// failure) shows in EXPLAIN, and the query runs on the CPU path.
 pub(crate) fn choose(
     settings: Settings<'_>,
     layout: &KeyLayout,
     k: usize,
     estimate: Estimate,
+    device: &DeviceFacts,
 ) -> Placement {
     let Settings {
         backend,
         algorithm,
-        kernel_cache_dir,
-        recalibrate,
         fault,
+        ..
     } = settings;
-    if backend == Backend::Cpu || algorithm == Algorithm::Cpu {
-        return Placement::Run {
-            plan: SelectionPlan::CPU,
-            reason: "CPU path forced by settings".into(),
-            prediction: None,
-        };
-    }
-    let cpu_or_decline = |why: String| match backend {
-        Backend::Cuda => Placement::Run {
-            plan: SelectionPlan::CPU,
-            reason: format!("backend=cuda, but {why}: CPU path"),
-            prediction: None,
-        },
-        _ => Placement::Decline(why),
-    };
-    if let Some(placement) = before_start(backend, &estimate) {
-        return placement;
-    }
     let input = input_form(k, &estimate, fault);
-    let device = match gpu_status() {
-        GpuStatus::Unavailable(why) => return cpu_or_decline(format!("no GPU found ({why})")),
-        GpuStatus::Available(device) => device,
+    let device = match device {
+        DeviceFacts::NoGpu(why) => {
+            return cpu_or_decline(backend, format!("no GPU found ({why})"));
+        }
+        DeviceFacts::NoKernels(e) => {
+            return cpu_or_decline(backend, format!("the GPU kernels are unusable ({e})"));
+        }
+        DeviceFacts::Ready(device) => device,
     };
-    if let Err(e) = device.kernels_with_cache_dir(kernel_cache_dir) {
-        return cpu_or_decline(format!("the GPU kernels are unusable ({e})"));
-    }
-    let gpu = format!("GPU {}", device.describe());
-    if let Some(note) = layout.prefix_note()
-        && input != InputForm::WholeTable
-    {
-        // The device selects a prefix layout over a whole table only (where it can read the
-        // rows that tie the k-th composite again): a streamed one runs on the CPU path.
-        let why = match backend {
-            Backend::Cuda => {
-                "backend=cuda, but the device selects string prefixes over whole tables only"
+    let gpu = format!("GPU {}", device.describe);
+    if let Some(route) = prefix_route(backend, layout, input, &estimate) {
+        let note = layout
+            .prefix_note()
+            .expect("a prefix route has a prefix layout");
+        return match route {
+            PrefixRoute::Streamed => {
+                let why = match backend {
+                    Backend::Cuda => {
+                        "backend=cuda, but the device selects string prefixes over whole tables only"
+                    }
+                    _ => "the device selects string prefixes over whole tables only",
+                };
+                Placement::Run {
+                    plan: SelectionPlan::CPU,
+                    reason: format!("{gpu}; {note}; {why}: CPU path"),
+                    prediction: None,
+                }
             }
-            _ => "the device selects string prefixes over whole tables only",
-        };
-        return Placement::Run {
-            plan: SelectionPlan::CPU,
-            reason: format!("{gpu}; {note}; {why}: CPU path"),
-            prediction: None,
-        };
-    }
-    if let Some(note) = layout.prefix_note()
-        && backend == Backend::Auto
-        && estimate.resident < 1.0
-    {
-        // The host derives a string column's prefix words from every string before they can
-        // be shipped: more than the CPU path's whole query. They are loaded after the run,
-        // for the next query.
-        return Placement::Run {
-            plan: SelectionPlan::Cpu {
-                warm_up: warm_up(backend, &estimate),
+            PrefixRoute::NotResident => Placement::Run {
+                plan: SelectionPlan::Cpu {
+                    warm_up: warm_up(backend, &estimate),
+                },
+                reason: format!(
+                    "{gpu}; {note}; the string prefixes are not resident: CPU path, then loaded"
+                ),
+                prediction: None,
             },
-            reason: format!(
-                "{gpu}; {note}; the string prefixes are not resident: CPU path, then loaded"
-            ),
-            prediction: None,
         };
     }
-    let calibration = calibration::calibration(device, kernel_cache_dir, recalibrate);
-    let model = match &calibration {
+    let calibration = (device.calibration.as_ref())
+        .expect("before_device asks for the calibration where no prefix route settles the query");
+    let model = match calibration {
         Ok(c) => Some(c.model),
         Err(e) => {
             log::warn!("the cost model's calibration failed ({e}); choosing without it");
             None
         }
     };
-    let forced = algorithm != Algorithm::Auto;
-    if forced || model.is_none() {
-        // The setting (or, uncalibrated, the rule of thumb: bitonic up to its k limit, then
-        // radix) names the algorithm; the model, if any, only predicts it.
-        return match device_algorithm(device, layout, k, algorithm) {
-            Ok(chosen) => {
-                let choice = SelectionChoice::Cuda(chosen);
-                let prediction = model.map(|m| -> Box<Prediction> {
-                    let options = predict_options(&m, device, layout, k, &estimate, None);
-                    let seconds = options
-                        .iter()
-                        .find(|(c, _)| *c == choice)
-                        .map_or(f64::NAN, |(_, t)| *t);
-                    Box::new(Prediction {
-                        model: None,
-                        ..prediction_of(options, seconds, &estimate)
-                    })
-                });
-                let why = match &calibration {
-                    Err(e) if !forced => format!("uncalibrated ({e}): rule of thumb"),
-                    _ => format!("algorithm={algorithm}"),
-                };
-                Placement::Run {
-                    plan: SelectionPlan::Cuda {
-                        algorithm: chosen,
-                        input,
-                    },
-                    reason: format!("{gpu}; {why}, k={k}, {}-bit keys", layout.total_bits()),
-                    prediction,
-                }
-            }
-            Err(e) => cpu_or_decline(format!("the GPU cannot run this selection ({e})")),
-        };
+    let on_device = OnDevice {
+        gpu: &gpu,
+        device,
+        layout,
+        k,
+        estimate: &estimate,
+    };
+    match calibration {
+        Ok(calibration) if algorithm == Algorithm::Auto => {
+            fastest(backend, &on_device, input, calibration)
+        }
+        _ => named_algorithm(settings, &on_device, input, model),
     }
-    let model = model.expect("checked above");
+}
+
+/// The CPU path under `backend = cuda`, which the query asked of this operator; else the
+/// operator declines, and DataFusion's TopK runs the query.
+fn cpu_or_decline(backend: Backend, why: String) -> Placement {
+    match backend {
+        Backend::Cuda => Placement::Run {
+            plan: SelectionPlan::CPU,
+            reason: format!("backend=cuda, but {why}: CPU path"),
+            prediction: None,
+        },
+        _ => Placement::Decline(why),
+    }
+}
+
+/// The query over a device with its kernels loaded, as the choices after the prefix routes
+/// read it.
+struct OnDevice<'a> {
+    /// `GPU <name> (...)`, as the reason names it.
+    gpu: &'a str,
+    device: &'a GpuFacts,
+    layout: &'a KeyLayout,
+    k: usize,
+    estimate: &'a Estimate,
+}
+
+/// A forced algorithm, or, uncalibrated, the rule of thumb (bitonic up to its k limit, then
+/// radix): the setting names the algorithm, and the model, if any, only predicts it.
+fn named_algorithm(
+    settings: Settings<'_>,
+    on_device: &OnDevice<'_>,
+    input: InputForm,
+    model: Option<CostModel>,
+) -> Placement {
+    let Settings {
+        backend, algorithm, ..
+    } = settings;
+    let &OnDevice {
+        gpu,
+        device,
+        layout,
+        k,
+        estimate,
+    } = on_device;
+    let forced = algorithm != Algorithm::Auto;
+    let chosen = match algorithm_for(device.max_shared_per_block, layout, k, algorithm) {
+        Ok(chosen) => chosen,
+        Err(e) => {
+            return cpu_or_decline(backend, format!("the GPU cannot run this selection ({e})"));
+        }
+    };
+    let choice = SelectionChoice::Cuda(chosen);
+    let prediction = model.map(|m| -> Box<Prediction> {
+        let options = predict_options(&m, device.last_compile, layout, k, estimate, None);
+        let seconds = options
+            .iter()
+            .find(|(c, _)| *c == choice)
+            .map_or(f64::NAN, |(_, t)| *t);
+        Box::new(Prediction {
+            model: None,
+            ..prediction_of(options, seconds, estimate)
+        })
+    });
+    let why = match &device.calibration {
+        Some(Err(e)) if !forced => format!("uncalibrated ({e}): rule of thumb"),
+        _ => format!("algorithm={algorithm}"),
+    };
+    Placement::Run {
+        plan: SelectionPlan::Cuda {
+            algorithm: chosen,
+            input,
+        },
+        reason: format!("{gpu}; {why}, k={k}, {}-bit keys", layout.total_bits()),
+        prediction,
+    }
+}
+
+/// Under `algorithm = 'auto'` with a calibrated model: the fastest predicted device
+/// algorithm, or the CPU path where the backend is `auto` and it predicts faster (or where
+/// [`cold_files`] sends the query there).
+fn fastest(
+    backend: Backend,
+    on_device: &OnDevice<'_>,
+    input: InputForm,
+    calibration: &Calibration,
+) -> Placement {
+    let model = calibration.model;
+    let &OnDevice {
+        gpu,
+        device,
+        layout,
+        k,
+        estimate,
+    } = on_device;
     // Over a whole table the fused selection's own final step is the sampled one.
     let only = (input == InputForm::WholeTable).then_some(DeviceAlgorithm::Sample);
-    let mut options = predict_options(&model, device, layout, k, &estimate, only);
+    let mut options = predict_options(&model, device.last_compile, layout, k, estimate, only);
     if backend == Backend::Auto {
         options.push((SelectionChoice::Cpu, model.cpu_time(estimate.rows())));
     }
-    let fastest = options.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1));
-    let (choice, seconds) = match cold_files(backend, &estimate, &options) {
+    let best = options.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1));
+    let (choice, seconds) = match cold_files(backend, estimate, &options) {
         Some(cpu) => cpu,
-        None => fastest.expect("the sampled selection is always an option"),
+        None => best.expect("the sampled selection is always an option"),
     };
     let plan = match choice {
         SelectionChoice::Cpu => SelectionPlan::Cpu {
-            warm_up: warm_up(backend, &estimate),
+            warm_up: warm_up(backend, estimate),
         },
         SelectionChoice::Cuda(algorithm) => SelectionPlan::Cuda { algorithm, input },
     };
-    let describe = calibration
-        .as_ref()
-        .map(|c| c.describe())
-        .unwrap_or_default();
+    let describe = calibration.describe();
     Placement::Run {
         plan,
         reason: format!(
@@ -294,7 +418,7 @@ pub(crate) fn choose(
             layout.total_bits()
         ),
         prediction: Some(Box::new(
-            prediction_of(options, seconds, &estimate).with_model(model),
+            prediction_of(options, seconds, estimate).with_model(model),
         )),
     }
 }
@@ -326,6 +450,8 @@ pub(crate) struct GroupChoice {
 /// A per-group selection's whole-table selector: the fused selection's own, the sampled one
 /// (its groups' step is the [`GroupAlgorithm`]).
 const GROUP_SELECTOR: DeviceAlgorithm = DeviceAlgorithm::Sample;
+/// `group-threshold` wins while its limits leave at most one pair in this many to sort.
+const GROUP_THRESHOLD_SHARE: usize = 8;
 
 /// The device's algorithm for `groups` groups (estimated; `None`: unknown) keeping `k` rows
 /// each out of `rows`, and the pairs it sorts. At K = 1 `group-min` (about one pair a group);
@@ -341,7 +467,10 @@ pub(crate) fn group_algorithm(
         return (GroupAlgorithm::Min, groups.unwrap_or(rows).min(rows));
     }
     match groups {
-        Some(groups) if groups.saturating_mul(k).saturating_mul(per_sampled) <= rows / 8 => {
+        Some(groups)
+            if groups.saturating_mul(k).saturating_mul(per_sampled)
+                <= rows / GROUP_THRESHOLD_SHARE =>
+        {
             let sorted = (groups * k * per_sampled).min(rows);
             (GroupAlgorithm::Threshold, sorted)
         }
@@ -353,39 +482,52 @@ pub(crate) fn group_algorithm(
 /// row is converted to arrow's row format and its group looked up before any heap compares it.
 const GROUP_CPU_FACTOR: f64 = 4.0;
 
-/// Where a per-group top-k runs ([`crate::exec::GpuGroupTopKExec`]): `Ok` with the algorithm,
-/// the reason and the model's prediction for the GPU, `Err` with why the CPU path. Under
-/// `auto` the GPU runs where the model predicts its pass and sort (and the columns it ships)
-/// below the CPU path's time: [`GROUP_CPU_FACTOR`] times the top-k selector's calibrated
-/// rate, which the per-group heaps do not beat, so the comparison still leans to the CPU
-/// path.
+/// The per-group top-k's decision before the device is touched: `Err` with why the CPU path
+/// where the settings force it or (under `auto`, the device not started) the statistics show
+/// it ends before the device could start; else what [`DeviceFacts::gather`] must read for
+/// [`choose_groups`] (the calibration).
+pub(crate) fn groups_before_device(
+    settings: Settings<'_>,
+    estimate: &Estimate,
+    start: &StartFacts,
+) -> std::result::Result<Needs, String> {
+    if forced_cpu(settings).is_some() {
+        return Err("CPU path forced by settings".into());
+    }
+    if let Some(Placement::Run { reason, .. }) = before_start(settings.backend, estimate, start) {
+        return Err(reason);
+    }
+    Ok(Needs { calibration: true })
+}
+
+/// Where a per-group top-k runs (the operator `GpuGroupTopKExec`), over the device's facts
+/// that [`groups_before_device`] asked for: `Ok` with the algorithm, the reason and the
+/// model's prediction for the GPU, `Err` with why the CPU path. Under `auto` the GPU runs
+/// where the model predicts its pass and sort (and the columns it ships) below the CPU path's
+/// time: [`GROUP_CPU_FACTOR`] times the top-k selector's calibrated rate, which the per-group
+/// heaps do not beat, so the comparison still leans to the CPU path.
 pub(crate) fn choose_groups(
     settings: Settings<'_>,
     layout: &KeyLayout,
     estimate: Estimate,
     groups: Option<usize>,
     k: usize,
+    device: &DeviceFacts,
 ) -> std::result::Result<GroupChoice, String> {
     let backend = settings.backend;
-    if backend == Backend::Cpu || settings.algorithm == Algorithm::Cpu {
-        return Err("CPU path forced by settings".into());
-    }
-    if let Some(Placement::Run { reason, .. }) = before_start(backend, &estimate) {
-        return Err(reason);
-    }
-    let device = match gpu_status() {
-        GpuStatus::Unavailable(why) => return Err(format!("no GPU found ({why}): CPU path")),
-        GpuStatus::Available(device) => device,
+    let device = match device {
+        DeviceFacts::NoGpu(why) => return Err(format!("no GPU found ({why}): CPU path")),
+        DeviceFacts::NoKernels(e) => {
+            return Err(format!("the GPU kernels are unusable ({e}): CPU path"));
+        }
+        DeviceFacts::Ready(device) => device,
     };
-    if let Err(e) = device.kernels_with_cache_dir(settings.kernel_cache_dir) {
-        return Err(format!("the GPU kernels are unusable ({e}): CPU path"));
-    }
-    let gpu = format!("GPU {}", device.describe());
+    let gpu = format!("GPU {}", device.describe);
     let kind = layout.width();
-    let model = calibration::calibration(device, settings.kernel_cache_dir, settings.recalibrate)
-        .map(|c| c.model);
-    let (model, rows) = match model {
-        Ok(model) => (model, estimate.rows()),
+    let calibration =
+        (device.calibration.as_ref()).expect("groups_before_device asks for the calibration");
+    let (model, rows) = match calibration {
+        Ok(calibration) => (calibration.model, estimate.rows()),
         Err(e) if backend == Backend::Cuda => {
             return Ok(GroupChoice {
                 algorithm: group_algorithm(groups, k, estimate.rows()).0,
@@ -407,7 +549,7 @@ pub(crate) fn choose_groups(
         }
         GroupAlgorithm::SegmentedSort => 0.0,
     };
-    let seconds = compile_seconds(device, &estimate)
+    let seconds = compile_seconds(device.last_compile, &estimate)
         + STAGED_TRANSFER * model.transfer_time(shipped as usize)
         + model.filter_time(rows, rows, kind)
         + limits
@@ -445,15 +587,11 @@ pub(crate) fn choose_groups(
 /// finishes before the device could start (a small file's query then spends nothing on CUDA).
 /// A whole table is still loaded after the run ([`warm_up`]), which starts the device in the
 /// background for the next query.
-fn before_start(backend: Backend, estimate: &Estimate) -> Option<Placement> {
-    if backend != Backend::Auto
-        || crate::device::probed_status().is_some()
-        || !crate::device::probe_is_slow()
-    {
+fn before_start(backend: Backend, estimate: &Estimate, start: &StartFacts) -> Option<Placement> {
+    if backend != Backend::Auto || start.started || !start.slow_start {
         return None;
     }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    cpu_before_start(backend, estimate, cores)
+    cpu_before_start(backend, estimate, start.cores)
 }
 
 /// [`before_start`]'s choice on `cores` cores, once it knows the device is not started.
@@ -530,7 +668,7 @@ fn prediction_of(
 /// The predicted operator time of every device algorithm that takes this k (or of `only`).
 fn predict_options(
     model: &CostModel,
-    device: &GpuDevice,
+    last_compile: Option<Duration>,
     layout: &KeyLayout,
     k: usize,
     estimate: &Estimate,
@@ -544,7 +682,7 @@ fn predict_options(
         .filter_map(|&a| {
             operator_seconds(
                 model,
-                compile_seconds(device, estimate),
+                compile_seconds(last_compile, estimate),
                 a,
                 n,
                 k,
@@ -600,12 +738,9 @@ pub(crate) fn operator_seconds(
 }
 
 /// The generated program's compile, where the estimate says it has to be compiled.
-fn compile_seconds(device: &GpuDevice, estimate: &Estimate) -> f64 {
+fn compile_seconds(last_compile: Option<Duration>, estimate: &Estimate) -> f64 {
     if estimate.compile {
-        device
-            .last_compile_time()
-            .unwrap_or(COMPILE_ESTIMATE)
-            .as_secs_f64()
+        last_compile.unwrap_or(COMPILE_ESTIMATE).as_secs_f64()
     } else {
         0.0
     }
@@ -629,7 +764,18 @@ pub fn device_algorithm(
     k: usize,
     algorithm: Algorithm,
 ) -> Result<DeviceAlgorithm> {
-    let bitonic = plan::bitonic_takes(k, device.max_shared_per_block, layout.width());
+    algorithm_for(device.max_shared_per_block, layout, k, algorithm)
+}
+
+/// [`device_algorithm`] on a device whose blocks may use `max_shared_per_block` bytes of
+/// shared memory.
+fn algorithm_for(
+    max_shared_per_block: usize,
+    layout: &KeyLayout,
+    k: usize,
+    algorithm: Algorithm,
+) -> Result<DeviceAlgorithm> {
+    let bitonic = plan::bitonic_takes(k, max_shared_per_block, layout.width());
     match algorithm {
         Algorithm::Auto if bitonic.is_ok() => Ok(DeviceAlgorithm::Bitonic),
         Algorithm::Auto | Algorithm::Radix => Ok(DeviceAlgorithm::Radix),
@@ -645,223 +791,4 @@ pub fn device_algorithm(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cost::model::h100_like;
-
-    /// Few large groups drop pairs by their limits (30 languages, 3 each); many small groups
-    /// (a user's tweets), a K as large as the groups, and an unknown count sort them all.
-    #[test]
-    fn the_group_algorithm_follows_groups_and_k() {
-        let rows = 20_000_000;
-        let (algorithm, sorted) = group_algorithm(Some(30), 3, rows);
-        assert_eq!(algorithm, GroupAlgorithm::Threshold);
-        assert_eq!(sorted, 30 * 3 * rows.div_ceil(GROUP_SAMPLE));
-        assert_eq!(
-            group_algorithm(Some(4_500_000), 10, rows),
-            (GroupAlgorithm::SegmentedSort, rows)
-        );
-        assert_eq!(
-            group_algorithm(Some(30), 100_000, rows).0,
-            GroupAlgorithm::SegmentedSort
-        );
-        assert_eq!(
-            group_algorithm(None, 2, rows).0,
-            GroupAlgorithm::SegmentedSort
-        );
-        assert_eq!(
-            group_algorithm(Some(4_500_000), 1, rows),
-            (GroupAlgorithm::Min, 4_500_000)
-        );
-        assert_eq!(group_algorithm(Some(30), 1, rows).0, GroupAlgorithm::Min);
-        assert_eq!(group_algorithm(None, 1, rows), (GroupAlgorithm::Min, rows));
-        assert_eq!(
-            group_algorithm(Some(1), 2, 0).0,
-            GroupAlgorithm::SegmentedSort
-        );
-        assert_eq!(
-            group_algorithm(Some(40), 3, 20_000).0,
-            GroupAlgorithm::Threshold
-        );
-    }
-
-    /// Before the device is started, `auto` keeps a query the CPU path ends first off the
-    /// device (and still loads a whole table for the next query); a larger or unknown input
-    /// starts it; other backends never ask.
-    #[test]
-    fn the_cpu_path_runs_while_starting_the_device_would_take_longer() {
-        let estimate = |rows: Option<usize>, whole_table: bool| Estimate {
-            rows,
-            bytes_per_row: 8,
-            compile: false,
-            resident: 0.0,
-            whole_table,
-            decoded: false,
-            pages: false,
-        };
-        let small = cpu_before_start(Backend::Auto, &estimate(Some(1_000_000), true), 16);
-        match small {
-            Some(Placement::Run {
-                plan: SelectionPlan::Cpu { warm_up: true },
-                reason,
-                prediction: None,
-            }) => assert!(reason.contains("GPU is not started"), "{reason}"),
-            other => panic!("{other:?}"),
-        }
-        let streamed = cpu_before_start(Backend::Auto, &estimate(Some(1_000_000), false), 16);
-        assert!(matches!(
-            streamed,
-            Some(Placement::Run {
-                plan: SelectionPlan::Cpu { warm_up: false },
-                ..
-            })
-        ));
-        assert_eq!(
-            cpu_before_start(Backend::Auto, &estimate(Some(1_000_000_000), true), 16),
-            None
-        );
-        assert_eq!(
-            cpu_before_start(Backend::Auto, &estimate(None, true), 16),
-            None
-        );
-        assert_eq!(
-            before_start(Backend::Cuda, &estimate(Some(1_000), true)),
-            None
-        );
-    }
-
-    /// The whole-table path ships only the columns not resident, and a resident table costs
-    /// a pass at device bandwidth: far below the CPU path, and below streaming the input.
-    #[test]
-    fn a_whole_table_costs_its_missing_columns_and_one_pass() {
-        let m = h100_like();
-        let (n, k, kind) = (250_000_000, 50, KeyWidth::W32);
-        let estimate = |resident: f64, whole_table: bool| Estimate {
-            rows: Some(n),
-            bytes_per_row: 12,
-            compile: false,
-            resident,
-            whole_table,
-            decoded: false,
-            pages: false,
-        };
-        let time = |e: &Estimate| {
-            operator_seconds(&m, 0.0, DeviceAlgorithm::Sample, n, k, kind, e).unwrap()
-        };
-        let cold = time(&estimate(0.0, true));
-        let half = time(&estimate(0.5, true));
-        let warm = time(&estimate(1.0, true));
-        let shipped = STAGED_TRANSFER * m.transfer_time(n * 12);
-        assert!(
-            cold > shipped && cold < 1.2 * shipped,
-            "{cold} vs {shipped}"
-        );
-        assert!(warm < half && half < cold, "{warm} {half} {cold}");
-        // Files loaded as their pages: the host reads them before they are staged.
-        let pages = time(&Estimate {
-            pages: true,
-            ..estimate(0.0, true)
-        });
-        let read = PAGES_TRANSFER * m.transfer_time(n * 12);
-        assert!(pages > read && pages < cold + read, "{pages} vs {read}");
-        assert!(warm < 0.05 * m.cpu_time(n), "{warm} vs {}", m.cpu_time(n));
-        assert!(
-            warm < time(&estimate(1.0, false)),
-            "streaming reduces in pushes"
-        );
-    }
-
-    /// Files not yet resident run on the CPU path under `auto` (and load in the background);
-    /// resident ones, in-memory tables and a forced backend are the model's to choose.
-    #[test]
-    fn cold_files_under_auto_take_the_cpu_path() {
-        let options = [
-            (SelectionChoice::Cuda(DeviceAlgorithm::Sample), 0.01),
-            (SelectionChoice::Cpu, 0.2),
-        ];
-        let files = |resident: f64, decoded: bool| Estimate {
-            rows: Some(1 << 20),
-            bytes_per_row: 12,
-            compile: false,
-            resident,
-            whole_table: true,
-            decoded,
-            pages: false,
-        };
-        let cpu = Some((SelectionChoice::Cpu, 0.2));
-        assert_eq!(cold_files(Backend::Auto, &files(0.0, true), &options), cpu);
-        assert_eq!(cold_files(Backend::Auto, &files(0.5, true), &options), cpu);
-        assert_eq!(cold_files(Backend::Auto, &files(1.0, true), &options), None);
-        assert_eq!(
-            cold_files(Backend::Auto, &files(0.0, false), &options),
-            None
-        );
-        assert_eq!(cold_files(Backend::Cuda, &files(0.0, true), &options), None);
-    }
-
-    fn table(whole_table: bool, resident: f64) -> Estimate {
-        Estimate {
-            rows: Some(1 << 20),
-            bytes_per_row: 8,
-            compile: false,
-            resident,
-            whole_table,
-            decoded: false,
-            pages: false,
-        }
-    }
-
-    /// The device reads a whole table at once wherever the input can be read so; it streams
-    /// where there is nothing to select, and where a selector-level fault tests the streaming
-    /// selector's fallback (device-operation faults are injected on either form).
-    #[test]
-    fn the_input_is_read_as_a_whole_table_where_it_can_be() {
-        use crate::config::DeviceOp;
-        let whole = |k, estimate: &Estimate, fault| input_form(k, estimate, fault);
-        assert_eq!(
-            whole(10, &table(true, 0.0), FaultPoint::None),
-            InputForm::WholeTable
-        );
-        assert_eq!(
-            whole(
-                10,
-                &table(true, 1.0),
-                FaultPoint::Device(DeviceOp::Alloc, 1)
-            ),
-            InputForm::WholeTable
-        );
-        assert_eq!(
-            whole(10, &table(false, 0.0), FaultPoint::None),
-            InputForm::Streamed
-        );
-        assert_eq!(
-            whole(0, &table(true, 1.0), FaultPoint::None),
-            InputForm::Streamed
-        );
-        for fault in [FaultPoint::Create, FaultPoint::Push(1), FaultPoint::Finish] {
-            assert_eq!(whole(10, &table(true, 1.0), fault), InputForm::Streamed);
-        }
-    }
-
-    /// A run on the CPU path is followed by loading the columns only under `auto`, over a
-    /// whole table whose columns are not all resident.
-    #[test]
-    fn a_cpu_run_warms_the_cache_under_auto_over_a_table_not_resident() {
-        assert!(warm_up(Backend::Auto, &table(true, 0.0)));
-        assert!(warm_up(Backend::Auto, &table(true, 0.5)));
-        assert!(!warm_up(Backend::Auto, &table(true, 1.0)));
-        assert!(!warm_up(Backend::Auto, &table(false, 0.0)));
-        assert!(!warm_up(Backend::Cuda, &table(true, 0.0)));
-        assert!(!warm_up(Backend::Cpu, &table(true, 0.0)));
-    }
-
-    /// The bitonic top-k's k limit is one rule with one message, which the planner and the
-    /// device both give.
-    #[test]
-    fn the_bitonic_limit_is_one_rule() {
-        let limit = plan::bitonic_max_k(227 * 1024, KeyWidth::W64);
-        assert!(plan::bitonic_takes(limit, 227 * 1024, KeyWidth::W64).is_ok());
-        let why = plan::bitonic_takes(limit + 1, 227 * 1024, KeyWidth::W64).unwrap_err();
-        assert!(why.contains(&format!("up to {limit}")), "{why}");
-    }
-}
+mod tests;

@@ -1,7 +1,11 @@
 //! The cost model: chooses where the selection runs and with which algorithm, and predicts
 //! how long it takes.
 //!
-//! [`choose`] (in `choose.rs`) is the one place the choice is made: it returns a
+//! The choice is a pure function of facts. [`before_device`] settles what the settings
+//! decide, and, under `auto` with the device not started, a query the CPU path ends before the
+//! device could start; otherwise [`DeviceFacts::gather`] (in `facts.rs`), the one place with
+//! side effects, starts the device, loads its kernels and reads or runs the calibration, and
+//! [`choose`] (in `choose.rs`) decides over those facts: it returns a
 //! [`SelectionPlan`] (where, which algorithm, streamed batches or the whole table, warm-up of
 //! the column cache after a CPU run), which the operator, the selectors and the device
 //! execute. Forced settings are taken as they are
@@ -15,13 +19,17 @@
 //! candidates. EXPLAIN shows the choice and the prediction, EXPLAIN VERBOSE every
 //! alternative's, and EXPLAIN ANALYZE the measured `operator_time` beside `predicted_time`.
 //! At run time an `auto` selector re-asks the model for the final selection, with the actual
-//! number of candidates.
+//! number of candidates, and the operator asks [`policy`] how its run goes on where the plan
+//! meets the input (a first run's rows, the cache's room, Parquet pages, a device failure).
 
 pub mod calibration;
 mod choose;
+mod facts;
 pub(crate) mod model;
+pub mod policy;
 pub mod validation;
 
 pub use crate::select::{InputForm, SelectionChoice, SelectionPlan};
 pub use choose::*;
+pub(crate) use facts::{DeviceFacts, StartFacts};
 pub use model::{Case, CostModel};

@@ -280,7 +280,6 @@ impl CostModel {
     }
 
     fn work(&self, algorithm: DeviceAlgorithm, case: &Case) -> Option<(Work, Fit)> {
-        let m = &self.machine;
         let (n, k) = (case.n, case.k);
         if algorithm == DeviceAlgorithm::Bitonic && k > self.bitonic_max_k(case.kind) {
             return None; // whatever n is: an empty input must not pick what cannot run
@@ -323,103 +322,116 @@ impl CostModel {
                     };
                     (work, self.fits.sort)
                 }
-                Route::SampleLevels => {
-                    let plan = plan_sample_levels(n, k, sample_size(case.kind), RANK_SORT_MAX);
-                    let s_max = sample_size(case.kind) as f64;
-                    let mut w = Work {
-                        launches: 1.0, // the control block's memset
-                        ..Work::default()
-                    };
-                    let mut level_n = n;
-                    for (i, level) in plan.iter().enumerate() {
-                        let expected = sample_level_bounds(level_n, k, level.s.min(level_n))
-                            .map_or(k, |(e, _)| e.max(k));
-                        w.launches += 2.0;
-                        // The one-block threshold costs in proportion to its sample, on top of a
-                        // fixed part.
-                        w.steps += 0.6 + 0.4 * (level.s as f64 / s_max).min(1.0);
-                        let read = if i == 0 {
-                            case.input_bytes()
-                        } else {
-                            case.pair_bytes()
-                        };
-                        w.bytes += level_n as f64 * read + expected as f64 * case.pair_bytes();
-                        level_n = expected;
-                    }
-                    w.readbacks += 1.0;
-                    if k <= RANK_SORT_MAX {
-                        w.launches += 1.0;
-                        w.steps += 1.0;
-                    } else {
-                        w.nested_s += self.finish_survivors(level_n, case);
-                    }
-                    (w, self.fits.sample)
-                }
+                Route::SampleLevels => (self.sample_levels_work(case), self.fits.sample),
                 Route::RadixSelect => {
                     let mut w = self.radix_select_work(case);
                     w.nested_s += self.sort_time(k, case.kind, rows, n);
                     (w, self.fits.radix)
                 }
-                Route::Bitonic => {
-                    let k2 = k.next_power_of_two();
-                    let chunk = bitonic_chunk(m.max_shared_per_block, case.kind);
-                    let lk = (k2 as f64).log2();
-                    // Plus a fixed part per pair (loading the chunk, the runs' first steps, the
-                    // write-out): about 9 exchanges' worth.
-                    let exchanges = lk * (lk + 1.0) / 2.0 + 2.0 * (lk + 1.0) + 9.0;
-                    let mut w = Work::default();
-                    let mut len = n;
-                    loop {
-                        let blocks = len.div_ceil(chunk).max(1);
-                        // The rounds read (key, row id) pairs, positional input too.
-                        let global = len as f64 * case.pair_bytes()
-                            + (blocks * k2) as f64 * case.pair_bytes();
-                        // Each compare-exchange step reads and writes every pair in shared memory.
-                        let shared = len as f64 * exchanges * 2.0 * case.pair_bytes();
-                        // One block per chunk: fewer blocks than SMs leave the rest idle.
-                        let occupancy = (blocks as f64 / m.sm_count.max(1) as f64).min(1.0);
-                        w.bytes += global.max(shared * m.read_bw / m.shared_bw) / occupancy;
-                        w.launches += 1.0;
-                        w.steps += 1.0;
-                        len = blocks * k2;
-                        if blocks == 1 {
-                            break;
-                        }
-                    }
-                    (w, self.fits.bitonic)
-                }
-                Route::Delegate(s) => {
-                    let delegates = n.div_ceil(s);
-                    let mut w = Work {
-                        launches: 4.0, // delegates, threshold, count reset, gather
-                        steps: 2.0,
-                        readbacks: 1.0,
-                        ..Work::default()
-                    };
-                    w.bytes += n as f64 * case.input_bytes() + delegates as f64 * case.pair_bytes();
-                    let best = Case::pairs(delegates, k, case.kind, rows);
-                    w.nested_s += self.predict(DeviceAlgorithm::Sample, &best)?;
-                    // The winning subranges hold the k best delegates; about 2k of their pairs
-                    // fall at or below the k-th delegate (more when keys tie).
-                    let gathered = (k * s).min(n);
-                    let count = ((2 * k) as f64)
-                        .max(case.ties * n as f64)
-                        .min(gathered as f64);
-                    w.bytes += gathered as f64 * case.input_bytes() + count * case.pair_bytes();
-                    let count = count as usize;
-                    let candidates = Case {
-                        ties: 0.0,
-                        ..Case::pairs(count, k, case.kind, rows)
-                    };
-                    w.nested_s += if count <= DIRECT_SORT_FACTOR * k.max(DIRECT_SORT_MIN) {
-                        self.sort_time(count, case.kind, rows, n)
-                    } else {
-                        self.predict(DeviceAlgorithm::Sample, &candidates)?
-                    };
-                    (w, self.fits.delegate)
-                }
+                Route::Bitonic => (self.bitonic_work(case), self.fits.bitonic),
+                Route::Delegate(s) => (self.delegate_work(case, s)?, self.fits.delegate),
             },
         )
+    }
+
+    /// The sampled selection's levels (its [`Route::SampleLevels`]).
+    fn sample_levels_work(&self, case: &Case) -> Work {
+        let (n, k) = (case.n, case.k);
+        let plan = plan_sample_levels(n, k, sample_size(case.kind), RANK_SORT_MAX);
+        let s_max = sample_size(case.kind) as f64;
+        let mut w = Work {
+            launches: 1.0, // the control block's memset
+            ..Work::default()
+        };
+        let mut level_n = n;
+        for (i, level) in plan.iter().enumerate() {
+            let expected =
+                sample_level_bounds(level_n, k, level.s.min(level_n)).map_or(k, |(e, _)| e.max(k));
+            w.launches += 2.0;
+            // The one-block threshold costs in proportion to its sample, on top of a
+            // fixed part.
+            w.steps += 0.6 + 0.4 * (level.s as f64 / s_max).min(1.0);
+            let read = if i == 0 {
+                case.input_bytes()
+            } else {
+                case.pair_bytes()
+            };
+            w.bytes += level_n as f64 * read + expected as f64 * case.pair_bytes();
+            level_n = expected;
+        }
+        w.readbacks += 1.0;
+        if k <= RANK_SORT_MAX {
+            w.launches += 1.0;
+            w.steps += 1.0;
+        } else {
+            w.nested_s += self.finish_survivors(level_n, case);
+        }
+        w
+    }
+
+    /// The bitonic top-k's rounds (its [`Route::Bitonic`]).
+    fn bitonic_work(&self, case: &Case) -> Work {
+        let m = &self.machine;
+        let (n, k) = (case.n, case.k);
+        let k2 = k.next_power_of_two();
+        let chunk = bitonic_chunk(m.max_shared_per_block, case.kind);
+        let lk = (k2 as f64).log2();
+        // Plus a fixed part per pair (loading the chunk, the runs' first steps, the
+        // write-out): about 9 exchanges' worth.
+        let exchanges = lk * (lk + 1.0) / 2.0 + 2.0 * (lk + 1.0) + 9.0;
+        let mut w = Work::default();
+        let mut len = n;
+        loop {
+            let blocks = len.div_ceil(chunk).max(1);
+            // The rounds read (key, row id) pairs, positional input too.
+            let global = len as f64 * case.pair_bytes() + (blocks * k2) as f64 * case.pair_bytes();
+            // Each compare-exchange step reads and writes every pair in shared memory.
+            let shared = len as f64 * exchanges * 2.0 * case.pair_bytes();
+            // One block per chunk: fewer blocks than SMs leave the rest idle.
+            let occupancy = (blocks as f64 / m.sm_count.max(1) as f64).min(1.0);
+            w.bytes += global.max(shared * m.read_bw / m.shared_bw) / occupancy;
+            w.launches += 1.0;
+            w.steps += 1.0;
+            len = blocks * k2;
+            if blocks == 1 {
+                break;
+            }
+        }
+        w
+    }
+
+    /// Dr. Top-k's delegates over subranges of `s` pairs (its [`Route::Delegate`]).
+    fn delegate_work(&self, case: &Case, s: usize) -> Option<Work> {
+        let (n, k) = (case.n, case.k);
+        let rows = if case.positional { n } else { case.rows };
+        let delegates = n.div_ceil(s);
+        let mut w = Work {
+            launches: 4.0, // delegates, threshold, count reset, gather
+            steps: 2.0,
+            readbacks: 1.0,
+            ..Work::default()
+        };
+        w.bytes += n as f64 * case.input_bytes() + delegates as f64 * case.pair_bytes();
+        let best = Case::pairs(delegates, k, case.kind, rows);
+        w.nested_s += self.predict(DeviceAlgorithm::Sample, &best)?;
+        // The winning subranges hold the k best delegates; about 2k of their pairs
+        // fall at or below the k-th delegate (more when keys tie).
+        let gathered = (k * s).min(n);
+        let count = ((2 * k) as f64)
+            .max(case.ties * n as f64)
+            .min(gathered as f64);
+        w.bytes += gathered as f64 * case.input_bytes() + count * case.pair_bytes();
+        let count = count as usize;
+        let candidates = Case {
+            ties: 0.0,
+            ..Case::pairs(count, k, case.kind, rows)
+        };
+        w.nested_s += if count <= DIRECT_SORT_FACTOR * k.max(DIRECT_SORT_MIN) {
+            self.sort_time(count, case.kind, rows, n)
+        } else {
+            self.predict(DeviceAlgorithm::Sample, &candidates)?
+        };
+        Some(w)
     }
 
     /// A sampled selection's end for large k: sort the survivors, or radix-select k of them

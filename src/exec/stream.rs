@@ -32,7 +32,7 @@ use super::dynamic_filter::{Publisher, threshold_predicate};
 use super::metrics::{TopKMetrics, device_watch};
 use super::row_store::RowStore;
 use crate::config::FaultPoint;
-use crate::cost::{InputForm, SelectionPlan};
+use crate::cost::{InputForm, SelectionPlan, policy};
 use crate::fusion::FusedProgram;
 use crate::select::{self, DeviceError, SelectionSpec, Selector, TopKSelector};
 use fused::FusedPending;
@@ -187,17 +187,14 @@ impl TopKRun {
                     self.metrics.output_rows.add(batch.num_rows());
                     return Ok(batch);
                 }
-                // A prefix layout's streamed selection is the CPU path's, and so is one whose
-                // program reads whole string columns.
-                WholeTable::Stream
-                    if !self.spec.layout.exact()
-                        || (self.spec.fusion.program.as_ref())
-                            .is_some_and(|p| p.reads_strings()) =>
-                {
-                    SelectionPlan::CPU
+                // A prefix layout's selection, and one whose program reads whole string
+                // columns, run on the device over whole tables only.
+                WholeTable::Stream => {
+                    let whole_tables_only = !self.spec.layout.exact()
+                        || (self.spec.fusion.program.as_ref()).is_some_and(|p| p.reads_strings());
+                    policy::streamed_after_table(plan, whole_tables_only)
                 }
-                WholeTable::Stream => plan.on_streamed_input(),
-                WholeTable::Cpu => SelectionPlan::CPU,
+                WholeTable::Cpu => policy::after_device_error(),
             },
         };
         let shared = Arc::new(self.start(&streamed)?);
@@ -346,7 +343,7 @@ impl TopKRun {
 /// The CPU path's selector, which takes over after a device error.
 fn cpu_mode(spec: &TopKSpec) -> Result<Mode> {
     let selection = SelectionSpec::new(spec.layout.clone(), spec.k);
-    let selector = match select::create_selector(&selection, &SelectionPlan::CPU)? {
+    let selector = match select::create_selector(&selection, &policy::after_device_error())? {
         Selector::Streamed(selector) => selector,
         Selector::WholeTable(_) => {
             return datafusion::common::internal_err!("the CPU path streams its input");

@@ -127,7 +127,8 @@ pub(crate) async fn load_inputs(
         {
             continue;
         }
-        let on_device = [image == ColumnImage::Values && on_device && !codes];
+        // The device decodes pages into a values image only, and not into renumbered codes.
+        let on_device = [on_device && image == ColumnImage::Values && !codes];
         let (decoded, mut encoded) =
             read_missing(&files, &store, &layout, &[c], &on_device, false).await;
         let mut chunks = decoded?.remove(0);

@@ -604,7 +604,7 @@ fn build_top_k(
                 estimate.pages = pages;
             }
         }
-        (fusion, cost::choose(settings, &layout, k, estimate))
+        (fusion, place_top_k(settings, &layout, k, estimate))
     };
     let (mut fusion, mut placement) = place(cached);
     let streamed = matches!(
@@ -628,9 +628,7 @@ fn build_top_k(
         } => (plan, reason, prediction.map(|p| *p)),
         Placement::Decline(why) => return because(why),
     };
-    if !config.load_after_cpu && plan.warm_up() {
-        plan = SelectionPlan::CPU;
-    }
+    plan = cost::policy::with_load_after_cpu(plan, config.load_after_cpu);
     let spec = TopKSpec {
         fusion,
         sort_exprs: absorbed.sort_exprs,
@@ -703,6 +701,25 @@ pub(crate) fn decoded_top_k(
         plan = Arc::new(GlobalLimitExec::new(plan, shape.skip, Some(fetch)));
     }
     Ok(plan)
+}
+
+/// The top-k's placement: the cost model's decision before the device, then, where that
+/// does not settle it, the device's facts gathered (the device started, its kernels loaded,
+/// its calibration read) and the decision over them.
+fn place_top_k(
+    settings: cost::Settings<'_>,
+    layout: &KeyLayout,
+    k: usize,
+    estimate: cost::Estimate,
+) -> Placement {
+    let start = cost::StartFacts::read(settings);
+    match cost::before_device(settings, layout, k, &estimate, &start) {
+        cost::Stage::Decided(placement) => placement,
+        cost::Stage::Gather(needs) => {
+            let device = cost::DeviceFacts::gather(settings, needs);
+            cost::choose(settings, layout, k, estimate, &device)
+        }
+    }
 }
 
 /// What the cost model reads of the session's settings.
@@ -841,7 +858,11 @@ pub(super) fn group_device(
         estimate.resident = resident;
         estimate.whole_table = true;
     }
-    let choice = cost::choose_groups(cost_settings(config), &layout, estimate, *groups, k)?;
+    let settings = cost_settings(config);
+    let start = cost::StartFacts::read(settings);
+    let needs = cost::groups_before_device(settings, &estimate, &start)?;
+    let device = cost::DeviceFacts::gather(settings, needs);
+    let choice = cost::choose_groups(settings, &layout, estimate, *groups, k, &device)?;
     Ok(crate::exec::GroupDevicePlan {
         algorithm: choice.algorithm,
         selector_algorithm: choice.selector_algorithm,

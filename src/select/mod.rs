@@ -194,7 +194,7 @@ pub enum InputForm {
     WholeTable,
 }
 
-/// What the cost model decided for one query ([`crate::cost::choose`]): where the selection
+/// What the cost model decided for one query (its `choose`): where the selection
 /// runs, with which algorithm, over which input form, and what follows it. The operator and
 /// the selectors execute it; none of them chooses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -124,9 +124,9 @@ impl TableSelector {
         keys.iter().map(|key| cache.acquire(key)).collect()
     }
 
-    /// Whether `bytes` of columns not yet resident may be loaded: within the cache's budget.
-    pub fn fits(&self, bytes: usize) -> bool {
-        bytes <= self.device.column_cache.budget()
+    /// The bytes of columns not yet resident the cache may load: its budget.
+    pub fn cache_budget(&self) -> usize {
+        self.device.column_cache.budget()
     }
 
     /// Top-k of the program over the whole table whose columns `inputs` are: the per-row

@@ -26,7 +26,7 @@ pub enum GroupRanking {
 }
 
 /// How a per-group selection finds each group's best pairs; the cost model picks one by the
-/// estimated number of groups and k ([`crate::cost`]).
+/// estimated number of groups and k.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GroupAlgorithm {
     /// Sorts every passing pair. Wins over many small groups (a user's tweets), where few

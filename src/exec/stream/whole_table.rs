@@ -24,7 +24,7 @@ use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_expr::utils::collect_columns;
 
 use super::{TopKRun, check_empty_batch};
-use crate::cost::SelectionPlan;
+use crate::cost::{SelectionPlan, policy};
 use crate::fusion::{self, FusedProgram, KernelInput};
 use crate::input::loader::{CacheLoader, load_inputs};
 use crate::input::memory::{gather_rows, memory_input, table_inputs, table_starts};
@@ -35,12 +35,6 @@ use crate::input::parquet::{
 use crate::input::{ColumnImage, TableInput};
 use crate::select::table::{TableSelection, TableSelector};
 use crate::select::{self, Selector};
-
-/// The largest share of a table's rows a first run over Parquet files reads for itself
-/// alone, where the row groups' statistics rule out the rest; the whole columns are loaded
-/// afterwards. Past it, the run loads them (reading the first rows twice would cost more
-/// than the rows it saves).
-const PREFIX_SHARE: f64 = 0.5;
 
 /// Starts the background load of a run's columns when dropped ([`TopKRun::warm_up`]).
 struct LoadAfter<'a>(Option<&'a TopKRun>);
@@ -233,8 +227,8 @@ impl TopKRun {
         // Where the rows that may pass are at most a share of the table, the missing columns'
         // first rows are read for this selection only, and the whole columns are loaded into
         // the cache after it, in the background: the answer waits for the rows it needs.
-        let prefix = within
-            .filter(|&w| !missing.is_empty() && (w as f64) <= PREFIX_SHARE * layout.rows as f64);
+        let prefix =
+            within.filter(|&w| policy::reads_first_rows(w, layout.rows, !missing.is_empty()));
         let prefix_layout = prefix.map(|w| layout.prefix(w));
         let read_layout = prefix_layout.as_ref().unwrap_or(&layout);
         let read_rows = read_layout.rows;
@@ -247,7 +241,7 @@ impl TopKRun {
                 missing_bytes += width.map_or(read_rows.div_ceil(8), |w| w * read_rows);
             }
         }
-        if !selector.fits(missing_bytes) {
+        if !policy::table_fits_cache(missing_bytes, selector.cache_budget()) {
             return Ok(WholeTable::Stream);
         }
         // Pages are shipped as they are read where the selection can wait for the reads
@@ -260,9 +254,8 @@ impl TopKRun {
             let on_device: Vec<bool> = (read_again.iter().zip(&images).zip(&codes))
                 .filter(|((read, _), _)| **read)
                 .map(|((_, &image), &codes)| {
-                    image == ColumnImage::Values
-                        && !codes
-                        && self.spec.settings.decode_parquet_on_device
+                    let setting = self.spec.settings.decode_parquet_on_device;
+                    policy::decode_pages_on_device(setting, image == ColumnImage::Values, codes)
                 })
                 .collect();
             let (host_decoded, encoded) =

@@ -1,0 +1,98 @@
+//! What the decisions read of the machine, gathered in one place: [`StartFacts`] without
+//! starting the device, and [`DeviceFacts`] by starting it, loading its kernels and reading
+//! (or running) its calibration. The decisions in `choose.rs` take these facts and touch
+//! nothing themselves.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::calibration::{self, Calibration};
+use super::choose::Settings;
+use crate::config::{Algorithm, Backend};
+use crate::device::{DeviceSlot, GpuResult, GpuStatus, gpu_status};
+
+/// What the decision before the device starts reads of it, without starting it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StartFacts {
+    /// Whether the device was probed already (started, or found missing).
+    pub started: bool,
+    /// Whether probing it would start a CUDA driver (slow) rather than find at once that
+    /// there is none.
+    pub slow_start: bool,
+    /// The host's cores, which run the CPU path.
+    pub cores: usize,
+}
+
+impl StartFacts {
+    /// Reads them for `settings`: only `auto`, the CPU path not forced, weighs the device's
+    /// start, so no other setting probes the driver library here.
+    pub(crate) fn read(settings: Settings<'_>) -> Self {
+        let weighs_start =
+            settings.backend == Backend::Auto && settings.algorithm != Algorithm::Cpu;
+        let started = crate::device::probed_status().is_some();
+        Self {
+            started,
+            slow_start: weighs_start && !started && crate::device::probe_is_slow(),
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        }
+    }
+}
+
+/// What a decision needs of the started device beyond its kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Needs {
+    /// The calibration (read from disk, or measured on first use: up to a second).
+    pub calibration: bool,
+}
+
+/// The started device as the decisions see it, or why there is none to run on.
+#[derive(Debug, Clone)]
+pub(crate) enum DeviceFacts {
+    /// No usable GPU, and why.
+    NoGpu(String),
+    /// A GPU whose kernels cannot be loaded, and why.
+    NoKernels(String),
+    /// A GPU with its kernels loaded.
+    Ready(GpuFacts),
+}
+
+/// A started device with its kernels loaded.
+#[derive(Debug, Clone)]
+pub(crate) struct GpuFacts {
+    /// The device's slot among the process's GPUs.
+    pub slot: DeviceSlot,
+    /// `name (arch, memory)`, as EXPLAIN names the device.
+    pub describe: String,
+    /// Shared memory a block may use: bounds the bitonic top-k's k.
+    pub max_shared_per_block: usize,
+    /// This process's last NVRTC compile of a generated program, if it timed one.
+    pub last_compile: Option<Duration>,
+    /// The calibration, or why it failed; `None` where the decision did not need it (and it
+    /// was not read).
+    pub calibration: Option<GpuResult<Arc<Calibration>>>,
+}
+
+impl DeviceFacts {
+    /// Starts the device (once per process), loads its kernels (compiled by NVRTC on first
+    /// use, cached in the kernel cache directory) and, where `needs` says so, reads its
+    /// calibration (measured once per device, then read from the same directory).
+    pub(crate) fn gather(settings: Settings<'_>, needs: Needs) -> Self {
+        let device = match gpu_status() {
+            GpuStatus::Unavailable(why) => return DeviceFacts::NoGpu(why.clone()),
+            GpuStatus::Available(device) => device,
+        };
+        if let Err(e) = device.kernels_with_cache_dir(settings.kernel_cache_dir) {
+            return DeviceFacts::NoKernels(e.to_string());
+        }
+        let calibration = needs.calibration.then(|| {
+            calibration::calibration(device, settings.kernel_cache_dir, settings.recalibrate)
+        });
+        DeviceFacts::Ready(GpuFacts {
+            slot: device.slot,
+            describe: device.describe(),
+            max_shared_per_block: device.max_shared_per_block,
+            last_compile: device.last_compile_time(),
+            calibration,
+        })
+    }
+}
