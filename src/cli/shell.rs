@@ -205,13 +205,15 @@ pub fn session(
 
 /// The shell: the REPL, or the statements of `-f` files and `-c`, then exit; `runtime` as
 /// the shell's options complete it.
-pub async fn run(args: ShellArgs, backend: Backend, rows: u64, runtime: Runtime) -> CliResult<()> {
-    let runtime = Runtime {
-        batch_size: args.batch_size,
-        memory_limit: args.memory_limit,
-        fair_pool: args.mem_pool_type == "fair",
-        ..runtime
-    };
+pub async fn run(
+    args: ShellArgs,
+    backend: Backend,
+    rows: u64,
+    mut runtime: Runtime,
+) -> CliResult<()> {
+    runtime.batch_size = args.batch_size;
+    runtime.memory_limit = args.memory_limit;
+    runtime.fair_pool = args.mem_pool_type == "fair";
     if let Some(dir) = &args.data_path {
         std::env::set_current_dir(dir).map_err(|e| format!("-p {dir}: {e}"))?;
     }
