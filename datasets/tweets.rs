@@ -21,7 +21,6 @@ use std::fs::{self, File};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock};
-use std::time::Duration;
 
 use datafusion::arrow::array::{
     ArrayRef, DictionaryArray, Int32Array, Int64Array, StringArray, TimestampMillisecondArray,
@@ -33,7 +32,6 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::parquet::arrow::ArrowWriter;
 use datafusion::parquet::basic::{Compression, ZstdLevel};
 use datafusion::parquet::file::properties::WriterProperties;
-use indicatif::{ProgressBar, ProgressStyle};
 
 /// Seed used when none is given.
 pub const DEFAULT_SEED: u64 = 20_170_501;
@@ -521,7 +519,8 @@ fn io_error(what: &str, path: &Path, e: std::io::Error) -> DataFusionError {
 /// Writes the table as `tweets-00000.parquet`, `tweets-00001.parquet`, … of `rows_per_file`
 /// rows each (zstd, ~1M-row row groups) into `out_dir`, one file per thread at a time. Creates
 /// `out_dir`, and refuses to run if it already holds `tweets-*.parquet` files. A table of 0
-/// rows is written as one empty file so that readers still see the schema.
+/// rows is written as one empty file so that readers still see the schema. `show_progress`:
+/// a progress bar with the `cli` feature, else a log line per file; the files are the same.
 pub fn write_parquet(
     spec: &TweetsSpec,
     out_dir: &Path,
@@ -553,20 +552,7 @@ pub fn write_parquet(
 
     let files = spec.rows.div_ceil(rows_per_file).max(1);
     let file_ids: Vec<u64> = (0..files).collect();
-    let progress = if show_progress {
-        let bar = ProgressBar::new(spec.rows);
-        let style = ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] [{wide_bar}] {human_pos}/{human_len} rows \
-             ({per_sec}, ETA {eta})",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> ");
-        bar.set_style(style);
-        bar.enable_steady_tick(Duration::from_millis(200));
-        bar
-    } else {
-        ProgressBar::hidden()
-    };
+    let progress = Progress::new(spec.rows, show_progress);
     let props = WriterProperties::builder()
         .set_compression(Compression::ZSTD(ZstdLevel::try_new(1)?))
         .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
@@ -585,15 +571,15 @@ pub fn write_parquet(
                     .map(|m| m.len())
                     .map_err(|e| io_error("stat", &path, e))
             });
-        if result.is_err() {
-            let _ = fs::remove_file(&tmp);
+        match &result {
+            Ok(_) => progress.file_written(&path, end - start),
+            Err(_) => {
+                let _ = fs::remove_file(&tmp);
+            }
         }
         result
     });
-    match &bytes {
-        Ok(_) => progress.finish(),
-        Err(_) => progress.abandon(),
-    }
+    progress.finish(bytes.is_ok());
     Ok(WriteSummary {
         files: files as usize,
         rows: spec.rows,
@@ -607,7 +593,7 @@ fn write_file(
     start: u64,
     end: u64,
     props: WriterProperties,
-    progress: &ProgressBar,
+    progress: &Progress,
 ) -> Result<()> {
     let file = File::create(path).map_err(|e| io_error("create", path, e))?;
     let mut writer = ArrowWriter::try_new(file, tweets_schema(), Some(props))?;
@@ -615,11 +601,72 @@ fn write_file(
     while lo < end {
         let len = (end - lo).min(WRITE_BATCH_ROWS as u64);
         writer.write(&generate_rows(spec, lo, len as usize)?)?;
-        progress.inc(len);
+        progress.rows_written(len);
         lo += len;
     }
     writer.close()?;
     Ok(())
+}
+
+/// How [`write_parquet`] reports its progress where asked to: a progress bar on the terminal
+/// in the CLI's build (feature `cli`), else a log line (`log::info!`) per file written.
+struct Progress {
+    #[cfg(feature = "cli")]
+    bar: indicatif::ProgressBar,
+    #[cfg(not(feature = "cli"))]
+    shown: bool,
+}
+
+#[cfg(feature = "cli")]
+impl Progress {
+    fn new(rows: u64, shown: bool) -> Self {
+        use indicatif::{ProgressBar, ProgressStyle};
+        if !shown {
+            return Self {
+                bar: ProgressBar::hidden(),
+            };
+        }
+        let bar = ProgressBar::new(rows);
+        let style = ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] [{wide_bar}] {human_pos}/{human_len} rows \
+             ({per_sec}, ETA {eta})",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+        bar.set_style(style);
+        bar.enable_steady_tick(std::time::Duration::from_millis(200));
+        Self { bar }
+    }
+
+    fn rows_written(&self, rows: u64) {
+        self.bar.inc(rows);
+    }
+
+    fn file_written(&self, _path: &Path, _rows: u64) {}
+
+    fn finish(&self, ok: bool) {
+        match ok {
+            true => self.bar.finish(),
+            false => self.bar.abandon(),
+        }
+    }
+}
+
+#[cfg(not(feature = "cli"))]
+impl Progress {
+    fn new(_rows: u64, shown: bool) -> Self {
+        Self { shown }
+    }
+
+    fn rows_written(&self, _rows: u64) {}
+
+    fn file_written(&self, path: &Path, rows: u64) {
+        if self.shown {
+            log::info!("tweets: wrote {rows} rows to {}", path.display());
+        }
+    }
+
+    fn finish(&self, _ok: bool) {}
 }
 
 #[cfg(test)]

@@ -323,8 +323,8 @@ fn in_order(workers: &[Url], tasks: usize) -> Result<Vec<Url>> {
 }
 
 /// Registers [`GpuTopKCodec`] and the operator's stage rules on a session builder, coordinator
-/// or worker.
-pub(crate) fn install(builder: SessionStateBuilder) -> SessionStateBuilder {
+/// or worker ([`crate::SessionStateBuilderExt::with_gpu_topk_cluster`]).
+pub(crate) fn with_gpu_topk_cluster(builder: SessionStateBuilder) -> SessionStateBuilder {
     builder
         .with_distributed_user_codec(GpuTopKCodec)
         .with_distributed_desired_task_count_handler(one_task)
@@ -343,11 +343,7 @@ pub fn gpu_worker(config: GpuTopKConfig) -> Worker {
 }
 
 fn worker_state(builder: SessionStateBuilder, config: GpuTopKConfig) -> SessionState {
-    use crate::session::SessionStateBuilderExt;
-    builder
-        .with_gpu_topk(config)
-        .with_gpu_topk_cluster()
-        .build()
+    with_gpu_topk_cluster(crate::session::with_gpu_topk(builder, config)).build()
 }
 
 /// A fixed list of worker addresses, for a coordinator's

@@ -1,4 +1,5 @@
-//! The one-line integration: `SessionStateBuilder::with_gpu_topk`.
+//! What [`crate::SessionStateBuilderExt::with_gpu_topk`] installs in a session: the settings,
+//! the rule, the column cache's table functions and the `GPU` table factory.
 
 use std::sync::Arc;
 
@@ -23,52 +24,41 @@ use crate::rule::GpuTopKRule;
 /// included) into the scans, so our node must exist by then.
 pub(crate) const INSERT_BEFORE_RULES: [&str; 2] = ["PushdownSort", "FilterPushdown(Post)"];
 
-/// Adds the GPU top-k operator to a [`SessionStateBuilder`].
-pub trait SessionStateBuilderExt {
-    /// Registers the `gpu_topk` settings (with `config` as their values), inserts
-    /// [`GpuTopKRule`] into the physical optimizer just before `PushdownSort` (and so before
-    /// `FilterPushdown(Post)`), registers the table functions `gpu_topk_cache()` (the
-    /// device column cache's entries) and `gpu_topk_cache_clear()` (evicts every entry not in
-    /// use and says how many), and `CREATE EXTERNAL TABLE … STORED AS GPU` ([`GpuTableFactory`]).
-    fn with_gpu_topk(self, config: GpuTopKConfig) -> Self;
+/// Adds the operator to `builder` ([`crate::SessionStateBuilderExt::with_gpu_topk`]).
+pub(crate) fn with_gpu_topk(
+    mut builder: SessionStateBuilder,
+    config: GpuTopKConfig,
+) -> SessionStateBuilder {
+    let session_config = builder.config().take().unwrap_or_default();
+    *builder.config() = Some(with_config_extension(session_config, config.clone()));
 
-    /// Makes the operator run under datafusion-distributed: registers its codec
-    /// ([`crate::GpuTopKCodec`]) and the rules by which the engine splits its stages
-    /// ([`crate::distributed`]). Call it on the coordinator's builder (with the engine's
-    /// `with_distributed_worker_resolver` and `with_distributed_planner`) and on every
-    /// worker's ([`crate::gpu_worker`] does).
-    fn with_gpu_topk_cluster(self) -> Self;
-}
-
-impl SessionStateBuilderExt for SessionStateBuilder {
-    fn with_gpu_topk(mut self, config: GpuTopKConfig) -> Self {
-        let session_config = self.config().take().unwrap_or_default();
-        *self.config() = Some(with_config_extension(session_config, config.clone()));
-
-        let mut rules = self.physical_optimizers().take().unwrap_or_default().rules;
-        rules.retain(|rule| rule.name() != GpuTopKRule::NAME);
-        let at = rules
-            .iter()
-            .position(|rule| INSERT_BEFORE_RULES.contains(&rule.name()))
-            .unwrap_or(rules.len());
-        rules.insert(at, Arc::new(GpuTopKRule::new(config)));
-        *self.physical_optimizers() = Some(PhysicalOptimizer::with_rules(rules));
-        let factories = self.table_factories().get_or_insert_with(Default::default);
-        factories.insert("GPU".into(), Arc::new(GpuTableFactory));
-        let functions = self.table_functions().get_or_insert_with(Default::default);
-        for (name, function) in [
-            ("gpu_topk_cache", CacheFunction::List),
-            ("gpu_topk_cache_clear", CacheFunction::Clear),
-        ] {
-            let function = TableFunction::new(name.into(), Arc::new(function));
-            functions.insert(name.into(), Arc::new(function));
-        }
-        self
+    let mut rules = builder
+        .physical_optimizers()
+        .take()
+        .unwrap_or_default()
+        .rules;
+    rules.retain(|rule| rule.name() != GpuTopKRule::NAME);
+    let at = rules
+        .iter()
+        .position(|rule| INSERT_BEFORE_RULES.contains(&rule.name()))
+        .unwrap_or(rules.len());
+    rules.insert(at, Arc::new(GpuTopKRule::new(config)));
+    *builder.physical_optimizers() = Some(PhysicalOptimizer::with_rules(rules));
+    let factories = builder
+        .table_factories()
+        .get_or_insert_with(Default::default);
+    factories.insert("GPU".into(), Arc::new(GpuTableFactory));
+    let functions = builder
+        .table_functions()
+        .get_or_insert_with(Default::default);
+    for (name, function) in [
+        ("gpu_topk_cache", CacheFunction::List),
+        ("gpu_topk_cache_clear", CacheFunction::Clear),
+    ] {
+        let function = TableFunction::new(name.into(), Arc::new(function));
+        functions.insert(name.into(), Arc::new(function));
     }
-
-    fn with_gpu_topk_cluster(self) -> Self {
-        crate::distributed::install(self)
-    }
+    builder
 }
 
 /// The column cache's table functions.

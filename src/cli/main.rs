@@ -11,6 +11,8 @@
 //! gpu-topk --workers URL,URL … [command]      plan as a distributed coordinator
 //! ```
 //!
+//! `worker` and `--workers` exist in builds with the `cluster` feature (a default one).
+//!
 //! The in-memory `tweets` table is generated (`--rows`, default 10M) the first time a
 //! statement names it, not before.
 
@@ -29,9 +31,9 @@ use datafusion::physical_plan::{ExecutionPlan, collect, displayable};
 use datafusion::prelude::{CsvReadOptions, ParquetReadOptions, SessionContext};
 
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
-use datafusion_gpu_topk::{
-    Backend, GpuTopKConfig, GpuTopKExec, StaticWorkers, gpu_summary, gpu_worker, topk_report,
-};
+use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, gpu_summary, topk_report};
+#[cfg(feature = "cluster")]
+use datafusion_gpu_topk::{StaticWorkers, gpu_worker};
 
 /// Rows of the generated tweets table unless `--rows` says.
 const DEFAULT_ROWS: u64 = 10_000_000;
@@ -64,6 +66,7 @@ struct Common {
     cache_bytes: Option<usize>,
     /// Run queries on these datafusion-distributed workers (started with `gpu-topk worker`),
     /// this process planning and merging: comma-separated URLs such as http://host:50051
+    #[cfg(feature = "cluster")]
     #[arg(long, global = true, value_name = "URL,...", value_delimiter = ',')]
     workers: Vec<String>,
 }
@@ -99,6 +102,7 @@ enum Command {
     },
     /// Serve as a datafusion-distributed worker with the operator installed, until
     /// interrupted; a coordinator (`--workers`) sends it its tasks with their settings
+    #[cfg(feature = "cluster")]
     Worker {
         /// The address to listen on
         #[arg(long, value_name = "HOST:PORT", default_value = "0.0.0.0:50051")]
@@ -150,18 +154,18 @@ async fn run(cli: Cli) -> CliResult<()> {
         datafusion_gpu_topk::set_column_cache_budget(common.cache_bytes);
     }
     let rows = common.rows.unwrap_or(DEFAULT_ROWS);
-    let workers = match common.workers.is_empty() {
-        true => None,
-        false => {
-            Some(StaticWorkers::parse(&common.workers).map_err(|e| format!("--workers: {e}"))?)
-        }
+    let runtime = shell::Runtime {
+        #[cfg(feature = "cluster")]
+        workers: match common.workers.is_empty() {
+            true => None,
+            false => {
+                Some(StaticWorkers::parse(&common.workers).map_err(|e| format!("--workers: {e}"))?)
+            }
+        },
+        ..Default::default()
     };
     let Some(command) = command else {
-        return shell::run(shell, common.backend, rows, workers).await;
-    };
-    let runtime = shell::Runtime {
-        workers,
-        ..Default::default()
+        return shell::run(shell, common.backend, rows, runtime).await;
     };
     shell.only_for_the_shell()?;
     match command {
@@ -231,6 +235,7 @@ async fn run(cli: Cli) -> CliResult<()> {
             }
             Ok(result?)
         }
+        #[cfg(feature = "cluster")]
         Command::Worker { listen } => {
             if runtime.workers.is_some() {
                 return Err("a worker takes no --workers: its coordinator has them".into());
@@ -254,6 +259,7 @@ async fn run(cli: Cli) -> CliResult<()> {
 }
 
 /// Completes at Ctrl-C or, on Unix, SIGTERM (how service managers stop a worker).
+#[cfg(feature = "cluster")]
 async fn stop_signal() {
     #[cfg(unix)]
     {
@@ -270,6 +276,7 @@ async fn stop_signal() {
 }
 
 /// An error and its causes, `: `-separated (a transport error says little on its own).
+#[cfg(feature = "cluster")]
 fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();

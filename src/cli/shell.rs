@@ -131,6 +131,7 @@ pub struct Runtime {
     pub memory_limit: Option<usize>,
     pub fair_pool: bool,
     /// Plan for these datafusion-distributed workers.
+    #[cfg(feature = "cluster")]
     pub workers: Option<datafusion_gpu_topk::StaticWorkers>,
 }
 
@@ -157,18 +158,22 @@ pub fn session(
         };
         builder = builder.with_memory_pool(pool);
     }
-    let mut state = SessionStateBuilder::new()
+    let state = SessionStateBuilder::new()
         .with_config(config)
         .with_runtime_env(builder.build_arc()?)
         .with_default_features()
         .with_gpu_topk(gpu);
-    if let Some(workers) = &runtime.workers {
-        use datafusion_distributed::{DistributedExt, SessionStateBuilderExt as _};
-        state = state
-            .with_gpu_topk_cluster()
-            .with_distributed_worker_resolver(workers.clone())
-            .with_distributed_planner();
-    }
+    #[cfg(feature = "cluster")]
+    let state = match &runtime.workers {
+        Some(workers) => {
+            use datafusion_distributed::{DistributedExt, SessionStateBuilderExt as _};
+            state
+                .with_gpu_topk_cluster()
+                .with_distributed_worker_resolver(workers.clone())
+                .with_distributed_planner()
+        }
+        None => state,
+    };
     let state = state.build();
     let ctx = SessionContext::new_with_state(state);
     let catalog = ctx
@@ -198,19 +203,17 @@ pub fn session(
     Ok(ctx)
 }
 
-/// The shell: the REPL, or the statements of `-f` files and `-c`, then exit.
+/// The shell: the REPL, or the statements of `-f` files and `-c`, then exit; `runtime` as
+/// the shell's options complete it.
 pub async fn run(
     args: ShellArgs,
     backend: Backend,
     rows: u64,
-    workers: Option<datafusion_gpu_topk::StaticWorkers>,
+    mut runtime: Runtime,
 ) -> CliResult<()> {
-    let runtime = Runtime {
-        batch_size: args.batch_size,
-        memory_limit: args.memory_limit,
-        fair_pool: args.mem_pool_type == "fair",
-        workers,
-    };
+    runtime.batch_size = args.batch_size;
+    runtime.memory_limit = args.memory_limit;
+    runtime.fair_pool = args.mem_pool_type == "fair";
     if let Some(dir) = &args.data_path {
         std::env::set_current_dir(dir).map_err(|e| format!("-p {dir}: {e}"))?;
     }

@@ -345,6 +345,7 @@ impl GpuTableExec {
 
     /// The same scan as DataFusion's in-memory source (the same batches, partitions and
     /// projection), which every DataFusion process can decode: what a cluster's workers run.
+    #[cfg(feature = "cluster")]
     pub(crate) fn as_memory_scan(&self) -> Result<Arc<dyn ExecutionPlan>> {
         let data = &self.data;
         let scan = datafusion::datasource::memory::MemorySourceConfig::try_new_exec(

@@ -515,10 +515,18 @@ fn resolve_devices(config: &GpuTopKConfig) -> std::result::Result<Vec<DeviceSlot
 /// Whether the session plans for a distributed engine (datafusion-distributed's planner is
 /// installed), whose stages are cut at coalesces: a top-k is then split into per-task parts
 /// and their merge ([`Split::between_tasks`]).
+#[cfg(feature = "cluster")]
 fn distributed_planning(options: &ConfigOptions) -> bool {
     (options.extensions)
         .get::<datafusion_distributed::DistributedConfig>()
         .is_some()
+}
+
+/// Without the `cluster` feature the operator has no codec for a distributed engine's workers:
+/// every session plans for one process.
+#[cfg(not(feature = "cluster"))]
+fn distributed_planning(_: &ConfigOptions) -> bool {
+    false
 }
 
 /// `absorbed` reading its input in a fixed order: without round-robin repartitioning or
@@ -651,6 +659,7 @@ fn build_top_k(
 }
 
 /// A top-k's sort keys, fused predicate and output columns, over its input's schema.
+#[cfg(feature = "cluster")]
 pub(crate) type TopKExprs = (
     LexOrdering,
     Option<Arc<dyn PhysicalExpr>>,
@@ -661,6 +670,7 @@ pub(crate) type TopKExprs = (
 /// this machine (its device, cache and calibration) from the expressions the coordinator's
 /// rule absorbed, or, where this machine declines it (no GPU under `backend = auto`),
 /// DataFusion's plan of the same rows: filter, sort with fetch, projection, offset.
+#[cfg(feature = "cluster")]
 pub(crate) fn decoded_top_k(
     input: Arc<dyn ExecutionPlan>,
     (sort_exprs, filter, output_exprs): TopKExprs,

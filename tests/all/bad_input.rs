@@ -13,6 +13,7 @@
 //! - A wrong or broken CUDA library: the GPU is unusable, with the reason; no crash.
 
 use std::path::{Path, PathBuf};
+#[cfg(feature = "cli")]
 use std::process::{Command, Output};
 use std::sync::Arc;
 
@@ -20,7 +21,9 @@ use datafusion::arrow::array::{Float64Array, Int64Array, RecordBatch};
 use datafusion::arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use datafusion::physical_plan::collect;
 use datafusion::prelude::{CsvReadOptions, ParquetReadOptions, SessionConfig, SessionContext};
+#[cfg(feature = "cli")]
 use datafusion_gpu_topk::internal::device::options::KERNEL_DIR_ENV;
+#[cfg(feature = "cli")]
 use datafusion_gpu_topk::internal::device::{GpuStatus, gpu_status};
 
 use crate::common::{count_gpu_topk, exact_rows, register, run, session, test_dir};
@@ -492,10 +495,12 @@ async fn a_missing_path_with_a_declared_schema_answers_as_datafusion() {
 }
 
 // ---- 4. The CLI ------------------------------------------------------------------------------
+// Sections 4 to 6 run the `gpu-topk` binary, which the `cli` feature builds.
 
 /// Runs the CLI with `args` (and extra environment variables); a panic would print its
 /// backtrace, which the checks would see.
 /// `gpu-topk query TOP4 --table NAME=PATH` over a 1000-row in-memory table, on `backend`.
+#[cfg(feature = "cli")]
 fn top4_over(table: &str, backend: &str, env: &[(&str, &Path)]) -> Output {
     let args = [
         "query",
@@ -510,6 +515,7 @@ fn top4_over(table: &str, backend: &str, env: &[(&str, &Path)]) -> Output {
     cli(&args, env)
 }
 
+#[cfg(feature = "cli")]
 fn cli(args: &[&str], env: &[(&str, &Path)]) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_gpu-topk"));
     command.args(args).env("RUST_BACKTRACE", "1");
@@ -521,6 +527,7 @@ fn cli(args: &[&str], env: &[(&str, &Path)]) -> Output {
 
 /// Checks a failed run: its exit code, that stderr starts with a short `error: …` line
 /// containing `fragment`, the usage hint exactly when `usage`, and no panic.
+#[cfg(feature = "cli")]
 fn assert_fails(args: &[&str], code: i32, fragment: &str, usage: bool) {
     let out = cli(args, &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -540,6 +547,7 @@ fn assert_fails(args: &[&str], code: i32, fragment: &str, usage: bool) {
     assert!(!stdout.contains(" rows\n"), "{context}");
 }
 
+#[cfg(feature = "cli")]
 #[test]
 fn cli_argument_errors_exit_2_with_the_usage() {
     let cases: &[(&[&str], &str)] = &[
@@ -577,6 +585,7 @@ fn cli_argument_errors_exit_2_with_the_usage() {
     }
 }
 
+#[cfg(feature = "cli")]
 #[test]
 fn cli_query_errors_exit_1_naming_the_problem() {
     let dir = test_dir("bad-input-cli");
@@ -654,6 +663,7 @@ fn cli_query_errors_exit_1_naming_the_problem() {
 }
 
 /// The rows of the CLI's result table (below its header), cell by cell.
+#[cfg(feature = "cli")]
 fn table_rows(stdout: &str) -> Vec<Vec<String>> {
     stdout
         .lines()
@@ -669,6 +679,7 @@ fn table_rows(stdout: &str) -> Vec<Vec<String>> {
 }
 
 /// `SELECT id, v FROM t ORDER BY v DESC, id LIMIT 4` over `batch(rows)`, as text.
+#[cfg(feature = "cli")]
 fn expected_top4(rows: i64) -> Vec<Vec<String>> {
     let mut pairs: Vec<(i64, i64)> = (0..rows).map(|i| (i, (i * 7919) % 997)).collect();
     pairs.sort_by_key(|&(id, v)| (-v, id));
@@ -679,8 +690,10 @@ fn expected_top4(rows: i64) -> Vec<Vec<String>> {
         .collect()
 }
 
+#[cfg(feature = "cli")]
 const TOP4: &str = "SELECT id, v FROM t ORDER BY v DESC, id LIMIT 4";
 
+#[cfg(feature = "cli")]
 #[test]
 fn cli_answers_over_good_files() {
     // The happy path these error checks sit beside: exit 0 and the right rows.
@@ -707,6 +720,7 @@ fn cli_answers_over_good_files() {
 
 /// The kernel sources are read once per process (the device keeps its kernels), so a bad
 /// kernel directory is tried in a CLI process of its own.
+#[cfg(feature = "cli")]
 #[test]
 fn broken_kernel_sources_fall_back_to_the_cpu_path_and_name_the_file() {
     if let GpuStatus::Unavailable(why) = gpu_status() {
@@ -771,6 +785,7 @@ fn broken_kernel_sources_fall_back_to_the_cpu_path_and_name_the_file() {
 // ---- 6. The CUDA libraries -------------------------------------------------------------------
 
 /// A shared library this process has loaded, found in `/proc/self/maps`.
+#[cfg(feature = "cli")]
 fn loaded_library(prefix: &str) -> Option<PathBuf> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
     maps.lines()
@@ -787,6 +802,7 @@ fn loaded_library(prefix: &str) -> Option<PathBuf> {
 /// the library path: it loads, but has none of CUDA's functions) makes the GPU unusable, with
 /// the reason: the process neither crashes nor prints a panic, and a query forced onto the
 /// GPU answers on the CPU path.
+#[cfg(feature = "cli")]
 #[test]
 fn a_broken_cuda_library_leaves_the_gpu_unusable_with_a_reason() {
     let Some(impostor) = loaded_library("libm.so").or_else(|| loaded_library("libgcc_s.so")) else {

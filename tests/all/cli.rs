@@ -290,6 +290,7 @@ fn a_small_query_does_not_start_the_device() {
 /// Workers started with `gpu-topk worker` (a process each) serve a coordinator started with
 /// `--workers`: the rows are the one process's. (The in-process cluster's tests check what
 /// each worker runs.)
+#[cfg(feature = "cluster")]
 #[test]
 fn workers_serve_a_coordinators_queries() {
     let dir = test_dir("cli-cluster");

@@ -9,6 +9,7 @@ use datafusion::datasource::MemTable;
 use datafusion::error::Result;
 use datafusion::physical_plan::{ExecutionPlan, displayable};
 use datafusion::prelude::{SessionConfig, SessionContext};
+use datafusion_gpu_topk::datasets::tweets;
 use datafusion_gpu_topk::{GpuTopKConfig, GpuTopKExec};
 
 pub use crate::sessions::test_backend;
@@ -427,3 +428,37 @@ impl log::Log for Capture {
 
     fn flush(&self) {}
 }
+
+/// Queries of the tweets table whose every tie the operator breaks by input position, for the
+/// tests that split a top-k (between devices, between a cluster's tasks); their oracle is the
+/// same query run by one operator.
+pub const TWEET_QUERIES: &[&str] = &[
+    tweets::QUERIES[0].1,
+    tweets::QUERIES[1].1,
+    tweets::QUERIES[2].1,
+    "SELECT id, retweet_count FROM tweets ORDER BY retweet_count DESC LIMIT 25 OFFSET 10",
+    "SELECT uid, likes_count + retweet_count AS score FROM tweets WHERE lang <> 'en' \
+     ORDER BY score DESC, uid LIMIT 40",
+];
+
+/// Tie-free queries of the tie-heavy table `t` (`files::ties_table`) for the same tests, with
+/// plain DataFusion's answer as the oracle: the table in input order (`rid`), and an aggregate
+/// below the top-k.
+pub const ORACLE_QUERIES: &[(&str, &str)] = &[
+    (
+        "SELECT g, rid FROM t ORDER BY g LIMIT 400",
+        "SELECT g, rid FROM t ORDER BY g, rid LIMIT 400",
+    ),
+    (
+        "SELECT c, rid FROM t ORDER BY c DESC LIMIT 90 OFFSET 25",
+        "SELECT c, rid FROM t ORDER BY c DESC, rid LIMIT 90 OFFSET 25",
+    ),
+    (
+        "SELECT f, g, rid FROM t WHERE g <> 2 ORDER BY f NULLS FIRST, g DESC LIMIT 300",
+        "SELECT f, g, rid FROM t WHERE g <> 2 ORDER BY f NULLS FIRST, g DESC, rid LIMIT 300",
+    ),
+    (
+        "SELECT g, COUNT(*) AS n, MAX(rid) AS last FROM t GROUP BY g ORDER BY n DESC, g LIMIT 3",
+        "SELECT g, COUNT(*) AS n, MAX(rid) AS last FROM t GROUP BY g ORDER BY n DESC, g LIMIT 3",
+    ),
+];

@@ -6,10 +6,9 @@
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
 
 use crate::common::{
-    Storage, exact_rows, physical_plan, plain_session, plan_text, register_as, run, run_reporting,
-    session, session_with, test_dir,
+    ORACLE_QUERIES, Storage, TWEET_QUERIES, exact_rows, physical_plan, plain_session, plan_text,
+    register_as, run, run_reporting, session, session_with, test_dir,
 };
-use crate::distributed::{ORACLE_QUERIES, TWEET_QUERIES};
 use crate::files::ties_table;
 use crate::sessions::{test_backend, test_config};
 

@@ -17,8 +17,8 @@ use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
 use datafusion_gpu_topk::{SessionStateBuilderExt, StaticWorkers};
 
 use crate::common::{
-    Storage, exact_rows, physical_plan, plain_session, plan_text, register_as, run, session,
-    test_dir,
+    ORACLE_QUERIES, Storage, TWEET_QUERIES, exact_rows, physical_plan, plain_session, plan_text,
+    register_as, run, session, test_dir,
 };
 use crate::files::ties_table;
 use crate::sessions::{test_backend, test_config};
@@ -75,38 +75,6 @@ fn coordinator(workers: &[String], partitions: usize) -> SessionContext {
         .build();
     SessionContext::new_with_state(state)
 }
-
-/// Queries whose every tie the operator breaks by input position; their oracle is the same
-/// query run by this process.
-pub(crate) const TWEET_QUERIES: &[&str] = &[
-    tweets::QUERIES[0].1,
-    tweets::QUERIES[1].1,
-    tweets::QUERIES[2].1,
-    "SELECT id, retweet_count FROM tweets ORDER BY retweet_count DESC LIMIT 25 OFFSET 10",
-    "SELECT uid, likes_count + retweet_count AS score FROM tweets WHERE lang <> 'en' \
-     ORDER BY score DESC, uid LIMIT 40",
-];
-
-/// Tie-free queries, with plain DataFusion's answer as the oracle: the tie-heavy table in
-/// input order (`rid`), and an aggregate below the top-k.
-pub(crate) const ORACLE_QUERIES: &[(&str, &str)] = &[
-    (
-        "SELECT g, rid FROM t ORDER BY g LIMIT 400",
-        "SELECT g, rid FROM t ORDER BY g, rid LIMIT 400",
-    ),
-    (
-        "SELECT c, rid FROM t ORDER BY c DESC LIMIT 90 OFFSET 25",
-        "SELECT c, rid FROM t ORDER BY c DESC, rid LIMIT 90 OFFSET 25",
-    ),
-    (
-        "SELECT f, g, rid FROM t WHERE g <> 2 ORDER BY f NULLS FIRST, g DESC LIMIT 300",
-        "SELECT f, g, rid FROM t WHERE g <> 2 ORDER BY f NULLS FIRST, g DESC, rid LIMIT 300",
-    ),
-    (
-        "SELECT g, COUNT(*) AS n, MAX(rid) AS last FROM t GROUP BY g ORDER BY n DESC, g LIMIT 3",
-        "SELECT g, COUNT(*) AS n, MAX(rid) AS last FROM t GROUP BY g ORDER BY n DESC, g LIMIT 3",
-    ),
-];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_cluster_gives_one_processs_rows_over_files() {

@@ -5,10 +5,12 @@
 
 mod bad_input;
 mod cache;
+#[cfg(feature = "cli")]
 mod cli;
 mod common;
 mod devices;
 mod differential;
+#[cfg(feature = "cluster")]
 mod distributed;
 mod files;
 mod fusion;
