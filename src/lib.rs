@@ -15,15 +15,42 @@
 //! cluster's workers, each with its own GPU. With `default-features = false` the crate is the
 //! library alone: no CLI (feature `cli`), no cluster and no gRPC stack.
 //!
-//! Inside, one module per step of the data flow, each importing only those after it
-//! (`distributed`, the operator's codec and stage rules for a cluster, sits above them all;
-//! [`SessionStateBuilderExt`], here, calls `session`'s and its builders): `rule`
-//! rewrites the physical plan → `exec` runs the operator, executing the plan and owning the
-//! fallbacks → `cost` chooses where, with which algorithm and over which input form (one
-//! `SelectionPlan`) → `select` runs the selection on the CPU or the device → `fusion`
-//! generates the CUDA code that evaluates the predicate and keys on the device, and `keys`
-//! encodes sort keys into order-preserving integers → `device` holds the CUDA runtime, its
-//! planning and the kernels' host side.
+//! # Module map
+//!
+//! One folder per step of the data flow, each importing only those below it:
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | `rule` | [`GpuTopKRule`]: recognises TopK and per-group window plans and replaces them |
+//! | `exec` | the operators ([`GpuTopKExec`], [`GpuGroupTopKExec`]): they run the plan the cost model made and own the fallbacks |
+//! | `cost` | the one place that decides: pure decisions over gathered device facts (`facts`), the model and its calibration, every policy threshold (`policy`) |
+//! | `select` | the selectors, CPU and CUDA, streamed or over a whole table, built by one entry point (`create_selector`) |
+//! | `input` | what a table is to the operators: memory batches, [`GpuTable`], Parquet footers, pages and dictionaries, zones, column images and their uploads, the background loader |
+//! | `fusion` | the generated CUDA program that evaluates the filter and the keys, and which expressions cannot fail |
+//! | `keys` | sort keys encoded into order-preserving integers |
+//! | `device` | the CUDA runtime: devices, the column cache, memory pools, the engine's kernels' host side, planning of launches, errors |
+//!
+//! Beside them: `config` (the `gpu_topk` settings), `session` (the builder behind
+//! [`SessionStateBuilderExt`]), `distributed` (feature `cluster`: the codec and stage rules for
+//! datafusion-distributed, above all of them), `plan_cache` and `report`; the CLI is
+//! `src/cli/` (feature `cli`).
+//!
+//! # Process-wide state
+//!
+//! A CUDA context belongs to the process, so the device and what lives on it are shared by
+//! every session of the process. Each piece is a static beside its owner, which says why:
+//!
+//! | state | where | what |
+//! |---|---|---|
+//! | `STATUS`, `OTHERS` | `device` | the devices, opened once |
+//! | `PLANNING_GENERATION` | `device` | changes of the device state plans depend on ([`PlanCache`] reuses plans while it holds) |
+//! | `OPTIONS` | `device::options` | the environment's device options, read once |
+//! | `REQUESTED_BUDGET` | `device::column_cache` | the column cache's budget ([`set_column_cache_budget`]) |
+//! | `FILL_THREADS` | `device::engine::staging` | the threads that fill upload staging buffers |
+//! | `CALIBRATION` | `cost::calibration` | the device's measured rates |
+//! | `FOOTERS`, `DICTIONARIES` | `input::parquet` | Parquet footers, and the dictionaries of cached codes |
+//! | `STARTING` | `input::loader` | background cache loads being started |
+//! | `NEXT_ID` | `input::gpu_table` | [`GpuTable`] identities, which key the column cache |
 
 // Internal docs link internal items: contributors read them with --document-private-items.
 #![allow(rustdoc::private_intra_doc_links)]
@@ -86,32 +113,39 @@ impl SessionStateBuilderExt for SessionStateBuilder {
     }
 }
 
-/// The crate's internals, for its own CLI, tests and benchmarks: not part of the API, and
-/// free to change.
+/// What the crate's own CLI, tests and benchmarks use of its internals: not part of the API,
+/// and free to change.
 #[doc(hidden)]
 pub mod internal {
     pub mod config {
-        pub use crate::config::*;
+        pub use crate::config::{Algorithm, DeviceOp, FaultPoint};
     }
     pub mod cost {
-        pub use crate::cost::*;
+        pub use crate::cost::{CostModel, calibration, device_algorithm, validation};
     }
     pub mod device {
-        pub use crate::device::*;
+        pub use crate::device::{
+            DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_CLUSTER, FUSED_SAMPLE_ROWS, FusedReport,
+            GpuDevice, GpuError, GpuResult, GpuStatus, GpuTimer, KeyWidth, TopKEngine,
+            column_cache, gpu, gpu_on, gpu_status, kernels, measure, options, plan, probed_status,
+            slots, started_device_count, started_gpu,
+        };
     }
     pub mod exec {
-        pub use crate::exec::*;
+        pub use crate::exec::{GpuTopKExec, TopKSpec, warming_up};
     }
     pub mod fusion {
-        pub use crate::fusion::*;
+        pub use crate::fusion::{
+            ENTRY, FusedProgram, KernelInput, Part, dictionary_codes, dictionary_match,
+            host_default_nan,
+        };
     }
     pub mod keys {
-        pub use crate::keys::*;
-    }
-    pub mod rule {
-        pub use crate::rule::*;
+        pub use crate::keys::{EncodedKeys, KeyLayout, KeySpec, U256};
     }
     pub mod select {
-        pub use crate::select::*;
+        pub use crate::select::{
+            ColumnsInput, ResidentColumns, RowIds, SelectInput, SelectionSpec, cpu, cuda, row_id,
+        };
     }
 }

@@ -136,6 +136,8 @@ struct Cached {
     calibration: Result<Arc<Calibration>, GpuError>,
 }
 
+/// The device's calibration, read or measured once per process (measuring takes seconds and
+/// occupies the device; every session plans with the same figures).
 static CALIBRATION: Mutex<Option<Cached>> = Mutex::new(None);
 
 /// The device's calibration: from memory, else the disk cache, else measured now (and

@@ -32,4 +32,4 @@ pub mod validation;
 pub use crate::select::{InputForm, SelectionChoice, SelectionPlan};
 pub use choose::*;
 pub(crate) use facts::{DeviceFacts, StartFacts};
-pub use model::{Case, CostModel};
+pub use model::CostModel;

@@ -232,7 +232,7 @@ struct State {
 }
 
 /// The budget [`set_column_cache_budget`] asked for, for a device opened later too
-/// (`usize::MAX`: none asked, the default).
+/// (`usize::MAX`: none asked, the default). Process-wide: the caches it bounds are.
 static REQUESTED_BUDGET: AtomicUsize = AtomicUsize::new(usize::MAX);
 
 /// Sets the device column cache's budget for the process: the device bytes every cached
@@ -247,7 +247,16 @@ pub fn set_column_cache_budget(bytes: Option<usize>) {
     for device in super::opened_devices() {
         device
             .column_cache
-            .set_budget(bytes.unwrap_or(device.total_memory / 4));
+            .set_budget(process_budget(device.total_memory));
+    }
+}
+
+/// The budget of a cache on a device of `device_memory` bytes: the process's
+/// ([`set_column_cache_budget`]), else a quarter of that memory.
+fn process_budget(device_memory: usize) -> usize {
+    match REQUESTED_BUDGET.load(Ordering::Acquire) {
+        usize::MAX => device_memory / 4,
+        requested => requested,
     }
 }
 
@@ -291,14 +300,10 @@ impl ColumnCache {
     /// An empty cache on a device of `device_memory` bytes: its budget is the process's
     /// ([`set_column_cache_budget`]), else a quarter of that memory.
     pub(crate) fn new(device_memory: usize, slot: super::DeviceSlot) -> Self {
-        let budget = match REQUESTED_BUDGET.load(Ordering::Acquire) {
-            usize::MAX => device_memory / 4,
-            requested => requested,
-        };
         Self {
             state: Mutex::default(),
             clock: AtomicU64::new(0),
-            budget: AtomicUsize::new(budget),
+            budget: AtomicUsize::new(process_budget(device_memory)),
             loading: AtomicBool::new(false),
             slot,
         }

@@ -38,7 +38,7 @@ pub(crate) use options::DeviceOptions;
 
 pub use engine::{
     DevicePairs, EncodedChunk, EncodedColumn, EncodedPage, FusedReport, GROUP_SAMPLE, GatherColumn,
-    GroupAlgorithm, GroupRanking, GroupSpec, GroupsKept, KeptPiece, KeptRows, TopKEngine,
+    GroupAlgorithm, GroupRanking, GroupSpec, KeptPiece, KeptRows, TopKEngine,
 };
 pub use kernels::{GeneratedKernel, Kernels};
 pub(crate) use memory::{BufferPool, PinnedPool, PooledBuffer};
@@ -342,11 +342,14 @@ pub(crate) fn contain_panics<T>(work: impl FnOnce() -> T) -> Result<T, String> {
     })
 }
 
+/// The process's device, probed once ([`gpu_status`]). Process-wide: a CUDA context belongs
+/// to the process, and every session shares its device and column cache.
 static STATUS: OnceLock<GpuStatus> = OnceLock::new();
 
 /// Counts the changes of the device state planning reads as a whole: its status, the
 /// calibration, the column cache's budget. What it reads per query (whether a column is
-/// resident, a program compiled) is observed instead ([`observe_planning`]).
+/// resident, a program compiled) is observed instead ([`observe_planning`]). Process-wide, as
+/// that state is.
 static PLANNING_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The number of changes so far to the device state planning reads as a whole (whether the
@@ -482,7 +485,8 @@ pub fn gpu_on(slot: DeviceSlot) -> Option<Arc<GpuDevice>> {
     static_gpu_on(slot).map(Arc::clone)
 }
 
-/// The devices opened besides the process's, by [`static_gpu_on`].
+/// The devices opened besides the process's, by [`static_gpu_on`]. Process-wide, as
+/// [`STATUS`] is.
 static OTHERS: OnceLock<Mutex<HashMap<DeviceSlot, &'static GpuStatus>>> = OnceLock::new();
 
 /// Every usable device opened so far: the process's (if started) and those [`gpu_on`] opened.

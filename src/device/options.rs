@@ -70,6 +70,7 @@ impl DeviceOptions {
 
     /// This process's options, read from the environment on first use.
     pub(crate) fn process() -> &'static DeviceOptions {
+        // Process-wide: the environment is read once, before the device opens.
         static OPTIONS: OnceLock<DeviceOptions> = OnceLock::new();
         OPTIONS.get_or_init(|| Self::from_vars(|name| std::env::var_os(name)))
     }

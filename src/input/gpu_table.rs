@@ -185,6 +185,7 @@ impl GpuTable {
     /// A table of `partitions` (each a list of batches, read by one scan partition), whose
     /// batches all have `schema`'s columns.
     pub fn try_new(schema: SchemaRef, partitions: Vec<Vec<RecordBatch>>) -> Result<Self> {
+        // Process-wide: a table's identity keys the process's column cache.
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         for batch in partitions.iter().flatten() {
             let fields = batch.schema_ref().fields().len();

@@ -26,6 +26,7 @@ pub struct CacheLoader {
 }
 
 /// Loads being handed to the background whose loader is not yet known ([`CacheLoader::spawn`]).
+/// Process-wide: one load at a time per process, whichever session planned it.
 static STARTING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 impl CacheLoader {

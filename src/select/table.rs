@@ -108,15 +108,6 @@ impl TableSelector {
         })
     }
 
-    /// E.g. `cuda sample over the whole table (sm_90)`.
-    pub fn describe(&self) -> String {
-        format!(
-            "cuda {} over the whole table ({})",
-            self.algorithm.name(),
-            self.device.arch()
-        )
-    }
-
     /// Holds the cache's entries of `keys` (`None` where it has none) until the returned
     /// uses are dropped: a column found now stays until the selection has read it.
     pub(crate) fn hold(&self, keys: &[CacheKey]) -> Vec<Option<CacheUse>> {

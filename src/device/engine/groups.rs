@@ -79,13 +79,12 @@ pub struct GatherColumn {
     pub validity: u64,
 }
 
-/// A piece of the kept rows, read back: rows `start..start + rows` in kept order, each
-/// gathered column's values and (for a column with a validity bitmap) its validity bits
+/// A piece of the kept rows, read back: the next `rows` rows in kept order, each gathered
+/// column's values and (for a column with a validity bitmap) its validity bits
 /// from the piece's first row, and the rows' ranks (little-endian u64; `None` at k = 1, where
 /// every rank is 1). The bytes are valid for the call only; [`buffer`](Self::buffer) makes
 /// Arrow buffers of them that outlive it.
 pub struct KeptPiece<'a> {
-    pub start: usize,
     pub rows: usize,
     pub columns: Vec<(&'a [u8], Option<&'a [u8]>)>,
     pub ranks: Option<&'a [u8]>,
@@ -436,7 +435,6 @@ impl TopKEngine {
                 .collect();
             let ranks = (!ones).then(|| &bytes[ranks_at..ranks_at + 8 * n]);
             sink(KeptPiece {
-                start,
                 rows: n,
                 columns,
                 ranks,

@@ -225,8 +225,7 @@ mod top_bits;
 
 pub use fused::FusedReport;
 pub use groups::{
-    GROUP_SAMPLE, GatherColumn, GroupAlgorithm, GroupRanking, GroupSpec, GroupsKept, KeptPiece,
-    KeptRows,
+    GROUP_SAMPLE, GatherColumn, GroupAlgorithm, GroupRanking, GroupSpec, KeptPiece, KeptRows,
 };
 pub use parquet::{EncodedChunk, EncodedColumn, EncodedPage};
 use sample::SampleRun;

@@ -80,7 +80,8 @@ fn fill_threads() -> usize {
 type FillJob = Box<dyn FnOnce() + Send + 'static>;
 
 /// The fill threads, started on first use and kept: spawning threads for every chunk costs a
-/// good part of the chunk's copy at PCIe rates.
+/// good part of the chunk's copy at PCIe rates. Process-wide: every device's uploads share
+/// the host's cores.
 static FILL_THREADS: std::sync::LazyLock<Vec<std::sync::Mutex<std::sync::mpsc::Sender<FillJob>>>> =
     std::sync::LazyLock::new(|| {
         (0..fill_threads())

@@ -11,7 +11,8 @@ use datafusion::error::{DataFusionError, Result};
 use crate::device::column_cache::CacheKey;
 
 /// The dictionaries of dictionary-encoded columns whose codes the column cache holds, by the
-/// codes' cache key: a query reading the codes looks its entries up in them.
+/// codes' cache key: a query reading the codes looks its entries up in them. Process-wide, as
+/// the column cache whose entries they belong to is.
 static DICTIONARIES: LazyLock<Mutex<HashMap<CacheKey, ArrayRef>>> = LazyLock::new(Default::default);
 /// Dictionaries kept at most (a new one past this starts the map afresh).
 const MAX_DICTIONARIES: usize = 1024;

@@ -14,6 +14,8 @@ use super::reader;
 
 /// Files' footers by identity (path, size, modification time).
 type FileId = (String, u64, i64);
+/// Process-wide: a file's footer is the same for every session that reads it, and the
+/// column cache that the footers key is the process's.
 static FOOTERS: LazyLock<Mutex<HashMap<FileId, Arc<ParquetMetaData>>>> =
     LazyLock::new(Default::default);
 /// Footers kept at most (a new one past this starts the map afresh).
