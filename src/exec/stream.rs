@@ -36,7 +36,7 @@ use crate::cost::{InputForm, SelectionPlan, policy};
 use crate::fusion::FusedProgram;
 use crate::select::{self, DeviceError, SelectionSpec, Selector, TopKSelector};
 use fused::FusedPending;
-use host::Pending;
+use host::PendingKeys;
 use whole_table::WholeTable;
 
 pub(super) fn execute(
@@ -118,8 +118,8 @@ fn report_fallback(fallback: &Mutex<Option<String>>, error: &DeviceError) {
 }
 
 /// Where the selection runs. A run starts on the GPU when the plan says so and moves to the
-/// CPU at the first device error ([`Shared::fall_back`]); it never moves back.
-struct Mode {
+/// CPU at the first device error ([`RunState::fall_back`]); it never moves back.
+struct ActiveSelector {
     selector: Arc<dyn TopKSelector>,
     /// The generated program the selector runs (predicate and keys on the device), if any.
     program: Option<Arc<FusedProgram>>,
@@ -129,7 +129,7 @@ struct Mode {
 }
 
 /// State shared by the partition tasks of one run.
-struct Shared {
+struct RunState {
     spec: Arc<TopKSpec>,
     store: Mutex<StoreState>,
     store_schema: SchemaRef,
@@ -146,7 +146,7 @@ struct StoreState {
     /// Switched under this lock, so every row of the input is either stored before the switch
     /// (and handed to the CPU selector with the rest of the store) or processed on the CPU
     /// after it: a GPU push whose rows arrive after a switch is processed again.
-    mode: Arc<Mode>,
+    mode: Arc<ActiveSelector>,
     /// Row id of the threshold last published to the dynamic filter.
     published: Option<u64>,
     /// That threshold as a predicate over the stored rows (their first sort key): rows failing
@@ -157,7 +157,7 @@ struct StoreState {
 /// What one partition task holds between batches.
 #[derive(Default)]
 struct PartitionState {
-    pending: Pending,
+    pending: PendingKeys,
     fused: FusedPending,
 }
 
@@ -281,7 +281,7 @@ impl TopKRun {
 
     /// The shared state of a streamed run, with the selector of `plan` (the CPU one where the
     /// GPU's cannot be built).
-    fn start(&self, plan: &SelectionPlan) -> Result<Shared> {
+    fn start(&self, plan: &SelectionPlan) -> Result<RunState> {
         let program = match plan {
             SelectionPlan::Cuda { .. } => self.spec.fusion.program.clone(),
             SelectionPlan::Cpu { .. } => None,
@@ -290,7 +290,7 @@ impl TopKRun {
         let fallible =
             plan.choice() != select::SelectionChoice::Cpu || self.spec.fault != FaultPoint::None;
         let mode = match select::create_selector(&selection, plan) {
-            Ok(Selector::Streamed(selector)) => Mode {
+            Ok(Selector::Streamed(selector)) => ActiveSelector {
                 selector,
                 program,
                 fallible,
@@ -301,7 +301,7 @@ impl TopKRun {
                 );
             }
             Err(e) if fallible && self.fell_back(&plan.choice().to_string(), &e) => {
-                cpu_mode(&self.spec)?
+                cpu_selector(&self.spec)?
             }
             Err(e) => return Err(e),
         };
@@ -322,7 +322,7 @@ impl TopKRun {
             let key_type = sort.expr.data_type(&input_schema)?;
             fields.push(Field::new(format!("__gpu_topk_key_{i}"), key_type, true));
         }
-        Ok(Shared {
+        Ok(RunState {
             spec: Arc::clone(&self.spec),
             store: Mutex::new(StoreState {
                 rows: RowStore::default(),
@@ -341,7 +341,7 @@ impl TopKRun {
 }
 
 /// The CPU path's selector, which takes over after a device error.
-fn cpu_mode(spec: &TopKSpec) -> Result<Mode> {
+fn cpu_selector(spec: &TopKSpec) -> Result<ActiveSelector> {
     let selection = SelectionSpec::new(spec.layout.clone(), spec.k);
     let selector = match select::create_selector(&selection, &policy::after_device_error())? {
         Selector::Streamed(selector) => selector,
@@ -349,19 +349,19 @@ fn cpu_mode(spec: &TopKSpec) -> Result<Mode> {
             return datafusion::common::internal_err!("the CPU path streams its input");
         }
     };
-    Ok(Mode {
+    Ok(ActiveSelector {
         selector,
         program: None,
         fallible: false,
     })
 }
 
-impl Shared {
+impl RunState {
     fn lock_store(&self) -> std::sync::MutexGuard<'_, StoreState> {
         self.store.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn mode(&self) -> Arc<Mode> {
+    fn active(&self) -> Arc<ActiveSelector> {
         Arc::clone(&self.lock_store().mode)
     }
 
@@ -371,21 +371,21 @@ impl Shared {
             return check_empty_batch(&self.spec, batch);
         }
         self.metrics.rows_in.add(batch.num_rows());
-        let mode = self.mode();
+        let mode = self.active();
         if mode.program.is_some() {
             return self.process_batch_fused(&mode, first_id, batch, &mut local.fused);
         }
         if !mode.fallible {
             // Batches this partition held for the GPU's program go first (row ids keep order).
             self.flush_fused(&mut local.fused)?;
-            local.pending = Pending::default(); // stored before the switch: the CPU has them
+            local.pending = PendingKeys::default(); // stored before the switch: the CPU has them
         }
         self.process_batch(first_id, batch, &mut local.pending)
     }
 
     /// Whether `error` is a device error of a fallible selection: the selection then moves
     /// to the CPU ([`fall_back`](Self::fall_back)) and the caller goes on there.
-    fn falls_back(&self, mode: &Mode, error: &DataFusionError) -> Result<bool> {
+    fn falls_back(&self, mode: &ActiveSelector, error: &DataFusionError) -> Result<bool> {
         match DeviceError::find(error) {
             Some(device) if mode.fallible => {
                 self.fall_back(device)?;
@@ -406,7 +406,7 @@ impl Shared {
         log::warn!("gpu-topk: the GPU selection failed, the CPU path continues it: {error}");
         report_fallback(&self.fallback, error);
         self.metrics.gpu_fallbacks.add(1);
-        let mode = cpu_mode(&self.spec)?;
+        let mode = cpu_selector(&self.spec)?;
         store
             .rows
             .for_each_keys(self.first_key, |input| mode.selector.push(input).map(drop))?;
@@ -416,9 +416,9 @@ impl Shared {
 
     /// Ends the selection: the winners' row ids in output order.
     fn finish(&self) -> Result<Vec<u64>> {
-        let mode = self.mode();
+        let mode = self.active();
         match mode.selector.finish() {
-            Err(e) if self.falls_back(&mode, &e)? => self.mode().selector.finish(),
+            Err(e) if self.falls_back(&mode, &e)? => self.active().selector.finish(),
             result => result,
         }
     }

@@ -24,7 +24,7 @@ use datafusion::physical_optimizer::pruning::PruningPredicateBuilder;
 
 use crate::device::column_cache::ChunkZones;
 use crate::fusion::cannot_fail;
-use crate::input::parquet::{Layout, ParquetInput};
+use crate::input::parquet::{ParquetInput, RowGroupLayout};
 use datafusion::arrow::datatypes::DataType;
 use datafusion::error::Result;
 
@@ -79,7 +79,7 @@ pub(crate) fn skip_row_groups(
     filter: &Arc<dyn PhysicalExpr>,
     schema: &SchemaRef,
     files: &ParquetInput,
-    layout: &Layout,
+    layout: &RowGroupLayout,
 ) -> Option<Skip> {
     if !cannot_fail::predicate(filter) {
         return None;

@@ -10,8 +10,8 @@ use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, UInt32Array};
 use datafusion::arrow::compute::take_record_batch;
 use datafusion::error::Result;
 
-use super::host::Pending;
-use super::{Mode, Shared, predicate_mask};
+use super::host::PendingKeys;
+use super::{ActiveSelector, RunState, predicate_mask};
 use crate::exec::row_store::StoredBatch;
 use crate::fusion::{self, FusedProgram, KernelInput};
 use crate::select::ColumnsInput;
@@ -45,12 +45,12 @@ impl FusedPending {
     }
 }
 
-impl Shared {
+impl RunState {
     /// The fused path's per-batch work: the predicate on the host only when the program does
     /// not evaluate it; everything else happens in [`flush_fused`](Self::flush_fused).
     pub(super) fn process_batch_fused(
         &self,
-        mode: &Arc<Mode>,
+        mode: &Arc<ActiveSelector>,
         first_id: u64,
         batch: &RecordBatch,
         pending: &mut FusedPending,
@@ -93,7 +93,7 @@ impl Shared {
             return Ok(());
         }
         let pending = std::mem::take(pending);
-        let mode = self.mode();
+        let mode = self.active();
         match &mode.program {
             Some(program) => match self.push_fused(&mode, program, &pending) {
                 Ok(true) => Ok(()),
@@ -109,7 +109,7 @@ impl Shared {
     /// The batches of a push, through the CPU path (its selector is the current one).
     fn process_on_cpu(&self, pending: &FusedPending) -> Result<()> {
         for (first_id, batch) in pending.with_ids() {
-            self.process_batch(first_id, batch, &mut Pending::default())?;
+            self.process_batch(first_id, batch, &mut PendingKeys::default())?;
         }
         Ok(())
     }
@@ -118,7 +118,7 @@ impl Shared {
     /// selection moved to the CPU while the push ran.
     fn push_fused(
         &self,
-        mode: &Arc<Mode>,
+        mode: &Arc<ActiveSelector>,
         program: &FusedProgram,
         pending: &FusedPending,
     ) -> Result<bool> {

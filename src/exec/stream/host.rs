@@ -9,14 +9,14 @@ use datafusion::arrow::compute::kernels::take::take;
 use datafusion::arrow::compute::{concat, filter_record_batch};
 use datafusion::error::Result;
 
-use super::{Mode, Shared, predicate_mask};
+use super::{ActiveSelector, RunState, predicate_mask};
 use crate::exec::row_store::StoredBatch;
 use crate::select::{Admitted, RowIds, SelectInput};
 
 /// Key columns of one partition waiting to be pushed as one larger batch (for selectors that
 /// admit every row and prefer large pushes, i.e. the GPU). Their rows are already stored.
 #[derive(Default)]
-pub(super) struct Pending {
+pub(super) struct PendingKeys {
     keys: Vec<Vec<ArrayRef>>,
     /// Row ids of the pending rows, in order.
     ids: Vec<u64>,
@@ -24,7 +24,7 @@ pub(super) struct Pending {
     consecutive: bool,
 }
 
-impl Pending {
+impl PendingKeys {
     fn rows(&self) -> usize {
         self.ids.len()
     }
@@ -65,7 +65,7 @@ impl Evaluated {
     }
 }
 
-impl Shared {
+impl RunState {
     /// One input batch through the host path: predicate, keys, selection, retention. Where
     /// the selection moves to the CPU on the way (this batch's device error, or another
     /// partition's), the selector that got the batch is gone and nothing of it was stored: it
@@ -74,12 +74,12 @@ impl Shared {
         &self,
         first_id: u64,
         batch: &RecordBatch,
-        pending: &mut Pending,
+        pending: &mut PendingKeys,
     ) -> Result<()> {
         let Some(evaluated) = self.evaluate(first_id, batch)? else {
             return Ok(());
         };
-        while !self.select_and_retain(&self.mode(), &evaluated, pending)? {}
+        while !self.select_and_retain(&self.active(), &evaluated, pending)? {}
         Ok(())
     }
 
@@ -125,9 +125,9 @@ impl Shared {
     /// where the selection moved to the CPU before the batch was stored.
     fn select_and_retain(
         &self,
-        mode: &Arc<Mode>,
+        mode: &Arc<ActiveSelector>,
         evaluated: &Evaluated,
-        pending: &mut Pending,
+        pending: &mut PendingKeys,
     ) -> Result<bool> {
         let metrics = &self.metrics;
         let m = evaluated.filtered.num_rows();
@@ -221,12 +221,12 @@ impl Shared {
     }
 
     /// Pushes the pending rows of a partition as one batch (their rows are stored already).
-    pub(super) fn flush(&self, pending: &mut Pending) -> Result<()> {
+    pub(super) fn flush(&self, pending: &mut PendingKeys) -> Result<()> {
         if pending.rows() == 0 {
             return Ok(());
         }
         let pending = std::mem::take(pending);
-        let mode = self.mode();
+        let mode = self.active();
         if !mode.fallible {
             return Ok(()); // stored before the switch: the CPU selector has them
         }

@@ -9,7 +9,7 @@ use datafusion::arrow::datatypes::{DataType, Schema};
 use datafusion::error::Result;
 use datafusion::object_store::ObjectStore;
 
-use super::{Layout, ParquetInput};
+use super::{ParquetInput, RowGroupLayout};
 use crate::device::EncodedColumn;
 use crate::device::column_cache::CacheKey;
 use crate::input::{ColumnImage, Identity, TableInput};
@@ -22,7 +22,7 @@ use crate::input::{ColumnImage, Identity, TableInput};
 pub(crate) async fn read_missing(
     files: &ParquetInput,
     store: &Arc<dyn ObjectStore>,
-    layout: &Layout,
+    layout: &RowGroupLayout,
     missing: &[usize],
     on_device: &[bool],
     streaming: bool,

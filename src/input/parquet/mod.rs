@@ -138,15 +138,15 @@ pub(crate) fn parquet_input(input: &Arc<dyn ExecutionPlan>) -> Option<ParquetInp
 }
 
 /// The row groups the scan reads, with where each starts among all of them.
-pub(crate) struct Layout {
+pub(crate) struct RowGroupLayout {
     files: Vec<FileRows>,
     pub rows: usize,
 }
 
-impl Layout {
+impl RowGroupLayout {
     /// The row groups holding the table's first `rows` rows (whole row groups: it may hold
     /// more).
-    pub fn prefix(&self, rows: usize) -> Layout {
+    pub fn prefix(&self, rows: usize) -> RowGroupLayout {
         let files: Vec<FileRows> = (self.files.iter())
             .map(|file| FileRows {
                 file: file.file,
@@ -161,7 +161,7 @@ impl Layout {
         let rows = (files.iter().flat_map(|f| &f.groups))
             .map(|&(_, _, n)| n)
             .sum();
-        Layout { files, rows }
+        RowGroupLayout { files, rows }
     }
 }
 
@@ -237,7 +237,7 @@ impl ParquetInput {
     }
 
     /// The row groups the scan reads (footers read once per file).
-    pub async fn layout(&self, store: &Arc<dyn ObjectStore>) -> Result<Layout> {
+    pub async fn layout(&self, store: &Arc<dyn ObjectStore>) -> Result<RowGroupLayout> {
         let mut files = Vec::with_capacity(self.files.len());
         let mut next = 0u64;
         for index in 0..self.files.len() {
@@ -267,7 +267,7 @@ impl ParquetInput {
                 groups,
             });
         }
-        Ok(Layout {
+        Ok(RowGroupLayout {
             files,
             rows: next as usize,
         })
@@ -295,7 +295,7 @@ impl ParquetInput {
     pub async fn read_columns(
         &self,
         store: &Arc<dyn ObjectStore>,
-        layout: &Layout,
+        layout: &RowGroupLayout,
         outputs: &[usize],
     ) -> Result<Vec<Vec<ArrayRef>>> {
         let (read, exprs) = self.plan_read(outputs)?;
@@ -372,7 +372,7 @@ impl ParquetInput {
     /// computed in the scan, its type has no zones (floats: the statistics leave NaNs out), or
     /// a file does not read as the scan's schema. A row group without statistics has NULL
     /// zones, which rule nothing out.
-    pub fn row_group_zones(&self, layout: &Layout, output: usize) -> Option<ChunkZones> {
+    pub fn row_group_zones(&self, layout: &RowGroupLayout, output: usize) -> Option<ChunkZones> {
         use datafusion::parquet::arrow::arrow_reader::statistics::StatisticsConverter;
         let column = self.columns.get(output)?.downcast_ref::<Column>()?;
         let field = self.file_schema.field(column.index());
@@ -426,7 +426,7 @@ impl ParquetInput {
     pub async fn read_rows(
         &self,
         store: &Arc<dyn ObjectStore>,
-        layout: &Layout,
+        layout: &RowGroupLayout,
         positions: &[u64],
         outputs: &[usize],
     ) -> Result<(Vec<Vec<ArrayRef>>, Vec<(usize, usize)>)> {

@@ -17,7 +17,7 @@ use datafusion::physical_expr::expressions::Column;
 
 use crate::device::{EncodedChunk, EncodedColumn, EncodedPage};
 
-use super::{Layout, ParquetInput};
+use super::{ParquetInput, RowGroupLayout};
 
 impl ParquetInput {
     /// Whether the scan's output column `output` may be read as pages for the device to
@@ -56,7 +56,7 @@ impl ParquetInput {
     pub async fn read_pages(
         &self,
         store: &Arc<dyn ObjectStore>,
-        layout: &Layout,
+        layout: &RowGroupLayout,
         output: usize,
         streaming: bool,
     ) -> Result<Option<EncodedColumn>> {

@@ -10,7 +10,10 @@ use super::*;
 use crate::device::{EncodedChunk, EncodedColumn};
 
 /// The Parquet input of `sql`'s plan (a bare scan), its store and its layout.
-async fn scanned(ctx: &SessionContext, sql: &str) -> (ParquetInput, Arc<dyn ObjectStore>, Layout) {
+async fn scanned(
+    ctx: &SessionContext,
+    sql: &str,
+) -> (ParquetInput, Arc<dyn ObjectStore>, RowGroupLayout) {
     let plan = (ctx.sql(sql).await.unwrap())
         .create_physical_plan()
         .await
