@@ -25,6 +25,7 @@ use futures::StreamExt;
 
 mod fused;
 mod host;
+mod parquet_table;
 mod whole_table;
 
 use super::TopKSpec;

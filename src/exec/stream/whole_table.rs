@@ -1,5 +1,5 @@
 //! The operator over a whole table on the GPU: when the input is a memory source (or a scan of
-//! Parquet files, `exec::parquet`) and the generated program reads only its columns, the
+//! Parquet files, [`crate::input::parquet`], run by `parquet_table`) and the generated program reads only its columns, the
 //! program runs once over every row, its input columns read from the device's column cache
 //! (uploaded into it on the first query), and the host touches only the winners. Nothing is
 //! read from the scan: the batches come straight from the memory source (the files' columns
@@ -12,11 +12,9 @@
 //! cache, is the plan's [`TableSelector`]; this module reads the input and the winners' rows,
 //! and decides only how the run goes on where the table path does not apply.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 
-use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, UInt64Array, new_null_array};
-use datafusion::arrow::compute::{interleave, take};
+use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, new_null_array};
 use datafusion::arrow::datatypes::Schema;
 use datafusion::arrow::row::RowConverter;
 use datafusion::error::Result;
@@ -24,20 +22,16 @@ use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_expr::utils::collect_columns;
 
 use super::{TopKRun, check_empty_batch};
-use crate::cost::{SelectionPlan, policy};
-use crate::fusion::{self, FusedProgram, KernelInput};
+use crate::cost::SelectionPlan;
+use crate::fusion::FusedProgram;
+use crate::input::TableInput;
 use crate::input::loader::{CacheLoader, load_inputs};
 use crate::input::memory::{gather_rows, memory_input, table_inputs, table_starts};
-use crate::input::parquet::{
-    ParquetColumnRows, file_column, global_codes, image_type, keep_dictionary, kept_dictionary,
-    parquet_input, read_missing,
-};
-use crate::input::{ColumnImage, TableInput};
 use crate::select::table::{TableSelection, TableSelector};
 use crate::select::{self, Selector};
 
 /// Starts the background load of a run's columns when dropped ([`TopKRun::warm_up`]).
-struct LoadAfter<'a>(Option<&'a TopKRun>);
+pub(super) struct LoadAfter<'a>(pub(super) Option<&'a TopKRun>);
 
 impl Drop for LoadAfter<'_> {
     fn drop(&mut self) {
@@ -141,265 +135,6 @@ impl TopKRun {
         self.output(columns, positions.len()).map(WholeTable::Done)
     }
 
-    /// The run over a scan of Parquet files (`exec::parquet`).
-    async fn run_parquet(
-        &self,
-        selector: &TableSelector,
-        program: &FusedProgram,
-    ) -> Result<WholeTable> {
-        let Some(files) = parquet_input(&self.input) else {
-            return Ok(WholeTable::Stream);
-        };
-        // Per-row inputs: a column's values, a string's prefix words or bytes, or a dictionary
-        // column's codes, renumbered into one dictionary for all the row groups (each has its
-        // own: [`global_codes`]); the programs' dictionary lookups are over that dictionary.
-        let mut per_row = Vec::new();
-        for input in &program.inputs {
-            match input {
-                KernelInput::DictionaryMatch { .. } => {}
-                KernelInput::DictionaryCodes(c) if *c < files.columns.len() => {
-                    per_row.push((*c, ColumnImage::Values, true));
-                }
-                input => match ColumnImage::of(input).filter(|(c, _)| *c < files.columns.len()) {
-                    Some((c, image)) => per_row.push((c, image, false)),
-                    None => return Ok(WholeTable::Stream),
-                },
-            }
-        }
-        let columns: Vec<usize> = per_row.iter().map(|&(c, _, _)| c).collect();
-        let images: Vec<ColumnImage> = per_row.iter().map(|&(_, image, _)| image).collect();
-        let codes: Vec<bool> = per_row.iter().map(|&(_, _, codes)| codes).collect();
-        let Ok(types) = (per_row.iter())
-            .map(|&(c, _, codes)| image_type(files.data_type(c)?, codes))
-            .collect::<Result<Vec<_>>>()
-        else {
-            return Ok(WholeTable::Stream);
-        };
-        // Whatever goes wrong reading the files as a table, the scan reads them as DataFusion
-        // does (with its errors).
-        let store = match self.context.runtime_env().object_store(files.store()) {
-            Ok(store) => store,
-            Err(_) => return Ok(WholeTable::Stream),
-        };
-        let layout = match files.layout(&store).await {
-            Ok(layout) if layout.rows > 0 => layout,
-            Ok(_) => return Ok(WholeTable::Stream),
-            Err(e) => {
-                log::debug!("gpu-topk: the files are streamed: {e}");
-                return Ok(WholeTable::Stream);
-            }
-        };
-        let schema = self.input.schema();
-        // Row groups past the last one whose statistics let a row pass are not read.
-        let skip = (self.spec.filter.as_ref()).and_then(|filter| {
-            crate::input::zones::skip_row_groups(filter, &schema, &files, &layout)
-        });
-        if let Some(skip) = skip {
-            self.metrics.chunks_skipped.add(skip.chunks);
-            if skip.within == 0 {
-                self.metrics.rows_in.add(layout.rows);
-                return Ok(WholeTable::Done(RecordBatch::new_empty(Arc::clone(
-                    &self.schema,
-                ))));
-            }
-        }
-        let within = skip.map(|s| s.within);
-        let keys: Vec<_> = (columns.iter().zip(&images))
-            .map(|(&c, &image)| image.key(files.key(c)))
-            .collect();
-        // Held while the selection runs: a column found here stays until it has read it.
-        let held = selector.hold(&keys);
-        // Codes whose dictionary is not kept are read again: their dictionary comes out the
-        // same, and the cached codes are read.
-        let mut dictionaries = std::collections::HashMap::new();
-        let mut read_again = Vec::with_capacity(keys.len());
-        for (((key, hit), &codes), &c) in keys.iter().zip(&held).zip(&codes).zip(&columns) {
-            let kept = codes.then(|| kept_dictionary(key)).flatten();
-            read_again.push(hit.is_none() || (codes && kept.is_none()));
-            if let Some(kept) = kept {
-                dictionaries.insert(c, kept);
-            }
-        }
-        let missing: Vec<usize> = (columns.iter().zip(&read_again))
-            .filter(|(_, read)| **read)
-            .map(|(&c, _)| c)
-            .collect();
-        // Where the rows that may pass are at most a share of the table, the missing columns'
-        // first rows are read for this selection only, and the whole columns are loaded into
-        // the cache after it, in the background: the answer waits for the rows it needs.
-        let prefix =
-            within.filter(|&w| policy::reads_first_rows(w, layout.rows, !missing.is_empty()));
-        let prefix_layout = prefix.map(|w| layout.prefix(w));
-        let read_layout = prefix_layout.as_ref().unwrap_or(&layout);
-        let read_rows = read_layout.rows;
-        let mut missing_bytes = 0;
-        for ((data_type, hit), &image) in types.iter().zip(&held).zip(&images) {
-            if hit.is_none() {
-                // A strings image's bytes are not known before they are read: the check
-                // counts its row ends, and the upload reserves the rest.
-                let width = image.row_bytes(data_type);
-                missing_bytes += width.map_or(read_rows.div_ceil(8), |w| w * read_rows);
-            }
-        }
-        if !policy::table_fits_cache(missing_bytes, selector.cache_budget()) {
-            return Ok(WholeTable::Stream);
-        }
-        // Pages are shipped as they are read where the selection can wait for the reads
-        // without holding up the runtime that runs them (it leaves its worker to the others).
-        let streaming = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        let (decoded, encoded) = {
-            let _timer = self.metrics.read_time.timer();
-            // Pages go to the device for the values image only.
-            let on_device: Vec<bool> = (read_again.iter().zip(&images).zip(&codes))
-                .filter(|((read, _), _)| **read)
-                .map(|((_, &image), &codes)| {
-                    let setting = self.spec.settings.decode_parquet_on_device;
-                    policy::decode_pages_on_device(setting, image == ColumnImage::Values, codes)
-                })
-                .collect();
-            let (host_decoded, encoded) =
-                read_missing(&files, &store, read_layout, &missing, &on_device, streaming).await;
-            let renumbered = host_decoded.and_then(|mut decoded| {
-                for (i, &c) in missing.iter().enumerate() {
-                    let at = columns
-                        .iter()
-                        .position(|&m| m == c)
-                        .expect("a program column");
-                    if codes[at] {
-                        let (renumbered, dictionary) = global_codes(&decoded[i])?;
-                        // A prefix's dictionary is this query's alone: the whole column's
-                        // has more entries.
-                        if prefix.is_none() {
-                            keep_dictionary(&keys[at], Arc::clone(&dictionary));
-                        }
-                        dictionaries.insert(c, dictionary);
-                        decoded[i] = renumbered;
-                    }
-                }
-                Ok(decoded)
-            });
-            match renumbered {
-                Ok(decoded) => (decoded, encoded),
-                Err(e) => {
-                    log::debug!("gpu-topk: the files are streamed: {e}");
-                    return Ok(WholeTable::Stream);
-                }
-            }
-        };
-        self.metrics
-            .device_decoded_columns
-            .add(encoded.iter().flatten().count());
-        // Decoded columns and pages held until uploaded; where the pool has no room, the
-        // input streams.
-        let host = self.reservation.new_empty();
-        let decoded_bytes = (decoded.iter().flatten())
-            .map(|a| a.get_array_memory_size())
-            .chain(encoded.iter().flatten().map(|e| e.page_bytes))
-            .sum();
-        if host.try_grow(decoded_bytes).is_err() {
-            return Ok(WholeTable::Stream);
-        }
-        let mut per_row_inputs =
-            (columns.iter().zip(&images).zip(types)).map(|((&c, &image), data_type)| {
-                let at = missing.iter().position(|&m| m == c);
-                let chunks = at.map(|i| decoded[i].clone()).unwrap_or_default();
-                let pages = at.and_then(|i| encoded[i].clone());
-                // A missing column's first rows, read for this selection only.
-                let rows = match (at, prefix) {
-                    (Some(_), Some(_)) => ParquetColumnRows::Prefix(read_rows),
-                    _ => ParquetColumnRows::Whole(layout.rows),
-                };
-                let key = files.key(c);
-                file_column(key, data_type, rows, (chunks, pages), &schema, c, image)
-            });
-        // In the program's order, each dictionary lookup over its codes' dictionary.
-        let mut inputs: Vec<TableInput<'_>> = Vec::with_capacity(program.inputs.len());
-        for input in &program.inputs {
-            let KernelInput::DictionaryMatch { column, values } = input else {
-                inputs.push(per_row_inputs.next().expect("one per per-row input"));
-                continue;
-            };
-            let Some(entries) = dictionaries.get(column) else {
-                return Ok(WholeTable::Stream);
-            };
-            inputs.push(TableInput {
-                chunks: Cow::Owned(Vec::new()),
-                lookup: Some(fusion::dictionary_entries_match(entries, values)?),
-                name: schema.field(*column).name().clone(),
-                identity: None,
-                image: ColumnImage::Values,
-                encoded: None,
-            });
-        }
-        drop(per_row_inputs);
-        let streamed = streaming && encoded.iter().any(Option::is_some);
-        let selected = match streamed {
-            true => {
-                tokio::task::block_in_place(|| self.select(selector, &inputs, layout.rows, within))
-            }
-            false => self.select(selector, &inputs, layout.rows, within),
-        }?;
-        drop((held, inputs, decoded, encoded, host));
-        let selected = match selected {
-            Ok(selected) => selected,
-            Err(other) => return Ok(other),
-        };
-        // The whole columns are loaded once the answer is read: not while its rows are.
-        let _load = LoadAfter(prefix.is_some().then_some(self));
-        let _timer = self.metrics.gather_time.timer();
-        if selected.positions.is_empty() {
-            return Ok(WholeTable::Done(RecordBatch::new_empty(Arc::clone(
-                &self.schema,
-            ))));
-        }
-        // The input columns `read` at table positions `positions`, in their order, read from
-        // the pages that hold them.
-        let gather = async |positions: &[u64], read: &[bool]| -> Result<Vec<Option<ArrayRef>>> {
-            let wanted: Vec<usize> = (0..read.len()).filter(|&c| read[c]).collect();
-            let (batches, at) = if wanted.is_empty() {
-                (Vec::new(), Vec::new())
-            } else {
-                files.read_rows(&store, &layout, positions, &wanted).await?
-            };
-            let mut next = 0;
-            read.iter()
-                .map(|&read| {
-                    if !read {
-                        return Ok(None);
-                    }
-                    let arrays: Vec<&dyn Array> =
-                        batches.iter().map(|b| b[next].as_ref()).collect();
-                    next += 1;
-                    Ok(Some(interleave(&arrays, &at)?))
-                })
-                .collect()
-        };
-        let output_reads = self.output_reads();
-        let (columns, n) = if selected.refine {
-            // One read of the candidates' rows, of the columns their keys or the output read:
-            // the winners' output comes from it.
-            let candidates = &selected.positions;
-            let read: Vec<bool> = (self.key_reads().iter().zip(&output_reads))
-                .map(|(&key, &output)| key || output)
-                .collect();
-            let gathered = gather(candidates, &read).await?;
-            let rows = self.input_rows(gathered.clone(), candidates.len())?;
-            let order = UInt64Array::from(self.rank(candidates, &rows, selected.tied)?);
-            let columns = (gathered.into_iter().zip(&output_reads))
-                .map(|(column, &output)| match column {
-                    Some(column) if output => Ok(Some(take(&column, &order, None)?)),
-                    _ => Ok(None),
-                })
-                .collect::<Result<Vec<_>>>()?;
-            (columns, order.len())
-        } else {
-            let positions = &selected.positions;
-            (gather(positions, &output_reads).await?, positions.len())
-        };
-        self.output(columns, n).map(WholeTable::Done)
-    }
-
     /// Compiles the generated program and loads the columns it reads into the column cache,
     /// in the background, after a run on the CPU path whose plan says so
     /// ([`SelectionPlan::warm_up`]), or a first run over Parquet files that read only their
@@ -428,7 +163,7 @@ impl TopKRun {
 
     /// The selection over the whole table; `Err` with how the run goes on where it does not
     /// select (the columns do not fit, or the device failed).
-    fn select(
+    pub(super) fn select(
         &self,
         selector: &TableSelector,
         inputs: &[TableInput<'_>],
@@ -456,12 +191,12 @@ impl TopKRun {
     }
 
     /// Which of the input's columns the output expressions read.
-    fn output_reads(&self) -> Vec<bool> {
+    pub(super) fn output_reads(&self) -> Vec<bool> {
         self.reads(&self.spec.output_exprs)
     }
 
     /// Which of the input's columns the sort keys read.
-    fn key_reads(&self) -> Vec<bool> {
+    pub(super) fn key_reads(&self) -> Vec<bool> {
         let keys: Vec<_> = self
             .spec
             .sort_exprs
@@ -484,7 +219,11 @@ impl TopKRun {
     }
 
     /// `n` rows of the input from the columns read (`None`: a column nothing reads, NULLs).
-    fn input_rows(&self, columns: Vec<Option<ArrayRef>>, n: usize) -> Result<RecordBatch> {
+    pub(super) fn input_rows(
+        &self,
+        columns: Vec<Option<ArrayRef>>,
+        n: usize,
+    ) -> Result<RecordBatch> {
         let input = self.input.schema();
         let columns: Vec<ArrayRef> = (columns.into_iter().zip(input.fields()))
             .map(|(column, field)| column.unwrap_or_else(|| new_null_array(field.data_type(), n)))
@@ -503,7 +242,12 @@ impl TopKRun {
     /// whole keys as DataFusion's TopK compares them (arrow's row format), ties by position:
     /// the first k, in output order, as indices into `candidates`. `tied` rows tied the k-th
     /// composite.
-    fn rank(&self, candidates: &[u64], rows: &RecordBatch, tied: usize) -> Result<Vec<u64>> {
+    pub(super) fn rank(
+        &self,
+        candidates: &[u64],
+        rows: &RecordBatch,
+        tied: usize,
+    ) -> Result<Vec<u64>> {
         let keys = (self.spec.sort_exprs.iter())
             .map(|s| s.expr.evaluate(rows)?.into_array(rows.num_rows()))
             .collect::<Result<Vec<_>>>()?;
@@ -521,7 +265,7 @@ impl TopKRun {
     /// The output from the winners' input columns (`None`: not read by the output), in
     /// output order, `OFFSET` rows included. The k-th winner's first key goes to the dynamic
     /// filter, as the streaming path publishes its threshold.
-    fn output(&self, columns: Vec<Option<ArrayRef>>, k: usize) -> Result<RecordBatch> {
+    pub(super) fn output(&self, columns: Vec<Option<ArrayRef>>, k: usize) -> Result<RecordBatch> {
         if k == 0 {
             return Ok(RecordBatch::new_empty(Arc::clone(&self.schema)));
         }
