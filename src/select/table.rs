@@ -24,7 +24,7 @@ use crate::device::column_cache::{CacheKey, CacheUse, NewEntry};
 use crate::device::watch::{self, DeviceWatch};
 use crate::device::{
     DeviceAlgorithm, FUSED_SAMPLE_ROWS, FusedReport, GatherColumn, GpuDevice, GpuError, GpuResult,
-    GroupSpec, KeptPiece, KeptRows, PooledBuffer, contain_panics,
+    GroupSpec, KeptPiece, KeptRows, PooledBuffer, TopKEngine, contain_panics,
 };
 use crate::fusion::{self, FusedProgram};
 use crate::input::columns::{Reserved, TableColumn};
@@ -210,7 +210,7 @@ fn select_table(
     if missing > 0 && !device.column_cache.reserve(missing) {
         return Ok(None);
     }
-    let mut reserved = Reserved {
+    let reserved = Reserved {
         device,
         bytes: missing,
     };
@@ -230,6 +230,35 @@ fn select_table(
         .map(|hit| hit.as_ref().map_or(0, |h| h.entry().bytes()))
         .collect();
     drop(lookups);
+    cache_uploads(spec, device, &columns, uploaded, hit_bytes, reserved);
+    program_error(report.error)?;
+    let (tied, sorted) = match step {
+        TableStep::Groups(_) => (0, tied),
+        TableStep::TopK { .. } => (tied, 0),
+    };
+    Ok(Some(TableSelection {
+        positions,
+        refine: program.refines,
+        tied,
+        sorted,
+        group_phases_ms: report.group_phases_ms,
+        passed: report.passed as usize,
+        compile_time,
+        ranks,
+        kept,
+    }))
+}
+
+/// Inserts the columns a selection uploaded into the column cache (but those read for it
+/// alone), gives back the room none took, and counts the hits, misses and bytes.
+fn cache_uploads(
+    spec: &SelectionSpec,
+    device: &GpuDevice,
+    columns: &[TableColumn<'_, '_>],
+    uploaded: Vec<Option<(PooledBuffer, Vec<usize>)>>,
+    hit_bytes: Vec<usize>,
+    mut reserved: Reserved<'_>,
+) {
     let mut transfers = (0, 0, 0, 0);
     for ((column, buffer), hit_bytes) in columns.iter().zip(uploaded).zip(hit_bytes) {
         let bytes = match (buffer.is_some(), &column.input.encoded) {
@@ -269,22 +298,6 @@ fn select_table(
     spec.transfers.cache_misses.add(transfers.1);
     spec.transfers.resident_bytes.add(transfers.2);
     spec.transfers.uploaded_bytes.add(transfers.3);
-    program_error(report.error)?;
-    let (tied, sorted) = match step {
-        TableStep::Groups(_) => (0, tied),
-        TableStep::TopK { .. } => (tied, 0),
-    };
-    Ok(Some(TableSelection {
-        positions,
-        refine: program.refines,
-        tied,
-        sorted,
-        group_phases_ms: report.group_phases_ms,
-        passed: report.passed as usize,
-        compile_time,
-        ranks,
-        kept,
-    }))
 }
 
 /// The device work of [`select_table`]: the uploads of missing columns (their new buffers,
@@ -310,73 +323,9 @@ fn run_table(
     let (kernel, compile_time) = device.generated_kernel(&program.source, fusion::ENTRY)?;
     // Engines outlive the query (they idle for the next): not its memory.
     let mut engine = watch::outside(|| device.engine(program.key_kind))?;
-    let upload_started = std::time::Instant::now();
-    let mut uploaded = Vec::with_capacity(columns.len());
-    let mut column_args = Vec::with_capacity(columns.len());
-    for (column, lookup) in columns.iter().zip(lookups) {
-        match lookup {
-            Some(hit) => {
-                column_args.push(column.args(&hit.entry().addresses()));
-                uploaded.push(None);
-            }
-            None if !column.input.given() => {
-                return Err(GpuError(format!(
-                    "column {} is neither cached nor given",
-                    column.input.name
-                )));
-            }
-            None => {
-                let (bytes, offsets) = column.layout();
-                let stream = Arc::clone(engine.stream());
-                // The cache's memory, not the query's.
-                let buffer = watch::outside(|| device.pool.alloc(bytes, &stream))?;
-                column.upload(&mut engine, buffer.ptr(), &offsets)?;
-                let addresses: Vec<u64> =
-                    offsets.iter().map(|&o| buffer.ptr() + o as u64).collect();
-                column_args.push(column.args(&addresses));
-                uploaded.push(Some((buffer, offsets)));
-            }
-        }
-    }
-    if uploaded.iter().any(Option::is_some) {
-        engine.synchronize()?;
-        (spec.transfers.upload_time).add_duration(upload_started.elapsed());
-    }
+    let (uploaded, column_args) = upload_missing(spec, device, &mut engine, columns, lookups)?;
     // Per-dictionary-entry inputs: small, shipped with every query.
-    let mut lookup_tables = Vec::new();
-    let mut args = Vec::with_capacity(4 * inputs.len());
-    let mut per_row = column_args.into_iter();
-    for input in inputs {
-        let Some(array) = &input.lookup else {
-            args.extend(per_row.next().expect("one per per-row input"));
-            continue;
-        };
-        let width = match array.data_type() {
-            DataType::Boolean => None,
-            t => t.primitive_width(),
-        };
-        let column =
-            ColumnBuffers::of(array.as_ref(), width).map_err(|e| GpuError(e.to_string()))?;
-        let mut parts = Vec::new();
-        column.parts(&mut parts);
-        let mut addresses = Vec::new();
-        for group in &parts {
-            let bytes: usize = group.iter().map(|p| p.len()).sum();
-            let buffer = device.pool.alloc(bytes.max(1), engine.stream())?;
-            let image: Vec<(usize, &[u8])> = group
-                .iter()
-                .scan(0, |at, p| {
-                    let part = (*at, *p);
-                    *at += p.len();
-                    Some(part)
-                })
-                .collect();
-            engine.upload_image(&image, bytes, buffer.ptr())?;
-            addresses.push(buffer.ptr());
-            lookup_tables.push(buffer);
-        }
-        args.extend(column.addresses(&mut addresses.into_iter()));
-    }
+    let (args, lookup_tables) = program_args(device, &mut engine, inputs, column_args)?;
     let mut rows = columns.first().map_or(0, |c| c.rows);
     let algorithm = match step {
         TableStep::TopK { algorithm, within } => {
@@ -434,6 +383,97 @@ fn run_table(
     engine.synchronize()?;
     device.idle_engine(engine);
     Ok((positions, Vec::new(), tied, report, compile_time, uploaded))
+}
+
+/// Uploads the columns the cache misses (into the cache's memory, not the query's): their new
+/// buffers in column order (`None` where resident), and each column's four kernel arguments.
+#[allow(clippy::type_complexity)]
+fn upload_missing(
+    spec: &SelectionSpec,
+    device: &Arc<GpuDevice>,
+    engine: &mut TopKEngine,
+    columns: &[TableColumn<'_, '_>],
+    lookups: &[Option<CacheUse>],
+) -> GpuResult<(Vec<Option<(PooledBuffer, Vec<usize>)>>, Vec<[u64; 4]>)> {
+    let upload_started = std::time::Instant::now();
+    let mut uploaded = Vec::with_capacity(columns.len());
+    let mut column_args = Vec::with_capacity(columns.len());
+    for (column, lookup) in columns.iter().zip(lookups) {
+        match lookup {
+            Some(hit) => {
+                column_args.push(column.args(&hit.entry().addresses()));
+                uploaded.push(None);
+            }
+            None if !column.input.given() => {
+                return Err(GpuError(format!(
+                    "column {} is neither cached nor given",
+                    column.input.name
+                )));
+            }
+            None => {
+                let (bytes, offsets) = column.layout();
+                let stream = Arc::clone(engine.stream());
+                // The cache's memory, not the query's.
+                let buffer = watch::outside(|| device.pool.alloc(bytes, &stream))?;
+                column.upload(engine, buffer.ptr(), &offsets)?;
+                let addresses: Vec<u64> =
+                    offsets.iter().map(|&o| buffer.ptr() + o as u64).collect();
+                column_args.push(column.args(&addresses));
+                uploaded.push(Some((buffer, offsets)));
+            }
+        }
+    }
+    if uploaded.iter().any(Option::is_some) {
+        engine.synchronize()?;
+        (spec.transfers.upload_time).add_duration(upload_started.elapsed());
+    }
+    Ok((uploaded, column_args))
+}
+
+/// The program's arguments in its inputs' order: the per-row columns' (`column_args`), and
+/// each dictionary lookup table's, shipped with every query (small); the tables' buffers are
+/// held as long as the program may read them.
+fn program_args(
+    device: &Arc<GpuDevice>,
+    engine: &mut TopKEngine,
+    inputs: &[TableInput<'_>],
+    column_args: Vec<[u64; 4]>,
+) -> GpuResult<(Vec<u64>, Vec<PooledBuffer>)> {
+    let mut lookup_tables = Vec::new();
+    let mut args = Vec::with_capacity(4 * inputs.len());
+    let mut per_row = column_args.into_iter();
+    for input in inputs {
+        let Some(array) = &input.lookup else {
+            args.extend(per_row.next().expect("one per per-row input"));
+            continue;
+        };
+        let width = match array.data_type() {
+            DataType::Boolean => None,
+            t => t.primitive_width(),
+        };
+        let column =
+            ColumnBuffers::of(array.as_ref(), width).map_err(|e| GpuError(e.to_string()))?;
+        let mut parts = Vec::new();
+        column.parts(&mut parts);
+        let mut addresses = Vec::new();
+        for group in &parts {
+            let bytes: usize = group.iter().map(|p| p.len()).sum();
+            let buffer = device.pool.alloc(bytes.max(1), engine.stream())?;
+            let image: Vec<(usize, &[u8])> = group
+                .iter()
+                .scan(0, |at, p| {
+                    let part = (*at, *p);
+                    *at += p.len();
+                    Some(part)
+                })
+                .collect();
+            engine.upload_image(&image, bytes, buffer.ptr())?;
+            addresses.push(buffer.ptr());
+            lookup_tables.push(buffer);
+        }
+        args.extend(column.addresses(&mut addresses.into_iter()));
+    }
+    Ok((args, lookup_tables))
 }
 
 /// The device columns of program inputs `wanted` (indices into `inputs`, each a per-row
