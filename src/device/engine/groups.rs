@@ -162,6 +162,130 @@ pub struct GroupsKept {
     pub sorted: usize,
 }
 
+/// A per-group selection's kept rows on the device: `total` row ids and their ranks, in kept
+/// order, and the block sums that placed them, held until the rows are read back (the buffers
+/// go back to the pool in this order).
+struct GroupWalk {
+    ranks: PooledBuffer,
+    ids: PooledBuffer,
+    _sums: PooledBuffer,
+    total: usize,
+}
+
+/// Where each part of the kept rows lies in a read-back piece of `piece_rows` rows (`bytes`
+/// bytes): each column's values and validity, then the ranks (none where `ones`).
+struct KeptLayout {
+    total: usize,
+    ones: bool,
+    piece_rows: usize,
+    /// Each column's values and (where it has a bitmap) validity, as offsets in a piece.
+    parts: Vec<(usize, Option<usize>)>,
+    ranks_at: usize,
+    bytes: usize,
+}
+
+impl KeptLayout {
+    /// The layout of `total` kept rows of `columns` (with their ranks unless `ones`) in pieces
+    /// of about [`KEPT_PIECE_BYTES`].
+    fn new(columns: &[GatherColumn], total: usize, ones: bool) -> Self {
+        // A row's bytes in a piece; pieces start at multiples of 64 rows, so that each
+        // column's validity starts at a whole byte.
+        let row_bytes: usize = (columns.iter())
+            .map(|c| c.width + usize::from(c.validity != 0))
+            .sum::<usize>()
+            + if ones { 0 } else { 8 };
+        let piece_rows = (KEPT_PIECE_BYTES / row_bytes.max(1)) / 64 * 64;
+        let piece_rows = piece_rows.clamp(64, total.div_ceil(64) * 64);
+        // Each part's place in a piece: values, validity, then the ranks, 64-byte aligned.
+        let align = |n: usize| n.div_ceil(64) * 64;
+        let mut parts = Vec::with_capacity(columns.len());
+        let mut end = 0;
+        for column in columns {
+            let values = end;
+            end = align(values + piece_rows * column.width);
+            let validity = (column.validity != 0).then_some(end);
+            if validity.is_some() {
+                end = align(end + piece_rows / 8);
+            }
+            parts.push((values, validity));
+        }
+        let ranks_at = end;
+        if !ones {
+            end += 8 * piece_rows;
+        }
+        Self {
+            total,
+            ones,
+            piece_rows,
+            parts,
+            ranks_at,
+            bytes: end,
+        }
+    }
+
+    /// Enqueues on `stream` the copies of piece `p` into `lease`: its rows of each gathered
+    /// column's values and validity, and of the ranks at device address `ranks`.
+    fn download(
+        &self,
+        lease: &mut PinnedLease,
+        p: usize,
+        columns: &[GatherColumn],
+        gathered: &[(PooledBuffer, Option<PooledBuffer>)],
+        ranks: u64,
+        stream: &Arc<CudaStream>,
+    ) -> GpuResult<()> {
+        let start = p * self.piece_rows;
+        let n = self.piece_rows.min(self.total - start);
+        for ((column, (values, validity)), (at, valid_at)) in
+            columns.iter().zip(gathered).zip(&self.parts)
+        {
+            let w = column.width;
+            lease.download_at(*at, values.ptr() + (start * w) as u64, n * w, stream)?;
+            if let (Some(validity), Some(valid_at)) = (validity, valid_at) {
+                let bytes = n.div_ceil(8);
+                lease.download_at(
+                    *valid_at,
+                    validity.ptr() + (start / 8) as u64,
+                    bytes,
+                    stream,
+                )?;
+            }
+        }
+        if !self.ones {
+            lease.download_at(self.ranks_at, ranks + 8 * start as u64, 8 * n, stream)?;
+        }
+        Ok(())
+    }
+
+    /// Piece `p` as read back into `current` (waiting for its copies), for the sink; `lent`
+    /// where the sink may keep its buffer.
+    fn piece<'a>(
+        &self,
+        p: usize,
+        columns: &[GatherColumn],
+        current: &'a Arc<LentPiece>,
+        lent: bool,
+    ) -> GpuResult<KeptPiece<'a>> {
+        let bytes = current.lease.as_slice()?;
+        let start = p * self.piece_rows;
+        let n = self.piece_rows.min(self.total - start);
+        let columns = (columns.iter().zip(&self.parts))
+            .map(|(column, (at, valid_at))| {
+                let values = &bytes[*at..*at + n * column.width];
+                let validity = valid_at.map(|v| &bytes[v..v + n.div_ceil(8)]);
+                (values, validity)
+            })
+            .collect();
+        let ranks = (!self.ones).then(|| &bytes[self.ranks_at..self.ranks_at + 8 * n]);
+        Ok(KeptPiece {
+            rows: n,
+            columns,
+            ranks,
+            lent: lent.then_some(current),
+        })
+    }
+}
+
 impl TopKEngine {
     /// Top `k` of every group over `rows` device-resident rows of a generated program (row ids
     /// 0..rows; `inputs` as for [`fused_append`](Self::fused_append)) whose composite keys hold
@@ -176,14 +300,62 @@ impl TopKEngine {
         k: usize,
         rows_out: Option<KeptRows<'_>>,
     ) -> GpuResult<GroupsKept> {
-        let GroupSpec {
-            lo,
-            ranking,
-            algorithm,
-        } = groups;
+        let GroupSpec { lo, ranking, .. } = groups;
         let mut kept = GroupsKept::default();
         let timer = GpuTimer::start(&self.stream)?;
-        // Rows passed (u64), error flags (u32 at 8), rows appended (u64 at 16).
+        let (out, candidates) = self.group_pass(kernel, inputs, rows)?;
+        let words = self.read_bytes(out.ptr(), 24)?;
+        let word = |at: usize| u64::from_le_bytes(words[at..at + 8].try_into().expect("8 bytes"));
+        kept.report.passed = word(0);
+        kept.report.error = word(8) as u32;
+        let m = word(16) as usize;
+        kept.report.candidates = m;
+        let pass = timer.elapsed()?;
+        kept.report.group_phases_ms[0] = pass;
+        if kept.report.error != 0 || m == 0 || k == 0 {
+            return Ok(kept);
+        }
+        if m > candidates.capacity() {
+            return Err(GpuError(format!(
+                "the program appended {m} rows of a table of {rows}"
+            )));
+        }
+        let (sorted, m) = self.group_sort(candidates, m, rows, groups, k)?;
+        kept.sorted = m;
+        let sort = timer.elapsed()?;
+        kept.report.group_phases_ms[1] = sort - pass;
+        let Some(walk) = self.group_walk(&sorted, m, lo, ranking, k)? else {
+            return Ok(kept);
+        };
+        let total = walk.total;
+        kept.report.kept = total;
+        match rows_out {
+            Some(rows_out) => {
+                let ones = k == 1 || !rows_out.ranks;
+                self.read_kept_rows(walk.ids.ptr(), walk.ranks.ptr(), total, ones, rows_out)?
+            }
+            None => {
+                kept.ids = self.read_words(walk.ids.ptr(), total)?;
+                // Every kept row of a selection of one a group has rank 1.
+                kept.ranks = match k {
+                    1 => vec![1; total],
+                    _ => self.read_words(walk.ranks.ptr(), total)?,
+                };
+            }
+        }
+        kept.report.group_phases_ms[2] = timer.elapsed()? - sort;
+        Ok(kept)
+    }
+
+    /// The generated program's pass with no threshold, appending every passing row's
+    /// (composite key, row id) to a buffer of `rows` pairs. Returns the pass's words (rows
+    /// passed (u64), error flags (u32 at 8), rows appended (u64 at 16)) and the pairs.
+    fn group_pass(
+        &mut self,
+        kernel: &GeneratedKernel,
+        inputs: &[u64],
+        rows: usize,
+    ) -> GpuResult<(PooledBuffer, DevicePairs)> {
         let out = self.device.pool.alloc(24, &self.stream)?;
         self.memset_zero(self.scalars.ptr() + THRESHOLD_OFFSET, THRESHOLD_BYTES)?;
         self.memset_zero(out.ptr(), 24)?;
@@ -201,22 +373,24 @@ impl TopKEngine {
             false,
             0,
         )?;
-        let words = self.read_bytes(out.ptr(), 24)?;
-        let word = |at: usize| u64::from_le_bytes(words[at..at + 8].try_into().expect("8 bytes"));
-        kept.report.passed = word(0);
-        kept.report.error = word(8) as u32;
-        let m = word(16) as usize;
-        kept.report.candidates = m;
-        let pass = timer.elapsed()?;
-        kept.report.group_phases_ms[0] = pass;
-        if kept.report.error != 0 || m == 0 || k == 0 {
-            return Ok(kept);
-        }
-        if m > candidates.capacity() {
-            return Err(GpuError(format!(
-                "the program appended {m} rows of a table of {rows}"
-            )));
-        }
+        Ok((out, candidates))
+    }
+
+    /// The `m` appended pairs (row ids below `rows`) sorted, after the algorithm's filter
+    /// dropped those no group keeps; returns the sorted pairs and their number.
+    fn group_sort(
+        &mut self,
+        candidates: DevicePairs,
+        m: usize,
+        rows: usize,
+        groups: GroupSpec,
+        k: usize,
+    ) -> GpuResult<(DevicePairs, usize)> {
+        let GroupSpec {
+            lo,
+            ranking,
+            algorithm,
+        } = groups;
         let (candidates, m) = match algorithm {
             GroupAlgorithm::SegmentedSort => (candidates, m),
             GroupAlgorithm::Threshold => {
@@ -227,11 +401,22 @@ impl TopKEngine {
                 return Err(GpuError(format!("group-min keeps 1 row a group, not {k}")));
             }
         };
-        kept.sorted = m;
         let sorted = self.sort_pairs(&candidates, m, rows as u64)?;
         drop(candidates);
-        let sort = timer.elapsed()?;
-        kept.report.group_phases_ms[1] = sort - pass;
+        Ok((sorted, m))
+    }
+
+    /// Each group's first `k` rows by `ranking` among the `m` sorted pairs: groups.cu
+    /// `group_count` counts them a block, `group_scan` sums the counts, and `group_write`
+    /// writes their row ids and ranks in the pairs' order. `None` when no row is kept.
+    fn group_walk(
+        &mut self,
+        sorted: &DevicePairs,
+        m: usize,
+        lo: u32,
+        ranking: GroupRanking,
+        k: usize,
+    ) -> GpuResult<Option<GroupWalk>> {
         let blocks = m.div_ceil(GROUP_THREADS);
         // The block sums, then the total.
         let sums = self.device.pool.alloc(8 * (blocks + 1), &self.stream)?;
@@ -255,7 +440,7 @@ impl TopKEngine {
         let total = self.read_bytes(total_at, 8)?;
         let total = u64::from_le_bytes(total[..8].try_into().expect("8 bytes")) as usize;
         if total == 0 {
-            return Ok(kept);
+            return Ok(None);
         }
         let out_ids = self.device.pool.alloc(8 * total, &self.stream)?;
         let out_ranks = self.device.pool.alloc(8 * total, &self.stream)?;
@@ -276,23 +461,12 @@ impl TopKEngine {
                 out_ranks.ptr()
             ],
         )?;
-        kept.report.kept = total;
-        match rows_out {
-            Some(rows_out) => {
-                let ones = k == 1 || !rows_out.ranks;
-                self.read_kept_rows(out_ids.ptr(), out_ranks.ptr(), total, ones, rows_out)?
-            }
-            None => {
-                kept.ids = self.read_words(out_ids.ptr(), total)?;
-                // Every kept row of a selection of one a group has rank 1.
-                kept.ranks = match k {
-                    1 => vec![1; total],
-                    _ => self.read_words(out_ranks.ptr(), total)?,
-                };
-            }
-        }
-        kept.report.group_phases_ms[2] = timer.elapsed()? - sort;
-        Ok(kept)
+        Ok(Some(GroupWalk {
+            ranks: out_ranks,
+            ids: out_ids,
+            _sums: sums,
+            total,
+        }))
     }
 
     /// The `total` kept rows' columns, gathered on the device (`group_gather`) at the row ids
@@ -313,8 +487,52 @@ impl TopKEngine {
             lend,
             ..
         } = rows_out;
+        let gathered = self.gather_kept_columns(&columns, ids, total)?;
+        let layout = KeptLayout::new(&columns, total, ones);
+        let stream = Arc::clone(&self.stream);
+        let pieces = total.div_ceil(layout.piece_rows);
+        // Pieces wholly within `lend` bytes keep their own buffer, which the sink's batches
+        // may hold; after them, two buffers alternate and the sink copies.
+        let lent_pieces = lend / layout.bytes.max(64);
+        let download = |lease: &mut PinnedLease, p: usize| {
+            layout.download(lease, p, &columns, &gathered, ranks, &stream)
+        };
+        let mut next = Some(self.device.pinned.take(layout.bytes.max(64), false)?);
+        if let Some(lease) = &mut next {
+            download(lease, 0)?;
+        }
+        // A buffer the sink gave back, for the piece after next.
+        let mut spare: Option<PinnedLease> = None;
+        for p in 0..pieces {
+            let Some(current) = next.take() else {
+                return Err(GpuError("a kept piece was not read back".into()));
+            };
+            if p + 1 < pieces {
+                let mut lease = match spare.take() {
+                    Some(lease) => lease,
+                    None => self.device.pinned.take(layout.bytes.max(64), false)?,
+                };
+                download(&mut lease, p + 1)?;
+                next = Some(lease);
+            }
+            let current = Arc::new(LentPiece::new(current)?);
+            sink(layout.piece(p, &columns, &current, p < lent_pieces)?)?;
+            spare = Arc::try_unwrap(current).ok().map(|lent| lent.lease);
+        }
+        drop(gathered);
+        Ok(())
+    }
+
+    /// Each column's values (and validity bits, where it has a bitmap) at the `total` row ids
+    /// at `ids`, gathered on the device (`group_gather`) into new buffers.
+    fn gather_kept_columns(
+        &mut self,
+        columns: &[GatherColumn],
+        ids: u64,
+        total: usize,
+    ) -> GpuResult<Vec<(PooledBuffer, Option<PooledBuffer>)>> {
         let mut gathered = Vec::with_capacity(columns.len());
-        for column in &columns {
+        for column in columns {
             if !matches!(column.width, 1 | 2 | 4 | 8 | 16) {
                 return Err(GpuError(format!(
                     "no device gather of {}-byte values",
@@ -351,99 +569,7 @@ impl TopKEngine {
             )?;
             gathered.push((values, validity));
         }
-        // A row's bytes in a piece; pieces start at multiples of 64 rows, so that each
-        // column's validity starts at a whole byte.
-        let row_bytes: usize = (columns.iter())
-            .map(|c| c.width + usize::from(c.validity != 0))
-            .sum::<usize>()
-            + if ones { 0 } else { 8 };
-        let piece_rows = (KEPT_PIECE_BYTES / row_bytes.max(1)) / 64 * 64;
-        let piece_rows = piece_rows.clamp(64, total.div_ceil(64) * 64);
-        // Each part's place in a piece: values, validity, then the ranks, 64-byte aligned.
-        let align = |n: usize| n.div_ceil(64) * 64;
-        let mut layout = Vec::with_capacity(columns.len());
-        let mut end = 0;
-        for column in &columns {
-            let values = end;
-            end = align(values + piece_rows * column.width);
-            let validity = (column.validity != 0).then_some(end);
-            if validity.is_some() {
-                end = align(end + piece_rows / 8);
-            }
-            layout.push((values, validity));
-        }
-        let ranks_at = end;
-        if !ones {
-            end += 8 * piece_rows;
-        }
-        let stream = Arc::clone(&self.stream);
-        let pieces = total.div_ceil(piece_rows);
-        // Pieces wholly within `lend` bytes keep their own buffer, which the sink's batches
-        // may hold; after them, two buffers alternate and the sink copies.
-        let lent_pieces = lend / end.max(64);
-        let download = |lease: &mut PinnedLease, p: usize| -> GpuResult<()> {
-            let start = p * piece_rows;
-            let n = piece_rows.min(total - start);
-            for ((column, (values, validity)), (at, valid_at)) in
-                columns.iter().zip(&gathered).zip(&layout)
-            {
-                let w = column.width;
-                lease.download_at(*at, values.ptr() + (start * w) as u64, n * w, &stream)?;
-                if let (Some(validity), Some(valid_at)) = (validity, valid_at) {
-                    let bytes = n.div_ceil(8);
-                    lease.download_at(
-                        *valid_at,
-                        validity.ptr() + (start / 8) as u64,
-                        bytes,
-                        &stream,
-                    )?;
-                }
-            }
-            if !ones {
-                lease.download_at(ranks_at, ranks + 8 * start as u64, 8 * n, &stream)?;
-            }
-            Ok(())
-        };
-        let mut next = Some(self.device.pinned.take(end.max(64), false)?);
-        if let Some(lease) = &mut next {
-            download(lease, 0)?;
-        }
-        // A buffer the sink gave back, for the piece after next.
-        let mut spare: Option<PinnedLease> = None;
-        for p in 0..pieces {
-            let Some(current) = next.take() else {
-                return Err(GpuError("a kept piece was not read back".into()));
-            };
-            if p + 1 < pieces {
-                let mut lease = match spare.take() {
-                    Some(lease) => lease,
-                    None => self.device.pinned.take(end.max(64), false)?,
-                };
-                download(&mut lease, p + 1)?;
-                next = Some(lease);
-            }
-            let current = Arc::new(LentPiece::new(current)?);
-            let bytes = current.lease.as_slice()?;
-            let start = p * piece_rows;
-            let n = piece_rows.min(total - start);
-            let columns = (columns.iter().zip(&layout))
-                .map(|(column, (at, valid_at))| {
-                    let values = &bytes[*at..*at + n * column.width];
-                    let validity = valid_at.map(|v| &bytes[v..v + n.div_ceil(8)]);
-                    (values, validity)
-                })
-                .collect();
-            let ranks = (!ones).then(|| &bytes[ranks_at..ranks_at + 8 * n]);
-            sink(KeptPiece {
-                rows: n,
-                columns,
-                ranks,
-                lent: (p < lent_pieces).then_some(&current),
-            })?;
-            spare = Arc::try_unwrap(current).ok().map(|lent| lent.lease);
-        }
-        drop(gathered);
-        Ok(())
+        Ok(gathered)
     }
 
     /// [`GroupAlgorithm::Threshold`]'s filter of pairs `[0, m)` of `candidates` (row ids below

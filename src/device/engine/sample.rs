@@ -50,78 +50,102 @@ impl TopKEngine {
                 .transpose()?,
         };
         self.memset_zero(run.ctl.ptr(), SAMPLE_SCRATCH_BYTES)?;
+        for level in 0..run.plan.len() {
+            self.sample_level(&mut run, input, input_count, level)?;
+        }
+        self.sample_sort_survivors(&mut run, small)?;
+        Ok(Some(run))
+    }
+
+    /// Enqueues level `level` of `run`'s plan: its sampled threshold (sample.cu
+    /// `sample_threshold`) over the previous level's survivors (the input's, at level 0) and
+    /// the filtering pass that appends the pairs below it to the level's new buffer.
+    fn sample_level(
+        &mut self,
+        run: &mut SampleRun,
+        input: &DevicePairs,
+        input_count: Option<u64>,
+        level: usize,
+    ) -> GpuResult<()> {
+        let (n, k) = (run.n, run.k);
         let status = run.ctl.ptr() + SAMPLE_STATUS_OFFSET;
         let thr = self.scalars.ptr() + THRESHOLD_OFFSET;
-        for level in 0..run.plan.len() {
-            let SampleLevel { cap, s } = run.plan[level];
-            let out = self.alloc_pairs(cap)?;
-            let count = run.ctl.ptr() + 8 * level as u64;
-            let (src_keys, src_ids, src_n, src_count, src_cap) = match run.levels.last() {
-                None => (
+        let SampleLevel { cap, s } = run.plan[level];
+        let out = self.alloc_pairs(cap)?;
+        let count = run.ctl.ptr() + 8 * level as u64;
+        let (src_keys, src_ids, src_n, src_count, src_cap) = match run.levels.last() {
+            None => (
+                input.key_at(0),
+                if input.positional { 0 } else { input.id_at(0) },
+                if input_count.is_some() { 0 } else { n },
+                input_count.unwrap_or(0),
+                n,
+            ),
+            Some(prev) => (prev.key_at(0), prev.id_at(0), 0, count - 8, prev.capacity()),
+        };
+        self.launch(
+            &self.kernel("sample_threshold"),
+            1,
+            SAMPLE_THREADS,
+            0,
+            args![
+                src_keys,
+                src_ids,
+                src_n,
+                src_count,
+                src_cap,
+                k,
+                s as u32,
+                SAMPLE_SEED ^ level as u64,
+                thr,
+                status
+            ],
+        )?;
+        run.lap(format!("threshold {level} (s={s})"), &self.stream)?;
+        if level == 0 && input.positional && input_count.is_none() {
+            // Keys only, vector loads: the pass that should run at the read floor.
+            self.launch_resident(
+                "filter_below",
+                args![
                     input.key_at(0),
-                    if input.positional { 0 } else { input.id_at(0) },
-                    if input_count.is_some() { 0 } else { n },
-                    input_count.unwrap_or(0),
                     n,
-                ),
-                Some(prev) => (prev.key_at(0), prev.id_at(0), 0, count - 8, prev.capacity()),
-            };
+                    thr,
+                    out.key_at(0),
+                    out.id_at(0),
+                    count,
+                    out.capacity(),
+                ],
+            )?;
+        } else {
             self.launch(
-                &self.kernel("sample_threshold"),
-                1,
-                SAMPLE_THREADS,
+                &self.kernel("filter_pairs"),
+                self.grid_for(src_cap, 4),
+                THREADS,
                 0,
                 args![
                     src_keys,
                     src_ids,
                     src_n,
                     src_count,
-                    src_cap,
-                    k,
-                    s as u32,
-                    SAMPLE_SEED ^ level as u64,
                     thr,
+                    out.key_at(0),
+                    out.id_at(0),
+                    count,
+                    out.capacity(),
                     status
                 ],
             )?;
-            run.lap(format!("threshold {level} (s={s})"), &self.stream)?;
-            if level == 0 && input.positional && input_count.is_none() {
-                // Keys only, vector loads: the pass that should run at the read floor.
-                self.launch_resident(
-                    "filter_below",
-                    args![
-                        input.key_at(0),
-                        n,
-                        thr,
-                        out.key_at(0),
-                        out.id_at(0),
-                        count,
-                        out.capacity(),
-                    ],
-                )?;
-            } else {
-                self.launch(
-                    &self.kernel("filter_pairs"),
-                    self.grid_for(src_cap, 4),
-                    THREADS,
-                    0,
-                    args![
-                        src_keys,
-                        src_ids,
-                        src_n,
-                        src_count,
-                        thr,
-                        out.key_at(0),
-                        out.id_at(0),
-                        count,
-                        out.capacity(),
-                        status
-                    ],
-                )?;
-            }
-            run.lap(format!("filter {level}"), &self.stream)?;
-            run.levels.push(out);
         }
+        run.lap(format!("filter {level}"), &self.stream)?;
+        run.levels.push(out);
+        Ok(())
+    }
+
+    /// Enqueues the sort of the last level's survivors on their device count where one takes
+    /// them whole (the rank sort for k up to `small`, the chunk rank sort, or the merge sort),
+    /// into `run.sorted_small`; else leaves them for a sort after the read-back.
+    fn sample_sort_survivors(&mut self, run: &mut SampleRun, small: usize) -> GpuResult<()> {
+        let k = run.k;
         let last = run.levels.last().expect("a planned level");
         let last_count = run.ctl.ptr() + 8 * (run.levels.len() - 1) as u64;
         if k <= small {
@@ -151,7 +175,7 @@ impl TopKEngine {
             run.lap("merge sort".into(), &self.stream)?;
             run.sorted_small = Some(out);
         }
-        Ok(Some(run))
+        Ok(())
     }
 
     /// Pairs `[0, n)` (n ≤ [`RANK_SORT_MAX`]) sorted by the one-launch rank sort (bitonic.cu
