@@ -348,6 +348,8 @@ pub fn host_default_nan() -> (u32, u64) {
     ((zero32 / zero32).to_bits(), (zero64 / zero64).to_bits())
 }
 
+/// CUDA C source of the fused kernel: a header of macros, the row loop `fused_rows` (its
+/// input fetch, its rounds, the block's totals) and the entry point that picks its variant.
 fn kernel_source(
     inputs: &[KernelInput],
     globals: &str,
@@ -357,77 +359,134 @@ fn kernel_source(
     pass: &str,
     key_code: &str,
 ) -> String {
-    let (nan32, nan64) = host_default_nan();
-    let cluster = crate::device::FUSED_SAMPLE_CLUSTER;
-    let (null_key, ambiguous, host_only) = (ERROR_NULL_KEY, ERROR_AMBIGUOUS_NAN, ERROR_HOST_ONLY);
-    let key = match kind {
+    let rows = full_rows(kind);
+    let row_loads = RowLoads::new(loads, rows);
+    let (params, args) = input_params(inputs);
+    let any_nulls = any_nulls(inputs, loads);
+    [
+        source_header(globals, kind, rows),
+        rows_prologue(&params, &row_loads),
+        rows_rounds(&row_loads, filter_code, pass, key_code),
+        ROWS_TOTALS.to_string(),
+        entry_kernel(&params, &args, &row_loads.aligned, &any_nulls),
+    ]
+    .concat()
+}
+
+/// Rows per thread and round of the full pass: enough loads in flight for the memory system,
+/// fewer for wide keys (registers). 8 did no better overall: what one query gained, the others
+/// lost.
+fn full_rows(kind: KeyWidth) -> usize {
+    match kind {
+        KeyWidth::W32 | KeyWidth::W64 => 4,
+        KeyWidth::W128 | KeyWidth::W256 => 2,
+    }
+}
+
+/// The composite key's CUDA type (fused.cuh) for its width.
+fn key_type(kind: KeyWidth) -> &'static str {
+    match kind {
         KeyWidth::W32 => "K32",
         KeyWidth::W64 => "K64",
         KeyWidth::W128 => "K128",
         KeyWidth::W256 => "K256",
-    };
-    // Rows per thread and round of the full pass: enough loads in flight for the memory
-    // system, fewer for wide keys (registers). 8 did no better overall: what one query gained,
-    // the others lost.
-    let rows = match kind {
-        KeyWidth::W32 | KeyWidth::W64 => 4,
-        KeyWidth::W128 | KeyWidth::W256 => 2,
-    };
-    // Per input: the rows' values fetched first (arrays over the round's rows), then taken.
-    // `fetch` reads row i; with consecutive rows per thread, `fetch_vector` loads a plain
-    // column's values for all of them at once and `fetch_rest` reads the rest per row.
-    let (mut declare, mut fetch, mut take) = (String::new(), String::new(), String::new());
-    let mut hold = String::new();
-    let (mut fetch_vector, mut fetch_rest) = (String::new(), String::new());
-    let mut aligned = Vec::new();
-    for l in loads {
-        let (t, v, nv) = (&l.ctype, &l.value, &l.valid);
-        let _ = writeln!(declare, "    {t} {v}_r[ROWS];\n    bool {nv}_r[ROWS];");
-        let _ = writeln!(
-            fetch,
-            "                {v}_r[r] = {};\n                {nv}_r[r] = !NULLS || ({});",
-            l.read, l.valid_read
-        );
-        match l.vector {
-            Some((p, bytes)) => {
-                let _ = writeln!(
-                    fetch_vector,
-                    "            load_rows<{t}, ROWS>((const {t} *)c{p} + jb, {v}_r);"
-                );
-                aligned.push(format!("(u64)c{p} % {} == 0", (rows * bytes).min(16)));
-            }
-            None => {
-                let _ = writeln!(fetch_rest, "                {v}_r[r] = {};", l.read);
-            }
-        }
-        let _ = writeln!(
-            fetch_rest,
-            "                {nv}_r[r] = !NULLS || ({});",
-            l.valid_read
-        );
-        let _ = writeln!(
-            hold,
-            "        {t} {v}_c[ROWS];\n        bool {nv}_c[ROWS];\n#pragma unroll\n        \
-             for (int r = 0; r < ROWS; ++r) {{ {v}_c[r] = {v}_r[r]; {nv}_c[r] = {nv}_r[r]; }}"
-        );
-        let _ = writeln!(
-            take,
-            "            const {t} {v} = {v}_c[r];\n            const bool {nv} = {nv}_c[r];"
-        );
     }
-    let aligned = if aligned.is_empty() {
-        "true".to_string()
-    } else {
-        aligned.join(" && ")
-    };
-    let any_nulls = if loads.is_empty() {
+}
+
+/// Per input read, the statements that bring a round's rows into registers: the rows' values
+/// are fetched first (arrays over the round's rows), held, then taken row by row.
+struct RowLoads {
+    /// The arrays the values and validities are fetched into.
+    declare: String,
+    /// Reads row i of every input.
+    fetch: String,
+    /// With consecutive rows per thread: each plain column's values for all of them at once …
+    fetch_vector: String,
+    /// … and the rest (other inputs' values, every validity) per row.
+    fetch_rest: String,
+    /// Copies of the fetched arrays, which a pipelined fetch of the next round leaves intact.
+    hold: String,
+    /// Row r's values and validities, under the names the expressions' code uses.
+    take: String,
+    /// C condition: every vector-loaded column is aligned for its vectors.
+    aligned: String,
+}
+
+impl RowLoads {
+    /// The statements for `loads`, with `rows` rows per thread in the full pass.
+    fn new(loads: &[translate::Load], rows: usize) -> Self {
+        let (mut declare, mut fetch, mut take) = (String::new(), String::new(), String::new());
+        let mut hold = String::new();
+        let (mut fetch_vector, mut fetch_rest) = (String::new(), String::new());
+        let mut aligned = Vec::new();
+        for l in loads {
+            let (t, v, nv) = (&l.ctype, &l.value, &l.valid);
+            let _ = writeln!(declare, "    {t} {v}_r[ROWS];\n    bool {nv}_r[ROWS];");
+            let _ = writeln!(
+                fetch,
+                "                {v}_r[r] = {};\n                {nv}_r[r] = !NULLS || ({});",
+                l.read, l.valid_read
+            );
+            match l.vector {
+                Some((p, bytes)) => {
+                    let _ = writeln!(
+                        fetch_vector,
+                        "            load_rows<{t}, ROWS>((const {t} *)c{p} + jb, {v}_r);"
+                    );
+                    aligned.push(format!("(u64)c{p} % {} == 0", (rows * bytes).min(16)));
+                }
+                None => {
+                    let _ = writeln!(fetch_rest, "                {v}_r[r] = {};", l.read);
+                }
+            }
+            let _ = writeln!(
+                fetch_rest,
+                "                {nv}_r[r] = !NULLS || ({});",
+                l.valid_read
+            );
+            let _ = writeln!(
+                hold,
+                "        {t} {v}_c[ROWS];\n        bool {nv}_c[ROWS];\n#pragma unroll\n        \
+                 for (int r = 0; r < ROWS; ++r) {{ {v}_c[r] = {v}_r[r]; {nv}_c[r] = {nv}_r[r]; }}"
+            );
+            let _ = writeln!(
+                take,
+                "            const {t} {v} = {v}_c[r];\n            const bool {nv} = {nv}_c[r];"
+            );
+        }
+        let aligned = if aligned.is_empty() {
+            "true".to_string()
+        } else {
+            aligned.join(" && ")
+        };
+        Self {
+            declare,
+            fetch,
+            fetch_vector,
+            fetch_rest,
+            hold,
+            take,
+            aligned,
+        }
+    }
+}
+
+/// C condition: some input has a validity bitmap, so the rows' validities must be tested
+/// (constant false where no input is read per row).
+fn any_nulls(inputs: &[KernelInput], loads: &[translate::Load]) -> String {
+    if loads.is_empty() {
         "false".to_string()
     } else {
         (0..inputs.len())
             .map(|p| format!("c{p}_valid != nullptr"))
             .collect::<Vec<_>>()
             .join(" || ")
-    };
+    }
+}
+
+/// The inputs' kernel parameters, each commented with what it holds, and the arguments that
+/// hand them on from the entry point to `fused_rows`.
+fn input_params(inputs: &[KernelInput]) -> (String, String) {
     let mut params = String::new();
     let mut args = String::new();
     for (p, input) in inputs.iter().enumerate() {
@@ -449,6 +508,16 @@ fn kernel_source(
         );
         let _ = write!(args, "c{p}, c{p}_bit, c{p}_valid, c{p}_valid_bit, ");
     }
+    (params, args)
+}
+
+/// The source's first lines: the host's NaN bits, the key type, the error flags and rows per
+/// round as macros, the program's globals, and defaults for the loader's tuning macros.
+fn source_header(globals: &str, kind: KeyWidth, rows: usize) -> String {
+    let (nan32, nan64) = host_default_nan();
+    let cluster = crate::device::FUSED_SAMPLE_CLUSTER;
+    let (null_key, ambiguous, host_only) = (ERROR_NULL_KEY, ERROR_AMBIGUOUS_NAN, ERROR_HOST_ONLY);
+    let key = key_type(kind);
     format!(
         r#"// Generated by datafusion-gpu-topk (src/fusion): predicate, keys and candidate append.
 #define HOST_NAN_F32 0x{nan32:08x}u
@@ -470,7 +539,22 @@ typedef {key} Key;
 #define FUSED_PIPELINE 0
 #endif
 
-// Evaluates rows i = sample_row(j, step) for j < n (STRIDED: a sample of one row in `step`,
+"#
+    )
+}
+
+/// `fused_rows`' documentation, signature and set-up, and its `fetch` of a round's inputs
+/// (by vectors where a thread's rows are consecutive, else row by row).
+fn rows_prologue(params: &str, loads: &RowLoads) -> String {
+    let RowLoads {
+        declare,
+        fetch,
+        fetch_vector,
+        fetch_rest,
+        ..
+    } = loads;
+    format!(
+        r#"// Evaluates rows i = sample_row(j, step) for j < n (STRIDED: a sample of one row in `step`,
 // fused.cuh; else i = j: the full pass); NULLS: some input has a validity bitmap. Each thread takes
 // ROWS rows per round (FULL_ROWS in the full pass; 1 in the sample, whose few thousand rows lie far
 // apart and want as many threads as they can get) and issues every input load of them before
@@ -510,7 +594,16 @@ __device__ __forceinline__ void fused_rows(
             }}
         }}
     }};
-    // The full pass fetches the next round before it evaluates this one, so that a warp's
+"#
+    )
+}
+
+/// `fused_rows`' rounds: each evaluates its rows' predicate and key, appends the rows that
+/// beat the threshold and records them in `kept`.
+fn rows_rounds(loads: &RowLoads, filter_code: &str, pass: &str, key_code: &str) -> String {
+    let (hold, take) = (&loads.hold, &loads.take);
+    format!(
+        r#"    // The full pass fetches the next round before it evaluates this one, so that a warp's
     // loads stay in flight while it evaluates and appends.
     constexpr bool PIPELINED = !STRIDED && FUSED_PIPELINE;
     const u64 stride = (u64)gridDim.x * (256 * ROWS);
@@ -567,7 +660,13 @@ __device__ __forceinline__ void fused_rows(
             buffer.push(keeps[r], keys[r], id_start + (STRIDED ? sample_row(j, step) : j), cand_keys, cand_ids, count, capacity, span != nullptr);
         }}
     }}
-    buffer.flush(cand_keys, cand_ids, count, capacity, span != nullptr);
+"#
+    )
+}
+
+/// `fused_rows`' end: the last appends, then the block's counts, error flags and span words
+/// added into the outputs with one atomic per word.
+const ROWS_TOTALS: &str = r#"    buffer.flush(cand_keys, cand_ids, count, capacity, span != nullptr);
     // The block's totals meet in shared memory, then one atomic per word and block: the warps'
     // own atomics on the same few words (thousands each in a full pass) would queue at the
     // pass's end. Every thread gets here: the loop's bounds are the block's.
@@ -576,32 +675,38 @@ __device__ __forceinline__ void fused_rows(
     const u32 warp = threadIdx.x / 32;
     const u32 warp_passed = __reduce_add_sync(FULL_MASK, my_passed);
     const u32 warp_error = __reduce_or_sync(FULL_MASK, my_error);
-    if (lane_id() == 0) {{
+    if (lane_id() == 0) {
         totals[warp][0] = warp_passed;
         totals[warp][1] = warp_error;
-    }}
+    }
 #pragma unroll
-    for (u32 w = 0; w < 2 * Key::N; ++w) {{
+    for (u32 w = 0; w < 2 * Key::N; ++w) {
         const u64 words = span != nullptr ? buffer.warp_span(w) : 0ull;
         if (lane_id() == 0) totals[warp][2 + w] = words;
-    }}
+    }
     __syncthreads();
-    if (threadIdx.x < TOTALS) {{
+    if (threadIdx.x < TOTALS) {
         u64 v = 0;
 #pragma unroll
         for (u32 q = 0; q < 8; ++q) v = threadIdx.x == 0 ? v + totals[q][0] : v | totals[q][threadIdx.x];
-        if (v != 0) {{
-            if (threadIdx.x == 0) {{
+        if (v != 0) {
+            if (threadIdx.x == 0) {
                 atomicAdd(passed, v);
-            }} else if (threadIdx.x == 1) {{
+            } else if (threadIdx.x == 1) {
                 atomicOr(error, (u32)v);
-            }} else if (span != nullptr) {{
+            } else if (span != nullptr) {
                 atomicOr((unsigned long long *)&span[threadIdx.x - 2], v);
-            }}
-        }}
-    }}
-}}
+            }
+        }
+    }
+}
+"#;
 
+/// The entry point: picks `fused_rows`' variant (sample or full pass, vector loads where the
+/// columns are aligned, validity tests where some input has NULLs) and gives it warp buffers.
+fn entry_kernel(params: &str, args: &str, aligned: &str, any_nulls: &str) -> String {
+    format!(
+        r#"
 extern "C" __global__ void __launch_bounds__(256, FUSED_MIN_BLOCKS) {ENTRY}(
 {params}    u64 n, u64 step, u64 id_start, const Threshold<Key> *thr, Key *cand_keys, u64 *cand_ids, u64 *count,
     u64 capacity, u64 *passed, u32 *error, u32 *kept, u64 *span) {{

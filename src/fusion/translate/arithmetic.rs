@@ -42,150 +42,136 @@ impl Emitter<'_> {
         }
         let l = self.emit(binary.left())?;
         let r = self.emit(binary.right())?;
-        let both_valid = format!("{} && {}", l.valid, r.valid);
         match op {
-            Operator::And | Operator::Or => {
-                if l.ctype != CType::Bool || r.ctype != CType::Bool {
-                    return Err(format!("{op} of {} and {}", l.data_type, r.data_type));
-                }
-                // Three-valued logic: FALSE AND NULL = FALSE, TRUE OR NULL = TRUE.
-                let (lt, rt) = (
-                    format!("({} && {})", l.valid, l.value),
-                    format!("({} && {})", r.valid, r.value),
-                );
-                let (value, valid) = if op == Operator::And {
-                    let lf = format!("({} && !{})", l.valid, l.value);
-                    let rf = format!("({} && !{})", r.valid, r.value);
-                    (
-                        format!("{lt} && {rt}"),
-                        format!("({lt} && {rt}) || {lf} || {rf}"),
-                    )
-                } else {
-                    (
-                        format!("{lt} || {rt}"),
-                        format!("{lt} || {rt} || ({both_valid})"),
-                    )
-                };
-                Ok(self.define(DataType::Boolean, CType::Bool, value, valid))
-            }
+            Operator::And | Operator::Or => self.logical(op, &l, &r),
             Operator::Eq
             | Operator::NotEq
             | Operator::Lt
             | Operator::LtEq
             | Operator::Gt
-            | Operator::GtEq => {
-                if l.data_type != r.data_type {
-                    return Err(format!("{op} of {} and {}", l.data_type, r.data_type));
-                }
-                let c = match op {
-                    Operator::Eq => "==",
-                    Operator::NotEq => "!=",
-                    Operator::Lt => "<",
-                    Operator::LtEq => "<=",
-                    Operator::Gt => ">",
-                    _ => ">=",
-                };
-                let value = if l.ctype.is_float() {
-                    // DataFusion compares floats in total order with −0.0 normalised to +0.0.
-                    let s = l.ctype.suffix();
-                    format!("cmp_{s}({}) {c} cmp_{s}({})", l.value, r.value)
-                } else {
-                    format!("{} {c} {}", l.value, r.value)
-                };
-                Ok(self.define(DataType::Boolean, CType::Bool, value, both_valid))
-            }
+            | Operator::GtEq => self.comparison(op, &l, &r),
             Operator::Plus
             | Operator::Minus
             | Operator::Multiply
             | Operator::Divide
-            | Operator::Modulo => {
-                let t = l.ctype;
-                let numeric = t.is_float() || t.is_signed() || t.is_unsigned();
-                let plain_number = matches!(
-                    l.data_type,
-                    DataType::Int8
-                        | DataType::Int16
-                        | DataType::Int32
-                        | DataType::Int64
-                        | DataType::UInt8
-                        | DataType::UInt16
-                        | DataType::UInt32
-                        | DataType::UInt64
-                        | DataType::Float32
-                        | DataType::Float64
-                );
-                if l.data_type != r.data_type || !numeric || !plain_number {
-                    return Err(format!("{op} of {} and {}", l.data_type, r.data_type));
-                }
-                // Both operands finite and bounded: the result is too (no overflow below the
-                // limit), and no NaN can occur, so the plain IEEE operation is exact.
-                let bound = match (op, l.finite_bound, r.finite_bound) {
-                    (Operator::Plus | Operator::Minus, Some(a), Some(b)) => Some(a.max(b) + 1),
-                    (Operator::Multiply, Some(a), Some(b)) => Some(a + b),
-                    _ => None,
-                }
-                .filter(|&e| e < if t == CType::F32 { 120 } else { 1000 });
-                let value = if let (true, Some(_)) = (t.is_float(), bound) {
-                    let f = match op {
-                        Operator::Plus => "add",
-                        Operator::Minus => "sub",
-                        _ => "mul",
-                    };
-                    let p = if t == CType::F32 { "f" } else { "d" };
-                    format!("__{p}{f}_rn({}, {})", l.value, r.value)
-                } else if t.is_float() {
-                    let f = match op {
-                        Operator::Plus => "add",
-                        Operator::Minus => "sub",
-                        Operator::Multiply => "mul",
-                        Operator::Divide => "div",
-                        // fmod: exact on both sides (the host's Rust `%` calls libm's fmod).
-                        _ => "rem",
-                    };
-                    let flag = if matches!(op, Operator::Plus | Operator::Multiply) {
-                        ", ambiguous"
-                    } else {
-                        ""
-                    };
-                    format!("{f}_{}({}, {}{flag})", t.suffix(), l.value, r.value)
-                } else {
-                    match op {
-                        Operator::Plus | Operator::Minus | Operator::Multiply => {
-                            let c = match op {
-                                Operator::Plus => "+",
-                                Operator::Minus => "-",
-                                _ => "*",
-                            };
-                            let w = t.wrapping();
-                            format!("({})(({w}){} {c} ({w}){})", t.name(), l.value, r.value)
-                        }
-                        _ => {
-                            // DataFusion errors on a zero divisor and on MIN / −1 (MIN % −1):
-                            // such a row sends the query to the host (ERROR_HOST_ONLY), and
-                            // the division itself is guarded so the device never traps.
-                            let c = if op == Operator::Divide { "/" } else { "%" };
-                            let name = t.name();
-                            let overflow = if t.is_signed() {
-                                let min = format!("(({name})((u64)1 << {}))", t.bits() - 1);
-                                format!(" || ({} == ({name})-1 && {} == {min})", r.value, l.value)
-                            } else {
-                                String::new()
-                            };
-                            let failing = format!("({} == 0{overflow})", r.value);
-                            self.line(format!("host_only |= {both_valid} && {failing};"));
-                            format!(
-                                "({name})({failing} ? ({name})0 : ({name})({} {c} {}))",
-                                l.value, r.value
-                            )
-                        }
-                    }
-                };
-                let mut v = self.define(l.data_type.clone(), t, value, both_valid);
-                v.finite_bound = bound.filter(|_| t.is_float());
-                Ok(v)
-            }
+            | Operator::Modulo => self.arithmetic(op, &l, &r),
             _ => Err(format!("operator {op}")),
         }
+    }
+
+    /// `AND` / `OR` of two booleans in SQL's three-valued logic: FALSE AND NULL = FALSE,
+    /// TRUE OR NULL = TRUE.
+    fn logical(&mut self, op: Operator, l: &Value, r: &Value) -> Result<Value, Declined> {
+        if l.ctype != CType::Bool || r.ctype != CType::Bool {
+            return Err(format!("{op} of {} and {}", l.data_type, r.data_type));
+        }
+        let (lt, rt) = (
+            format!("({} && {})", l.valid, l.value),
+            format!("({} && {})", r.valid, r.value),
+        );
+        let (value, valid) = if op == Operator::And {
+            let lf = format!("({} && !{})", l.valid, l.value);
+            let rf = format!("({} && !{})", r.valid, r.value);
+            (
+                format!("{lt} && {rt}"),
+                format!("({lt} && {rt}) || {lf} || {rf}"),
+            )
+        } else {
+            let both_valid = format!("{} && {}", l.valid, r.valid);
+            (
+                format!("{lt} || {rt}"),
+                format!("{lt} || {rt} || ({both_valid})"),
+            )
+        };
+        Ok(self.define(DataType::Boolean, CType::Bool, value, valid))
+    }
+
+    /// A comparison of two values of one type; floats compare as DataFusion orders them.
+    fn comparison(&mut self, op: Operator, l: &Value, r: &Value) -> Result<Value, Declined> {
+        if l.data_type != r.data_type {
+            return Err(format!("{op} of {} and {}", l.data_type, r.data_type));
+        }
+        let c = match op {
+            Operator::Eq => "==",
+            Operator::NotEq => "!=",
+            Operator::Lt => "<",
+            Operator::LtEq => "<=",
+            Operator::Gt => ">",
+            _ => ">=",
+        };
+        let value = if l.ctype.is_float() {
+            // DataFusion compares floats in total order with −0.0 normalised to +0.0.
+            let s = l.ctype.suffix();
+            format!("cmp_{s}({}) {c} cmp_{s}({})", l.value, r.value)
+        } else {
+            format!("{} {c} {}", l.value, r.value)
+        };
+        let both_valid = format!("{} && {}", l.valid, r.valid);
+        Ok(self.define(DataType::Boolean, CType::Bool, value, both_valid))
+    }
+
+    /// `+ - * / %` of two plain numbers of one type: IEEE operations as the host's for
+    /// floats, wrapping ones for integers, and a guarded division where DataFusion fails.
+    fn arithmetic(&mut self, op: Operator, l: &Value, r: &Value) -> Result<Value, Declined> {
+        let t = l.ctype;
+        let numeric = t.is_float() || t.is_signed() || t.is_unsigned();
+        let plain_number = matches!(
+            l.data_type,
+            DataType::Int8
+                | DataType::Int16
+                | DataType::Int32
+                | DataType::Int64
+                | DataType::UInt8
+                | DataType::UInt16
+                | DataType::UInt32
+                | DataType::UInt64
+                | DataType::Float32
+                | DataType::Float64
+        );
+        if l.data_type != r.data_type || !numeric || !plain_number {
+            return Err(format!("{op} of {} and {}", l.data_type, r.data_type));
+        }
+        let both_valid = format!("{} && {}", l.valid, r.valid);
+        let bound = finite_result_bound(op, t, l, r);
+        let value = if let (true, Some(_)) = (t.is_float(), bound) {
+            exact_float_arithmetic(op, t, l, r)
+        } else if t.is_float() {
+            float_arithmetic(op, t, l, r)
+        } else if matches!(op, Operator::Plus | Operator::Minus | Operator::Multiply) {
+            wrapping_arithmetic(op, t, l, r)
+        } else {
+            self.guarded_division(op, t, l, r, &both_valid)
+        };
+        let mut v = self.define(l.data_type.clone(), t, value, both_valid);
+        v.finite_bound = bound.filter(|_| t.is_float());
+        Ok(v)
+    }
+
+    /// An integer `/` or `%`. DataFusion errors on a zero divisor and on MIN / −1 (MIN % −1):
+    /// such a row sends the query to the host (ERROR_HOST_ONLY), and the division itself is
+    /// guarded so the device never traps.
+    fn guarded_division(
+        &mut self,
+        op: Operator,
+        t: CType,
+        l: &Value,
+        r: &Value,
+        both_valid: &str,
+    ) -> String {
+        let c = if op == Operator::Divide { "/" } else { "%" };
+        let name = t.name();
+        let overflow = if t.is_signed() {
+            let min = format!("(({name})((u64)1 << {}))", t.bits() - 1);
+            format!(" || ({} == ({name})-1 && {} == {min})", r.value, l.value)
+        } else {
+            String::new()
+        };
+        let failing = format!("({} == 0{overflow})", r.value);
+        self.line(format!("host_only |= {both_valid} && {failing};"));
+        format!(
+            "({name})({failing} ? ({name})0 : ({name})({} {c} {}))",
+            l.value, r.value
+        )
     }
 
     /// `CAST` (`safe` false) or `TRY_CAST` (`safe` true) among numeric types, as arrow's cast
@@ -255,6 +241,60 @@ impl Emitter<'_> {
         v.finite_bound = finite_bound;
         Ok(v)
     }
+}
+
+/// For `op` on floats of type `t` with both operands finite and bounded: a bound on the
+/// result, where it stays far enough from overflow that no NaN or infinity can occur.
+fn finite_result_bound(op: Operator, t: CType, l: &Value, r: &Value) -> Option<i32> {
+    match (op, l.finite_bound, r.finite_bound) {
+        (Operator::Plus | Operator::Minus, Some(a), Some(b)) => Some(a.max(b) + 1),
+        (Operator::Multiply, Some(a), Some(b)) => Some(a + b),
+        _ => None,
+    }
+    .filter(|&e| e < if t == CType::F32 { 120 } else { 1000 })
+}
+
+/// `+ - *` of finite, bounded floats (see [`finite_result_bound`]): the plain IEEE operation,
+/// rounded to nearest, is exact.
+fn exact_float_arithmetic(op: Operator, t: CType, l: &Value, r: &Value) -> String {
+    let f = match op {
+        Operator::Plus => "add",
+        Operator::Minus => "sub",
+        _ => "mul",
+    };
+    let p = if t == CType::F32 { "f" } else { "d" };
+    format!("__{p}{f}_rn({}, {})", l.value, r.value)
+}
+
+/// Float arithmetic by fused.cuh's functions, which produce the host's NaNs (and flag the
+/// additions and products of two NaNs whose result only the host can reproduce).
+fn float_arithmetic(op: Operator, t: CType, l: &Value, r: &Value) -> String {
+    let f = match op {
+        Operator::Plus => "add",
+        Operator::Minus => "sub",
+        Operator::Multiply => "mul",
+        Operator::Divide => "div",
+        // fmod: exact on both sides (the host's Rust `%` calls libm's fmod).
+        _ => "rem",
+    };
+    let flag = if matches!(op, Operator::Plus | Operator::Multiply) {
+        ", ambiguous"
+    } else {
+        ""
+    };
+    format!("{f}_{}({}, {}{flag})", t.suffix(), l.value, r.value)
+}
+
+/// Integer `+ - *`, wrapping as DataFusion's do (computed in the type's unsigned wrapping
+/// type, where C defines overflow).
+fn wrapping_arithmetic(op: Operator, t: CType, l: &Value, r: &Value) -> String {
+    let c = match op {
+        Operator::Plus => "+",
+        Operator::Minus => "-",
+        _ => "*",
+    };
+    let w = t.wrapping();
+    format!("({})(({w}){} {c} ({w}){})", t.name(), l.value, r.value)
 }
 
 /// C condition: integer `x` of type `from` lies in the range of integer type `to`.
