@@ -13,6 +13,7 @@
 //! - [`engine`]: the host side of each kernel (encode, append, radix select, bitonic top-k,
 //!   sampled selection, sorts), on one stream, with staging and the one dispatch over routes;
 //! - [`timer`]: CUDA events for timing;
+//! - [`u256`]: the 256-bit integer of the widest composite keys;
 //! - [`watch`]: one query's device bytes, its device memory limit, injected device faults.
 
 pub mod column_cache;
@@ -24,6 +25,7 @@ pub mod memory;
 pub mod options;
 pub mod plan;
 pub(crate) mod timer;
+pub mod u256;
 pub(crate) mod watch;
 
 use std::collections::HashMap;

@@ -5,12 +5,15 @@
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::{BooleanArray, PrimitiveArray, UInt32Array};
+use datafusion::arrow::array::{Array, ArrayRef, BooleanArray, PrimitiveArray, UInt32Array};
 use datafusion::arrow::buffer::{BooleanBuffer, NullBuffer};
-use datafusion::arrow::compute::{SortColumn, lexsort_to_indices, sort_to_indices, take};
+use datafusion::arrow::compute::{
+    SortColumn, SortOptions, lexsort_to_indices, sort_to_indices, take,
+};
 use datafusion::arrow::datatypes::*;
 use half::f16;
 
+use super::layout::MAX_KEY_BITS;
 use super::*;
 
 /// xorshift64* — deterministic, no `rand` dependency.

@@ -47,6 +47,8 @@ use datafusion::physical_plan::union::{InterleaveExec, UnionExec};
 use datafusion::physical_plan::windows::{BoundedWindowAggExec, WindowAggExec, WindowUDFExpr};
 use datafusion::physical_plan::{Distribution, ExecutionPlan, ExecutionPlanProperties};
 
+mod device;
+
 use super::{Declined, because};
 use crate::config::GpuTopKConfig;
 use crate::exec::{GpuGroupTopKExec, RankFunction};
@@ -261,7 +263,7 @@ fn group_exec(
     config: &GpuTopKConfig,
 ) -> std::result::Result<GpuGroupTopKExec, Declined> {
     let mut estimate = None;
-    let device = super::group_device(&input, &ordering, (groups, k), config, &mut estimate);
+    let device = device::group_device(&input, &ordering, (groups, k), config, &mut estimate);
     let exec = GpuGroupTopKExec::try_new(input, function, ordering, groups, k, window.as_ref())
         .or_else(|e| because(format!("per-group top-k: {e}")))?
         .with_groups_estimate(estimate);

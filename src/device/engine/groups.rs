@@ -7,7 +7,7 @@
 //! resident columns and those come back instead, in pieces handed to the caller in order.
 
 use super::*;
-use crate::keys::U256;
+use crate::device::u256::U256;
 
 /// Threads of a block of groups.cu's keyed kernels (`GROUP_THREADS`).
 const GROUP_THREADS: usize = 256;
