@@ -323,6 +323,8 @@ pub(crate) fn contain_panics<T>(work: impl FnOnce() -> T) -> Result<T, String> {
     thread_local! {
         static CONTAINED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     }
+    // The panic hook is the process's: it is wrapped once, and stays quiet only on threads
+    // inside `contain_panics`.
     static HOOK: std::sync::Once = std::sync::Once::new();
     HOOK.call_once(|| {
         let previous = std::panic::take_hook();
@@ -423,6 +425,7 @@ pub fn probed_status() -> Option<&'static GpuStatus> {
 /// Whether probing the device would start a CUDA driver (slow) rather than find at once that
 /// there is none (CUDA disabled, no driver library).
 pub fn probe_is_slow() -> bool {
+    // Process-wide: the libraries found do not change while it runs.
     static SLOW: OnceLock<bool> = OnceLock::new();
     *SLOW.get_or_init(|| {
         // SAFETY: only probes whether the shared library can be loaded.
@@ -477,6 +480,7 @@ pub fn slots(ordinals: &[usize]) -> Vec<DeviceSlot> {
 /// The GPUs the driver reports, once the process's device is started (`None` before, so that
 /// planning does not start it).
 pub fn started_device_count() -> Option<usize> {
+    // Process-wide: the driver's devices do not change while it runs.
     static COUNT: OnceLock<usize> = OnceLock::new();
     started_gpu()?;
     Some(*COUNT.get_or_init(|| CudaContext::device_count().map_or(1, |n| n.max(1) as usize)))

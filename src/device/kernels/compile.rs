@@ -6,6 +6,7 @@ use super::*;
 /// Whether the NVRTC library can be loaded (with dynamic loading, using it when it cannot
 /// would panic).
 pub fn nvrtc_available() -> bool {
+    // Process-wide: the libraries found do not change while it runs.
     static PRESENT: OnceLock<bool> = OnceLock::new();
     // SAFETY: only probes whether the shared library can be loaded.
     *PRESENT.get_or_init(|| unsafe { nvrtc::is_culib_present() })
