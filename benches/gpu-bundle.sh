@@ -6,6 +6,9 @@
 # dictionary larger than a binary compresses the set about as well as one binary (≈ 50 MB for
 # four), where per-file xz -6 would exceed the 64 MiB carry limit.
 #
+# Build it in the checkout the device receives: tests find the CLI binary and the tree's
+# files at the paths recorded at build time (CARGO_BIN_EXE_*, CARGO_MANIFEST_DIR).
+#
 # KERNELS_ONLY=1: only the kernel and fusion benchmarks and the integration tests (a few
 # minutes to pack), for runs of the device work. EXTRA="NAME=PATH …": more executables packed
 # under NAME (e.g. an earlier build's benchmark, to compare against in the same call).
