@@ -14,6 +14,10 @@
 # selectivity 0 to 1 by 0.1, Q2 k 1 to 10^6). BASELINE=NAME (a benchmark packed with
 # `EXTRA="NAME=PATH"`): step 3 runs it and this build's benchmark alternately, ROUNDS times
 # each (default 2), without clients or plots, to compare two builds on one machine.
+# USER_PATH=1 adds step 4, benches/user_path.py: fresh `gpu-topk` processes with the default
+# settings against DataFusion and DuckDB (wheels carried in .whl/, see the script), ROWS tweets
+# and TPC-H lineitem at TPCH_SF (default 10), generated into TPCH (default /tmp/tpch);
+# USER_PATH_ONLY lists its sessions (default all); USER_PATH_RUNS the repeats (default 3).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-run}
 ROWS=${ROWS:-100000000}
@@ -61,5 +65,19 @@ elif [ -z "${SKIP_BENCH:-}" ]; then
         > "$OUT/end-to-end.log" 2>&1
     summary+=("end to end (rc $?):")
     summary+=("$(cat "$OUT/end-to-end.log")")
+fi
+if [ -n "${USER_PATH:-}" ]; then
+    if ls .whl/*.whl > /dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    fi
+    logs=/tmp/user-path-logs
+    PYTHONUNBUFFERED=1 python3 benches/user_path.py --cli .b/gpu-topk --rows "$ROWS" \
+        --tpch "${TPCH:-/tmp/tpch}" --sf "${TPCH_SF:-10}" --runs "${USER_PATH_RUNS:-3}" --duckdb \
+        ${USER_PATH_ONLY:+--only "$USER_PATH_ONLY"} --scratch /tmp/user-path --logs "$logs" \
+        --json "$OUT/user-path.json" > "$OUT/user-path.log" 2>&1
+    summary+=("user path (rc $?):")
+    summary+=("$(sed -n '/^gpu-topk user path/,$p' "$OUT/user-path.log")")
+    tar -C "$logs" -cJf "$OUT/user-path-logs.tar.xz" . 2>/dev/null
 fi
 printf '%s\n' "${summary[@]}"

@@ -3,7 +3,7 @@
 user's way, against DataFusion and DuckDB on the same rows.
 
     python3 benches/user_path.py --cli PATH/gpu-topk [--rows 100000000] [--tpch DIR --sf 10]
-        [--runs 3] [--duckdb] [--only tweets,groups,strings,parquet] [--json OUT]
+        [--runs 3] [--duckdb] [--only first,tweets,groups,copy,strings,parquet] [--json OUT]
 
 Each *session* below is one fresh process per engine: it makes its table, then runs each of
 its queries once (*first*) and `--runs` more times (*repeat*: the median; *2nd*: the first
@@ -14,7 +14,7 @@ Engines:
 - *auto*: `gpu-topk` with no option: the default settings, the device not started, the
   kernel cache as a user's (one directory for the whole benchmark, filled by earlier
   processes; the very first process of the benchmark finds it empty, see below);
-- *cuda* (a diagnostic): `--backend cuda`, the same process shape;
+- *cuda* (a diagnostic, tweets and groups only): `--backend cuda`, the same process shape;
 - *DataFusion*: `gpu-topk` with `SET gpu_topk.enabled = false` first: DataFusion's own plan;
 - *DuckDB* (`--duckdb`, PyPI `duckdb`): a connection per session, the table loaded from the
   same rows' Parquet files into DuckDB's memory.
@@ -23,6 +23,8 @@ Sessions:
 - *tweets*: the CLI's `tweets` table (generated in memory, `--rows`), one process per
   query of Q1-Q3;
 - *groups*: the same table, one process per per-group shape;
+- *copy*: Q1-Q3 over `CREATE TABLE tweets_copy AS SELECT * FROM tweets`, then over the
+  CLI's table (a `GpuTable`), in one process: a table made by SQL must be read as fast;
 - *strings*: TPC-H `lineitem` (`--tpch DIR`, written by `benches/tpch/generate.py` when DIR
   has none) made by `CREATE TABLE lineitem AS SELECT * FROM` its Parquet files, one process
   for the string queries;
@@ -236,13 +238,19 @@ def wrapped(value):
     return str(value)
 
 
-def duckdb_session(args, load, queries):
+def duckdb_connect(load):
+    """A DuckDB connection on every core with the table `load` makes (the same rows)."""
     import duckdb
 
     con = duckdb.connect()
     con.execute(f"SET threads = {os.cpu_count()}")
     for statement in load:
         con.execute(statement)
+    return con
+
+
+def duckdb_session(args, con, queries):
+    """Each query once, then `--runs` more times, on a connection kept for its table."""
     results = {}
     for name, sql, _ in queries:
         times, first = [], None
@@ -253,7 +261,6 @@ def duckdb_session(args, load, queries):
             if run == 0:
                 first = rows
         results[name] = (times, first)
-    con.close()
     return results
 
 
@@ -293,7 +300,9 @@ def main():
     parser.add_argument("--sf", type=float, default=10, help="scale factor to generate")
     parser.add_argument("--runs", type=int, default=3, help="repeats after the first run")
     parser.add_argument("--duckdb", action="store_true", help="add DuckDB")
-    parser.add_argument("--only", default="first,tweets,groups,strings,parquet")
+    parser.add_argument(
+        "--only", default="first,tweets,groups,copy,strings,parquet", help="sessions to run"
+    )
     parser.add_argument("--scratch", type=Path, default=Path(tempfile.gettempdir()) / "user-path")
     parser.add_argument("--logs", type=Path, default=None, help="per-process logs (default scratch)")
     parser.add_argument("--json", type=Path)
@@ -333,15 +342,24 @@ def main():
             figures[("first GPU query", label)] = {"cuda": summary(times), "wall_s": wall}
             print(f"first GPU query ({label}): {times[0]:.1f} ms, then {times[1]:.1f} ms", flush=True)
 
+    # (session, queries, CLI setup, DuckDB's load, engines)
     sessions = []
-    if only & {"tweets", "groups"}:
+    every = ("datafusion", "auto", "cuda")
+    if only & {"tweets", "groups", "copy"}:
         parquet = ensure_tweets_parquet(args) if args.duckdb else None
-        load = [f"CREATE TABLE tweets AS SELECT * FROM read_parquet('{sql_text(str(parquet))}/*.parquet')"] if parquet else []
+        files = f"read_parquet('{sql_text(str(parquet))}/*.parquet')" if parquet else None
+        load = [f"CREATE TABLE tweets AS SELECT * FROM {files}"] if parquet else []
         setup = ["SELECT count(*) FROM tweets"]
         if "tweets" in only:
-            sessions += [("tweets", [q], setup, load) for q in TWEETS]
+            sessions += [("tweets", [q], setup, load, every) for q in TWEETS]
         if "groups" in only:
-            sessions += [("groups", [q], setup, load) for q in GROUPS]
+            sessions += [("groups", [q], setup, load, every) for q in GROUPS]
+        if "copy" in only:
+            # The same queries over a copy made by SQL and over the CLI's GpuTable, in one
+            # process: the copy must be read as fast.
+            copy = [(f"{n} copy", sql.replace("FROM tweets", "FROM tweets_copy"), k) for n, sql, k in TWEETS]
+            setup = ["CREATE TABLE tweets_copy AS SELECT * FROM tweets"]
+            sessions.append(("tweets (CREATE TABLE AS, then GpuTable)", copy + TWEETS, setup, [], ("datafusion", "auto")))
     if only & {"strings", "parquet"}:
         if args.tpch is None:
             fail("--tpch DIR is needed for the string sessions")
@@ -351,15 +369,16 @@ def main():
         load = [f"CREATE TABLE lineitem AS SELECT * FROM read_parquet('{location}*.parquet')"]
         if "strings" in only:
             setup = [external, "CREATE TABLE lineitem AS SELECT * FROM lineitem_files"]
-            sessions.append(("strings (CREATE TABLE AS)", STRINGS, setup, load))
+            sessions.append(("strings (CREATE TABLE AS)", STRINGS, setup, load, ("datafusion", "auto")))
         if "parquet" in only:
             setup = [f"CREATE EXTERNAL TABLE lineitem STORED AS PARQUET LOCATION '{location}'"]
             view = [f"CREATE VIEW lineitem AS SELECT * FROM read_parquet('{location}*.parquet')"]
-            sessions.append(("strings (external Parquet)", STRINGS, setup, view))
+            sessions.append(("strings (external Parquet)", STRINGS, setup, view, ("datafusion", "auto")))
 
-    for session, queries, setup, load in sessions:
+    connections = {}
+    for session, queries, setup, load, engines in sessions:
         reference = None
-        for engine in ("datafusion", "auto", "cuda"):
+        for engine in engines:
             results, wall = cli_session(args, session, engine, setup, queries, cache)
             for name, sql, keys in queries:
                 times, rows = results[name]
@@ -370,14 +389,19 @@ def main():
             if engine == "datafusion":
                 reference = results
             print(f"{session} / {queries[0][0]}: {engine} done in {wall:.1f} s", flush=True)
-        if args.duckdb:
-            results = duckdb_session(args, load, queries)
+        if args.duckdb and load:
+            key = tuple(load)
+            if key not in connections:
+                connections[key] = duckdb_connect(load)
+            results = duckdb_session(args, connections[key], queries)
             for name, sql, keys in queries:
                 times, rows = results[name]
                 record(session, name, "duckdb", times)
                 if session == "groups":
                     ours = [",".join(wrapped(v) for v in r) for r in rows]
                     compare(session, name, 0, ours, reference[name][1], "duckdb")
+    for con in connections.values():
+        con.close()
 
     if args.json:
         args.json.write_text(json.dumps(
@@ -406,10 +430,20 @@ def main():
         print(
             f"| {session} | {name} | {pair(df)} | {pair(duck)} | "
             f"{auto['first']:.1f} / {auto['second']:.1f} / {auto['repeat']:.1f} | "
-            f"{cuda['repeat']:.1f} | {ratio(auto['second'], cuda['repeat'])} | "
+            f"{format(cuda['repeat'], '.1f') if cuda else '-'} | "
+            f"{ratio(auto['second'], cuda['repeat'] if cuda else None)} | "
             f"{ratio(df['repeat'], auto['repeat'])} | "
             f"{ratio(duck['repeat'] if duck else None, auto['repeat'])} |"
         )
+    copies = [
+        (name, v["auto"]["repeat"], figures[(session, name[: -len(" copy")])]["auto"]["repeat"])
+        for (session, name), v in figures.items()
+        if name.endswith(" copy")
+    ]
+    if copies:
+        print()
+        print("CREATE TABLE AS / GpuTable, auto repeat: " + ", ".join(
+            f"{name[: -len(' copy')]} {a:.1f} / {b:.1f} ms = {a / b:.2f}" for name, a, b in copies))
     if wrong:
         sys.exit(1)
 
