@@ -12,6 +12,7 @@
 # KERNELS_ONLY=1: only the kernel and fusion benchmarks and the integration tests (a few
 # minutes to pack), for runs of the device work. EXTRA="NAME=PATH …": more executables packed
 # under NAME (e.g. an earlier build's benchmark, to compare against in the same call).
+# CLI_ONLY=1: only `gpu-topk` (for the user-path benchmark, whose DuckDB wheels need the room).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -21,7 +22,9 @@ grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 json=$(mktemp)
 stage=$(mktemp -d)
 trap 'rm -rf "$stage" "$json"' EXIT
-if [ -n "${KERNELS_ONLY:-}" ]; then
+if [ -n "${CLI_ONLY:-}" ]; then
+    cargo build --release --bin gpu-topk --message-format=json > "$json"
+elif [ -n "${KERNELS_ONLY:-}" ]; then
     cargo build --release --bench kernels --bench fused --message-format=json > "$json"
     cargo test --release --no-run --test all --message-format=json >> "$json"
 else
