@@ -232,7 +232,12 @@ fn precompile(out: &Path) -> Result<String, Skip> {
         _ if release => {}
         _ => return Err(Skip(String::new())),
     }
-    let nvrtc = Nvrtc::open().map_err(|e| Skip(format!("no NVRTC library: {e}")))?;
+    let nvrtc = Nvrtc::open().map_err(|e| {
+        Skip(format!(
+            "no libnvrtc.so.13 on LD_LIBRARY_PATH or in the linker cache ({e}); \
+             .ci/install-nvrtc.sh installs it"
+        ))
+    })?;
     let (major, minor) = nvrtc.version().map_err(Skip)?;
     let (programs, headers) = read_kernels(Path::new("kernels"));
     let ptx = std::env::var(PTX_ENV).is_ok_and(|v| v == "1");
