@@ -23,8 +23,9 @@ const CUBIN_TARGETS: &[&str] = &["sm_80", "sm_90", "sm_100", "sm_120"];
 /// The virtual architecture whose PTX the driver compiles for any later GPU, built only with
 /// `GPU_TOPK_PRECOMPILE_PTX=1`: it serves only GPUs of a major version without CUBIN here, and
 /// is larger than one architecture's CUBIN, while the driver's compile of it takes about as
-/// long as NVRTC's at run time.
-const PTX_TARGET: &str = "compute_80";
+/// long as NVRTC's at run time. 9.0, not lower: those GPUs launch with programmatic dependent
+/// launch, whose wait (common.cuh) only code for 9.0 on contains.
+const PTX_TARGET: &str = "compute_90";
 const PTX_ENV: &str = "GPU_TOPK_PRECOMPILE_PTX";
 /// The options after `--gpu-architecture`, as `options()` in src/device/kernels/compile.rs
 /// gives them (a unit test compares the two).
@@ -316,13 +317,16 @@ fn read_kernels(dir: &Path) -> (Files, Files) {
         .partition(|(name, _)| name.ends_with(".cu"))
 }
 
+/// An image, or NVRTC's error.
+type Built = Result<Vec<u8>, String>;
+
 /// Compiles every (program, target) job on as many threads as cargo allows.
 fn compile_all(
     nvrtc: &Nvrtc,
     programs: &Files,
     headers: &Files,
     jobs: &[(usize, &str)],
-) -> Vec<Result<Vec<u8>, String>> {
+) -> Vec<Built> {
     let threads = std::env::var("NUM_JOBS")
         .ok()
         .and_then(|n| n.parse::<usize>().ok())
@@ -330,8 +334,7 @@ fn compile_all(
         .unwrap_or(1)
         .clamp(1, jobs.len().max(1));
     let next = Mutex::new(0usize);
-    let results: Mutex<Vec<Option<Result<Vec<u8>, String>>>> =
-        Mutex::new(jobs.iter().map(|_| None).collect());
+    let results: Mutex<Vec<Option<Built>>> = Mutex::new(jobs.iter().map(|_| None).collect());
     std::thread::scope(|scope| {
         for _ in 0..threads {
             scope.spawn(|| {

@@ -29,7 +29,9 @@ pub fn parse_target(target: &str) -> Option<((u32, u32), bool)> {
 
 /// Which of `targets` a device of architecture `arch` (`sm_XY`) loads: CUBIN for `sm_XY`, else
 /// the newest CUBIN of the same major version and an older minor one (binary compatible), else
-/// the newest PTX for an architecture not above the device's (the driver compiles it).
+/// the newest PTX for an architecture not above the device's (the driver compiles it). A device
+/// of 9.0 on takes no PTX below 9.0: its kernels launch with programmatic dependent launch,
+/// and only code for 9.0 on waits for the previous kernel (`grid_dependency_wait`).
 pub fn choose_target<'a>(arch: &str, targets: &[&'a str]) -> Option<&'a str> {
     let ((major, minor), false) = parse_target(arch)? else {
         return None;
@@ -41,6 +43,7 @@ pub fn choose_target<'a>(arch: &str, targets: &[&'a str]) -> Option<&'a str> {
     let ptx = || {
         parsed()
             .filter(|(_, (version, ptx))| *ptx && *version <= (major, minor))
+            .filter(|(_, ((ptx_major, _), _))| *ptx_major >= 9 || major < 9)
             .max_by_key(|(_, (version, _))| *version)
     };
     cubin.or_else(ptx).map(|(t, _)| t)
@@ -61,7 +64,7 @@ pub fn embedded_image(file: &str, arch: &str) -> Option<(&'static str, &'static 
 pub enum ModuleOrigin {
     /// CUBIN built into the binary for this target (`sm_90`).
     Precompiled(&'static str),
-    /// PTX built into the binary for this target (`compute_80`), compiled by the driver.
+    /// PTX built into the binary for this target (`compute_90`), compiled by the driver.
     Ptx(&'static str),
     /// CUBIN from the on-disk cache.
     DiskCache,
@@ -96,7 +99,7 @@ pub(crate) fn describe_origins(modules: impl IntoIterator<Item = ModuleOrigin>) 
 }
 
 /// What loading the kernels for `arch` will do, before it has: `kernels precompiled for
-/// sm_90`, or `kernels compiled by NVRTC at first use` (or read from the kernel cache).
+/// sm_90`, or `kernels compiled by NVRTC at first use` (or read from the kernel cache then).
 pub(crate) fn expected_origin(arch: &str) -> String {
     if DeviceOptions::process().kernel_dir.is_some() {
         let dir = crate::device::options::KERNEL_DIR_ENV;
@@ -120,7 +123,7 @@ pub(crate) fn expected_origin(arch: &str) -> String {
 mod tests {
     use super::*;
 
-    const BUILT: &[&str] = &["sm_80", "sm_90", "sm_100", "sm_120", "compute_80"];
+    const BUILT: &[&str] = &["sm_80", "sm_90", "sm_100", "sm_120", "compute_90"];
 
     #[test]
     fn a_device_loads_its_own_cubin_else_its_majors_older_one_else_ptx() {
@@ -133,8 +136,8 @@ mod tests {
         assert_eq!(choose("sm_103"), Some("sm_100"));
         assert_eq!(choose("sm_121"), Some("sm_120"));
         // No CUBIN of its major: the PTX, which the driver compiles for it.
-        assert_eq!(choose("sm_110"), Some("compute_80"));
-        assert_eq!(choose("sm_130"), Some("compute_80"));
+        assert_eq!(choose("sm_110"), Some("compute_90"));
+        assert_eq!(choose("sm_130"), Some("compute_90"));
         // Older than every target, or not a real architecture.
         assert_eq!(choose("sm_75"), None);
         assert_eq!(choose("sm_70"), None);
@@ -145,12 +148,21 @@ mod tests {
 
     #[test]
     fn the_newest_compatible_image_wins() {
-        let targets = ["sm_80", "sm_86", "compute_80", "compute_90"];
+        let targets = ["sm_80", "sm_86", "compute_80", "compute_90", "compute_100"];
         assert_eq!(choose_target("sm_89", &targets), Some("sm_86"));
         assert_eq!(choose_target("sm_87", &targets), Some("sm_86"));
         assert_eq!(choose_target("sm_90", &targets), Some("compute_90"));
-        assert_eq!(choose_target("sm_100", &targets), Some("compute_90"));
+        assert_eq!(choose_target("sm_100", &targets), Some("compute_100"));
+        assert_eq!(choose_target("sm_103", &targets), Some("compute_100"));
         assert_eq!(choose_target("sm_90", &["sm_80", "sm_100"]), None);
+        // PTX below 9.0 has no wait for programmatic dependent launch, which 9.0 on uses.
+        assert_eq!(choose_target("sm_90", &["sm_80", "compute_80"]), None);
+        assert_eq!(choose_target("sm_110", &["compute_80"]), None);
+        assert_eq!(
+            choose_target("sm_110", &["compute_80", "compute_90"]),
+            Some("compute_90")
+        );
+        assert_eq!(choose_target("sm_87", &["compute_80"]), Some("compute_80"));
         assert_eq!(choose_target("sm_90", &[]), None);
     }
 
@@ -158,7 +170,7 @@ mod tests {
     fn targets_parse_to_their_version() {
         assert_eq!(parse_target("sm_90"), Some(((9, 0), false)));
         assert_eq!(parse_target("sm_120"), Some(((12, 0), false)));
-        assert_eq!(parse_target("compute_80"), Some(((8, 0), true)));
+        assert_eq!(parse_target("compute_90"), Some(((9, 0), true)));
         assert_eq!(parse_target("sm_9"), None);
         assert_eq!(parse_target("sm_90a"), None);
     }
@@ -175,8 +187,8 @@ mod tests {
             "kernels precompiled for sm_90, compiled by NVRTC"
         );
         assert_eq!(
-            describe_origins([ModuleOrigin::Ptx("compute_80")]),
-            "kernels compute_80 PTX compiled by the driver"
+            describe_origins([ModuleOrigin::Ptx("compute_90")]),
+            "kernels compute_90 PTX compiled by the driver"
         );
     }
 

@@ -1,7 +1,7 @@
 //! The kernels: plain CUDA C files in `kernels/`, loaded as one module per file.
 //!
 //! Precompiled: a release build with NVRTC at hand (build.rs) compiles every file to CUBIN for
-//! sm_80, sm_90, sm_100 and sm_120 (and, on request, to compute_80 PTX) and embeds the images
+//! sm_80, sm_90, sm_100 and sm_120 (and, on request, to compute_90 PTX) and embeds the images
 //! ([`PRECOMPILED_KERNELS`]). A device loads its own architecture's CUBIN, else that of the
 //! newest older minor version of its major one (sm_86 runs sm_80's), else the PTX, which the
 //! driver compiles ([`choose_target`]); that path never calls NVRTC. An image the driver
@@ -457,16 +457,18 @@ fn describe_missing() -> String {
     }
 }
 
+/// A kernel file's CUBIN and where it came from, or why there is none.
+type Built = Result<(Vec<u8>, ModuleOrigin), String>;
+
 /// Compiles (or reads from the cache) each of `names`, on up to as many threads as the host
 /// has cores: NVRTC compiles one program on one thread.
-#[allow(clippy::type_complexity)]
 fn compile_all<'n>(
     names: &[&'n str],
     sources: &KernelSources,
     arch: &str,
     driver_version: i32,
     cache_dir: Option<&Path>,
-) -> Vec<(&'n str, Result<(Vec<u8>, ModuleOrigin), String>)> {
+) -> Vec<(&'n str, Built)> {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let next = std::sync::atomic::AtomicUsize::new(0);
     let results = std::sync::Mutex::new(Vec::new());

@@ -1,9 +1,11 @@
 //! The kernels precompiled at build time: loaded without NVRTC, they run, and the process's
 //! device uses them.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
 use datafusion_gpu_topk::internal::device::kernels::{
     Kernels, ModuleOrigin, PRECOMPILED, PRECOMPILED_KERNELS, PRECOMPILED_NOTE, choose_target,
+    parse_target,
 };
 
 use super::*;
@@ -35,13 +37,12 @@ fn precompiled_or_skip(test: &str) -> Option<(Arc<GpuDevice>, String)> {
     Some((device, arch))
 }
 
-/// The largest of `words` by the read_floor kernel of `kernels`.
-fn device_max(device: &GpuDevice, kernels: &Kernels, words: &[u32]) -> u32 {
+/// The largest of `words` by `function`, a read_floor_w32 kernel.
+fn device_max(device: &GpuDevice, function: &CudaFunction, words: &[u32]) -> u32 {
     let stream = device.context.new_stream().unwrap();
     let input = stream.clone_htod(words).unwrap();
     let mut out = stream.alloc_zeros::<u32>(1).unwrap();
     let n = words.len() as u64;
-    let function = kernels.get("read_floor_w32").unwrap();
     let mut builder = stream.launch_builder(function);
     builder.arg(&input).arg(&n).arg(&mut out);
     let cfg = LaunchConfig {
@@ -78,7 +79,8 @@ fn gpu_precompiled_kernels_load_and_run_without_nvrtc() {
     for n in [1usize, 5, 1000, 4099, 1 << 20] {
         let words: Vec<u32> = (0..n).map(|_| (rng.next_u64() >> 33) as u32).collect();
         let expected = words.iter().copied().max().unwrap();
-        assert_eq!(device_max(&device, &kernels, &words), expected, "n={n}");
+        let function = kernels.get("read_floor_w32").unwrap();
+        assert_eq!(device_max(&device, function, &words), expected, "n={n}");
     }
     eprintln!("{test}: {}", kernels.describe_origin());
 }
@@ -105,5 +107,38 @@ fn gpu_device_runs_selections_on_its_precompiled_kernels() {
     for (n, k) in [(1000, 10), (8193, 257), (50_000, 1000)] {
         check_select(&device, Dist::Uniform, n, k, n as u64 + k as u64);
         check_select(&device, Dist::HeavyTies, n, k, 3 * n as u64 + k as u64);
+    }
+}
+
+/// The PTX images (a build with `GPU_TOPK_PRECOMPILE_PTX=1`) compile in the driver and run,
+/// on any device at least as new as their target.
+#[test]
+fn gpu_precompiled_ptx_compiles_in_the_driver_and_runs() {
+    let test = "gpu_precompiled_ptx_compiles_in_the_driver_and_runs";
+    let Some((device, _)) = precompiled_or_skip(test) else {
+        return;
+    };
+    let (major, minor) = device.compute_capability;
+    let device_version = (major as u32, minor as u32);
+    let ptx: Vec<(&str, &[u8])> = (PRECOMPILED_KERNELS.iter())
+        .filter(|(file, target, _)| {
+            *file == "read_floor.cu"
+                && parse_target(target).is_some_and(|(v, ptx)| ptx && v <= device_version)
+        })
+        .map(|(_, target, image)| (*target, *image))
+        .collect();
+    if ptx.is_empty() {
+        eprintln!("SKIP: {test}: no PTX for this device in the build (GPU_TOPK_PRECOMPILE_PTX=1)");
+        return;
+    }
+    let words: Vec<u32> = (0..100_003u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) >> 1)
+        .collect();
+    for (target, image) in ptx {
+        let text = std::str::from_utf8(image).unwrap().to_string();
+        let module = device.context.load_module(Ptx::from_src(text)).unwrap();
+        let function = module.load_function("read_floor_w32").unwrap();
+        let expected = words.iter().copied().max().unwrap();
+        assert_eq!(device_max(&device, &function, &words), expected, "{target}");
     }
 }
