@@ -192,6 +192,21 @@ mod tests {
         );
     }
 
+    #[test]
+    fn the_expected_origin_names_the_precompiled_target() {
+        if DeviceOptions::process().kernel_dir.is_some() {
+            eprintln!("skipped: GPU_TOPK_KERNEL_DIR is set, so every device compiles");
+            return;
+        }
+        let compiled = "kernels compiled by NVRTC at first use";
+        assert_eq!(expected_origin("sm_75"), compiled);
+        let expected = match PRECOMPILED {
+            true => "kernels precompiled for sm_80",
+            false => compiled,
+        };
+        assert_eq!(expected_origin("sm_86"), expected);
+    }
+
     /// The build precompiled every kernel file for every target it names, with the options
     /// the run time compiles with, into images of the right kind.
     #[test]
