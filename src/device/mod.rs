@@ -8,7 +8,8 @@
 //!
 //! The rest of the runtime, one module each:
 //! - [`memory`]: pooled device buffers (reused by size class) and pinned staging buffers;
-//! - [`kernels`]: the `kernels/*.cu` sources, NVRTC compilation to CUBIN, the on-disk cache;
+//! - [`kernels`]: the `kernels/*.cu` sources, their images precompiled at build time, NVRTC
+//!   compilation to CUBIN, the on-disk cache;
 //! - [`plan`]: pure planning (key widths, algorithms, tuning constants, routes), no CUDA;
 //! - [`engine`]: the host side of each kernel (encode, append, radix select, bitonic top-k,
 //!   sampled selection, sorts), on one stream, with staging and the one dispatch over routes;
@@ -163,17 +164,25 @@ impl GpuDevice {
         self.programmatic_launch
     }
 
+    /// `name (arch, memory, kernels …)`: the kernels' origin once loaded, else where they
+    /// will come from.
     pub fn describe(&self) -> String {
+        let kernels = match self.kernels.get() {
+            Some(Ok(kernels)) => kernels.describe_origin(),
+            Some(Err(_)) => "kernels unusable".into(),
+            None => kernels::expected_origin(&self.arch()),
+        };
         format!(
-            "{} ({}, {} GiB)",
+            "{} ({}, {} GiB, {kernels})",
             self.name,
             self.arch(),
             self.total_memory >> 30
         )
     }
 
-    /// The compiled kernels, built (or read from the on-disk cache in the default directory)
-    /// on first use. A failure is remembered: the same sources would fail again.
+    /// The kernels, loaded on first use: precompiled where the build made images for this
+    /// device, else compiled (or read from the on-disk cache in the default directory). A
+    /// failure is remembered: the same sources would fail again.
     pub fn kernels(&self) -> GpuResult<Arc<Kernels>> {
         self.kernels_with_cache_dir(None)
     }
@@ -219,16 +228,33 @@ impl GpuDevice {
             return Ok((Arc::clone(kernel), std::time::Duration::ZERO));
         }
         let started = std::time::Instant::now();
-        self.kernels()?;
-        let cache_dir = self.cache_dir.get().cloned().flatten();
-        let kernel = Arc::new(kernels::load_generated(
-            &self.context,
-            &self.arch(),
-            self.driver_version,
-            source,
-            entry,
-            cache_dir.as_deref(),
-        )?);
+        let generated = |cache_dir: Option<PathBuf>| {
+            kernels::load_generated(
+                &self.context,
+                &self.arch(),
+                self.driver_version,
+                source,
+                entry,
+                cache_dir.as_deref(),
+            )
+        };
+        let kernel = if self.kernels.get().is_some() {
+            self.kernels()?;
+            generated(self.cache_dir.get().cloned().flatten())?
+        } else {
+            // The kernels load (in the default cache directory, which the program then uses
+            // too) while the program compiles: neither needs the other.
+            let (kernels, kernel) = std::thread::scope(|scope| {
+                let kernels = scope.spawn(|| self.kernels());
+                let kernel = generated(None);
+                let kernels = (kernels.join())
+                    .unwrap_or_else(|_| Err(GpuError("loading the kernels panicked".into())));
+                (kernels, kernel)
+            });
+            kernels?;
+            kernel?
+        };
+        let kernel = Arc::new(kernel);
         *slot = Some(Arc::clone(&kernel));
         let took = started.elapsed();
         *self.last_compile.lock().unwrap_or_else(|e| e.into_inner()) = Some(took);

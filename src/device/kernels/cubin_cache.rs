@@ -109,11 +109,12 @@ pub fn cubin_cached(
         cache_dir,
         |h| compile_program(name, source, h, arch, extra).map(|c| c.cubin),
     )
+    .map(|(cubin, _)| cubin)
 }
 
 /// The CUBIN of a program text (a kernel file, or generated code, which may include the
-/// kernel headers): from the cache, else compiled by `compile` (given the headers) and stored.
-/// `extra` keys the cache entry.
+/// kernel headers): from the cache, else compiled by `compile` (given the headers) and stored;
+/// with where it came from. `extra` keys the cache entry.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn cubin_cached_with(
     name: &str,
@@ -124,7 +125,7 @@ pub(super) fn cubin_cached_with(
     driver_version: i32,
     cache_dir: Option<&Path>,
     compile: impl FnOnce(&[(&str, &str)]) -> Result<Vec<u8>, String>,
-) -> Result<Vec<u8>, String> {
+) -> Result<(Vec<u8>, ModuleOrigin), String> {
     let headers = sources.headers();
     let (path, key) = source_cache_file(
         name,
@@ -139,7 +140,7 @@ pub(super) fn cubin_cached_with(
         && path.exists()
     {
         match read_cache_file(path, key) {
-            Some(cubin) => return Ok(cubin),
+            Some(cubin) => return Ok((cubin, ModuleOrigin::DiskCache)),
             None => log::warn!(
                 "kernel cache file {} is corrupt or stale: compiling it again",
                 path.display()
@@ -152,7 +153,7 @@ pub(super) fn cubin_cached_with(
     {
         log::warn!("cannot write the kernel cache file {}: {e}", path.display());
     }
-    Ok(cubin)
+    Ok((cubin, ModuleOrigin::Compiled))
 }
 
 /// The cache file (when there is a cache directory) and key of a program text.

@@ -143,7 +143,7 @@ pub(crate) fn load_generated(
 ) -> GpuResult<GeneratedKernel> {
     let sources = KernelSources::load()?;
     let start = std::time::Instant::now();
-    let cubin = cubin_cached_with(
+    let (cubin, _) = cubin_cached_with(
         "generated.cu",
         source,
         &sources,

@@ -1,18 +1,26 @@
-//! The kernels: plain CUDA C files in `kernels/`, compiled at run time by NVRTC to CUBIN for
-//! the device's own architecture (`sm_90` on the H100; a virtual `compute_XY` target would give
-//! PTX, not CUBIN), cached on disk, and loaded as one module per file.
+//! The kernels: plain CUDA C files in `kernels/`, loaded as one module per file.
 //!
-//! The sources are embedded with `include_str!`; setting `GPU_TOPK_KERNEL_DIR` reads them from
-//! that directory instead, to iterate on kernels without rebuilding the crate. Headers (`.cuh`)
-//! are handed to NVRTC by name, so `#include "common.cuh"` works as with nvcc.
+//! Precompiled: a release build with NVRTC at hand (build.rs) compiles every file to CUBIN for
+//! sm_80, sm_90, sm_100 and sm_120 (and, on request, to compute_90 PTX) and embeds the images
+//! ([`PRECOMPILED_KERNELS`]). A device loads its own architecture's CUBIN, else that of the
+//! newest older minor version of its major one (sm_86 runs sm_80's), else the PTX, which the
+//! driver compiles ([`choose_target`]); that path never calls NVRTC. An image the driver
+//! refuses (a driver older than the build's NVRTC) is compiled instead, with a warning.
 //!
-//! Cache: one file per (kernel file, architecture) in `GPU_TOPK_CACHE_DIR`, else
-//! `$XDG_CACHE_HOME/datafusion-gpu-topk`, else `~/.cache/datafusion-gpu-topk` (or a directory
-//! passed in). The file name carries a hash of everything the CUBIN depends on (the program
-//! and header texts, the options, the architecture, the NVRTC and driver versions); a header
-//! with that key, the length and a checksum of the CUBIN detects truncated, corrupt or stale
-//! files, which are rebuilt. Writes go to a temporary file renamed into place, so concurrent
-//! processes never read a partial file.
+//! Compiled: otherwise, and for sources read from `GPU_TOPK_KERNEL_DIR` (to iterate on kernels
+//! without rebuilding the crate), NVRTC compiles each file to CUBIN for the device's own
+//! architecture (`sm_90` on the H100), the files on parallel threads. Headers (`.cuh`) are
+//! handed to NVRTC by name, so `#include "common.cuh"` works as with nvcc. [`Kernels`] records
+//! where each module came from ([`ModuleOrigin`]); the device's description says it.
+//!
+//! Cache: compiled CUBIN is kept, one file per (kernel file, architecture), in
+//! `GPU_TOPK_CACHE_DIR`, else `$XDG_CACHE_HOME/datafusion-gpu-topk`, else
+//! `~/.cache/datafusion-gpu-topk` (or a directory passed in). The file name carries a hash of
+//! everything the CUBIN depends on (the program and header texts, the options, the
+//! architecture, the NVRTC and driver versions); a header with that key, the length and a
+//! checksum of the CUBIN detects truncated, corrupt or stale files, which are rebuilt. Writes
+//! go to a temporary file renamed into place, so concurrent processes never read a partial
+//! file. Generated programs (`generated.rs`) are always compiled and cached this way.
 
 use std::collections::HashMap;
 use std::ffi::{CString, c_char};
@@ -255,10 +263,12 @@ impl KernelSources {
 
 mod compile;
 mod cubin_cache;
+mod embedded;
 mod generated;
 
 pub use compile::*;
 pub use cubin_cache::*;
+pub use embedded::*;
 pub use generated::*;
 
 // ---- loaded modules --------------------------------------------------------------------------
@@ -267,6 +277,8 @@ pub use generated::*;
 pub struct Kernels {
     functions: HashMap<String, CudaFunction>,
     _modules: Vec<Arc<CudaModule>>,
+    /// Where each kernel file's module came from, by file name.
+    origins: Vec<(String, ModuleOrigin)>,
     arch: String,
 }
 
@@ -275,13 +287,15 @@ impl std::fmt::Debug for Kernels {
         f.debug_struct("Kernels")
             .field("arch", &self.arch)
             .field("functions", &self.functions.len())
+            .field("origins", &self.origins)
             .finish()
     }
 }
 
 impl Kernels {
-    /// Compiles (or reads from the cache) and loads every kernel file for `arch`, and lets the
-    /// shared-memory-hungry kernels use up to `max_shared` bytes.
+    /// Loads every kernel file for `arch`: the precompiled image where the sources are the
+    /// embedded ones and the build made one for this device, else compiled by NVRTC (or read
+    /// from the cache); lets the shared-memory-hungry kernels use up to `max_shared` bytes.
     pub fn load(
         ctx: &Arc<CudaContext>,
         arch: &str,
@@ -289,14 +303,69 @@ impl Kernels {
         max_shared: usize,
         cache_dir: Option<&Path>,
     ) -> GpuResult<Self> {
+        let nvrtc = NvrtcUse::Allowed {
+            driver_version,
+            cache_dir,
+        };
+        Self::load_with(ctx, arch, max_shared, nvrtc)
+    }
+
+    /// As [`load`](Self::load), from the precompiled images alone: never calls NVRTC, and
+    /// fails where the build made no image this device can load.
+    pub fn load_embedded_only(
+        ctx: &Arc<CudaContext>,
+        arch: &str,
+        max_shared: usize,
+    ) -> GpuResult<Self> {
+        Self::load_with(ctx, arch, max_shared, NvrtcUse::Forbidden)
+    }
+
+    fn load_with(
+        ctx: &Arc<CudaContext>,
+        arch: &str,
+        max_shared: usize,
+        nvrtc: NvrtcUse<'_>,
+    ) -> GpuResult<Self> {
         let sources = KernelSources::load()?;
+        let embedded = DeviceOptions::process().kernel_dir.is_none();
+        let mut loaded = Vec::new();
+        let mut to_compile = Vec::new();
+        for (name, _) in sources.programs() {
+            match embedded.then(|| load_embedded(ctx, name, arch)).flatten() {
+                Some(Ok(module)) => loaded.push((name, module)),
+                Some(Err(e)) if matches!(nvrtc, NvrtcUse::Allowed { .. }) => {
+                    log::warn!("{e}: compiling it with NVRTC");
+                    to_compile.push(name);
+                }
+                Some(Err(e)) => return Err(GpuError(e)),
+                None if matches!(nvrtc, NvrtcUse::Allowed { .. }) => to_compile.push(name),
+                None => {
+                    return Err(GpuError(format!(
+                        "no precompiled {name} for {arch} in this build ({})",
+                        describe_missing()
+                    )));
+                }
+            }
+        }
+        if let NvrtcUse::Allowed {
+            driver_version,
+            cache_dir,
+        } = nvrtc
+        {
+            for (name, compiled) in
+                compile_all(&to_compile, &sources, arch, driver_version, cache_dir)
+            {
+                let (cubin, origin) = compiled?;
+                let module = ctx
+                    .load_module(Ptx::from_binary(cubin))
+                    .map_err(|e| GpuError(format!("cannot load the {name} module: {e}")))?;
+                loaded.push((name, (module, origin)));
+            }
+        }
         let mut functions = HashMap::new();
         let mut modules = Vec::new();
-        for (name, _) in sources.programs() {
-            let cubin = cubin_cached(name, &sources, arch, &[], driver_version, cache_dir)?;
-            let module = ctx
-                .load_module(Ptx::from_binary(cubin))
-                .map_err(|e| GpuError(format!("cannot load the {name} module: {e}")))?;
+        let mut origins = Vec::new();
+        for (name, (module, origin)) in loaded {
             for entry in entry_points(name) {
                 let function = module
                     .load_function(&entry)
@@ -312,10 +381,12 @@ impl Kernels {
                 functions.insert(entry, function);
             }
             modules.push(module);
+            origins.push((name.to_string(), origin));
         }
         Ok(Self {
             functions,
             _modules: modules,
+            origins,
             arch: arch.to_string(),
         })
     }
@@ -326,4 +397,112 @@ impl Kernels {
             .get(name)
             .ok_or_else(|| GpuError(format!("no kernel named {name} is loaded")))
     }
+
+    /// Where each kernel file's module came from, by file name.
+    pub fn origins(&self) -> &[(String, ModuleOrigin)] {
+        &self.origins
+    }
+
+    /// `kernels precompiled for sm_90`, `kernels compiled by NVRTC`, …
+    pub fn describe_origin(&self) -> String {
+        describe_origins(self.origins.iter().map(|(_, o)| *o))
+    }
+}
+
+/// Whether [`Kernels::load_with`] may compile what has no precompiled image.
+#[derive(Clone, Copy)]
+enum NvrtcUse<'a> {
+    Allowed {
+        driver_version: i32,
+        cache_dir: Option<&'a Path>,
+    },
+    Forbidden,
+}
+
+/// Loads the precompiled image of `name` for `arch`; `None` where the build made none.
+fn load_embedded(
+    ctx: &Arc<CudaContext>,
+    name: &str,
+    arch: &str,
+) -> Option<Result<(Arc<CudaModule>, ModuleOrigin), String>> {
+    let (target, image) = embedded_image(name, arch)?;
+    let (module, origin) = match parse_target(target) {
+        Some((_, true)) => {
+            let text = String::from_utf8_lossy(image).into_owned();
+            (Ptx::from_src(text), ModuleOrigin::Ptx(target))
+        }
+        _ => (
+            Ptx::from_binary(image.to_vec()),
+            ModuleOrigin::Precompiled(target),
+        ),
+    };
+    Some(
+        ctx.load_module(module)
+            .map(|m| (m, origin))
+            .map_err(|e| format!("cannot load the precompiled {name} ({target}): {e}")),
+    )
+}
+
+/// Why the build has no image for a device (for an error message).
+fn describe_missing() -> String {
+    match (PRECOMPILED, PRECOMPILED_NOTE) {
+        (true, _) => {
+            let targets: std::collections::BTreeSet<&str> =
+                PRECOMPILED_KERNELS.iter().map(|(_, t, _)| *t).collect();
+            let targets: Vec<&str> = targets.into_iter().collect();
+            format!("it has {}", targets.join(", "))
+        }
+        (false, "") => "it precompiled none".into(),
+        (false, why) => format!("it precompiled none: {why}"),
+    }
+}
+
+/// A kernel file's CUBIN and where it came from, or why there is none.
+type Built = Result<(Vec<u8>, ModuleOrigin), String>;
+
+/// Compiles (or reads from the cache) each of `names`, on up to as many threads as the host
+/// has cores: NVRTC compiles one program on one thread.
+fn compile_all<'n>(
+    names: &[&'n str],
+    sources: &KernelSources,
+    arch: &str,
+    driver_version: i32,
+    cache_dir: Option<&Path>,
+) -> Vec<(&'n str, Built)> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..threads.min(names.len()) {
+            scope.spawn(|| {
+                while let Some(&name) =
+                    names.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+                {
+                    let compiled = sources
+                        .get(name)
+                        .ok_or_else(|| format!("no kernel source named {name}"))
+                        .and_then(|source| {
+                            cubin_cached_with(
+                                name,
+                                source,
+                                sources,
+                                arch,
+                                &[],
+                                driver_version,
+                                cache_dir,
+                                |h| compile_program(name, source, h, arch, &[]).map(|c| c.cubin),
+                            )
+                        });
+                    results
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push((name, compiled));
+                }
+            });
+        }
+    });
+    let mut results = results.into_inner().unwrap_or_else(|e| e.into_inner());
+    // In file order, as the modules load.
+    results.sort_by_key(|(name, _)| names.iter().position(|n| n == name));
+    results
 }

@@ -35,6 +35,7 @@ use crate::common::{Rng, test_dir};
 mod encoding;
 mod generated;
 mod nvrtc;
+mod precompiled;
 mod selection;
 mod selector;
 mod sorts;
