@@ -46,7 +46,13 @@ pub(crate) fn with_gpu_topk(
         .unwrap_or(rules.len());
     rules.insert(at, Arc::new(GpuTopKRule::new(config)));
     *builder.physical_optimizers() = Some(PhysicalOptimizer::with_rules(rules));
-    // Added to DataFusion's own analyzer rules when the session is built.
+    // Added to DataFusion's own analyzer rules when the session is built; a builder made from
+    // a session that has it already keeps one.
+    if let Some(analyzer) = builder.analyzer() {
+        analyzer
+            .rules
+            .retain(|rule| rule.name() != CompactTables::NAME);
+    }
     let analyzers = builder
         .analyzer_rules()
         .get_or_insert_with(Default::default);
