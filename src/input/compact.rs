@@ -39,7 +39,7 @@ pub(crate) const TARGET_BYTES: usize = 1 << 28;
 /// The analyzer rule that merges the small batches of every `MemTable` a query scans
 /// (`gpu_topk.compact_tables`), before DataFusion plans the scans. It changes no plan.
 #[derive(Debug, Default)]
-pub struct CompactTables;
+pub(crate) struct CompactTables;
 
 impl CompactTables {
     pub const NAME: &'static str = "gpu_topk_compact_tables";
@@ -83,7 +83,7 @@ fn scanned_memory_tables(plan: &LogicalPlan) -> Vec<Arc<dyn datafusion::catalog:
 /// Merges the runs of small batches in each of `table`'s partitions, in place; returns the
 /// number of partitions rewritten. A partition being read or written right now is left to a
 /// later query. Partitions are rewritten on the host's cores at once.
-pub fn compact_table(table: &MemTable) -> usize {
+pub(crate) fn compact_table(table: &MemTable) -> usize {
     let mut locked: Vec<_> = (table.batches.iter())
         .filter_map(|partition| partition.try_write().ok())
         .filter(|batches| needs_compacting(batches))
@@ -154,14 +154,14 @@ pub(crate) fn compact_partition(batches: &mut Vec<RecordBatch>) {
     let flush = |run: &mut Vec<RecordBatch>, out: &mut Vec<RecordBatch>| {
         match run.len() {
             0 => {}
-            1 => out.extend(run.drain(..)),
+            1 => out.append(run),
             _ => match concat_batches(run[0].schema_ref(), run.iter()) {
                 Ok(merged) => {
                     out.push(merged);
                     run.clear();
                 }
                 // Batches that do not concatenate stay as they were.
-                Err(_) => out.extend(run.drain(..)),
+                Err(_) => out.append(run),
             },
         }
     };
