@@ -173,6 +173,13 @@ extensions_options! {
         /// not), so that the next query runs warm. The CLI turns it off for a lone `-c`
         /// statement, which has no next query to wait for it.
         pub load_after_cpu: bool, default = true
+        /// Rewrite an in-memory table's (`MemTable`'s: `CREATE TABLE … AS`, `INSERT INTO`,
+        /// registered batches) runs of small batches into large ones when a query first
+        /// reads them, in place and once: its rows, partitions and order stay as they are,
+        /// and every later query plans, keys its columns in the column cache and locates its
+        /// winners over a few batches instead of thousands. Rows appended since are merged by
+        /// the next query. Only while the operator is enabled.
+        pub compact_tables: bool, default = true
         /// The GPUs a top-k over several partitions is split between: `all` (every GPU the
         /// driver reports) or their ordinals, e.g. `0,1`. Each takes a contiguous run of a
         /// file or in-memory scan's partitions, selects its top k with its own column cache,
@@ -315,6 +322,10 @@ impl GpuTopKConfig {
                 .collect::<Vec<_>>()
                 .join(","),
         };
+        self
+    }
+    pub fn with_compact_tables(mut self, compact: bool) -> Self {
+        self.compact_tables = compact;
         self
     }
     pub fn with_inject_fault(mut self, fault: FaultPoint) -> Self {

@@ -1,5 +1,6 @@
 //! What [`crate::SessionStateBuilderExt::with_gpu_topk`] installs in a session: the settings,
-//! the rule, the column cache's table functions and the `GPU` table factory.
+//! the rule, the analyzer rule that merges in-memory tables' small batches, the column cache's
+//! table functions and the `GPU` table factory.
 
 use std::sync::Arc;
 
@@ -15,6 +16,7 @@ use datafusion::prelude::SessionConfig;
 
 use crate::config::GpuTopKConfig;
 use crate::device::column_cache::CacheListing;
+use crate::input::compact::CompactTables;
 use crate::input::gpu_table::GpuTableFactory;
 use crate::rule::GpuTopKRule;
 
@@ -44,6 +46,18 @@ pub(crate) fn with_gpu_topk(
         .unwrap_or(rules.len());
     rules.insert(at, Arc::new(GpuTopKRule::new(config)));
     *builder.physical_optimizers() = Some(PhysicalOptimizer::with_rules(rules));
+    // Added to DataFusion's own analyzer rules when the session is built; a builder made from
+    // a session that has it already keeps one.
+    if let Some(analyzer) = builder.analyzer() {
+        analyzer
+            .rules
+            .retain(|rule| rule.name() != CompactTables::NAME);
+    }
+    let analyzers = builder
+        .analyzer_rules()
+        .get_or_insert_with(Default::default);
+    analyzers.retain(|rule| rule.name() != CompactTables::NAME);
+    analyzers.push(Arc::new(CompactTables));
     let factories = builder
         .table_factories()
         .get_or_insert_with(Default::default);

@@ -1,7 +1,8 @@
 //! What a table is to the operators: the inputs a generated program reads over a whole table,
 //! and the caches that serve them.
 //!
-//! A whole table is an in-memory table (a `MemTable`'s batches, [`memory`]), a [`GpuTable`]
+//! A whole table is an in-memory table (a `MemTable`'s batches, [`memory`], merged into few
+//! large ones the first time a query reads them, [`compact`]), a [`GpuTable`]
 //! (known to the cache by identity, [`gpu_table`]) or a scan of Parquet files ([`parquet`]:
 //! footers, pages decoded on the device, dictionaries renumbered into one). Each column a
 //! program reads becomes a [`TableInput`], read through one of its device images
@@ -18,6 +19,7 @@
 //! [`GpuTable`]: gpu_table::GpuTable
 
 pub mod columns;
+pub mod compact;
 pub mod gpu_table;
 pub mod loader;
 pub mod memory;

@@ -54,7 +54,12 @@ fn gpu_or_skip(test: &str) -> bool {
 
 /// `partitions` partitions of `batches` batches of `rows` rows: `rid` (input position),
 /// `v` (ties every 1000 values), `f` in [0, 1).
-fn table(partitions: usize, batches: usize, rows: usize, seed: i64) -> Vec<Vec<RecordBatch>> {
+pub(crate) fn table(
+    partitions: usize,
+    batches: usize,
+    rows: usize,
+    seed: i64,
+) -> Vec<Vec<RecordBatch>> {
     let schema = Arc::new(Schema::new(vec![
         Field::new("rid", DataType::Int64, false),
         Field::new("v", DataType::Int64, false),
