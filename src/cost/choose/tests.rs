@@ -5,6 +5,7 @@ use datafusion::arrow::datatypes::DataType;
 use super::*;
 use crate::cost::model::h100_like;
 use crate::device::{GpuError, GpuResult};
+use crate::device::{GROUP_SAMPLE, GroupAlgorithm};
 use crate::keys::KeySpec;
 
 /// Few large groups drop pairs by their limits (30 languages, 3 each); many small groups
