@@ -97,6 +97,7 @@ pub fn read_or_measure(path: Option<&Path>) -> CpuRates {
 /// `cpu-calibration-<key>.txt`, the key hashing what the rates depend on.
 pub fn file_name() -> PathBuf {
     let cores = cpu_cores().to_string();
+    let model = cpu_model();
     let build = if cfg!(debug_assertions) {
         "debug"
     } else {
@@ -105,7 +106,7 @@ pub fn file_name() -> PathBuf {
     let parts: [&[u8]; 6] = [
         FORMAT.as_bytes(),
         env!("CARGO_PKG_VERSION").as_bytes(),
-        cpu_model().as_bytes(),
+        model.as_bytes(),
         cores.as_bytes(),
         std::env::consts::ARCH.as_bytes(),
         build.as_bytes(),

@@ -21,6 +21,7 @@ use super::Prediction;
 
 /// A per-group top-k placed on the GPU: how, on which device, why, and the model's
 /// prediction.
+#[derive(Debug)]
 pub(crate) struct GroupChoice {
     pub algorithm: GroupAlgorithm,
     /// The algorithm its whole-table selector is built with ([`GROUP_SELECTOR`]).

@@ -109,7 +109,8 @@ fn group_plan(
                     "{}: the device selects per group over exact keys only (strings of at \
                      most 16 bytes, none ending in a zero byte, are exact)",
                     layout.prefix_note().unwrap_or_default()
-                ));
+                )
+                .into());
             }
             layout
         }
@@ -139,7 +140,8 @@ fn group_plan(
             return Err(format!(
                 "the device runs only programs of the whole query ({})",
                 fusion.describe(true)
-            ));
+            )
+            .into());
         }
     };
     let mut estimate = estimate(
