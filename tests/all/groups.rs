@@ -826,7 +826,11 @@ async fn under_auto_a_cold_per_group_query_warms_the_device_for_the_next() {
     };
     let per = rows / partitions;
     let big: Vec<Vec<RecordBatch>> = (0..partitions)
-        .map(|p| (0..per / 8192).map(|b| batch(p * per + b * 8192, 8192)).collect())
+        .map(|p| {
+            (0..per / 8192)
+                .map(|b| batch(p * per + b * 8192, 8192))
+                .collect()
+        })
         .collect();
     let tiny = vec![vec![batch(rows, 50)]];
     let ours = crate::common::session_with(partitions, 8192, crate::sessions::base_config());
@@ -845,12 +849,18 @@ async fn under_auto_a_cold_per_group_query_warms_the_device_for_the_next() {
     let settled = || async {
         let started = std::time::Instant::now();
         while datafusion_gpu_topk::internal::exec::warming_up() {
-            assert!(started.elapsed().as_secs() < 60, "a background load never ended");
+            assert!(
+                started.elapsed().as_secs() < 60,
+                "a background load never ended"
+            );
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
     };
     let explained = |text: &str| {
-        let line = text.lines().find(|l| l.contains("GpuGroupTopKExec")).unwrap();
+        let line = text
+            .lines()
+            .find(|l| l.contains("GpuGroupTopKExec"))
+            .unwrap();
         line.to_string()
     };
     settled().await;

@@ -57,11 +57,12 @@ impl CpuRates {
 
 const FORMAT: &str = "datafusion-gpu-topk cpu calibration 1";
 
-/// The rates, measured or read once per process: every session plans with the same figures.
+/// The rates, measured or read once per process. Process-wide: the host does not change while
+/// it runs, and every session plans with the same figures.
 static RATES: Mutex<Option<CpuRates>> = Mutex::new(None);
 
 /// The host's CPU rates: from memory, else from the file in `cache_dir` (the default cache
-/// directory where `None`), else measured now (tens of milliseconds) and written there.
+/// directory where `None`), else measured now and written there.
 pub fn cpu_rates(cache_dir: Option<&Path>) -> CpuRates {
     let mut held = RATES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(rates) = *held {
@@ -89,7 +90,10 @@ pub fn read_or_measure(path: Option<&Path>) -> CpuRates {
     if let Some(path) = path
         && let Err(e) = write_file(path, &rates)
     {
-        log::warn!("cannot write the CPU calibration to {}: {e}", path.display());
+        log::warn!(
+            "cannot write the CPU calibration to {}: {e}",
+            path.display()
+        );
     }
     rates
 }
@@ -196,7 +200,8 @@ fn group_rows_per_second() -> Option<f64> {
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
     let batches = (0..ROWS / BATCH)
         .map(|_| {
-            let g = Int64Array::from_iter_values((0..BATCH).map(|_| (next(&mut x) % GROUPS) as i64));
+            let g =
+                Int64Array::from_iter_values((0..BATCH).map(|_| (next(&mut x) % GROUPS) as i64));
             let v = Int64Array::from_iter_values((0..BATCH).map(|_| next(&mut x) as i64 >> 8));
             let columns: Vec<ArrayRef> = vec![Arc::new(g), Arc::new(v)];
             RecordBatch::try_new(Arc::clone(&schema), columns).ok()
@@ -221,8 +226,15 @@ fn group_rows_per_second() -> Option<f64> {
             let keys = sort.convert_columns(columns).ok()?;
             let groups = group.convert_columns(&columns[..1]).ok()?;
             let function = RankFunction::RowNumber;
-            held.offer(batch.clone(), (keys, &groups), position, function, K, &reservation)
-                .ok()?;
+            held.offer(
+                batch.clone(),
+                (keys, &groups),
+                position,
+                function,
+                K,
+                &reservation,
+            )
+            .ok()?;
             position += batch.num_rows() as u64;
         }
         let kept = held.in_sort_order(false);

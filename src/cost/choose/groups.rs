@@ -6,8 +6,7 @@
 //! CPU path ends before the device could start, the device is left alone.
 
 use super::{
-    DEVICE_START, Estimate, STAGED_TRANSFER, Settings, compile_seconds, forced_cpu,
-    format_seconds,
+    DEVICE_START, Estimate, STAGED_TRANSFER, Settings, compile_seconds, forced_cpu, format_seconds,
 };
 use crate::config::Backend;
 use crate::cost::calibration::cpu::CpuRates;
@@ -67,7 +66,7 @@ pub(crate) struct Weighed {
 }
 
 impl Weighed {
-    /// `predicted_cpu=1.20s, predicted_gpu=640.00ms, predicted_gpu_warm=170.00ms`, as EXPLAIN
+    /// `predicted_cpu=…, predicted_gpu=…, predicted_gpu_warm=…`, as EXPLAIN
     /// shows it.
     pub fn describe(&self) -> String {
         let mut s = format!("predicted_cpu={}", format_seconds(self.cpu));
@@ -193,7 +192,14 @@ pub(crate) fn choose_groups(
         .cpu
         .expect("groups_before_device asks for the CPU rates");
     let shape = (groups, k);
-    let this_run = device_seconds(&model, device, layout, &estimate, shape, start_seconds(device));
+    let this_run = device_seconds(
+        &model,
+        device,
+        layout,
+        &estimate,
+        shape,
+        start_seconds(device),
+    );
     let (algorithm, seconds) = this_run;
     let warm = Estimate {
         compile: false,
@@ -232,10 +238,9 @@ pub(crate) fn choose_groups(
     match backend {
         Backend::Cuda => Ok(chosen(format!("{gpu}; backend=cuda; {versus}"))),
         _ if seconds < weighed.cpu => Ok(chosen(format!("{gpu}; {versus}"))),
-        _ if warm < weighed.cpu && estimate.whole_table => Err(cpu(
-            format!("{gpu}; {versus}: CPU path, then loaded"),
-            true,
-        )),
+        _ if warm < weighed.cpu && estimate.whole_table => {
+            Err(cpu(format!("{gpu}; {versus}: CPU path, then loaded"), true))
+        }
         _ => Err(cpu(format!("{gpu}; {versus}: CPU path"), false)),
     }
 }

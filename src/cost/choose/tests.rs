@@ -3,10 +3,10 @@ use std::sync::Arc;
 use datafusion::arrow::datatypes::DataType;
 
 use super::*;
-use crate::cost::model::h100_like;
-use crate::device::{GpuError, GpuResult};
 use crate::cost::calibration::cpu::CpuRates;
+use crate::cost::model::h100_like;
 use crate::device::{DeviceSlot, GROUP_SAMPLE, GroupAlgorithm};
+use crate::device::{GpuError, GpuResult};
 use crate::keys::KeySpec;
 
 /// Few large groups drop pairs by their limits (30 languages, 3 each); many small groups
@@ -463,7 +463,10 @@ fn per_group_decisions_weigh_the_cpu_path_against_a_cold_and_a_warm_device() {
     // The device's start, the compile and the columns shipped are what the cold run adds.
     let shipped = STAGED_TRANSFER * h100_like().transfer_time(rows * 16);
     let extra = DEVICE_START.as_secs_f64() + COMPILE_ESTIMATE.as_secs_f64() + shipped;
-    assert!((gpu - warm - extra).abs() < 1e-9, "{gpu} - {warm} vs {extra}");
+    assert!(
+        (gpu - warm - extra).abs() < 1e-9,
+        "{gpu} - {warm} vs {extra}"
+    );
     assert!(
         cold.reason
             .starts_with("GPU Test GPU (sm_90, 80 GiB); segmented-sort "),
@@ -476,7 +479,11 @@ fn per_group_decisions_weigh_the_cpu_path_against_a_cold_and_a_warm_device() {
     let middle = calibrated_device(rows as f64 / (between * 16.0), true);
     let loaded = decide(auto, group_table(rows, 0.0, false), &middle).unwrap_err();
     assert_eq!(loaded.warm_up, Some(DeviceSlot::default()));
-    assert!(loaded.reason.ends_with(": CPU path, then loaded"), "{}", loaded.reason);
+    assert!(
+        loaded.reason.ends_with(": CPU path, then loaded"),
+        "{}",
+        loaded.reason
+    );
     let weighed = loaded.weighed.unwrap();
     assert!((weighed.cpu - between).abs() < 1e-9 * between);
     // The same host once the columns are resident and the program compiled: the device.
@@ -493,7 +500,11 @@ fn per_group_decisions_weigh_the_cpu_path_against_a_cold_and_a_warm_device() {
     assert!(alone.reason.ends_with(": CPU path"), "{}", alone.reason);
     assert!(decide(cuda, group_table(rows, 0.0, false), &fast).is_ok());
     // A small table on a device started before: the device's launches outlast the heaps.
-    let small = decide(auto, group_table(1000, 1.0, true), &calibrated_device(10e6, false));
+    let small = decide(
+        auto,
+        group_table(1000, 1.0, true),
+        &calibrated_device(10e6, false),
+    );
     let small = small.unwrap_err();
     assert_eq!(small.warm_up, None);
     let weighed = small.weighed.unwrap();
@@ -518,7 +529,11 @@ fn a_small_per_group_query_leaves_the_device_unstarted() {
     let small = groups_before_device(auto, &group_table(1_000_000, 0.0, false), &unstarted);
     let small = small.unwrap_err();
     assert_eq!(small.warm_up, None);
-    assert!(small.reason.contains("GPU is not started"), "{}", small.reason);
+    assert!(
+        small.reason.contains("GPU is not started"),
+        "{}",
+        small.reason
+    );
     let weighed = small.weighed.unwrap();
     assert_eq!(weighed.cpu, 1_000_000.0 / (10e6 * 16.0));
     assert_eq!(

@@ -111,7 +111,14 @@ impl GroupHeaps {
             .group
             .convert_columns(&columns[..self.group_keys])?;
         let (function, k) = (self.function, self.k);
-        held.offer(batch, (keys, &groups), position, function, k, &self.reservation)
+        held.offer(
+            batch,
+            (keys, &groups),
+            position,
+            function,
+            k,
+            &self.reservation,
+        )
     }
 
     /// The output batches of the held rows `kept`, in output order, with their `numbers`.

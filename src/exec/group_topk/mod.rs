@@ -58,13 +58,22 @@
 //! operator's exact keys, and strings (or dictionaries of them) whose every value is at most
 //! 16 bytes, none ending in a zero byte, compared by their bytes in the composite.
 //!
+//! Whether the device runs at all is the cost model's choice too (`gpu_topk.backend =
+//! 'auto'`): the CPU path's calibrated time against the device's, for this run and for a warm
+//! one (columns resident, program compiled). Where only a warm run would win, the CPU path
+//! runs ([`GroupCpuPlan`]) and, once every output partition has ended it, the program is
+//! compiled and the table's columns loaded into the column cache in the background
+//! ([`GroupWarmUp`], `cache=warm-up` in EXPLAIN), starting the device where it is not, so that
+//! the next run of the shape goes to the device. EXPLAIN shows the times weighed.
+//!
 //! # Structure
 //!
 //! This module holds the plan node. `device` runs the selection on the GPU (`DeviceRun`),
 //! with the whole-table selector it gets from `crate::select::create_selector`, the top-k
 //! operator's entry point, for the cost model's decision (the device, and the selector's
-//! algorithm, that [`GroupDevicePlan`] carries). `heap` is the CPU path (`GroupHeaps`): a
-//! bounded heap per group.
+//! algorithm, that [`GroupDevicePlan`] carries). `heap` is the CPU path (`GroupHeaps`): it
+//! streams the input into `crate::select::groups`, a bounded heap per group, which the CPU
+//! calibration times too.
 
 mod device;
 mod heap;
@@ -310,6 +319,8 @@ impl GpuGroupTopKExec {
         }
         self.schema = above.schema();
         self.properties = Arc::clone(above.properties());
+        let outputs = self.properties.output_partitioning().partition_count();
+        self.cpu_running = Arc::new(outputs.into());
         Ok(self)
     }
 
@@ -340,7 +351,12 @@ impl GpuGroupTopKExec {
             metrics: ExecutionPlanMetricsSet::new(),
             device: self.device.clone(),
             cpu: Arc::clone(&self.cpu),
-            cpu_running: Arc::new(self.properties.output_partitioning().partition_count().into()),
+            cpu_running: Arc::new(
+                self.properties
+                    .output_partitioning()
+                    .partition_count()
+                    .into(),
+            ),
             groups: self.groups,
             shared: SharedDeviceRun::default(),
         }
