@@ -1,7 +1,8 @@
 //! The CPU path of [`GpuGroupTopKExec`](super::GpuGroupTopKExec): an output partition reads
-//! its input batch by batch into a bounded max-heap per group, holding only the rows that may
-//! still be among their group's K best and the batches they point into, then emits them in
-//! the sort's order with their numbers (see the parent module's documentation).
+//! its input batch by batch into a bounded max-heap per group (`crate::select::groups`),
+//! holding only the rows that may still be among their group's K best and the batches they
+//! point into, then emits them in the sort's order with their numbers (see the parent
+//! module's documentation).
 
 use std::collections::HashMap;
 use std::sync::Arc;
