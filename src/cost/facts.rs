@@ -77,8 +77,6 @@ pub(crate) struct GpuFacts {
     pub calibration: Option<GpuResult<Arc<Calibration>>>,
     /// The host's CPU rates, where the decision needs them.
     pub cpu: Option<CpuRates>,
-    /// Whether gathering these facts started the device (the query waited for its start).
-    pub started_here: bool,
 }
 
 impl DeviceFacts {
@@ -86,7 +84,6 @@ impl DeviceFacts {
     /// use, cached in the kernel cache directory) and, where `needs` says so, reads its
     /// calibration (measured once per device, then read from the same directory).
     pub(crate) fn gather(settings: Settings<'_>, needs: Needs) -> Self {
-        let started_here = crate::device::probed_status().is_none();
         let device = match gpu_status() {
             GpuStatus::Unavailable(why) => return DeviceFacts::NoGpu(why.clone()),
             GpuStatus::Available(device) => device,
@@ -104,7 +101,6 @@ impl DeviceFacts {
             last_compile: device.last_compile_time(),
             calibration,
             cpu: needs.cpu.then(|| cpu_rates(settings.kernel_cache_dir)),
-            started_here,
         })
     }
 }

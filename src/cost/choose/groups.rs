@@ -1,6 +1,5 @@
 //! The per-group top-k's decision (`GpuGroupTopKExec`): the CPU path's calibrated time
-//! against the device's, this run's (the device's start, the compile, the columns shipped)
-//! and a warm run's (columns resident, program compiled). Under `auto` the device runs where
+//! against the device's, this run's (the compile, the columns shipped) and a warm run's (columns resident, program compiled). Under `auto` the device runs where
 //! it wins this run; where it wins only warm, the CPU path runs and the columns are loaded
 //! into the column cache after it, for the next run of the shape; where it never wins, or the
 //! CPU path ends before the device could start, the device is left alone.
@@ -152,9 +151,9 @@ pub(crate) fn groups_before_device(
 /// Where a per-group top-k runs (the operator `GpuGroupTopKExec`), over the device's facts
 /// that [`groups_before_device`] asked for: `Ok` with the algorithm, the reason and the
 /// model's prediction for the GPU, `Err` with the CPU path. Under `auto` the GPU runs where
-/// the model predicts this run (the device's start where gathering the facts started it, the
-/// compile, the columns shipped, its pass and sort) below the CPU path's calibrated time; the
-/// CPU path runs and loads the columns after it where only a warm run would be.
+/// the model predicts this run (the compile, the columns shipped, its pass and sort) below the
+/// CPU path's calibrated time; the CPU path runs and loads the columns after it where only a
+/// warm run would be.
 pub(crate) fn choose_groups(
     settings: Settings<'_>,
     layout: &KeyLayout,
@@ -191,22 +190,13 @@ pub(crate) fn choose_groups(
     let rates = device
         .cpu
         .expect("groups_before_device asks for the CPU rates");
-    let shape = (groups, k);
-    let this_run = device_seconds(
-        &model,
-        device,
-        layout,
-        &estimate,
-        shape,
-        start_seconds(device),
-    );
-    let (algorithm, seconds) = this_run;
+    let (algorithm, seconds) = device_seconds(&model, device, layout, &estimate, (groups, k));
     let warm = Estimate {
         compile: false,
         resident: 1.0,
         ..estimate
     };
-    let (_, warm) = device_seconds(&model, device, layout, &warm, shape, 0.0);
+    let (_, warm) = device_seconds(&model, device, layout, &warm, (groups, k));
     let weighed = weigh(&rates, &estimate, seconds, warm);
     let versus = format!(
         "{} {} ({} warm) against the CPU path's {}",
@@ -255,24 +245,15 @@ fn weigh(rates: &CpuRates, estimate: &Estimate, gpu: f64, gpu_warm: f64) -> Weig
     }
 }
 
-/// The device's start, where gathering the facts started it: this query waited for it.
-fn start_seconds(device: &GpuFacts) -> f64 {
-    match device.started_here {
-        true => DEVICE_START.as_secs_f64(),
-        false => 0.0,
-    }
-}
-
-/// The device's algorithm for `groups` groups keeping `k` each, and its predicted run: `start`
-/// (the device's start, where this query waited for it), the compile the estimate says, the
-/// columns not resident, its pass, the groups' limits and the sort.
+/// The device's algorithm for `groups` groups keeping `k` each, and its predicted run: the
+/// compile the estimate says, the columns not resident, its pass, the groups' limits and the
+/// sort. (The device's start is not in it: gathering the facts started the device.)
 fn device_seconds(
     model: &CostModel,
     device: &GpuFacts,
     layout: &KeyLayout,
     estimate: &Estimate,
     (groups, k): (Option<usize>, usize),
-    start: f64,
 ) -> (GroupAlgorithm, f64) {
     let kind = layout.width();
     let rows = estimate.rows();
@@ -286,8 +267,7 @@ fn device_seconds(
         }
         GroupAlgorithm::SegmentedSort => 0.0,
     };
-    let seconds = start
-        + compile_seconds(device.last_compile, estimate)
+    let seconds = compile_seconds(device.last_compile, estimate)
         + STAGED_TRANSFER * model.transfer_time(shipped as usize)
         + model.filter_time(rows, rows, kind)
         + limits

@@ -273,7 +273,6 @@ fn ready(calibration: Option<GpuResult<Arc<Calibration>>>) -> DeviceFacts {
         last_compile: None,
         calibration,
         cpu: Some(RATES),
-        started_here: false,
     })
 }
 
@@ -396,15 +395,14 @@ fn calibrated() -> Option<GpuResult<Arc<Calibration>>> {
 }
 
 /// A calibrated device whose host runs the per-group CPU path at `group_rows_per_s` a core on
-/// 16 cores; `started_here`: gathering the facts started it.
-fn calibrated_device(group_rows_per_s: f64, started_here: bool) -> DeviceFacts {
+/// 16 cores.
+fn calibrated_device(group_rows_per_s: f64) -> DeviceFacts {
     match ready(calibrated()) {
         DeviceFacts::Ready(facts) => DeviceFacts::Ready(GpuFacts {
             cpu: Some(CpuRates {
                 group_rows_per_s,
                 ..RATES
             }),
-            started_here,
             ..facts
         }),
         other => other,
@@ -452,7 +450,7 @@ fn per_group_decisions_weigh_the_cpu_path_against_a_cold_and_a_warm_device() {
         choose_groups(settings, &layout, estimate, groups, 10, device)
     };
     // A slow CPU path (a core's heaps at a million rows a second): the device wins cold.
-    let slow = calibrated_device(1e6, true);
+    let slow = calibrated_device(1e6);
     let cold = decide(auto, group_table(rows, 0.0, false), &slow).unwrap();
     assert_eq!(cold.algorithm, GroupAlgorithm::SegmentedSort);
     let weighed = cold.weighed.unwrap();
@@ -460,9 +458,9 @@ fn per_group_decisions_weigh_the_cpu_path_against_a_cold_and_a_warm_device() {
     assert!(warm < gpu && gpu < weighed.cpu, "{weighed:?}");
     assert_eq!(weighed.cpu, rows as f64 / (1e6 * 16.0));
     assert_eq!(cold.prediction.unwrap().seconds, gpu);
-    // The device's start, the compile and the columns shipped are what the cold run adds.
+    // The compile and the columns shipped are what the cold run adds.
     let shipped = STAGED_TRANSFER * h100_like().transfer_time(rows * 16);
-    let extra = DEVICE_START.as_secs_f64() + COMPILE_ESTIMATE.as_secs_f64() + shipped;
+    let extra = COMPILE_ESTIMATE.as_secs_f64() + shipped;
     assert!(
         (gpu - warm - extra).abs() < 1e-9,
         "{gpu} - {warm} vs {extra}"
@@ -476,7 +474,7 @@ fn per_group_decisions_weigh_the_cpu_path_against_a_cold_and_a_warm_device() {
 
     // The CPU path between the warm and the cold run: CPU path, then the columns loaded.
     let between = (gpu + warm) / 2.0;
-    let middle = calibrated_device(rows as f64 / (between * 16.0), true);
+    let middle = calibrated_device(rows as f64 / (between * 16.0));
     let loaded = decide(auto, group_table(rows, 0.0, false), &middle).unwrap_err();
     assert_eq!(loaded.warm_up, Some(DeviceSlot::default()));
     assert!(
@@ -487,24 +485,20 @@ fn per_group_decisions_weigh_the_cpu_path_against_a_cold_and_a_warm_device() {
     let weighed = loaded.weighed.unwrap();
     assert!((weighed.cpu - between).abs() < 1e-9 * between);
     // The same host once the columns are resident and the program compiled: the device.
-    let warmed = calibrated_device(rows as f64 / (between * 16.0), false);
+    let warmed = calibrated_device(rows as f64 / (between * 16.0));
     let next = decide(auto, group_table(rows, 1.0, true), &warmed).unwrap();
     assert_eq!(next.weighed.unwrap().gpu, Some(warm));
     // Under `cuda` the device runs the cold query too.
     assert!(decide(cuda, group_table(rows, 0.0, false), &middle).is_ok());
 
     // A CPU path faster than even the warm device: CPU path, nothing loaded.
-    let fast = calibrated_device(rows as f64 / (0.5 * warm * 16.0), false);
+    let fast = calibrated_device(rows as f64 / (0.5 * warm * 16.0));
     let alone = decide(auto, group_table(rows, 0.0, false), &fast).unwrap_err();
     assert_eq!(alone.warm_up, None);
     assert!(alone.reason.ends_with(": CPU path"), "{}", alone.reason);
     assert!(decide(cuda, group_table(rows, 0.0, false), &fast).is_ok());
     // A small table on a device started before: the device's launches outlast the heaps.
-    let small = decide(
-        auto,
-        group_table(1000, 1.0, true),
-        &calibrated_device(10e6, false),
-    );
+    let small = decide(auto, group_table(1000, 1.0, true), &calibrated_device(10e6));
     let small = small.unwrap_err();
     assert_eq!(small.warm_up, None);
     let weighed = small.weighed.unwrap();
