@@ -1,7 +1,8 @@
 //! What the decisions read of the machine, gathered in one place: [`StartFacts`] without
 //! starting the device, and [`DeviceFacts`] by starting it, loading its kernels and reading
-//! (or running) its calibration. The decisions in `choose.rs` take these facts and touch
-//! nothing themselves.
+//! (or running) its calibration; either with the host's CPU rates where the decision weighs
+//! them (`calibration::cpu`, measured without the device). The decisions in `choose.rs` take
+//! these facts and touch nothing themselves.
 
 use std::sync::Arc;
 use std::time::Duration;
