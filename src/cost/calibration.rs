@@ -17,6 +17,8 @@
 //! kernel sources: another GPU, driver or build calibrates afresh. `SET gpu_topk.recalibrate =
 //! true` measures again (once per process while it stays set).
 
+pub mod cpu;
+
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -416,7 +418,7 @@ fn measure_machine(
         shared_bw: params.shared_bandwidth(),
         max_shared_per_block: params.shared_per_block,
         sm_count: params.sm_count,
-        cpu_rows_per_s: cpu_rows_per_second(),
+        cpu_rows_per_s: cpu::topk_rows_per_second().unwrap_or(100e6),
         cpu_cores: cpu_cores(),
     })
 }
@@ -511,48 +513,6 @@ fn fit(
         });
     }
     fitted
-}
-
-/// Rows per second of the CPU selector on one core: 2^22 rows of an Int32 column, k = 32.
-fn cpu_rows_per_second() -> f64 {
-    use datafusion::arrow::array::{ArrayRef, Int32Array};
-    use datafusion::arrow::datatypes::DataType;
-
-    use crate::keys::{KeyLayout, KeySpec};
-    use crate::select::{RowIds, SelectInput, SelectionSpec, cpu};
-
-    const ROWS: usize = 1 << 22;
-    let mut x = 0x2545_F491_4F6C_DD1Du64;
-    let column: ArrayRef = std::sync::Arc::new(Int32Array::from_iter_values((0..ROWS).map(|_| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x as i32
-    })));
-    let Ok(layout) = KeyLayout::try_new(vec![KeySpec {
-        data_type: DataType::Int32,
-        descending: true,
-        nulls_first: true,
-        nullable: false,
-    }]) else {
-        return 100e6;
-    };
-    let spec = SelectionSpec::new(layout, REFERENCE_K);
-    let mut best = f64::INFINITY;
-    for _ in 0..3 {
-        let selector = cpu::new_selector(&spec);
-        let started = Instant::now();
-        let pushed = selector.push(SelectInput {
-            keys: std::slice::from_ref(&column),
-            row_ids: RowIds::Range(0),
-        });
-        let finished = selector.finish();
-        if pushed.is_err() || finished.is_err() {
-            return 100e6;
-        }
-        best = best.min(started.elapsed().as_secs_f64());
-    }
-    ROWS as f64 / best
 }
 
 fn write_file(path: &Path, c: &Calibration) -> std::io::Result<()> {

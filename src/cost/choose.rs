@@ -13,13 +13,12 @@ use std::time::Duration;
 use datafusion::error::{DataFusionError, Result};
 
 use super::calibration::Calibration;
+use super::calibration::cpu::CpuRates;
 use super::facts::{DeviceFacts, GpuFacts, Needs, StartFacts};
 use super::model::{Case, CostModel};
 use crate::config::{Algorithm, Backend, FaultPoint};
 use crate::device::plan::{self, reduction};
-use crate::device::{
-    DeviceAlgorithm, DeviceSlot, GROUP_SAMPLE, GpuDevice, GroupAlgorithm, KeyWidth,
-};
+use crate::device::{DeviceAlgorithm, GpuDevice, KeyWidth};
 use crate::keys::KeyLayout;
 use crate::select::cuda::MIN_CAPACITY;
 use crate::select::{FinalChoice, InputForm, SelectionChoice, SelectionPlan};
@@ -66,9 +65,6 @@ const COMPILE_ESTIMATE: Duration = Duration::from_millis(200);
 /// Starting the device (its context, the kernels, the calibration from disk), charged to the
 /// first query that needs it.
 const DEVICE_START: Duration = Duration::from_millis(250);
-/// The CPU selector's rows per second per core before the calibration measured them: a low
-/// figure, so that a query the CPU might not finish before the device starts starts it.
-const ASSUMED_CPU_ROWS_PER_S: f64 = 100e6;
 
 /// The model's prediction for the chosen plan and its alternatives.
 #[derive(Debug, Clone, PartialEq)]
@@ -178,6 +174,7 @@ pub(crate) fn before_device(
     let input = input_form(k, estimate, settings.fault);
     Stage::Gather(Needs {
         calibration: prefix_route(settings.backend, layout, input, estimate).is_none(),
+        cpu: false,
     })
 }
 
@@ -435,154 +432,6 @@ fn input_form(k: usize, estimate: &Estimate, fault: FaultPoint) -> InputForm {
     }
 }
 
-/// A per-group top-k placed on the GPU: how, on which device, why, and the model's
-/// prediction.
-pub(crate) struct GroupChoice {
-    pub algorithm: GroupAlgorithm,
-    /// The algorithm its whole-table selector is built with ([`GROUP_SELECTOR`]).
-    pub selector_algorithm: DeviceAlgorithm,
-    /// The device weighed, which runs it.
-    pub device: DeviceSlot,
-    pub reason: String,
-    pub prediction: Option<Box<Prediction>>,
-}
-
-/// A per-group selection's whole-table selector: the fused selection's own, the sampled one
-/// (its groups' step is the [`GroupAlgorithm`]).
-const GROUP_SELECTOR: DeviceAlgorithm = DeviceAlgorithm::Sample;
-/// `group-threshold` wins while its limits leave at most one pair in this many to sort.
-const GROUP_THRESHOLD_SHARE: usize = 8;
-
-/// The device's algorithm for `groups` groups (estimated; `None`: unknown) keeping `k` rows
-/// each out of `rows`, and the pairs it sorts. At K = 1 `group-min` (about one pair a group);
-/// else `group-threshold` where its limits leave at most an eighth of the pairs to sort (about
-/// k sampled keys a group, each standing for rows / sample pairs), else `segmented-sort`.
-pub(crate) fn group_algorithm(
-    groups: Option<usize>,
-    k: usize,
-    rows: usize,
-) -> (GroupAlgorithm, usize) {
-    let per_sampled = rows.div_ceil(GROUP_SAMPLE).max(1);
-    if k == 1 {
-        return (GroupAlgorithm::Min, groups.unwrap_or(rows).min(rows));
-    }
-    match groups {
-        Some(groups)
-            if groups.saturating_mul(k).saturating_mul(per_sampled)
-                <= rows / GROUP_THRESHOLD_SHARE =>
-        {
-            let sorted = (groups * k * per_sampled).min(rows);
-            (GroupAlgorithm::Threshold, sorted)
-        }
-        _ => (GroupAlgorithm::SegmentedSort, rows),
-    }
-}
-
-/// How many times the top-k selector's time a row costs the per-group CPU path at least: each
-/// row is converted to arrow's row format and its group looked up before any heap compares it.
-const GROUP_CPU_FACTOR: f64 = 4.0;
-
-/// The per-group top-k's decision before the device is touched: `Err` with why the CPU path
-/// where the settings force it or (under `auto`, the device not started) the statistics show
-/// it ends before the device could start; else what [`DeviceFacts::gather`] must read for
-/// [`choose_groups`] (the calibration).
-pub(crate) fn groups_before_device(
-    settings: Settings<'_>,
-    estimate: &Estimate,
-    start: &StartFacts,
-) -> std::result::Result<Needs, String> {
-    if forced_cpu(settings).is_some() {
-        return Err("CPU path forced by settings".into());
-    }
-    if let Some(Placement::Run { reason, .. }) = before_start(settings.backend, estimate, start) {
-        return Err(reason);
-    }
-    Ok(Needs { calibration: true })
-}
-
-/// Where a per-group top-k runs (the operator `GpuGroupTopKExec`), over the device's facts
-/// that [`groups_before_device`] asked for: `Ok` with the algorithm, the reason and the
-/// model's prediction for the GPU, `Err` with why the CPU path. Under `auto` the GPU runs
-/// where the model predicts its pass and sort (and the columns it ships) below the CPU path's
-/// time: [`GROUP_CPU_FACTOR`] times the top-k selector's calibrated rate, which the per-group
-/// heaps do not beat, so the comparison still leans to the CPU path.
-pub(crate) fn choose_groups(
-    settings: Settings<'_>,
-    layout: &KeyLayout,
-    estimate: Estimate,
-    groups: Option<usize>,
-    k: usize,
-    device: &DeviceFacts,
-) -> std::result::Result<GroupChoice, String> {
-    let backend = settings.backend;
-    let device = match device {
-        DeviceFacts::NoGpu(why) => return Err(format!("no GPU found ({why}): CPU path")),
-        DeviceFacts::NoKernels(e) => {
-            return Err(format!("the GPU kernels are unusable ({e}): CPU path"));
-        }
-        DeviceFacts::Ready(device) => device,
-    };
-    let gpu = format!("GPU {}", device.describe);
-    let kind = layout.width();
-    let calibration =
-        (device.calibration.as_ref()).expect("groups_before_device asks for the calibration");
-    let (model, rows) = match calibration {
-        Ok(calibration) => (calibration.model, estimate.rows()),
-        Err(e) if backend == Backend::Cuda => {
-            return Ok(GroupChoice {
-                algorithm: group_algorithm(groups, k, estimate.rows()).0,
-                selector_algorithm: GROUP_SELECTOR,
-                device: device.slot,
-                reason: format!("{gpu}; backend=cuda, uncalibrated ({e})"),
-                prediction: None,
-            });
-        }
-        Err(e) => return Err(format!("{gpu}; uncalibrated ({e}): CPU path")),
-    };
-    let shipped = (rows * estimate.bytes_per_row) as f64 * (1.0 - estimate.resident);
-    let (algorithm, sorted) = group_algorithm(groups, k, rows);
-    let limits = match algorithm {
-        GroupAlgorithm::Threshold => model.filter_time(rows, sorted, kind),
-        // A pass a key word, then the filter.
-        GroupAlgorithm::Min => {
-            (kind.key_words() + 1) as f64 * model.filter_time(rows, sorted, kind)
-        }
-        GroupAlgorithm::SegmentedSort => 0.0,
-    };
-    let seconds = compile_seconds(device.last_compile, &estimate)
-        + STAGED_TRANSFER * model.transfer_time(shipped as usize)
-        + model.filter_time(rows, rows, kind)
-        + limits
-        + model.sort_time(sorted, kind, rows, 0);
-    let cpu = GROUP_CPU_FACTOR * model.cpu_time(rows);
-    let prediction = Box::new(Prediction {
-        rows,
-        rows_known: estimate.rows.is_some(),
-        seconds,
-        alternatives: vec![(SelectionChoice::Cpu, cpu)],
-        model: None,
-        resident: estimate.resident,
-    });
-    let versus = format!(
-        "{} {} against the CPU path's {} or more",
-        algorithm.name(),
-        format_seconds(seconds),
-        format_seconds(cpu)
-    );
-    let chosen = |reason| GroupChoice {
-        algorithm,
-        selector_algorithm: GROUP_SELECTOR,
-        device: device.slot,
-        reason,
-        prediction: Some(prediction),
-    };
-    match backend {
-        Backend::Cuda => Ok(chosen(format!("{gpu}; backend=cuda; {versus}"))),
-        _ if seconds < cpu => Ok(chosen(format!("{gpu}; {versus}"))),
-        _ => Err(format!("{gpu}; {versus}: CPU path")),
-    }
-}
-
 /// Under `auto`, before the device is started: the CPU path where the statistics show it
 /// finishes before the device could start (a small file's query then spends nothing on CUDA).
 /// A whole table is still loaded after the run ([`warm_up`]), which starts the device in the
@@ -591,12 +440,13 @@ fn before_start(backend: Backend, estimate: &Estimate, start: &StartFacts) -> Op
     if backend != Backend::Auto || start.started || !start.slow_start {
         return None;
     }
-    cpu_before_start(backend, estimate, start.cores)
+    cpu_before_start(backend, estimate, start.cpu.as_ref()?)
 }
 
-/// [`before_start`]'s choice on `cores` cores, once it knows the device is not started.
-fn cpu_before_start(backend: Backend, estimate: &Estimate, cores: usize) -> Option<Placement> {
-    let cpu = estimate.rows? as f64 / (ASSUMED_CPU_ROWS_PER_S * cores.max(1) as f64);
+/// [`before_start`]'s choice at the host's calibrated `rates`, once it knows the device is not
+/// started.
+fn cpu_before_start(backend: Backend, estimate: &Estimate, rates: &CpuRates) -> Option<Placement> {
+    let cpu = rates.topk_time(estimate.rows?);
     (cpu < DEVICE_START.as_secs_f64()).then(|| Placement::Run {
         plan: SelectionPlan::Cpu {
             warm_up: warm_up(backend, estimate),
@@ -789,6 +639,9 @@ fn algorithm_for(
         )),
     }
 }
+
+mod groups;
+pub(crate) use groups::*;
 
 #[cfg(test)]
 mod tests;

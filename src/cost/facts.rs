@@ -1,26 +1,29 @@
 //! What the decisions read of the machine, gathered in one place: [`StartFacts`] without
 //! starting the device, and [`DeviceFacts`] by starting it, loading its kernels and reading
-//! (or running) its calibration. The decisions in `choose.rs` take these facts and touch
-//! nothing themselves.
+//! (or running) its calibration; either with the host's CPU rates where the decision weighs
+//! them (`calibration::cpu`, measured without the device). The decisions in `choose.rs` take
+//! these facts and touch nothing themselves.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::calibration::cpu::{CpuRates, cpu_rates};
 use super::calibration::{self, Calibration};
 use super::choose::Settings;
 use crate::config::{Algorithm, Backend};
 use crate::device::{DeviceSlot, GpuResult, GpuStatus, gpu_status};
 
 /// What the decision before the device starts reads of it, without starting it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct StartFacts {
     /// Whether the device was probed already (started, or found missing).
     pub started: bool,
     /// Whether probing it would start a CUDA driver (slow) rather than find at once that
     /// there is none.
     pub slow_start: bool,
-    /// The host's cores, which run the CPU path.
-    pub cores: usize,
+    /// The host's CPU rates, where the device's start is weighed against the CPU path
+    /// (measured once per process, or read from the cache directory).
+    pub cpu: Option<CpuRates>,
 }
 
 impl StartFacts {
@@ -30,10 +33,11 @@ impl StartFacts {
         let weighs_start =
             settings.backend == Backend::Auto && settings.algorithm != Algorithm::Cpu;
         let started = crate::device::probed_status().is_some();
+        let slow_start = weighs_start && !started && crate::device::probe_is_slow();
         Self {
             started,
-            slow_start: weighs_start && !started && crate::device::probe_is_slow(),
-            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            slow_start,
+            cpu: slow_start.then(|| cpu_rates(settings.kernel_cache_dir)),
         }
     }
 }
@@ -43,6 +47,8 @@ impl StartFacts {
 pub(crate) struct Needs {
     /// The calibration (read from disk, or measured on first use: up to a second).
     pub calibration: bool,
+    /// The host's CPU rates (read from disk, or measured on first use).
+    pub cpu: bool,
 }
 
 /// The started device as the decisions see it, or why there is none to run on.
@@ -70,6 +76,8 @@ pub(crate) struct GpuFacts {
     /// The calibration, or why it failed; `None` where the decision did not need it (and it
     /// was not read).
     pub calibration: Option<GpuResult<Arc<Calibration>>>,
+    /// The host's CPU rates, where the decision needs them.
+    pub cpu: Option<CpuRates>,
 }
 
 impl DeviceFacts {
@@ -93,6 +101,7 @@ impl DeviceFacts {
             max_shared_per_block: device.max_shared_per_block,
             last_compile: device.last_compile_time(),
             calibration,
+            cpu: needs.cpu.then(|| cpu_rates(settings.kernel_cache_dir)),
         })
     }
 }

@@ -46,7 +46,7 @@ mod row_store;
 mod stream;
 
 use dynamic_filter::{Publisher, SharedThreshold};
-pub use group_topk::{GpuGroupTopKExec, GroupDevicePlan, RankFunction};
+pub use group_topk::{GpuGroupTopKExec, GroupCpuPlan, GroupDevicePlan, GroupWarmUp, RankFunction};
 
 use std::fmt::{self, Formatter};
 use std::sync::{Arc, Mutex};

@@ -269,7 +269,7 @@ fn group_exec(
         .with_groups_estimate(estimate);
     Ok(match device {
         Ok(plan) => exec.with_device(plan),
-        Err(why) => exec.with_cpu_reason(why),
+        Err(cpu) => exec.with_cpu_plan(cpu),
     })
 }
 

@@ -20,6 +20,7 @@
 pub mod cpu;
 pub mod cuda;
 pub(crate) mod fault;
+pub mod groups;
 pub mod prefix;
 pub mod resident;
 pub mod table;

@@ -795,3 +795,107 @@ async fn the_operator_outputs_only_the_columns_read_above() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// On the GPU (skips without one), under the default settings: a per-group top-k over an
+/// in-memory table that the device wins once warm runs there by the second run (the first ran
+/// there, winning even cold, or ran on the CPU path and loaded the columns after it), with
+/// DataFusion's rows each time; a tiny table's query stays on the CPU path, nothing loaded.
+/// EXPLAIN shows the times weighed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_auto_a_cold_per_group_query_warms_the_device_for_the_next() {
+    use datafusion_gpu_topk::internal::device::gpu;
+    if gpu().is_none() {
+        eprintln!("SKIP under_auto_a_cold_per_group_query_warms_the_device_for_the_next: no GPU");
+        return;
+    }
+    let dir = test_dir("groups-auto");
+    let (rows, partitions) = (1 << 21, 4);
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("g", DataType::Int64, false),
+        Field::new("v", DataType::Int64, false),
+    ]));
+    let mut rng = Rng::new(5);
+    let mut batch = |first: usize, n: usize| {
+        let ids = Int64Array::from_iter_values((first..first + n).map(|i| i as i64));
+        let g = Int64Array::from_iter_values((0..n).map(|_| rng.below(1 << 16) as i64));
+        let v = Int64Array::from_iter_values((0..n).map(|_| rng.below(1 << 20) as i64));
+        let columns: Vec<Arc<dyn datafusion::arrow::array::Array>> =
+            vec![Arc::new(ids), Arc::new(g), Arc::new(v)];
+        RecordBatch::try_new(Arc::clone(&schema), columns).unwrap()
+    };
+    let per = rows / partitions;
+    let big: Vec<Vec<RecordBatch>> = (0..partitions)
+        .map(|p| {
+            (0..per / 8192)
+                .map(|b| batch(p * per + b * 8192, 8192))
+                .collect()
+        })
+        .collect();
+    let tiny = vec![vec![batch(rows, 50)]];
+    let ours = crate::common::session_with(partitions, 8192, crate::sessions::base_config());
+    let plain = plain_session(partitions, Storage::Memory);
+    for ctx in [&ours, &plain] {
+        register_as(ctx, "big", &big, Storage::Memory, &dir).await;
+        register_as(ctx, "tiny", &tiny, Storage::Memory, &dir).await;
+    }
+    let sql = |table: &str| {
+        format!(
+            "SELECT id, g, v, rn FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY g ORDER BY v \
+             DESC, id) AS rn FROM {table}) WHERE rn <= 10"
+        )
+    };
+    // Loads other tests started end first: one load runs at a time.
+    let settled = || async {
+        let started = std::time::Instant::now();
+        while datafusion_gpu_topk::internal::exec::warming_up() {
+            assert!(
+                started.elapsed().as_secs() < 60,
+                "a background load never ended"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    };
+    let explained = |text: &str| {
+        let line = text
+            .lines()
+            .find(|l| l.contains("GpuGroupTopKExec"))
+            .unwrap();
+        line.to_string()
+    };
+    settled().await;
+    let mut plans = Vec::new();
+    // A run whose load another test's load kept out (`cache=warm-up` again) runs once more.
+    for _ in 0..3 {
+        let plan = physical_plan(&ours, &sql("big")).await.unwrap();
+        let line = explained(&plan_text(&plan));
+        let mut got = exact_rows(&collect(plan, ours.task_ctx()).await.unwrap());
+        let mut want = exact_rows(&run(&plain, &sql("big")).await.unwrap());
+        got.sort();
+        want.sort();
+        assert_eq!(got, want, "{line}");
+        settled().await;
+        let warm_up = line.contains("backend=cpu") && line.contains("cache=warm-up");
+        assert!(line.contains("backend=cuda") || warm_up, "{line}");
+        for weighed in ["predicted_cpu=", "predicted_gpu=", "predicted_gpu_warm="] {
+            assert!(line.contains(weighed), "{line}");
+        }
+        plans.push(line);
+        if plans.len() >= 2 && !warm_up {
+            break;
+        }
+    }
+    let last = plans.last().unwrap();
+    assert!(last.contains("backend=cuda"), "{plans:#?}");
+    // The tiny table: the device's launches outlast the heaps.
+    let plan = physical_plan(&ours, &sql("tiny")).await.unwrap();
+    let line = explained(&plan_text(&plan));
+    assert!(line.contains("backend=cpu, predicted_cpu="), "{line}");
+    assert!(!line.contains("cache=warm-up"), "{line}");
+    let mut got = exact_rows(&collect(plan, ours.task_ctx()).await.unwrap());
+    let mut want = exact_rows(&run(&plain, &sql("tiny")).await.unwrap());
+    got.sort();
+    want.sort();
+    assert_eq!(got, want);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -3,7 +3,9 @@ use std::sync::Arc;
 use datafusion::arrow::datatypes::DataType;
 
 use super::*;
+use crate::cost::calibration::cpu::CpuRates;
 use crate::cost::model::h100_like;
+use crate::device::{DeviceSlot, GROUP_SAMPLE, GroupAlgorithm};
 use crate::device::{GpuError, GpuResult};
 use crate::keys::KeySpec;
 
@@ -57,7 +59,7 @@ fn the_cpu_path_runs_while_starting_the_device_would_take_longer() {
         decoded: false,
         pages: false,
     };
-    let small = cpu_before_start(Backend::Auto, &estimate(Some(1_000_000), true), 16);
+    let small = cpu_before_start(Backend::Auto, &estimate(Some(1_000_000), true), &RATES);
     match small {
         Some(Placement::Run {
             plan: SelectionPlan::Cpu { warm_up: true },
@@ -66,7 +68,7 @@ fn the_cpu_path_runs_while_starting_the_device_would_take_longer() {
         }) => assert!(reason.contains("GPU is not started"), "{reason}"),
         other => panic!("{other:?}"),
     }
-    let streamed = cpu_before_start(Backend::Auto, &estimate(Some(1_000_000), false), 16);
+    let streamed = cpu_before_start(Backend::Auto, &estimate(Some(1_000_000), false), &RATES);
     assert!(matches!(
         streamed,
         Some(Placement::Run {
@@ -75,11 +77,11 @@ fn the_cpu_path_runs_while_starting_the_device_would_take_longer() {
         })
     ));
     assert_eq!(
-        cpu_before_start(Backend::Auto, &estimate(Some(1_000_000_000), true), 16),
+        cpu_before_start(Backend::Auto, &estimate(Some(1_000_000_000), true), &RATES),
         None
     );
     assert_eq!(
-        cpu_before_start(Backend::Auto, &estimate(None, true), 16),
+        cpu_before_start(Backend::Auto, &estimate(None, true), &RATES),
         None
     );
     assert_eq!(
@@ -89,7 +91,7 @@ fn the_cpu_path_runs_while_starting_the_device_would_take_longer() {
             &StartFacts {
                 started: false,
                 slow_start: true,
-                cores: 16,
+                cpu: Some(RATES),
             }
         ),
         None
@@ -253,6 +255,13 @@ fn layout(data_type: DataType) -> KeyLayout {
 const STARTED: StartFacts = StartFacts {
     started: true,
     slow_start: false,
+    cpu: None,
+};
+
+/// A 16-core host's CPU rates.
+const RATES: CpuRates = CpuRates {
+    topk_rows_per_s: 100e6,
+    group_rows_per_s: 10e6,
     cores: 16,
 };
 
@@ -263,6 +272,7 @@ fn ready(calibration: Option<GpuResult<Arc<Calibration>>>) -> DeviceFacts {
         max_shared_per_block: 227 * 1024,
         last_compile: None,
         calibration,
+        cpu: Some(RATES),
     })
 }
 
@@ -291,8 +301,14 @@ fn the_decision_before_the_device_asks_only_for_what_it_needs() {
     let gather = |layout: &KeyLayout, estimate: Estimate| {
         before_device(auto, layout, 10, &estimate, &STARTED)
     };
-    let calibrated = Stage::Gather(Needs { calibration: true });
-    let uncalibrated = Stage::Gather(Needs { calibration: false });
+    let calibrated = Stage::Gather(Needs {
+        calibration: true,
+        cpu: false,
+    });
+    let uncalibrated = Stage::Gather(Needs {
+        calibration: false,
+        cpu: false,
+    });
     assert_eq!(gather(&int, table(true, 0.0)), calibrated);
     assert_eq!(gather(&strings, table(false, 1.0)), uncalibrated);
     assert_eq!(gather(&strings, table(true, 0.5)), uncalibrated);
@@ -347,7 +363,196 @@ fn the_decision_over_the_facts_names_what_it_found() {
     }
     let groups = choose_groups(auto, &int, table(true, 0.0), Some(30), 3, &none);
     assert_eq!(
-        groups.err().as_deref(),
-        Some("no GPU found (no driver): CPU path")
+        groups.err(),
+        Some(GroupCpu::from(String::from(
+            "no GPU found (no driver): CPU path"
+        )))
+    );
+}
+
+/// A calibration of the H100-like model, as the device's facts carry it.
+fn calibrated() -> Option<GpuResult<Arc<Calibration>>> {
+    use crate::cost::calibration::DeviceParams;
+    let params = DeviceParams {
+        name: "Test GPU".into(),
+        arch: "sm_90".into(),
+        driver_version: 13000,
+        sm_count: 132,
+        shared_per_sm: 228 * 1024,
+        shared_per_block: 227 * 1024,
+        l2_bytes: 50 << 20,
+        clock_khz: 1_755_000,
+        memory_clock_khz: 2_619_000,
+        bus_width_bits: 5120,
+    };
+    Some(Ok(Arc::new(Calibration {
+        params,
+        model: h100_like(),
+        references: Vec::new(),
+        took: None,
+        file: None,
+    })))
+}
+
+/// A calibrated device whose host runs the per-group CPU path at `group_rows_per_s` a core on
+/// 16 cores.
+fn calibrated_device(group_rows_per_s: f64) -> DeviceFacts {
+    match ready(calibrated()) {
+        DeviceFacts::Ready(facts) => DeviceFacts::Ready(GpuFacts {
+            cpu: Some(CpuRates {
+                group_rows_per_s,
+                ..RATES
+            }),
+            ..facts
+        }),
+        other => other,
+    }
+}
+
+/// A group key then an order key, both 64-bit.
+fn group_layout() -> KeyLayout {
+    let spec = |descending| KeySpec {
+        data_type: DataType::Int64,
+        descending,
+        nulls_first: false,
+        nullable: false,
+    };
+    KeyLayout::with_prefixes(vec![spec(false), spec(true)]).unwrap()
+}
+
+/// An in-memory table of `rows` rows, its columns `resident` (0 to 1), its program compiled
+/// where `compiled`.
+fn group_table(rows: usize, resident: f64, compiled: bool) -> Estimate {
+    Estimate {
+        rows: Some(rows),
+        bytes_per_row: 16,
+        compile: !compiled,
+        resident,
+        whole_table: true,
+        decoded: false,
+        pages: false,
+    }
+}
+
+/// Under `auto` a per-group top-k runs on the device where its run beats the CPU path's
+/// calibrated time (warm, or even cold: the device's start, the compile and the columns
+/// shipped included); where only a warm run would, the CPU path runs and the columns are
+/// loaded after it; where the device never wins, the CPU path runs alone. `cuda` takes the
+/// device whatever the times.
+#[test]
+fn per_group_decisions_weigh_the_cpu_path_against_a_cold_and_a_warm_device() {
+    let layout = group_layout();
+    let auto = settings(Backend::Auto, Algorithm::Auto);
+    let cuda = settings(Backend::Cuda, Algorithm::Auto);
+    let rows = 100_000_000;
+    let groups = Some(rows / 20);
+    let decide = |settings, estimate, device: &DeviceFacts| {
+        choose_groups(settings, &layout, estimate, groups, 10, device)
+    };
+    // A slow CPU path (a core's heaps at a million rows a second): the device wins cold.
+    let slow = calibrated_device(1e6);
+    let cold = decide(auto, group_table(rows, 0.0, false), &slow).unwrap();
+    assert_eq!(cold.algorithm, GroupAlgorithm::SegmentedSort);
+    let weighed = cold.weighed.unwrap();
+    let (gpu, warm) = (weighed.gpu.unwrap(), weighed.gpu_warm.unwrap());
+    assert!(warm < gpu && gpu < weighed.cpu, "{weighed:?}");
+    assert_eq!(weighed.cpu, rows as f64 / (1e6 * 16.0));
+    assert_eq!(cold.prediction.unwrap().seconds, gpu);
+    // The compile and the columns shipped are what the cold run adds.
+    let shipped = STAGED_TRANSFER * h100_like().transfer_time(rows * 16);
+    let extra = COMPILE_ESTIMATE.as_secs_f64() + shipped;
+    assert!(
+        (gpu - warm - extra).abs() < 1e-9,
+        "{gpu} - {warm} vs {extra}"
+    );
+    assert!(
+        cold.reason
+            .starts_with("GPU Test GPU (sm_90, 80 GiB); segmented-sort "),
+        "{}",
+        cold.reason
+    );
+
+    // The CPU path between the warm and the cold run: CPU path, then the columns loaded.
+    let between = (gpu + warm) / 2.0;
+    let middle = calibrated_device(rows as f64 / (between * 16.0));
+    let loaded = decide(auto, group_table(rows, 0.0, false), &middle).unwrap_err();
+    assert_eq!(loaded.warm_up, Some(DeviceSlot::default()));
+    assert!(
+        loaded.reason.ends_with(": CPU path, then loaded"),
+        "{}",
+        loaded.reason
+    );
+    let weighed = loaded.weighed.unwrap();
+    assert!((weighed.cpu - between).abs() < 1e-9 * between);
+    // The same host once the columns are resident and the program compiled: the device.
+    let warmed = calibrated_device(rows as f64 / (between * 16.0));
+    let next = decide(auto, group_table(rows, 1.0, true), &warmed).unwrap();
+    assert_eq!(next.weighed.unwrap().gpu, Some(warm));
+    // Under `cuda` the device runs the cold query too.
+    assert!(decide(cuda, group_table(rows, 0.0, false), &middle).is_ok());
+
+    // A CPU path faster than even the warm device: CPU path, nothing loaded.
+    let fast = calibrated_device(rows as f64 / (0.5 * warm * 16.0));
+    let alone = decide(auto, group_table(rows, 0.0, false), &fast).unwrap_err();
+    assert_eq!(alone.warm_up, None);
+    assert!(alone.reason.ends_with(": CPU path"), "{}", alone.reason);
+    assert!(decide(cuda, group_table(rows, 0.0, false), &fast).is_ok());
+    // A small table on a device started before: the device's launches outlast the heaps.
+    let small = decide(auto, group_table(1000, 1.0, true), &calibrated_device(10e6));
+    let small = small.unwrap_err();
+    assert_eq!(small.warm_up, None);
+    let weighed = small.weighed.unwrap();
+    assert!(weighed.gpu_warm.unwrap() > weighed.cpu, "{weighed:?}");
+}
+
+/// Before the device is started, `auto` runs a per-group top-k whose CPU path ends before
+/// the device could start on the CPU path, without starting it or loading anything; a larger
+/// input, a started device and `cuda` gather the device's facts; `cpu` never does.
+#[test]
+fn a_small_per_group_query_leaves_the_device_unstarted() {
+    let unstarted = StartFacts {
+        started: false,
+        slow_start: true,
+        cpu: Some(RATES),
+    };
+    let auto = settings(Backend::Auto, Algorithm::Auto);
+    let gather = Ok(Needs {
+        calibration: true,
+        cpu: true,
+    });
+    let small = groups_before_device(auto, &group_table(1_000_000, 0.0, false), &unstarted);
+    let small = small.unwrap_err();
+    assert_eq!(small.warm_up, None);
+    assert!(
+        small.reason.contains("GPU is not started"),
+        "{}",
+        small.reason
+    );
+    let weighed = small.weighed.unwrap();
+    assert_eq!(weighed.cpu, 1_000_000.0 / (10e6 * 16.0));
+    assert_eq!(
+        weighed.describe(),
+        format!("predicted_cpu={}", format_seconds(weighed.cpu))
+    );
+    let big = group_table(1_000_000_000, 0.0, false);
+    assert_eq!(groups_before_device(auto, &big, &unstarted), gather);
+    let small = group_table(1_000, 0.0, false);
+    assert_eq!(groups_before_device(auto, &small, &STARTED), gather);
+    let cuda = settings(Backend::Cuda, Algorithm::Auto);
+    assert_eq!(groups_before_device(cuda, &small, &unstarted), gather);
+    let forced = groups_before_device(settings(Backend::Cpu, Algorithm::Auto), &big, &STARTED);
+    assert_eq!(
+        forced,
+        Err(GroupCpu::from(String::from("CPU path forced by settings")))
+    );
+    // What EXPLAIN shows of a decision that weighed the device.
+    let weighed = Weighed {
+        cpu: 1.5,
+        gpu: Some(0.25),
+        gpu_warm: Some(0.0125),
+    };
+    assert_eq!(
+        weighed.describe(),
+        "predicted_cpu=1.50s, predicted_gpu=250.00ms, predicted_gpu_warm=12.50ms"
     );
 }

@@ -58,13 +58,22 @@
 //! operator's exact keys, and strings (or dictionaries of them) whose every value is at most
 //! 16 bytes, none ending in a zero byte, compared by their bytes in the composite.
 //!
+//! Whether the device runs at all is the cost model's choice too (`gpu_topk.backend =
+//! 'auto'`): the CPU path's calibrated time against the device's, for this run and for a warm
+//! one (columns resident, program compiled). Where only a warm run would win, the CPU path
+//! runs ([`GroupCpuPlan`]) and, once every output partition has ended it, the program is
+//! compiled and the table's columns loaded into the column cache in the background
+//! ([`GroupWarmUp`], `cache=warm-up` in EXPLAIN), starting the device where it is not, so that
+//! the next run of the shape goes to the device. EXPLAIN shows the times weighed.
+//!
 //! # Structure
 //!
 //! This module holds the plan node. `device` runs the selection on the GPU (`DeviceRun`),
 //! with the whole-table selector it gets from `crate::select::create_selector`, the top-k
 //! operator's entry point, for the cost model's decision (the device, and the selector's
-//! algorithm, that [`GroupDevicePlan`] carries). `heap` is the CPU path (`GroupHeaps`): a
-//! bounded heap per group.
+//! algorithm, that [`GroupDevicePlan`] carries). `heap` is the CPU path (`GroupHeaps`): it
+//! streams the input into `crate::select::groups`, a bounded heap per group, which the CPU
+//! calibration times too.
 
 mod device;
 mod heap;
@@ -102,6 +111,7 @@ use crate::cost::Prediction;
 use crate::device::{DeviceAlgorithm, DeviceSlot, GroupAlgorithm};
 use crate::fusion::FusedProgram;
 use crate::keys::KeyLayout;
+pub use crate::select::groups::RankFunction;
 
 /// The device side of a per-group top-k over a whole in-memory table (see the module
 /// documentation), as the rule planned it.
@@ -126,12 +136,61 @@ pub struct GroupDevicePlan {
     /// Why the GPU (EXPLAIN VERBOSE), and the model's prediction.
     pub reason: String,
     pub prediction: Option<Prediction>,
+    /// What the cost model weighed, as EXPLAIN shows it (`predicted_cpu=…, predicted_gpu=…`).
+    pub weighed: Option<String>,
     /// A device failure to inject (`gpu_topk.inject_fault`).
     pub fault: FaultPoint,
     /// `gpu_topk.device_memory_limit`.
     pub device_memory_limit: usize,
     /// `gpu_topk.pinned_output_bytes`.
     pub pinned_output_bytes: usize,
+}
+
+/// The CPU path of a per-group top-k as the rule planned it: why, what the cost model weighed,
+/// and the load of the column cache after the run.
+#[derive(Debug, Default)]
+pub struct GroupCpuPlan {
+    /// Why the CPU path (EXPLAIN VERBOSE).
+    pub reason: String,
+    /// What the cost model weighed, as EXPLAIN shows it (`predicted_cpu=…, predicted_gpu=…`).
+    pub weighed: Option<String>,
+    /// The columns loaded after the run, where the device would win the next one with them.
+    pub warm_up: Option<GroupWarmUp>,
+}
+
+/// What a CPU run's warm-up loads: the program the device would run, compiled, and the
+/// table's columns it reads, in the column cache of `device` (started in the background
+/// where it is not).
+#[derive(Debug)]
+pub struct GroupWarmUp {
+    /// The in-memory table the program reads.
+    pub table: Arc<dyn ExecutionPlan>,
+    pub program: Arc<FusedProgram>,
+    pub device: DeviceSlot,
+}
+
+impl GroupCpuPlan {
+    /// Starts the plan's warm-up in the background, if any (one load at a time; one that does
+    /// not fit the budget, or fails, leaves the cache as it was).
+    fn start_warm_up(self: Arc<Self>, context: Arc<TaskContext>) {
+        use crate::input::loader::{CacheLoader, load_inputs};
+        let Some(device) = self.warm_up.as_ref().map(|w| w.device) else {
+            return;
+        };
+        CacheLoader::spawn(device, move |loader| async move {
+            let Some(warm) = self.warm_up.as_ref() else {
+                return;
+            };
+            // The next run's plan counts a compile the program still needs.
+            if let Err(e) = loader.compile(&warm.program) {
+                log::debug!("gpu-topk: the generated program did not compile: {e}");
+            }
+            if let Err(e) = load_inputs(&warm.table, &context, &warm.program, &loader, false).await
+            {
+                log::debug!("gpu-topk: the columns were not loaded into the cache: {e}");
+            }
+        });
+    }
 }
 
 /// The device run's output partitions, shared by every output partition's stream; `None`:
@@ -156,8 +215,11 @@ pub struct GpuGroupTopKExec {
     metrics: ExecutionPlanMetricsSet,
     /// The GPU plan, where the rule placed the selection there.
     device: Option<Arc<GroupDevicePlan>>,
-    /// Why the CPU path (EXPLAIN VERBOSE), where it is not.
-    cpu_reason: String,
+    /// The CPU path's plan, where the selection is not on the GPU.
+    cpu: Arc<GroupCpuPlan>,
+    /// The output partitions whose CPU run has not ended: the last to end starts the plan's
+    /// warm-up.
+    cpu_running: Arc<std::sync::atomic::AtomicUsize>,
     /// The groups among the rows that pass, estimated at planning where the input is an
     /// in-memory table (EXPLAIN shows it).
     groups: Option<usize>,
@@ -202,7 +264,8 @@ impl GpuGroupTopKExec {
             properties: Arc::clone(window.properties()),
             metrics: ExecutionPlanMetricsSet::new(),
             device: None,
-            cpu_reason: String::new(),
+            cpu: Arc::default(),
+            cpu_running: Arc::new(window.output_partitioning().partition_count().into()),
             groups: None,
             shared: SharedDeviceRun::default(),
         })
@@ -256,6 +319,8 @@ impl GpuGroupTopKExec {
         }
         self.schema = above.schema();
         self.properties = Arc::clone(above.properties());
+        let outputs = self.properties.output_partitioning().partition_count();
+        self.cpu_running = Arc::new(outputs.into());
         Ok(self)
     }
 
@@ -285,7 +350,13 @@ impl GpuGroupTopKExec {
             properties: Arc::clone(&self.properties),
             metrics: ExecutionPlanMetricsSet::new(),
             device: self.device.clone(),
-            cpu_reason: self.cpu_reason.clone(),
+            cpu: Arc::clone(&self.cpu),
+            cpu_running: Arc::new(
+                self.properties
+                    .output_partitioning()
+                    .partition_count()
+                    .into(),
+            ),
             groups: self.groups,
             shared: SharedDeviceRun::default(),
         }
@@ -303,9 +374,9 @@ impl GpuGroupTopKExec {
         self
     }
 
-    /// The operator on the CPU path, for `reason`.
-    pub fn with_cpu_reason(mut self, reason: String) -> Self {
-        self.cpu_reason = reason;
+    /// The operator on the CPU path, by `plan`.
+    pub fn with_cpu_plan(mut self, plan: GroupCpuPlan) -> Self {
+        self.cpu = Arc::new(plan);
         self
     }
 
@@ -398,14 +469,23 @@ impl DisplayAs for GpuGroupTopKExec {
                 if let Some(prediction) = &device.prediction {
                     write!(f, ", {}", prediction.describe(verbose))?;
                 }
+                if let Some(weighed) = &device.weighed {
+                    write!(f, ", {weighed}")?;
+                }
                 if verbose {
                     write!(f, ", reason=[{}]", device.reason)?;
                 }
             }
             None => {
                 f.write_str(", backend=cpu")?;
-                if verbose && !self.cpu_reason.is_empty() {
-                    write!(f, ", reason=[{}]", self.cpu_reason)?;
+                if let Some(weighed) = &self.cpu.weighed {
+                    write!(f, ", {weighed}")?;
+                }
+                if self.cpu.warm_up.is_some() {
+                    f.write_str(", cache=warm-up")?;
+                }
+                if verbose && !self.cpu.reason.is_empty() {
+                    write!(f, ", reason=[{}]", self.cpu.reason)?;
                 }
             }
         }
@@ -495,14 +575,24 @@ impl ExecutionPlan for GpuGroupTopKExec {
         };
         let input = Arc::clone(&self.input);
         let heaps = self.group_heaps(partition, &context);
-        // The CPU path, its input executed only when it runs.
+        // The CPU path, its input executed only when it runs; the last partition to end it
+        // starts the plan's warm-up.
         let task = Arc::clone(&context);
+        let warm_up = (self.device.is_none())
+            .then(|| self.cpu.warm_up.as_ref().map(|_| Arc::clone(&self.cpu)))
+            .flatten();
+        let running = Arc::clone(&self.cpu_running);
         let cpu = async move {
             let streams = read
                 .into_iter()
                 .map(|p| input.execute(p, Arc::clone(&task)))
                 .collect::<Result<Vec<_>>>()?;
-            heaps.run(streams).await
+            let output = heaps.run(streams).await?;
+            let last = running.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1;
+            if let Some(plan) = warm_up.filter(|_| last) {
+                plan.start_warm_up(task);
+            }
+            Ok(output)
         };
         let run: futures::future::BoxFuture<'static, Result<Vec<RecordBatch>>> = match &self.device
         {
@@ -544,27 +634,4 @@ fn batch_of(
     use datafusion::arrow::array::RecordBatchOptions;
     let options = RecordBatchOptions::new().with_row_count(Some(rows));
     RecordBatch::try_new_with_options(schema, columns, &options)
-}
-
-/// The window function whose value the operator gives each row it keeps.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RankFunction {
-    /// `ROW_NUMBER()`: 1, 2, … in sort order, ties in input order.
-    RowNumber,
-    /// `RANK()`: one past the rows whose key is smaller; tied keys share it, and a group may
-    /// keep more than K rows.
-    Rank,
-    /// `DENSE_RANK()`: one past the distinct keys smaller than the row's; a group keeps every
-    /// row of its K smallest keys.
-    DenseRank,
-}
-
-impl RankFunction {
-    fn name(self) -> &'static str {
-        match self {
-            RankFunction::RowNumber => "row_number",
-            RankFunction::Rank => "rank",
-            RankFunction::DenseRank => "dense_rank",
-        }
-    }
 }

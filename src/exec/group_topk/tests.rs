@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use super::heap::GroupIds;
+use crate::select::groups::GroupIds;
 
 /// Equal keys get one number, in order of arrival, whatever their length (the empty key,
 /// and keys that are prefixes of others, included); each key reads back as it came.

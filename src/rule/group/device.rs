@@ -13,6 +13,7 @@ use crate::cost;
 use crate::fusion;
 use crate::keys::KeyLayout;
 
+use crate::exec::{GroupCpuPlan, GroupDevicePlan, GroupWarmUp};
 use crate::rule::Declined;
 use crate::rule::absorb::absorb_below;
 use crate::rule::build::{cost_settings, estimate, key_specs};
@@ -24,14 +25,45 @@ use crate::rule::build::{cost_settings, estimate, key_specs};
 /// keys in its generated code.
 ///
 /// Where the input is an in-memory table, `groups` gets the estimated number of groups among
-/// the rows that pass, whichever path is chosen.
+/// the rows that pass, whichever path is chosen. The CPU path's plan says what the cost model
+/// weighed, and whether the table's columns are loaded after the run
+/// (`gpu_topk.load_after_cpu`).
 pub(super) fn group_device(
     input: &Arc<dyn ExecutionPlan>,
     ordering: &LexOrdering,
     (group_keys, k): (usize, usize),
     config: &GpuTopKConfig,
     groups: &mut Option<usize>,
-) -> std::result::Result<crate::exec::GroupDevicePlan, String> {
+) -> std::result::Result<GroupDevicePlan, GroupCpuPlan> {
+    group_plan(input, ordering, (group_keys, k), config, groups).map_err(|cpu| GroupCpuPlan {
+        warm_up: cpu.warm_up.filter(|_| config.load_after_cpu),
+        ..cpu
+    })
+}
+
+impl From<String> for GroupCpuPlan {
+    fn from(reason: String) -> Self {
+        Self {
+            reason,
+            ..Self::default()
+        }
+    }
+}
+
+impl From<&str> for GroupCpuPlan {
+    fn from(reason: &str) -> Self {
+        reason.to_string().into()
+    }
+}
+
+/// [`group_device`]'s decision.
+fn group_plan(
+    input: &Arc<dyn ExecutionPlan>,
+    ordering: &LexOrdering,
+    (group_keys, k): (usize, usize),
+    config: &GpuTopKConfig,
+    groups: &mut Option<usize>,
+) -> std::result::Result<GroupDevicePlan, GroupCpuPlan> {
     // The rows as the hash repartition below the sort received them.
     let below = match input.downcast_ref::<RepartitionExec>() {
         Some(r) if matches!(r.partitioning(), Partitioning::Hash(..)) && !r.preserve_order() => {
@@ -41,7 +73,7 @@ pub(super) fn group_device(
     };
     let absorbed = match absorb_below(below, ordering, None) {
         Ok(absorbed) => absorbed,
-        Err(Declined::Because(why)) => return Err(why),
+        Err(Declined::Because(why)) => return Err(why.into()),
         Err(Declined::NotTopK) => return Err("the input cannot be absorbed".into()),
     };
     let Some(memory) = crate::input::memory::memory_input(&absorbed.input) else {
@@ -77,7 +109,8 @@ pub(super) fn group_device(
                     "{}: the device selects per group over exact keys only (strings of at \
                      most 16 bytes, none ending in a zero byte, are exact)",
                     layout.prefix_note().unwrap_or_default()
-                ));
+                )
+                .into());
             }
             layout
         }
@@ -107,7 +140,8 @@ pub(super) fn group_device(
             return Err(format!(
                 "the device runs only programs of the whole query ({})",
                 fusion.describe(true)
-            ));
+            )
+            .into());
         }
     };
     let mut estimate = estimate(
@@ -124,15 +158,27 @@ pub(super) fn group_device(
     }
     let settings = cost_settings(config);
     let start = cost::StartFacts::read(settings);
-    let needs = cost::groups_before_device(settings, &estimate, &start)?;
+    let table = Arc::clone(&absorbed.input);
+    let cpu = |c: cost::GroupCpu| GroupCpuPlan {
+        reason: c.reason,
+        weighed: c.weighed.map(|w| w.describe()),
+        warm_up: (c.warm_up).map(|device| GroupWarmUp {
+            table: Arc::clone(&table),
+            program: Arc::clone(&program),
+            device,
+        }),
+    };
+    let needs = cost::groups_before_device(settings, &estimate, &start).map_err(cpu)?;
     let device = cost::DeviceFacts::gather(settings, needs);
-    let choice = cost::choose_groups(settings, &layout, estimate, *groups, k, &device)?;
-    Ok(crate::exec::GroupDevicePlan {
+    let choice =
+        cost::choose_groups(settings, &layout, estimate, *groups, k, &device).map_err(cpu)?;
+    Ok(GroupDevicePlan {
         algorithm: choice.algorithm,
         selector_algorithm: choice.selector_algorithm,
         device: choice.device,
         reason: choice.reason,
         prediction: choice.prediction.map(|p| *p),
+        weighed: choice.weighed.map(|w| w.describe()),
         table: absorbed.input,
         program,
         layout,

@@ -1,0 +1,331 @@
+//! The CPU calibration: the rows per second per core of the CPU paths the decisions weigh
+//! against the device, measured without it (the top-k selector, and the per-group heaps of
+//! `GpuGroupTopKExec`'s CPU path), once per process on first need.
+//!
+//! The rates are kept in memory for the process and written beside the device calibration,
+//! to `<cache dir>/cpu-calibration-<key>.txt`, the key hashing the host's CPU model, its
+//! cores, the crate version and the build (optimised or not): another host or build measures
+//! afresh. A missing or damaged file is measured again and rewritten.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use datafusion::arrow::array::{ArrayRef, Int64Array, RecordBatch};
+use datafusion::arrow::compute::SortOptions;
+use datafusion::arrow::datatypes::{DataType, Field, Schema};
+use datafusion::arrow::row::{RowConverter, SortField};
+use datafusion::execution::memory_pool::{MemoryConsumer, MemoryPool, UnboundedMemoryPool};
+
+use crate::device::kernels::{cache_key, default_cache_dir};
+use crate::select::groups::{HeldRows, RankFunction};
+
+/// The CPU paths' rates on this host.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CpuRates {
+    /// The top-k CPU selector's rows per second on one core.
+    pub topk_rows_per_s: f64,
+    /// The per-group CPU path's rows per second on one core (each row's keys converted to
+    /// arrow's row format, its group looked up, its group's heap offered the row).
+    pub group_rows_per_s: f64,
+    /// The host's cores, which run the CPU paths' partitions.
+    pub cores: usize,
+}
+
+impl CpuRates {
+    /// Seconds the top-k CPU selector takes over `rows` rows on every core.
+    pub fn topk_time(&self, rows: usize) -> f64 {
+        rows as f64 / (self.topk_rows_per_s * self.cores.max(1) as f64)
+    }
+
+    /// Seconds the per-group CPU path takes over `rows` rows on every core.
+    pub fn group_time(&self, rows: usize) -> f64 {
+        rows as f64 / (self.group_rows_per_s * self.cores.max(1) as f64)
+    }
+
+    /// One line for logs and reports.
+    pub fn describe(&self) -> String {
+        format!(
+            "CPU top-k {:.1} M rows/s/core, per group {:.1} M rows/s/core × {}",
+            self.topk_rows_per_s / 1e6,
+            self.group_rows_per_s / 1e6,
+            self.cores
+        )
+    }
+}
+
+const FORMAT: &str = "datafusion-gpu-topk cpu calibration 1";
+
+/// The rates, measured or read once per process. Process-wide: the host does not change while
+/// it runs, and every session plans with the same figures.
+static RATES: Mutex<Option<CpuRates>> = Mutex::new(None);
+
+/// The host's CPU rates: from memory, else from the file in `cache_dir` (the default cache
+/// directory where `None`), else measured now and written there.
+pub fn cpu_rates(cache_dir: Option<&Path>) -> CpuRates {
+    let mut held = RATES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(rates) = *held {
+        return rates;
+    }
+    let dir = cache_dir.map(Path::to_path_buf).or_else(default_cache_dir);
+    let rates = read_or_measure(dir.as_deref().map(|d| d.join(file_name())).as_deref());
+    *held = Some(rates);
+    rates
+}
+
+/// The rates in the file at `path`, else measured (and written there).
+pub fn read_or_measure(path: Option<&Path>) -> CpuRates {
+    let cores = cpu_cores();
+    if let Some(rates) = path.and_then(|p| read_file(p, cores)) {
+        return rates;
+    }
+    let started = Instant::now();
+    let rates = measure(cores);
+    log::info!(
+        "calibrated the CPU in {:.3} s: {}",
+        started.elapsed().as_secs_f64(),
+        rates.describe()
+    );
+    if let Some(path) = path
+        && let Err(e) = write_file(path, &rates)
+    {
+        log::warn!(
+            "cannot write the CPU calibration to {}: {e}",
+            path.display()
+        );
+    }
+    rates
+}
+
+/// `cpu-calibration-<key>.txt`, the key hashing what the rates depend on.
+pub fn file_name() -> PathBuf {
+    let cores = cpu_cores().to_string();
+    let model = cpu_model();
+    let build = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "optimised"
+    };
+    let parts: [&[u8]; 6] = [
+        FORMAT.as_bytes(),
+        env!("CARGO_PKG_VERSION").as_bytes(),
+        model.as_bytes(),
+        cores.as_bytes(),
+        std::env::consts::ARCH.as_bytes(),
+        build.as_bytes(),
+    ];
+    PathBuf::from(format!("cpu-calibration-{:032x}.txt", cache_key(&parts)))
+}
+
+pub(crate) fn cpu_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The CPU's model name, as the system reports it (Linux), else empty.
+fn cpu_model() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    (info.lines())
+        .find_map(|l| l.strip_prefix("model name")?.split_once(':'))
+        .map_or_else(String::new, |(_, name)| name.trim().to_string())
+}
+
+/// The rates from conservative figures, where a measurement cannot run.
+const FALLBACK: (f64, f64) = (100e6, 5e6);
+
+fn measure(cores: usize) -> CpuRates {
+    CpuRates {
+        topk_rows_per_s: topk_rows_per_second().unwrap_or(FALLBACK.0),
+        group_rows_per_s: group_rows_per_second().unwrap_or(FALLBACK.1),
+        cores,
+    }
+}
+
+/// The next of a xorshift sequence.
+fn next(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+/// Rows per second of the CPU selector on one core: 2^22 rows of an Int32 column, k = 32.
+pub(crate) fn topk_rows_per_second() -> Option<f64> {
+    use datafusion::arrow::array::Int32Array;
+
+    use crate::keys::{KeyLayout, KeySpec};
+    use crate::select::{RowIds, SelectInput, SelectionSpec, cpu};
+
+    const ROWS: usize = 1 << 22;
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let column: ArrayRef = Arc::new(Int32Array::from_iter_values(
+        (0..ROWS).map(|_| next(&mut x) as i32),
+    ));
+    let layout = KeyLayout::try_new(vec![KeySpec {
+        data_type: DataType::Int32,
+        descending: true,
+        nulls_first: true,
+        nullable: false,
+    }])
+    .ok()?;
+    let spec = SelectionSpec::new(layout, 32);
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let selector = cpu::new_selector(&spec);
+        let started = Instant::now();
+        selector
+            .push(SelectInput {
+                keys: std::slice::from_ref(&column),
+                row_ids: RowIds::Range(0),
+            })
+            .ok()?;
+        selector.finish().ok()?;
+        best = best.min(started.elapsed().as_secs_f64());
+    }
+    Some(ROWS as f64 / best)
+}
+
+/// Rows per second of the per-group CPU path on one core: 2^20 rows in batches of 8192, an
+/// Int64 group of 2^14 values and an Int64 order key (descending), K = 10 by `ROW_NUMBER()`,
+/// from the rows' conversion to arrow's row format to the kept rows numbered in order.
+fn group_rows_per_second() -> Option<f64> {
+    const ROWS: usize = 1 << 20;
+    const GROUPS: u64 = 1 << 14;
+    const BATCH: usize = 8192;
+    const K: usize = 10;
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("g", DataType::Int64, false),
+        Field::new("v", DataType::Int64, false),
+    ]));
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let batches = (0..ROWS / BATCH)
+        .map(|_| {
+            let g =
+                Int64Array::from_iter_values((0..BATCH).map(|_| (next(&mut x) % GROUPS) as i64));
+            let v = Int64Array::from_iter_values((0..BATCH).map(|_| next(&mut x) as i64 >> 8));
+            let columns: Vec<ArrayRef> = vec![Arc::new(g), Arc::new(v)];
+            RecordBatch::try_new(Arc::clone(&schema), columns).ok()
+        })
+        .collect::<Option<Vec<_>>>()?;
+    let descending = SortOptions::new(true, false);
+    let sort = RowConverter::new(vec![
+        SortField::new(DataType::Int64),
+        SortField::new_with_options(DataType::Int64, descending),
+    ])
+    .ok()?;
+    let group = RowConverter::new(vec![SortField::new(DataType::Int64)]).ok()?;
+    let pool: Arc<dyn MemoryPool> = Arc::new(UnboundedMemoryPool::default());
+    let mut best = f64::INFINITY;
+    for _ in 0..2 {
+        let reservation = MemoryConsumer::new("cpu calibration").register(&pool);
+        let started = Instant::now();
+        let mut held = HeldRows::default();
+        let mut position = 0;
+        for batch in &batches {
+            let columns = batch.columns();
+            let keys = sort.convert_columns(columns).ok()?;
+            let groups = group.convert_columns(&columns[..1]).ok()?;
+            let function = RankFunction::RowNumber;
+            held.offer(
+                batch.clone(),
+                (keys, &groups),
+                position,
+                function,
+                K,
+                &reservation,
+            )
+            .ok()?;
+            position += batch.num_rows() as u64;
+        }
+        let kept = held.in_sort_order(false);
+        let numbers = held.numbers(&kept, RankFunction::RowNumber);
+        if numbers.len() != kept.len() || held.groups() == 0 {
+            return None;
+        }
+        best = best.min(started.elapsed().as_secs_f64());
+    }
+    Some(ROWS as f64 / best)
+}
+
+fn write_file(path: &Path, rates: &CpuRates) -> std::io::Result<()> {
+    let mut text = String::new();
+    let _ = writeln!(text, "{FORMAT}");
+    let _ = writeln!(text, "cores {}", rates.cores);
+    let _ = writeln!(text, "topk_rows_per_s {:e}", rates.topk_rows_per_s);
+    let _ = writeln!(text, "group_rows_per_s {:e}", rates.group_rows_per_s);
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Parses a file written for a host of `cores` cores; `None` when missing, malformed or for
+/// another number of cores (the caller measures again).
+fn read_file(path: &Path, cores: usize) -> Option<CpuRates> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let mut lines = text.lines();
+    if lines.next()? != FORMAT {
+        return None;
+    }
+    let mut values = std::collections::HashMap::new();
+    for line in lines {
+        let (name, value) = line.split_once(' ')?;
+        let value: f64 = value.parse().ok()?;
+        if !value.is_finite() || value <= 0.0 {
+            return None;
+        }
+        values.insert(name, value);
+    }
+    let rates = CpuRates {
+        topk_rows_per_s: *values.get("topk_rows_per_s")?,
+        group_rows_per_s: *values.get("group_rows_per_s")?,
+        cores: *values.get("cores")? as usize,
+    };
+    (rates.cores == cores).then_some(rates)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A written file reads back as it was; a damaged, truncated or foreign one is measured
+    /// again and rewritten, and the rewritten one reads back.
+    #[test]
+    fn a_cpu_calibration_file_round_trips_and_a_damaged_one_is_measured_again() {
+        let dir = std::env::temp_dir().join(format!("gpu-topk-cpu-rates-{}", std::process::id()));
+        let path = dir.join(file_name());
+        let cores = cpu_cores();
+        let rates = CpuRates {
+            topk_rows_per_s: 2.5e8,
+            group_rows_per_s: 1.25e7,
+            cores,
+        };
+        write_file(&path, &rates).unwrap();
+        assert_eq!(read_file(&path, cores), Some(rates));
+        assert_eq!(read_or_measure(Some(&path)), rates);
+        assert_eq!(read_file(&path, cores + 1), None);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let damaged = [
+            text.replace("group_rows_per_s 1.25e7", "group_rows_per_s x"),
+            text.replace("topk_rows_per_s 2.5e8", "topk_rows_per_s -1"),
+            text.replace("group_rows_per_s", "groups_rows_per_s"),
+            text.replace(FORMAT, "datafusion-gpu-topk cpu calibration 0"),
+            text[..text.len() / 2].to_string(),
+        ];
+        for damaged in &damaged {
+            std::fs::write(&path, damaged).unwrap();
+            assert_eq!(read_file(&path, cores), None, "{damaged}");
+        }
+        let measured = read_or_measure(Some(&path));
+        assert_ne!(measured, rates);
+        assert_eq!(measured.cores, cores);
+        // Measured, not the fallback figures: the selector and the heaps ran.
+        assert_ne!(measured.topk_rows_per_s, FALLBACK.0);
+        assert_ne!(measured.group_rows_per_s, FALLBACK.1);
+        assert!(measured.topk_rows_per_s > measured.group_rows_per_s);
+        assert_eq!(read_file(&path, cores), Some(measured), "rewritten");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
