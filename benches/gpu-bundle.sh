@@ -13,17 +13,28 @@
 # minutes to pack), for runs of the device work. EXTRA="NAME=PATH …": more executables packed
 # under NAME (e.g. an earlier build's benchmark, to compare against in the same call).
 # CLI_ONLY=1: only `gpu-topk` (for the user-path benchmark, whose DuckDB wheels need the room).
+# TESTS_ONLY=1: `gpu-topk` and the two test binaries.
+#
+# NVRTC (`.ci/install-nvrtc.sh`) is put on LD_LIBRARY_PATH so that the release build embeds
+# the precompiled kernels, as users' builds do.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
 exclude=$(git rev-parse --git-path info/exclude) # a worktree's .git is a file
 mkdir -p "$(dirname "$exclude")" .gpu
 grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
+if [ -x .ci/install-nvrtc.sh ]; then
+    nvrtc_dir=$(.ci/install-nvrtc.sh | tail -n1)
+    [ -n "$nvrtc_dir" ] && export LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 json=$(mktemp)
 stage=$(mktemp -d)
 trap 'rm -rf "$stage" "$json"' EXIT
 if [ -n "${CLI_ONLY:-}" ]; then
     cargo build --release --bin gpu-topk --message-format=json > "$json"
+elif [ -n "${TESTS_ONLY:-}" ]; then
+    cargo build --release --bin gpu-topk --message-format=json > "$json"
+    cargo test --release --no-run --test all --test sqllogictests --message-format=json >> "$json"
 elif [ -n "${KERNELS_ONLY:-}" ]; then
     cargo build --release --bench kernels --bench fused --message-format=json > "$json"
     cargo test --release --no-run --test all --message-format=json >> "$json"
