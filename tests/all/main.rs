@@ -26,4 +26,5 @@ mod sessions;
 #[path = "../shared/slt_format.rs"]
 mod slt_format;
 mod strings;
+mod ties;
 mod tpch;
