@@ -268,10 +268,16 @@ impl TopKRun {
         let converter = RowConverter::new(self.spec.layout.sort_fields())?;
         let encoded = converter.convert_columns(&keys)?;
         let mut order: Vec<usize> = (0..candidates.len()).collect();
-        order.sort_unstable_by(|&a, &b| {
+        let by_key_then_position = |&a: &usize, &b: &usize| {
             (encoded.row(a).cmp(&encoded.row(b))).then(candidates[a].cmp(&candidates[b]))
-        });
-        order.truncate(self.spec.k);
+        };
+        // Only the first k are sorted: the rest need no order among themselves.
+        let k = self.spec.k;
+        if k > 0 && k < order.len() {
+            order.select_nth_unstable_by(k - 1, by_key_then_position);
+        }
+        order.truncate(k);
+        order.sort_unstable_by(by_key_then_position);
         self.metrics.rows_refined.add(tied);
         Ok(order.into_iter().map(|i| i as u64).collect())
     }
