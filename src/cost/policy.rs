@@ -4,6 +4,7 @@
 //! decoded, and which plan a run streams with where its whole table was not selected. The
 //! operator (`exec/`) gathers the facts and carries the choice out; it does not choose.
 
+use super::model::CostModel;
 use crate::select::SelectionPlan;
 
 /// A first Parquet run reads only the rows that may pass up to this share of the table.
@@ -50,6 +51,49 @@ pub fn streamed_after_table(plan: SelectionPlan, whole_tables_only: bool) -> Sel
     }
 }
 
+/// Host seconds a prefix layout's candidate costs to rank in full: its key columns gathered
+/// from an in-memory table, encoded in arrow's row format, and its share of the sort.
+const RANK_SECONDS: f64 = 0.5e-6;
+/// The same for a candidate read back from Parquet files: its pages are decoded to reach it.
+const RANK_FROM_FILES_SECONDS: f64 = 2e-6;
+/// The CPU selector's rows per second per core where the model has no calibration: a high
+/// figure, so that only a tie the host could not rank in the CPU path's time leaves the device.
+const CPU_ROWS_PER_S: f64 = 50e6;
+/// Cores assumed without a calibration.
+const CPU_CORES: f64 = 4.0;
+
+/// The most candidates of a prefix layout's selection over a whole table of `rows` rows
+/// (every row whose composite is at most the k-th's) that the host ranks in full after the
+/// device's selection; past it the run takes the CPU path instead, which ranks only the rows
+/// whose first key can still win. The device's pass is spent either way: ranking `n`
+/// candidates is priced at [`RANK_SECONDS`] each (`from_files`: [`RANK_FROM_FILES_SECONDS`])
+/// against the model's CPU path over the table, and a few times k are always ranked (the
+/// winners themselves are k of them).
+pub fn host_ranked_candidates(
+    k: usize,
+    rows: usize,
+    model: Option<&CostModel>,
+    from_files: bool,
+) -> usize {
+    let cpu_seconds = match model {
+        Some(model) => model.cpu_time(rows),
+        None => rows as f64 / (CPU_ROWS_PER_S * CPU_CORES),
+    };
+    let per_candidate = if from_files {
+        RANK_FROM_FILES_SECONDS
+    } else {
+        RANK_SECONDS
+    };
+    let priced = (cpu_seconds / per_candidate) as usize;
+    priced.max(k.saturating_mul(4).saturating_add(1 << 12))
+}
+
+/// The plan a run continues with where its prefix layout's candidates were more than
+/// [`host_ranked_candidates`]: the CPU path, whose prefix selector filters by the first key.
+pub fn after_unranked_ties() -> SelectionPlan {
+    SelectionPlan::CPU
+}
+
 /// A plan as the session lets it run: a CPU run's load of the column cache after it
 /// ([`SelectionPlan::warm_up`]) only where `gpu_topk.load_after_cpu` is on (`load_after_cpu`).
 pub fn with_load_after_cpu(plan: SelectionPlan, load_after_cpu: bool) -> SelectionPlan {
@@ -92,6 +136,23 @@ mod tests {
         assert_eq!(with_load_after_cpu(warm, true), warm);
         assert_eq!(with_load_after_cpu(warm, false), SelectionPlan::CPU);
         assert_eq!(with_load_after_cpu(table, false), table);
+    }
+
+    /// The host ranks a few times k candidates whatever the table, more the longer the CPU
+    /// path would take, fewer where they are read back from files; past that the CPU path
+    /// ranks them.
+    #[test]
+    fn the_host_ranks_the_ties_the_cpu_path_would_take_longer_for() {
+        let floor = host_ranked_candidates(100, 1000, None, false);
+        assert!(floor >= 400);
+        assert_eq!(floor, host_ranked_candidates(100, 0, None, false));
+        let big = 60_000_000;
+        let memory = host_ranked_candidates(100, big, None, false);
+        let files = host_ranked_candidates(100, big, None, true);
+        assert!(memory > files && files > floor);
+        // A quarter of a large table tying the k-th's prefix is past either limit.
+        assert!(big / 4 > memory);
+        assert_eq!(after_unranked_ties(), SelectionPlan::CPU);
     }
 
     /// Pages are decoded on the device for a values image under the setting only.

@@ -19,6 +19,9 @@ pub(super) struct TopKMetrics {
     pub(super) gpu_fallbacks: Count,
     /// Rows whose key prefix tied the k-th candidate's and were compared in full.
     pub(super) rows_refined: Count,
+    /// Runs whose device selection found more rows tying the k-th's key prefix than the host
+    /// ranks for less than the CPU path costs, and which took the CPU path.
+    pub(super) tie_fallbacks: Count,
     /// Chunks of a whole table not read: their zones showed no row could pass the filter.
     pub(super) chunks_skipped: Count,
     /// Device and pinned host bytes the selection holds now (zero once a run is over) and
@@ -59,6 +62,7 @@ impl TopKMetrics {
             output_rows: MetricBuilder::new(set).output_rows(0),
             gpu_fallbacks: MetricBuilder::new(set).counter("gpu_fallbacks", 0),
             rows_refined: MetricBuilder::new(set).counter("rows_refined", 0),
+            tie_fallbacks: MetricBuilder::new(set).counter("tie_fallbacks", 0),
             chunks_skipped: MetricBuilder::new(set).counter("chunks_skipped", 0),
             device_bytes_held: MetricBuilder::new(set).gauge("device_bytes_held", 0),
             pinned_bytes_held: MetricBuilder::new(set).gauge("pinned_bytes_held", 0),

@@ -196,6 +196,7 @@ impl TopKRun {
                     policy::streamed_after_table(plan, whole_tables_only)
                 }
                 WholeTable::Cpu => policy::after_device_error(),
+                WholeTable::Ties => policy::after_unranked_ties(),
             },
         };
         let shared = Arc::new(self.start(&streamed)?);

@@ -10,7 +10,8 @@
 //! program packs into its composite. That composite is monotone, not exact: after the
 //! selection one more pass of the program returns every row whose composite is at most the
 //! k-th's ([`TopKEngine::fused_ties`]), and the caller ranks those by their whole keys
-//! ([`TableSelection::refine`]).
+//! ([`TableSelection::refine`]); where they are more than the caller can rank at less cost
+//! than another path, the pass only counts them ([`TableSelection::unranked`]).
 
 use std::sync::Arc;
 
@@ -41,6 +42,10 @@ pub struct TableSelection {
     pub refine: bool,
     /// Candidates besides the k-th whose composite equals its: the ties the whole keys settle.
     pub tied: usize,
+    /// Whether a prefix layout's candidates were more than the caller's limit
+    /// ([`TableSelector::select`]): none are read back (`positions` is empty), and the caller
+    /// ranks the table another way.
+    pub unranked: bool,
     /// A per-group selection's pairs sorted (all that passed, or fewer:
     /// [`crate::device::GroupAlgorithm`]).
     pub sorted: usize,
@@ -76,6 +81,7 @@ enum TableStep {
     TopK {
         algorithm: DeviceAlgorithm,
         within: Option<usize>,
+        max_candidates: usize,
     },
     /// The k best rows of every group, the group keys from composite bit `lo` up.
     Groups(GroupSpec),
@@ -130,15 +136,18 @@ impl TableSelector {
     /// table instead. Device failures are [`super::DeviceError`]s (the caller falls back).
     ///
     /// With `within`, only the table's first `within` rows are read: the caller knows that no
-    /// later row passes the filter (the chunks' zones say so).
+    /// later row passes the filter (the chunks' zones say so). A prefix layout's candidates
+    /// are read back only up to `max_candidates` of them ([`TableSelection::unranked`]).
     pub fn select(
         &self,
         inputs: &[TableInput<'_>],
         within: Option<usize>,
+        max_candidates: usize,
     ) -> Result<Option<TableSelection>> {
         let step = TableStep::TopK {
             algorithm: self.algorithm,
             within,
+            max_candidates,
         };
         select_table(&self.spec, &self.device, step, inputs, None)
     }
@@ -232,14 +241,16 @@ fn select_table(
     drop(lookups);
     cache_uploads(spec, device, &columns, uploaded, hit_bytes, reserved);
     program_error(report.error)?;
+    let unranked = tied.is_none();
     let (tied, sorted) = match step {
-        TableStep::Groups(_) => (0, tied),
-        TableStep::TopK { .. } => (tied, 0),
+        TableStep::Groups(_) => (0, tied.unwrap_or(0)),
+        TableStep::TopK { .. } => (tied.unwrap_or(0), 0),
     };
     Ok(Some(TableSelection {
         positions,
         refine: program.refines,
         tied,
+        unranked,
         sorted,
         group_phases_ms: report.group_phases_ms,
         passed: report.passed as usize,
@@ -301,7 +312,8 @@ fn cache_uploads(
 }
 
 /// The device work of [`select_table`]: the uploads of missing columns (their new buffers,
-/// in column order, `None` where resident), the selection and the read-back.
+/// in column order, `None` where resident), the selection and the read-back. The ties' count
+/// is `None` where a prefix layout's candidates were more than the step's limit.
 #[allow(clippy::type_complexity, clippy::too_many_arguments)]
 fn run_table(
     spec: &SelectionSpec,
@@ -315,7 +327,7 @@ fn run_table(
 ) -> GpuResult<(
     Vec<u64>,
     Vec<u64>,
-    usize,
+    Option<usize>,
     FusedReport,
     std::time::Duration,
     Vec<Option<(PooledBuffer, Vec<usize>)>>,
@@ -327,11 +339,15 @@ fn run_table(
     // Per-dictionary-entry inputs: small, shipped with every query.
     let (args, lookup_tables) = program_args(device, &mut engine, inputs, column_args)?;
     let mut rows = columns.first().map_or(0, |c| c.rows);
-    let algorithm = match step {
-        TableStep::TopK { algorithm, within } => {
+    let (algorithm, max_candidates) = match step {
+        TableStep::TopK {
+            algorithm,
+            within,
+            max_candidates,
+        } => {
             // The first rows of every column: the program reads them as a shorter table.
             rows = within.map_or(rows, |w| w.min(rows));
-            algorithm
+            (algorithm, max_candidates)
         }
         TableStep::Groups(groups) => {
             let mut rows_out = rows_out;
@@ -361,7 +377,7 @@ fn run_table(
             return Ok((
                 kept.ids,
                 kept.ranks,
-                sorted,
+                Some(sorted),
                 kept.report,
                 compile_time,
                 uploaded,
@@ -372,12 +388,15 @@ fn run_table(
         engine.fused_select(&kernel, &args, rows, spec.k, algorithm, FUSED_SAMPLE_ROWS)?;
     let (positions, tied) = if report.error != 0 {
         engine.synchronize()?;
-        (Vec::new(), 0)
+        (Vec::new(), Some(0))
     } else if program.refines && m == spec.k && m > 0 {
         // A prefix layout's k-th composite may tie rows the selection left out.
-        engine.fused_ties(&kernel, &args, rows, &sorted, m - 1)?
+        match engine.fused_ties(&kernel, &args, rows, &sorted, m - 1, max_candidates)? {
+            Some((positions, tied)) => (positions, Some(tied)),
+            None => (Vec::new(), None),
+        }
     } else {
-        (engine.download_ids(&sorted, m)?, 0)
+        (engine.download_ids(&sorted, m)?, Some(0))
     };
     drop((sorted, lookup_tables));
     engine.synchronize()?;

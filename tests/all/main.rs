@@ -27,4 +27,5 @@ mod sessions;
 mod slt_format;
 mod strings;
 mod tables;
+mod ties;
 mod tpch;

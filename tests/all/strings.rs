@@ -185,7 +185,7 @@ fn rows_refined(plan: &str) -> usize {
 }
 
 /// Metric `name` of an executed plan's text.
-fn metric(plan: &str, name: &str) -> usize {
+pub(crate) fn metric(plan: &str, name: &str) -> usize {
     let key = format!("{name}=");
     let at = plan
         .find(&key)

@@ -539,7 +539,8 @@ impl TopKEngine {
     /// that pair is the k-th: the rows it returns hold every winner, and only those tying its
     /// key need more than their composite to be ranked. One more pass of the program, with
     /// that key as its threshold. Returns their row ids (in no order) and how many rows besides
-    /// the k-th have its key.
+    /// the k-th have its key; `None` where they are more than `limit`: the pass counts them
+    /// before any is read back, so a tie too large for the caller to rank costs one pass.
     pub(crate) fn fused_ties(
         &mut self,
         kernel: &GeneratedKernel,
@@ -547,7 +548,8 @@ impl TopKEngine {
         rows: usize,
         sorted: &DevicePairs,
         at: usize,
-    ) -> GpuResult<(Vec<u64>, usize)> {
+        limit: usize,
+    ) -> GpuResult<Option<(Vec<u64>, usize)>> {
         let key_bytes = self.kind.key_bytes();
         // `Threshold<K>`: the key, the u64 id (8-aligned), the u32 `valid` flag. An id above
         // every row's admits the key's ties.
@@ -578,6 +580,9 @@ impl TopKEngine {
             )?;
             let words = self.read_bytes(out.ptr(), 24)?;
             let count = u64::from_le_bytes(words[16..24].try_into().expect("8 bytes")) as usize;
+            if count > limit {
+                return Ok(None);
+            }
             if count > capacity {
                 // More ties than room: again, with room for all.
                 capacity = count;
@@ -588,7 +593,7 @@ impl TopKEngine {
             let tied = (keys.chunks_exact(key_bytes))
                 .filter(|key| *key == boundary.as_slice())
                 .count();
-            return Ok((ids, tied.saturating_sub(1)));
+            return Ok(Some((ids, tied.saturating_sub(1))));
         }
     }
 

@@ -214,10 +214,10 @@ impl TopKRun {
         };
         let streamed = streaming && encoded.iter().any(Option::is_some);
         let selected = match streamed {
-            true => {
-                tokio::task::block_in_place(|| self.select(selector, &inputs, layout.rows, within))
-            }
-            false => self.select(selector, &inputs, layout.rows, within),
+            true => tokio::task::block_in_place(|| {
+                self.select(selector, &inputs, layout.rows, within, true)
+            }),
+            false => self.select(selector, &inputs, layout.rows, within, true),
         }?;
         drop((held, inputs, decoded, encoded, host));
         let selected = match selected {

@@ -22,7 +22,7 @@ use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_expr::utils::collect_columns;
 
 use super::{TopKRun, check_empty_batch};
-use crate::cost::SelectionPlan;
+use crate::cost::{SelectionPlan, policy};
 use crate::fusion::FusedProgram;
 use crate::input::TableInput;
 use crate::input::loader::{CacheLoader, load_inputs};
@@ -52,6 +52,9 @@ pub(super) enum WholeTable {
     Stream,
     /// The device failed: stream the input on the CPU path.
     Cpu,
+    /// A prefix layout's k-th composite tied more rows than the host ranks at less cost than
+    /// the CPU path ([`policy::host_ranked_candidates`]): stream the input on it.
+    Ties,
 }
 
 impl TopKRun {
@@ -109,7 +112,7 @@ impl TopKRun {
             }
         }
         let within = skip.map(|s| s.within);
-        let selected = match self.select(selector, &inputs, rows, within)? {
+        let selected = match self.select(selector, &inputs, rows, within, false)? {
             Ok(selected) => selected,
             Err(other) => return Ok(other),
         };
@@ -162,17 +165,23 @@ impl TopKRun {
     }
 
     /// The selection over the whole table; `Err` with how the run goes on where it does not
-    /// select (the columns do not fit, or the device failed).
+    /// select (the columns do not fit, the device failed, or a prefix layout's ties are more
+    /// than the host ranks for less than the CPU path costs; `from_files`: the candidates
+    /// would be read back from Parquet files).
     pub(super) fn select(
         &self,
         selector: &TableSelector,
         inputs: &[TableInput<'_>],
         rows: usize,
         within: Option<usize>,
+        from_files: bool,
     ) -> Result<std::result::Result<TableSelection, WholeTable>> {
+        let model = (self.spec.prediction.as_ref()).and_then(|p| p.model.as_ref());
+        let read = within.map_or(rows, |w| w.min(rows));
+        let limit = policy::host_ranked_candidates(self.spec.k, read, model, from_files);
         let selected = {
             let _timer = self.metrics.select_time.timer();
-            selector.select(inputs, within)
+            selector.select(inputs, within, limit)
         };
         let selected = match selected {
             Ok(Some(selected)) => selected,
@@ -184,6 +193,11 @@ impl TopKRun {
             self.metrics
                 .compile_time
                 .add_duration(selected.compile_time);
+        }
+        if selected.unranked {
+            // The CPU path counts the rows it reads.
+            self.metrics.tie_fallbacks.add(1);
+            return Ok(Err(WholeTable::Ties));
         }
         self.metrics.rows_in.add(rows);
         self.metrics.rows_passed_filter.add(selected.passed);
@@ -254,10 +268,16 @@ impl TopKRun {
         let converter = RowConverter::new(self.spec.layout.sort_fields())?;
         let encoded = converter.convert_columns(&keys)?;
         let mut order: Vec<usize> = (0..candidates.len()).collect();
-        order.sort_unstable_by(|&a, &b| {
+        let by_key_then_position = |&a: &usize, &b: &usize| {
             (encoded.row(a).cmp(&encoded.row(b))).then(candidates[a].cmp(&candidates[b]))
-        });
-        order.truncate(self.spec.k);
+        };
+        // Only the first k are sorted: the rest need no order among themselves.
+        let k = self.spec.k;
+        if k > 0 && k < order.len() {
+            order.select_nth_unstable_by(k - 1, by_key_then_position);
+        }
+        order.truncate(k);
+        order.sort_unstable_by(by_key_then_position);
         self.metrics.rows_refined.add(tied);
         Ok(order.into_iter().map(|i| i as u64).collect())
     }
