@@ -28,7 +28,9 @@ Sessions:
 - *strings*: TPC-H `lineitem` (`--tpch DIR`, written by `benches/tpch/generate.py` when DIR
   has none) made by `CREATE TABLE lineitem AS SELECT * FROM` its Parquet files, one process
   for the string queries;
-- *parquet*: the same queries over the files as an external table.
+- *parquet*: the same queries over the files as an external table;
+- or, with `--synthetic-lineitem ROWS`, *strings* over `lineitem`'s columns made by SQL from
+  a row number (the same expressions in DuckDB), where TPC-H data cannot be generated.
 
 Before the sessions, the *first GPU query*: `--backend cuda` runs Q1 in a process whose kernel
 cache directory is empty (a new machine), then again with the cache that run filled.
@@ -275,6 +277,32 @@ def ensure_tweets_parquet(args):
     return directory
 
 
+SHIPINSTRUCT = ("DELIVER IN PERSON", "COLLECT COD", "NONE", "TAKE BACK RETURN")
+SHIPMODE = ("AIR", "FOB", "MAIL", "RAIL", "REG AIR", "SHIP", "TRUCK")
+
+
+def synthetic_lineitem(rows, duckdb):
+    """`lineitem`'s columns the string queries read, made by SQL from a row number with the
+    same expressions in both engines: TPC-H's ship instructions and modes (so the tie shape
+    ties as there), 32-character comments (an MD5), integer keys and prices."""
+    def case(values, multiplier):
+        arms = " ".join(f"WHEN {n} THEN '{v}'" for n, v in enumerate(values))
+        return f"CASE (i * {multiplier}) % {len(values)} {arms} END"
+
+    source = (
+        f"(SELECT range AS i FROM range(0, {rows}))" if duckdb
+        else f"(SELECT value AS i FROM generate_series(0, {rows - 1}))"
+    )
+    return (
+        "CREATE TABLE lineitem AS SELECT "
+        "CAST((i - i % 4) / 4 AS BIGINT) AS l_orderkey, CAST(i % 4 + 1 AS INT) AS l_linenumber, "
+        "CAST((i * 31) % 50 + 1 AS INT) AS l_quantity, "
+        "CAST((i * 7919) % 10000000 AS DOUBLE) / 100 AS l_extendedprice, "
+        f"{case(SHIPINSTRUCT, 2654435761)} AS l_shipinstruct, {case(SHIPMODE, 40503)} AS l_shipmode, "
+        f"md5(CAST(i AS VARCHAR)) AS l_comment FROM {source}"
+    )
+
+
 def ensure_lineitem(args):
     directory = args.tpch / "lineitem"
     if not any(directory.glob("*.parquet")):
@@ -298,6 +326,12 @@ def main():
     parser.add_argument("--rows", type=int, default=100_000_000, help="tweets (default 100M)")
     parser.add_argument("--tpch", type=Path, help="TPC-H directory (lineitem/*.parquet)")
     parser.add_argument("--sf", type=float, default=10, help="scale factor to generate")
+    parser.add_argument(
+        "--synthetic-lineitem",
+        type=int,
+        metavar="ROWS",
+        help="make lineitem's string-query columns by SQL instead (no TPC-H data needed)",
+    )
     parser.add_argument("--runs", type=int, default=3, help="repeats after the first run")
     parser.add_argument("--duckdb", action="store_true", help="add DuckDB")
     parser.add_argument(
@@ -360,7 +394,11 @@ def main():
             copy = [(f"{n} copy", sql.replace("FROM tweets", "FROM tweets_copy"), k) for n, sql, k in TWEETS]
             setup = ["CREATE TABLE tweets_copy AS SELECT * FROM tweets"]
             sessions.append(("tweets (CREATE TABLE AS, then GpuTable)", copy + TWEETS, setup, [], ("datafusion", "auto")))
-    if only & {"strings", "parquet"}:
+    if args.synthetic_lineitem and "strings" in only:
+        setup = [synthetic_lineitem(args.synthetic_lineitem, duckdb=False)]
+        load = [synthetic_lineitem(args.synthetic_lineitem, duckdb=True)]
+        sessions.append(("strings (CREATE TABLE AS, synthetic)", STRINGS, setup, load, ("datafusion", "auto")))
+    elif only & {"strings", "parquet"}:
         if args.tpch is None:
             fail("--tpch DIR is needed for the string sessions")
         lineitem = ensure_lineitem(args).resolve()
@@ -407,7 +445,8 @@ def main():
         args.json.write_text(json.dumps(
             {" / ".join(k): v for k, v in figures.items()} | {"checks": checks}, indent=1))
     print()
-    print(f"gpu-topk user path: {args.rows} tweets, lineitem from {args.tpch}, "
+    lineitem = f"{args.synthetic_lineitem} synthetic rows" if args.synthetic_lineitem else args.tpch
+    print(f"gpu-topk user path: {args.rows} tweets, lineitem from {lineitem}, "
           f"first run then the median of {args.runs}; fresh process per session")
     print()
     wrong = [c for c in checks if not c[3]]
