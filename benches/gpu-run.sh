@@ -18,7 +18,8 @@
 # USER_PATH=1 adds step 4, benches/user_path.py: fresh `gpu-topk` processes with the default
 # settings against DataFusion and DuckDB (wheels carried in .whl/, see the script), ROWS tweets
 # and TPC-H lineitem at TPCH_SF (default 10), generated into TPCH (default /tmp/tpch);
-# USER_PATH_ONLY lists its sessions (default all); USER_PATH_RUNS the repeats (default 3).
+# USER_PATH_ONLY lists its sessions (default all); USER_PATH_RUNS the repeats (default 3);
+# USER_PATH_SECONDS stops it (default 540), reporting the sessions it finished.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-run}
 ROWS=${ROWS:-100000000}
@@ -80,7 +81,7 @@ if [ -n "${USER_PATH:-}" ]; then
             --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     fi
     logs=/tmp/user-path-logs
-    PYTHONUNBUFFERED=1 python3 benches/user_path.py --cli .b/gpu-topk --rows "$ROWS" \
+    PYTHONUNBUFFERED=1 timeout "${USER_PATH_SECONDS:-540}" python3 benches/user_path.py --cli .b/gpu-topk --rows "$ROWS" \
         --tpch "${TPCH:-/tmp/tpch}" --sf "${TPCH_SF:-10}" --runs "${USER_PATH_RUNS:-3}" --duckdb \
         ${USER_PATH_ONLY:+--only "$USER_PATH_ONLY"} --scratch /tmp/user-path --logs "$logs" \
         --json "$OUT/user-path.json" > "$OUT/user-path.log" 2>&1

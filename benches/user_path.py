@@ -46,6 +46,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -414,30 +415,35 @@ def main():
             sessions.append(("strings (external Parquet)", STRINGS, setup, view, ("datafusion", "auto")))
 
     connections = {}
-    for session, queries, setup, load, engines in sessions:
-        reference = None
-        for engine in engines:
-            results, wall = cli_session(args, session, engine, setup, queries, cache)
-            for name, sql, keys in queries:
-                times, rows = results[name]
-                record(session, name, engine, times)
+    # A run stopped by `timeout` (SIGTERM) still reports the sessions it finished.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        for session, queries, setup, load, engines in sessions:
+            reference = None
+            for engine in engines:
+                results, wall = cli_session(args, session, engine, setup, queries, cache)
+                for name, sql, keys in queries:
+                    times, rows = results[name]
+                    record(session, name, engine, times)
+                    if engine == "datafusion":
+                        continue
+                    compare(session, name, keys, rows, reference[name][1], engine)
                 if engine == "datafusion":
-                    continue
-                compare(session, name, keys, rows, reference[name][1], engine)
-            if engine == "datafusion":
-                reference = results
-            print(f"{session} / {queries[0][0]}: {engine} done in {wall:.1f} s", flush=True)
-        if args.duckdb and load:
-            key = tuple(load)
-            if key not in connections:
-                connections[key] = duckdb_connect(load)
-            results = duckdb_session(args, connections[key], queries)
-            for name, sql, keys in queries:
-                times, rows = results[name]
-                record(session, name, "duckdb", times)
-                if session == "groups":
-                    ours = [",".join(wrapped(v) for v in r) for r in rows]
-                    compare(session, name, 0, ours, reference[name][1], "duckdb")
+                    reference = results
+                print(f"{session} / {queries[0][0]}: {engine} done in {wall:.1f} s", flush=True)
+            if args.duckdb and load:
+                key = tuple(load)
+                if key not in connections:
+                    connections[key] = duckdb_connect(load)
+                results = duckdb_session(args, connections[key], queries)
+                for name, sql, keys in queries:
+                    times, rows = results[name]
+                    record(session, name, "duckdb", times)
+                    if session == "groups":
+                        ours = [",".join(wrapped(v) for v in r) for r in rows]
+                        compare(session, name, 0, ours, reference[name][1], "duckdb")
+    except KeyboardInterrupt:
+        print("stopped: reporting what was measured so far", flush=True)
     for con in connections.values():
         con.close()
 
@@ -461,7 +467,7 @@ def main():
           "DuckDB / auto |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for (session, name), v in figures.items():
-        if session == "first GPU query":
+        if session == "first GPU query" or "auto" not in v or "datafusion" not in v:
             continue
         df, auto, cuda, duck = (v.get(e) for e in ("datafusion", "auto", "cuda", "duckdb"))
         pair = lambda f: f"{f['first']:.1f} / {f['repeat']:.1f}" if f else "-"
@@ -477,7 +483,8 @@ def main():
     copies = [
         (name, v["auto"]["repeat"], figures[(session, name[: -len(" copy")])]["auto"]["repeat"])
         for (session, name), v in figures.items()
-        if name.endswith(" copy")
+        if name.endswith(" copy") and "auto" in v
+        and "auto" in figures.get((session, name[: -len(" copy")]), {})
     ]
     if copies:
         print()
