@@ -8,7 +8,7 @@
 //! - the read bandwidth (the read floor over 256 MiB of keys, L2 flushed);
 //! - the launch gap (64 dependent tiny kernels on one stream) and a read-back's round trip;
 //! - the host-to-device bandwidth from a filled pinned staging buffer (the DMA alone);
-//! - the CPU selector's rows per second on one core;
+//! - the CPU selector's rows per second on one core (from the host's CPU calibration, `cpu.rs`);
 //! - two reference runs per modelled part (sort, filter, then each algorithm at k = 32 over
 //!   2^16 and 2^26 uniform 32-bit keys), from which [`solve_fit`] takes its two constants.
 //!
@@ -174,7 +174,9 @@ pub fn calibration(
         return Ok(calibration);
     }
     let started = Instant::now();
-    let (model, references, spread) = match measure(device, &params) {
+    // The CPU selector's rate is the host's CPU calibration's, measured once for both.
+    let cpu_rows_per_s = cpu::cpu_rates(dir.as_deref()).topk_rows_per_s;
+    let (model, references, spread) = match measure(device, &params, cpu_rows_per_s) {
         Ok(measured) => measured,
         Err(e) => {
             let e = GpuError(format!("the calibration failed: {e}"));
@@ -255,6 +257,7 @@ const REFERENCE_K: usize = 32;
 fn measure(
     device: &Arc<GpuDevice>,
     params: &DeviceParams,
+    cpu_rows_per_s: f64,
 ) -> GpuResult<(CostModel, Vec<Reference>, f64)> {
     let mut spread = 1.0f64;
     let mut engine = TopKEngine::new(device, KeyWidth::W32)?;
@@ -280,6 +283,7 @@ fn measure(
         &floor,
         (&input, &keys),
         &mut spread,
+        cpu_rows_per_s,
     )?;
     let mut model = CostModel {
         machine,
@@ -372,8 +376,8 @@ fn measure(
 }
 
 /// The machine's rates ([`Machine`]): the read floor over `input`'s keys, the launch gap, a
-/// read-back's round trip, the upload of `keys` from pinned staging, and the CPU selector's
-/// rows per second.
+/// read-back's round trip and the upload of `keys` from pinned staging; the CPU selector's
+/// rows per second are the host's (`cpu_rows_per_s`).
 fn measure_machine(
     device: &Arc<GpuDevice>,
     params: &DeviceParams,
@@ -381,6 +385,7 @@ fn measure_machine(
     floor: &ReadFloor,
     (input, keys): (&DevicePairs, &[u8]),
     spread: &mut f64,
+    cpu_rows_per_s: f64,
 ) -> GpuResult<Machine> {
     let read_s = times(engine, spread, |e| {
         floor.time_read(e, input.key_at(0), LARGE, 4)
@@ -418,7 +423,7 @@ fn measure_machine(
         shared_bw: params.shared_bandwidth(),
         max_shared_per_block: params.shared_per_block,
         sm_count: params.sm_count,
-        cpu_rows_per_s: cpu::topk_rows_per_second().unwrap_or(100e6),
+        cpu_rows_per_s,
         cpu_cores: cpu_cores(),
     })
 }

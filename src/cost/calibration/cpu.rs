@@ -150,7 +150,7 @@ fn next(x: &mut u64) -> u64 {
 }
 
 /// Rows per second of the CPU selector on one core: 2^22 rows of an Int32 column, k = 32.
-pub(crate) fn topk_rows_per_second() -> Option<f64> {
+fn topk_rows_per_second() -> Option<f64> {
     use datafusion::arrow::array::Int32Array;
 
     use crate::keys::{KeyLayout, KeySpec};
