@@ -7,7 +7,8 @@ use datafusion::arrow::datatypes::{DataType, Float16Type, Float32Type, Float64Ty
 use datafusion::arrow::util::display::{ArrayFormatter, FormatOptions};
 use datafusion::datasource::MemTable;
 use datafusion::error::Result;
-use datafusion::physical_plan::{ExecutionPlan, displayable};
+use datafusion::physical_plan::display::DisplayableExecutionPlan;
+use datafusion::physical_plan::{ExecutionPlan, collect, displayable};
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_gpu_topk::datasets::tweets;
 use datafusion_gpu_topk::{GpuTopKConfig, GpuTopKExec};
@@ -142,6 +143,30 @@ pub fn count_gpu_topk(plan: &Arc<dyn ExecutionPlan>) -> usize {
         .iter()
         .map(|c| count_gpu_topk(c))
         .sum::<usize>()
+}
+
+/// Runs `sql` with the operator (`ours`, one `GpuTopKExec` in its plan) and `oracle` with plain
+/// DataFusion, compares the rows one for one (`what` names the case in a failure) and returns
+/// the operator's executed plan with its metrics.
+pub async fn same_rows_with_metrics(
+    ours: &SessionContext,
+    plain: &SessionContext,
+    (sql, oracle): (&str, &str),
+    what: &str,
+) -> String {
+    let plan = physical_plan(ours, sql).await.unwrap();
+    assert_eq!(
+        count_gpu_topk(&plan),
+        1,
+        "{what}: {sql}:\n{}",
+        plan_text(&plan)
+    );
+    let got = exact_rows(&collect(Arc::clone(&plan), ours.task_ctx()).await.unwrap());
+    let want = run_oracle(plain, oracle).await.unwrap();
+    assert_eq!(got, want, "{what}: {sql}");
+    DisplayableExecutionPlan::with_metrics(plan.as_ref())
+        .indent(true)
+        .to_string()
 }
 
 pub async fn run(ctx: &SessionContext, sql: &str) -> Result<Vec<RecordBatch>> {

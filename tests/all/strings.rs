@@ -14,12 +14,11 @@ use datafusion::arrow::array::{
 use datafusion::arrow::datatypes::i256;
 use datafusion::arrow::datatypes::{DataType, Field, Schema};
 use datafusion::physical_plan::collect;
-use datafusion::physical_plan::display::DisplayableExecutionPlan;
 use datafusion::prelude::SessionContext;
 
 use crate::common::{
     Rng, Storage, count_gpu_topk, exact_rows, physical_plan, plain_session, plan_text, register,
-    register_as, run, run_oracle, session, test_dir,
+    register_as, run, same_rows_with_metrics, session, test_dir,
 };
 
 /// `n` rows over `partitions` partitions: `id`, a string `s` from `value(id)`, its views `sv`,
@@ -169,14 +168,7 @@ async fn same_rows_where(
 ) -> String {
     let sql = format!("SELECT id, s FROM t {filter} ORDER BY {order} {tail}");
     let oracle = format!("SELECT id, s FROM t {filter} ORDER BY {order}, id {tail}");
-    let plan = physical_plan(ours, &sql).await.unwrap();
-    assert_eq!(count_gpu_topk(&plan), 1, "{sql}:\n{}", plan_text(&plan));
-    let got = exact_rows(&collect(Arc::clone(&plan), ours.task_ctx()).await.unwrap());
-    let want = run_oracle(plain, &oracle).await.unwrap();
-    assert_eq!(got, want, "{sql}");
-    DisplayableExecutionPlan::with_metrics(plan.as_ref())
-        .indent(true)
-        .to_string()
+    same_rows_with_metrics(ours, plain, (&sql, &oracle), "").await
 }
 
 /// The `rows_refined` metric of an executed plan's text.

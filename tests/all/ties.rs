@@ -8,13 +8,11 @@ use std::sync::Arc;
 
 use datafusion::arrow::array::{ArrayRef, Int32Array, Int64Array, RecordBatch, StringArray};
 use datafusion::arrow::datatypes::{DataType, Field, Schema};
-use datafusion::physical_plan::collect;
-use datafusion::physical_plan::display::DisplayableExecutionPlan;
 use datafusion::prelude::SessionContext;
 
 use crate::common::{
-    Rng, STORAGES, Storage, count_gpu_topk, exact_rows, partitioned, physical_plan, plain_session,
-    plan_text, register_as, run_oracle, session, session_with, test_dir,
+    Rng, STORAGES, Storage, partitioned, plain_session, register_as, same_rows_with_metrics,
+    session, session_with, test_dir,
 };
 use crate::strings::metric;
 
@@ -141,23 +139,9 @@ const QUERIES: [&str; 11] = [
 /// A key whose k-th prefix ties seven more rows: few enough to rank on the host.
 const SMALL_TIE_QUERY: &str = "SELECT okey, line, tag FROM t ORDER BY tag DESC LIMIT 10";
 
-/// Runs `sql` with the operator (`ours`) and plain DataFusion, compares the rows one for one
-/// and returns the operator's executed plan with its metrics.
+/// [`same_rows_with_metrics`] of `sql`, its own oracle (its keys end in a unique column).
 async fn same_rows(ours: &SessionContext, plain: &SessionContext, sql: &str, what: &str) -> String {
-    let plan = physical_plan(ours, sql).await.unwrap();
-    assert_eq!(
-        count_gpu_topk(&plan),
-        1,
-        "{what}: {sql}:\n{}",
-        plan_text(&plan)
-    );
-    let got = exact_rows(&collect(Arc::clone(&plan), ours.task_ctx()).await.unwrap());
-    let want = run_oracle(plain, sql).await.unwrap();
-    assert_eq!(got.len(), want.len(), "{what}: {sql}");
-    assert_eq!(got, want, "{what}: {sql}");
-    DisplayableExecutionPlan::with_metrics(plan.as_ref())
-        .indent(true)
-        .to_string()
+    same_rows_with_metrics(ours, plain, (sql, sql), what).await
 }
 
 /// Long prefix ties, rare longer strings past the 16-byte prefix and NULLs, over every
