@@ -110,6 +110,9 @@ pub(crate) struct CacheEntry {
     zones: OnceLock<Option<Arc<ChunkZones>>>,
     /// Set once their derivation started.
     deriving: AtomicBool,
+    /// A string column's prefix image: the longest value where every value is short enough
+    /// for its prefix word to be the value itself (`keys::short_bytes`), else `None`.
+    short_bytes: Option<u32>,
 }
 
 /// Where the zones of one cache entry go once worked out ([`ColumnCache::zones`]).
@@ -163,6 +166,8 @@ pub(crate) struct NewEntry {
     pub column: String,
     pub chunks: usize,
     pub pinned: bool,
+    /// [`CacheEntry::short_bytes`] (`None` for other images).
+    pub short_bytes: Option<u32>,
 }
 
 /// A use of an entry by one selection: the entry cannot be evicted until it is dropped.
@@ -401,6 +406,7 @@ impl ColumnCache {
             pinned: AtomicBool::new(pinned),
             zones: OnceLock::new(),
             deriving: AtomicBool::new(false),
+            short_bytes: new.short_bytes,
         });
         let mut state = self.state();
         match state.entries.entry(key) {
@@ -494,6 +500,15 @@ impl ColumnCache {
         let held = self.holds_key(key);
         super::observed(|o| o.resident.push((self.slot, key.clone(), held)));
         held
+    }
+
+    /// Where the cache holds `key` (a string column's prefix image): the longest value of the
+    /// column if every value is short enough to be its own prefix word, else `Some(None)`.
+    /// `None` where the cache does not hold it; observed as [`contains`](Self::contains) is.
+    pub(crate) fn short_bytes(&self, key: &CacheKey) -> Option<Option<u32>> {
+        let short = self.state().entries.get(key).map(|e| e.short_bytes);
+        super::observed(|o| o.resident.push((self.slot, key.clone(), short.is_some())));
+        short
     }
 
     /// [`contains`](Self::contains), unobserved.

@@ -214,6 +214,14 @@ impl<'i, 'a> TableColumn<'i, 'a> {
         owners
     }
 
+    /// [`NewEntry::short_bytes`] of the column's image: for a prefix image of given chunks,
+    /// whether every value is its own prefix word (one more read of the values, on the cores).
+    pub(crate) fn short_bytes(&self) -> Option<u32> {
+        (self.input.image == ColumnImage::Prefix && self.input.given())
+            .then(|| super::strings::short_chunks(&self.input.chunks))
+            .flatten()
+    }
+
     /// Uploads the image to `dst`: fixed-width values straight from the chunks' buffers,
     /// bit-packed values and validity repacked into one bitmap first.
     pub(crate) fn upload(
@@ -441,6 +449,42 @@ pub(crate) fn plan_resident_share(
     Some(device.map_or(0.0, |d| resident_share(d, &inputs)))
 }
 
+/// Per entry of `columns` (input column indices, `None` for keys that are no column): where
+/// `input` is an in-memory table whose column the device's column cache holds as a prefix
+/// image of values short enough to be their own prefix words, the longest value
+/// ([`crate::keys::short_bytes`]); else `None`. Planning reads it to lay out such a key whole;
+/// the column cache observes the lookups, so a plan made before the image was cached is
+/// replaced once it is.
+pub(crate) fn resident_short_bytes(
+    input: &Arc<dyn datafusion::physical_plan::ExecutionPlan>,
+    columns: &[Option<usize>],
+    slot: Option<crate::device::DeviceSlot>,
+) -> Vec<Option<u32>> {
+    let known = || -> Option<Vec<Option<u32>>> {
+        let Some(crate::device::GpuStatus::Available(_)) = crate::device::probed_status() else {
+            return None;
+        };
+        let device = crate::device::gpu_on(slot.unwrap_or_default())?;
+        let memory = crate::input::memory::memory_input(input)?;
+        let names: Vec<String> = (input.schema().fields().iter())
+            .map(|f| f.name().clone())
+            .collect();
+        let short = |c: usize| -> Option<u32> {
+            let program = FusedProgram {
+                source: String::new(),
+                inputs: vec![fusion::KernelInput::StringPrefix(c)],
+                key_kind: crate::device::KeyWidth::W64,
+                refines: false,
+            };
+            let inputs = crate::input::memory::table_inputs(&memory, &program, &names).ok()??;
+            let column = TableColumn::new(inputs.first()?).ok()?;
+            device.column_cache.short_bytes(&column.key)?
+        };
+        Some(columns.iter().map(|c| c.and_then(short)).collect())
+    };
+    known().unwrap_or_else(|| vec![None; columns.len()])
+}
+
 /// Uploads one table column (a `GpuTable`'s, known by identity) into the column cache and pins
 /// it there; returns its device bytes. A column already cached is pinned where it is.
 pub fn pin_column(device: &Arc<GpuDevice>, input: &TableInput<'_>) -> Result<usize> {
@@ -498,6 +542,7 @@ pub(crate) fn load_column(
         column: input.name.clone(),
         chunks: input.pieces(),
         pinned,
+        short_bytes: column.short_bytes(),
     };
     device.column_cache.insert(column.key.clone(), entry);
     reserved.filled(bytes);

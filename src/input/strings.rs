@@ -1,6 +1,8 @@
 //! The host side of string images: their bytes and row ends, prefix words derived on every
 //! core.
 
+use std::sync::Arc;
+
 use datafusion::arrow::array::{Array, ArrayRef, AsArray};
 use datafusion::arrow::buffer::Buffer;
 use datafusion::error::{DataFusionError, Result};
@@ -207,6 +209,32 @@ pub(super) fn derive_prefix_words(chunks: &[ArrayRef]) -> GpuResult<Vec<u8>> {
     Ok(bytes)
 }
 
+/// [`crate::keys::short_bytes`] over every chunk (`None` where any is not short, or there are
+/// none), on up to one thread a core; each dictionary's entries are read once however many
+/// chunks share them.
+pub(crate) fn short_chunks(chunks: &[ArrayRef]) -> Option<u32> {
+    let mut seen = std::collections::HashSet::new();
+    let mut pieces: Vec<ArrayRef> = Vec::new();
+    for chunk in chunks {
+        match chunk.as_any_dictionary_opt() {
+            Some(d) if seen.insert(Arc::as_ptr(d.values()).cast::<()>()) => {
+                pieces.push(Arc::clone(d.values()));
+            }
+            Some(_) => {}
+            None => pieces.extend(
+                (0..chunk.len())
+                    .step_by(1 << 20)
+                    .map(|at| chunk.slice(at, (chunk.len() - at).min(1 << 20))),
+            ),
+        }
+    }
+    if pieces.is_empty() {
+        return None;
+    }
+    let longest = on_cores(pieces, |piece| Ok(crate::keys::short_bytes(piece.as_ref()))).ok()?;
+    longest.into_iter().try_fold(0, |a, b| Some(a.max(b?)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -224,6 +252,32 @@ mod tests {
         });
         assert_eq!(failed, Err(GpuError("item 677".into())));
         assert_eq!(on_cores(Vec::<u8>::new(), Ok).unwrap(), Vec::<u8>::new());
+    }
+
+    /// [`short_chunks`] is [`crate::keys::short_bytes`] over all chunks: the longest where
+    /// every chunk is short, `None` where one is not or there are none.
+    #[test]
+    fn short_chunks_are_short_bytes_of_all() {
+        use datafusion::arrow::array::{DictionaryArray, StringArray};
+        use datafusion::arrow::datatypes::Int32Type;
+        let strings = |v: &[Option<&str>]| -> ArrayRef { Arc::new(StringArray::from(v.to_vec())) };
+        let dictionary: ArrayRef = Arc::new(
+            vec![Some("abcdefgh"), None]
+                .into_iter()
+                .collect::<DictionaryArray<Int32Type>>(),
+        );
+        let short = [strings(&[Some("ab"), None]), strings(&[Some("abcde")])];
+        assert_eq!(short_chunks(&short), Some(5));
+        let mixed = [
+            short[0].clone(),
+            Arc::clone(&dictionary),
+            dictionary.slice(1, 1),
+        ];
+        assert_eq!(short_chunks(&mixed), Some(8));
+        let long = [short[0].clone(), strings(&[Some("abcdefghijklmnopq")])];
+        assert_eq!(short_chunks(&long), None);
+        assert_eq!(short_chunks(&[strings(&[Some("a\0")])]), None);
+        assert_eq!(short_chunks(&[]), None);
     }
 
     /// Prefix words derived in pieces over the cores are those of the whole chunks.

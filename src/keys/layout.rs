@@ -83,6 +83,18 @@ impl KeyLayout {
     /// (see the [module documentation](super)). `Err` carries a reason fit for `EXPLAIN` when a
     /// key's type is neither fixed-width nor compared by bytes, or there are no keys.
     pub fn with_prefixes(specs: Vec<KeySpec>) -> std::result::Result<Self, String> {
+        Self::with_known_bytes(specs, &[])
+    }
+
+    /// [`with_prefixes`](Self::with_prefixes), where `short[i]` (if any) is
+    /// [`short_bytes`](super::short_bytes) of byte key `i`'s values: such a key's field holds
+    /// all of its bytes, equal fields meaning equal values, and the keys after it follow in
+    /// the composite; so rows tying a short string (a status, a country) are ranked by the next
+    /// keys instead of all being compared in full on the host.
+    pub fn with_known_bytes(
+        specs: Vec<KeySpec>,
+        short: &[Option<u32>],
+    ) -> std::result::Result<Self, String> {
         if specs.is_empty() {
             return Err("the GPU top-k needs at least one sort key".to_string());
         }
@@ -97,8 +109,23 @@ impl KeyLayout {
             return Ok(exact);
         }
         let (mut parts, mut value_bits, mut used) = (Vec::new(), Vec::new(), 0u32);
-        for spec in &specs {
+        for (i, spec) in specs.iter().enumerate() {
             let null = u32::from(spec.nullable);
+            let known = short
+                .get(i)
+                .copied()
+                .flatten()
+                .filter(|&b| b <= MAX_PREFIX_BYTES);
+            if let (None, Some(bytes)) = (spec.value_bits(), known) {
+                // An empty field would have no bits: one byte holds the empty value.
+                let bytes = bytes.max(1);
+                if used + null + 8 * bytes <= MAX_KEY_BITS {
+                    parts.push(Part::AllBytes { bytes });
+                    value_bits.push(8 * bytes);
+                    used += null + 8 * bytes;
+                    continue;
+                }
+            }
             match spec.value_bits() {
                 Some(v) if used + null + v <= MAX_KEY_BITS => {
                     parts.push(Part::Whole);

@@ -1197,3 +1197,30 @@ fn short_byte_keys_are_exact() {
     ];
     assert!(KeyLayout::with_short_bytes(wide, &[Some(16), None, None]).is_none());
 }
+
+/// [`KeyLayout::with_known_bytes`]: a short byte key is laid out whole and the keys after it
+/// follow (exact where all fit); one of unknown length, or too long, is cut as
+/// [`KeyLayout::with_prefixes`] cuts it; a short key past the 256 bits is cut too.
+#[test]
+fn known_short_bytes_lay_out_the_keys_after_them() {
+    let spec = |data_type, nullable| KeySpec::new(data_type, SortOptions::default(), nullable);
+    let keys = || vec![spec(DataType::Utf8, true), spec(DataType::Int64, false)];
+    let whole = KeyLayout::with_known_bytes(keys(), &[Some(7), None]).unwrap();
+    assert!(whole.exact() && whole.prefix_note().is_none());
+    assert_eq!(whole.total_bits(), (1 + 56) + 64);
+    assert_eq!((whole.prefix_bytes(0), whole.field_shift(1)), (Some(7), 0));
+    let empty = KeyLayout::with_known_bytes(keys(), &[Some(0), None]).unwrap();
+    assert_eq!((empty.exact(), empty.total_bits()), (true, (1 + 8) + 64));
+    for short in [&[None, None][..], &[Some(17), None], &[]] {
+        let cut = KeyLayout::with_known_bytes(keys(), short).unwrap();
+        assert_eq!(cut, KeyLayout::with_prefixes(keys()).unwrap());
+        assert!(!cut.exact() && cut.composite_keys() == 1);
+    }
+    let wide = vec![
+        spec(DataType::Decimal128(38, 0), false),
+        spec(DataType::Decimal128(38, 0), false),
+        spec(DataType::Utf8, false),
+    ];
+    let cut = KeyLayout::with_known_bytes(wide, &[None, None, Some(4)]).unwrap();
+    assert!(!cut.exact());
+}

@@ -2,6 +2,7 @@
 
 use datafusion::arrow::row::RowConverter;
 use datafusion::physical_expr::LexOrdering;
+use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
 use crate::config::GpuTopKConfig;
@@ -36,12 +37,25 @@ pub(super) fn build_top_k(
     }
     let input_schema = absorbed.input.schema();
     let specs = key_specs(&absorbed.sort_exprs, &input_schema).or_else(because)?;
-    let layout = KeyLayout::with_prefixes(specs).or_else(because)?;
+    let cached = config.column_cache && crate::input::is_whole_table(&absorbed.input);
+    // Byte keys of a table whose prefix images the device holds, with every value short
+    // enough to be its own prefix word, are laid out whole: the keys after them then rank
+    // their ties on the device.
+    let byte_columns: Vec<Option<usize>> = (absorbed.sort_exprs.iter().zip(&specs))
+        .map(|(sort, spec)| {
+            let column = sort.expr.downcast_ref::<Column>()?;
+            spec.by_bytes().then(|| column.index())
+        })
+        .collect();
+    let short = match cached && byte_columns.iter().any(Option::is_some) {
+        true => crate::input::columns::resident_short_bytes(&absorbed.input, &byte_columns, device),
+        false => Vec::new(),
+    };
+    let layout = KeyLayout::with_known_bytes(specs, &short).or_else(because)?;
     if !layout.exact() && !RowConverter::supports_fields(&layout.sort_fields()) {
         return because("the sort keys have no row format to compare them in full");
     }
 
-    let cached = config.column_cache && crate::input::is_whole_table(&absorbed.input);
     let settings = cost_settings(config);
     // The fusion plan and the placement; `strings`: the program may read string columns
     // whole, which only a selection over the whole table can give it.

@@ -298,6 +298,7 @@ fn cache_uploads(
                     column: column.input.name.clone(),
                     chunks: column.input.pieces(),
                     pinned: false,
+                    short_bytes: column.short_bytes(),
                 };
                 device.column_cache.insert(column.key.clone(), entry);
                 reserved.filled(entry_bytes);

@@ -214,3 +214,43 @@ async fn large_prefix_ties_leave_the_device_and_small_ones_do_not() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A short string key (every `mode` at most 16 bytes) tying a seventh of the rows, with CUDA
+/// forced: once the column cache holds its prefix image, the key is laid out whole and the
+/// keys after it rank the ties on the device (none refined on the host, no CPU path); the
+/// first run may take either. DataFusion's rows every time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn short_string_ties_rank_on_the_device_once_its_prefixes_are_cached() {
+    use datafusion_gpu_topk::internal::device::{GpuStatus, gpu_status};
+    if let GpuStatus::Unavailable(why) = gpu_status() {
+        eprintln!("SKIP: short string ties on the device: no GPU ({why})");
+        return;
+    }
+    let data = lineitem(200_000, 4, true);
+    let dir = test_dir("ties-short");
+    let queries = [
+        "SELECT okey, line, mode FROM t ORDER BY mode, okey, line LIMIT 10",
+        "SELECT okey, line, mode FROM t ORDER BY mode DESC NULLS LAST, okey DESC, line LIMIT 25",
+    ];
+    for storage in [Storage::Memory, Storage::GpuTable] {
+        let config =
+            crate::sessions::test_config(true).with_backend(datafusion_gpu_topk::Backend::Cuda);
+        let ours = session_with(4, 8192, config);
+        let plain = plain_session(4, storage);
+        register_as(&ours, "t", &data, storage, &dir).await;
+        register_as(&plain, "t", &data, storage, &dir).await;
+        for sql in queries {
+            for round in 0..3 {
+                let what = format!("{storage:?}, round {round}: {sql}");
+                let plan = same_rows(&ours, &plain, sql, &what).await;
+                assert!(plan.contains("backend=cuda"), "{what}: {plan}");
+                assert_eq!(metric(&plan, "gpu_fallbacks"), 0, "{what}: {plan}");
+                if round > 0 {
+                    assert_eq!(metric(&plan, "tie_fallbacks"), 0, "{what}: {plan}");
+                    assert_eq!(metric(&plan, "rows_refined"), 0, "{what}: {plan}");
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
