@@ -211,6 +211,7 @@ macro_rules! args {
 }
 
 // The engine's methods by stage (after `args!`, which they use).
+mod aggregate;
 mod bitonic;
 mod delegate;
 mod dispatch;
@@ -223,6 +224,11 @@ mod sort;
 mod staging;
 mod top_bits;
 
+pub use aggregate::{
+    AggValue, AggregateCall, AggregateColumn, AggregateDecline, AggregateGroup, AggregateOp,
+    AggregateOrder, AggregateReport, AggregateTopK, DeviceColumns, HostColumn, RankBy,
+    aggregate_top_k_host,
+};
 pub use fused::FusedReport;
 pub use groups::{
     GROUP_SAMPLE, GatherColumn, GroupAlgorithm, GroupRanking, GroupSpec, KeptPiece, KeptRows,
