@@ -20,7 +20,7 @@
 //!
 //! Counts, integer sums (wrapping, as DataFusion's) and minima and maxima are exact.
 //! Floating-point sums (and averages) are added in another order than DataFusion's, so their
-//! last bits may differ. MIN/MAX over f64 follow DataFusion 55's grouped accumulator
+//! last bits may differ, and so may a NaN sum's bits (the device's NaN is its own). MIN/MAX over f64 follow DataFusion 55's grouped accumulator
 //! (`partial_cmp` from f64::MAX or f64::MIN), except that a zero extreme is +0.0 (DataFusion
 //! keeps the first zero it meets); a NaN input, whose result there depends on the rows'
 //! order, declines the query ([`AggregateDecline::NanInMinMax`]) for the host to answer.
@@ -121,8 +121,10 @@ impl AggregateOp {
     }
 }
 
-/// What ranks the groups: one of the call's ops, or an average, the quotient of a sum op and
-/// a count op (as f64, DataFusion's `sum / count as f64`).
+/// What ranks the groups: one of the call's ops, or an average: the quotient of a sum op and
+/// a count op (`CountStar`, or the `Count` of the sum's column) as f64, DataFusion's
+/// `sum / count as f64`. DataFusion's AVG of integers sums them as f64: its sum op is
+/// `SumI64AsF64`; over `SumI64` the wrapped integer sum is divided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RankBy {
     Op(usize),
@@ -365,6 +367,8 @@ impl TopKEngine {
                 call.values.len()
             )));
         }
+        let plan = AccumulatorPlan::new(call.values, call.ops)?;
+        let rank = rank_encoding(call.order, call.ops, &plan)?;
         if call.key_width() != self.kind {
             return Err(GpuError(format!(
                 "an aggregate ranked by {:?} keys on an engine of {:?} keys",
@@ -372,8 +376,6 @@ impl TopKEngine {
                 self.kind
             )));
         }
-        let plan = AccumulatorPlan::new(call.values, call.ops)?;
-        let rank = rank_encoding(call.order, call.ops, &plan)?;
         let mut result = AggregateTopK::default();
         let spec = spec_bytes(call.keys, call.values, &plan);
         let spec_buffer = self.device.pool.alloc(spec.len(), &self.stream)?;
@@ -655,8 +657,9 @@ mod tests {
         assert!(AccumulatorPlan::new(&values, &[AggregateOp::SumF64(3)]).is_err());
         let many = [AggregateOp::CountStar; 9];
         assert!(AccumulatorPlan::new(&values, &many).is_err());
-        let avg = RankBy::Avg { sum: 0, count: 2 };
-        assert!(rank_encoding(order(avg), &ops, &plan).is_err());
+        let avg = |sum, count| rank_encoding(order(RankBy::Avg { sum, count }), &ops, &plan);
+        assert_eq!(avg(0, 2).unwrap(), (4, 0, 2, true));
+        assert!(avg(1, 2).is_err() && avg(0, 3).is_err() && avg(0, 9).is_err());
     }
 
     #[test]
