@@ -139,6 +139,16 @@ __device__ __forceinline__ void agg_count(const AggTable &t, u32 a, u64 slot) {
     atomicAdd((unsigned long long *)agg_at(t, a, slot), 1ull);
 }
 
+// COUNT where the lanes that reach the call together count their group's rows with one
+// atomic a group (`valid`: the row counts): a hot group (one user's many rows, a single group)
+// would otherwise serialise the warp's 32 atomics on one word.
+__device__ __forceinline__ void agg_count_warp(const AggTable &t, u32 a, u64 slot, bool valid) {
+    const u32 active = __activemask();
+    const u32 peers = __match_any_sync(active, valid ? slot : AGG_NO_SLOT);
+    if (valid && lane_id() == (u32)(__ffs(peers) - 1))
+        atomicAdd((unsigned long long *)agg_at(t, a, slot), (unsigned long long)__popc(peers));
+}
+
 __device__ __forceinline__ void agg_sum_i64(const AggTable &t, u32 a, u64 slot, i64 v) {
     // Unsigned addition is the two's complement wrapping addition.
     atomicAdd((unsigned long long *)agg_at(t, a, slot), (unsigned long long)v);
@@ -182,9 +192,12 @@ __device__ __forceinline__ void agg_max_f64(const AggTable &t, u32 a, u64 slot, 
 // Accumulator a of `slot` by its kind, for a value given as its 8 bytes (i64 or f64 bits);
 // `valid`: the value is not NULL (COUNT(*) passes true).
 __device__ __forceinline__ void agg_update(const AggTable &t, u32 a, u32 kind, u64 slot, u64 bits, bool valid) {
+    if (kind == AGG_COUNT) {
+        agg_count_warp(t, a, slot, valid);
+        return;
+    }
     if (!valid) return;
     switch (kind) {
-    case AGG_COUNT: agg_count(t, a, slot); break;
     case AGG_SUM_I64: agg_sum_i64(t, a, slot, (i64)bits); break;
     case AGG_SUM_F64: agg_sum_f64(t, a, slot, __longlong_as_double((i64)bits)); break;
     case AGG_MIN_I64: agg_min_i64(t, a, slot, (i64)bits); break;
