@@ -40,6 +40,7 @@ struct AggSpec {
     u64 accs[AGG_MAX_ACCS];
     u64 n_accs;
 };
+static_assert(sizeof(AggSpec) == 8 * (6 + 3 * AGG_MAX_VALUES + AGG_MAX_ACCS + 1), "aggregate.rs spec_bytes' words");
 
 __device__ __forceinline__ bool agg_valid(u64 bitmap, u64 offset, u64 row) {
     return bitmap == 0 || get_bit((const u8 *)bitmap, offset + row);
@@ -91,7 +92,7 @@ template <int KW> __device__ void agg_compact(const u64 *slots, u64 cap, u64 *ou
     }
 }
 
-// Ranking kinds (src/device/engine/aggregate.rs `RankValue`).
+// Ranking kinds (src/device/engine/aggregate.rs `rank_encoding`).
 #define AGG_RANK_U64 0u
 #define AGG_RANK_I64 1u
 #define AGG_RANK_F64 2u

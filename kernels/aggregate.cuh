@@ -18,7 +18,7 @@
 //   SUM i64      wrapping two's complement, as DataFusion 55's integer SUM (its
 //                `PrimitiveGroupsAccumulator` adds with `add_wrapping`): exact in any order;
 //   SUM f64      atomicAdd on the double: the rounding of the sum depends on the order of the
-//                additions, which differs from DataFusion's (a few ulps);
+//                additions, which differs from DataFusion's (its last bits);
 //   MIN/MAX i64  atomicMin/Max of the order-preserving image (sign bit flipped);
 //   MIN/MAX f64  atomicMin/Max of the order-preserving image (fused.cuh `ord_f64`) of the
 //                value after DataFusion 55's grouped MIN/MAX: it compares with `partial_cmp`
@@ -45,7 +45,7 @@
 #define AGG_STATUS_NAN 2ull
 #define AGG_NO_SLOT (~0ull)
 
-// Accumulator kinds (src/device/engine/aggregate.rs `AccumulatorKind`).
+// Accumulator kinds (src/device/engine/aggregate.rs `AggregateOp::device_kind`).
 #define AGG_COUNT 0u
 #define AGG_SUM_I64 1u
 #define AGG_SUM_F64 2u

@@ -662,6 +662,25 @@ mod tests {
         assert!(avg(1, 2).is_err() && avg(0, 3).is_err() && avg(0, 9).is_err());
     }
 
+    /// The spec's words where aggregate.cu's `AggSpec` reads them.
+    #[test]
+    fn specs_place_each_column_and_accumulator() {
+        let keys = [column(true)];
+        let values = [column(false), column(true)];
+        let ops = [AggregateOp::CountStar, AggregateOp::MaxF64(1)];
+        let plan = AccumulatorPlan::new(&values, &ops).unwrap();
+        let bytes = spec_bytes(&keys, &values, &plan);
+        let words: Vec<u64> = (bytes.chunks_exact(8))
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(words.len(), 27);
+        assert_eq!(words[..6], [0x1000, 0, 0x2000, 0, 0, 0]);
+        assert_eq!(words[6..8], [0x1000, 0x1000]);
+        assert_eq!(words[10..12], [0, 0x2000]);
+        assert_eq!(words[18..21], [0xff << 8, 6 | 1 << 8, 1 << 8]);
+        assert_eq!(words[26], 3);
+    }
+
     #[test]
     fn tables_hold_twice_the_estimate_within_what_the_rows_can_fill() {
         assert_eq!(table_slots(0, 10), AGG_MIN_SLOTS);
