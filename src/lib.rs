@@ -125,6 +125,11 @@ pub mod internal {
     }
     pub mod device {
         pub use crate::device::{
+            AggValue, AggregateCall, AggregateColumn, AggregateDecline, AggregateGroup,
+            AggregateOp, AggregateOrder, AggregateReport, AggregateTopK, DeviceColumns, HostColumn,
+            RankBy, aggregate_top_k_host,
+        };
+        pub use crate::device::{
             DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_CLUSTER, FUSED_SAMPLE_ROWS, FusedReport,
             GpuDevice, GpuError, GpuResult, GpuStatus, GpuTimer, KeyWidth, TopKEngine,
             column_cache, gpu, gpu_on, gpu_status, kernels, measure, options, plan, probed_status,

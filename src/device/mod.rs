@@ -40,8 +40,11 @@ use cudarc::driver::{CudaContext, CudaStream, DriverError};
 pub(crate) use options::DeviceOptions;
 
 pub use engine::{
-    DevicePairs, EncodedChunk, EncodedColumn, EncodedPage, FusedReport, GROUP_SAMPLE, GatherColumn,
-    GroupAlgorithm, GroupRanking, GroupSpec, KeptPiece, KeptRows, TopKEngine,
+    AggValue, AggregateCall, AggregateColumn, AggregateDecline, AggregateGroup, AggregateOp,
+    AggregateOrder, AggregateReport, AggregateTopK, DeviceColumns, DevicePairs, EncodedChunk,
+    EncodedColumn, EncodedPage, FusedReport, GROUP_SAMPLE, GatherColumn, GroupAlgorithm,
+    GroupRanking, GroupSpec, HostColumn, KeptPiece, KeptRows, RankBy, TopKEngine,
+    aggregate_top_k_host,
 };
 pub use kernels::{GeneratedKernel, Kernels};
 pub(crate) use memory::{BufferPool, PinnedPool, PooledBuffer};

@@ -29,6 +29,8 @@
 //!   merge_sort.cu); [`merge_sort`](TopKEngine::merge_sort): the first k of m pairs, sorted,
 //!   m known to the host or only to the device (`merge_sort_packed`: the same over packed
 //!   words, keys only);
+//! - [`aggregate_top_k`](TopKEngine::aggregate_top_k): GROUP BY into a device hash table, then
+//!   the k best groups by an aggregate through `select_sorted` (aggregate.cu);
 //! - [`select_sorted`](TopKEngine::select_sorted): one of the selections, then sorted; or in
 //!   two steps, [`enqueue_select`](TopKEngine::enqueue_select) (a small-k sampled selection is
 //!   enqueued whole, no host round trip inside) and [`finish`](TopKEngine::finish) (reads its
@@ -38,8 +40,8 @@
 //! and the entry points above; in `staging` the uploads; in `fused` the generated program's
 //! passes; in `radix`, `bitonic` and `delegate` the exact selections; in `sample` SampleSelect's
 //! device chain; in `top_bits` the top-bits selection; in `sort` the sorts; in `dispatch` the
-//! routes. The device layouts' constants stay here, the routes' tuning constants in
-//! `super::plan`.
+//! routes; in `aggregate` the top-k over an aggregate. The device layouts' constants stay
+//! here, the routes' tuning constants in `super::plan`.
 
 use std::sync::Arc;
 
@@ -211,6 +213,7 @@ macro_rules! args {
 }
 
 // The engine's methods by stage (after `args!`, which they use).
+mod aggregate;
 mod bitonic;
 mod delegate;
 mod dispatch;
@@ -223,6 +226,11 @@ mod sort;
 mod staging;
 mod top_bits;
 
+pub use aggregate::{
+    AggValue, AggregateCall, AggregateColumn, AggregateDecline, AggregateGroup, AggregateOp,
+    AggregateOrder, AggregateReport, AggregateTopK, DeviceColumns, HostColumn, RankBy,
+    aggregate_top_k_host,
+};
 pub use fused::FusedReport;
 pub use groups::{
     GROUP_SAMPLE, GatherColumn, GroupAlgorithm, GroupRanking, GroupSpec, KeptPiece, KeptRows,

@@ -39,6 +39,10 @@ use super::options::DeviceOptions;
 pub const EMBEDDED: &[(&str, &str)] = &[
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("fused.cuh", include_str!("../../../kernels/fused.cuh")),
+    (
+        "aggregate.cuh",
+        include_str!("../../../kernels/aggregate.cuh"),
+    ),
     ("encode.cu", include_str!("../../../kernels/encode.cu")),
     (
         "candidates.cu",
@@ -62,6 +66,10 @@ pub const EMBEDDED: &[(&str, &str)] = &[
     ("delegate.cu", include_str!("../../../kernels/delegate.cu")),
     ("groups.cu", include_str!("../../../kernels/groups.cu")),
     ("parquet.cu", include_str!("../../../kernels/parquet.cu")),
+    (
+        "aggregate.cu",
+        include_str!("../../../kernels/aggregate.cu"),
+    ),
 ];
 
 /// Entry points instantiated once per key type (`NAME_k32` … `NAME_k256`), per file.
@@ -139,6 +147,19 @@ const PLAIN_ENTRIES: &[(&str, &[&str])] = &[
     ("read_floor.cu", &["read_floor_w32", "read_floor_w64"]),
     ("groups.cu", &["group_scan", "group_gather"]),
     ("parquet.cu", &["parquet_decode"]),
+    (
+        "aggregate.cu",
+        &[
+            "agg_columns_w1",
+            "agg_compact_w1",
+            "agg_rank_w1",
+            "agg_gather_w1",
+            "agg_columns_w2",
+            "agg_compact_w2",
+            "agg_rank_w2",
+            "agg_gather_w2",
+        ],
+    ),
 ];
 
 /// Entry points that take more than 48 KiB of dynamic shared memory.

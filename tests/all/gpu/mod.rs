@@ -32,6 +32,7 @@ use datafusion_gpu_topk::internal::select::{RowIds, SelectInput, SelectionSpec, 
 
 use crate::common::{Rng, test_dir};
 
+mod aggregate;
 mod encoding;
 mod generated;
 mod nvrtc;

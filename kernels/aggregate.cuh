@@ -1,0 +1,208 @@
+// aggregate.cuh: a hash aggregation on the device, row by row: a kernel (aggregate.cu's
+// `agg_columns`, or a generated program of src/fusion) finds each row's group in an
+// open-addressing table and updates the group's accumulators with atomics.
+//
+// The table: `cap` slots (a power of two), slot s at `slots + s · (KW + 1)`: KW key words
+// (KW ≤ 2: one for integer and date keys, two for 128-bit keys), then a state word:
+//   AGG_EMPTY   no group (the table is zeroed before the pass);
+//   AGG_BUSY    claimed by a thread that is writing the key words;
+//   AGG_READY | nulls << 2   the group of those key words and null mask (bit j: key column j
+//               is NULL, its key word then 0), published once the key words are visible.
+// Occupancy lives in the state word, not in a sentinel key, so every key value (all ones
+// included) is a group of its own, and so is each NULL combination. Linear probing from a
+// splitmix64 hash of the key words and the null mask.
+//
+// Accumulator a of slot s is the u64 at `acc[a · cap + s]`, initialised by the host (zero,
+// or all ones for a minimum):
+//   COUNT        u64, +1 a row (COUNT(x): a row whose x is not NULL);
+//   SUM i64      wrapping two's complement, as DataFusion 55's integer SUM (its
+//                `PrimitiveGroupsAccumulator` adds with `add_wrapping`): exact in any order;
+//   SUM f64      atomicAdd on the double: the rounding of the sum depends on the order of the
+//                additions, which differs from DataFusion's (its last bits);
+//   MIN/MAX i64  atomicMin/Max of the order-preserving image (sign bit flipped);
+//   MIN/MAX f64  atomicMin/Max of the order-preserving image (fused.cuh `ord_f64`) of the
+//                value after DataFusion 55's grouped MIN/MAX: it compares with `partial_cmp`
+//                from a start of f64::MAX (MIN) or f64::MIN (MAX), so +inf never lowers a MIN
+//                (MIN(+inf) = f64::MAX) nor −inf raises a MAX; −0.0 and +0.0 compare equal
+//                and the device keeps +0.0 (DataFusion the first zero it meets). A NaN makes
+//                DataFusion's result depend on the rows' order (a NaN replaces the value and
+//                the next value replaces the NaN): the pass sets AGG_STATUS_NAN and the host
+//                answers instead.
+// NULL inputs are skipped; a SUM, MIN or MAX over a nullable column is NULL where its
+// column's COUNT (an accumulator the host adds) is 0.
+//
+// A full table is never a wrong answer: past `limit` groups, or after probing every slot, a
+// row is not counted and AGG_STATUS_FULL is set; the host grows the table and runs again.
+#pragma once
+
+#include "common.cuh"
+
+#define AGG_EMPTY 0ull
+#define AGG_BUSY 1ull
+#define AGG_READY 2ull
+// The control words: groups claimed (u64 at 0), status bits (u64 at 1).
+#define AGG_STATUS_FULL 1ull
+#define AGG_STATUS_NAN 2ull
+#define AGG_NO_SLOT (~0ull)
+
+// Accumulator kinds (src/device/engine/aggregate.rs `AggregateOp::device_kind`).
+#define AGG_COUNT 0u
+#define AGG_SUM_I64 1u
+#define AGG_SUM_F64 2u
+#define AGG_MIN_I64 3u
+#define AGG_MAX_I64 4u
+#define AGG_MIN_F64 5u
+#define AGG_MAX_F64 6u
+
+struct AggTable {
+    u64 *slots;
+    u64 *acc;
+    u64 cap;
+    // Groups past which the table counts as full (the load factor's bound).
+    u64 limit;
+    u64 *ctl;
+};
+
+__device__ __forceinline__ u64 agg_mix(u64 h, u64 w) {
+    u64 x = h ^ w;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+template <int KW> __device__ __forceinline__ u64 agg_hash(const u64 (&key)[KW], u32 nulls) {
+    u64 h = agg_mix(0x9E3779B97F4A7C15ull, nulls);
+#pragma unroll
+    for (int j = 0; j < KW; ++j) h = agg_mix(h, key[j]);
+    return h;
+}
+
+__device__ __forceinline__ u64 agg_load_volatile(const u64 *p) { return *(const volatile u64 *)p; }
+
+__device__ __forceinline__ void agg_flag(const AggTable &t, u64 bits) {
+    atomicOr((unsigned long long *)(t.ctl + 1), (unsigned long long)bits);
+}
+
+// Whether the pass should stop: the table filled (the host runs it again, larger).
+__device__ __forceinline__ bool agg_stopped(const AggTable &t) {
+    return (agg_load_volatile(t.ctl + 1) & AGG_STATUS_FULL) != 0;
+}
+
+// The slot of the group (key, nulls), claimed and published where it is new; AGG_NO_SLOT
+// where the table is full. Key words of NULL key columns must be 0.
+template <int KW> __device__ u64 agg_insert(const AggTable &t, const u64 (&key)[KW], u32 nulls) {
+    const u64 want = AGG_READY | ((u64)nulls << 2);
+    const u64 mask = t.cap - 1;
+    u64 s = agg_hash<KW>(key, nulls) & mask;
+    for (u64 probe = 0; probe < t.cap; ++probe, s = (s + 1) & mask) {
+        u64 *slot = t.slots + s * (KW + 1);
+        u64 state = agg_load_volatile(slot + KW);
+        if (state == AGG_EMPTY) {
+            state = atomicCAS((unsigned long long *)(slot + KW), AGG_EMPTY, AGG_BUSY);
+            if (state == AGG_EMPTY) {
+                const u64 before = atomicAdd((unsigned long long *)t.ctl, 1ull);
+#pragma unroll
+                for (int j = 0; j < KW; ++j) slot[j] = key[j];
+                __threadfence();
+                // Published even past the limit: threads waiting on the slot must not spin.
+                atomicExch((unsigned long long *)(slot + KW), want);
+                if (before >= t.limit) {
+                    agg_flag(t, AGG_STATUS_FULL);
+                    return AGG_NO_SLOT;
+                }
+                return s;
+            }
+        }
+        // Another thread is writing this slot's key: wait for it to publish.
+        while (state == AGG_BUSY) state = agg_load_volatile(slot + KW);
+        if (state == want) {
+            __threadfence();
+            bool same = true;
+#pragma unroll
+            for (int j = 0; j < KW; ++j) same = same && __ldcg(slot + j) == key[j];
+            if (same) return s;
+        }
+    }
+    agg_flag(t, AGG_STATUS_FULL);
+    return AGG_NO_SLOT;
+}
+
+__device__ __forceinline__ u64 *agg_at(const AggTable &t, u32 a, u64 slot) { return t.acc + a * t.cap + slot; }
+
+__device__ __forceinline__ u64 agg_ord_i64(i64 v) { return (u64)v ^ 0x8000000000000000ull; }
+__device__ __forceinline__ u64 agg_ord_f64(double v) {
+    const u64 b = (u64)__double_as_longlong(v);
+    return b ^ ((b >> 63) ? ~0ull : 0x8000000000000000ull);
+}
+
+__device__ __forceinline__ void agg_count(const AggTable &t, u32 a, u64 slot) {
+    atomicAdd((unsigned long long *)agg_at(t, a, slot), 1ull);
+}
+
+// COUNT where the lanes that reach the call together count their group's rows with one
+// atomic a group (`valid`: the row counts): a hot group (one user's many rows, a single group)
+// would otherwise serialise the warp's 32 atomics on one word.
+__device__ __forceinline__ void agg_count_warp(const AggTable &t, u32 a, u64 slot, bool valid) {
+    const u32 active = __activemask();
+    const u32 peers = __match_any_sync(active, valid ? slot : AGG_NO_SLOT);
+    if (valid && lane_id() == (u32)(__ffs(peers) - 1))
+        atomicAdd((unsigned long long *)agg_at(t, a, slot), (unsigned long long)__popc(peers));
+}
+
+__device__ __forceinline__ void agg_sum_i64(const AggTable &t, u32 a, u64 slot, i64 v) {
+    // Unsigned addition is the two's complement wrapping addition.
+    atomicAdd((unsigned long long *)agg_at(t, a, slot), (unsigned long long)v);
+}
+
+__device__ __forceinline__ void agg_sum_f64(const AggTable &t, u32 a, u64 slot, double v) {
+    atomicAdd((double *)agg_at(t, a, slot), v);
+}
+
+__device__ __forceinline__ void agg_min_i64(const AggTable &t, u32 a, u64 slot, i64 v) {
+    atomicMin((unsigned long long *)agg_at(t, a, slot), (unsigned long long)agg_ord_i64(v));
+}
+
+__device__ __forceinline__ void agg_max_i64(const AggTable &t, u32 a, u64 slot, i64 v) {
+    atomicMax((unsigned long long *)agg_at(t, a, slot), (unsigned long long)agg_ord_i64(v));
+}
+
+// A MIN/MAX f64 input as DataFusion's grouped accumulator sees it (see the top): zeros as
+// +0.0, and the infinity its start value beats as that start value. False for a NaN (flagged).
+__device__ __forceinline__ bool agg_extreme_f64(const AggTable &t, double &v, bool is_min) {
+    if (isnan(v)) {
+        agg_flag(t, AGG_STATUS_NAN);
+        return false;
+    }
+    if (v == 0.0) v = 0.0;
+    if (is_min && isinf(v) && v > 0.0) v = 1.7976931348623157e308;
+    if (!is_min && isinf(v) && v < 0.0) v = -1.7976931348623157e308;
+    return true;
+}
+
+__device__ __forceinline__ void agg_min_f64(const AggTable &t, u32 a, u64 slot, double v) {
+    if (agg_extreme_f64(t, v, true))
+        atomicMin((unsigned long long *)agg_at(t, a, slot), (unsigned long long)agg_ord_f64(v));
+}
+
+__device__ __forceinline__ void agg_max_f64(const AggTable &t, u32 a, u64 slot, double v) {
+    if (agg_extreme_f64(t, v, false))
+        atomicMax((unsigned long long *)agg_at(t, a, slot), (unsigned long long)agg_ord_f64(v));
+}
+
+// Accumulator a of `slot` by its kind, for a value given as its 8 bytes (i64 or f64 bits);
+// `valid`: the value is not NULL (COUNT(*) passes true).
+__device__ __forceinline__ void agg_update(const AggTable &t, u32 a, u32 kind, u64 slot, u64 bits, bool valid) {
+    if (kind == AGG_COUNT) {
+        agg_count_warp(t, a, slot, valid);
+        return;
+    }
+    if (!valid) return;
+    switch (kind) {
+    case AGG_SUM_I64: agg_sum_i64(t, a, slot, (i64)bits); break;
+    case AGG_SUM_F64: agg_sum_f64(t, a, slot, __longlong_as_double((i64)bits)); break;
+    case AGG_MIN_I64: agg_min_i64(t, a, slot, (i64)bits); break;
+    case AGG_MAX_I64: agg_max_i64(t, a, slot, (i64)bits); break;
+    case AGG_MIN_F64: agg_min_f64(t, a, slot, __longlong_as_double((i64)bits)); break;
+    default: agg_max_f64(t, a, slot, __longlong_as_double((i64)bits)); break;
+    }
+}
