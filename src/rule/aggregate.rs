@@ -286,22 +286,8 @@ fn translate_aggregation(top: &AggregateExec) -> std::result::Result<Groups, Dec
     if let Some(inner) = below.downcast_ref::<AggregateExec>() {
         let inner_raw = raw_input_aggregate(inner)?;
         check_aggregation(inner, inner_raw)?;
-        if !inner_raw.aggr_expr().is_empty() {
-            return because("aggregate: an aggregation over another aggregation");
-        }
-        for (kind, input, _) in &mut items {
-            let by_column = input.as_ref().is_some_and(|e| e.is::<Column>());
-            if *kind != AggregateKind::Count || !by_column {
-                return because(format!("aggregate: {} over distinct values", kind.name()));
-            }
-            *kind = AggregateKind::CountDistinct;
-        }
-        let inner_keys: Exprs = (inner_raw.group_expr().expr().iter())
-            .map(|(e, _)| Arc::clone(e))
-            .collect();
-        if !key_exprs.iter().all(|e| e.is::<Column>()) {
-            return because("aggregate: a computed key over distinct values");
-        }
+        let kinds: Vec<&mut AggregateKind> = items.iter_mut().map(|(k, _, _)| k).collect();
+        let inner_keys = counted_distinct(inner_raw, &key_exprs, kinds, &arg_exprs)?;
         key_exprs = substitute_all(&key_exprs, &inner_keys)?;
         arg_exprs = substitute_some(&arg_exprs, &inner_keys)?;
         below = Arc::clone(inner_raw.input());
@@ -335,6 +321,49 @@ fn translate_aggregation(top: &AggregateExec) -> std::result::Result<Groups, Dec
         aggregates,
         filter,
     })
+}
+
+/// Where the aggregation's `keys` and `args` (aggregates of `kinds`) read `inner`, an
+/// aggregation without aggregates (DISTINCT), whether they are `COUNT(DISTINCT x)` as
+/// DataFusion plans it: the keys are columns of `inner`'s keys, every aggregate counts the
+/// same other column `x`, and `inner` groups by nothing else. The counts become
+/// [`AggregateKind::CountDistinct`]; `inner`'s keys are returned (what its columns are).
+fn counted_distinct(
+    inner: &AggregateExec,
+    keys: &Exprs,
+    kinds: Vec<&mut AggregateKind>,
+    args: &[Option<Arc<dyn PhysicalExpr>>],
+) -> std::result::Result<Exprs, Declined> {
+    if !inner.aggr_expr().is_empty() {
+        return because("aggregate: an aggregation over another aggregation");
+    }
+    let index = |e: &Arc<dyn PhysicalExpr>| e.downcast_ref::<Column>().map(Column::index);
+    let Some(mut grouped) = keys.iter().map(index).collect::<Option<Vec<_>>>() else {
+        return because("aggregate: a computed key over distinct values");
+    };
+    let mut counted = None;
+    for (kind, arg) in kinds.into_iter().zip(args) {
+        let column = arg.as_ref().and_then(index);
+        if *kind != AggregateKind::Count
+            || column.is_none()
+            || (counted.is_some() && counted != column)
+        {
+            return because(format!("aggregate: {} over distinct values", kind.name()));
+        }
+        counted = column;
+        *kind = AggregateKind::CountDistinct;
+    }
+    grouped.extend(counted);
+    grouped.sort_unstable();
+    grouped.dedup();
+    let inner_keys: Exprs = (inner.group_expr().expr().iter())
+        .map(|(e, _)| Arc::clone(e))
+        .collect();
+    let counted_is_a_key = counted.is_some_and(|c| keys.iter().any(|k| index(k) == Some(c)));
+    if counted_is_a_key || grouped.len() != inner_keys.len() {
+        return because("aggregate: a count over distinct rows of other columns");
+    }
+    Ok(inner_keys)
 }
 
 /// The aggregation of `top` that reads raw rows: `top` itself in a single step, else the

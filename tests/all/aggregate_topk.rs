@@ -119,6 +119,7 @@ const TAKEN: &[&str] = &[
     "SELECT s, COUNT(v) AS n, SUM(v) AS total FROM t GROUP BY s ORDER BY total DESC NULLS LAST, s LIMIT 3",
     "SELECT g, MIN(v) AS lo, MAX(v) AS hi, AVG(f) AS a FROM t GROUP BY g ORDER BY a, g LIMIT 4 OFFSET 2",
     "SELECT d, COUNT(DISTINCT s) AS u FROM t GROUP BY d ORDER BY u DESC, d NULLS LAST LIMIT 6",
+    "SELECT s, COUNT(DISTINCT g % 7) AS u FROM t WHERE v < 20 GROUP BY s ORDER BY u, s LIMIT 4",
     "SELECT g, COUNT(DISTINCT v) AS u, COUNT(*) AS n FROM t GROUP BY g ORDER BY u DESC, n, g LIMIT 5",
     "SELECT g, s, COUNT(*) AS n, SUM(f) AS sf FROM t WHERE v > 3 GROUP BY g, s HAVING COUNT(*) > 2 ORDER BY n DESC, g, s LIMIT 10",
     "SELECT g, AVG(f) AS a FROM t GROUP BY g HAVING MAX(v) > 10 ORDER BY a DESC, g LIMIT 5 OFFSET 1",
@@ -312,6 +313,11 @@ async fn untaken_aggregates_keep_datafusions_plan_and_say_why() {
             "SELECT g, s, COUNT(*) AS n FROM t GROUP BY GROUPING SETS ((g), (s)) \
              ORDER BY n, g NULLS FIRST, s NULLS FIRST LIMIT 4",
             "GROUPING SETS",
+        ),
+        (
+            "SELECT s, COUNT(g) AS n FROM (SELECT DISTINCT g, s, v FROM t) GROUP BY s \
+             ORDER BY n DESC, s NULLS FIRST LIMIT 3",
+            "the input AggregateExec is not a table scan",
         ),
     ];
     for (sql, why) in untaken {
