@@ -292,7 +292,11 @@ fn translate_aggregation(top: &AggregateExec) -> std::result::Result<Groups, Dec
         arg_exprs = substitute_some(&arg_exprs, &inner_keys)?;
         below = Arc::clone(inner_raw.input());
     }
-    let (table, filter, columns) = table_below(&below)?;
+    let TableBelow {
+        table,
+        filter,
+        columns,
+    } = table_below(&below)?;
     let key_exprs = substitute_all(&key_exprs, &columns)?;
     let arg_exprs = substitute_some(&arg_exprs, &columns)?;
     let schema = table.schema();
@@ -488,12 +492,18 @@ fn key_type_taken(data_type: &DataType) -> bool {
     }
 }
 
-/// The table scan below the raw-row aggregation's input `below`, through column projections,
-/// one filter (fused) and round-robin repartitioning: the scan, the filter over its columns,
-/// and `below`'s columns as expressions over them.
-fn table_below(
-    below: &Arc<dyn ExecutionPlan>,
-) -> std::result::Result<(Arc<dyn ExecutionPlan>, Option<Arc<dyn PhysicalExpr>>, Exprs), Declined> {
+/// The table scan below an aggregation, with what lies between.
+struct TableBelow {
+    table: Arc<dyn ExecutionPlan>,
+    /// The one filter between, over the table's columns.
+    filter: Option<Arc<dyn PhysicalExpr>>,
+    /// The aggregation's input columns as expressions over the table's.
+    columns: Exprs,
+}
+
+/// [`TableBelow`] the raw-row aggregation's input `below`, through column projections, one
+/// filter (fused), round-robin repartitioning and coalescing.
+fn table_below(below: &Arc<dyn ExecutionPlan>) -> std::result::Result<TableBelow, Declined> {
     let mut columns = columns_of(&below.schema());
     let mut filter: Option<Arc<dyn PhysicalExpr>> = None;
     let mut node = Arc::clone(below);
@@ -527,7 +537,11 @@ fn table_below(
         {
             columns_of(&coalesce.input().schema())
         } else if is_table_scan(&node) {
-            return Ok((node, filter, columns));
+            return Ok(TableBelow {
+                table: node,
+                filter,
+                columns,
+            });
         } else {
             return because(format!(
                 "aggregate: the input {} is not a table scan",
