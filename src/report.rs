@@ -89,8 +89,12 @@ fn describe(exec: &GpuTopKExec) -> String {
         Some(n) if n > 0 => ", GPU failed: fell back to the CPU path",
         _ => "",
     };
+    let aggregate = match exec.aggregate_kept() {
+        Some(why) => format!(", DataFusion's aggregation kept: {why}"),
+        None => String::new(),
+    };
     format!(
-        "top-k: GpuTopKExec, backend={}, algorithm={}{eval}{timing} ({}){fell_back}",
+        "top-k: GpuTopKExec, backend={}, algorithm={}{eval}{timing} ({}){fell_back}{aggregate}",
         choice.backend(),
         choice.algorithm(),
         spec.reason,

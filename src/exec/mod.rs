@@ -257,6 +257,11 @@ impl GpuTopKExec {
         }
     }
 
+    /// Why the aggregation below stays DataFusion's, where the rule says so.
+    pub fn aggregate_kept(&self) -> Option<&str> {
+        self.aggregate_kept.as_deref()
+    }
+
     /// The operator showing in EXPLAIN why the aggregation below it stays DataFusion's.
     pub fn with_aggregate_kept(&self, why: &str) -> Self {
         let mut exec = self.with_input(Arc::clone(&self.input));

@@ -45,7 +45,7 @@ use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitio
 use super::absorb::{substitute_columns, substitute_ordering};
 use super::{Declined, because};
 use crate::config::{Backend, GpuTopKConfig};
-use crate::device::{GpuStatus, gpu_status};
+use crate::device::{GpuStatus, probed_status};
 use crate::exec::{
     AggregateBackend, AggregateItem, AggregateKind, AggregateTopKSpec, GpuAggregateTopKExec,
     GroupKey,
@@ -93,15 +93,15 @@ pub(super) fn match_aggregate_top_k(
     )))
 }
 
-/// Why the operator runs DataFusion's subtree: the setting, the missing GPU, or the device
-/// not taking aggregations.
+/// Why the operator runs DataFusion's subtree: the setting, a GPU found missing (planning
+/// does not start the device to find out), or the device not taking the shape.
 fn cpu_reason(config: &GpuTopKConfig) -> String {
     if config.backend == Backend::Cpu {
         return "gpu_topk.backend = cpu".to_string();
     }
-    match gpu_status() {
-        GpuStatus::Unavailable(why) => format!("no GPU: {why}"),
-        GpuStatus::Available(_) => "device path unavailable for this shape".to_string(),
+    match probed_status() {
+        Some(GpuStatus::Unavailable(why)) => format!("no GPU: {why}"),
+        _ => "device path unavailable for this shape".to_string(),
     }
 }
 
@@ -597,4 +597,44 @@ fn substitute_some(
     (exprs.iter())
         .map(|e| e.as_ref().map(|e| substitute_columns(e, by)).transpose())
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_of_integers_dates_timestamps_and_strings_are_taken() {
+        let dictionary =
+            |value: DataType| DataType::Dictionary(Box::new(DataType::Int32), Box::new(value));
+        for taken in [
+            DataType::Int8,
+            DataType::UInt64,
+            DataType::Date32,
+            DataType::Timestamp(datafusion::arrow::datatypes::TimeUnit::Nanosecond, None),
+            DataType::Utf8View,
+            dictionary(DataType::Utf8),
+        ] {
+            assert!(key_type_taken(&taken), "{taken}");
+        }
+        for declined in [
+            DataType::Float64,
+            DataType::Boolean,
+            DataType::Binary,
+            dictionary(DataType::Float32),
+        ] {
+            assert!(!key_type_taken(&declined), "{declined}");
+        }
+    }
+
+    #[test]
+    fn aggregate_functions_map_to_kinds() {
+        let kind = |name, distinct| aggregate_kind(name, distinct).ok();
+        assert_eq!(kind("count", true), Some(AggregateKind::CountDistinct));
+        assert_eq!(kind("count", false), Some(AggregateKind::Count));
+        assert_eq!(kind("max", true), Some(AggregateKind::Max));
+        assert_eq!(kind("avg", false), Some(AggregateKind::Avg));
+        assert_eq!(kind("sum", true), None);
+        assert_eq!(kind("median", false), None);
+    }
 }

@@ -344,3 +344,21 @@ async fn off_by_default() {
         plan_text(&plan)
     );
 }
+
+/// Under `auto` the operator says why it runs DataFusion's plan: no GPU, or no device path
+/// for the shape; the planning does not start the device to find out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn auto_says_why_the_cpu_path_runs() {
+    let mut config = test_config(true).with_backend(datafusion_gpu_topk::Backend::Auto);
+    config.aggregate_topk = true;
+    let ours = session_with(3, 64, config);
+    register(&ours, "t", table(61));
+    let sql = "SELECT g, COUNT(*) AS n FROM t GROUP BY g ORDER BY n DESC, g LIMIT 5";
+    let plan = physical_plan(&ours, sql).await.unwrap();
+    let text = plan_text(&plan);
+    let said = [
+        "reason=[no GPU: ",
+        "reason=[device path unavailable for this shape]",
+    ];
+    assert!(said.iter().any(|s| text.contains(s)), "{text}");
+}
