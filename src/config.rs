@@ -186,6 +186,11 @@ extensions_options! {
         /// and the rows are merged on the host; the best k-th key of any device prunes every
         /// device's scans. A GPU named twice is two logical devices.
         pub devices: String, default = "all".to_string()
+        /// Replace a top-k over an aggregation (`GROUP BY … ORDER BY … LIMIT k`) with one
+        /// operator, `GpuAggregateTopKExec`, where every key, aggregate and expression of the
+        /// query translates; it runs DataFusion's plan of the query where the device does not.
+        /// A query that does not translate keeps DataFusion's plan, and EXPLAIN says why.
+        pub aggregate_topk: bool, default = false
     }
 }
 

@@ -22,7 +22,7 @@
 //! | module | what it holds |
 //! |---|---|
 //! | `rule` | [`GpuTopKRule`]: recognises TopK and per-group window plans and replaces them |
-//! | `exec` | the operators ([`GpuTopKExec`], [`GpuGroupTopKExec`]): they run the plan the cost model made and own the fallbacks |
+//! | `exec` | the operators ([`GpuTopKExec`], [`GpuGroupTopKExec`], [`GpuAggregateTopKExec`]): they run the plan the cost model made and own the fallbacks |
 //! | `cost` | the one place that decides: pure decisions over gathered device facts (`facts`), the model and its calibration, every policy threshold (`policy`) |
 //! | `select` | the selectors, CPU and CUDA, streamed or over a whole table, built by one entry point (`create_selector`) |
 //! | `input` | what a table is to the operators: memory batches, [`GpuTable`], Parquet footers, pages and dictionaries, zones, column images and their uploads, the background loader |
@@ -76,7 +76,10 @@ pub use config::{Algorithm, Backend, DeviceOp, FaultPoint, GpuTopKConfig, GpuTop
 pub use device::column_cache::{column_cache_budget, set_column_cache_budget};
 #[cfg(feature = "cluster")]
 pub use distributed::{GpuTopKCodec, StaticWorkers, gpu_worker};
-pub use exec::{GpuGroupTopKExec, GpuTopKExec};
+pub use exec::{
+    AggregateBackend, AggregateItem, AggregateKind, AggregateTopKSpec, GpuAggregateTopKExec,
+    GpuGroupTopKExec, GpuTopKExec, GroupKey,
+};
 pub use input::gpu_table::{GpuTable, GpuTableExec, GpuTableFactory};
 pub use plan_cache::{CachedPlan, PlanCache, PlanCacheStats};
 pub use report::{gpu_summary, topk_report};

@@ -10,7 +10,7 @@ use datafusion::physical_plan::ExecutionPlan;
 
 use crate::cost::SelectionChoice;
 use crate::device::{GpuStatus, gpu_status};
-use crate::exec::{GpuGroupTopKExec, GpuTopKExec};
+use crate::exec::{GpuAggregateTopKExec, GpuGroupTopKExec, GpuTopKExec};
 use crate::rule::GpuTopKRule;
 
 /// The GPU the operator uses (`NVIDIA H200, …`), or `none (why)`.
@@ -29,6 +29,11 @@ pub fn topk_report(state: &SessionState, plan: &Arc<dyn ExecutionPlan>) -> Vec<S
     visit(plan, &mut |node| {
         if let Some(exec) = node.downcast_ref::<GpuTopKExec>() {
             lines.push(describe(exec));
+        } else if node.downcast_ref::<GpuAggregateTopKExec>().is_some() {
+            lines.push(format!(
+                "top-k over an aggregate: {}",
+                datafusion::physical_plan::displayable(node.as_ref()).one_line()
+            ));
         } else if node.downcast_ref::<GpuGroupTopKExec>().is_some() {
             lines.push(format!(
                 "top-k per group: {}",
@@ -84,8 +89,12 @@ fn describe(exec: &GpuTopKExec) -> String {
         Some(n) if n > 0 => ", GPU failed: fell back to the CPU path",
         _ => "",
     };
+    let aggregate = match exec.aggregate_kept() {
+        Some(why) => format!(", DataFusion's aggregation kept: {why}"),
+        None => String::new(),
+    };
     format!(
-        "top-k: GpuTopKExec, backend={}, algorithm={}{eval}{timing} ({}){fell_back}",
+        "top-k: GpuTopKExec, backend={}, algorithm={}{eval}{timing} ({}){fell_back}{aggregate}",
         choice.backend(),
         choice.algorithm(),
         spec.reason,

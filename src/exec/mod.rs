@@ -39,12 +39,17 @@
 //! every part's scans.
 //! Memory for retained rows is reserved from DataFusion's memory pool.
 
+mod aggregate_topk;
 mod dynamic_filter;
 mod group_topk;
 mod metrics;
 mod row_store;
 mod stream;
 
+pub use aggregate_topk::{
+    AggregateBackend, AggregateItem, AggregateKind, AggregateTopKSpec, GpuAggregateTopKExec,
+    GroupKey,
+};
 use dynamic_filter::{Publisher, SharedThreshold};
 pub use group_topk::{GpuGroupTopKExec, GroupCpuPlan, GroupDevicePlan, GroupWarmUp, RankFunction};
 
@@ -151,6 +156,9 @@ pub struct GpuTopKExec {
     fallback: Arc<Mutex<Option<String>>>,
     /// The threshold this operator shares with the other parts of a split top-k, if it is one.
     shared_threshold: Option<Arc<SharedThreshold>>,
+    /// Why the aggregation below stays DataFusion's, where the rule would have taken it
+    /// into a [`GpuAggregateTopKExec`] (EXPLAIN).
+    aggregate_kept: Option<Arc<str>>,
 }
 
 impl GpuTopKExec {
@@ -197,6 +205,7 @@ impl GpuTopKExec {
             properties: Arc::new(properties),
             fallback: Arc::default(),
             shared_threshold: None,
+            aggregate_kept: None,
         })
     }
 
@@ -244,7 +253,20 @@ impl GpuTopKExec {
             properties: Arc::clone(&self.properties),
             fallback: Arc::clone(&self.fallback),
             shared_threshold: self.shared_threshold.clone(),
+            aggregate_kept: self.aggregate_kept.clone(),
         }
+    }
+
+    /// Why the aggregation below stays DataFusion's, where the rule says so.
+    pub fn aggregate_kept(&self) -> Option<&str> {
+        self.aggregate_kept.as_deref()
+    }
+
+    /// The operator showing in EXPLAIN why the aggregation below it stays DataFusion's.
+    pub fn with_aggregate_kept(&self, why: &str) -> Self {
+        let mut exec = self.with_input(Arc::clone(&self.input));
+        exec.aggregate_kept = Some(why.into());
+        exec
     }
 }
 
@@ -306,6 +328,9 @@ impl DisplayAs for GpuTopKExec {
                 }
                 if let Some(reason) = self.fallback_reason() {
                     write!(f, ", fell_back=[{reason}]")?;
+                }
+                if let Some(why) = &self.aggregate_kept {
+                    write!(f, ", aggregate=[DataFusion's: {why}]")?;
                 }
                 Ok(())
             }

@@ -109,7 +109,7 @@ impl Absorbed {
 }
 
 /// `expr` with every column `i` replaced by `exprs[i]` (the expressions a projection computes).
-fn substitute_columns(
+pub(super) fn substitute_columns(
     expr: &Arc<dyn PhysicalExpr>,
     exprs: &[Arc<dyn PhysicalExpr>],
 ) -> std::result::Result<Arc<dyn PhysicalExpr>, Declined> {

@@ -37,23 +37,30 @@
 //! `ROW_NUMBER()` window over a sort) with [`crate::exec::GpuGroupTopKExec`] (`group`), so
 //! that an outer top-k over its rows is then taken as any other.
 //!
+//! With `gpu_topk.aggregate_topk`, a top-k over an aggregation (`GROUP BY … ORDER BY … LIMIT`)
+//! becomes one [`crate::exec::GpuAggregateTopKExec`] (`aggregate`), which keeps DataFusion's
+//! subtree as its child: the rule does not enter it. One whose aggregation does not translate
+//! is taken as any other top-k, its operator showing why in EXPLAIN.
+//!
 //! A shape or type the operator cannot take leaves the plan untouched (the rule never errors);
 //! the reason is logged and kept in [`GpuTopKRule::last_decisions`].
 //!
 //! One file each: `top_k` (the top-k subtree and what it selects), `absorb` (the nodes below
 //! the sort the operator takes in, and its input's order), `split` (parts per device or per
 //! task, and their merge), `build` (the operator's keys, fusion plan and placement), `worker`
-//! (a distributed engine's worker planning its part again), `group` (the per-group top-k).
+//! (a distributed engine's worker planning its part again), `group` (the per-group top-k),
+//! `aggregate` (the top-k over an aggregation).
 
 use std::sync::{Arc, Mutex};
 
 use datafusion::common::config::ConfigOptions;
-use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
+use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode, TreeNodeRecursion};
 use datafusion::error::Result;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::ExecutionPlan;
 
 mod absorb;
+mod aggregate;
 mod build;
 mod group;
 mod split;
@@ -62,6 +69,7 @@ mod top_k;
 mod worker;
 
 use crate::config::GpuTopKConfig;
+use crate::exec::{GpuAggregateTopKExec, GpuTopKExec};
 
 #[cfg(feature = "cluster")]
 pub(crate) use top_k::Shape;
@@ -124,8 +132,22 @@ impl PhysicalOptimizerRule for GpuTopKRule {
             })?;
             group::drop_unneeded_hashing(plan)?
         };
+        // The engine cuts a distributed plan's stages at the aggregation's repartition.
+        let aggregates = config.aggregate_topk && !distributed;
         let plan = rewrite(plan, &mut decisions, "TopK", |node| {
-            top_k::match_top_k(node, config, distributed)
+            let top_k = || top_k::match_top_k(node, config, distributed);
+            if !aggregates {
+                return top_k();
+            }
+            match aggregate::match_aggregate_top_k(node, config) {
+                Err(Declined::NotTopK) => top_k(),
+                Err(Declined::Because(why)) => match top_k() {
+                    Ok(exec) => Ok(noting_aggregate_kept(exec, &why)),
+                    Err(Declined::Because(also)) => because(format!("{why}; {also}")),
+                    Err(Declined::NotTopK) => because(why),
+                },
+                taken => taken,
+            }
         })?;
         *self.decisions.lock().unwrap_or_else(|e| e.into_inner()) = decisions;
         Ok(plan)
@@ -148,16 +170,35 @@ fn rewrite(
     kept: &str,
     replace: impl Fn(&Arc<dyn ExecutionPlan>) -> std::result::Result<Arc<dyn ExecutionPlan>, Declined>,
 ) -> Result<Arc<dyn ExecutionPlan>> {
-    plan.transform_down(|node| match replace(&node) {
-        Ok(exec) => Ok(Transformed::yes(exec)),
-        Err(Declined::NotTopK) => Ok(Transformed::no(node)),
-        Err(Declined::Because(why)) => {
-            log::info!("gpu-topk: DataFusion's {kept} kept: {why}");
-            decisions.push(why);
-            Ok(Transformed::no(node))
+    plan.transform_down(|node| {
+        // It keeps DataFusion's subtree as its child, to run as it is.
+        let keeps_subtree = |n: &Arc<dyn ExecutionPlan>| n.is::<GpuAggregateTopKExec>();
+        if keeps_subtree(&node) {
+            return Ok(Transformed::new(node, false, TreeNodeRecursion::Jump));
+        }
+        match replace(&node) {
+            Ok(exec) if keeps_subtree(&exec) => {
+                Ok(Transformed::new(exec, true, TreeNodeRecursion::Jump))
+            }
+            Ok(exec) => Ok(Transformed::yes(exec)),
+            Err(Declined::NotTopK) => Ok(Transformed::no(node)),
+            Err(Declined::Because(why)) => {
+                log::info!("gpu-topk: DataFusion's {kept} kept: {why}");
+                decisions.push(why);
+                Ok(Transformed::no(node))
+            }
         }
     })
     .data()
+}
+
+/// `exec` (a top-k's replacement) showing in EXPLAIN why the aggregation below stays
+/// DataFusion's.
+fn noting_aggregate_kept(exec: Arc<dyn ExecutionPlan>, why: &str) -> Arc<dyn ExecutionPlan> {
+    match exec.downcast_ref::<GpuTopKExec>() {
+        Some(top_k) => Arc::new(top_k.with_aggregate_kept(why)),
+        None => exec,
+    }
 }
 
 enum Declined {
