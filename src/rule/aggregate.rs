@@ -45,10 +45,11 @@ use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitio
 use super::absorb::{substitute_columns, substitute_ordering};
 use super::{Declined, because};
 use crate::config::{Backend, GpuTopKConfig};
+use crate::cost::policy;
 use crate::device::{GpuStatus, probed_status};
 use crate::exec::{
-    AggregateBackend, AggregateItem, AggregateKind, AggregateTopKSpec, GpuAggregateTopKExec,
-    GroupKey,
+    AggregateBackend, AggregateDevicePlan, AggregateItem, AggregateKind, AggregateTopKSpec,
+    GpuAggregateTopKExec, GroupKey,
 };
 
 type Exprs = Vec<Arc<dyn PhysicalExpr>>;
@@ -85,7 +86,7 @@ pub(super) fn match_aggregate_top_k(
         k,
         offset: top.skip,
     };
-    let backend = AggregateBackend::Cpu(cpu_reason(config));
+    let backend = backend_of(config, &spec, node);
     Ok(Arc::new(GpuAggregateTopKExec::new(
         Arc::clone(node),
         spec,
@@ -93,15 +94,39 @@ pub(super) fn match_aggregate_top_k(
     )))
 }
 
-/// Why the operator runs DataFusion's subtree: the setting, a GPU found missing (planning
-/// does not start the device to find out), or the device not taking the shape.
-fn cpu_reason(config: &GpuTopKConfig) -> String {
-    if config.backend == Backend::Cpu {
-        return "gpu_topk.backend = cpu".to_string();
-    }
-    match probed_status() {
-        Some(GpuStatus::Unavailable(why)) => format!("no GPU: {why}"),
-        _ => "device path unavailable for this shape".to_string(),
+/// Where the operator runs: the device where the setting allows it (`auto`: a GPU probed
+/// available, planning does not start the device to find out, and a table of at least
+/// [`policy::AGGREGATE_MIN_ROWS`] rows) and [`AggregateDevicePlan`] takes the spec; else
+/// DataFusion's subtree, with the reason.
+fn backend_of(
+    config: &GpuTopKConfig,
+    spec: &AggregateTopKSpec,
+    node: &Arc<dyn ExecutionPlan>,
+) -> AggregateBackend {
+    let device = match config.backend {
+        Backend::Cpu => Err("gpu_topk.backend = cpu".to_string()),
+        _ if node.output_partitioning().partition_count() != 1 => {
+            Err("the device path outputs one partition".to_string())
+        }
+        backend => AggregateDevicePlan::of(spec).and_then(|plan| match backend {
+            Backend::Auto => match probed_status() {
+                Some(GpuStatus::Unavailable(why)) => Err(format!("no GPU: {why}")),
+                None => Err("the GPU is not started".to_string()),
+                Some(GpuStatus::Available(_)) if !policy::aggregate_on_device(plan.rows) => {
+                    Err(format!(
+                        "{} rows, fewer than the device's {}",
+                        plan.rows,
+                        policy::AGGREGATE_MIN_ROWS
+                    ))
+                }
+                Some(GpuStatus::Available(_)) => Ok(plan),
+            },
+            _ => Ok(plan),
+        }),
+    };
+    match device {
+        Ok(plan) => AggregateBackend::Cuda(Arc::new(plan)),
+        Err(reason) => AggregateBackend::Cpu(reason),
     }
 }
 
