@@ -218,6 +218,13 @@ impl AggregateDevicePlan {
         }
     }
 
+    /// The table columns the device reads, each once: the keys', then the other values'.
+    fn reads(&self) -> Vec<usize> {
+        let mut reads = self.keys.clone();
+        reads.extend(self.values.iter().filter(|c| !self.keys.contains(c)));
+        reads
+    }
+
     fn push(&mut self, op: AggregateOp) -> usize {
         self.ops.push(op);
         self.ops.len() - 1
@@ -305,9 +312,7 @@ pub(super) fn run(
         .collect();
     let program = FusedProgram {
         source: String::new(),
-        inputs: (plan.keys.iter().chain(&plan.values))
-            .map(|&c| KernelInput::Column(c))
-            .collect(),
+        inputs: plan.reads().into_iter().map(KernelInput::Column).collect(),
         key_kind: KeyWidth::W64,
         refines: false,
     };
@@ -334,7 +339,7 @@ pub(super) fn run(
     output_batch(spec, plan, &top.top, schema).map(Some)
 }
 
-/// The device's top-k over the aggregate of `columns` (the keys', then the values'), read
+/// The device's top-k over the aggregate of `columns` (those of [`AggregateDevicePlan::reads`]), read
 /// from the column cache or uploaded into it; `None` where it declined.
 fn aggregate_resident(
     spec: &AggregateTopKSpec,
@@ -397,10 +402,10 @@ fn aggregate_on(
         validity: a[2],
         validity_offset: 0,
     };
-    let (keys, values): (Vec<_>, Vec<_>) =
-        (args.iter().map(column).enumerate()).partition(|(i, _)| *i < plan.keys.len());
-    let keys: Vec<AggregateColumn> = keys.into_iter().map(|(_, c)| c).collect();
-    let values: Vec<AggregateColumn> = values.into_iter().map(|(_, c)| c).collect();
+    let reads = plan.reads();
+    let of = |c: &usize| column(&args[reads.iter().position(|r| r == c).expect("read")]);
+    let keys: Vec<AggregateColumn> = plan.keys.iter().map(of).collect();
+    let values: Vec<AggregateColumn> = plan.values.iter().map(of).collect();
     let rows = columns.first().map_or(0, |c| c.rows);
     let call = AggregateCall {
         keys: &keys,
