@@ -415,10 +415,18 @@ async fn the_device_slice_plans_cuda_and_the_rest_says_why() {
         "SELECT ts, MAX(f) AS m, AVG(v) AS a FROM t GROUP BY ts ORDER BY a DESC, ts LIMIT 3",
         "SELECT id, MAX(v) AS m FROM t GROUP BY id ORDER BY m DESC NULLS LAST, id LIMIT 3",
     ];
+    // Without a GPU the device fails at once and DataFusion's plan answers.
+    let fallbacks = usize::from(datafusion_gpu_topk::internal::device::gpu().is_none());
     for sql in taken {
         let plan = physical_plan(&ours, sql).await.unwrap();
         let text = plan_text(&plan);
         assert!(text.contains("backend=cuda"), "{sql}:\n{text}");
+        collect(Arc::clone(&plan), ours.task_ctx()).await.unwrap();
+        let [exec] = aggregate_operators(&plan)[..] else {
+            panic!("{sql}: one operator expected");
+        };
+        let fell_back = exec.metrics().and_then(|m| m.sum_by_name("gpu_fallbacks"));
+        assert_eq!(fell_back.map_or(0, |v| v.as_usize()), fallbacks, "{sql}");
         same_answer(&ours, &plain, sql, true).await;
     }
     let untaken: [(&str, &[&str]); 10] = [

@@ -484,3 +484,6 @@ fn aggregate_array(top: &[AggregateGroup], output: Output, data_type: &DataType)
         Arc::new(top.iter().map(|g| value(g).0).collect::<Int64Array>())
     }
 }
+
+#[cfg(test)]
+mod tests;
