@@ -339,8 +339,9 @@ pub(super) fn run(
     output_batch(spec, plan, &top.top, schema).map(Some)
 }
 
-/// The device's top-k over the aggregate of `columns` (those of [`AggregateDevicePlan::reads`]), read
-/// from the column cache or uploaded into it; `None` where it declined.
+/// The device's top-k over the aggregate of `columns` (those of
+/// [`AggregateDevicePlan::reads`]), read from the column cache or uploaded into it; `None`
+/// where it declined.
 fn aggregate_resident(
     spec: &AggregateTopKSpec,
     plan: &AggregateDevicePlan,

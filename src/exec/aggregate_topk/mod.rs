@@ -317,27 +317,20 @@ impl ExecutionPlan for GpuAggregateTopKExec {
         );
         let output = Arc::clone(&schema);
         let run = async move {
-            let stream: SendableRecordBatchStream = match device::run(
-                &spec,
-                &plan,
-                Arc::clone(&output),
-                &metrics,
-            ) {
-                Ok(Some(batch)) => Box::pin(MemoryStream::try_new(vec![batch], output, None)?),
-                outcome => {
-                    match outcome {
-                        Err(e) => log::warn!(
-                            "gpu-topk: the device's aggregation failed, DataFusion's plan runs it: {e}"
-                        ),
-                        _ => log::debug!(
-                            "gpu-topk: the device declined the aggregation, DataFusion's plan runs it"
-                        ),
-                    }
-                    metrics.gpu_fallbacks.add(1);
-                    subtree.execute(partition, context)?
+            match device::run(&spec, &plan, Arc::clone(&output), &metrics) {
+                Ok(Some(batch)) => {
+                    let stream = MemoryStream::try_new(vec![batch], output, None)?;
+                    Ok(Box::pin(stream) as SendableRecordBatchStream)
                 }
-            };
-            Ok::<_, datafusion::error::DataFusionError>(stream)
+                outcome => {
+                    if let Err(e) = outcome {
+                        log::warn!("gpu-topk: the device's aggregation failed: {e}");
+                    }
+                    // DataFusion's answer, after a device failure or where the device declined.
+                    metrics.gpu_fallbacks.add(1);
+                    subtree.execute(partition, context)
+                }
+            }
         };
         let stream = futures::stream::once(run).try_flatten();
         Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
