@@ -108,25 +108,32 @@ fn backend_of(
         _ if node.output_partitioning().partition_count() != 1 => {
             Err("the device path outputs one partition".to_string())
         }
-        backend => AggregateDevicePlan::of(spec).and_then(|plan| match backend {
-            Backend::Auto => match probed_status() {
-                Some(GpuStatus::Unavailable(why)) => Err(format!("no GPU: {why}")),
-                None => Err("the GPU is not started".to_string()),
-                Some(GpuStatus::Available(_)) if !policy::aggregate_on_device(plan.rows) => {
-                    Err(format!(
-                        "{} rows, fewer than the device's {}",
-                        plan.rows,
-                        policy::AGGREGATE_MIN_ROWS
-                    ))
-                }
-                Some(GpuStatus::Available(_)) => Ok(plan),
-            },
-            _ => Ok(plan),
+        backend => AggregateDevicePlan::of(spec).and_then(|mut plan| {
+            plan.memory_limit = config.device_memory_limit;
+            plan.fault = config.inject_fault;
+            match backend {
+                Backend::Auto => auto_takes_device(plan.rows).map(|()| plan),
+                _ => Ok(plan),
+            }
         }),
     };
     match device {
         Ok(plan) => AggregateBackend::Cuda(Arc::new(plan)),
         Err(reason) => AggregateBackend::Cpu(reason),
+    }
+}
+
+/// Whether `auto` runs the device's plan over `rows` rows: where the GPU is already probed
+/// available and the table is large enough.
+fn auto_takes_device(rows: usize) -> std::result::Result<(), String> {
+    match probed_status() {
+        Some(GpuStatus::Unavailable(why)) => Err(format!("no GPU: {why}")),
+        None => Err("the GPU is not started".to_string()),
+        Some(GpuStatus::Available(_)) if !policy::aggregate_on_device(rows) => Err(format!(
+            "{rows} rows, fewer than the device's {}",
+            policy::AGGREGATE_MIN_ROWS
+        )),
+        Some(GpuStatus::Available(_)) => Ok(()),
     }
 }
 

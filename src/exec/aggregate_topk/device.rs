@@ -34,16 +34,21 @@ use datafusion::arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_expr::expressions::{CastExpr, Column};
-use datafusion::physical_plan::metrics::{Count, ExecutionPlanMetricsSet, MetricBuilder, Time};
+use datafusion::physical_plan::metrics::{
+    Count, ExecutionPlanMetricsSet, Gauge, MetricBuilder, Time,
+};
 
 use super::{AggregateKind, AggregateTopKSpec};
+use crate::config::FaultPoint;
 use crate::device::column_cache::CacheUse;
 use crate::device::error::gpu_error;
+use crate::device::watch;
 use crate::device::{
     AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES, AggValue, AggregateCall, AggregateColumn,
     AggregateGroup, AggregateOp, AggregateOrder, AggregateTopK, DeviceAlgorithm, GpuDevice,
     GpuError, GpuResult, KeyWidth, PooledBuffer, RankBy, contain_panics,
 };
+use crate::exec::metrics::device_watch;
 use crate::fusion::{FusedProgram, KernelInput};
 use crate::input::columns::{Reserved, TableColumn};
 use crate::input::memory::{memory_input, table_inputs};
@@ -75,6 +80,9 @@ pub struct AggregateDevicePlan {
     order: AggregateOrder,
     /// The table's rows at planning.
     pub rows: usize,
+    /// The session's `gpu_topk.device_memory_limit` and `gpu_topk.inject_fault`.
+    pub memory_limit: usize,
+    pub fault: FaultPoint,
 }
 
 impl AggregateDevicePlan {
@@ -118,6 +126,8 @@ impl AggregateDevicePlan {
                 nulls_first: false,
             },
             rows: memory.batches().map(|b| b.num_rows()).sum(),
+            memory_limit: 0,
+            fault: FaultPoint::None,
         };
         for item in &spec.aggregates {
             let output = plan.aggregate(item, &schema)?;
@@ -277,6 +287,9 @@ pub(super) struct DeviceMetrics {
     /// Wall time of the device's aggregation and selection, the columns' uploads not included.
     device_time: Time,
     transfers: TransferMetrics,
+    device_bytes_held: Gauge,
+    device_peak_bytes: Gauge,
+    pinned_bytes_held: Gauge,
 }
 
 impl DeviceMetrics {
@@ -293,6 +306,9 @@ impl DeviceMetrics {
                 uploaded_bytes: builder().global_counter("uploaded_bytes"),
                 upload_time: builder().subset_time("upload_time", 0),
             },
+            device_bytes_held: builder().global_gauge("device_bytes_held"),
+            device_peak_bytes: builder().global_gauge("device_peak_bytes"),
+            pinned_bytes_held: builder().global_gauge("pinned_bytes_held"),
         }
     }
 }
@@ -330,6 +346,15 @@ pub(super) fn run(
     } else {
         let device = crate::device::gpu()
             .ok_or_else(|| DataFusionError::Execution("no GPU to run on".into()))?;
+        // The query's device memory and injected faults, as the other operators count them.
+        let watch = device_watch(
+            plan.memory_limit,
+            plan.fault,
+            &metrics.device_bytes_held,
+            &metrics.device_peak_bytes,
+            &metrics.pinned_bytes_held,
+        );
+        let _entered = watch.enter();
         match aggregate_resident(spec, plan, &device, &columns, metrics)? {
             Some(top) => top,
             None => return Ok(None),
@@ -394,7 +419,8 @@ fn aggregate_on(
     lookups: &[Option<CacheUse>],
     metrics: &DeviceMetrics,
 ) -> GpuResult<(AggregateTopK, Vec<Option<(PooledBuffer, Vec<usize>)>>)> {
-    let mut engine = device.engine(KeyWidth::W64)?;
+    // Engines outlive the query (they idle for the next): not its memory.
+    let mut engine = watch::outside(|| device.engine(KeyWidth::W64))?;
     let (uploaded, args) =
         upload_missing(&metrics.transfers, device, &mut engine, columns, lookups)?;
     device.idle_engine(engine);
@@ -420,7 +446,7 @@ fn aggregate_on(
     };
     let timer = metrics.device_time.timer();
     let started = Instant::now();
-    let mut engine = device.engine(call.key_width())?;
+    let mut engine = watch::outside(|| device.engine(call.key_width()))?;
     let top = engine.aggregate_top_k(&call)?;
     engine.synchronize()?;
     device.idle_engine(engine);

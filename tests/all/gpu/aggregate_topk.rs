@@ -3,7 +3,8 @@
 //! of several partitions and a `GpuTable` (counts, each aggregate, two keys, NULL keys and
 //! values, k beyond the groups, OFFSET, ties at the k-th), with EXPLAIN ANALYZE saying
 //! `backend=cuda` and no fallback; the columns stay in the column cache for the next query;
-//! under `auto` a table past the device's minimum runs on it.
+//! under `auto` a table past the device's minimum runs on it; a device failure (injected)
+//! runs DataFusion's plan, with its answer.
 
 use std::collections::HashSet;
 
@@ -220,5 +221,35 @@ async fn columns_stay_resident_and_auto_takes_the_device() {
         }
         // The last run finds every column (two keys, one value) resident.
         assert_eq!(misses.last(), Some(&(0, 3)), "{backend:?}: {misses:?}");
+    }
+}
+
+/// A device operation that fails (an upload, a launch, a read-back, injected) runs
+/// DataFusion's plan instead, counted in `gpu_fallbacks`, with DataFusion's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_device_failure_runs_datafusions_plan() {
+    use datafusion_gpu_topk::{DeviceOp, FaultPoint};
+    if gpu_or_skip("a_device_failure_runs_datafusions_plan").is_none() {
+        return;
+    }
+    let data = tweets(83, 20_000);
+    let plain = session(false, 3, 1024);
+    crate::common::register(&plain, "t", data.clone());
+    for fault in [
+        FaultPoint::Device(DeviceOp::Launch, 1),
+        FaultPoint::Device(DeviceOp::Download, 1),
+        FaultPoint::Device(DeviceOp::Alloc, 2),
+    ] {
+        let mut config = crate::sessions::base_config().with_backend(Backend::Cuda);
+        config.aggregate_topk = true;
+        config.inject_fault = fault;
+        let ours = session_with(3, 1024, config);
+        crate::common::register(&ours, "t", data.clone());
+        let sql = TAKEN[14];
+        let plan = physical_plan(&ours, sql).await.unwrap();
+        assert!(plan_text(&plan).contains("backend=cuda"), "{fault}");
+        let got = exact_rows(&collect(Arc::clone(&plan), ours.task_ctx()).await.unwrap());
+        assert_eq!(metric(&plan, "gpu_fallbacks"), 1, "{fault}");
+        assert_eq!(got, run_oracle(&plain, sql).await.unwrap(), "{fault}");
     }
 }
