@@ -105,6 +105,9 @@ fn backend_of(
 ) -> AggregateBackend {
     let device = match config.backend {
         Backend::Cpu => Err("gpu_topk.backend = cpu".to_string()),
+        _ if !config.column_cache => {
+            Err("the device path reads the column cache: gpu_topk.column_cache = false".into())
+        }
         _ if node.output_partitioning().partition_count() != 1 => {
             Err("the device path outputs one partition".to_string())
         }

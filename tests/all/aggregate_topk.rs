@@ -507,4 +507,12 @@ async fn the_device_slice_plans_cuda_and_the_rest_says_why() {
     register(&cpu, "t", int64_table(67));
     let text = plan_text(&physical_plan(&cpu, taken[0]).await.unwrap());
     assert!(text.contains("reason=[gpu_topk.backend = cpu]"), "{text}");
+    // Nor does the device run without the column cache, which it reads the columns from.
+    let mut config = test_config(true).with_backend(datafusion_gpu_topk::Backend::Cuda);
+    config.aggregate_topk = true;
+    config.column_cache = false;
+    let uncached = session_with(3, 64, config);
+    register(&uncached, "t", int64_table(67));
+    let text = plan_text(&physical_plan(&uncached, taken[0]).await.unwrap());
+    assert!(text.contains("gpu_topk.column_cache = false]"), "{text}");
 }
