@@ -1,6 +1,6 @@
 //! The device path of [`GpuAggregateTopKExec`](super::GpuAggregateTopKExec): one call of the
-//! device's top-k over an aggregate ([`TopKEngine::aggregate_top_k`]) over the whole
-//! in-memory table.
+//! device's top-k over an aggregate ([`crate::device::TopKEngine::aggregate_top_k`]) over
+//! the whole in-memory table.
 //!
 //! # What it takes
 //!
