@@ -24,6 +24,11 @@
 //! aggregate, grouping sets, a key or input type the operator does not take, an input that is
 //! not a table scan) is declined with the reason: the TopK stays with the top-k rule, whose
 //! operator then shows it in EXPLAIN.
+//!
+//! A translated query runs on the device where the device's plan takes it
+//! (`AggregateDevicePlan`) and the setting allows: `cuda` always, `auto` where the GPU is
+//! already known to be available (planning never starts it) and the table is large enough;
+//! else on DataFusion's subtree, the reason in EXPLAIN.
 
 use std::sync::Arc;
 
