@@ -24,6 +24,11 @@
 //! aggregate, grouping sets, a key or input type the operator does not take, an input that is
 //! not a table scan) is declined with the reason: the TopK stays with the top-k rule, whose
 //! operator then shows it in EXPLAIN.
+//!
+//! A translated query runs on the device where the device's plan takes it
+//! (`AggregateDevicePlan`) and the setting allows: `cuda` always, `auto` where the GPU is
+//! already known to be available (planning never starts it) and the table is large enough;
+//! else on DataFusion's subtree, the reason in EXPLAIN.
 
 use std::sync::Arc;
 
@@ -45,10 +50,11 @@ use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitio
 use super::absorb::{substitute_columns, substitute_ordering};
 use super::{Declined, because};
 use crate::config::{Backend, GpuTopKConfig};
+use crate::cost::policy;
 use crate::device::{GpuStatus, probed_status};
 use crate::exec::{
-    AggregateBackend, AggregateItem, AggregateKind, AggregateTopKSpec, GpuAggregateTopKExec,
-    GroupKey,
+    AggregateBackend, AggregateDevicePlan, AggregateItem, AggregateKind, AggregateTopKSpec,
+    GpuAggregateTopKExec, GroupKey,
 };
 
 type Exprs = Vec<Arc<dyn PhysicalExpr>>;
@@ -85,7 +91,7 @@ pub(super) fn match_aggregate_top_k(
         k,
         offset: top.skip,
     };
-    let backend = AggregateBackend::Cpu(cpu_reason(config));
+    let backend = backend_of(config, &spec, node);
     Ok(Arc::new(GpuAggregateTopKExec::new(
         Arc::clone(node),
         spec,
@@ -93,15 +99,49 @@ pub(super) fn match_aggregate_top_k(
     )))
 }
 
-/// Why the operator runs DataFusion's subtree: the setting, a GPU found missing (planning
-/// does not start the device to find out), or the device not taking the shape.
-fn cpu_reason(config: &GpuTopKConfig) -> String {
-    if config.backend == Backend::Cpu {
-        return "gpu_topk.backend = cpu".to_string();
+/// Where the operator runs: the device where the setting allows it (`auto`: a GPU probed
+/// available, planning does not start the device to find out, and a table of at least
+/// [`policy::AGGREGATE_MIN_ROWS`] rows) and [`AggregateDevicePlan`] takes the spec; else
+/// DataFusion's subtree, with the reason.
+fn backend_of(
+    config: &GpuTopKConfig,
+    spec: &AggregateTopKSpec,
+    node: &Arc<dyn ExecutionPlan>,
+) -> AggregateBackend {
+    let device = match config.backend {
+        Backend::Cpu => Err("gpu_topk.backend = cpu".to_string()),
+        _ if !config.column_cache => {
+            Err("the device path reads the column cache: gpu_topk.column_cache = false".into())
+        }
+        _ if node.output_partitioning().partition_count() != 1 => {
+            Err("the device path outputs one partition".to_string())
+        }
+        backend => AggregateDevicePlan::of(spec).and_then(|mut plan| {
+            plan.memory_limit = config.device_memory_limit;
+            plan.fault = config.inject_fault;
+            match backend {
+                Backend::Auto => auto_takes_device(plan.rows).map(|()| plan),
+                _ => Ok(plan),
+            }
+        }),
+    };
+    match device {
+        Ok(plan) => AggregateBackend::Cuda(Arc::new(plan)),
+        Err(reason) => AggregateBackend::Cpu(reason),
     }
+}
+
+/// Whether `auto` runs the device's plan over `rows` rows: where the GPU is already probed
+/// available and the table is large enough.
+fn auto_takes_device(rows: usize) -> std::result::Result<(), String> {
     match probed_status() {
-        Some(GpuStatus::Unavailable(why)) => format!("no GPU: {why}"),
-        _ => "device path unavailable for this shape".to_string(),
+        Some(GpuStatus::Unavailable(why)) => Err(format!("no GPU: {why}")),
+        None => Err("the GPU is not started".to_string()),
+        Some(GpuStatus::Available(_)) if !policy::aggregate_on_device(rows) => Err(format!(
+            "{rows} rows, fewer than the device's {}",
+            policy::AGGREGATE_MIN_ROWS
+        )),
+        Some(GpuStatus::Available(_)) => Ok(()),
     }
 }
 

@@ -19,8 +19,8 @@ use datafusion::arrow::array::Array;
 use datafusion::arrow::datatypes::DataType;
 use datafusion::error::Result;
 
-use super::SelectionSpec;
 use super::cuda::{ColumnBuffers, exec_error, gpu_error, program_error};
+use super::{SelectionSpec, TransferMetrics};
 use crate::device::column_cache::{CacheKey, CacheUse, NewEntry};
 use crate::device::watch::{self, DeviceWatch};
 use crate::device::{
@@ -239,7 +239,14 @@ fn select_table(
         .map(|hit| hit.as_ref().map_or(0, |h| h.entry().bytes()))
         .collect();
     drop(lookups);
-    cache_uploads(spec, device, &columns, uploaded, hit_bytes, reserved);
+    cache_uploads(
+        &spec.transfers,
+        device,
+        &columns,
+        uploaded,
+        hit_bytes,
+        reserved,
+    );
     program_error(report.error)?;
     let unranked = tied.is_none();
     let (tied, sorted) = match step {
@@ -262,8 +269,8 @@ fn select_table(
 
 /// Inserts the columns a selection uploaded into the column cache (but those read for it
 /// alone), gives back the room none took, and counts the hits, misses and bytes.
-fn cache_uploads(
-    spec: &SelectionSpec,
+pub(crate) fn cache_uploads(
+    transfers_out: &TransferMetrics,
     device: &GpuDevice,
     columns: &[TableColumn<'_, '_>],
     uploaded: Vec<Option<(PooledBuffer, Vec<usize>)>>,
@@ -306,10 +313,10 @@ fn cache_uploads(
         }
     }
     drop(reserved);
-    spec.transfers.cache_hits.add(transfers.0);
-    spec.transfers.cache_misses.add(transfers.1);
-    spec.transfers.resident_bytes.add(transfers.2);
-    spec.transfers.uploaded_bytes.add(transfers.3);
+    transfers_out.cache_hits.add(transfers.0);
+    transfers_out.cache_misses.add(transfers.1);
+    transfers_out.resident_bytes.add(transfers.2);
+    transfers_out.uploaded_bytes.add(transfers.3);
 }
 
 /// The device work of [`select_table`]: the uploads of missing columns (their new buffers,
@@ -336,7 +343,8 @@ fn run_table(
     let (kernel, compile_time) = device.generated_kernel(&program.source, fusion::ENTRY)?;
     // Engines outlive the query (they idle for the next): not its memory.
     let mut engine = watch::outside(|| device.engine(program.key_kind))?;
-    let (uploaded, column_args) = upload_missing(spec, device, &mut engine, columns, lookups)?;
+    let (uploaded, column_args) =
+        upload_missing(&spec.transfers, device, &mut engine, columns, lookups)?;
     // Per-dictionary-entry inputs: small, shipped with every query.
     let (args, lookup_tables) = program_args(device, &mut engine, inputs, column_args)?;
     let mut rows = columns.first().map_or(0, |c| c.rows);
@@ -408,8 +416,8 @@ fn run_table(
 /// Uploads the columns the cache misses (into the cache's memory, not the query's): their new
 /// buffers in column order (`None` where resident), and each column's four kernel arguments.
 #[allow(clippy::type_complexity)]
-fn upload_missing(
-    spec: &SelectionSpec,
+pub(crate) fn upload_missing(
+    transfers: &TransferMetrics,
     device: &Arc<GpuDevice>,
     engine: &mut TopKEngine,
     columns: &[TableColumn<'_, '_>],
@@ -445,7 +453,7 @@ fn upload_missing(
     }
     if uploaded.iter().any(Option::is_some) {
         engine.synchronize()?;
-        (spec.transfers.upload_time).add_duration(upload_started.elapsed());
+        (transfers.upload_time).add_duration(upload_started.elapsed());
     }
     Ok((uploaded, column_args))
 }

@@ -345,20 +345,174 @@ async fn off_by_default() {
     );
 }
 
-/// Under `auto` the operator says why it runs DataFusion's plan: no GPU, or no device path
-/// for the shape; the planning does not start the device to find out.
+/// Under `auto` the operator says why it runs DataFusion's plan: no GPU, the GPU not
+/// started (planning does not start it), or a table below the device's minimum of rows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn auto_says_why_the_cpu_path_runs() {
     let mut config = test_config(true).with_backend(datafusion_gpu_topk::Backend::Auto);
     config.aggregate_topk = true;
     let ours = session_with(3, 64, config);
-    register(&ours, "t", table(61));
-    let sql = "SELECT g, COUNT(*) AS n FROM t GROUP BY g ORDER BY n DESC, g LIMIT 5";
+    register(&ours, "t", int64_table(61));
+    let sql = "SELECT k, COUNT(*) AS n FROM t GROUP BY k ORDER BY n DESC, k LIMIT 5";
     let plan = physical_plan(&ours, sql).await.unwrap();
     let text = plan_text(&plan);
     let said = [
         "reason=[no GPU: ",
-        "reason=[device path unavailable for this shape]",
+        "reason=[the GPU is not started]",
+        "rows, fewer than the device's 65536]",
     ];
     assert!(said.iter().any(|s| text.contains(s)), "{text}");
+}
+
+/// `t` of [`table`] with `k` and `k2`, Int64 group keys with NULLs (40 and 6 values).
+fn int64_table(seed: u64) -> Vec<Vec<RecordBatch>> {
+    let keys = |batch: &RecordBatch, modulo: i64| -> Int64Array {
+        let id = batch.column_by_name("id").unwrap();
+        let id = id.as_any().downcast_ref::<Int64Array>().unwrap();
+        let g = batch.column_by_name("g").unwrap();
+        let g = g.as_any().downcast_ref::<Int32Array>().unwrap();
+        (id.iter().zip(g.iter()))
+            .map(|(id, g)| g.and(id).map(|id| (id * 7919) % modulo - modulo / 2))
+            .collect()
+    };
+    (table(seed).into_iter())
+        .map(|batches| {
+            (batches.iter())
+                .map(|b| {
+                    let mut fields: Vec<Field> = b
+                        .schema()
+                        .fields()
+                        .iter()
+                        .map(|f| f.as_ref().clone())
+                        .collect();
+                    fields.push(Field::new("k", DataType::Int64, true));
+                    fields.push(Field::new("k2", DataType::Int64, true));
+                    let mut columns = b.columns().to_vec();
+                    columns.push(Arc::new(keys(b, 40)));
+                    columns.push(Arc::new(keys(b, 6)));
+                    RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).unwrap()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// With `backend = cuda` the device's slice plans `backend=cuda` (and answers as DataFusion:
+/// on the device, or without a GPU by DataFusion's plan after the device failed), and every
+/// other shape says why it stays on the CPU; `cpu` says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_device_slice_plans_cuda_and_the_rest_says_why() {
+    let mut config = test_config(true).with_backend(datafusion_gpu_topk::Backend::Cuda);
+    config.aggregate_topk = true;
+    let ours = session_with(3, 64, config);
+    let plain = session(false, 3, 64);
+    register(&ours, "t", int64_table(67));
+    register(&plain, "t", int64_table(67));
+    let taken = [
+        "SELECT k, COUNT(*) AS n FROM t GROUP BY k ORDER BY n DESC, k LIMIT 5",
+        "SELECT k, COUNT(v) AS c, SUM(v) AS s FROM t GROUP BY k ORDER BY s DESC NULLS FIRST, k LIMIT 4",
+        "SELECT k, k2, SUM(f) AS s, MIN(v) AS lo FROM t GROUP BY k, k2 ORDER BY s, k, k2 LIMIT 6 OFFSET 2",
+        "SELECT ts, MAX(f) AS m, AVG(v) AS a FROM t GROUP BY ts ORDER BY a DESC, ts LIMIT 3",
+        "SELECT id, MAX(v) AS m FROM t GROUP BY id ORDER BY m DESC NULLS LAST, id LIMIT 3",
+    ];
+    // Without a GPU the device fails at once and DataFusion's plan answers.
+    let fallbacks = usize::from(datafusion_gpu_topk::internal::device::gpu().is_none());
+    for sql in taken {
+        let plan = physical_plan(&ours, sql).await.unwrap();
+        let text = plan_text(&plan);
+        assert!(text.contains("backend=cuda"), "{sql}:\n{text}");
+        collect(Arc::clone(&plan), ours.task_ctx()).await.unwrap();
+        let [exec] = aggregate_operators(&plan)[..] else {
+            panic!("{sql}: one operator expected");
+        };
+        let fell_back = exec.metrics().and_then(|m| m.sum_by_name("gpu_fallbacks"));
+        assert_eq!(fell_back.map_or(0, |v| v.as_usize()), fallbacks, "{sql}");
+        same_answer(&ours, &plain, sql, true).await;
+    }
+    let untaken: [(&str, &[&str]); 10] = [
+        (
+            "SELECT k, COUNT(*) AS n FROM t WHERE v > 0 GROUP BY k ORDER BY n, k LIMIT 3",
+            &["a fused filter is not yet on the device"],
+        ),
+        (
+            "SELECT k, COUNT(*) AS n FROM t GROUP BY k HAVING SUM(v) > 0 ORDER BY n, k LIMIT 3",
+            &["HAVING is not yet on the device"],
+        ),
+        (
+            "SELECT g, COUNT(*) AS n FROM t GROUP BY g ORDER BY n, g LIMIT 3",
+            &["key type Int32 not yet on the device"],
+        ),
+        (
+            "SELECT d, COUNT(*) AS n FROM t GROUP BY d ORDER BY n, d LIMIT 3",
+            &["key type Date32 not yet on the device"],
+        ),
+        (
+            "SELECT k, COUNT(DISTINCT v) AS u FROM t GROUP BY k ORDER BY u, k LIMIT 3",
+            &["count_distinct(v@", "not yet on the device"],
+        ),
+        (
+            "SELECT k, SUM(c) AS s FROM t GROUP BY k ORDER BY s, k LIMIT 3",
+            &["AS Int64)) not yet on the device"],
+        ),
+        (
+            "SELECT k, AVG(f) AS a FROM t GROUP BY k ORDER BY a, k LIMIT 3",
+            &["avg(f@", "not yet on the device"],
+        ),
+        (
+            "SELECT k, COUNT(*) AS n FROM t GROUP BY k ORDER BY k LIMIT 3",
+            &["the first sort key is not an aggregate"],
+        ),
+        (
+            "SELECT k, COUNT(*) AS n FROM t GROUP BY k ORDER BY n, k DESC LIMIT 3",
+            &["ties ordered otherwise than by the group keys ascending, NULLs last"],
+        ),
+        (
+            "SELECT k, k2, COUNT(*) AS n FROM t GROUP BY k, k2 ORDER BY n, k2, k LIMIT 3",
+            &["ties ordered otherwise"],
+        ),
+    ];
+    for (sql, why) in untaken {
+        let text = plan_text(&physical_plan(&ours, sql).await.unwrap());
+        assert!(text.contains("backend=cpu, reason=["), "{sql}:\n{text}");
+        for why in why {
+            assert!(text.contains(why), "{sql}: {why}:\n{text}");
+        }
+        same_answer(&ours, &plain, sql, true).await;
+    }
+    // Files are not read by the device path.
+    let dir = test_dir("aggregate-device-plans");
+    let files = session_with(3, 64, {
+        let mut config = test_config(true).with_backend(datafusion_gpu_topk::Backend::Cuda);
+        config.aggregate_topk = true;
+        config
+    });
+    register_as(
+        &files,
+        "t",
+        &int64_table(67),
+        crate::common::Storage::Parquet,
+        &dir,
+    )
+    .await;
+    let text = plan_text(&physical_plan(&files, taken[0]).await.unwrap());
+    assert!(
+        text.contains("reason=[the device reads in-memory tables and GpuTables only]"),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    // `cpu` keeps the device out.
+    let mut config = test_config(true).with_backend(datafusion_gpu_topk::Backend::Cpu);
+    config.aggregate_topk = true;
+    let cpu = session_with(3, 64, config);
+    register(&cpu, "t", int64_table(67));
+    let text = plan_text(&physical_plan(&cpu, taken[0]).await.unwrap());
+    assert!(text.contains("reason=[gpu_topk.backend = cpu]"), "{text}");
+    // Nor does the device run without the column cache, which it reads the columns from.
+    let mut config = test_config(true).with_backend(datafusion_gpu_topk::Backend::Cuda);
+    config.aggregate_topk = true;
+    config.column_cache = false;
+    let uncached = session_with(3, 64, config);
+    register(&uncached, "t", int64_table(67));
+    let text = plan_text(&physical_plan(&uncached, taken[0]).await.unwrap());
+    assert!(text.contains("gpu_topk.column_cache = false]"), "{text}");
 }

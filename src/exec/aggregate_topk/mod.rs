@@ -34,8 +34,12 @@
 //!
 //! The operator keeps DataFusion's own subtree, from the top of the TopK down, as its child,
 //! and takes over its schema, partitioning, order and boundedness. The CPU path executes that
-//! subtree: its rows, columns, types and errors are DataFusion's. EXPLAIN shows the spec, the
-//! backend and why it was chosen.
+//! subtree: its rows, columns, types and errors are DataFusion's. The device path
+//! ([`AggregateDevicePlan`], its own module) computes a narrower set of shapes on the GPU in
+//! one call, and runs the subtree where the device fails or declines. EXPLAIN shows the spec,
+//! the backend and why it was chosen.
+
+mod device;
 
 use std::fmt::{self, Formatter};
 use std::sync::Arc;
@@ -46,9 +50,15 @@ use datafusion::error::Result;
 use datafusion::execution::TaskContext;
 use datafusion::physical_expr::{LexOrdering, PhysicalExpr};
 use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
+use datafusion::physical_plan::memory::MemoryStream;
+use datafusion::physical_plan::metrics::{ExecutionPlanMetricsSet, MetricsSet};
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties, SendableRecordBatchStream,
 };
+use futures::TryStreamExt;
+
+pub use device::AggregateDevicePlan;
 
 /// One aggregate function the operator computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,6 +158,8 @@ impl AggregateTopKSpec {
 pub enum AggregateBackend {
     /// DataFusion's subtree, for this reason.
     Cpu(String),
+    /// The device, by this plan (DataFusion's subtree where it fails or declines).
+    Cuda(Arc<AggregateDevicePlan>),
 }
 
 /// See the module documentation.
@@ -158,6 +170,7 @@ pub struct GpuAggregateTopKExec {
     spec: Arc<AggregateTopKSpec>,
     backend: AggregateBackend,
     properties: Arc<PlanProperties>,
+    metrics: ExecutionPlanMetricsSet,
 }
 
 impl GpuAggregateTopKExec {
@@ -173,6 +186,7 @@ impl GpuAggregateTopKExec {
             plan,
             spec: Arc::new(spec),
             backend,
+            metrics: ExecutionPlanMetricsSet::new(),
         }
     }
 
@@ -213,6 +227,7 @@ impl DisplayAs for GpuAggregateTopKExec {
         }
         match &self.backend {
             AggregateBackend::Cpu(reason) => write!(f, ", backend=cpu, reason=[{reason}]"),
+            AggregateBackend::Cuda(_) => write!(f, ", backend=cuda"),
         }
     }
 }
@@ -266,6 +281,7 @@ impl ExecutionPlan for GpuAggregateTopKExec {
             plan,
             spec: Arc::clone(&self.spec),
             backend: self.backend.clone(),
+            metrics: ExecutionPlanMetricsSet::new(),
         }))
     }
 
@@ -284,8 +300,43 @@ impl ExecutionPlan for GpuAggregateTopKExec {
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
-        match &self.backend {
-            AggregateBackend::Cpu(_) => self.plan.execute(partition, context),
+        let plan = match &self.backend {
+            AggregateBackend::Cpu(_) => return self.plan.execute(partition, context),
+            AggregateBackend::Cuda(plan) => Arc::clone(plan),
+        };
+        if partition != 0 {
+            return datafusion::common::internal_err!(
+                "GpuAggregateTopKExec on the device has one partition, asked for {partition}"
+            );
         }
+        let metrics = device::DeviceMetrics::new(&self.metrics);
+        let (spec, subtree, schema) = (
+            Arc::clone(&self.spec),
+            Arc::clone(&self.plan),
+            self.schema(),
+        );
+        let output = Arc::clone(&schema);
+        let run = async move {
+            match device::run(&spec, &plan, Arc::clone(&output), &metrics) {
+                Ok(Some(batch)) => {
+                    let stream = MemoryStream::try_new(vec![batch], output, None)?;
+                    Ok(Box::pin(stream) as SendableRecordBatchStream)
+                }
+                outcome => {
+                    if let Err(e) = outcome {
+                        log::warn!("gpu-topk: the device's aggregation failed: {e}");
+                    }
+                    // DataFusion's answer, after a device failure or where the device declined.
+                    metrics.gpu_fallbacks.add(1);
+                    subtree.execute(partition, context)
+                }
+            }
+        };
+        let stream = futures::stream::once(run).try_flatten();
+        Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
+    }
+
+    fn metrics(&self) -> Option<MetricsSet> {
+        Some(self.metrics.clone_inner())
     }
 }

@@ -33,6 +33,7 @@ use datafusion_gpu_topk::internal::select::{RowIds, SelectInput, SelectionSpec, 
 use crate::common::{Rng, test_dir};
 
 mod aggregate;
+mod aggregate_topk;
 mod encoding;
 mod generated;
 mod nvrtc;

@@ -1,0 +1,516 @@
+//! The device path of [`GpuAggregateTopKExec`](super::GpuAggregateTopKExec): one call of the
+//! device's top-k over an aggregate ([`crate::device::TopKEngine::aggregate_top_k`]) over
+//! the whole in-memory table.
+//!
+//! # What it takes
+//!
+//! [`AggregateDevicePlan::of`] translates the spec where the device computes it exactly:
+//! an in-memory table or `GpuTable` without a fused filter or `HAVING`; one or two group keys
+//! that are plain `Int64` or 64-bit timestamp columns; `COUNT(*)`, `COUNT(x)`, `SUM`, `MIN` and
+//! `MAX` of plain `Int64` or `Float64` columns and `AVG` of an `Int64` column (DataFusion's
+//! input `CAST(x AS Float64)`: summed as f64 and divided by the count of `x`); an order by one
+//! aggregate, then at most the group keys ascending with NULLs last, in key order (the
+//! device orders groups with equal ranking values so). Anything else keeps DataFusion's
+//! subtree, and the reason shows in EXPLAIN.
+//!
+//! # The run
+//!
+//! The key and value columns come from the device column cache, uploaded into it on a miss
+//! (as a whole-table selection reads them, [`crate::select::table`]), so that they stay
+//! resident for the next query. The device returns the best `k` (+ offset) groups, in order,
+//! with their keys and accumulators; the host builds them into a batch of the aggregation's
+//! output (keys, then aggregates), drops the offset's groups and evaluates the spec's output
+//! projection on the rest. A device error, or the device declining the query (a NaN met by an
+//! f64 `MIN`/`MAX`), runs DataFusion's subtree instead.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use datafusion::arrow::array::{
+    ArrayRef, Float64Array, Int64Array, RecordBatch, RecordBatchOptions,
+};
+use datafusion::arrow::compute::cast;
+use datafusion::arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use datafusion::error::{DataFusionError, Result};
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_expr::expressions::{CastExpr, Column};
+use datafusion::physical_plan::metrics::{
+    Count, ExecutionPlanMetricsSet, Gauge, MetricBuilder, Time,
+};
+
+use super::{AggregateKind, AggregateTopKSpec};
+use crate::config::FaultPoint;
+use crate::device::column_cache::CacheUse;
+use crate::device::error::gpu_error;
+use crate::device::watch;
+use crate::device::{
+    AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES, AggValue, AggregateCall, AggregateColumn,
+    AggregateGroup, AggregateOp, AggregateOrder, AggregateTopK, DeviceAlgorithm, GpuDevice,
+    GpuError, GpuResult, KeyWidth, PooledBuffer, RankBy, contain_panics,
+};
+use crate::exec::metrics::device_watch;
+use crate::fusion::{FusedProgram, KernelInput};
+use crate::input::columns::{Reserved, TableColumn};
+use crate::input::memory::{memory_input, table_inputs};
+use crate::select::TransferMetrics;
+use crate::select::table::{cache_uploads, upload_missing};
+
+/// Groups the device's first hash table is sized for (it grows fourfold when it fills).
+const GROUPS_ESTIMATE: usize = 1 << 20;
+
+/// Where an aggregate's value comes from among the device's ops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Output {
+    /// The op's value.
+    Op(usize),
+    /// `sum / count` as f64, NULL where the count is 0.
+    Avg { sum: usize, count: usize },
+}
+
+/// The device's plan of a spec (see the module documentation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AggregateDevicePlan {
+    /// The table's key columns, then the value columns the ops read (indices into the
+    /// table's schema).
+    keys: Vec<usize>,
+    values: Vec<usize>,
+    ops: Vec<AggregateOp>,
+    /// Per aggregate of the spec.
+    outputs: Vec<Output>,
+    order: AggregateOrder,
+    /// The table's rows at planning.
+    pub rows: usize,
+    /// The session's `gpu_topk.device_memory_limit` and `gpu_topk.inject_fault`.
+    pub memory_limit: usize,
+    pub fault: FaultPoint,
+}
+
+impl AggregateDevicePlan {
+    /// The device's plan of `spec`, or why the device does not compute it.
+    pub fn of(spec: &AggregateTopKSpec) -> std::result::Result<Self, String> {
+        let Some(memory) = memory_input(&spec.table) else {
+            return Err("the device reads in-memory tables and GpuTables only".into());
+        };
+        if spec.filter.is_some() {
+            return Err("a fused filter is not yet on the device".into());
+        }
+        if spec.having.is_some() {
+            return Err("HAVING is not yet on the device".into());
+        }
+        let schema = spec.table.schema();
+        if spec.group_keys.len() > AGG_MAX_KEYS {
+            return Err(format!("more than {AGG_MAX_KEYS} group keys"));
+        }
+        let mut keys = Vec::with_capacity(spec.group_keys.len());
+        for key in &spec.group_keys {
+            let key_64 = matches!(key.data_type, DataType::Int64 | DataType::Timestamp(..));
+            if !key_64 {
+                return Err(format!("key type {} not yet on the device", key.data_type));
+            }
+            let Some(c) = plain_column(&key.expr) else {
+                return Err(format!(
+                    "the computed key {} not yet on the device",
+                    key.expr
+                ));
+            };
+            keys.push(c);
+        }
+        let mut plan = Self {
+            keys,
+            values: Vec::new(),
+            ops: Vec::new(),
+            outputs: Vec::new(),
+            order: AggregateOrder {
+                by: RankBy::Op(0),
+                descending: false,
+                nulls_first: false,
+            },
+            rows: memory.batches().map(|b| b.num_rows()).sum(),
+            memory_limit: 0,
+            fault: FaultPoint::None,
+        };
+        for item in &spec.aggregates {
+            let output = plan.aggregate(item, &schema)?;
+            plan.outputs.push(output);
+        }
+        if plan.values.len() > AGG_MAX_VALUES || plan.ops.len() > AGG_MAX_ACCUMULATORS {
+            return Err(format!(
+                "more than {AGG_MAX_VALUES} value columns or {AGG_MAX_ACCUMULATORS} accumulators"
+            ));
+        }
+        plan.order = plan.order_of(spec)?;
+        Ok(plan)
+    }
+
+    /// The ops computing `item` and where its value comes from.
+    fn aggregate(
+        &mut self,
+        item: &super::AggregateItem,
+        schema: &Schema,
+    ) -> std::result::Result<Output, String> {
+        use DataType::{Float64, Int64};
+        let described = || {
+            let over = item.input.as_ref().map_or("*".into(), |e| e.to_string());
+            format!("{}({over})", item.kind.name())
+        };
+        let column = |e: &Arc<dyn PhysicalExpr>| -> Option<(usize, DataType)> {
+            let c = plain_column(e)?;
+            Some((c, schema.field(c).data_type().clone()))
+        };
+        let input = item.input.as_ref();
+        let (op, want): (fn(usize) -> AggregateOp, DataType) = match item.kind {
+            AggregateKind::CountStar => {
+                let at = self.push(AggregateOp::CountStar);
+                return self.typed(item, Int64, Output::Op(at), described);
+            }
+            AggregateKind::CountDistinct => {
+                return Err(format!("{} not yet on the device", described()));
+            }
+            AggregateKind::Avg => {
+                // DataFusion averages an Int64 column's values cast to Float64.
+                let cast = input.and_then(|e| e.downcast_ref::<CastExpr>());
+                let inner = cast.filter(|c| *c.cast_type() == Float64);
+                match inner.and_then(|c| column(c.expr())) {
+                    Some((c, Int64)) => {
+                        let value = self.value(c);
+                        let sum = self.push(AggregateOp::SumI64AsF64(value));
+                        let count = self.push(AggregateOp::Count(value));
+                        return self.typed(item, Float64, Output::Avg { sum, count }, described);
+                    }
+                    _ => return Err(format!("{} not yet on the device", described())),
+                }
+            }
+            kind => match (kind, input.and_then(column)) {
+                (AggregateKind::Count, Some((_, Int64 | Float64 | DataType::Timestamp(..)))) => {
+                    (AggregateOp::Count, Int64)
+                }
+                (AggregateKind::Sum, Some((_, Int64))) => (AggregateOp::SumI64, Int64),
+                (AggregateKind::Sum, Some((_, Float64))) => (AggregateOp::SumF64, Float64),
+                (AggregateKind::Min, Some((_, Int64))) => (AggregateOp::MinI64, Int64),
+                (AggregateKind::Min, Some((_, Float64))) => (AggregateOp::MinF64, Float64),
+                (AggregateKind::Max, Some((_, Int64))) => (AggregateOp::MaxI64, Int64),
+                (AggregateKind::Max, Some((_, Float64))) => (AggregateOp::MaxF64, Float64),
+                _ => return Err(format!("{} not yet on the device", described())),
+            },
+        };
+        let (c, _) = input.and_then(column).expect("matched a plain column");
+        let value = self.value(c);
+        let at = self.push(op(value));
+        self.typed(item, want, Output::Op(at), described)
+    }
+
+    /// `output` where `item` has DataFusion's output type `want`.
+    fn typed(
+        &self,
+        item: &super::AggregateItem,
+        want: DataType,
+        output: Output,
+        described: impl Fn() -> String,
+    ) -> std::result::Result<Output, String> {
+        if item.output_type != want {
+            return Err(format!(
+                "{} outputs {}, not the device's {want}",
+                described(),
+                item.output_type
+            ));
+        }
+        Ok(output)
+    }
+
+    /// The value column index of table column `c`, added where new.
+    fn value(&mut self, c: usize) -> usize {
+        match self.values.iter().position(|&v| v == c) {
+            Some(at) => at,
+            None => {
+                self.values.push(c);
+                self.values.len() - 1
+            }
+        }
+    }
+
+    /// The table columns the device reads, each once: the keys', then the other values'.
+    fn reads(&self) -> Vec<usize> {
+        let mut reads = self.keys.clone();
+        reads.extend(self.values.iter().filter(|c| !self.keys.contains(c)));
+        reads
+    }
+
+    fn push(&mut self, op: AggregateOp) -> usize {
+        self.ops.push(op);
+        self.ops.len() - 1
+    }
+
+    /// The device's order of the spec's: by an aggregate, its ties by the group keys
+    /// ascending with NULLs last (a prefix of them in key order may be spelled out).
+    fn order_of(&self, spec: &AggregateTopKSpec) -> std::result::Result<AggregateOrder, String> {
+        let key_count = spec.group_keys.len();
+        let first = &spec.order[0];
+        let aggregate = plain_column(&first.expr)
+            .and_then(|c| c.checked_sub(key_count))
+            .filter(|&a| a < self.outputs.len());
+        let Some(aggregate) = aggregate else {
+            return Err("the first sort key is not an aggregate".into());
+        };
+        let ties_by_keys = spec.order.len() <= key_count + 1
+            && (spec.order.iter().skip(1).enumerate()).all(|(i, sort)| {
+                plain_column(&sort.expr) == Some(i)
+                    && !sort.options.descending
+                    && !sort.options.nulls_first
+            });
+        if !ties_by_keys {
+            return Err(
+                "ties ordered otherwise than by the group keys ascending, NULLs last".into(),
+            );
+        }
+        let by = match self.outputs[aggregate] {
+            Output::Op(op) => RankBy::Op(op),
+            Output::Avg { sum, count } => RankBy::Avg { sum, count },
+        };
+        Ok(AggregateOrder {
+            by,
+            descending: first.options.descending,
+            nulls_first: first.options.nulls_first,
+        })
+    }
+}
+
+/// The index of the column `expr` is, if it is one.
+fn plain_column(expr: &Arc<dyn PhysicalExpr>) -> Option<usize> {
+    expr.downcast_ref::<Column>().map(Column::index)
+}
+
+/// The device path's counters.
+pub(super) struct DeviceMetrics {
+    pub(super) gpu_fallbacks: Count,
+    /// Groups the aggregation found.
+    groups: Count,
+    /// Wall time of the device's aggregation and selection, the columns' uploads not included.
+    device_time: Time,
+    transfers: TransferMetrics,
+    device_bytes_held: Gauge,
+    device_peak_bytes: Gauge,
+    pinned_bytes_held: Gauge,
+}
+
+impl DeviceMetrics {
+    pub(super) fn new(set: &ExecutionPlanMetricsSet) -> Self {
+        let builder = || MetricBuilder::new(set);
+        Self {
+            gpu_fallbacks: builder().global_counter("gpu_fallbacks"),
+            groups: builder().global_counter("groups"),
+            device_time: builder().subset_time("device_time", 0),
+            transfers: TransferMetrics {
+                cache_hits: builder().global_counter("cache_hits"),
+                cache_misses: builder().global_counter("cache_misses"),
+                resident_bytes: builder().global_counter("resident_bytes"),
+                uploaded_bytes: builder().global_counter("uploaded_bytes"),
+                upload_time: builder().subset_time("upload_time", 0),
+            },
+            device_bytes_held: builder().global_gauge("device_bytes_held"),
+            device_peak_bytes: builder().global_gauge("device_peak_bytes"),
+            pinned_bytes_held: builder().global_gauge("pinned_bytes_held"),
+        }
+    }
+}
+
+/// The operator's output computed on the device (`schema`: the operator's), or `None` where
+/// the device declined the query.
+pub(super) fn run(
+    spec: &AggregateTopKSpec,
+    plan: &AggregateDevicePlan,
+    schema: SchemaRef,
+    metrics: &DeviceMetrics,
+) -> Result<Option<RecordBatch>> {
+    let memory = memory_input(&spec.table)
+        .ok_or_else(|| DataFusionError::Execution("the table is not in memory".into()))?;
+    let names: Vec<String> = (spec.table.schema().fields().iter())
+        .map(|f| f.name().clone())
+        .collect();
+    let program = FusedProgram {
+        source: String::new(),
+        inputs: plan.reads().into_iter().map(KernelInput::Column).collect(),
+        key_kind: KeyWidth::W64,
+        refines: false,
+    };
+    let inputs = table_inputs(&memory, &program, &names)?
+        .ok_or_else(|| DataFusionError::Execution("the table's columns are unreadable".into()))?;
+    let columns = (inputs.iter().map(TableColumn::new)).collect::<Result<Vec<_>>>()?;
+    let rows = columns.first().map_or(0, |c| c.rows);
+    if columns.iter().any(|c| c.rows != rows || c.width != Some(8)) {
+        return Err(DataFusionError::Execution(
+            "the device aggregates columns of 8-byte values of equal length".into(),
+        ));
+    }
+    let top = if rows == 0 {
+        AggregateTopK::default()
+    } else {
+        let device = crate::device::gpu()
+            .ok_or_else(|| DataFusionError::Execution("no GPU to run on".into()))?;
+        // The query's device memory and injected faults, as the other operators count them.
+        let watch = device_watch(
+            plan.memory_limit,
+            plan.fault,
+            &metrics.device_bytes_held,
+            &metrics.device_peak_bytes,
+            &metrics.pinned_bytes_held,
+        );
+        let _entered = watch.enter();
+        match aggregate_resident(spec, plan, &device, &columns, metrics)? {
+            Some(top) => top,
+            None => return Ok(None),
+        }
+    };
+    metrics.groups.add(top.groups);
+    output_batch(spec, plan, &top.top, schema).map(Some)
+}
+
+/// The device's top-k over the aggregate of `columns` (those of
+/// [`AggregateDevicePlan::reads`]), read from the column cache or uploaded into it; `None`
+/// where it declined.
+fn aggregate_resident(
+    spec: &AggregateTopKSpec,
+    plan: &AggregateDevicePlan,
+    device: &Arc<GpuDevice>,
+    columns: &[TableColumn<'_, '_>],
+    metrics: &DeviceMetrics,
+) -> Result<Option<AggregateTopK>> {
+    let cache = &device.column_cache;
+    let lookups: Vec<Option<CacheUse>> = columns.iter().map(|c| cache.acquire(&c.key)).collect();
+    let missing: usize = (columns.iter().zip(&lookups))
+        .filter(|(_, hit)| hit.is_none())
+        .map(|(c, _)| c.layout().0)
+        .sum();
+    if missing > 0 && !cache.reserve(missing) {
+        return Err(DataFusionError::Execution(
+            "the columns do not fit the column cache's budget".into(),
+        ));
+    }
+    let reserved = Reserved {
+        device,
+        bytes: missing,
+    };
+    let work = || aggregate_on(spec, plan, device, columns, &lookups, metrics);
+    let (top, uploaded) = contain_panics(work)
+        .unwrap_or_else(|panic| Err(GpuError(format!("the CUDA bindings panicked: {panic}"))))
+        .map_err(gpu_error)?;
+    let hit_bytes: Vec<usize> = (lookups.iter())
+        .map(|hit| hit.as_ref().map_or(0, |h| h.entry().bytes()))
+        .collect();
+    drop(lookups);
+    cache_uploads(
+        &metrics.transfers,
+        device,
+        columns,
+        uploaded,
+        hit_bytes,
+        reserved,
+    );
+    Ok(top.report.declined.is_none().then_some(top))
+}
+
+/// The device work of [`aggregate_resident`]: the missing columns' uploads (their new
+/// buffers, `None` where resident), then the aggregation and selection.
+#[allow(clippy::type_complexity)]
+fn aggregate_on(
+    spec: &AggregateTopKSpec,
+    plan: &AggregateDevicePlan,
+    device: &Arc<GpuDevice>,
+    columns: &[TableColumn<'_, '_>],
+    lookups: &[Option<CacheUse>],
+    metrics: &DeviceMetrics,
+) -> GpuResult<(AggregateTopK, Vec<Option<(PooledBuffer, Vec<usize>)>>)> {
+    // Engines outlive the query (they idle for the next): not its memory.
+    let mut engine = watch::outside(|| device.engine(KeyWidth::W64))?;
+    let (uploaded, args) =
+        upload_missing(&metrics.transfers, device, &mut engine, columns, lookups)?;
+    device.idle_engine(engine);
+    let column = |a: &[u64; 4]| AggregateColumn {
+        values: a[0],
+        validity: a[2],
+        validity_offset: 0,
+    };
+    let reads = plan.reads();
+    let of = |c: &usize| column(&args[reads.iter().position(|r| r == c).expect("read")]);
+    let keys: Vec<AggregateColumn> = plan.keys.iter().map(of).collect();
+    let values: Vec<AggregateColumn> = plan.values.iter().map(of).collect();
+    let rows = columns.first().map_or(0, |c| c.rows);
+    let call = AggregateCall {
+        keys: &keys,
+        values: &values,
+        ops: &plan.ops,
+        rows,
+        order: plan.order,
+        k: spec.k,
+        groups_estimate: rows.min(GROUPS_ESTIMATE),
+        algorithm: DeviceAlgorithm::Radix,
+    };
+    let timer = metrics.device_time.timer();
+    let started = Instant::now();
+    let mut engine = watch::outside(|| device.engine(call.key_width()))?;
+    let top = engine.aggregate_top_k(&call)?;
+    engine.synchronize()?;
+    device.idle_engine(engine);
+    timer.done();
+    log::debug!(
+        "gpu-topk: aggregated {rows} rows into {} groups on the device in {:?}",
+        top.groups,
+        started.elapsed()
+    );
+    Ok((top, uploaded))
+}
+
+/// The operator's output of the device's `top` groups: the aggregation's output rows (keys,
+/// then aggregates), less the offset's, through the spec's output projection.
+fn output_batch(
+    spec: &AggregateTopKSpec,
+    plan: &AggregateDevicePlan,
+    top: &[AggregateGroup],
+    schema: SchemaRef,
+) -> Result<RecordBatch> {
+    let top = &top[spec.offset.min(top.len())..];
+    let mut fields = Vec::new();
+    let mut arrays: Vec<ArrayRef> = Vec::new();
+    for (i, key) in spec.group_keys.iter().enumerate() {
+        let values: Int64Array = top.iter().map(|g| g.key[i]).collect();
+        arrays.push(cast(&values, &key.data_type)?);
+        fields.push(Field::new(&key.name, key.data_type.clone(), true));
+    }
+    for (item, output) in spec.aggregates.iter().zip(&plan.outputs) {
+        arrays.push(aggregate_array(top, *output, &item.output_type));
+        fields.push(Field::new(&item.name, item.output_type.clone(), true));
+    }
+    let options = RecordBatchOptions::new().with_row_count(Some(top.len()));
+    let groups =
+        RecordBatch::try_new_with_options(Arc::new(Schema::new(fields)), arrays, &options)?;
+    let columns = (spec.output.iter())
+        .map(|(expr, _)| expr.evaluate(&groups)?.into_array(groups.num_rows()))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(RecordBatch::try_new_with_options(
+        schema, columns, &options,
+    )?)
+}
+
+/// One aggregate's column over `top` (`data_type`: Int64 or Float64, as the plan checked).
+fn aggregate_array(top: &[AggregateGroup], output: Output, data_type: &DataType) -> ArrayRef {
+    let value = |g: &AggregateGroup| -> (Option<i64>, Option<f64>) {
+        match output {
+            Output::Op(op) => match g.values[op] {
+                AggValue::Count(n) => (Some(n as i64), None),
+                AggValue::I64(v) => (v, None),
+                AggValue::F64(v) => (None, v),
+            },
+            Output::Avg { sum, count } => match (g.values[sum], g.values[count]) {
+                (AggValue::F64(Some(s)), AggValue::Count(n)) if n > 0 => (None, Some(s / n as f64)),
+                _ => (None, None),
+            },
+        }
+    };
+    if *data_type == DataType::Float64 {
+        Arc::new(top.iter().map(|g| value(g).1).collect::<Float64Array>())
+    } else {
+        Arc::new(top.iter().map(|g| value(g).0).collect::<Int64Array>())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,163 @@
+//! The device path's translation and output without a GPU: the host reference of the device's
+//! aggregation ([`aggregate_top_k_host`]) in its place, over the columns the plan reads,
+//! builds the operator's output, which must be DataFusion's.
+
+use datafusion::arrow::array::{Array, AsArray, Int64Array, TimestampMicrosecondArray};
+use datafusion::arrow::datatypes::{Float64Type, Int64Type, TimeUnit};
+use datafusion::arrow::util::pretty::pretty_format_batches;
+use datafusion::datasource::MemTable;
+use datafusion::execution::SessionStateBuilder;
+use datafusion::physical_plan::ExecutionPlan;
+use datafusion::prelude::{SessionConfig, SessionContext};
+
+use super::*;
+use crate::SessionStateBuilderExt;
+use crate::config::{Backend, GpuTopKConfig};
+use crate::device::{HostColumn, aggregate_top_k_host};
+use crate::exec::{AggregateBackend, GpuAggregateTopKExec};
+
+/// Three partitions of `t`: keys `a` (60 values), `b` (5) and `ts`, values `v`, `w` (mostly
+/// NULL) and `f` (quarters), each with NULLs.
+fn table() -> Vec<Vec<RecordBatch>> {
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("a", DataType::Int64, true),
+        Field::new("b", DataType::Int64, true),
+        Field::new("ts", DataType::Timestamp(TimeUnit::Microsecond, None), true),
+        Field::new("v", DataType::Int64, true),
+        Field::new("w", DataType::Int64, true),
+        Field::new("f", DataType::Float64, true),
+    ]));
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut draw = move |null: u64, below: u64| -> Option<i64> {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % 100 >= null).then(|| ((state >> 8) % below) as i64)
+    };
+    (0..3)
+        .map(|p| {
+            let rows = 700 + 300 * p;
+            let mut column = |null, below, base| -> Vec<Option<i64>> {
+                (0..rows)
+                    .map(|_| draw(null, below).map(|x| x + base))
+                    .collect()
+            };
+            let (a, b) = (column(3, 60, -30), column(10, 5, 0));
+            let ts = column(5, 12, 1_600_000_000_000_000);
+            let (v, w) = (column(5, 21, -10), column(80, 100, -50));
+            let f: Vec<Option<f64>> = (column(5, 80, 0).into_iter())
+                .map(|x| x.map(|x| x as f64 / 4.0))
+                .collect();
+            let columns: Vec<ArrayRef> = vec![
+                Arc::new(Int64Array::from(a)),
+                Arc::new(Int64Array::from(b)),
+                Arc::new(TimestampMicrosecondArray::from(ts)),
+                Arc::new(Int64Array::from(v)),
+                Arc::new(Int64Array::from(w)),
+                Arc::new(Float64Array::from(f)),
+            ];
+            vec![RecordBatch::try_new(Arc::clone(&schema), columns).unwrap()]
+        })
+        .collect()
+}
+
+fn context(config: Option<GpuTopKConfig>) -> SessionContext {
+    let session = SessionConfig::new().with_target_partitions(3);
+    let builder = SessionStateBuilder::new()
+        .with_config(session)
+        .with_default_features();
+    let builder = match config {
+        Some(config) => builder.with_gpu_topk(config),
+        None => builder,
+    };
+    let ctx = SessionContext::new_with_state(builder.build());
+    let data = table();
+    let table = MemTable::try_new(data[0][0].schema(), data).unwrap();
+    ctx.register_table("t", Arc::new(table)).unwrap();
+    ctx
+}
+
+fn operator(plan: &Arc<dyn ExecutionPlan>) -> Option<&GpuAggregateTopKExec> {
+    if let Some(exec) = plan.downcast_ref::<GpuAggregateTopKExec>() {
+        return Some(exec);
+    }
+    plan.children().into_iter().find_map(operator)
+}
+
+/// A reference's view of `columns`.
+fn host(columns: &[(Vec<u64>, Vec<bool>)]) -> Vec<HostColumn<'_>> {
+    (columns.iter())
+        .map(|(values, valid)| HostColumn {
+            values,
+            valid: Some(valid),
+        })
+        .collect()
+}
+
+/// The host reference's best groups over the columns `plan` reads of the spec's table.
+fn host_top(spec: &AggregateTopKSpec, plan: &AggregateDevicePlan) -> Vec<AggregateGroup> {
+    let memory = memory_input(&spec.table).unwrap();
+    let column = |c: usize| -> (Vec<u64>, Vec<bool>) {
+        let (mut values, mut valid) = (Vec::new(), Vec::new());
+        for batch in memory.batches() {
+            let array = batch.column(memory.columns[c]);
+            match array.data_type() {
+                DataType::Float64 => (array.as_primitive::<Float64Type>().values().iter())
+                    .for_each(|v| values.push(v.to_bits())),
+                _ => (cast(array, &DataType::Int64).unwrap())
+                    .as_primitive::<Int64Type>()
+                    .values()
+                    .iter()
+                    .for_each(|&v| values.push(v as u64)),
+            }
+            valid.extend((0..array.len()).map(|i| array.is_valid(i)));
+        }
+        (values, valid)
+    };
+    let read = |columns: &[usize]| columns.iter().map(|&c| column(c)).collect::<Vec<_>>();
+    let (keys, values) = (read(&plan.keys), read(&plan.values));
+    let (top, _) =
+        aggregate_top_k_host(&host(&keys), &host(&values), &plan.ops, plan.order, spec.k).unwrap();
+    top
+}
+
+/// Each shape of the slice: the device path's plan and output over the host reference's
+/// groups are DataFusion's rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_device_paths_output_is_datafusions() {
+    let mut config = GpuTopKConfig::default().with_backend(Backend::Cuda);
+    config.aggregate_topk = true;
+    let ours = context(Some(config));
+    let plain = context(None);
+    for sql in [
+        "SELECT a, COUNT(*) AS n FROM t GROUP BY a ORDER BY n DESC, a LIMIT 10",
+        "SELECT COUNT(*) AS n, a FROM t GROUP BY a ORDER BY n, a LIMIT 7 OFFSET 3",
+        "SELECT a, COUNT(w) AS c, SUM(w) AS s FROM t GROUP BY a ORDER BY s DESC NULLS FIRST, a LIMIT 9",
+        "SELECT a, b, SUM(w) AS s FROM t GROUP BY a, b ORDER BY s NULLS FIRST, a, b LIMIT 9",
+        "SELECT a, SUM(f) AS s, MIN(f) AS lo, MAX(f) AS hi FROM t GROUP BY a ORDER BY s DESC, a LIMIT 8",
+        "SELECT a, MIN(v) AS lo, MAX(v) AS hi FROM t GROUP BY a ORDER BY hi, a LIMIT 8",
+        "SELECT b, ts, AVG(v) AS m, AVG(w) AS mw FROM t GROUP BY b, ts ORDER BY m DESC, b, ts LIMIT 12",
+        "SELECT ts, AVG(w) AS m FROM t GROUP BY ts ORDER BY m NULLS FIRST, ts LIMIT 20",
+        "SELECT b, COUNT(*) AS n FROM t GROUP BY b ORDER BY n, b LIMIT 100 OFFSET 2",
+        "SELECT a, COUNT(*) AS n FROM t GROUP BY a ORDER BY n DESC, a LIMIT 5 OFFSET 100",
+    ] {
+        let plan = ours.sql(sql).await.unwrap().create_physical_plan().await;
+        let plan = plan.unwrap();
+        let exec = operator(&plan).unwrap_or_else(|| panic!("{sql}: no operator"));
+        let AggregateBackend::Cuda(device) = exec.backend() else {
+            panic!("{sql}: {:?}", exec.backend());
+        };
+        let top = host_top(exec.spec(), device);
+        let got = output_batch(exec.spec(), device, &top, exec.schema()).unwrap();
+        let want = plain.sql(sql).await.unwrap().collect().await.unwrap();
+        // Rows alone: DataFusion hands out no batch where there are none.
+        let text = |batches: &[RecordBatch]| {
+            let rows: Vec<RecordBatch> = (batches.iter())
+                .filter(|b| b.num_rows() > 0)
+                .cloned()
+                .collect();
+            pretty_format_batches(&rows).unwrap().to_string()
+        };
+        assert_eq!(text(&[got]), text(&want), "{sql}");
+    }
+}

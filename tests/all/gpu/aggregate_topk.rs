@@ -1,0 +1,255 @@
+//! The device path of `GpuAggregateTopKExec` (skips without a GPU): with `backend = cuda`
+//! forced, every shape of the device's slice against plain DataFusion over an in-memory table
+//! of several partitions and a `GpuTable` (counts, each aggregate, two keys, NULL keys and
+//! values, k beyond the groups, OFFSET, ties at the k-th), with EXPLAIN ANALYZE saying
+//! `backend=cuda` and no fallback; the columns stay in the column cache for the next query;
+//! under `auto` a table past the device's minimum runs on it; a device failure (injected)
+//! runs DataFusion's plan, with its answer.
+
+use std::collections::HashSet;
+
+use datafusion::arrow::array::{RecordBatch, TimestampMicrosecondArray};
+use datafusion::arrow::datatypes::{Field, Schema, TimeUnit};
+use datafusion::physical_plan::{ExecutionPlan, collect};
+use datafusion::prelude::SessionContext;
+use datafusion_gpu_topk::{Backend, GpuAggregateTopKExec};
+
+use super::*;
+use crate::common::{
+    Rng, Storage, exact_rows, partitioned, physical_plan, plan_text, register_as, run, run_oracle,
+    session, session_with,
+};
+
+/// Partitions of `t` (`rows` in all): keys `uid` (300 values), `u` (5000 values), `k2`
+/// (7 values) and `ts` (20 hours), each with NULLs; values `v` (small integers, some NULL),
+/// `w` (mostly NULL, so that some groups of `u` have no value) and `f` (non-negative
+/// quarters: every sum exact in any order, no negative zero).
+fn tweets(seed: u64, rows: usize) -> Vec<Vec<RecordBatch>> {
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("uid", DataType::Int64, true),
+        Field::new("u", DataType::Int64, true),
+        Field::new("k2", DataType::Int64, true),
+        Field::new("ts", DataType::Timestamp(TimeUnit::Microsecond, None), true),
+        Field::new("v", DataType::Int64, true),
+        Field::new("w", DataType::Int64, true),
+        Field::new("f", DataType::Float64, true),
+    ]));
+    let part = rows / 6;
+    let sizes: [&[usize]; 3] = [&[part, part], &[3 * part], &[part, rows - 5 * part]];
+    partitioned(seed, &sizes, |rng: &mut Rng, _, n| {
+        let mut draw = |null: f64, below: u64, base: i64| -> Vec<Option<i64>> {
+            (0..n)
+                .map(|_| (!rng.chance(null)).then(|| base + rng.below(below) as i64))
+                .collect()
+        };
+        let uid = draw(0.02, 300, -150);
+        let u = draw(0.01, 5000, 0);
+        let k2 = draw(0.05, 7, -3);
+        let ts: Vec<Option<i64>> = (draw(0.05, 20, 0).into_iter())
+            .map(|h| h.map(|h| 1_600_000_000_000_000 + h * 3_600_000_000))
+            .collect();
+        let v = draw(0.05, 41, -20);
+        let w = draw(0.7, 1000, -500);
+        let f: Vec<Option<f64>> = (draw(0.05, 200, 0).into_iter())
+            .map(|x| x.map(|x| x as f64 / 4.0))
+            .collect();
+        let columns: Vec<ArrayRef> = vec![
+            Arc::new(Int64Array::from(uid)),
+            Arc::new(Int64Array::from(u)),
+            Arc::new(Int64Array::from(k2)),
+            Arc::new(TimestampMicrosecondArray::from(ts)),
+            Arc::new(Int64Array::from(v)),
+            Arc::new(Int64Array::from(w)),
+            Arc::new(Float64Array::from(f)),
+        ];
+        RecordBatch::try_new(Arc::clone(&schema), columns).unwrap()
+    })
+}
+
+/// Shapes the device takes, each ordered by keys that tell every output row apart.
+const TAKEN: &[&str] = &[
+    "SELECT uid, COUNT(*) AS n FROM t GROUP BY uid ORDER BY n DESC, uid LIMIT 50",
+    "SELECT COUNT(*) AS n, uid FROM t GROUP BY uid ORDER BY n, uid LIMIT 7",
+    "SELECT uid, COUNT(v) AS c FROM t GROUP BY uid ORDER BY c, uid LIMIT 20",
+    "SELECT u, SUM(w) AS s FROM t GROUP BY u ORDER BY s DESC NULLS FIRST, u LIMIT 20",
+    "SELECT u, SUM(w) AS s FROM t GROUP BY u ORDER BY s NULLS LAST, u LIMIT 20",
+    "SELECT uid, SUM(f) AS s FROM t GROUP BY uid ORDER BY s DESC, uid LIMIT 15",
+    "SELECT u, MIN(w) AS lo FROM t GROUP BY u ORDER BY lo NULLS FIRST, u LIMIT 12",
+    "SELECT uid, MAX(v) AS hi, MIN(v) AS lo FROM t GROUP BY uid ORDER BY hi, uid LIMIT 12",
+    "SELECT uid, MIN(f) AS lo, MAX(f) AS hi FROM t GROUP BY uid ORDER BY lo DESC, uid LIMIT 12",
+    "SELECT uid, MAX(f) AS hi FROM t GROUP BY uid ORDER BY hi, uid LIMIT 12",
+    "SELECT uid, AVG(v) AS a FROM t GROUP BY uid ORDER BY a DESC, uid LIMIT 25",
+    "SELECT u, AVG(w) AS a, COUNT(w) AS c FROM t GROUP BY u ORDER BY a NULLS FIRST, u LIMIT 25",
+    "SELECT ts, COUNT(*) AS n, SUM(v) AS s FROM t GROUP BY ts ORDER BY s DESC, ts LIMIT 6",
+    "SELECT k2, ts, COUNT(*) AS n, SUM(v) AS s FROM t GROUP BY k2, ts ORDER BY n DESC, k2, ts LIMIT 30",
+    "SELECT uid, k2, AVG(v) AS a, MAX(f) AS m FROM t GROUP BY uid, k2 ORDER BY a, uid, k2 LIMIT 40 OFFSET 7",
+    // k beyond the groups (NULL a group of its own).
+    "SELECT k2, COUNT(*) AS n FROM t GROUP BY k2 ORDER BY n, k2 LIMIT 1000",
+    "SELECT k2, SUM(v) AS s FROM t GROUP BY k2 ORDER BY s DESC, k2 LIMIT 5 OFFSET 3",
+    "SELECT uid, COUNT(*) AS n FROM t GROUP BY uid ORDER BY n DESC, uid LIMIT 10 OFFSET 400",
+];
+
+/// A session with the operator on, `backend` forced, partitions of 3.
+fn device_session(backend: Backend) -> SessionContext {
+    let mut config = crate::sessions::base_config().with_backend(backend);
+    config.aggregate_topk = true;
+    session_with(3, 1024, config)
+}
+
+/// The operator of `plan`.
+fn operator(plan: &Arc<dyn ExecutionPlan>) -> Option<&GpuAggregateTopKExec> {
+    if let Some(exec) = plan.downcast_ref::<GpuAggregateTopKExec>() {
+        return Some(exec);
+    }
+    plan.children().into_iter().find_map(operator)
+}
+
+/// The operator's metric `name` after its run.
+fn metric(plan: &Arc<dyn ExecutionPlan>, name: &str) -> usize {
+    let exec = operator(plan).expect("the operator");
+    (exec.metrics().and_then(|m| m.sum_by_name(name))).map_or(0, |v| v.as_usize())
+}
+
+/// `sql` on the device (EXPLAIN says so, no fallback) with DataFusion's rows in order.
+async fn device_answers(ours: &SessionContext, plain: &SessionContext, sql: &str) {
+    let plan = physical_plan(ours, sql).await.unwrap();
+    let text = plan_text(&plan);
+    assert!(text.contains("backend=cuda"), "{sql}:\n{text}");
+    let got = exact_rows(&collect(Arc::clone(&plan), ours.task_ctx()).await.unwrap());
+    assert_eq!(metric(&plan, "gpu_fallbacks"), 0, "{sql}");
+    assert_eq!(got, run_oracle(plain, sql).await.unwrap(), "{sql}");
+}
+
+/// Every shape of the slice on the device, over memory and a `GpuTable`, with DataFusion's
+/// answer; EXPLAIN ANALYZE shows the backend and the groups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_device_aggregates_as_datafusion() {
+    if gpu_or_skip("the_device_aggregates_as_datafusion").is_none() {
+        return;
+    }
+    let dir = crate::common::test_dir("aggregate-device");
+    let data = tweets(71, 30_000);
+    for storage in [Storage::Memory, Storage::GpuTable] {
+        let ours = device_session(Backend::Cuda);
+        let plain = session(false, 3, 1024);
+        register_as(&ours, "t", &data, storage, &dir).await;
+        register_as(&plain, "t", &data, storage, &dir).await;
+        for sql in TAKEN {
+            device_answers(&ours, &plain, sql).await;
+        }
+        let analyzed = run(&ours, &format!("EXPLAIN ANALYZE {}", TAKEN[0])).await;
+        let text = datafusion::arrow::util::pretty::pretty_format_batches(&analyzed.unwrap())
+            .unwrap()
+            .to_string();
+        assert!(text.contains("backend=cuda"), "{text}");
+        assert!(text.contains("gpu_fallbacks=0"), "{text}");
+        assert!(text.contains("groups=301"), "{text}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Ordered by one aggregate alone, groups tie at the k-th: the order key's values are
+/// DataFusion's, and every group returned is one of DataFusion's whole GROUP BY, with its
+/// aggregates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ties_select_datafusions_values_and_true_groups() {
+    if gpu_or_skip("ties_select_datafusions_values_and_true_groups").is_none() {
+        return;
+    }
+    let data = tweets(73, 20_000);
+    let ours = device_session(Backend::Cuda);
+    let plain = session(false, 3, 1024);
+    crate::common::register(&ours, "t", data.clone());
+    crate::common::register(&plain, "t", data);
+    let all = "SELECT uid, COUNT(*) AS n, SUM(v) AS s FROM t GROUP BY uid";
+    let groups: HashSet<String> = exact_rows(&run(&plain, all).await.unwrap())
+        .into_iter()
+        .collect();
+    for (order, values) in [
+        (
+            "n DESC",
+            "SELECT COUNT(*) AS n FROM t GROUP BY uid ORDER BY n DESC LIMIT 30",
+        ),
+        (
+            "s",
+            "SELECT SUM(v) AS s FROM t GROUP BY uid ORDER BY s LIMIT 30",
+        ),
+    ] {
+        let sql = format!("{all} ORDER BY {order} LIMIT 30");
+        let plan = physical_plan(&ours, &sql).await.unwrap();
+        assert!(plan_text(&plan).contains("backend=cuda"), "{sql}");
+        let got = exact_rows(&collect(Arc::clone(&plan), ours.task_ctx()).await.unwrap());
+        assert_eq!(metric(&plan, "gpu_fallbacks"), 0, "{sql}");
+        let column = if order.starts_with('n') { 1 } else { 2 };
+        let picked: Vec<&str> = (got.iter().skip(1))
+            .map(|row| row.split(" | ").nth(column).unwrap())
+            .collect();
+        let want = run_oracle(&plain, values).await.unwrap();
+        let want: Vec<&str> = want.iter().skip(1).map(String::as_str).collect();
+        assert_eq!(picked, want, "{sql}");
+        for row in &got {
+            assert!(
+                groups.contains(row),
+                "{sql}: {row} is no group of DataFusion's"
+            );
+        }
+    }
+}
+
+/// A repeated query reads its columns from the column cache; under `auto` a table past the
+/// device's minimum runs there too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn columns_stay_resident_and_auto_takes_the_device() {
+    if gpu_or_skip("columns_stay_resident_and_auto_takes_the_device").is_none() {
+        return;
+    }
+    let data = tweets(79, 1 << 17);
+    let plain = session(false, 3, 1024);
+    crate::common::register(&plain, "t", data.clone());
+    for backend in [Backend::Cuda, Backend::Auto] {
+        let ours = device_session(backend);
+        crate::common::register(&ours, "t", data.clone());
+        let sql = TAKEN[13];
+        let mut misses = Vec::new();
+        for _ in 0..3 {
+            let plan = physical_plan(&ours, sql).await.unwrap();
+            assert!(plan_text(&plan).contains("backend=cuda"), "{backend:?}");
+            let got = exact_rows(&collect(Arc::clone(&plan), ours.task_ctx()).await.unwrap());
+            assert_eq!(got, run_oracle(&plain, sql).await.unwrap());
+            assert_eq!(metric(&plan, "gpu_fallbacks"), 0);
+            misses.push((metric(&plan, "cache_misses"), metric(&plan, "cache_hits")));
+        }
+        // The last run finds every column (two keys, one value) resident.
+        assert_eq!(misses.last(), Some(&(0, 3)), "{backend:?}: {misses:?}");
+    }
+}
+
+/// A device operation that fails (an upload, a launch, a read-back, injected) runs
+/// DataFusion's plan instead, counted in `gpu_fallbacks`, with DataFusion's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_device_failure_runs_datafusions_plan() {
+    use datafusion_gpu_topk::{DeviceOp, FaultPoint};
+    if gpu_or_skip("a_device_failure_runs_datafusions_plan").is_none() {
+        return;
+    }
+    let data = tweets(83, 20_000);
+    let plain = session(false, 3, 1024);
+    crate::common::register(&plain, "t", data.clone());
+    for fault in [
+        FaultPoint::Device(DeviceOp::Launch, 1),
+        FaultPoint::Device(DeviceOp::Download, 1),
+        FaultPoint::Device(DeviceOp::Alloc, 2),
+    ] {
+        let mut config = crate::sessions::base_config().with_backend(Backend::Cuda);
+        config.aggregate_topk = true;
+        config.inject_fault = fault;
+        let ours = session_with(3, 1024, config);
+        crate::common::register(&ours, "t", data.clone());
+        let sql = TAKEN[14];
+        let plan = physical_plan(&ours, sql).await.unwrap();
+        assert!(plan_text(&plan).contains("backend=cuda"), "{fault}");
+        let got = exact_rows(&collect(Arc::clone(&plan), ours.task_ctx()).await.unwrap());
+        assert_eq!(metric(&plan, "gpu_fallbacks"), 1, "{fault}");
+        assert_eq!(got, run_oracle(&plain, sql).await.unwrap(), "{fault}");
+    }
+}
