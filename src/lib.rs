@@ -135,8 +135,8 @@ pub mod internal {
         pub use crate::device::{
             DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_CLUSTER, FUSED_SAMPLE_ROWS, FusedReport,
             GpuDevice, GpuError, GpuResult, GpuStatus, GpuTimer, KeyWidth, TopKEngine,
-            column_cache, gpu, gpu_on, gpu_status, kernels, measure, options, plan, probed_status,
-            slots, started_device_count, started_gpu,
+            column_cache, gpu, gpu_on, gpu_status, kernels, measure, options, plan,
+            planning_generation, probed_status, slots, started_device_count, started_gpu,
         };
     }
     pub mod exec {

@@ -255,9 +255,11 @@ async fn a_table_larger_than_one_devices_budget_stays_resident_on_two() {
         assert!(report.uploaded_bytes > 0, "one device: {report:?}");
     }
     let devices = crate::sessions::split_devices();
+    // Batches kept as they are: the entries are found by their chunk count.
     let config = GpuTopKConfig::default()
         .with_backend(Backend::Cuda)
-        .with_devices(Some(&devices));
+        .with_devices(Some(&devices))
+        .with_compact_tables(false);
     let split = session_with(6, 8192, config);
     register(&split, "t", data);
     check(&split, &plain, QUERY, ORACLE).await;
@@ -850,7 +852,9 @@ async fn a_kept_plan_follows_the_residency_of_its_own_columns() {
     assert!(!reused, "{cold}\n{warm}");
     assert!(warm.contains("resident=100%"), "{warm}");
     assert!(run(QUERY).await.1, "unchanged: reused");
-    // Another table's columns loaded: this plan stays.
+    // Another table's columns loaded: this plan stays, unless a test beside this one changed
+    // what every plan reads meanwhile (a calibration, the process's cache budget).
+    let generation = datafusion_gpu_topk::internal::device::planning_generation();
     let other_query = "SELECT rid, v FROM u WHERE f < 0.25 ORDER BY v LIMIT 5";
     let cuda = session_with(
         2,
@@ -865,7 +869,8 @@ async fn a_kept_plan_follows_the_residency_of_its_own_columns() {
         .await
         .unwrap();
     let (_, reused, rows) = run(QUERY).await;
-    assert!(reused, "another table's load replanned it");
+    let changed = datafusion_gpu_topk::internal::device::planning_generation() != generation;
+    assert!(reused || changed, "another table's load replanned it");
     assert_eq!(rows, want);
     // Its own columns evicted: planned again.
     device.column_cache.clear();
