@@ -92,10 +92,10 @@ impl AggregateDevicePlan {
             return Err("the device reads in-memory tables and GpuTables only".into());
         };
         if spec.filter.is_some() {
-            return Err("a fused filter is not yet on the device".into());
+            return Err("the device path takes no fused filter".into());
         }
         if spec.having.is_some() {
-            return Err("HAVING is not yet on the device".into());
+            return Err("the device path takes no HAVING".into());
         }
         let schema = spec.table.schema();
         if spec.group_keys.len() > AGG_MAX_KEYS {
@@ -105,11 +105,14 @@ impl AggregateDevicePlan {
         for key in &spec.group_keys {
             let key_64 = matches!(key.data_type, DataType::Int64 | DataType::Timestamp(..));
             if !key_64 {
-                return Err(format!("key type {} not yet on the device", key.data_type));
+                return Err(format!(
+                    "key type {} runs on the CPU path only",
+                    key.data_type
+                ));
             }
             let Some(c) = plain_column(&key.expr) else {
                 return Err(format!(
-                    "the computed key {} not yet on the device",
+                    "the computed key {} runs on the CPU path only",
                     key.expr
                 ));
             };
@@ -164,7 +167,7 @@ impl AggregateDevicePlan {
                 return self.typed(item, Int64, Output::Op(at), described);
             }
             AggregateKind::CountDistinct => {
-                return Err(format!("{} not yet on the device", described()));
+                return Err(format!("{} runs on the CPU path only", described()));
             }
             AggregateKind::Avg => {
                 // DataFusion averages an Int64 column's values cast to Float64.
@@ -177,7 +180,7 @@ impl AggregateDevicePlan {
                         let count = self.push(AggregateOp::Count(value));
                         return self.typed(item, Float64, Output::Avg { sum, count }, described);
                     }
-                    _ => return Err(format!("{} not yet on the device", described())),
+                    _ => return Err(format!("{} runs on the CPU path only", described())),
                 }
             }
             kind => match (kind, input.and_then(column)) {
@@ -190,7 +193,7 @@ impl AggregateDevicePlan {
                 (AggregateKind::Min, Some((_, Float64))) => (AggregateOp::MinF64, Float64),
                 (AggregateKind::Max, Some((_, Int64))) => (AggregateOp::MaxI64, Int64),
                 (AggregateKind::Max, Some((_, Float64))) => (AggregateOp::MaxF64, Float64),
-                _ => return Err(format!("{} not yet on the device", described())),
+                _ => return Err(format!("{} runs on the CPU path only", described())),
             },
         };
         let (c, _) = input.and_then(column).expect("matched a plain column");
