@@ -19,7 +19,8 @@
 # settings against DataFusion and DuckDB (wheels carried in .whl/, see the script), ROWS tweets
 # and TPC-H lineitem at TPCH_SF (default 10), generated into TPCH (default /tmp/tpch);
 # USER_PATH_ONLY lists its sessions (default all); USER_PATH_RUNS the repeats (default 3);
-# USER_PATH_SECONDS stops it (default 540), reporting the sessions it finished.
+# USER_PATH_SECONDS stops it (default 540), reporting the sessions it finished;
+# SYNTHETIC_LINEITEM=N makes lineitem's string columns by SQL (N rows) instead of TPC-H.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-run}
 ROWS=${ROWS:-100000000}
@@ -83,6 +84,7 @@ if [ -n "${USER_PATH:-}" ]; then
     logs=/tmp/user-path-logs
     PYTHONUNBUFFERED=1 timeout "${USER_PATH_SECONDS:-540}" python3 benches/user_path.py --cli .b/gpu-topk --rows "$ROWS" \
         --tpch "${TPCH:-/tmp/tpch}" --sf "${TPCH_SF:-10}" --runs "${USER_PATH_RUNS:-3}" --duckdb \
+        ${SYNTHETIC_LINEITEM:+--synthetic-lineitem "$SYNTHETIC_LINEITEM"} \
         ${USER_PATH_ONLY:+--only "$USER_PATH_ONLY"} --scratch /tmp/user-path --logs "$logs" \
         --json "$OUT/user-path.json" > "$OUT/user-path.log" 2>&1
     summary+=("user path (rc $?):")
