@@ -133,6 +133,7 @@ type CliResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    env_logger::init();
     // Argument errors: clap's message and usage, exit code 2.
     let cli = Cli::parse();
     match run(cli).await {

@@ -199,15 +199,19 @@ impl GpuDevice {
         self.kernels
             .get_or_init(|| {
                 let _ = self.cache_dir.set(cache_dir.map(Path::to_path_buf));
-                Kernels::load(
+                let started = std::time::Instant::now();
+                let loaded = Kernels::load(
                     &self.context,
                     &self.arch(),
                     self.driver_version,
                     self.max_shared_per_block,
                     cache_dir,
-                )
-                .map(Arc::new)
-                .map_err(|e| e.0)
+                );
+                log::info!(
+                    "loaded the kernels in {:.3} s",
+                    started.elapsed().as_secs_f64()
+                );
+                loaded.map(Arc::new).map_err(|e| e.0)
             })
             .clone()
             .map_err(GpuError)
@@ -260,6 +264,10 @@ impl GpuDevice {
         let kernel = Arc::new(kernel);
         *slot = Some(Arc::clone(&kernel));
         let took = started.elapsed();
+        log::info!(
+            "compiled or loaded a generated program in {:.3} s",
+            took.as_secs_f64()
+        );
         *self.last_compile.lock().unwrap_or_else(|e| e.into_inner()) = Some(took);
         Ok((kernel, took))
     }
