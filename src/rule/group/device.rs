@@ -191,20 +191,18 @@ fn group_plan(
 }
 
 /// [`crate::keys::short_bytes`] over every batch of an in-memory input's column `index`: the
-/// longest value where all are short enough to be exact in a composite. Each dictionary's
-/// entries are read once however many batches share them.
+/// longest value where all are short enough to be exact in a composite (0 for no batches).
 fn short_column(memory: &crate::input::memory::MemoryInput<'_>, index: usize) -> Option<u32> {
     let column = *memory.columns.get(index)?;
-    let mut seen = std::collections::HashSet::new();
-    let mut longest = 0;
-    for batch in memory.batches() {
-        let array = batch.columns().get(column)?;
-        if let Some(dictionary) = array.as_any_dictionary_opt()
-            && !seen.insert(Arc::as_ptr(dictionary.values()).cast::<()>())
-        {
-            continue;
-        }
-        longest = longest.max(crate::keys::short_bytes(array.as_ref())?);
+    let chunks = (memory.batches())
+        .map(|batch| batch.columns().get(column).cloned())
+        .collect::<Option<Vec<_>>>()?;
+    // An empty array's values are short (none); a dictionary's entries count even so.
+    let chunks: Vec<_> = (chunks.into_iter())
+        .filter(|c| !c.is_empty() || c.as_any_dictionary_opt().is_some())
+        .collect();
+    match chunks.is_empty() {
+        true => Some(0),
+        false => crate::input::strings::short_chunks(&chunks),
     }
-    Some(longest)
 }
