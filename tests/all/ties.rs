@@ -144,6 +144,21 @@ async fn same_rows(ours: &SessionContext, plain: &SessionContext, sql: &str, wha
     same_rows_with_metrics(ours, plain, (sql, sql), what).await
 }
 
+/// A session with CUDA forced and plain DataFusion, both over `data` as `t` in `storage`.
+async fn cuda_and_plain(
+    data: &[Vec<RecordBatch>],
+    storage: Storage,
+    dir: &std::path::Path,
+) -> (SessionContext, SessionContext) {
+    let config =
+        crate::sessions::test_config(true).with_backend(datafusion_gpu_topk::Backend::Cuda);
+    let ours = session_with(4, 8192, config);
+    let plain = plain_session(4, storage);
+    register_as(&ours, "t", data, storage, dir).await;
+    register_as(&plain, "t", data, storage, dir).await;
+    (ours, plain)
+}
+
 /// Long prefix ties, rare longer strings past the 16-byte prefix and NULLs, over every
 /// storage: DataFusion's answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -194,12 +209,7 @@ async fn large_prefix_ties_leave_the_device_and_small_ones_do_not() {
     let data = lineitem(200_000, 4, false);
     let dir = test_dir("ties-device");
     for storage in [Storage::Memory, Storage::GpuTable, Storage::Parquet] {
-        let config =
-            crate::sessions::test_config(true).with_backend(datafusion_gpu_topk::Backend::Cuda);
-        let ours = session_with(4, 8192, config);
-        let plain = plain_session(4, storage);
-        register_as(&ours, "t", &data, storage, &dir).await;
-        register_as(&plain, "t", &data, storage, &dir).await;
+        let (ours, plain) = cuda_and_plain(&data, storage, &dir).await;
         for round in 0..2 {
             let what = format!("{storage:?}, round {round}");
             let plan = same_rows(&ours, &plain, LINEITEM_QUERY, &what).await;
@@ -233,12 +243,7 @@ async fn short_string_ties_rank_on_the_device_once_its_prefixes_are_cached() {
         "SELECT okey, line, mode FROM t ORDER BY mode DESC NULLS LAST, okey DESC, line LIMIT 25",
     ];
     for storage in [Storage::Memory, Storage::GpuTable] {
-        let config =
-            crate::sessions::test_config(true).with_backend(datafusion_gpu_topk::Backend::Cuda);
-        let ours = session_with(4, 8192, config);
-        let plain = plain_session(4, storage);
-        register_as(&ours, "t", &data, storage, &dir).await;
-        register_as(&plain, "t", &data, storage, &dir).await;
+        let (ours, plain) = cuda_and_plain(&data, storage, &dir).await;
         for sql in queries {
             for round in 0..3 {
                 let what = format!("{storage:?}, round {round}: {sql}");
