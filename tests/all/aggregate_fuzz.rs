@@ -400,7 +400,8 @@ fn keys_and_aggregates(rng: &mut Rng, device: bool) -> (Vec<&'static str>, Vec<&
         }
     }
     let mut aggregates: Vec<&str> = vec![];
-    while aggregates.len() < 1 + rng.below(3) as usize {
+    let count = 1 + rng.below(3) as usize;
+    while aggregates.len() < count {
         let a = pick(rng, aggregate_set);
         let device_takes = !["(s)", "(d)", "(ts)", "AVG(f)"]
             .iter()
