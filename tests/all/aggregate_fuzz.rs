@@ -620,6 +620,10 @@ impl Sessions {
         }
         let device = test_backend() == Backend::Cuda
             && datafusion_gpu_topk::internal::device::gpu().is_some();
+        if device {
+            // A fallback's warning says why the device failed.
+            crate::common::capture_warnings();
+        }
         Self {
             ours,
             plain,
@@ -654,12 +658,15 @@ table {:?} as {:?}",
             got.plan
         );
         // The device declines a NaN met by a float MIN or MAX; nothing else falls back.
-        assert!(
-            !(self.device && got.planned && got.fell_back && !loose),
-            "the device fell back: {}\n{}",
-            context(),
-            got.plan
-        );
+        if self.device && got.planned && got.fell_back && !loose {
+            let warnings = crate::common::logged_warnings();
+            let last = &warnings[warnings.len().saturating_sub(3)..];
+            panic!(
+                "the device fell back: {}\nlast warnings: {last:#?}\n{}",
+                context(),
+                got.plan
+            );
+        }
         counts.done += 1;
         counts.taken += usize::from(got.taken);
         counts.declined += usize::from(!query.takes && !got.taken);
