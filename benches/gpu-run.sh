@@ -3,8 +3,8 @@
 #
 #   run (device tool), carry [".gpu"]:  bash benches/gpu-run.sh
 #
-# 1. the integration tests (GROUP_QUERIES random per-group queries among them, default 2000)
-#    and the sqllogictests with the CUDA backend forced, then the integration tests on the CPU
+# 1. the integration tests (GROUP_QUERIES random per-group queries and AGG_QUERIES random
+#    top-k over aggregate queries among them, default 2000 each) and the sqllogictests with the CUDA backend forced, then the integration tests on the CPU
 #    path (SKIP_SLT=1, SKIP_CPU_TESTS=1 leave those out);
 # 2. `gpu-topk` Q1–Q4 with --backend cuda and --backend cpu: result rows must be identical;
 # 3. the end-to-end benchmark (DataFusion, the CPU path, the GPU cold, first and warm, auto,
@@ -31,11 +31,14 @@ summary=()
 result() { grep -h "test result" "$1" | tr '\n' ' '; }
 
 if [ -z "${SKIP_TESTS:-}" ]; then
-    # --nocapture: the random per-group test prints how many of its queries ran on the GPU.
-    GPU_TOPK_TEST_BACKEND=cuda GPU_TOPK_GROUP_QUERIES=${GROUP_QUERIES:-2000} .b/all --nocapture \
+    # --nocapture: the random per-group and aggregate tests print how many of their queries ran
+    # on the GPU.
+    GPU_TOPK_TEST_BACKEND=cuda GPU_TOPK_GROUP_QUERIES=${GROUP_QUERIES:-2000} \
+        GPU_TOPK_AGG_QUERIES=${AGG_QUERIES:-2000} .b/all --nocapture \
         > "$OUT/tests-cuda.log" 2>&1
     summary+=("integration tests, backend cuda (rc $?): $(result "$OUT/tests-cuda.log")")
     summary+=("  $(grep -h 'random per-group queries taken' "$OUT/tests-cuda.log")")
+    summary+=("  $(grep -h 'random aggregate top-k queries taken' "$OUT/tests-cuda.log")")
     if [ -z "${SKIP_SLT:-}" ]; then
         GPU_TOPK_TEST_BACKEND=cuda .b/sqllogictests > "$OUT/slt-cuda.log" 2>&1
         summary+=("sqllogictests, backend cuda (rc $?): $(tail -n 3 "$OUT/slt-cuda.log" | tr '\n' ' ')")

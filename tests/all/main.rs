@@ -3,6 +3,7 @@
 //! The operator's backend is `GPU_TOPK_TEST_BACKEND` (`cpu` by default; `cuda` on a GPU
 //! machine), so the same suite checks the CPU path in CI and the CUDA path on the GPU.
 
+mod aggregate_fuzz;
 mod aggregate_topk;
 mod bad_input;
 mod cache;
