@@ -15,10 +15,10 @@
 //! Every mode takes `--only 'Q1,Q2 k=50'` (the queries whose names start so) and `--engines
 //! 'warm,auto'` (only these of ours; DataFusion always runs, as the reference).
 //!
-//! `--duckdb` (the tweet queries, top-k or `--groups`, and `--hits`): DuckDB in the same run, through
-//! `benches/duckdb_topk.py --sql` (`--duckdb-script PATH`, `--python PYTHON`; needs `pip
-//! install duckdb`) over the same rows as Parquet files (the `--parquet` files, else written
-//! to a temporary directory): a table loaded from them, and with `--parquet` the files
+//! `--duckdb` (the tweet queries, top-k or `--groups`, and `--hits`): DuckDB in the same run,
+//! through `benches/duckdb_topk.py --sql` (`--duckdb-script PATH`, `--python PYTHON`; needs
+//! `pip install duckdb`) over the same rows as Parquet files (the `--parquet` files, else
+//! written to a temporary directory): a table loaded from them, and with `--parquet` the files
 //! themselves too. Its answers' sort-key values are checked against DataFusion's; its medians
 //! follow DataFusion's in each line.
 //!
