@@ -9,20 +9,22 @@
 //!     [--plots DIR] [--clients C] [--profile] [--parquet DIR]
 //! cargo bench --bench cpu_vs_datafusion -- --lineitem DIR [--memory] [--runs R] [--csv FILE]
 //! cargo bench --bench cpu_vs_datafusion -- --groups [--rows N] [--runs R]
+//! cargo bench --bench cpu_vs_datafusion -- --hits [--rows N] [--runs R] [--parquet DIR]
 //! ```
 //!
 //! Every mode takes `--only 'Q1,Q2 k=50'` (the queries whose names start so) and `--engines
 //! 'warm,auto'` (only these of ours; DataFusion always runs, as the reference).
 //!
-//! `--duckdb` (the tweet queries, top-k or `--groups`): DuckDB in the same run, through
-//! `benches/duckdb_topk.py --sql` (`--duckdb-script PATH`, `--python PYTHON`; needs `pip
-//! install duckdb`) over the same rows as Parquet files (the `--parquet` files, else written
-//! to a temporary directory): a table loaded from them, and with `--parquet` the files
+//! `--duckdb` (the tweet queries, top-k or `--groups`, and `--hits`): DuckDB in the same run,
+//! through `benches/duckdb_topk.py --sql` (`--duckdb-script PATH`, `--python PYTHON`; needs
+//! `pip install duckdb`) over the same rows as Parquet files (the `--parquet` files, else
+//! written to a temporary directory): a table loaded from them, and with `--parquet` the files
 //! themselves too. Its answers' sort-key values are checked against DataFusion's; its medians
 //! follow DataFusion's in each line.
 //!
 //! `--verbose` prints each engine's checked run as it ends (on stderr), and with `--groups`
-//! the warm engine's `EXPLAIN ANALYZE` of each query.
+//! or `--hits` the warm engine's (without a GPU, the CPU path's) `EXPLAIN ANALYZE` of each
+//! query.
 //!
 //! Each query runs R times per engine (after one checked run), alternating engines; the table
 //! shows medians and the ratio ours / DataFusion (`--runs 0`: the checked runs' times, for
@@ -42,6 +44,12 @@
 //! per language, with and without a filter), with DataFusion's `PartitionedTopKExec`
 //! (`enable_window_topn`) as one more engine.
 //!
+//! `--hits`: the top-k over an aggregation instead (H01–H13, ClickBench's shapes: `GROUP BY …
+//! ORDER BY <aggregate> LIMIT k`, see `datasets::hits::queries`) over `--rows` rows of the
+//! ClickBench-shaped `hits` table (`datasets/hits.rs`), in memory or with `--parquet DIR` in
+//! Parquet files, our engines with `gpu_topk.aggregate_topk = true`. Answers are checked by
+//! their sort key, the last column, so ties at the k-th value may differ in their groups.
+//!
 //! `--lineitem DIR`: the string top-k queries instead (S1–S4 at k = 10, 1000, 10 000: a
 //! string key, a string tie-breaker, a `LIKE` filter, a string key under a selective filter)
 //! over TPC-H's `lineitem` read from the Parquet files in `DIR/lineitem` (as
@@ -53,9 +61,11 @@ mod common;
 use std::time::Instant;
 
 use datafusion::arrow::array::RecordBatch;
+use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::arrow::util::display::{ArrayFormatter, FormatOptions};
 use datafusion::datasource::MemTable;
 use datafusion::error::Result;
+use datafusion_gpu_topk::datasets::hits::{self, HitsSpec};
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
 use datafusion_gpu_topk::internal::device::gpu;
 use datafusion_gpu_topk::{Backend, GpuTable, GpuTopKConfig, PlanCache};
@@ -217,9 +227,11 @@ struct DuckResult {
     keys: Vec<String>,
 }
 
-/// Runs `queries` in DuckDB over the tweets Parquet files in `files` (`sources`: `memory`, a
-/// table loaded from them; `parquet`, the files) through `benches/duckdb_topk.py --sql`.
+/// Runs `queries` in DuckDB over the Parquet files of `table` in `files` (`sources`:
+/// `memory`, a table loaded from them; `parquet`, the files) through `benches/duckdb_topk.py
+/// --sql`.
 fn run_duckdb(
+    table: &str,
     files: &str,
     sources: &str,
     queries: &[(String, String)],
@@ -238,7 +250,15 @@ fn run_duckdb(
     println!("# DuckDB ({python} {script}) over {files}: {sources}");
     let status = std::process::Command::new(&python)
         .arg(&script)
-        .args(["--tweets", files, "--sources", sources, "--runs"])
+        .args([
+            "--tweets",
+            files,
+            "--table",
+            table,
+            "--sources",
+            sources,
+            "--runs",
+        ])
         .arg(runs.max(1).to_string())
         .arg("--sql")
         .arg(&sql)
@@ -313,9 +333,16 @@ async fn main() -> Result<()> {
     let lineitem: String = arg("--lineitem", String::new());
     let memory = std::env::args().any(|a| a == "--memory");
     let groups = std::env::args().any(|a| a == "--groups");
+    let hits = std::env::args().any(|a| a == "--hits");
     let verbose = std::env::args().any(|a| a == "--verbose");
     let duckdb = std::env::args().any(|a| a == "--duckdb") && lineitem.is_empty();
     let plain = session(false, Backend::Cpu, true);
+    // With `--hits`, our engines take the top-k over an aggregation too.
+    let ours = |gpu: GpuTopKConfig| {
+        let mut gpu = gpu;
+        gpu.aggregate_topk = hits;
+        session_with(gpu)
+    };
     // Our operator on the CPU path, and on the GPU when there is one, predicate and keys in
     // generated GPU code: "cold" streams the columns over PCIe on every query (no column
     // cache), "first" is a query's first run (the cache emptied before it: its columns are
@@ -326,7 +353,8 @@ async fn main() -> Result<()> {
         clear_cache,
         plans: None,
     };
-    let mut engines = vec![engine("cpu", session(true, Backend::Cpu, true), false)];
+    let cpu = GpuTopKConfig::default().with_backend(Backend::Cpu);
+    let mut engines = vec![engine("cpu", ours(cpu), false)];
     if groups {
         // DataFusion with its own per-group top-k (`PartitionedTopKExec`), off by default.
         let topn = session(false, Backend::Cpu, true);
@@ -342,46 +370,38 @@ async fn main() -> Result<()> {
         let cuda = GpuTopKConfig::default().with_backend(Backend::Cuda);
         engines.push(engine(
             "cold",
-            session_with(cuda.clone().with_column_cache(false)),
+            ours(cuda.clone().with_column_cache(false)),
             false,
         ));
-        engines.push(engine("first", session_with(cuda.clone()), true));
+        engines.push(engine("first", ours(cuda.clone()), true));
         if !parquet.is_empty() {
             // A first run over the files, their columns decoded on the host rather than
             // shipped as pages and decoded on the device.
             engines.push(engine(
                 "first host-decoded",
-                session_with(cuda.clone().with_decode_parquet_on_device(false)),
+                ours(cuda.clone().with_decode_parquet_on_device(false)),
                 true,
             ));
         }
-        engines.push(engine("warm", session_with(cuda.clone()), false));
+        engines.push(engine("warm", ours(cuda.clone()), false));
         if groups {
             // Warm, the kept rows copied out of the pinned buffers they are read back into
             // rather than kept in them (`gpu_topk.pinned_output_bytes = 0`).
             engines.push(engine(
                 "warm copied",
-                session_with(cuda.clone().with_pinned_output_bytes(0)),
+                ours(cuda.clone().with_pinned_output_bytes(0)),
                 false,
             ));
         }
         // Warm, each statement's plan reused (`PlanCache`): what is left is the run itself.
         engines.push(Engine {
             plans: Some(PlanCache::new()),
-            ..engine("reused", session_with(cuda), false)
+            ..engine("reused", ours(cuda), false)
         });
         // The default settings: the cost model picks the CPU path or the GPU, knowing which
         // columns are resident.
-        engines.push(engine(
-            "auto",
-            session_with(GpuTopKConfig::default()),
-            false,
-        ));
-        engines.push(engine(
-            "auto first",
-            session_with(GpuTopKConfig::default()),
-            true,
-        ));
+        engines.push(engine("auto", ours(GpuTopKConfig::default()), false));
+        engines.push(engine("auto first", ours(GpuTopKConfig::default()), true));
         let rates = datafusion_gpu_topk::internal::device::measure::upload_rates(&device, 1 << 30)
             .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?;
         println!(
@@ -423,6 +443,7 @@ async fn main() -> Result<()> {
         let all = match (lineitem.is_empty(), groups) {
             (false, _) => string_queries(),
             (true, true) => group_queries(),
+            (true, false) if hits => hits::queries(rows),
             (true, false) => queries(sweep),
         };
         let wanted = |name: &str| only.is_empty() || only.iter().any(|o| name.starts_with(o));
@@ -432,6 +453,24 @@ async fn main() -> Result<()> {
     };
     // The Parquet files DuckDB reads (`--duckdb`).
     let mut duck_files = String::new();
+    // The generated table: the tweets, or with `--hits` the ClickBench-shaped hits.
+    let table_name = if hits {
+        hits::TABLE_NAME
+    } else {
+        tweets::TABLE_NAME
+    };
+    let generate = || -> Result<(SchemaRef, Vec<Vec<RecordBatch>>)> {
+        Ok(match hits {
+            true => (
+                hits::hits_schema(),
+                hits::hits_partitions(&HitsSpec::new(rows), partitions, 8192)?,
+            ),
+            false => (
+                tweets::tweets_schema(),
+                tweets::tweets_partitions(&TweetsSpec::new(rows), partitions, 8192)?,
+            ),
+        })
+    };
     // The same batches: a MemTable for DataFusion, a GpuTable for our operator.
     let storage = if !lineitem.is_empty() {
         let source = register_lineitem(&lineitem, memory, &plain, &engines).await?;
@@ -441,29 +480,28 @@ async fn main() -> Result<()> {
         );
         "TPC-H lineitem"
     } else if parquet.is_empty() {
-        let parts = tweets::tweets_partitions(&TweetsSpec::new(rows), partitions, 8192)?;
-        let schema = tweets::tweets_schema();
+        let (schema, parts) = generate()?;
         if duckdb {
             // DuckDB loads the same rows from Parquet files.
-            let dir = std::env::temp_dir().join(format!("gpu-topk-tweets-{rows}-{partitions}"));
+            let dir =
+                std::env::temp_dir().join(format!("gpu-topk-{table_name}-{rows}-{partitions}"));
             duck_files = dir.to_string_lossy().into_owned();
             write_parquet(&duck_files, &schema, parts.clone()).await?;
         }
         let table = std::sync::Arc::new(MemTable::try_new(schema.clone(), parts.clone())?);
-        plain.register_table("tweets", table)?;
+        plain.register_table(table_name, table)?;
         let table = std::sync::Arc::new(GpuTable::try_new(schema, parts)?);
         for engine in &engines {
-            engine.ctx.register_table("tweets", table.clone())?;
+            engine.ctx.register_table(table_name, table.clone())?;
         }
         println!(
-            "# {rows} tweets in memory ({partitions} partitions of 8192-row batches, generated in {:.1} s; \
+            "# {rows} {table_name} in memory ({partitions} partitions of 8192-row batches, generated in {:.1} s; \
              DataFusion reads a MemTable, ours a GpuTable of the same batches), {runs} runs each, median ms",
             started.elapsed().as_secs_f64()
         );
         "in memory"
     } else {
-        let parts = tweets::tweets_partitions(&TweetsSpec::new(rows), partitions, 8192)?;
-        let schema = tweets::tweets_schema();
+        let (schema, parts) = generate()?;
         let written = !std::path::Path::new(&parquet).exists();
         let bytes = write_parquet(&parquet, &schema, parts).await?;
         // Files found in the directory are described by what they are, not by how this writes.
@@ -473,11 +511,11 @@ async fn main() -> Result<()> {
         };
         duck_files = parquet.clone();
         for ctx in std::iter::once(&plain).chain(engines.iter().map(|e| &e.ctx)) {
-            ctx.register_parquet("tweets", &parquet, Default::default())
+            ctx.register_parquet(table_name, &parquet, Default::default())
                 .await?;
         }
         println!(
-            "# {rows} tweets in Parquet files ({:.1} GB, {written}, ready in {:.1} s), {runs} \
+            "# {rows} {table_name} in Parquet files ({:.1} GB, {written}, ready in {:.1} s), {runs} \
              runs each, median ms",
             bytes as f64 / 1e9,
             started.elapsed().as_secs_f64()
@@ -491,7 +529,7 @@ async fn main() -> Result<()> {
             } else {
                 "memory,parquet"
             };
-            run_duckdb(&duck_files, sources, &queries(sweep), runs)?
+            run_duckdb(table_name, &duck_files, sources, &queries(sweep), runs)?
         }
         false => Vec::new(),
     };
@@ -513,6 +551,8 @@ async fn main() -> Result<()> {
     println!("{header}  same rows");
     let mut results = Vec::new();
     let mut answers = Vec::new();
+    // The engine whose plans `--verbose` shows: the warm GPU's, else the CPU path's.
+    let explained = if gpu().is_some() { "warm" } else { "cpu" };
     for (name, sql) in queries(sweep) {
         let (ms, want) = time_sql(&plain, &sql).await?;
         if verbose {
@@ -527,11 +567,11 @@ async fn main() -> Result<()> {
             if verbose {
                 eprintln!("# {name}: {} checked run {ms:.1} ms", engine.name);
             }
-            if verbose && groups && engine.name == "warm" {
+            if verbose && (groups || hits) && engine.name == explained {
                 // Where the time goes: the plan's metrics from EXPLAIN ANALYZE.
-                let explained = engine.ctx.sql(&format!("EXPLAIN ANALYZE {sql}")).await?;
+                let analyzed = engine.ctx.sql(&format!("EXPLAIN ANALYZE {sql}")).await?;
                 let text = datafusion::arrow::util::pretty::pretty_format_batches(
-                    &explained.collect().await?,
+                    &analyzed.collect().await?,
                 )?
                 .to_string();
                 for line in text.lines().filter(|l| l.contains("Exec")) {
@@ -716,6 +756,13 @@ async fn profile_query(engine: &Engine, sql: &str) -> Result<String> {
             let metrics = plan.metrics()?.aggregate_by_name().sorted_for_display();
             let fell_back = exec.fallback_reason().unwrap_or_default();
             return Some(format!("{} {fell_back}", metrics.timestamps_removed()));
+        }
+        if plan
+            .downcast_ref::<datafusion_gpu_topk::GpuAggregateTopKExec>()
+            .is_some()
+        {
+            let metrics = plan.metrics()?.aggregate_by_name().sorted_for_display();
+            return Some(format!("aggregate top-k {}", metrics.timestamps_removed()));
         }
         plan.children().into_iter().find_map(operator)
     }

@@ -10,7 +10,8 @@ into a DuckDB table; each reports the rows kept and the sum of their ids, which 
 benchmark prints too.
 
 `--tweets DIR --sql FILE --json OUT`: the queries FILE lists (a JSON list of [name, sql] over
-the table `tweets`) instead, from each of `--sources` (memory: a table loaded from the files;
+the table `tweets`, or the table `--table` names: `cpu_vs_datafusion --hits` passes `hits`)
+instead, from each of `--sources` (memory: a table loaded from the files;
 parquet: a view over them), written to OUT with each result's last column (its sort key),
 sorted, as text: `cpu_vs_datafusion --duckdb` runs it this way, in the same run as the other
 engines, and checks those values against DataFusion's.
@@ -37,6 +38,7 @@ Needs: pip install duckdb
 """
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -107,7 +109,9 @@ def fail(message):
 
 def key_text(value):
     """A result value as the Rust benchmark prints it: integers wrapped to 64 bits (DataFusion
-    sums Int64 with wrapping), floats with a fractional part."""
+    sums Int64 with wrapping), floats with a fractional part, timestamps in ISO 8601."""
+    if isinstance(value, datetime.datetime):
+        return value.isoformat()
     if isinstance(value, bool) or value is None:
         return str(value).lower() if value is not None else ""
     if isinstance(value, int):
@@ -117,8 +121,9 @@ def key_text(value):
     return str(value)
 
 
-def run_sql_file(duckdb, directory, sql_file, sources, threads, runs, out):
-    """The named queries of `sql_file` over the tweets in `directory` (see the module doc)."""
+def run_sql_file(duckdb, directory, sql_file, sources, threads, runs, out, table="tweets"):
+    """The named queries of `sql_file` over the table `table` (by default the tweets) of the
+    Parquet files in `directory` (see the module doc)."""
     files = sorted(directory.glob("*.parquet"))
     if not files:
         fail(f"no Parquet files in {directory}")
@@ -129,13 +134,11 @@ def run_sql_file(duckdb, directory, sql_file, sources, threads, runs, out):
         con = duckdb.connect()
         con.execute(f"SET threads = {int(threads)}")
         start = time.perf_counter()
-        if source == "memory":
-            con.execute(f"CREATE TABLE tweets AS SELECT * FROM read_parquet('{pattern}')")
-        else:
-            con.execute(f"CREATE VIEW tweets AS SELECT * FROM read_parquet('{pattern}')")
-        total = con.execute("SELECT count(*) FROM tweets").fetchone()[0]
+        kind = "TABLE" if source == "memory" else "VIEW"
+        con.execute(f"CREATE {kind} {table} AS SELECT * FROM read_parquet('{pattern}')")
+        total = con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
         print(
-            f"{source}: {total} tweets ready in {time.perf_counter() - start:.1f} s, "
+            f"{source}: {total} rows of {table} ready in {time.perf_counter() - start:.1f} s, "
             f"threads={threads}",
             flush=True,
         )
@@ -198,6 +201,9 @@ def main():
         "--sql", type=Path, help="with --tweets: a JSON list of [name, sql] to run instead"
     )
     parser.add_argument(
+        "--table", default="tweets", help="with --sql: the table the queries read (default tweets)"
+    )
+    parser.add_argument(
         "--sources", default=",".join(SOURCES), help="comma-separated: memory, parquet (default both)"
     )
     parser.add_argument(
@@ -230,7 +236,11 @@ def main():
     if args.sql is not None:
         if args.tweets is None or args.json is None:
             fail("--sql needs --tweets DIR and --json OUT")
-        run_sql_file(duckdb, args.tweets, args.sql, sources, args.threads, args.runs, args.json)
+        if not args.table.isidentifier():
+            fail(f"--table {args.table!r} is not a plain table name")
+        run_sql_file(
+            duckdb, args.tweets, args.sql, sources, args.threads, args.runs, args.json, args.table
+        )
         return
     if args.tweets is not None:
         run_groups(duckdb, args.tweets, args.threads, args.runs)

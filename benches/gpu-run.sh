@@ -21,6 +21,11 @@
 # USER_PATH_ONLY lists its sessions (default all); USER_PATH_RUNS the repeats (default 3);
 # USER_PATH_SECONDS stops it (default 540), reporting the sessions it finished;
 # SYNTHETIC_LINEITEM=N makes lineitem's string columns by SQL (N rows) instead of TPC-H.
+# HITS=1 adds step 5, the top-k over an aggregation (`cpu_vs_datafusion --hits`, H01-H13 over
+# the ClickBench-shaped hits): HITS_ROWS rows (default 10M), HITS_RUNS runs (default 3),
+# HITS_ENGINES (default cpu,first,warm,auto), in memory or with HITS_PARQUET=DIR over Parquet
+# files written there; HITS_DUCKDB=1 adds DuckDB (its wheel in .whl/, as for USER_PATH);
+# HITS_ONLY=H01,H07 runs only those queries. Its CSV is $OUT/hits.csv.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-run}
 ROWS=${ROWS:-100000000}
@@ -79,11 +84,15 @@ elif [ -z "${SKIP_BENCH:-}" ]; then
     summary+=("end to end (rc $?):")
     summary+=("$(cat "$OUT/end-to-end.log")")
 fi
-if [ -n "${USER_PATH:-}" ]; then
+# The Python wheels carried in .whl/ (DuckDB's among them), for the steps that run Python.
+install_wheels() {
     if ls .whl/*.whl > /dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     fi
+}
+if [ -n "${USER_PATH:-}" ]; then
+    install_wheels
     logs=/tmp/user-path-logs
     PYTHONUNBUFFERED=1 timeout "${USER_PATH_SECONDS:-540}" python3 benches/user_path.py --cli .b/gpu-topk --rows "$ROWS" \
         --tpch "${TPCH:-/tmp/tpch}" --sf "${TPCH_SF:-10}" --runs "${USER_PATH_RUNS:-3}" --duckdb \
@@ -93,5 +102,14 @@ if [ -n "${USER_PATH:-}" ]; then
     summary+=("user path (rc $?):")
     summary+=("$(sed -n '/^gpu-topk user path/,$p' "$OUT/user-path.log")")
     tar -C "$logs" -cJf "$OUT/user-path-logs.tar.xz" . 2>/dev/null
+fi
+if [ -n "${HITS:-}" ]; then
+    [ -n "${HITS_DUCKDB:-}" ] && install_wheels
+    .b/cpu_vs_datafusion --hits --rows "${HITS_ROWS:-10000000}" --runs "${HITS_RUNS:-3}" \
+        --engines "${HITS_ENGINES:-cpu,first,warm,auto}" --csv "$OUT/hits.csv" \
+        ${HITS_PARQUET:+--parquet "$HITS_PARQUET"} ${HITS_DUCKDB:+--duckdb} \
+        ${HITS_ONLY:+--only "$HITS_ONLY"} > "$OUT/hits.log" 2>&1
+    summary+=("top-k over an aggregate (rc $?):")
+    summary+=("$(cat "$OUT/hits.log")")
 fi
 printf '%s\n' "${summary[@]}"

@@ -6,7 +6,7 @@
 //! gpu-topk [OPTIONS]                          a REPL; with -c SQL or -f FILE, runs them and exits
 //! gpu-topk tweets [--rows N] [--show N]       the four tweet queries on an in-memory table
 //! gpu-topk query SQL [--table NAME=PATH]… [--explain]   one statement, with where it ran
-//! gpu-topk gen --rows N --out DIR             write the tweets dataset as Parquet
+//! gpu-topk gen --rows N --out DIR [--dataset hits]   write the tweets (or hits) as Parquet
 //! gpu-topk worker --listen HOST:PORT          serve as a datafusion-distributed worker
 //! gpu-topk --workers URL,URL … [command]      plan as a distributed coordinator
 //! ```
@@ -30,6 +30,7 @@ use datafusion::error::Result;
 use datafusion::physical_plan::{ExecutionPlan, collect, displayable};
 use datafusion::prelude::{CsvReadOptions, ParquetReadOptions, SessionContext};
 
+use datafusion_gpu_topk::datasets::hits::{self, HitsSpec};
 use datafusion_gpu_topk::datasets::tweets::{self, TweetsSpec};
 use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, gpu_summary, topk_report};
 #[cfg(feature = "cluster")]
@@ -94,11 +95,14 @@ enum Command {
         #[arg(long, value_name = "N")]
         show: Option<usize>,
     },
-    /// Write the deterministic tweets dataset as Parquet files
+    /// Write the deterministic tweets dataset (or the ClickBench-shaped hits) as Parquet files
     Gen {
         /// The directory to write
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
+        /// Which dataset: `tweets` or `hits`
+        #[arg(long, value_name = "NAME", default_value = "tweets", value_parser = ["tweets", "hits"])]
+        dataset: String,
     },
     /// Serve as a datafusion-distributed worker with the operator installed, until
     /// interrupted; a coordinator (`--workers`) sends it its tasks with their settings
@@ -170,7 +174,7 @@ async fn run(cli: Cli) -> CliResult<()> {
     };
     shell.only_for_the_shell()?;
     match command {
-        Command::Gen { out } => {
+        Command::Gen { out, dataset } => {
             let Some(rows) = common.rows else {
                 use clap::CommandFactory;
                 Cli::command()
@@ -180,7 +184,10 @@ async fn run(cli: Cli) -> CliResult<()> {
                     )
                     .exit();
             };
-            let summary = tweets::write_parquet(&TweetsSpec::new(rows), &out, 10_000_000, true)?;
+            let summary = match dataset.as_str() {
+                "hits" => hits::write_parquet(&HitsSpec::new(rows), &out, 10_000_000, true)?,
+                _ => tweets::write_parquet(&TweetsSpec::new(rows), &out, 10_000_000, true)?,
+            };
             println!(
                 "wrote {} rows in {} files ({:.1} MiB) to {}",
                 summary.rows,
@@ -468,5 +475,17 @@ mod tests {
         );
         assert!(parse(&["frobnicate"]).unwrap_err().contains("frobnicate"));
         assert!(parse(&["gen"]).unwrap_err().contains("--out"));
+        match parse(&["gen", "--out", "d", "--dataset", "hits"])
+            .unwrap()
+            .command
+        {
+            Some(Command::Gen { dataset, .. }) => assert_eq!(dataset, "hits"),
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            parse(&["gen", "--out", "d", "--dataset", "lineitem"])
+                .unwrap_err()
+                .contains("lineitem")
+        );
     }
 }

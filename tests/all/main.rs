@@ -19,6 +19,7 @@ mod fusion;
 mod fuzz;
 mod gpu;
 mod groups;
+mod hits;
 mod plan;
 mod plan_cache;
 mod reliability;
