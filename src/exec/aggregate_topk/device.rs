@@ -17,7 +17,9 @@
 //!
 //! The key and value columns come from the device column cache, uploaded into it on a miss
 //! (as a whole-table selection reads them, [`crate::select::table`]), so that they stay
-//! resident for the next query. The device returns the best `k` (+ offset) groups, in order,
+//! resident for the next query. Its first hash table is sized for the groups the rule
+//! estimated from a sample, and the groups' selection is the one the cost model chose. The
+//! device returns the best `k` (+ offset) groups, in order,
 //! with their keys and accumulators; the host builds them into a batch of the aggregation's
 //! output (keys, then aggregates), drops the offset's groups and evaluates the spec's output
 //! projection on the rest. A device error, or the device declining the query (a NaN met by an
