@@ -158,25 +158,21 @@ fn backend_of(
     };
     let settings = cost_settings(config);
     let start = cost::StartFacts::read(settings);
+    let warm_up = |device| AggregateWarmUp {
+        program: Arc::clone(&program),
+        device,
+    };
     let mut cpu = |c: cost::AggregateCpu| {
         costing.weighed = c.weighed.map(|w| w.describe());
-        costing.warm_up =
-            (c.warm_up)
-                .filter(|_| config.load_after_cpu)
-                .map(|device| AggregateWarmUp {
-                    program: Arc::clone(&program),
-                    device,
-                });
+        costing.warm_up = c.warm_up.filter(|_| config.load_after_cpu).map(warm_up);
         c.reason
     };
-    let choice = match cost::aggregate_before_device(settings, &estimate, &start) {
-        Ok(needs) => {
+    let choice = cost::aggregate_before_device(settings, &estimate, &start)
+        .and_then(|needs| {
             let device = cost::DeviceFacts::gather(settings, needs);
             cost::choose_aggregate(settings, estimate, &device)
-        }
-        Err(c) => Err(c),
-    };
-    let choice = choice.map_err(&mut cpu)?;
+        })
+        .map_err(&mut cpu)?;
     plan.selection = choice.selection;
     costing.weighed = choice.weighed.map(|w| w.describe());
     costing.reason = Some(choice.reason);

@@ -2,8 +2,9 @@
 //! the operator against plain DataFusion over every storage with several partitions, files
 //! and row groups (each aggregate, each key type, HAVING, OFFSET, NULL keys and values, one
 //! group, every row its own group, k beyond the groups, ties at the k-th, empty input, a
-//! filter that fails on a row), and the plans: the operator for each shape it takes, and
-//! DataFusion's aggregation, with the reason in EXPLAIN, for those it does not.
+//! filter that fails on a row), and the plans: the operator for each shape it takes, with the
+//! groups estimated from a sample and what `auto` weighed, and DataFusion's aggregation, with
+//! the reason in EXPLAIN, for those it does not.
 
 use std::sync::Arc;
 
