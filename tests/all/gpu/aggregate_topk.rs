@@ -267,9 +267,15 @@ async fn under_auto_a_cold_aggregate_warms_the_device_for_the_next() {
                 predicted(&line, "predicted_gpu="),
             );
             let warm = predicted(&line, "predicted_gpu_warm=");
-            assert_eq!(line.contains("backend=cuda"), gpu < cpu, "{rows}: {line}");
+            // EXPLAIN rounds the times to three digits: nearer ones may go either way.
+            let apart = |a: f64, b: f64| (a - b).abs() > 0.01 * a.max(b);
             let warm_up = line.contains("cache=warm-up");
-            assert_eq!(warm_up, gpu >= cpu && warm < cpu, "{rows}: {line}");
+            if apart(gpu, cpu) {
+                assert_eq!(line.contains("backend=cuda"), gpu < cpu, "{rows}: {line}");
+                if apart(warm, cpu) {
+                    assert_eq!(warm_up, gpu > cpu && warm < cpu, "{rows}: {line}");
+                }
+            }
             let got = exact_rows(&collect(Arc::clone(&plan), ours.task_ctx()).await.unwrap());
             assert_eq!(got, run_oracle(&plain, sql).await.unwrap(), "{rows}");
             assert_eq!(metric(&plan, "gpu_fallbacks"), 0, "{rows}");
