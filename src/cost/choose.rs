@@ -4,7 +4,8 @@
 //! device and the model once per query into a [`SelectionPlan`] (where the selection runs,
 //! with which algorithm, over which input form, and whether the column cache is warmed up
 //! after it); [`groups_before_device`] and [`choose_groups`] do the same for a per-group
-//! top-k; [`device_algorithm`] resolves a forced algorithm; and the model answers an `auto`
+//! top-k, [`aggregate_before_device`] and [`choose_aggregate`] for a top-k over an aggregate;
+//! [`device_algorithm`] resolves a forced algorithm; and the model answers an `auto`
 //! selector's final selection ([`FinalChoice`]).
 
 use std::path::Path;
@@ -640,7 +641,9 @@ fn algorithm_for(
     }
 }
 
+mod aggregate;
 mod groups;
+pub(crate) use aggregate::*;
 pub(crate) use groups::*;
 
 #[cfg(test)]

@@ -18,10 +18,11 @@
 //! reduction of that buffer when the input outgrows it, and the final selection over the
 //! candidates. EXPLAIN shows the choice and the prediction, EXPLAIN VERBOSE every
 //! alternative's, and EXPLAIN ANALYZE the measured `operator_time` beside `predicted_time`.
-//! The CPU paths' own rates (the top-k selector's, the per-group heaps') come from
-//! [`calibration::cpu`], measured without the device once per host and build and kept on disk;
-//! the per-group top-k's decision (`choose/groups.rs`) weighs them against the device's run
-//! now and warm.
+//! The CPU paths' own rates (the top-k selector's, the per-group heaps', DataFusion's hash
+//! aggregation's) come from [`calibration::cpu`], measured without the device once per host
+//! and build and kept on disk; the per-group top-k's decision (`choose/groups.rs`) and the top-k
+//! over an aggregate's (`choose/aggregate.rs`, priced by the rows and the groups a sample
+//! estimates) weigh them against the device's run now and warm.
 //! At run time an `auto` selector re-asks the model for the final selection, with the actual
 //! number of candidates, and the operator asks [`policy`] how its run goes on where the plan
 //! meets the input (a first run's rows, the cache's room, Parquet pages, a device failure).

@@ -246,6 +246,35 @@ impl CostModel {
             .time(&self.machine, self.fits.filter)
     }
 
+    /// A hash aggregation on the device, in seconds: the reset of a table of `slots` slots of
+    /// `slot_bytes` each (a group's key words, its state and its accumulators), one pass that
+    /// reads every one of `rows` rows of `row_bytes` and updates its group's slot, and the
+    /// compaction of the `groups` groups into ranking pairs of `kind` (the selection among them
+    /// is [`predict`](Self::predict)'s). Its passes stream at the calibrated filter pass's rate,
+    /// each row's update counted as a read of its slot.
+    pub fn aggregate_time(
+        &self,
+        (rows, row_bytes): (usize, usize),
+        (slots, slot_bytes): (usize, usize),
+        groups: usize,
+        kind: KeyWidth,
+    ) -> f64 {
+        let pair = (kind.key_bytes() + 8) as f64;
+        let table = slots as f64 * slot_bytes as f64;
+        let work = Work {
+            // The resets, the pass, the compaction's count reset, the compaction, the ranking.
+            launches: 6.0,
+            // The pass's count and status, before the table is read.
+            readbacks: 1.0,
+            steps: 3.0,
+            bytes: 2.0 * table
+                + rows as f64 * (row_bytes + slot_bytes) as f64
+                + groups as f64 * (slot_bytes as f64 + pair),
+            ..Work::default()
+        };
+        work.time(&self.machine, self.fits.filter)
+    }
+
     /// The sort of m pairs (ids below `rows`), in seconds.
     pub fn sort_time(&self, m: usize, kind: KeyWidth, rows: usize, source: usize) -> f64 {
         self.sort_work(m, kind, rows, source)
@@ -737,5 +766,23 @@ mod tests {
             )
             .unwrap();
         assert!(m.cpu_time(n) > gpu);
+    }
+
+    /// A hash aggregation costs its launches on few rows, and grows with the rows and with
+    /// the table (more groups, or more accumulators a slot).
+    #[test]
+    fn the_aggregation_grows_with_rows_and_table() {
+        let m = h100_like();
+        let time = |rows, slots, slot_bytes, groups| {
+            m.aggregate_time((rows, 24), (slots, slot_bytes), groups, KeyWidth::W128)
+        };
+        let tiny = time(1000, 1024, 32, 10);
+        assert!(tiny < 1e-4 && tiny > 6.0 * m.machine.launch_s, "{tiny}");
+        let rows = 100_000_000;
+        let few = time(rows, 1024, 32, 300);
+        assert!(few > 10.0 * tiny, "{few}");
+        assert!(time(rows, 1 << 25, 32, 1 << 24) > few);
+        assert!(time(rows, 1024, 64, 300) > few);
+        assert!(time(2 * rows, 1024, 32, 300) > few);
     }
 }

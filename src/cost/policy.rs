@@ -104,16 +104,6 @@ pub fn with_load_after_cpu(plan: SelectionPlan, load_after_cpu: bool) -> Selecti
     }
 }
 
-/// The fewest rows a top-k over an aggregate runs on the device for under `auto`: the
-/// smallest input the device is calibrated at. Below it the device's fixed costs (launches,
-/// the table's allocation, the read-back) outweigh the host's whole aggregation.
-pub const AGGREGATE_MIN_ROWS: usize = 1 << 16;
-
-/// Whether a top-k over an aggregate of `rows` rows runs on the device under `auto`.
-pub fn aggregate_on_device(rows: usize) -> bool {
-    rows >= AGGREGATE_MIN_ROWS
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

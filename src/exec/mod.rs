@@ -47,8 +47,8 @@ mod row_store;
 mod stream;
 
 pub use aggregate_topk::{
-    AggregateBackend, AggregateDevicePlan, AggregateItem, AggregateKind, AggregateTopKSpec,
-    GpuAggregateTopKExec, GroupKey,
+    AggregateBackend, AggregateCosting, AggregateDevicePlan, AggregateItem, AggregateKind,
+    AggregateTopKSpec, AggregateWarmUp, GpuAggregateTopKExec, GroupKey,
 };
 use dynamic_filter::{Publisher, SharedThreshold};
 pub use group_topk::{GpuGroupTopKExec, GroupCpuPlan, GroupDevicePlan, GroupWarmUp, RankFunction};

@@ -25,10 +25,16 @@
 //! not a table scan) is declined with the reason: the TopK stays with the top-k rule, whose
 //! operator then shows it in EXPLAIN.
 //!
-//! A translated query runs on the device where the device's plan takes it
-//! (`AggregateDevicePlan`) and the setting allows: `cuda` always, `auto` where the GPU is
-//! already known to be available (planning never starts it) and the table is large enough;
-//! else on DataFusion's subtree, the reason in EXPLAIN.
+//! The groups of the keys are estimated from a sample of an in-memory table (as for a
+//! per-group top-k; unknown for files, which have no cheap sample), shown in EXPLAIN and
+//! sizing the device's hash table. A translated query runs on the device where the device's
+//! plan takes it (`AggregateDevicePlan`) and the setting allows: `cuda` always, `auto` where
+//! the cost model (`cost::choose_aggregate`) predicts the device's run below DataFusion's
+//! aggregation at the host's calibrated rate, both priced by the rows and the groups; `cpu`
+//! never. Under `auto` planning starts the device only where DataFusion's aggregation would
+//! outlast its start (`cost::aggregate_before_device`), as for a per-group top-k. Elsewhere
+//! DataFusion's subtree runs, the reason in EXPLAIN, and where the device would win only with
+//! the columns resident they are loaded into the column cache after the run.
 
 use std::sync::Arc;
 
@@ -48,13 +54,13 @@ use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMerge
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitioning};
 
 use super::absorb::{substitute_columns, substitute_ordering};
+use super::build::cost_settings;
 use super::{Declined, because};
-use crate::config::{Backend, GpuTopKConfig};
-use crate::cost::policy;
-use crate::device::{GpuStatus, probed_status};
+use crate::config::GpuTopKConfig;
+use crate::cost;
 use crate::exec::{
-    AggregateBackend, AggregateDevicePlan, AggregateItem, AggregateKind, AggregateTopKSpec,
-    GpuAggregateTopKExec, GroupKey,
+    AggregateBackend, AggregateCosting, AggregateDevicePlan, AggregateItem, AggregateKind,
+    AggregateTopKSpec, AggregateWarmUp, GpuAggregateTopKExec, GroupKey,
 };
 
 type Exprs = Vec<Arc<dyn PhysicalExpr>>;
@@ -91,58 +97,86 @@ pub(super) fn match_aggregate_top_k(
         k,
         offset: top.skip,
     };
-    let backend = backend_of(config, &spec, node);
-    Ok(Arc::new(GpuAggregateTopKExec::new(
-        Arc::clone(node),
-        spec,
-        backend,
-    )))
+    let mut costing = AggregateCosting {
+        groups: estimate_groups(&spec),
+        ..AggregateCosting::default()
+    };
+    let backend = match backend_of(config, &spec, node, &mut costing) {
+        Ok(plan) => AggregateBackend::Cuda(Arc::new(plan)),
+        Err(reason) => AggregateBackend::Cpu(reason),
+    };
+    let exec = GpuAggregateTopKExec::new(Arc::clone(node), spec, backend);
+    Ok(Arc::new(exec.with_costing(costing)))
 }
 
-/// Where the operator runs: the device where the setting allows it (`auto`: a GPU probed
-/// available, planning does not start the device to find out, and a table of at least
-/// [`policy::AGGREGATE_MIN_ROWS`] rows) and [`AggregateDevicePlan`] takes the spec; else
-/// DataFusion's subtree, with the reason.
+/// The groups of the spec's keys among the rows that pass its filter, estimated from a
+/// sample of an in-memory table; `None` for files, or where the sample cannot say.
+fn estimate_groups(spec: &AggregateTopKSpec) -> Option<usize> {
+    let memory = crate::input::memory::memory_input(&spec.table)?;
+    let keys: Exprs = (spec.group_keys.iter())
+        .map(|key| Arc::clone(&key.expr))
+        .collect();
+    super::group::estimate_groups(&memory, spec.filter.as_ref(), &keys)
+}
+
+/// The device's plan of the operator, where the device path takes the spec and the cost
+/// model places it there (see the module documentation); else why DataFusion's subtree runs.
+/// `costing` gets what the model weighed and the warm-up after a CPU run.
 fn backend_of(
     config: &GpuTopKConfig,
     spec: &AggregateTopKSpec,
     node: &Arc<dyn ExecutionPlan>,
-) -> AggregateBackend {
-    let device = match config.backend {
-        Backend::Cpu => Err("gpu_topk.backend = cpu".to_string()),
-        _ if !config.column_cache => {
-            Err("the device path reads the column cache: gpu_topk.column_cache = false".into())
-        }
-        _ if node.output_partitioning().partition_count() != 1 => {
-            Err("the device path outputs one partition".to_string())
-        }
-        backend => AggregateDevicePlan::of(spec).and_then(|mut plan| {
-            plan.memory_limit = config.device_memory_limit;
-            plan.fault = config.inject_fault;
-            match backend {
-                Backend::Auto => auto_takes_device(plan.rows).map(|()| plan),
-                _ => Ok(plan),
-            }
-        }),
+    costing: &mut AggregateCosting,
+) -> std::result::Result<AggregateDevicePlan, String> {
+    if !config.column_cache {
+        return Err("the device path reads the column cache: gpu_topk.column_cache = false".into());
+    }
+    if node.output_partitioning().partition_count() != 1 {
+        return Err("the device path outputs one partition".to_string());
+    }
+    let mut plan = AggregateDevicePlan::of(spec)?;
+    plan.memory_limit = config.device_memory_limit;
+    plan.fault = config.inject_fault;
+    plan.groups = costing.groups;
+    let program = Arc::new(plan.program());
+    let resident = crate::input::columns::plan_resident_share(&spec.table, &program, None);
+    let (keys, accumulators) = plan.table_words();
+    let estimate = cost::AggregateEstimate {
+        table: cost::Estimate {
+            rows: Some(plan.rows),
+            bytes_per_row: 8 * program.inputs.len(),
+            compile: false,
+            resident: resident.unwrap_or(0.0),
+            whole_table: resident.is_some(),
+            decoded: false,
+            pages: false,
+        },
+        groups: costing.groups,
+        keys,
+        accumulators,
+        k: spec.k,
     };
-    match device {
-        Ok(plan) => AggregateBackend::Cuda(Arc::new(plan)),
-        Err(reason) => AggregateBackend::Cpu(reason),
-    }
-}
-
-/// Whether `auto` runs the device's plan over `rows` rows: where the GPU is already probed
-/// available and the table is large enough.
-fn auto_takes_device(rows: usize) -> std::result::Result<(), String> {
-    match probed_status() {
-        Some(GpuStatus::Unavailable(why)) => Err(format!("no GPU: {why}")),
-        None => Err("the GPU is not started".to_string()),
-        Some(GpuStatus::Available(_)) if !policy::aggregate_on_device(rows) => Err(format!(
-            "{rows} rows, fewer than the device's {}",
-            policy::AGGREGATE_MIN_ROWS
-        )),
-        Some(GpuStatus::Available(_)) => Ok(()),
-    }
+    let settings = cost_settings(config);
+    let start = cost::StartFacts::read(settings);
+    let warm_up = |device| AggregateWarmUp {
+        program: Arc::clone(&program),
+        device,
+    };
+    let mut cpu = |c: cost::AggregateCpu| {
+        costing.weighed = c.weighed.map(|w| w.describe());
+        costing.warm_up = c.warm_up.filter(|_| config.load_after_cpu).map(warm_up);
+        c.reason
+    };
+    let choice = cost::aggregate_before_device(settings, &estimate, &start)
+        .and_then(|needs| {
+            let device = cost::DeviceFacts::gather(settings, needs);
+            cost::choose_aggregate(settings, estimate, &device)
+        })
+        .map_err(&mut cpu)?;
+    plan.selection = choice.selection;
+    costing.weighed = choice.weighed.map(|w| w.describe());
+    costing.reason = Some(choice.reason);
+    Ok(plan)
 }
 
 /// The TopK at the top of the subtree: its sort, the rows it selects, and its output columns

@@ -371,7 +371,7 @@ const GROUPS_SAMPLE_BATCHES: usize = 256;
 pub(super) fn estimate_groups(
     memory: &crate::input::memory::MemoryInput<'_>,
     filter: Option<&Arc<dyn PhysicalExpr>>,
-    group_exprs: &[PhysicalSortExpr],
+    group_exprs: &[Arc<dyn PhysicalExpr>],
 ) -> Option<usize> {
     use datafusion::arrow::array::{AsArray, UInt32Array};
     use datafusion::arrow::compute::{filter_record_batch, take_record_batch};
@@ -402,7 +402,7 @@ pub(super) fn estimate_groups(
             None => sample,
         };
         let columns = (group_exprs.iter())
-            .map(|e| e.expr.evaluate(&sample)?.into_array(sample.num_rows()))
+            .map(|e| e.evaluate(&sample)?.into_array(sample.num_rows()))
             .collect::<datafusion::error::Result<Vec<_>>>()
             .ok()?;
         if converter.is_none() {

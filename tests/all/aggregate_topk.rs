@@ -2,8 +2,9 @@
 //! the operator against plain DataFusion over every storage with several partitions, files
 //! and row groups (each aggregate, each key type, HAVING, OFFSET, NULL keys and values, one
 //! group, every row its own group, k beyond the groups, ties at the k-th, empty input, a
-//! filter that fails on a row), and the plans: the operator for each shape it takes, and
-//! DataFusion's aggregation, with the reason in EXPLAIN, for those it does not.
+//! filter that fails on a row), and the plans: the operator for each shape it takes, with the
+//! groups estimated from a sample and what `auto` weighed, and DataFusion's aggregation, with
+//! the reason in EXPLAIN, for those it does not.
 
 use std::sync::Arc;
 
@@ -17,8 +18,8 @@ use datafusion::prelude::SessionContext;
 use datafusion_gpu_topk::{AggregateKind, GpuAggregateTopKExec};
 
 use crate::common::{
-    Rng, STORAGES, exact_rows, partitioned, physical_plan, plain_session, plan_text, register,
-    register_as, run_oracle, session, session_with, test_dir,
+    Rng, STORAGES, Storage, exact_rows, partitioned, physical_plan, plain_session, plan_text,
+    register, register_as, run_oracle, session, session_with, test_dir,
 };
 use crate::sessions::test_config;
 
@@ -345,23 +346,77 @@ async fn off_by_default() {
     );
 }
 
-/// Under `auto` the operator says why it runs DataFusion's plan: no GPU, the GPU not
-/// started (planning does not start it), or a table below the device's minimum of rows.
+/// Under `auto` the cost model weighs a small table: DataFusion's aggregation, with what was
+/// weighed in EXPLAIN (or, without a GPU, why none was weighed), and the groups estimated.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn auto_says_why_the_cpu_path_runs() {
+async fn auto_weighs_the_aggregation_and_says_why() {
     let mut config = test_config(true).with_backend(datafusion_gpu_topk::Backend::Auto);
     config.aggregate_topk = true;
     let ours = session_with(3, 64, config);
+    let plain = session(false, 3, 64);
     register(&ours, "t", int64_table(61));
+    register(&plain, "t", int64_table(61));
     let sql = "SELECT k, COUNT(*) AS n FROM t GROUP BY k ORDER BY n DESC, k LIMIT 5";
     let plan = physical_plan(&ours, sql).await.unwrap();
     let text = plan_text(&plan);
-    let said = [
-        "reason=[no GPU: ",
-        "reason=[the GPU is not started]",
-        "rows, fewer than the device's 65536]",
+    assert!(text.contains("backend=cpu, reason=["), "{text}");
+    let groups = group_count(&plain, "SELECT k FROM t GROUP BY k").await;
+    assert!(text.contains(&format!("groups≈{groups}, ")), "{text}");
+    let no_gpu = text.contains("reason=[no GPU found (");
+    let weighed = text.contains("predicted_cpu=");
+    assert!(no_gpu != weighed, "{text}");
+    same_answer(&ours, &plain, sql, true).await;
+}
+
+/// The groups of `sql`'s rows (a `GROUP BY` query) in `plain`.
+async fn group_count(plain: &SessionContext, sql: &str) -> usize {
+    let batches = crate::common::run(plain, sql).await.unwrap();
+    batches.iter().map(RecordBatch::num_rows).sum()
+}
+
+/// EXPLAIN shows the groups the rule estimated from a sample of an in-memory table or
+/// `GpuTable` (exact here: the sample is the whole table), among the rows that pass the
+/// filter, on the CPU path as on the device; files have no sample: `groups=?`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn explain_shows_the_groups_estimated_from_a_sample() {
+    let dir = test_dir("aggregate-groups");
+    let data = table(71);
+    let queries = [
+        (
+            "SELECT g, COUNT(*) AS n FROM t GROUP BY g ORDER BY n DESC, g LIMIT 5",
+            "SELECT g FROM t GROUP BY g",
+        ),
+        (
+            "SELECT s, SUM(v) AS sv FROM t WHERE v > 3 GROUP BY s ORDER BY sv DESC, s LIMIT 3",
+            "SELECT s FROM t WHERE v > 3 GROUP BY s",
+        ),
+        (
+            "SELECT g, d, COUNT(DISTINCT v) AS u FROM t GROUP BY g, d ORDER BY u DESC, g, d LIMIT 4",
+            "SELECT g, d FROM t GROUP BY g, d",
+        ),
+        (
+            "SELECT id, MAX(f) AS m FROM t GROUP BY id ORDER BY m DESC, id LIMIT 3",
+            "SELECT id FROM t GROUP BY id",
+        ),
     ];
-    assert!(said.iter().any(|s| text.contains(s)), "{text}");
+    for storage in STORAGES {
+        let ours = aggregate_session(3, 64);
+        let plain = plain_session(3, storage);
+        register_as(&ours, "t", &data, storage, &dir).await;
+        register_as(&plain, "t", &data, storage, &dir).await;
+        let sampled = matches!(storage, Storage::Memory | Storage::GpuTable);
+        for (sql, groups) in queries {
+            let text = plan_text(&physical_plan(&ours, sql).await.unwrap());
+            let groups = group_count(&plain, groups).await;
+            assert!(groups > 1, "{sql}");
+            let want = match sampled {
+                true => format!("groups≈{groups}, backend="),
+                false => "groups=?, backend=".to_string(),
+            };
+            assert!(text.contains(&want), "{storage:?}: {sql}: {want}:\n{text}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `t` of [`table`] with `k` and `k2`, Int64 group keys with NULLs (40 and 6 values).
@@ -506,7 +561,10 @@ async fn the_device_slice_plans_cuda_and_the_rest_says_why() {
     let cpu = session_with(3, 64, config);
     register(&cpu, "t", int64_table(67));
     let text = plan_text(&physical_plan(&cpu, taken[0]).await.unwrap());
-    assert!(text.contains("reason=[gpu_topk.backend = cpu]"), "{text}");
+    assert!(
+        text.contains("backend=cpu, reason=[CPU path forced by settings]"),
+        "{text}"
+    );
     // Nor does the device run without the column cache, which it reads the columns from.
     let mut config = test_config(true).with_backend(datafusion_gpu_topk::Backend::Cuda);
     config.aggregate_topk = true;

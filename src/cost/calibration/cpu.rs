@@ -1,6 +1,7 @@
 //! The CPU calibration: the rows per second per core of the CPU paths the decisions weigh
-//! against the device, measured without it (the top-k selector, and the per-group heaps of
-//! `GpuGroupTopKExec`'s CPU path), once per process on first need.
+//! against the device, measured without it (the top-k selector, the per-group heaps of
+//! `GpuGroupTopKExec`'s CPU path, and DataFusion's hash aggregation, which
+//! `GpuAggregateTopKExec`'s CPU path runs), once per process on first need.
 //!
 //! The rates are kept in memory for the process and written beside the device calibration,
 //! to `<cache dir>/cpu-calibration-<key>.txt`, the key hashing the host's CPU model, its
@@ -29,6 +30,9 @@ pub struct CpuRates {
     /// The per-group CPU path's rows per second on one core (each row's keys converted to
     /// arrow's row format, its group looked up, its group's heap offered the row).
     pub group_rows_per_s: f64,
+    /// DataFusion's hash aggregation's rows per second on one core (each row's group looked
+    /// up, its accumulators updated).
+    pub aggregate_rows_per_s: f64,
     /// The host's cores, which run the CPU paths' partitions.
     pub cores: usize,
 }
@@ -44,18 +48,30 @@ impl CpuRates {
         rows as f64 / (self.group_rows_per_s * self.cores.max(1) as f64)
     }
 
+    /// Seconds DataFusion's aggregation of `rows` rows into `groups` groups takes on every
+    /// core: each partition's partial aggregation of its rows, then the final aggregation of
+    /// the partial groups (up to every group from each partition), both at the calibrated
+    /// rate.
+    pub fn aggregate_time(&self, rows: usize, groups: usize) -> f64 {
+        let cores = self.cores.max(1);
+        let partial_groups = groups.saturating_mul(cores).min(rows);
+        (rows + partial_groups) as f64 / (self.aggregate_rows_per_s * cores as f64)
+    }
+
     /// One line for logs and reports.
     pub fn describe(&self) -> String {
         format!(
-            "CPU top-k {:.1} M rows/s/core, per group {:.1} M rows/s/core × {}",
+            "CPU top-k {:.1} M rows/s/core, per group {:.1} M rows/s/core, aggregation {:.1} M \
+             rows/s/core × {}",
             self.topk_rows_per_s / 1e6,
             self.group_rows_per_s / 1e6,
+            self.aggregate_rows_per_s / 1e6,
             self.cores
         )
     }
 }
 
-const FORMAT: &str = "datafusion-gpu-topk cpu calibration 1";
+const FORMAT: &str = "datafusion-gpu-topk cpu calibration 2";
 
 /// The rates, measured or read once per process. Process-wide: the host does not change while
 /// it runs, and every session plans with the same figures.
@@ -131,12 +147,13 @@ fn cpu_model() -> String {
 }
 
 /// The rates from conservative figures, where a measurement cannot run.
-const FALLBACK: (f64, f64) = (100e6, 5e6);
+const FALLBACK: (f64, f64, f64) = (100e6, 5e6, 10e6);
 
 fn measure(cores: usize) -> CpuRates {
     CpuRates {
         topk_rows_per_s: topk_rows_per_second().unwrap_or(FALLBACK.0),
         group_rows_per_s: group_rows_per_second().unwrap_or(FALLBACK.1),
+        aggregate_rows_per_s: aggregate_rows_per_second().unwrap_or(FALLBACK.2),
         cores,
     }
 }
@@ -185,28 +202,35 @@ fn topk_rows_per_second() -> Option<f64> {
     Some(ROWS as f64 / best)
 }
 
-/// Rows per second of the per-group CPU path on one core: 2^20 rows in batches of 8192, an
-/// Int64 group of 2^14 values and an Int64 order key (descending), K = 10 by `ROW_NUMBER()`,
-/// from the rows' conversion to arrow's row format to the kept rows numbered in order.
-fn group_rows_per_second() -> Option<f64> {
-    const ROWS: usize = 1 << 20;
-    const GROUPS: u64 = 1 << 14;
-    const BATCH: usize = 8192;
-    const K: usize = 10;
+/// The calibration's grouped rows: 2^20 rows in batches of 8192, an Int64 group `g` of
+/// 2^14 values and an Int64 value `v`.
+const ROWS: usize = 1 << 20;
+const GROUPS: u64 = 1 << 14;
+const BATCH: usize = 8192;
+
+/// `count` batches of `rows` rows: `g` drawn below `groups`, `v` spread.
+fn grouped_batches(count: usize, rows: usize, groups: u64) -> Option<Vec<RecordBatch>> {
     let schema = Arc::new(Schema::new(vec![
         Field::new("g", DataType::Int64, false),
         Field::new("v", DataType::Int64, false),
     ]));
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    let batches = (0..ROWS / BATCH)
+    (0..count)
         .map(|_| {
-            let g =
-                Int64Array::from_iter_values((0..BATCH).map(|_| (next(&mut x) % GROUPS) as i64));
-            let v = Int64Array::from_iter_values((0..BATCH).map(|_| next(&mut x) as i64 >> 8));
+            let g = Int64Array::from_iter_values((0..rows).map(|_| (next(&mut x) % groups) as i64));
+            let v = Int64Array::from_iter_values((0..rows).map(|_| next(&mut x) as i64 >> 8));
             let columns: Vec<ArrayRef> = vec![Arc::new(g), Arc::new(v)];
             RecordBatch::try_new(Arc::clone(&schema), columns).ok()
         })
-        .collect::<Option<Vec<_>>>()?;
+        .collect()
+}
+
+/// Rows per second of the per-group CPU path on one core: 2^20 rows in batches of 8192, an
+/// Int64 group of 2^14 values and an Int64 order key (descending), K = 10 by `ROW_NUMBER()`,
+/// from the rows' conversion to arrow's row format to the kept rows numbered in order.
+fn group_rows_per_second() -> Option<f64> {
+    const K: usize = 10;
+    let batches = grouped_batches(ROWS / BATCH, BATCH, GROUPS)?;
     let descending = SortOptions::new(true, false);
     let sort = RowConverter::new(vec![
         SortField::new(DataType::Int64),
@@ -247,12 +271,74 @@ fn group_rows_per_second() -> Option<f64> {
     Some(ROWS as f64 / best)
 }
 
+/// Rows per second of DataFusion's hash aggregation on one core: the grouped rows (2^14
+/// groups) in one partition, `GROUP BY g` with `COUNT(*)` and `SUM(v)` in a single step, from
+/// the first batch read to the groups' output. It runs on a thread of its own with a runtime
+/// of one thread, so that it neither needs nor blocks the caller's.
+fn aggregate_rows_per_second() -> Option<f64> {
+    use datafusion::datasource::memory::MemorySourceConfig;
+    use datafusion::execution::TaskContext;
+    use datafusion::functions_aggregate::count::count_udaf;
+    use datafusion::functions_aggregate::sum::sum_udaf;
+    use datafusion::physical_expr::aggregate::AggregateExprBuilder;
+    use datafusion::physical_expr::expressions::{col, lit};
+    use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode, PhysicalGroupBy};
+    use datafusion::physical_plan::{ExecutionPlan, collect};
+
+    let batches = grouped_batches(ROWS / BATCH, BATCH, GROUPS)?;
+    let schema = batches.first()?.schema();
+    let input = MemorySourceConfig::try_new_exec(&[batches], Arc::clone(&schema), None).ok()?;
+    let group_by = PhysicalGroupBy::new_single(vec![(col("g", &schema).ok()?, "g".into())]);
+    let count = AggregateExprBuilder::new(count_udaf(), vec![lit(1i64)])
+        .schema(Arc::clone(&schema))
+        .alias("n")
+        .build()
+        .ok()?;
+    let sum = AggregateExprBuilder::new(sum_udaf(), vec![col("v", &schema).ok()?])
+        .schema(Arc::clone(&schema))
+        .alias("s")
+        .build()
+        .ok()?;
+    let aggregate = AggregateExec::try_new(
+        AggregateMode::Single,
+        group_by,
+        vec![Arc::new(count), Arc::new(sum)],
+        vec![None, None],
+        input,
+        schema,
+    )
+    .ok()?;
+    let plan: Arc<dyn ExecutionPlan> = Arc::new(aggregate);
+    let run = move || -> Option<f64> {
+        let runtime = tokio::runtime::Builder::new_current_thread().build().ok()?;
+        let mut best = f64::INFINITY;
+        for _ in 0..2 {
+            let started = Instant::now();
+            let output = runtime
+                .block_on(collect(Arc::clone(&plan), Arc::new(TaskContext::default())))
+                .ok()?;
+            let groups: usize = output.iter().map(RecordBatch::num_rows).sum();
+            if groups as u64 != GROUPS {
+                return None;
+            }
+            best = best.min(started.elapsed().as_secs_f64());
+        }
+        Some(ROWS as f64 / best)
+    };
+    std::thread::scope(|s| s.spawn(run).join().ok().flatten())
+}
+
 fn write_file(path: &Path, rates: &CpuRates) -> std::io::Result<()> {
     let mut text = String::new();
     let _ = writeln!(text, "{FORMAT}");
     let _ = writeln!(text, "cores {}", rates.cores);
     let _ = writeln!(text, "topk_rows_per_s {:e}", rates.topk_rows_per_s);
     let _ = writeln!(text, "group_rows_per_s {:e}", rates.group_rows_per_s);
+    let _ = writeln!(
+        text,
+        "aggregate_rows_per_s {:e}",
+        rates.aggregate_rows_per_s
+    );
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -281,6 +367,7 @@ fn read_file(path: &Path, cores: usize) -> Option<CpuRates> {
     let rates = CpuRates {
         topk_rows_per_s: *values.get("topk_rows_per_s")?,
         group_rows_per_s: *values.get("group_rows_per_s")?,
+        aggregate_rows_per_s: *values.get("aggregate_rows_per_s")?,
         cores: *values.get("cores")? as usize,
     };
     (rates.cores == cores).then_some(rates)
@@ -300,6 +387,7 @@ mod tests {
         let rates = CpuRates {
             topk_rows_per_s: 2.5e8,
             group_rows_per_s: 1.25e7,
+            aggregate_rows_per_s: 3.5e7,
             cores,
         };
         write_file(&path, &rates).unwrap();
@@ -311,7 +399,8 @@ mod tests {
             text.replace("group_rows_per_s 1.25e7", "group_rows_per_s x"),
             text.replace("topk_rows_per_s 2.5e8", "topk_rows_per_s -1"),
             text.replace("group_rows_per_s", "groups_rows_per_s"),
-            text.replace(FORMAT, "datafusion-gpu-topk cpu calibration 0"),
+            text.replace("aggregate_rows_per_s 3.5e7\n", ""),
+            text.replace(FORMAT, "datafusion-gpu-topk cpu calibration 1"),
             text[..text.len() / 2].to_string(),
         ];
         for damaged in &damaged {
@@ -321,9 +410,10 @@ mod tests {
         let measured = read_or_measure(Some(&path));
         assert_ne!(measured, rates);
         assert_eq!(measured.cores, cores);
-        // Measured, not the fallback figures: the selector and the heaps ran.
+        // Measured, not the fallback figures: the selector, the heaps and the aggregation ran.
         assert_ne!(measured.topk_rows_per_s, FALLBACK.0);
         assert_ne!(measured.group_rows_per_s, FALLBACK.1);
+        assert_ne!(measured.aggregate_rows_per_s, FALLBACK.2);
         assert!(measured.topk_rows_per_s > measured.group_rows_per_s);
         assert_eq!(read_file(&path, cores), Some(measured), "rewritten");
         std::fs::remove_dir_all(&dir).unwrap();

@@ -232,7 +232,7 @@ fn the_bitonic_limit_is_one_rule() {
     assert!(why.contains(&format!("up to {limit}")), "{why}");
 }
 
-fn settings(backend: Backend, algorithm: Algorithm) -> Settings<'static> {
+pub(super) fn settings(backend: Backend, algorithm: Algorithm) -> Settings<'static> {
     Settings {
         backend,
         algorithm,
@@ -252,20 +252,21 @@ fn layout(data_type: DataType) -> KeyLayout {
     .unwrap()
 }
 
-const STARTED: StartFacts = StartFacts {
+pub(super) const STARTED: StartFacts = StartFacts {
     started: true,
     slow_start: false,
     cpu: None,
 };
 
 /// A 16-core host's CPU rates.
-const RATES: CpuRates = CpuRates {
+pub(super) const RATES: CpuRates = CpuRates {
     topk_rows_per_s: 100e6,
     group_rows_per_s: 10e6,
+    aggregate_rows_per_s: 20e6,
     cores: 16,
 };
 
-fn ready(calibration: Option<GpuResult<Arc<Calibration>>>) -> DeviceFacts {
+pub(super) fn ready(calibration: Option<GpuResult<Arc<Calibration>>>) -> DeviceFacts {
     DeviceFacts::Ready(GpuFacts {
         slot: Default::default(),
         describe: "Test GPU (sm_90, 80 GiB)".into(),
@@ -371,7 +372,7 @@ fn the_decision_over_the_facts_names_what_it_found() {
 }
 
 /// A calibration of the H100-like model, as the device's facts carry it.
-fn calibrated() -> Option<GpuResult<Arc<Calibration>>> {
+pub(super) fn calibrated() -> Option<GpuResult<Arc<Calibration>>> {
     use crate::cost::calibration::DeviceParams;
     let params = DeviceParams {
         name: "Test GPU".into(),

@@ -192,6 +192,10 @@ pub struct AggregateReport {
     /// Passes over the rows (more than one where a table filled).
     pub passes: usize,
     pub declined: Option<AggregateDecline>,
+    /// The device's milliseconds in the aggregation (every pass, the table's resets included)
+    /// and in the selection (the groups' compaction and ranking, the selection, the chosen
+    /// groups' read-back), as its events timed them.
+    pub phases_ms: [f32; 2],
 }
 
 /// A top-k over an aggregate's result: the min(k, groups) best groups in order, and the
@@ -381,6 +385,7 @@ impl TopKEngine {
         let spec_buffer = self.device.pool.alloc(spec.len(), &self.stream)?;
         self.upload_bytes(&spec, spec_buffer.ptr())?;
         let mut cap = table_slots(call.groups_estimate, call.rows);
+        let timer = GpuTimer::start(&self.stream)?;
         let (table, groups) = loop {
             result.report.passes += 1;
             let table = self.aggregate_pass(call, &plan, spec_buffer.ptr(), cap)?;
@@ -402,10 +407,13 @@ impl TopKEngine {
         };
         result.report.slots = cap;
         result.groups = groups;
+        let aggregated = timer.elapsed()?;
+        result.report.phases_ms[0] = aggregated;
         if groups == 0 || call.k == 0 {
             return Ok(result);
         }
         let rows = self.aggregate_select(call, &plan, rank, &table, groups)?;
+        result.report.phases_ms[1] = timer.elapsed()? - aggregated;
         let stride = kw + 1 + plan.kinds.len();
         result.top = (rows.chunks_exact(stride))
             .map(|row| decode_group(row, kw, call.ops, &plan))

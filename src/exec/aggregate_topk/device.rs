@@ -17,7 +17,9 @@
 //!
 //! The key and value columns come from the device column cache, uploaded into it on a miss
 //! (as a whole-table selection reads them, [`crate::select::table`]), so that they stay
-//! resident for the next query. The device returns the best `k` (+ offset) groups, in order,
+//! resident for the next query. Its first hash table is sized for the groups the rule
+//! estimated from a sample, and the groups' selection is the one the cost model chose. The
+//! device returns the best `k` (+ offset) groups, in order,
 //! with their keys and accumulators; the host builds them into a batch of the aggregation's
 //! output (keys, then aggregates), drops the offset's groups and evaluates the spec's output
 //! projection on the rest. A device error, or the device declining the query (a NaN met by an
@@ -55,8 +57,10 @@ use crate::input::memory::{memory_input, table_inputs};
 use crate::select::TransferMetrics;
 use crate::select::table::{cache_uploads, upload_missing};
 
-/// Groups the device's first hash table is sized for (it grows fourfold when it fills).
-const GROUPS_ESTIMATE: usize = 1 << 20;
+/// Groups the device's first hash table is sized for where the rule could not estimate them
+/// (it grows fourfold when it fills), and the most an estimate sizes it for.
+const GROUPS_UNKNOWN: usize = 1 << 20;
+const GROUPS_MOST: usize = 1 << 24;
 
 /// Where an aggregate's value comes from among the device's ops.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +84,10 @@ pub struct AggregateDevicePlan {
     order: AggregateOrder,
     /// The table's rows at planning.
     pub rows: usize,
+    /// The groups the rule estimated from a sample of the table (`None`: unknown).
+    pub groups: Option<usize>,
+    /// The selection among the groups, as the cost model chose it.
+    pub selection: DeviceAlgorithm,
     /// The session's `gpu_topk.device_memory_limit` and `gpu_topk.inject_fault`.
     pub memory_limit: usize,
     pub fault: FaultPoint,
@@ -129,6 +137,8 @@ impl AggregateDevicePlan {
                 nulls_first: false,
             },
             rows: memory.batches().map(|b| b.num_rows()).sum(),
+            groups: None,
+            selection: DeviceAlgorithm::Radix,
             memory_limit: 0,
             fault: FaultPoint::None,
         };
@@ -231,8 +241,33 @@ impl AggregateDevicePlan {
         }
     }
 
+    /// The program whose inputs are the columns the device reads ([`Self::reads`]): what the
+    /// column cache holds of the table for it, and what a load after a CPU run loads.
+    pub(crate) fn program(&self) -> FusedProgram {
+        FusedProgram {
+            source: String::new(),
+            inputs: self.reads().into_iter().map(KernelInput::Column).collect(),
+            key_kind: KeyWidth::W64,
+            refines: false,
+        }
+    }
+
+    /// The key columns and the device's accumulators (the cost model's table slot).
+    pub(crate) fn table_words(&self) -> (usize, usize) {
+        (self.keys.len(), self.ops.len())
+    }
+
+    /// The groups the device's first table is sized for: the estimate with a quarter more
+    /// (a sample's estimate runs low), within [`GROUPS_MOST`]; [`GROUPS_UNKNOWN`] without one.
+    fn groups_estimate(&self, rows: usize) -> usize {
+        let groups = self
+            .groups
+            .map_or(GROUPS_UNKNOWN, |g| g.saturating_add(g / 4));
+        groups.clamp(1, GROUPS_MOST).min(rows.max(1))
+    }
+
     /// The table columns the device reads, each once: the keys', then the other values'.
-    fn reads(&self) -> Vec<usize> {
+    pub(crate) fn reads(&self) -> Vec<usize> {
         let mut reads = self.keys.clone();
         reads.extend(self.values.iter().filter(|c| !self.keys.contains(c)));
         reads
@@ -289,6 +324,10 @@ pub(super) struct DeviceMetrics {
     groups: Count,
     /// Wall time of the device's aggregation and selection, the columns' uploads not included.
     device_time: Time,
+    /// The device's time in the aggregation and in the selection of the groups, as its
+    /// events timed them.
+    device_aggregate_time: Time,
+    device_select_time: Time,
     transfers: TransferMetrics,
     device_bytes_held: Gauge,
     device_peak_bytes: Gauge,
@@ -302,6 +341,8 @@ impl DeviceMetrics {
             gpu_fallbacks: builder().global_counter("gpu_fallbacks"),
             groups: builder().global_counter("groups"),
             device_time: builder().subset_time("device_time", 0),
+            device_aggregate_time: builder().subset_time("device_aggregate_time", 0),
+            device_select_time: builder().subset_time("device_select_time", 0),
             transfers: TransferMetrics {
                 cache_hits: builder().global_counter("cache_hits"),
                 cache_misses: builder().global_counter("cache_misses"),
@@ -364,6 +405,12 @@ pub(super) fn run(
         }
     };
     metrics.groups.add(top.groups);
+    let phases = [&metrics.device_aggregate_time, &metrics.device_select_time];
+    for (time, ms) in phases.into_iter().zip(top.report.phases_ms) {
+        time.add_duration(std::time::Duration::from_secs_f64(
+            f64::from(ms.max(0.0)) / 1e3,
+        ));
+    }
     output_batch(spec, plan, &top.top, schema).map(Some)
 }
 
@@ -444,8 +491,8 @@ fn aggregate_on(
         rows,
         order: plan.order,
         k: spec.k,
-        groups_estimate: rows.min(GROUPS_ESTIMATE),
-        algorithm: DeviceAlgorithm::Radix,
+        groups_estimate: plan.groups_estimate(rows),
+        algorithm: plan.selection,
     };
     let timer = metrics.device_time.timer();
     let started = Instant::now();

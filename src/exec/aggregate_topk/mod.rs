@@ -37,7 +37,13 @@
 //! subtree: its rows, columns, types and errors are DataFusion's. The device path
 //! ([`AggregateDevicePlan`], its own module) computes a narrower set of shapes on the GPU in
 //! one call, and runs the subtree where the device fails or declines. EXPLAIN shows the spec,
-//! the backend and why it was chosen.
+//! the groups the rule estimated from a sample of the table (`groups≈N`; `groups=?` where it
+//! could not), the backend and why it was chosen, and what the cost model weighed
+//! (`predicted_cpu=…, predicted_gpu=…, predicted_gpu_warm=…`); on the device the algorithm
+//! (a hash aggregation, then the selection among the groups), and in EXPLAIN ANALYZE the
+//! device's time in each (`device_aggregate_time`, `device_select_time`). Where the device
+//! would win only with the columns resident, the CPU path runs and loads them into the column
+//! cache after it ([`AggregateWarmUp`], `cache=warm-up` in EXPLAIN), for the next run.
 
 mod device;
 
@@ -56,7 +62,10 @@ use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties, SendableRecordBatchStream,
 };
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
+
+use crate::device::DeviceSlot;
+use crate::fusion::FusedProgram;
 
 pub use device::AggregateDevicePlan;
 
@@ -162,6 +171,42 @@ pub enum AggregateBackend {
     Cuda(Arc<AggregateDevicePlan>),
 }
 
+/// What the rule estimated and the cost model weighed for the operator (EXPLAIN), and the
+/// load of the column cache after a CPU run.
+#[derive(Debug, Clone, Default)]
+pub struct AggregateCosting {
+    /// The groups of the keys the rule estimated from a sample of the table (`None`: unknown).
+    pub groups: Option<usize>,
+    /// What the cost model weighed, as EXPLAIN shows it (`predicted_cpu=…, predicted_gpu=…`).
+    pub weighed: Option<String>,
+    /// Why the device (EXPLAIN VERBOSE; the CPU path's reason is its backend's).
+    pub reason: Option<String>,
+    /// The columns loaded after a CPU run, where the device would win the next one with them.
+    pub warm_up: Option<AggregateWarmUp>,
+}
+
+/// What a CPU run's warm-up loads: the table's columns the device path reads (the program's
+/// inputs), into the column cache of `device` (started in the background where it is not).
+#[derive(Debug, Clone)]
+pub struct AggregateWarmUp {
+    pub program: Arc<FusedProgram>,
+    pub device: DeviceSlot,
+}
+
+impl AggregateWarmUp {
+    /// Starts loading `table`'s columns in the background (one load at a time; one that does
+    /// not fit the budget, or fails, leaves the cache as it was).
+    fn start(&self, table: Arc<dyn ExecutionPlan>, context: Arc<TaskContext>) {
+        use crate::input::loader::{CacheLoader, load_inputs};
+        let program = Arc::clone(&self.program);
+        CacheLoader::spawn(self.device, move |loader| async move {
+            if let Err(e) = load_inputs(&table, &context, &program, &loader, false).await {
+                log::debug!("gpu-topk: the columns were not loaded into the cache: {e}");
+            }
+        });
+    }
+}
+
 /// See the module documentation.
 #[derive(Debug)]
 pub struct GpuAggregateTopKExec {
@@ -169,6 +214,7 @@ pub struct GpuAggregateTopKExec {
     plan: Arc<dyn ExecutionPlan>,
     spec: Arc<AggregateTopKSpec>,
     backend: AggregateBackend,
+    costing: AggregateCosting,
     properties: Arc<PlanProperties>,
     metrics: ExecutionPlanMetricsSet,
 }
@@ -186,12 +232,23 @@ impl GpuAggregateTopKExec {
             plan,
             spec: Arc::new(spec),
             backend,
+            costing: AggregateCosting::default(),
             metrics: ExecutionPlanMetricsSet::new(),
         }
     }
 
+    /// The operator with what the rule estimated and the cost model weighed.
+    pub fn with_costing(mut self, costing: AggregateCosting) -> Self {
+        self.costing = costing;
+        self
+    }
+
     pub fn spec(&self) -> &AggregateTopKSpec {
         &self.spec
+    }
+
+    pub fn costing(&self) -> &AggregateCosting {
+        &self.costing
     }
 
     pub fn backend(&self) -> &AggregateBackend {
@@ -205,7 +262,7 @@ impl GpuAggregateTopKExec {
 }
 
 impl DisplayAs for GpuAggregateTopKExec {
-    fn fmt_as(&self, _t: DisplayFormatType, f: &mut Formatter) -> fmt::Result {
+    fn fmt_as(&self, t: DisplayFormatType, f: &mut Formatter) -> fmt::Result {
         let spec = &self.spec;
         let keys: Vec<String> = (spec.group_keys.iter())
             .map(|g| g.expr.to_string())
@@ -225,9 +282,30 @@ impl DisplayAs for GpuAggregateTopKExec {
         if let Some(having) = &spec.having {
             write!(f, ", having=[{having}]")?;
         }
+        match self.costing.groups {
+            Some(groups) => write!(f, ", groups≈{groups}")?,
+            None => f.write_str(", groups=?")?,
+        }
+        let costing = &self.costing;
         match &self.backend {
-            AggregateBackend::Cpu(reason) => write!(f, ", backend=cpu, reason=[{reason}]"),
-            AggregateBackend::Cuda(_) => write!(f, ", backend=cuda"),
+            AggregateBackend::Cpu(reason) => write!(f, ", backend=cpu, reason=[{reason}]")?,
+            AggregateBackend::Cuda(plan) => write!(
+                f,
+                ", backend=cuda, algorithm=hash, selection={}",
+                plan.selection.name()
+            )?,
+        }
+        if let Some(weighed) = &costing.weighed {
+            write!(f, ", {weighed}")?;
+        }
+        if costing.warm_up.is_some() && matches!(self.backend, AggregateBackend::Cpu(_)) {
+            f.write_str(", cache=warm-up")?;
+        }
+        match &costing.reason {
+            Some(reason) if matches!(t, DisplayFormatType::Verbose) => {
+                write!(f, ", reason=[{reason}]")
+            }
+            _ => Ok(()),
         }
     }
 }
@@ -281,6 +359,7 @@ impl ExecutionPlan for GpuAggregateTopKExec {
             plan,
             spec: Arc::clone(&self.spec),
             backend: self.backend.clone(),
+            costing: self.costing.clone(),
             metrics: ExecutionPlanMetricsSet::new(),
         }))
     }
@@ -301,7 +380,7 @@ impl ExecutionPlan for GpuAggregateTopKExec {
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
         let plan = match &self.backend {
-            AggregateBackend::Cpu(_) => return self.plan.execute(partition, context),
+            AggregateBackend::Cpu(_) => return self.cpu_run(partition, context),
             AggregateBackend::Cuda(plan) => Arc::clone(plan),
         };
         if partition != 0 {
@@ -338,5 +417,30 @@ impl ExecutionPlan for GpuAggregateTopKExec {
 
     fn metrics(&self) -> Option<MetricsSet> {
         Some(self.metrics.clone_inner())
+    }
+}
+
+impl GpuAggregateTopKExec {
+    /// DataFusion's subtree, followed by the plan's warm-up, if any, once its rows are out.
+    fn cpu_run(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let rows = self.plan.execute(partition, Arc::clone(&context))?;
+        let Some(warm_up) = self.costing.warm_up.clone() else {
+            return Ok(rows);
+        };
+        let table = Arc::clone(&self.spec.table);
+        let after = futures::stream::once(async move {
+            warm_up.start(table, context);
+            None
+        })
+        .filter_map(futures::future::ready);
+        let stream = rows.chain(after);
+        Ok(Box::pin(RecordBatchStreamAdapter::new(
+            self.schema(),
+            stream,
+        )))
     }
 }

@@ -79,11 +79,10 @@ fn group_plan(
     let Some(memory) = crate::input::memory::memory_input(&absorbed.input) else {
         return Err("the device selects per group over in-memory tables only".into());
     };
-    *groups = super::estimate_groups(
-        &memory,
-        absorbed.filter.as_ref(),
-        &absorbed.sort_exprs[..group_keys],
-    );
+    let group_exprs: Vec<_> = (absorbed.sort_exprs[..group_keys].iter())
+        .map(|sort| Arc::clone(&sort.expr))
+        .collect();
+    *groups = super::estimate_groups(&memory, absorbed.filter.as_ref(), &group_exprs);
     if config.backend == Backend::Cpu || config.algorithm == Algorithm::Cpu {
         return Err("CPU path forced by settings".into());
     }

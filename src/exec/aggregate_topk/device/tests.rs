@@ -161,3 +161,32 @@ async fn the_device_paths_output_is_datafusions() {
         assert_eq!(text(&[got]), text(&want), "{sql}");
     }
 }
+
+/// The device's first table is sized for the rule's estimate and a quarter more, within the
+/// table's rows and [`GROUPS_MOST`]; without an estimate for [`GROUPS_UNKNOWN`] groups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_table_is_sized_by_the_estimate() {
+    let mut config = GpuTopKConfig::default().with_backend(Backend::Cuda);
+    config.aggregate_topk = true;
+    let ours = context(Some(config));
+    let sql = "SELECT a, COUNT(*) AS n FROM t GROUP BY a ORDER BY n DESC, a LIMIT 10";
+    let plan = ours.sql(sql).await.unwrap().create_physical_plan().await;
+    let plan = plan.unwrap();
+    let exec = operator(&plan).unwrap();
+    let AggregateBackend::Cuda(device) = exec.backend() else {
+        panic!("{:?}", exec.backend());
+    };
+    // 60 values and NULL, every row sampled.
+    assert_eq!(device.groups, Some(61));
+    assert_eq!(exec.costing().groups, Some(61));
+    assert_eq!(device.groups_estimate(device.rows), 76);
+    let mut plan = AggregateDevicePlan::clone(device);
+    plan.groups = Some(10);
+    assert_eq!(plan.groups_estimate(5), 5);
+    assert_eq!(plan.groups_estimate(0), 1);
+    plan.groups = Some(usize::MAX);
+    assert_eq!(plan.groups_estimate(usize::MAX), GROUPS_MOST);
+    plan.groups = None;
+    assert_eq!(plan.groups_estimate(usize::MAX), GROUPS_UNKNOWN);
+    assert_eq!(plan.groups_estimate(100), 100);
+}
