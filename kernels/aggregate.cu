@@ -3,8 +3,8 @@
 // launches, for KW key words (the `_w1` and `_w2` entries):
 //   agg_columns  the aggregation over plain device columns (i64 keys, i64 or f64 values, each
 //                with an optional validity bitmap), described by a spec in device memory
-//                (AggSpec below); a generated program does the same with aggregate.cuh's
-//                functions;
+//                (aggregate.cuh's AggSpec), over every row; a generated program (src/fusion/
+//                aggregate.rs) runs the same pass over the rows its filter passes;
 //   agg_compact  the occupied slots' indices, dense (warp-aggregated appends);
 //   agg_rank     each dense group's ranking value as a composite key (the selectors' pairs),
 //                its slot as the row id;
@@ -21,67 +21,6 @@
 // deterministically, by the group key. Distinct groups have distinct composites.
 
 #include "aggregate.cuh"
-
-#define AGG_THREADS 256
-// The spec's bounds (src/device/engine/aggregate.rs checks them).
-#define AGG_MAX_VALUES 4
-#define AGG_MAX_ACCS 8
-// An accumulator's kind: bits 0-7 (AGG_COUNT …, or AGG_SUM_I64_AS_F64: an i64 column summed
-// as f64, DataFusion's AVG of integers), its value column in bits 8-15 (0xff: none, COUNT(*)).
-#define AGG_SUM_I64_AS_F64 7u
-#define AGG_NO_COLUMN 0xffu
-
-// The spec of agg_columns, u64 words: the key columns' values (2), validity (2) and validity
-// bit offsets (2); the value columns' values, validity and bit offsets (AGG_MAX_VALUES each);
-// the accumulators (AGG_MAX_ACCS), then their number.
-struct AggSpec {
-    u64 key_values[2], key_valid[2], key_valid_offset[2];
-    u64 values[AGG_MAX_VALUES], valid[AGG_MAX_VALUES], valid_offset[AGG_MAX_VALUES];
-    u64 accs[AGG_MAX_ACCS];
-    u64 n_accs;
-};
-static_assert(sizeof(AggSpec) == 8 * (6 + 3 * AGG_MAX_VALUES + AGG_MAX_ACCS + 1), "aggregate.rs spec_bytes' words");
-
-__device__ __forceinline__ bool agg_valid(u64 bitmap, u64 offset, u64 row) {
-    return bitmap == 0 || get_bit((const u8 *)bitmap, offset + row);
-}
-
-template <int KW>
-__device__ void agg_columns(const AggSpec *spec_in, u64 rows, const AggTable &t) {
-    __shared__ AggSpec spec;
-    if (threadIdx.x == 0) spec = *spec_in;
-    __syncthreads();
-    const u32 n_accs = (u32)spec.n_accs;
-    for (u64 row = (u64)blockIdx.x * blockDim.x + threadIdx.x; row < rows; row += (u64)gridDim.x * blockDim.x) {
-        if (agg_stopped(t)) return;
-        u64 key[KW];
-        u32 nulls = 0;
-#pragma unroll
-        for (int j = 0; j < KW; ++j) {
-            const bool valid = agg_valid(spec.key_valid[j], spec.key_valid_offset[j], row);
-            key[j] = valid ? ((const u64 *)spec.key_values[j])[row] : 0;
-            nulls |= valid ? 0u : 1u << j;
-        }
-        const u64 slot = agg_insert<KW>(t, key, nulls);
-        if (slot == AGG_NO_SLOT) return;
-        for (u32 a = 0; a < n_accs; ++a) {
-            const u64 desc = spec.accs[a];
-            u32 kind = (u32)(desc & 0xff);
-            const u32 column = (u32)(desc >> 8) & 0xff;
-            u64 bits = 0;
-            bool valid = true;
-            if (column != AGG_NO_COLUMN) {
-                valid = agg_valid(spec.valid[column], spec.valid_offset[column], row);
-                if (valid) bits = ((const u64 *)spec.values[column])[row];
-            }
-            if (kind == AGG_SUM_I64_AS_F64) {
-                bits = (u64)__double_as_longlong(__ll2double_rn((i64)bits));
-                kind = AGG_SUM_F64;
-            }
-            agg_update(t, a, kind, slot, bits, valid);
-        }
-    }
-}
 
 template <int KW> __device__ void agg_compact(const u64 *slots, u64 cap, u64 *out, u64 *count) {
     FOR_BLOCK_ROUNDS(i0, cap) {
@@ -182,7 +121,7 @@ __device__ void agg_gather(const u64 *slots, const u64 *acc, u64 cap, u32 n_accs
         agg_columns_w##KW(const AggSpec *spec, u64 rows, u64 *slots, u64 *acc, u64 cap, u64 limit, u64 *ctl) {     \
         grid_dependency_wait();                                                                                    \
         const AggTable t = {slots, acc, cap, limit, ctl};                                                          \
-        agg_columns<KW>(spec, rows, t);                                                                            \
+        agg_columns<KW>(spec, rows, t, AggAllRows());                                                              \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(AGG_THREADS)                                                      \
         agg_compact_w##KW(const u64 *slots, u64 cap, u64 *out, u64 *count) {                                       \

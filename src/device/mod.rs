@@ -40,8 +40,8 @@ use cudarc::driver::{CudaContext, CudaStream, DriverError};
 pub(crate) use options::DeviceOptions;
 
 pub use engine::{
-    AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES, AggValue, AggregateCall, AggregateColumn,
-    AggregateDecline, AggregateGroup, AggregateOp, AggregateOrder, AggregateReport, AggregateTopK,
+    AGG_FILTERED_ENTRY, AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES, AggValue,
+    AggregateCall, AggregateColumn, AggregateDecline, AggregateFilter, AggregateGroup, AggregateOp, AggregateOrder, AggregateReport, AggregateTopK,
     DeviceColumns, DevicePairs, EncodedChunk, EncodedColumn, EncodedPage, FusedReport,
     GROUP_SAMPLE, GatherColumn, GroupAlgorithm, GroupRanking, GroupSpec, HostColumn, KeptPiece,
     KeptRows, RankBy, TopKEngine, aggregate_top_k_host,

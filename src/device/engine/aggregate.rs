@@ -3,8 +3,9 @@
 //!
 //! # Structure
 //!
-//! One pass (`agg_columns`, or a generated program calling aggregate.cuh) finds every row's
-//! group in an open-addressing hash table and updates its accumulators with atomics. The
+//! One pass (`agg_columns`, or a generated program that runs it over the rows its filter passes,
+//! [`AggregateFilter`]) finds every row's group in an open-addressing hash table and updates
+//! its accumulators with atomics. The
 //! occupied slots are compacted (`agg_compact`), each group's ranking value becomes a
 //! composite key with the group's slot as its row id (`agg_rank`), and the selection every
 //! per-row top-k takes ([`TopKEngine::select_sorted`]) picks the k best; only those k groups'
@@ -49,6 +50,9 @@ const AGG_MIN_SLOTS: usize = 1024;
 /// aggregate.cuh's status bits.
 const AGG_STATUS_FULL: u64 = 1;
 const AGG_STATUS_NAN: u64 = 2;
+const AGG_STATUS_HOST: u64 = 4;
+/// The entry point of a generated filtered pass (src/fusion/aggregate.rs).
+pub const AGG_FILTERED_ENTRY: &str = "agg_filtered";
 /// `AGG_NO_COLUMN` (COUNT(*)) and agg_rank's "no count accumulator".
 const AGG_NO_COLUMN: u64 = 0xff;
 const AGG_NO_ACC: u32 = u32::MAX;
@@ -139,6 +143,15 @@ pub struct AggregateOrder {
     pub nulls_first: bool,
 }
 
+/// A generated program's pass (src/fusion/aggregate.rs), run in place of `agg_columns` over
+/// the rows its filter passes: the kernel, and its inputs' arguments (four words an input).
+/// A row only the host evaluates declines the call ([`AggregateDecline::HostOnlyRow`]).
+#[derive(Debug, Clone, Copy)]
+pub struct AggregateFilter<'a> {
+    pub kernel: &'a GeneratedKernel,
+    pub inputs: &'a [u64],
+}
+
 /// A top-k over an aggregate of `rows` device-resident rows.
 #[derive(Debug, Clone)]
 pub struct AggregateCall<'a> {
@@ -153,6 +166,8 @@ pub struct AggregateCall<'a> {
     /// The expected number of groups: the first table holds twice as many.
     pub groups_estimate: usize,
     pub algorithm: DeviceAlgorithm,
+    /// The rows aggregated: those the program passes (`None`: every row).
+    pub filter: Option<AggregateFilter<'a>>,
 }
 
 impl AggregateCall<'_> {
@@ -182,6 +197,9 @@ pub struct AggregateGroup {
 pub enum AggregateDecline {
     /// A MIN or MAX over f64 met a NaN (DataFusion's result depends on the rows' order).
     NanInMinMax,
+    /// The filter met a row only the host evaluates (one DataFusion fails on, or a NaN whose
+    /// bits the device cannot reproduce).
+    HostOnlyRow,
 }
 
 /// How the aggregation ran.
@@ -385,6 +403,10 @@ impl TopKEngine {
             result.report.passes += 1;
             let table = self.aggregate_pass(call, &plan, spec_buffer.ptr(), cap)?;
             let ctl = self.read_words(table.ctl.ptr(), 2)?;
+            if ctl[1] & AGG_STATUS_HOST != 0 {
+                result.report.declined = Some(AggregateDecline::HostOnlyRow);
+                return Ok(result);
+            }
             if ctl[1] & AGG_STATUS_NAN != 0 {
                 result.report.declined = Some(AggregateDecline::NanInMinMax);
                 return Ok(result);
@@ -436,7 +458,19 @@ impl TopKEngine {
         let ctl = self.device.pool.alloc(16, &self.stream)?;
         self.memset_zero(ctl.ptr(), 16)?;
         let limit = cap / 2;
-        if call.rows > 0 {
+        if let Some(filter) = call.filter.filter(|_| call.rows > 0) {
+            let mut args: Vec<Arg> = filter.inputs.iter().map(|&v| Arg::U64(v)).collect();
+            let table = args![spec, call.rows, slots.ptr(), acc.ptr(), cap, limit, ctl.ptr()];
+            args.extend_from_slice(table);
+            self.launch_function(
+                &filter.kernel.function,
+                AGG_FILTERED_ENTRY,
+                self.grid_for(call.rows, 4),
+                AGG_THREADS,
+                0,
+                &args,
+            )?;
+        } else if call.rows > 0 {
             self.launch(
                 &format!("agg_columns_w{kw}"),
                 self.grid_for(call.rows, 4),

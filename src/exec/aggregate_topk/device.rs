@@ -44,16 +44,19 @@ use crate::device::column_cache::CacheUse;
 use crate::device::error::gpu_error;
 use crate::device::watch;
 use crate::device::{
-    AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES, AggValue, AggregateCall, AggregateColumn,
-    AggregateGroup, AggregateOp, AggregateOrder, AggregateTopK, DeviceAlgorithm, GpuDevice,
-    GpuError, GpuResult, KeyWidth, PooledBuffer, RankBy, contain_panics,
+    AGG_FILTERED_ENTRY, AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES, AggValue,
+    AggregateCall, AggregateColumn, AggregateFilter, AggregateGroup, AggregateOp, AggregateOrder,
+    AggregateTopK, DeviceAlgorithm, GpuDevice, GpuError, GpuResult, KeyWidth, PooledBuffer,
+    RankBy, contain_panics,
 };
 use crate::exec::metrics::device_watch;
+use crate::fusion::aggregate::aggregate_filter;
 use crate::fusion::{FusedProgram, KernelInput};
+use crate::input::TableInput;
 use crate::input::columns::{Reserved, TableColumn};
 use crate::input::memory::{memory_input, table_inputs};
 use crate::select::TransferMetrics;
-use crate::select::table::{cache_uploads, upload_missing};
+use crate::select::table::{cache_uploads, program_args, upload_missing};
 
 /// Groups the device's first hash table is sized for (it grows fourfold when it fills).
 const GROUPS_ESTIMATE: usize = 1 << 20;
@@ -78,6 +81,9 @@ pub struct AggregateDevicePlan {
     /// Per aggregate of the spec.
     outputs: Vec<Output>,
     order: AggregateOrder,
+    /// The generated pass over the rows the spec's filter passes (its inputs: the columns of
+    /// [`reads`](Self::reads), then the predicate's own).
+    filter: Option<Arc<FusedProgram>>,
     /// The table's rows at planning.
     pub rows: usize,
     /// The session's `gpu_topk.device_memory_limit` and `gpu_topk.inject_fault`.
@@ -91,9 +97,6 @@ impl AggregateDevicePlan {
         let Some(memory) = memory_input(&spec.table) else {
             return Err("the device reads in-memory tables and GpuTables only".into());
         };
-        if spec.filter.is_some() {
-            return Err("the device path takes no fused filter".into());
-        }
         if spec.having.is_some() {
             return Err("the device path takes no HAVING".into());
         }
@@ -128,6 +131,7 @@ impl AggregateDevicePlan {
                 descending: false,
                 nulls_first: false,
             },
+            filter: None,
             rows: memory.batches().map(|b| b.num_rows()).sum(),
             memory_limit: 0,
             fault: FaultPoint::None,
@@ -142,6 +146,11 @@ impl AggregateDevicePlan {
             ));
         }
         plan.order = plan.order_of(spec)?;
+        if let Some(filter) = &spec.filter {
+            let program = aggregate_filter(filter, &schema, &plan.reads(), plan.keys.len())
+                .map_err(|why| format!("the filter has no device translation: {why}"))?;
+            plan.filter = Some(Arc::new(program));
+        }
         Ok(plan)
     }
 
@@ -231,7 +240,7 @@ impl AggregateDevicePlan {
         }
     }
 
-    /// The table columns the device reads, each once: the keys', then the other values'.
+    /// The table columns the device aggregates, each once: the keys', then the other values'.
     fn reads(&self) -> Vec<usize> {
         let mut reads = self.keys.clone();
         reads.extend(self.values.iter().filter(|c| !self.keys.contains(c)));
@@ -329,17 +338,24 @@ pub(super) fn run(
     let names: Vec<String> = (spec.table.schema().fields().iter())
         .map(|f| f.name().clone())
         .collect();
-    let program = FusedProgram {
+    // The filter's program reads the aggregation's columns first, then the predicate's.
+    let unfiltered = FusedProgram {
         source: String::new(),
         inputs: plan.reads().into_iter().map(KernelInput::Column).collect(),
         key_kind: KeyWidth::W64,
         refines: false,
     };
-    let inputs = table_inputs(&memory, &program, &names)?
+    let program = plan.filter.as_deref().unwrap_or(&unfiltered);
+    let inputs = table_inputs(&memory, program, &names)?
         .ok_or_else(|| DataFusionError::Execution("the table's columns are unreadable".into()))?;
-    let columns = (inputs.iter().map(TableColumn::new)).collect::<Result<Vec<_>>>()?;
+    // The per-row inputs (dictionaries' lookup tables ship with the call): the aggregation's
+    // columns come first.
+    let columns = (inputs.iter().filter(|i| i.lookup.is_none()))
+        .map(TableColumn::new)
+        .collect::<Result<Vec<_>>>()?;
     let rows = columns.first().map_or(0, |c| c.rows);
-    if columns.iter().any(|c| c.rows != rows || c.width != Some(8)) {
+    let aggregated = &columns[..plan.reads().len().min(columns.len())];
+    if columns.iter().any(|c| c.rows != rows) || aggregated.iter().any(|c| c.width != Some(8)) {
         return Err(DataFusionError::Execution(
             "the device aggregates columns of 8-byte values of equal length".into(),
         ));
@@ -358,7 +374,7 @@ pub(super) fn run(
             &metrics.pinned_bytes_held,
         );
         let _entered = watch.enter();
-        match aggregate_resident(spec, plan, &device, &columns, metrics)? {
+        match aggregate_resident(spec, plan, &device, (&inputs, &columns), metrics)? {
             Some(top) => top,
             None => return Ok(None),
         }
@@ -367,14 +383,14 @@ pub(super) fn run(
     output_batch(spec, plan, &top.top, schema).map(Some)
 }
 
-/// The device's top-k over the aggregate of `columns` (those of
-/// [`AggregateDevicePlan::reads`]), read from the column cache or uploaded into it; `None`
-/// where it declined.
+/// The device's top-k over the aggregate of the program's `inputs` (those of
+/// [`AggregateDevicePlan::reads`], then the filter's), whose per-row `columns` are read from
+/// the column cache or uploaded into it; `None` where it declined.
 fn aggregate_resident(
     spec: &AggregateTopKSpec,
     plan: &AggregateDevicePlan,
     device: &Arc<GpuDevice>,
-    columns: &[TableColumn<'_, '_>],
+    (inputs, columns): (&[TableInput<'_>], &[TableColumn<'_, '_>]),
     metrics: &DeviceMetrics,
 ) -> Result<Option<AggregateTopK>> {
     let cache = &device.column_cache;
@@ -392,7 +408,7 @@ fn aggregate_resident(
         device,
         bytes: missing,
     };
-    let work = || aggregate_on(spec, plan, device, columns, &lookups, metrics);
+    let work = || aggregate_on(spec, plan, device, (inputs, columns), &lookups, metrics);
     let (top, uploaded) = contain_panics(work)
         .unwrap_or_else(|panic| Err(GpuError(format!("the CUDA bindings panicked: {panic}"))))
         .map_err(gpu_error)?;
@@ -412,20 +428,30 @@ fn aggregate_resident(
 }
 
 /// The device work of [`aggregate_resident`]: the missing columns' uploads (their new
-/// buffers, `None` where resident), then the aggregation and selection.
+/// buffers, `None` where resident), then the aggregation (by the filter's program where the
+/// plan has one) and selection.
 #[allow(clippy::type_complexity)]
 fn aggregate_on(
     spec: &AggregateTopKSpec,
     plan: &AggregateDevicePlan,
     device: &Arc<GpuDevice>,
-    columns: &[TableColumn<'_, '_>],
+    (inputs, columns): (&[TableInput<'_>], &[TableColumn<'_, '_>]),
     lookups: &[Option<CacheUse>],
     metrics: &DeviceMetrics,
 ) -> GpuResult<(AggregateTopK, Vec<Option<(PooledBuffer, Vec<usize>)>>)> {
+    let kernel = match &plan.filter {
+        Some(program) => Some(device.generated_kernel(&program.source, AGG_FILTERED_ENTRY)?.0),
+        None => None,
+    };
     // Engines outlive the query (they idle for the next): not its memory.
     let mut engine = watch::outside(|| device.engine(KeyWidth::W64))?;
     let (uploaded, args) =
         upload_missing(&metrics.transfers, device, &mut engine, columns, lookups)?;
+    // The program's arguments: the columns', and its lookup tables', held until it ran.
+    let (program_args, _lookup_tables) = match kernel {
+        Some(_) => program_args(device, &mut engine, inputs, args.clone())?,
+        None => (Vec::new(), Vec::new()),
+    };
     device.idle_engine(engine);
     let column = |a: &[u64; 4]| AggregateColumn {
         values: a[0],
@@ -446,6 +472,10 @@ fn aggregate_on(
         k: spec.k,
         groups_estimate: rows.min(GROUPS_ESTIMATE),
         algorithm: DeviceAlgorithm::Radix,
+        filter: (kernel.as_deref()).map(|kernel| AggregateFilter {
+            kernel,
+            inputs: &program_args,
+        }),
     };
     let timer = metrics.device_time.timer();
     let started = Instant::now();

@@ -173,6 +173,7 @@ fn check(device: &Arc<GpuDevice>, case: Case<'_>) -> usize {
         k: case.k,
         groups_estimate: case.estimate,
         algorithm: case.algorithm,
+        filter: None,
     };
     let mut engine = TopKEngine::new(device, shaped.key_width()).unwrap();
     let uploaded = engine.upload_columns(&columns).unwrap();
