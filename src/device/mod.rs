@@ -41,10 +41,11 @@ pub(crate) use options::DeviceOptions;
 
 pub use engine::{
     AGG_FILTERED_ENTRY, AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES, AggValue,
-    AggregateCall, AggregateColumn, AggregateDecline, AggregateFilter, AggregateGroup, AggregateOp, AggregateOrder, AggregateReport, AggregateTopK,
-    DeviceColumns, DevicePairs, EncodedChunk, EncodedColumn, EncodedPage, FusedReport,
-    GROUP_SAMPLE, GatherColumn, GroupAlgorithm, GroupRanking, GroupSpec, HostColumn, KeptPiece,
-    KeptRows, RankBy, TopKEngine, aggregate_top_k_host,
+    AggregateCall, AggregateColumn, AggregateDecline, AggregateFilter, AggregateGroup, AggregateOp,
+    AggregateOrder, AggregateReport, AggregateTopK, DeviceColumns, DevicePairs, EncodedChunk,
+    EncodedColumn, EncodedPage, FusedReport, GROUP_SAMPLE, GatherColumn, GroupAlgorithm,
+    GroupRanking, GroupSpec, HostColumn, KeptPiece, KeptRows, RankBy, TopKEngine,
+    aggregate_top_k_host,
 };
 pub use kernels::{GeneratedKernel, Kernels};
 pub(crate) use memory::{BufferPool, PinnedPool, PooledBuffer};

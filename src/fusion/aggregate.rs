@@ -25,19 +25,19 @@ use std::sync::Arc;
 use datafusion::arrow::datatypes::{DataType, Schema};
 use datafusion::physical_expr::PhysicalExpr;
 
-use super::translate::{Declined, Emitter, KernelInput};
+use super::translate::{Emitter, KernelInput};
 use super::{FusedProgram, host_default_nan, input_params};
 use crate::device::{AGG_FILTERED_ENTRY, KeyWidth};
 
 /// The program that aggregates the rows of `columns` (table column indices: the aggregation's
 /// keys, the first `key_columns` of them, then its values) that `filter` passes, or why the
 /// device cannot evaluate the filter.
-pub(crate) fn aggregate_filter(
+pub fn aggregate_filter(
     filter: &Arc<dyn PhysicalExpr>,
     schema: &Schema,
     columns: &[usize],
     key_columns: usize,
-) -> Result<FusedProgram, Declined> {
+) -> Result<FusedProgram, String> {
     if !(1..=2).contains(&key_columns) || key_columns > columns.len() {
         return Err(format!(
             "{key_columns} key columns of {} columns",
@@ -108,7 +108,9 @@ mod tests {
     use datafusion::physical_expr::expressions::{BinaryExpr, Column, Literal};
 
     use super::*;
-    use crate::device::kernels::{KernelSources, compile_generated, kernels_without_dependency_wait};
+    use crate::device::kernels::{
+        KernelSources, compile_generated, kernels_without_dependency_wait,
+    };
 
     fn schema() -> Schema {
         Schema::new(vec![
@@ -135,13 +137,21 @@ mod tests {
     /// predicate's own (the string's bytes).
     fn filter() -> Arc<dyn PhysicalExpr> {
         let lit = |v: ScalarValue| -> Arc<dyn PhysicalExpr> { Arc::new(Literal::new(v)) };
-        let v = binary(column("v", 1), Operator::Gt, lit(ScalarValue::Int64(Some(3))));
+        let v = binary(
+            column("v", 1),
+            Operator::Gt,
+            lit(ScalarValue::Int64(Some(3))),
+        );
         let s = binary(
             column("s", 2),
             Operator::NotEq,
             lit(ScalarValue::Utf8(Some(String::new()))),
         );
-        let half = binary(column("f", 3), Operator::Divide, lit(ScalarValue::from(2.0)));
+        let half = binary(
+            column("f", 3),
+            Operator::Divide,
+            lit(ScalarValue::from(2.0)),
+        );
         let f = binary(half, Operator::Lt, lit(ScalarValue::from(10.0)));
         binary(binary(v, Operator::And, s), Operator::And, f)
     }
@@ -158,7 +168,11 @@ mod tests {
                 KernelInput::Column(3),
             ]
         );
-        assert!(program.source.contains("agg_columns<1>(spec, rows, t, pass);"));
+        assert!(
+            program
+                .source
+                .contains("agg_columns<1>(spec, rows, t, pass);")
+        );
         assert!(kernels_without_dependency_wait(&program.source).is_empty());
         // Two keys: the same predicate, the two-word table.
         let two = aggregate_filter(&filter(), &schema(), &[0, 1], 2).unwrap();

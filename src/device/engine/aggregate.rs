@@ -460,7 +460,15 @@ impl TopKEngine {
         let limit = cap / 2;
         if let Some(filter) = call.filter.filter(|_| call.rows > 0) {
             let mut args: Vec<Arg> = filter.inputs.iter().map(|&v| Arg::U64(v)).collect();
-            let table = args![spec, call.rows, slots.ptr(), acc.ptr(), cap, limit, ctl.ptr()];
+            let table = args![
+                spec,
+                call.rows,
+                slots.ptr(),
+                acc.ptr(),
+                cap,
+                limit,
+                ctl.ptr()
+            ];
             args.extend_from_slice(table);
             self.launch_function(
                 &filter.kernel.function,

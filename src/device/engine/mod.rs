@@ -228,8 +228,9 @@ mod top_bits;
 
 pub use aggregate::{
     AGG_FILTERED_ENTRY, AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES, AggValue,
-    AggregateCall, AggregateColumn, AggregateDecline, AggregateFilter, AggregateGroup, AggregateOp, AggregateOrder, AggregateReport, AggregateTopK,
-    DeviceColumns, HostColumn, RankBy, aggregate_top_k_host,
+    AggregateCall, AggregateColumn, AggregateDecline, AggregateFilter, AggregateGroup, AggregateOp,
+    AggregateOrder, AggregateReport, AggregateTopK, DeviceColumns, HostColumn, RankBy,
+    aggregate_top_k_host,
 };
 pub use fused::FusedReport;
 pub use groups::{

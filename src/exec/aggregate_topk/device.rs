@@ -46,8 +46,8 @@ use crate::device::watch;
 use crate::device::{
     AGG_FILTERED_ENTRY, AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES, AggValue,
     AggregateCall, AggregateColumn, AggregateFilter, AggregateGroup, AggregateOp, AggregateOrder,
-    AggregateTopK, DeviceAlgorithm, GpuDevice, GpuError, GpuResult, KeyWidth, PooledBuffer,
-    RankBy, contain_panics,
+    AggregateTopK, DeviceAlgorithm, GpuDevice, GpuError, GpuResult, KeyWidth, PooledBuffer, RankBy,
+    contain_panics,
 };
 use crate::exec::metrics::device_watch;
 use crate::fusion::aggregate::aggregate_filter;
@@ -440,7 +440,11 @@ fn aggregate_on(
     metrics: &DeviceMetrics,
 ) -> GpuResult<(AggregateTopK, Vec<Option<(PooledBuffer, Vec<usize>)>>)> {
     let kernel = match &plan.filter {
-        Some(program) => Some(device.generated_kernel(&program.source, AGG_FILTERED_ENTRY)?.0),
+        Some(program) => Some(
+            device
+                .generated_kernel(&program.source, AGG_FILTERED_ENTRY)?
+                .0,
+        ),
         None => None,
     };
     // Engines outlive the query (they idle for the next): not its memory.

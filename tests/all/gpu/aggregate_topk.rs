@@ -305,7 +305,10 @@ async fn filters_run_in_the_devices_pass() {
                    ORDER BY n DESC, uid LIMIT 5";
         let plan = physical_plan(&ours, sql).await.unwrap();
         assert!(plan_text(&plan).contains("backend=cuda"), "{sql}");
-        let ours = collect(plan, ours.task_ctx()).await.unwrap_err().to_string();
+        let ours = collect(plan, ours.task_ctx())
+            .await
+            .unwrap_err()
+            .to_string();
         let plain = run(&plain, sql).await.unwrap_err().to_string();
         assert!(ours.contains("Divide by zero"), "{ours}");
         assert_eq!(ours, plain);

@@ -223,7 +223,9 @@ async fn filters_run_on_the_device_where_they_translate() {
         .collect();
     // a, v (the aggregation's), then f and b (the predicate's).
     assert_eq!(names, ["a", "v", "f", "b"], "{}", program.source);
-    let AggregateBackend::Cuda(plan) = backend("SELECT a, COUNT(*) AS n FROM t GROUP BY a ORDER BY n, a LIMIT 3").await else {
+    let AggregateBackend::Cuda(plan) =
+        backend("SELECT a, COUNT(*) AS n FROM t GROUP BY a ORDER BY n, a LIMIT 3").await
+    else {
         panic!("no filter: not on the device");
     };
     assert!(plan.filter.is_none());
