@@ -14,10 +14,10 @@
 //! The program's inputs begin with the aggregation's columns (the keys', then the values',
 //! [`KernelInput::Column`] each), so that the predicate shares them, and go on with the
 //! predicate's own; the entry takes them first, four parameters each as every generated
-//! program does, then aggregate.cu's `agg_columns_w*` parameters
-//! ([`crate::device::TopKEngine::aggregate_top_k`] launches it with an [`AggregateFilter`]
-//! (crate::device::AggregateFilter)). One program a distinct source, compiled by NVRTC and
-//! cached like every generated program ([`crate::device::GpuDevice::generated_kernel`]).
+//! program does, then aggregate.cu's `agg_columns_w*` parameters (the engine launches it for
+//! a call with an [`AggregateFilter`](crate::device::AggregateFilter)). One program a
+//! distinct source, compiled by NVRTC and cached like every generated program
+//! ([`crate::device::GpuDevice::generated_kernel`]).
 
 use std::fmt::Write;
 use std::sync::Arc;
