@@ -8,6 +8,9 @@
 //   agg_compact  the occupied slots' indices, dense (warp-aggregated appends);
 //   agg_rank     each dense group's ranking value as a composite key (the selectors' pairs),
 //                its slot as the row id;
+//   agg_outputs  every slot's values of the aggregation's output columns (keys, accumulators
+//                decoded) with validity bitmaps, the columns a generated HAVING program
+//                (src/fusion/aggregate.rs) reads to drop groups before agg_rank;
 //   agg_gather   the chosen slots' key words, state words and accumulators, one row each, for
 //                the host to read back.
 //
@@ -105,6 +108,49 @@ __device__ void agg_rank(const u64 *slots, const u64 *acc, u64 cap, const u64 *d
     }
 }
 
+// Output column kinds of agg_outputs (src/device/engine/aggregate.rs `output_descriptors`).
+#define AGG_OUT_KEY 0u
+#define AGG_OUT_COUNT 1u
+#define AGG_OUT_RAW 2u
+#define AGG_OUT_ORD_I64 3u
+#define AGG_OUT_ORD_F64 4u
+
+// Every slot's value of the aggregation's output columns, for a generated HAVING program to
+// read as plain columns (row s: slot s): column j's words at `out + j · cap`, its validity
+// bitmap at `valid + j · cap / 32` (u32 words; cap is a multiple of 32). desc[j]: the kind
+// (bits 0-7), a key column or accumulator (bits 8-15), the accumulator counting its non-NULL
+// inputs (bits 16-23, 0xff: never NULL). Empty slots' values are left unspecified.
+template <int KW>
+__device__ void agg_outputs(const u64 *slots, const u64 *acc, u64 cap, const u64 *desc, u32 n_cols, u64 *out,
+                            u32 *valid) {
+    FOR_BLOCK_ROUNDS(i0, cap) {
+        const u64 s = i0 + threadIdx.x;
+        const bool in = s < cap;
+        const u32 nulls = in ? (u32)(__ldcg(slots + s * (KW + 1) + KW) >> 2) : 0u;
+        for (u32 j = 0; j < n_cols; ++j) {
+            const u64 d = desc[j];
+            const u32 kind = (u32)(d & 0xff), at = (u32)(d >> 8) & 0xff, counted = (u32)(d >> 16) & 0xff;
+            u64 v = 0;
+            bool ok = in;
+            if (in) {
+                if (kind == AGG_OUT_KEY) {
+                    v = slots[s * (KW + 1) + at];
+                    ok = ((nulls >> at) & 1u) == 0;
+                } else {
+                    const u64 a = acc[(u64)at * cap + s];
+                    v = kind == AGG_OUT_ORD_I64   ? a ^ 0x8000000000000000ull
+                        : kind == AGG_OUT_ORD_F64 ? ((a >> 63) ? a ^ 0x8000000000000000ull : ~a)
+                                                  : a;
+                    ok = counted == AGG_NO_COLUMN || acc[(u64)counted * cap + s] != 0;
+                }
+                out[(u64)j * cap + s] = v;
+            }
+            const u32 bits = __ballot_sync(FULL_MASK, ok);
+            if (lane_id() == 0 && in) valid[(u64)j * (cap / 32) + s / 32] = bits;
+        }
+    }
+}
+
 template <int KW>
 __device__ void agg_gather(const u64 *slots, const u64 *acc, u64 cap, u32 n_accs, const u64 *ids, u64 n, u64 *out) {
     const u64 stride = KW + 1 + n_accs;
@@ -134,6 +180,12 @@ __device__ void agg_gather(const u64 *slots, const u64 *acc, u64 cap, u32 n_accs
         grid_dependency_wait();                                                                                    \
         agg_rank<KW>(slots, acc, cap, dense, n, kind, rank_acc, count_acc, flags, key_nullable, words, out_keys,   \
                      out_ids);                                                                                     \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(AGG_THREADS)                                                      \
+        agg_outputs_w##KW(const u64 *slots, const u64 *acc, u64 cap, const u64 *desc, u32 n_cols, u64 *out,          \
+                          u32 *valid) {                                                                            \
+        grid_dependency_wait();                                                                                    \
+        agg_outputs<KW>(slots, acc, cap, desc, n_cols, out, valid);                                                \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(AGG_THREADS)                                                      \
         agg_gather_w##KW(const u64 *slots, const u64 *acc, u64 cap, u32 n_accs, const u64 *ids, u64 n, u64 *out) { \

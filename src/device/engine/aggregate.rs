@@ -33,8 +33,10 @@
 
 use super::*;
 
+mod having;
 mod reference;
 
+pub use having::{AGG_HAVING_ENTRY, AggregateHaving, HavingColumn};
 pub use reference::{HostColumn, aggregate_top_k_host};
 
 /// Threads of a block of aggregate.cu (`AGG_THREADS`).
@@ -168,6 +170,8 @@ pub struct AggregateCall<'a> {
     pub algorithm: DeviceAlgorithm,
     /// The rows aggregated: those the program passes (`None`: every row).
     pub filter: Option<AggregateFilter<'a>>,
+    /// The groups ranked: those the program keeps (`None`: every group).
+    pub having: Option<AggregateHaving<'a>>,
 }
 
 impl AggregateCall<'_> {
@@ -197,8 +201,8 @@ pub struct AggregateGroup {
 pub enum AggregateDecline {
     /// A MIN or MAX over f64 met a NaN (DataFusion's result depends on the rows' order).
     NanInMinMax,
-    /// The filter met a row only the host evaluates (one DataFusion fails on, or a NaN whose
-    /// bits the device cannot reproduce).
+    /// The filter (or `HAVING`) met a row (a group) only the host evaluates (one DataFusion
+    /// fails on, or a NaN whose bits the device cannot reproduce).
     HostOnlyRow,
 }
 
@@ -427,7 +431,10 @@ impl TopKEngine {
         if groups == 0 || call.k == 0 {
             return Ok(result);
         }
-        let rows = self.aggregate_select(call, &plan, rank, &table, groups)?;
+        let Some(rows) = self.aggregate_select(call, &plan, rank, &table, groups)? else {
+            result.report.declined = Some(AggregateDecline::HostOnlyRow);
+            return Ok(result);
+        };
         let stride = kw + 1 + plan.kinds.len();
         result.top = (rows.chunks_exact(stride))
             .map(|row| decode_group(row, kw, call.ops, &plan))
@@ -503,8 +510,9 @@ impl TopKEngine {
         })
     }
 
-    /// The best min(k, groups) of the table's `groups` groups, read back as rows of key
-    /// words, state word and accumulators.
+    /// The best min(k, groups) of the table's `groups` groups (those the call's `HAVING`
+    /// keeps), read back as rows of key words, state word and accumulators; `None` where a
+    /// group sends the query to the host.
     fn aggregate_select(
         &mut self,
         call: &AggregateCall<'_>,
@@ -512,7 +520,7 @@ impl TopKEngine {
         (kind, rank_acc, count_acc, nullable): (u32, u32, u32, bool),
         table: &AggTable,
         groups: usize,
-    ) -> GpuResult<Vec<u64>> {
+    ) -> GpuResult<Option<Vec<u64>>> {
         let kw = call.keys.len();
         let cap = table.cap;
         let dense = self.device.pool.alloc(groups * 8, &self.stream)?;
@@ -525,7 +533,19 @@ impl TopKEngine {
             0,
             args![table.slots.ptr(), cap, dense.ptr(), count.ptr()],
         )?;
-        let mut pairs = self.alloc_pairs(groups)?;
+        let (dense, ranked) = match call.having {
+            None => (dense, groups),
+            Some(having) => {
+                match self.aggregate_having(call, plan, having, (table, &dense), groups)? {
+                    Some(kept) => kept,
+                    None => return Ok(None),
+                }
+            }
+        };
+        if ranked == 0 {
+            return Ok(Some(Vec::new()));
+        }
+        let mut pairs = self.alloc_pairs(ranked)?;
         pairs.set_ids_below(cap as u64);
         let flags = u32::from(call.order.descending)
             | u32::from(call.order.nulls_first) << 1
@@ -535,7 +555,7 @@ impl TopKEngine {
         let words = (self.kind.key_bytes() / 8) as u32;
         self.launch(
             &format!("agg_rank_w{kw}"),
-            self.grid_for(groups, 4),
+            self.grid_for(ranked, 4),
             AGG_THREADS,
             0,
             args![
@@ -543,7 +563,7 @@ impl TopKEngine {
                 table.acc.ptr(),
                 cap,
                 dense.ptr(),
-                groups,
+                ranked,
                 kind,
                 rank_acc,
                 count_acc,
@@ -554,7 +574,7 @@ impl TopKEngine {
                 pairs.id_at(0)
             ],
         )?;
-        let (sorted, m) = self.select_sorted(&pairs, groups, call.k, call.algorithm)?;
+        let (sorted, m) = self.select_sorted(&pairs, ranked, call.k, call.algorithm)?;
         let stride = kw + 1 + plan.kinds.len();
         let out = self
             .device
@@ -583,7 +603,7 @@ impl TopKEngine {
                 "{compacted} occupied slots for {groups} groups"
             )));
         }
-        Ok(rows)
+        Ok(Some(rows))
     }
 
     /// Uploads host columns of 8-byte values (little-endian bytes) with their optional Arrow

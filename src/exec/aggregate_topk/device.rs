@@ -51,13 +51,13 @@ use crate::device::column_cache::CacheUse;
 use crate::device::error::gpu_error;
 use crate::device::watch;
 use crate::device::{
-    AGG_FILTERED_ENTRY, AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES, AggValue,
-    AggregateCall, AggregateColumn, AggregateFilter, AggregateGroup, AggregateOp, AggregateOrder,
-    AggregateTopK, DeviceAlgorithm, GpuDevice, GpuError, GpuResult, KeyWidth, PooledBuffer, RankBy,
-    contain_panics,
+    AGG_FILTERED_ENTRY, AGG_HAVING_ENTRY, AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES,
+    AggValue, AggregateCall, AggregateColumn, AggregateFilter, AggregateGroup, AggregateHaving,
+    AggregateOp, AggregateOrder, AggregateTopK, DeviceAlgorithm, GpuDevice, GpuError, GpuResult,
+    HavingColumn, KeyWidth, PooledBuffer, RankBy, contain_panics,
 };
 use crate::exec::metrics::device_watch;
-use crate::fusion::aggregate::aggregate_filter;
+use crate::fusion::aggregate::{aggregate_filter, aggregate_having};
 use crate::fusion::{FusedProgram, KernelInput};
 use crate::input::TableInput;
 use crate::input::columns::{Reserved, TableColumn};
@@ -91,6 +91,9 @@ pub struct AggregateDevicePlan {
     /// The generated pass over the rows the spec's filter passes (its inputs: the columns of
     /// [`reads`](Self::reads), then the predicate's own).
     filter: Option<Arc<FusedProgram>>,
+    /// The generated program that keeps the groups `HAVING` passes, and the output columns
+    /// its inputs are.
+    having: Option<(Arc<FusedProgram>, Vec<HavingColumn>)>,
     /// The table's rows at planning.
     pub rows: usize,
     /// The session's `gpu_topk.device_memory_limit` and `gpu_topk.inject_fault`.
@@ -104,9 +107,6 @@ impl AggregateDevicePlan {
         let Some(memory) = memory_input(&spec.table) else {
             return Err("the device reads in-memory tables and GpuTables only".into());
         };
-        if spec.having.is_some() {
-            return Err("the device path takes no HAVING".into());
-        }
         let schema = spec.table.schema();
         if spec.group_keys.len() > AGG_MAX_KEYS {
             return Err(format!("more than {AGG_MAX_KEYS} group keys"));
@@ -139,6 +139,7 @@ impl AggregateDevicePlan {
                 nulls_first: false,
             },
             filter: None,
+            having: None,
             rows: memory.batches().map(|b| b.num_rows()).sum(),
             memory_limit: 0,
             fault: FaultPoint::None,
@@ -158,7 +159,50 @@ impl AggregateDevicePlan {
                 .map_err(|why| format!("the filter has no device translation: {why}"))?;
             plan.filter = Some(Arc::new(program));
         }
+        if let Some(having) = &spec.having {
+            plan.having = Some(plan.having_of(spec, having)?);
+        }
         Ok(plan)
+    }
+
+    /// The program of the spec's `HAVING` over the aggregation's output, where the device
+    /// evaluates it exactly: over the keys, and aggregates but floating-point sums and
+    /// averages (added in another order than DataFusion's, their last bits may differ).
+    fn having_of(
+        &self,
+        spec: &AggregateTopKSpec,
+        having: &Arc<dyn PhysicalExpr>,
+    ) -> std::result::Result<(Arc<FusedProgram>, Vec<HavingColumn>), String> {
+        let keys = spec.group_keys.iter().map(|k| (&k.name, &k.data_type));
+        let aggregates = spec.aggregates.iter().map(|a| (&a.name, &a.output_type));
+        let fields: Vec<Field> = (keys.chain(aggregates))
+            .map(|(name, data_type)| Field::new(name, data_type.clone(), true))
+            .collect();
+        let schema = Schema::new(fields);
+        let program = aggregate_having(having, &schema)
+            .map_err(|why| format!("HAVING has no device translation: {why}"))?;
+        let key_count = spec.group_keys.len();
+        let column = |input: &KernelInput| match input {
+            KernelInput::Column(c) if *c < key_count => Ok(HavingColumn::Key(*c)),
+            KernelInput::Column(c) => match self.outputs.get(c - key_count) {
+                Some(Output::Op(op))
+                    if !matches!(
+                        self.ops[*op],
+                        AggregateOp::SumF64(_) | AggregateOp::SumI64AsF64(_)
+                    ) =>
+                {
+                    Ok(HavingColumn::Op(*op))
+                }
+                _ => Err(format!(
+                    "HAVING reads {}, a floating-point sum or average the device adds in \
+                     another order than DataFusion",
+                    schema.field(*c).name()
+                )),
+            },
+            other => Err(format!("HAVING reads {other:?}")),
+        };
+        let columns = (program.inputs.iter().map(column)).collect::<std::result::Result<_, _>>()?;
+        Ok((Arc::new(program), columns))
     }
 
     /// The ops computing `item` and where its value comes from.
@@ -446,12 +490,14 @@ fn aggregate_on(
     lookups: &[Option<CacheUse>],
     metrics: &DeviceMetrics,
 ) -> GpuResult<(AggregateTopK, Vec<Option<(PooledBuffer, Vec<usize>)>>)> {
+    let compiled =
+        |program: &FusedProgram, entry: &str| device.generated_kernel(&program.source, entry);
     let kernel = match &plan.filter {
-        Some(program) => Some(
-            device
-                .generated_kernel(&program.source, AGG_FILTERED_ENTRY)?
-                .0,
-        ),
+        Some(program) => Some(compiled(program, AGG_FILTERED_ENTRY)?.0),
+        None => None,
+    };
+    let having = match &plan.having {
+        Some((program, _)) => Some(compiled(program, AGG_HAVING_ENTRY)?.0),
         None => None,
     };
     // Engines outlive the query (they idle for the next): not its memory.
@@ -486,6 +532,12 @@ fn aggregate_on(
         filter: (kernel.as_deref()).map(|kernel| AggregateFilter {
             kernel,
             inputs: &program_args,
+        }),
+        having: (having.as_deref().zip(plan.having.as_ref())).map(|(kernel, (_, columns))| {
+            AggregateHaving {
+                kernel,
+                columns: columns.as_slice(),
+            }
         }),
     };
     let timer = metrics.device_time.timer();

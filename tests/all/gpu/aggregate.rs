@@ -176,6 +176,7 @@ fn check(device: &Arc<GpuDevice>, case: Case<'_>) -> usize {
         groups_estimate: case.estimate,
         algorithm: case.algorithm,
         filter: None,
+        having: None,
     };
     let mut engine = TopKEngine::new(device, shaped.key_width()).unwrap();
     let uploaded = engine.upload_columns(&columns).unwrap();
@@ -642,6 +643,7 @@ fn aggregate_top_k_skips_the_rows_its_filter_rejects() {
                 kernel: &kernel,
                 inputs: &inputs,
             }),
+            having: None,
         };
         assert_eq!(call.key_width(), KeyWidth::W256);
         let got = engine.aggregate_top_k(&call).unwrap();
