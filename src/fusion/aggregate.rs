@@ -239,6 +239,24 @@ mod tests {
         binary(binary(v, Operator::And, s), Operator::And, f)
     }
 
+    /// `HAVING v > 3 AND f IS NOT NULL` over an output of a key `k`, a count `v` and a
+    /// maximum `f`.
+    fn having() -> FusedProgram {
+        let schema = Schema::new(vec![
+            Field::new("k", DataType::Int64, true),
+            Field::new("v", DataType::Int64, true),
+            Field::new("f", DataType::Float64, true),
+        ]);
+        let three: Arc<dyn PhysicalExpr> = Arc::new(Literal::new(ScalarValue::Int64(Some(3))));
+        let v = binary(column("v", 1), Operator::Gt, three);
+        let f: Arc<dyn PhysicalExpr> = Arc::new(
+            datafusion::physical_expr::expressions::IsNotNullExpr::new(column("f", 2)),
+        );
+        let program = aggregate_having(&binary(v, Operator::And, f), &schema).unwrap();
+        assert_eq!(program.inputs, [1, 2].map(KernelInput::Column));
+        program
+    }
+
     #[test]
     fn the_program_reads_the_aggregations_columns_then_the_predicates() {
         let program = aggregate_filter(&filter(), &schema(), &[0, 1], 1).unwrap();
@@ -289,12 +307,15 @@ mod tests {
             return;
         }
         let sources = KernelSources::embedded();
-        for keys in [1, 2] {
+        let programs = [1, 2].map(|keys| {
             let program = aggregate_filter(&filter(), &schema(), &[0, 1], keys).unwrap();
+            (program, AGG_FILTERED_ENTRY)
+        });
+        for (program, entry) in programs.into_iter().chain([(having(), AGG_HAVING_ENTRY)]) {
             let compiled = compile_generated(&program.source, &sources.headers(), "sm_90");
             let compiled = compiled.unwrap_or_else(|e| panic!("{e}\n{}", program.source));
             // The entry is in the image's symbols, for the engine to load.
-            let entry = AGG_FILTERED_ENTRY.as_bytes();
+            let entry = entry.as_bytes();
             assert!(compiled.cubin.windows(entry.len()).any(|w| w == entry));
         }
     }

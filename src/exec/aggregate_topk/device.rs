@@ -564,6 +564,22 @@ fn output_batch(
     schema: SchemaRef,
 ) -> Result<RecordBatch> {
     let top = &top[spec.offset.min(top.len())..];
+    let groups = groups_batch(spec, plan, top)?;
+    let options = RecordBatchOptions::new().with_row_count(Some(top.len()));
+    let columns = (spec.output.iter())
+        .map(|(expr, _)| expr.evaluate(&groups)?.into_array(groups.num_rows()))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(RecordBatch::try_new_with_options(
+        schema, columns, &options,
+    )?)
+}
+
+/// The aggregation's output rows of the groups `top`: keys, then aggregates.
+fn groups_batch(
+    spec: &AggregateTopKSpec,
+    plan: &AggregateDevicePlan,
+    top: &[AggregateGroup],
+) -> Result<RecordBatch> {
     let mut fields = Vec::new();
     let mut arrays: Vec<ArrayRef> = Vec::new();
     for (i, key) in spec.group_keys.iter().enumerate() {
@@ -576,14 +592,8 @@ fn output_batch(
         fields.push(Field::new(&item.name, item.output_type.clone(), true));
     }
     let options = RecordBatchOptions::new().with_row_count(Some(top.len()));
-    let groups =
-        RecordBatch::try_new_with_options(Arc::new(Schema::new(fields)), arrays, &options)?;
-    let columns = (spec.output.iter())
-        .map(|(expr, _)| expr.evaluate(&groups)?.into_array(groups.num_rows()))
-        .collect::<Result<Vec<_>>>()?;
-    Ok(RecordBatch::try_new_with_options(
-        schema, columns, &options,
-    )?)
+    let schema = Arc::new(Schema::new(fields));
+    Ok(RecordBatch::try_new_with_options(schema, arrays, &options)?)
 }
 
 /// One aggregate's column over `top` (`data_type`: Int64 or Float64, as the plan checked).

@@ -138,8 +138,26 @@ fn host_top(spec: &AggregateTopKSpec, plan: &AggregateDevicePlan) -> Vec<Aggrega
     };
     let read = |columns: &[usize]| columns.iter().map(|&c| column(c)).collect::<Vec<_>>();
     let (keys, values) = (read(&plan.keys), read(&plan.values));
+    // With HAVING, every group in order, then those it passes.
+    let k = match spec.having {
+        Some(_) => passes.len(),
+        None => spec.k,
+    };
     let (top, _) =
-        aggregate_top_k_host(&host(&keys), &host(&values), &plan.ops, plan.order, spec.k).unwrap();
+        aggregate_top_k_host(&host(&keys), &host(&values), &plan.ops, plan.order, k).unwrap();
+    let Some(having) = &spec.having else {
+        return top;
+    };
+    let groups = groups_batch(spec, plan, &top).unwrap();
+    let verdict = having.evaluate(&groups).unwrap();
+    let verdict = verdict.into_array(groups.num_rows()).unwrap();
+    let verdict: Vec<bool> = verdict
+        .as_boolean()
+        .iter()
+        .map(|p| p == Some(true))
+        .collect();
+    let mut top = kept(top, &verdict);
+    top.truncate(spec.k);
     top
 }
 
@@ -167,6 +185,11 @@ async fn the_device_paths_output_is_datafusions() {
         "SELECT ts, AVG(v) AS m FROM t WHERE w IS NULL OR w % 3 = 1 GROUP BY ts ORDER BY m DESC, ts LIMIT 5",
         "SELECT a, MAX(f) AS hi FROM t WHERE a > v GROUP BY a ORDER BY hi, a LIMIT 8",
         "SELECT a, COUNT(*) AS n FROM t WHERE v > 1000 GROUP BY a ORDER BY n, a LIMIT 8",
+        "SELECT a, COUNT(*) AS n FROM t GROUP BY a HAVING COUNT(*) > 30 ORDER BY n, a LIMIT 10",
+        "SELECT a, b, SUM(w) AS s FROM t WHERE v > 0 GROUP BY a, b HAVING SUM(w) IS NOT NULL AND MIN(v) < 5 ORDER BY s, a, b LIMIT 9",
+        "SELECT ts, MAX(f) AS hi FROM t GROUP BY ts HAVING MAX(f) < 19.5 OR ts IS NULL ORDER BY hi DESC, ts LIMIT 5 OFFSET 1",
+        "SELECT b, COUNT(*) AS n FROM t GROUP BY b HAVING COUNT(*) > 100000 ORDER BY n, b LIMIT 5",
+        "SELECT a, AVG(v) AS m FROM t GROUP BY a HAVING MAX(v) - MIN(v) >= 18 AND a % 2 = 0 ORDER BY m DESC, a LIMIT 7",
     ] {
         let plan = ours.sql(sql).await.unwrap().create_physical_plan().await;
         let plan = plan.unwrap();
@@ -229,12 +252,46 @@ async fn filters_run_on_the_device_where_they_translate() {
         panic!("no filter: not on the device");
     };
     assert!(plan.filter.is_none());
-    let sql = "SELECT a, COUNT(*) AS n FROM t WHERE ln(f) > 1.0 GROUP BY a ORDER BY n, a LIMIT 3";
-    match backend(sql).await {
-        AggregateBackend::Cpu(why) => assert!(
-            why.contains("the filter has no device translation") && why.contains("ln"),
-            "{why}"
+    for (sql, why) in [
+        (
+            "SELECT a, COUNT(*) AS n FROM t WHERE ln(f) > 1.0 GROUP BY a ORDER BY n, a LIMIT 3",
+            ["the filter has no device translation", "ln"],
         ),
-        other => panic!("{sql}: {other:?}"),
+        (
+            "SELECT a, COUNT(*) AS n FROM t GROUP BY a HAVING SUM(f) > 3.0 ORDER BY n, a LIMIT 3",
+            ["HAVING reads sum(t.f)", "floating-point sum"],
+        ),
+        (
+            "SELECT a, AVG(v) AS m FROM t GROUP BY a HAVING AVG(v) > 1.0 ORDER BY m, a LIMIT 3",
+            ["HAVING reads avg(t.v)", "floating-point sum or average"],
+        ),
+        (
+            "SELECT a, MAX(f) AS m FROM t GROUP BY a HAVING ln(MAX(f)) > 1.0 ORDER BY m, a LIMIT 3",
+            ["HAVING has no device translation", "ln"],
+        ),
+    ] {
+        match backend(sql).await {
+            AggregateBackend::Cpu(reason) => {
+                assert!(why.iter().all(|w| reason.contains(w)), "{sql}: {reason}")
+            }
+            other => panic!("{sql}: {other:?}"),
+        }
     }
+    // HAVING over exact aggregates (a MIN(v) that only HAVING reads among them) and keys.
+    let sql = "SELECT a, COUNT(*) AS n FROM t GROUP BY a HAVING MIN(v) < 0 AND a > 3 \
+               ORDER BY n, a LIMIT 3";
+    let AggregateBackend::Cuda(plan) = backend(sql).await else {
+        panic!("{sql}: not on the device");
+    };
+    let (_, columns) = plan.having.as_ref().expect("the HAVING program");
+    assert_eq!(columns, &[HavingColumn::Op(1)]);
+    // DataFusion moves the key's condition below the aggregation: a filter.
+    assert!(plan.filter.is_some());
+    let sql = "SELECT a, COUNT(*) AS n FROM t GROUP BY a HAVING MIN(v) < 0 OR a > 3 \
+               ORDER BY n, a LIMIT 3";
+    let AggregateBackend::Cuda(plan) = backend(sql).await else {
+        panic!("{sql}: not on the device");
+    };
+    let (_, columns) = plan.having.as_ref().expect("the HAVING program");
+    assert_eq!(columns, &[HavingColumn::Op(1), HavingColumn::Key(0)]);
 }
