@@ -418,6 +418,9 @@ async fn the_device_slice_plans_cuda_and_the_rest_says_why() {
         "SELECT k, COUNT(*) AS n FROM t WHERE v > 0 GROUP BY k ORDER BY n, k LIMIT 3",
         "SELECT k, SUM(v) AS total FROM t WHERE s <> '' AND s LIKE 'e%' GROUP BY k ORDER BY total, k LIMIT 4",
         "SELECT k, k2, MAX(f) AS m FROM t WHERE v % 4 = 1 OR g IS NULL GROUP BY k, k2 ORDER BY m DESC, k, k2 LIMIT 5",
+        // HAVING over exact aggregates and the keys, before the selection.
+        "SELECT k, COUNT(*) AS n FROM t GROUP BY k HAVING SUM(v) > 0 ORDER BY n, k LIMIT 3",
+        "SELECT k, MAX(f) AS m FROM t WHERE v > 2 GROUP BY k HAVING COUNT(*) > 3 OR k IS NULL ORDER BY m, k LIMIT 4",
     ];
     // Without a GPU the device fails at once and DataFusion's plan answers.
     let fallbacks = usize::from(datafusion_gpu_topk::internal::device::gpu().is_none());
@@ -439,8 +442,8 @@ async fn the_device_slice_plans_cuda_and_the_rest_says_why() {
             &["the filter has no device translation", "ln"],
         ),
         (
-            "SELECT k, COUNT(*) AS n FROM t GROUP BY k HAVING SUM(v) > 0 ORDER BY n, k LIMIT 3",
-            &["the device path takes no HAVING"],
+            "SELECT k, COUNT(*) AS n FROM t GROUP BY k HAVING SUM(f) > 0 ORDER BY n, k LIMIT 3",
+            &["HAVING reads sum(t.f)", "floating-point sum"],
         ),
         (
             "SELECT g, COUNT(*) AS n FROM t GROUP BY g ORDER BY n, g LIMIT 3",

@@ -5,8 +5,8 @@
 //! `backend=cuda` and no fallback; the columns stay in the column cache for the next query;
 //! under `auto` a table past the device's minimum runs on it; a device failure (injected)
 //! runs DataFusion's plan, with its answer; `WHERE` filters run in the device's pass (numbers,
-//! strings, NULLs, none passing), the predicate's columns resident for the next query, and a
-//! row DataFusion fails on gives DataFusion's error.
+//! strings, NULLs, none passing) and `HAVING` before its selection, the predicate's columns
+//! resident for the next query, and a row DataFusion fails on gives DataFusion's error.
 
 use std::collections::HashSet;
 
@@ -97,7 +97,7 @@ const TAKEN: &[&str] = &[
     "SELECT uid, COUNT(*) AS n FROM t GROUP BY uid ORDER BY n DESC, uid LIMIT 10 OFFSET 400",
 ];
 
-/// Filtered shapes the device takes, its pass evaluating the filter.
+/// Filtered shapes the device takes, its pass evaluating the filter, and `HAVING`.
 const FILTERED: &[&str] = &[
     "SELECT uid, COUNT(*) AS n FROM t WHERE v > 0 GROUP BY uid ORDER BY n DESC, uid LIMIT 20",
     "SELECT u, SUM(w) AS s FROM t WHERE f < 20.0 AND k2 IS NOT NULL GROUP BY u ORDER BY s DESC NULLS FIRST, u LIMIT 20",
@@ -109,6 +109,13 @@ const FILTERED: &[&str] = &[
     "SELECT uid, COUNT(v) AS c FROM t WHERE uid > v AND CAST(v AS DOUBLE) * 0.5 < f GROUP BY uid ORDER BY c, uid LIMIT 30",
     // No row passes: no group.
     "SELECT uid, COUNT(*) AS n FROM t WHERE v > 1000 GROUP BY uid ORDER BY n, uid LIMIT 5",
+    // HAVING drops groups before the selection: counts, integer sums, extremes, keys.
+    "SELECT uid, COUNT(*) AS n FROM t GROUP BY uid HAVING COUNT(*) > 100 ORDER BY n, uid LIMIT 20",
+    "SELECT u, SUM(w) AS s FROM t GROUP BY u HAVING SUM(w) IS NOT NULL AND MIN(v) < -10 ORDER BY s DESC, u LIMIT 25",
+    "SELECT uid, MAX(f) AS hi FROM t WHERE lang <> 'ja' GROUP BY uid HAVING MAX(f) < 49.5 OR uid IS NULL ORDER BY hi DESC, uid LIMIT 15",
+    "SELECT k2, ts, AVG(v) AS a FROM t GROUP BY k2, ts HAVING COUNT(v) BETWEEN 50 AND 80 OR k2 = 2 ORDER BY a, k2, ts LIMIT 30 OFFSET 2",
+    // No group passes.
+    "SELECT uid, COUNT(*) AS n FROM t GROUP BY uid HAVING COUNT(*) > 1000000 ORDER BY n, uid LIMIT 5",
 ];
 
 /// A session with the operator on, `backend` forced, partitions of 3.
