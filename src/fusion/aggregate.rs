@@ -1,7 +1,9 @@
 //! The `WHERE` filter of a top-k over an aggregate as a generated program: aggregate.cuh's
 //! pass over plain device columns (`agg_columns`, the one aggregate.cu runs over every row)
 //! with the query's predicate in its row loop, so that the device reads the table once and a
-//! row it rejects never reaches the hash table.
+//! row it rejects never reaches the hash table. Its `HAVING` likewise
+//! ([`aggregate_having`]): a program over the aggregation's output columns, a row a group,
+//! that keeps the groups it passes before they are ranked.
 //!
 //! The predicate is translated as the top-k's ([`translate`](super::translate), the string
 //! predicates included: the aggregation reads whole tables): a lambda over the program's

@@ -3,13 +3,14 @@
 //!
 //! # Structure
 //!
-//! One pass (`agg_columns`, or a generated program that runs it over the rows its filter passes,
-//! [`AggregateFilter`]) finds every row's group in an open-addressing hash table and updates
-//! its accumulators with atomics. The
-//! occupied slots are compacted (`agg_compact`), each group's ranking value becomes a
-//! composite key with the group's slot as its row id (`agg_rank`), and the selection every
-//! per-row top-k takes ([`TopKEngine::select_sorted`]) picks the k best; only those k groups'
-//! keys and accumulators come back (`agg_gather`).
+//! One pass (`agg_columns`, or a generated program that runs it over the rows its filter
+//! passes, [`AggregateFilter`]) finds every row's group in an open-addressing hash table and
+//! updates its accumulators with atomics. The occupied slots are compacted (`agg_compact`;
+//! with a `HAVING`, its generated program then keeps the groups it passes,
+//! [`AggregateHaving`]), each group's ranking value becomes a composite key with the group's
+//! slot as its row id (`agg_rank`), and the selection every per-row top-k takes
+//! ([`TopKEngine::select_sorted`]) picks the k best; only those k groups' keys and
+//! accumulators come back (`agg_gather`).
 //!
 //! # Ties
 //!

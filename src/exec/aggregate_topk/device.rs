@@ -5,9 +5,11 @@
 //! # What it takes
 //!
 //! [`AggregateDevicePlan::of`] translates the spec where the device computes it exactly:
-//! an in-memory table or `GpuTable` without `HAVING`; a fused filter (the `WHERE` below the
-//! aggregation) only where the fusion translates it ([`crate::fusion::aggregate`]: the
-//! top-k's translation, string predicates included); one or two group keys that are plain
+//! an in-memory table or `GpuTable`; a fused filter (the `WHERE` below the aggregation) only
+//! where the fusion translates it ([`crate::fusion::aggregate`]: the top-k's translation,
+//! string predicates included); `HAVING` where it translates over the keys and the
+//! aggregates the device computes exactly (not over a floating-point sum or an average,
+//! whose last bits may differ from DataFusion's); one or two group keys that are plain
 //! `Int64` or 64-bit timestamp columns; `COUNT(*)`, `COUNT(x)`, `SUM`, `MIN` and `MAX` of
 //! plain `Int64` or `Float64` columns and `AVG` of an `Int64` column (DataFusion's input
 //! `CAST(x AS Float64)`: summed as f64 and divided by the count of `x`); an order by one
@@ -22,12 +24,13 @@
 //! that they stay resident for the next query. With a filter, the aggregation's pass is the
 //! filter's generated program (compiled by NVRTC once per distinct filter and cached as every
 //! generated program is): it skips the rows the predicate rejects in its one read of the
-//! table, so no row mask is written or read back. The device returns the best `k` (+ offset)
+//! table, so no row mask is written or read back. `HAVING`'s program drops groups after the
+//! aggregation, before the selection ranks them. The device returns the best `k` (+ offset)
 //! groups, in order, with their keys and accumulators; the host builds them into a batch of
 //! the aggregation's output (keys, then aggregates), drops the offset's groups and evaluates
 //! the spec's output projection on the rest. A device error, or the device declining the
-//! query (a NaN met by an f64 `MIN`/`MAX`; a row of the filter that DataFusion fails on, or
-//! whose NaN bits only the host reproduces), runs DataFusion's subtree instead, which gives
+//! query (a NaN met by an f64 `MIN`/`MAX`; a row of the filter or a group of `HAVING` that
+//! DataFusion fails on, or whose NaN bits only the host reproduces), runs DataFusion's subtree instead, which gives
 //! DataFusion's answer or error.
 
 use std::sync::Arc;
