@@ -3,11 +3,14 @@
 // launches, for KW key words (the `_w1` and `_w2` entries):
 //   agg_columns  the aggregation over plain device columns (i64 keys, i64 or f64 values, each
 //                with an optional validity bitmap), described by a spec in device memory
-//                (AggSpec below); a generated program does the same with aggregate.cuh's
-//                functions;
+//                (aggregate.cuh's AggSpec), over every row; a generated program (src/fusion/
+//                aggregate.rs) runs the same pass over the rows its filter passes;
 //   agg_compact  the occupied slots' indices, dense (warp-aggregated appends);
 //   agg_rank     each dense group's ranking value as a composite key (the selectors' pairs),
 //                its slot as the row id;
+//   agg_outputs  every slot's values of the aggregation's output columns (keys, accumulators
+//                decoded) with validity bitmaps, the columns a generated HAVING program
+//                (src/fusion/aggregate.rs) reads to drop groups before agg_rank;
 //   agg_gather   the chosen slots' key words, state words and accumulators, one row each, for
 //                the host to read back.
 //
@@ -21,67 +24,6 @@
 // deterministically, by the group key. Distinct groups have distinct composites.
 
 #include "aggregate.cuh"
-
-#define AGG_THREADS 256
-// The spec's bounds (src/device/engine/aggregate.rs checks them).
-#define AGG_MAX_VALUES 4
-#define AGG_MAX_ACCS 8
-// An accumulator's kind: bits 0-7 (AGG_COUNT …, or AGG_SUM_I64_AS_F64: an i64 column summed
-// as f64, DataFusion's AVG of integers), its value column in bits 8-15 (0xff: none, COUNT(*)).
-#define AGG_SUM_I64_AS_F64 7u
-#define AGG_NO_COLUMN 0xffu
-
-// The spec of agg_columns, u64 words: the key columns' values (2), validity (2) and validity
-// bit offsets (2); the value columns' values, validity and bit offsets (AGG_MAX_VALUES each);
-// the accumulators (AGG_MAX_ACCS), then their number.
-struct AggSpec {
-    u64 key_values[2], key_valid[2], key_valid_offset[2];
-    u64 values[AGG_MAX_VALUES], valid[AGG_MAX_VALUES], valid_offset[AGG_MAX_VALUES];
-    u64 accs[AGG_MAX_ACCS];
-    u64 n_accs;
-};
-static_assert(sizeof(AggSpec) == 8 * (6 + 3 * AGG_MAX_VALUES + AGG_MAX_ACCS + 1), "aggregate.rs spec_bytes' words");
-
-__device__ __forceinline__ bool agg_valid(u64 bitmap, u64 offset, u64 row) {
-    return bitmap == 0 || get_bit((const u8 *)bitmap, offset + row);
-}
-
-template <int KW>
-__device__ void agg_columns(const AggSpec *spec_in, u64 rows, const AggTable &t) {
-    __shared__ AggSpec spec;
-    if (threadIdx.x == 0) spec = *spec_in;
-    __syncthreads();
-    const u32 n_accs = (u32)spec.n_accs;
-    for (u64 row = (u64)blockIdx.x * blockDim.x + threadIdx.x; row < rows; row += (u64)gridDim.x * blockDim.x) {
-        if (agg_stopped(t)) return;
-        u64 key[KW];
-        u32 nulls = 0;
-#pragma unroll
-        for (int j = 0; j < KW; ++j) {
-            const bool valid = agg_valid(spec.key_valid[j], spec.key_valid_offset[j], row);
-            key[j] = valid ? ((const u64 *)spec.key_values[j])[row] : 0;
-            nulls |= valid ? 0u : 1u << j;
-        }
-        const u64 slot = agg_insert<KW>(t, key, nulls);
-        if (slot == AGG_NO_SLOT) return;
-        for (u32 a = 0; a < n_accs; ++a) {
-            const u64 desc = spec.accs[a];
-            u32 kind = (u32)(desc & 0xff);
-            const u32 column = (u32)(desc >> 8) & 0xff;
-            u64 bits = 0;
-            bool valid = true;
-            if (column != AGG_NO_COLUMN) {
-                valid = agg_valid(spec.valid[column], spec.valid_offset[column], row);
-                if (valid) bits = ((const u64 *)spec.values[column])[row];
-            }
-            if (kind == AGG_SUM_I64_AS_F64) {
-                bits = (u64)__double_as_longlong(__ll2double_rn((i64)bits));
-                kind = AGG_SUM_F64;
-            }
-            agg_update(t, a, kind, slot, bits, valid);
-        }
-    }
-}
 
 template <int KW> __device__ void agg_compact(const u64 *slots, u64 cap, u64 *out, u64 *count) {
     FOR_BLOCK_ROUNDS(i0, cap) {
@@ -166,6 +108,49 @@ __device__ void agg_rank(const u64 *slots, const u64 *acc, u64 cap, const u64 *d
     }
 }
 
+// Output column kinds of agg_outputs (src/device/engine/aggregate.rs `output_descriptors`).
+#define AGG_OUT_KEY 0u
+#define AGG_OUT_COUNT 1u
+#define AGG_OUT_RAW 2u
+#define AGG_OUT_ORD_I64 3u
+#define AGG_OUT_ORD_F64 4u
+
+// Every slot's value of the aggregation's output columns, for a generated HAVING program to
+// read as plain columns (row s: slot s): column j's words at `out + j · cap`, its validity
+// bitmap at `valid + j · cap / 32` (u32 words; cap is a multiple of 32). desc[j]: the kind
+// (bits 0-7), a key column or accumulator (bits 8-15), the accumulator counting its non-NULL
+// inputs (bits 16-23, 0xff: never NULL). Empty slots' values are left unspecified.
+template <int KW>
+__device__ void agg_outputs(const u64 *slots, const u64 *acc, u64 cap, const u64 *desc, u32 n_cols, u64 *out,
+                            u32 *valid) {
+    FOR_BLOCK_ROUNDS(i0, cap) {
+        const u64 s = i0 + threadIdx.x;
+        const bool in = s < cap;
+        const u32 nulls = in ? (u32)(__ldcg(slots + s * (KW + 1) + KW) >> 2) : 0u;
+        for (u32 j = 0; j < n_cols; ++j) {
+            const u64 d = desc[j];
+            const u32 kind = (u32)(d & 0xff), at = (u32)(d >> 8) & 0xff, counted = (u32)(d >> 16) & 0xff;
+            u64 v = 0;
+            bool ok = in;
+            if (in) {
+                if (kind == AGG_OUT_KEY) {
+                    v = slots[s * (KW + 1) + at];
+                    ok = ((nulls >> at) & 1u) == 0;
+                } else {
+                    const u64 a = acc[(u64)at * cap + s];
+                    v = kind == AGG_OUT_ORD_I64   ? a ^ 0x8000000000000000ull
+                        : kind == AGG_OUT_ORD_F64 ? ((a >> 63) ? a ^ 0x8000000000000000ull : ~a)
+                                                  : a;
+                    ok = counted == AGG_NO_COLUMN || acc[(u64)counted * cap + s] != 0;
+                }
+                out[(u64)j * cap + s] = v;
+            }
+            const u32 bits = __ballot_sync(FULL_MASK, ok);
+            if (lane_id() == 0 && in) valid[(u64)j * (cap / 32) + s / 32] = bits;
+        }
+    }
+}
+
 template <int KW>
 __device__ void agg_gather(const u64 *slots, const u64 *acc, u64 cap, u32 n_accs, const u64 *ids, u64 n, u64 *out) {
     const u64 stride = KW + 1 + n_accs;
@@ -182,7 +167,7 @@ __device__ void agg_gather(const u64 *slots, const u64 *acc, u64 cap, u32 n_accs
         agg_columns_w##KW(const AggSpec *spec, u64 rows, u64 *slots, u64 *acc, u64 cap, u64 limit, u64 *ctl) {     \
         grid_dependency_wait();                                                                                    \
         const AggTable t = {slots, acc, cap, limit, ctl};                                                          \
-        agg_columns<KW>(spec, rows, t);                                                                            \
+        agg_columns<KW>(spec, rows, t, AggAllRows());                                                              \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(AGG_THREADS)                                                      \
         agg_compact_w##KW(const u64 *slots, u64 cap, u64 *out, u64 *count) {                                       \
@@ -195,6 +180,12 @@ __device__ void agg_gather(const u64 *slots, const u64 *acc, u64 cap, u32 n_accs
         grid_dependency_wait();                                                                                    \
         agg_rank<KW>(slots, acc, cap, dense, n, kind, rank_acc, count_acc, flags, key_nullable, words, out_keys,   \
                      out_ids);                                                                                     \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(AGG_THREADS)                                                      \
+        agg_outputs_w##KW(const u64 *slots, const u64 *acc, u64 cap, const u64 *desc, u32 n_cols, u64 *out,          \
+                          u32 *valid) {                                                                            \
+        grid_dependency_wait();                                                                                    \
+        agg_outputs<KW>(slots, acc, cap, desc, n_cols, out, valid);                                                \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(AGG_THREADS)                                                      \
         agg_gather_w##KW(const u64 *slots, const u64 *acc, u64 cap, u32 n_accs, const u64 *ids, u64 n, u64 *out) { \

@@ -1,6 +1,7 @@
 // aggregate.cuh: a hash aggregation on the device, row by row: a kernel (aggregate.cu's
-// `agg_columns`, or a generated program of src/fusion) finds each row's group in an
-// open-addressing table and updates the group's accumulators with atomics.
+// `agg_columns_w*`, or a generated program of src/fusion/aggregate.rs that filters the rows)
+// runs `agg_columns`, which finds each row's group in an open-addressing table and updates the
+// group's accumulators with atomics.
 //
 // The table: `cap` slots (a power of two), slot s at `slots + s · (KW + 1)`: KW key words
 // (KW ≤ 2: one for integer and date keys, two for 128-bit keys), then a state word:
@@ -43,6 +44,9 @@
 // The control words: groups claimed (u64 at 0), status bits (u64 at 1).
 #define AGG_STATUS_FULL 1ull
 #define AGG_STATUS_NAN 2ull
+// A row of a generated program's filter that only the host evaluates (one DataFusion fails on,
+// or a NaN whose bits the device cannot reproduce): the host answers instead.
+#define AGG_STATUS_HOST 4ull
 #define AGG_NO_SLOT (~0ull)
 
 // Accumulator kinds (src/device/engine/aggregate.rs `AggregateOp::device_kind`).
@@ -83,9 +87,10 @@ __device__ __forceinline__ void agg_flag(const AggTable &t, u64 bits) {
     atomicOr((unsigned long long *)(t.ctl + 1), (unsigned long long)bits);
 }
 
-// Whether the pass should stop: the table filled (the host runs it again, larger).
+// Whether the pass should stop: the table filled (the host runs it again, larger), or a row
+// sends the query to the host.
 __device__ __forceinline__ bool agg_stopped(const AggTable &t) {
-    return (agg_load_volatile(t.ctl + 1) & AGG_STATUS_FULL) != 0;
+    return (agg_load_volatile(t.ctl + 1) & (AGG_STATUS_FULL | AGG_STATUS_HOST)) != 0;
 }
 
 // The slot of the group (key, nulls), claimed and published where it is new; AGG_NO_SLOT
@@ -204,5 +209,77 @@ __device__ __forceinline__ void agg_update(const AggTable &t, u32 a, u32 kind, u
     case AGG_MAX_I64: agg_max_i64(t, a, slot, (i64)bits); break;
     case AGG_MIN_F64: agg_min_f64(t, a, slot, __longlong_as_double((i64)bits)); break;
     default: agg_max_f64(t, a, slot, __longlong_as_double((i64)bits)); break;
+    }
+}
+
+// ---- the pass over plain device columns -----------------------------------------------------
+
+#define AGG_THREADS 256
+// The spec's bounds (src/device/engine/aggregate.rs checks them).
+#define AGG_MAX_VALUES 4
+#define AGG_MAX_ACCS 8
+// An accumulator's kind: bits 0-7 (AGG_COUNT …, or AGG_SUM_I64_AS_F64: an i64 column summed
+// as f64, DataFusion's AVG of integers), its value column in bits 8-15 (0xff: none, COUNT(*)).
+#define AGG_SUM_I64_AS_F64 7u
+#define AGG_NO_COLUMN 0xffu
+
+// The spec of agg_columns, u64 words: the key columns' values (2), validity (2) and validity
+// bit offsets (2); the value columns' values, validity and bit offsets (AGG_MAX_VALUES each);
+// the accumulators (AGG_MAX_ACCS), then their number.
+struct AggSpec {
+    u64 key_values[2], key_valid[2], key_valid_offset[2];
+    u64 values[AGG_MAX_VALUES], valid[AGG_MAX_VALUES], valid_offset[AGG_MAX_VALUES];
+    u64 accs[AGG_MAX_ACCS];
+    u64 n_accs;
+};
+static_assert(sizeof(AggSpec) == 8 * (6 + 3 * AGG_MAX_VALUES + AGG_MAX_ACCS + 1), "aggregate.rs spec_bytes' words");
+
+__device__ __forceinline__ bool agg_valid(u64 bitmap, u64 offset, u64 row) {
+    return bitmap == 0 || get_bit((const u8 *)bitmap, offset + row);
+}
+
+// Every row (aggregate.cu's agg_columns).
+struct AggAllRows {
+    __device__ __forceinline__ bool operator()(u64) const { return true; }
+};
+
+// The pass over the spec's columns: each row that `pass(row)` keeps (a generated program's
+// filter, src/fusion/aggregate.rs, which flags AGG_STATUS_HOST where only the host can tell)
+// updates its group's accumulators.
+template <int KW, typename Pass>
+__device__ void agg_columns(const AggSpec *spec_in, u64 rows, const AggTable &t, Pass pass) {
+    __shared__ AggSpec spec;
+    if (threadIdx.x == 0) spec = *spec_in;
+    __syncthreads();
+    const u32 n_accs = (u32)spec.n_accs;
+    for (u64 row = (u64)blockIdx.x * blockDim.x + threadIdx.x; row < rows; row += (u64)gridDim.x * blockDim.x) {
+        if (agg_stopped(t)) return;
+        if (!pass(row)) continue;
+        u64 key[KW];
+        u32 nulls = 0;
+#pragma unroll
+        for (int j = 0; j < KW; ++j) {
+            const bool valid = agg_valid(spec.key_valid[j], spec.key_valid_offset[j], row);
+            key[j] = valid ? ((const u64 *)spec.key_values[j])[row] : 0;
+            nulls |= valid ? 0u : 1u << j;
+        }
+        const u64 slot = agg_insert<KW>(t, key, nulls);
+        if (slot == AGG_NO_SLOT) return;
+        for (u32 a = 0; a < n_accs; ++a) {
+            const u64 desc = spec.accs[a];
+            u32 kind = (u32)(desc & 0xff);
+            const u32 column = (u32)(desc >> 8) & 0xff;
+            u64 bits = 0;
+            bool valid = true;
+            if (column != AGG_NO_COLUMN) {
+                valid = agg_valid(spec.valid[column], spec.valid_offset[column], row);
+                if (valid) bits = ((const u64 *)spec.values[column])[row];
+            }
+            if (kind == AGG_SUM_I64_AS_F64) {
+                bits = (u64)__double_as_longlong(__ll2double_rn((i64)bits));
+                kind = AGG_SUM_F64;
+            }
+            agg_update(t, a, kind, slot, bits, valid);
+        }
     }
 }

@@ -128,9 +128,10 @@ pub mod internal {
     }
     pub mod device {
         pub use crate::device::{
-            AggValue, AggregateCall, AggregateColumn, AggregateDecline, AggregateGroup,
-            AggregateOp, AggregateOrder, AggregateReport, AggregateTopK, DeviceColumns, HostColumn,
-            RankBy, aggregate_top_k_host,
+            AGG_FILTERED_ENTRY, AGG_HAVING_ENTRY, AggValue, AggregateCall, AggregateColumn,
+            AggregateDecline, AggregateFilter, AggregateGroup, AggregateHaving, AggregateOp,
+            AggregateOrder, AggregateReport, AggregateTopK, DeviceColumns, HavingColumn,
+            HostColumn, RankBy, aggregate_top_k_host,
         };
         pub use crate::device::{
             DeviceAlgorithm, DevicePairs, FUSED_SAMPLE_CLUSTER, FUSED_SAMPLE_ROWS, FusedReport,
@@ -143,6 +144,7 @@ pub mod internal {
         pub use crate::exec::{GpuTopKExec, TopKSpec, warming_up};
     }
     pub mod fusion {
+        pub use crate::fusion::aggregate::{aggregate_filter, aggregate_having};
         pub use crate::fusion::{
             ENTRY, FusedProgram, KernelInput, Part, dictionary_codes, dictionary_match,
             host_default_nan,

@@ -40,11 +40,12 @@ use cudarc::driver::{CudaContext, CudaStream, DriverError};
 pub(crate) use options::DeviceOptions;
 
 pub use engine::{
-    AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES, AggValue, AggregateCall, AggregateColumn,
-    AggregateDecline, AggregateGroup, AggregateOp, AggregateOrder, AggregateReport, AggregateTopK,
-    DeviceColumns, DevicePairs, EncodedChunk, EncodedColumn, EncodedPage, FusedReport,
-    GROUP_SAMPLE, GatherColumn, GroupAlgorithm, GroupRanking, GroupSpec, HostColumn, KeptPiece,
-    KeptRows, RankBy, TopKEngine, aggregate_top_k_host,
+    AGG_FILTERED_ENTRY, AGG_HAVING_ENTRY, AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES,
+    AggValue, AggregateCall, AggregateColumn, AggregateDecline, AggregateFilter, AggregateGroup,
+    AggregateHaving, AggregateOp, AggregateOrder, AggregateReport, AggregateTopK, DeviceColumns,
+    DevicePairs, EncodedChunk, EncodedColumn, EncodedPage, FusedReport, GROUP_SAMPLE, GatherColumn,
+    GroupAlgorithm, GroupRanking, GroupSpec, HavingColumn, HostColumn, KeptPiece, KeptRows, RankBy,
+    TopKEngine, aggregate_top_k_host,
 };
 pub use kernels::{GeneratedKernel, Kernels};
 pub(crate) use memory::{BufferPool, PinnedPool, PooledBuffer};

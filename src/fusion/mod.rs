@@ -26,6 +26,7 @@
 //! for a large k that pass also ORs its appended keys into the key span words that decide how
 //! they are packed for their sort.
 
+pub(crate) mod aggregate;
 pub(crate) mod cannot_fail;
 pub(crate) mod translate;
 

@@ -461,7 +461,7 @@ pub(crate) fn upload_missing(
 /// The program's arguments in its inputs' order: the per-row columns' (`column_args`), and
 /// each dictionary lookup table's, shipped with every query (small); the tables' buffers are
 /// held as long as the program may read them.
-fn program_args(
+pub(crate) fn program_args(
     device: &Arc<GpuDevice>,
     engine: &mut TopKEngine,
     inputs: &[TableInput<'_>],

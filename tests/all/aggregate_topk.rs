@@ -469,6 +469,13 @@ async fn the_device_slice_plans_cuda_and_the_rest_says_why() {
         "SELECT k, k2, SUM(f) AS s, MIN(v) AS lo FROM t GROUP BY k, k2 ORDER BY s, k, k2 LIMIT 6 OFFSET 2",
         "SELECT ts, MAX(f) AS m, AVG(v) AS a FROM t GROUP BY ts ORDER BY a DESC, ts LIMIT 3",
         "SELECT id, MAX(v) AS m FROM t GROUP BY id ORDER BY m DESC NULLS LAST, id LIMIT 3",
+        // Filters the fusion translates, strings' included, run in the aggregation's pass.
+        "SELECT k, COUNT(*) AS n FROM t WHERE v > 0 GROUP BY k ORDER BY n, k LIMIT 3",
+        "SELECT k, SUM(v) AS total FROM t WHERE s <> '' AND s LIKE 'e%' GROUP BY k ORDER BY total, k LIMIT 4",
+        "SELECT k, k2, MAX(f) AS m FROM t WHERE v % 4 = 1 OR g IS NULL GROUP BY k, k2 ORDER BY m DESC, k, k2 LIMIT 5",
+        // HAVING over exact aggregates and the keys, before the selection.
+        "SELECT k, COUNT(*) AS n FROM t GROUP BY k HAVING SUM(v) > 0 ORDER BY n, k LIMIT 3",
+        "SELECT k, MAX(f) AS m FROM t WHERE v > 2 GROUP BY k HAVING COUNT(*) > 3 OR k IS NULL ORDER BY m, k LIMIT 4",
     ];
     // Without a GPU the device fails at once and DataFusion's plan answers.
     let fallbacks = usize::from(datafusion_gpu_topk::internal::device::gpu().is_none());
@@ -486,12 +493,12 @@ async fn the_device_slice_plans_cuda_and_the_rest_says_why() {
     }
     let untaken: [(&str, &[&str]); 10] = [
         (
-            "SELECT k, COUNT(*) AS n FROM t WHERE v > 0 GROUP BY k ORDER BY n, k LIMIT 3",
-            &["the device path takes no fused filter"],
+            "SELECT k, COUNT(*) AS n FROM t WHERE ln(f) > 1.0 GROUP BY k ORDER BY n, k LIMIT 3",
+            &["the filter has no device translation", "ln"],
         ),
         (
-            "SELECT k, COUNT(*) AS n FROM t GROUP BY k HAVING SUM(v) > 0 ORDER BY n, k LIMIT 3",
-            &["the device path takes no HAVING"],
+            "SELECT k, COUNT(*) AS n FROM t GROUP BY k HAVING SUM(f) > 0 ORDER BY n, k LIMIT 3",
+            &["HAVING reads sum(t.f)", "floating-point sum"],
         ),
         (
             "SELECT g, COUNT(*) AS n FROM t GROUP BY g ORDER BY n, g LIMIT 3",

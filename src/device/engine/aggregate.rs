@@ -3,12 +3,14 @@
 //!
 //! # Structure
 //!
-//! One pass (`agg_columns`, or a generated program calling aggregate.cuh) finds every row's
-//! group in an open-addressing hash table and updates its accumulators with atomics. The
-//! occupied slots are compacted (`agg_compact`), each group's ranking value becomes a
-//! composite key with the group's slot as its row id (`agg_rank`), and the selection every
-//! per-row top-k takes ([`TopKEngine::select_sorted`]) picks the k best; only those k groups'
-//! keys and accumulators come back (`agg_gather`).
+//! One pass (`agg_columns`, or a generated program that runs it over the rows its filter
+//! passes, [`AggregateFilter`]) finds every row's group in an open-addressing hash table and
+//! updates its accumulators with atomics. The occupied slots are compacted (`agg_compact`;
+//! with a `HAVING`, its generated program then keeps the groups it passes,
+//! [`AggregateHaving`]), each group's ranking value becomes a composite key with the group's
+//! slot as its row id (`agg_rank`), and the selection every per-row top-k takes
+//! ([`TopKEngine::select_sorted`]) picks the k best; only those k groups' keys and
+//! accumulators come back (`agg_gather`).
 //!
 //! # Ties
 //!
@@ -32,8 +34,10 @@
 
 use super::*;
 
+mod having;
 mod reference;
 
+pub use having::{AGG_HAVING_ENTRY, AggregateHaving, HavingColumn};
 pub use reference::{HostColumn, aggregate_top_k_host};
 
 /// Threads of a block of aggregate.cu (`AGG_THREADS`).
@@ -49,6 +53,9 @@ const AGG_MIN_SLOTS: usize = 1024;
 /// aggregate.cuh's status bits.
 const AGG_STATUS_FULL: u64 = 1;
 const AGG_STATUS_NAN: u64 = 2;
+const AGG_STATUS_HOST: u64 = 4;
+/// The entry point of a generated filtered pass (src/fusion/aggregate.rs).
+pub const AGG_FILTERED_ENTRY: &str = "agg_filtered";
 /// `AGG_NO_COLUMN` (COUNT(*)) and agg_rank's "no count accumulator".
 const AGG_NO_COLUMN: u64 = 0xff;
 const AGG_NO_ACC: u32 = u32::MAX;
@@ -139,6 +146,15 @@ pub struct AggregateOrder {
     pub nulls_first: bool,
 }
 
+/// A generated program's pass (src/fusion/aggregate.rs), run in place of `agg_columns` over
+/// the rows its filter passes: the kernel, and its inputs' arguments (four words an input).
+/// A row only the host evaluates declines the call ([`AggregateDecline::HostOnlyRow`]).
+#[derive(Debug, Clone, Copy)]
+pub struct AggregateFilter<'a> {
+    pub kernel: &'a GeneratedKernel,
+    pub inputs: &'a [u64],
+}
+
 /// A top-k over an aggregate of `rows` device-resident rows.
 #[derive(Debug, Clone)]
 pub struct AggregateCall<'a> {
@@ -153,6 +169,10 @@ pub struct AggregateCall<'a> {
     /// The expected number of groups: the first table holds twice as many.
     pub groups_estimate: usize,
     pub algorithm: DeviceAlgorithm,
+    /// The rows aggregated: those the program passes (`None`: every row).
+    pub filter: Option<AggregateFilter<'a>>,
+    /// The groups ranked: those the program keeps (`None`: every group).
+    pub having: Option<AggregateHaving<'a>>,
 }
 
 impl AggregateCall<'_> {
@@ -182,6 +202,9 @@ pub struct AggregateGroup {
 pub enum AggregateDecline {
     /// A MIN or MAX over f64 met a NaN (DataFusion's result depends on the rows' order).
     NanInMinMax,
+    /// The filter (or `HAVING`) met a row (a group) only the host evaluates (one DataFusion
+    /// fails on, or a NaN whose bits the device cannot reproduce).
+    HostOnlyRow,
 }
 
 /// How the aggregation ran.
@@ -390,6 +413,10 @@ impl TopKEngine {
             result.report.passes += 1;
             let table = self.aggregate_pass(call, &plan, spec_buffer.ptr(), cap)?;
             let ctl = self.read_words(table.ctl.ptr(), 2)?;
+            if ctl[1] & AGG_STATUS_HOST != 0 {
+                result.report.declined = Some(AggregateDecline::HostOnlyRow);
+                return Ok(result);
+            }
             if ctl[1] & AGG_STATUS_NAN != 0 {
                 result.report.declined = Some(AggregateDecline::NanInMinMax);
                 return Ok(result);
@@ -412,7 +439,10 @@ impl TopKEngine {
         if groups == 0 || call.k == 0 {
             return Ok(result);
         }
-        let rows = self.aggregate_select(call, &plan, rank, &table, groups)?;
+        let Some(rows) = self.aggregate_select(call, &plan, rank, &table, groups)? else {
+            result.report.declined = Some(AggregateDecline::HostOnlyRow);
+            return Ok(result);
+        };
         result.report.phases_ms[1] = timer.elapsed()? - aggregated;
         let stride = kw + 1 + plan.kinds.len();
         result.top = (rows.chunks_exact(stride))
@@ -444,7 +474,27 @@ impl TopKEngine {
         let ctl = self.device.pool.alloc(16, &self.stream)?;
         self.memset_zero(ctl.ptr(), 16)?;
         let limit = cap / 2;
-        if call.rows > 0 {
+        if let Some(filter) = call.filter.filter(|_| call.rows > 0) {
+            let mut args: Vec<Arg> = filter.inputs.iter().map(|&v| Arg::U64(v)).collect();
+            let table = args![
+                spec,
+                call.rows,
+                slots.ptr(),
+                acc.ptr(),
+                cap,
+                limit,
+                ctl.ptr()
+            ];
+            args.extend_from_slice(table);
+            self.launch_function(
+                &filter.kernel.function,
+                AGG_FILTERED_ENTRY,
+                self.grid_for(call.rows, 4),
+                AGG_THREADS,
+                0,
+                &args,
+            )?;
+        } else if call.rows > 0 {
             self.launch(
                 &format!("agg_columns_w{kw}"),
                 self.grid_for(call.rows, 4),
@@ -469,8 +519,9 @@ impl TopKEngine {
         })
     }
 
-    /// The best min(k, groups) of the table's `groups` groups, read back as rows of key
-    /// words, state word and accumulators.
+    /// The best min(k, groups) of the table's `groups` groups (those the call's `HAVING`
+    /// keeps), read back as rows of key words, state word and accumulators; `None` where a
+    /// group sends the query to the host.
     fn aggregate_select(
         &mut self,
         call: &AggregateCall<'_>,
@@ -478,7 +529,7 @@ impl TopKEngine {
         (kind, rank_acc, count_acc, nullable): (u32, u32, u32, bool),
         table: &AggTable,
         groups: usize,
-    ) -> GpuResult<Vec<u64>> {
+    ) -> GpuResult<Option<Vec<u64>>> {
         let kw = call.keys.len();
         let cap = table.cap;
         let dense = self.device.pool.alloc(groups * 8, &self.stream)?;
@@ -491,7 +542,19 @@ impl TopKEngine {
             0,
             args![table.slots.ptr(), cap, dense.ptr(), count.ptr()],
         )?;
-        let mut pairs = self.alloc_pairs(groups)?;
+        let (dense, ranked) = match call.having {
+            None => (dense, groups),
+            Some(having) => {
+                match self.aggregate_having(call, plan, having, (table, &dense), groups)? {
+                    Some(kept) => kept,
+                    None => return Ok(None),
+                }
+            }
+        };
+        if ranked == 0 {
+            return Ok(Some(Vec::new()));
+        }
+        let mut pairs = self.alloc_pairs(ranked)?;
         pairs.set_ids_below(cap as u64);
         let flags = u32::from(call.order.descending)
             | u32::from(call.order.nulls_first) << 1
@@ -501,7 +564,7 @@ impl TopKEngine {
         let words = (self.kind.key_bytes() / 8) as u32;
         self.launch(
             &format!("agg_rank_w{kw}"),
-            self.grid_for(groups, 4),
+            self.grid_for(ranked, 4),
             AGG_THREADS,
             0,
             args![
@@ -509,7 +572,7 @@ impl TopKEngine {
                 table.acc.ptr(),
                 cap,
                 dense.ptr(),
-                groups,
+                ranked,
                 kind,
                 rank_acc,
                 count_acc,
@@ -520,7 +583,7 @@ impl TopKEngine {
                 pairs.id_at(0)
             ],
         )?;
-        let (sorted, m) = self.select_sorted(&pairs, groups, call.k, call.algorithm)?;
+        let (sorted, m) = self.select_sorted(&pairs, ranked, call.k, call.algorithm)?;
         let stride = kw + 1 + plan.kinds.len();
         let out = self
             .device
@@ -549,7 +612,7 @@ impl TopKEngine {
                 "{compacted} occupied slots for {groups} groups"
             )));
         }
-        Ok(rows)
+        Ok(Some(rows))
     }
 
     /// Uploads host columns of 8-byte values (little-endian bytes) with their optional Arrow

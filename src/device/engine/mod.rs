@@ -227,9 +227,10 @@ mod staging;
 mod top_bits;
 
 pub use aggregate::{
-    AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES, AggValue, AggregateCall, AggregateColumn,
-    AggregateDecline, AggregateGroup, AggregateOp, AggregateOrder, AggregateReport, AggregateTopK,
-    DeviceColumns, HostColumn, RankBy, aggregate_top_k_host,
+    AGG_FILTERED_ENTRY, AGG_HAVING_ENTRY, AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES,
+    AggValue, AggregateCall, AggregateColumn, AggregateDecline, AggregateFilter, AggregateGroup,
+    AggregateHaving, AggregateOp, AggregateOrder, AggregateReport, AggregateTopK, DeviceColumns,
+    HavingColumn, HostColumn, RankBy, aggregate_top_k_host,
 };
 pub use fused::FusedReport;
 pub use groups::{

@@ -154,10 +154,12 @@ const PLAIN_ENTRIES: &[(&str, &[&str])] = &[
             "agg_compact_w1",
             "agg_rank_w1",
             "agg_gather_w1",
+            "agg_outputs_w1",
             "agg_columns_w2",
             "agg_compact_w2",
             "agg_rank_w2",
             "agg_gather_w2",
+            "agg_outputs_w2",
         ],
     ),
 ];

@@ -5,25 +5,34 @@
 //! # What it takes
 //!
 //! [`AggregateDevicePlan::of`] translates the spec where the device computes it exactly:
-//! an in-memory table or `GpuTable` without a fused filter or `HAVING`; one or two group keys
-//! that are plain `Int64` or 64-bit timestamp columns; `COUNT(*)`, `COUNT(x)`, `SUM`, `MIN` and
-//! `MAX` of plain `Int64` or `Float64` columns and `AVG` of an `Int64` column (DataFusion's
-//! input `CAST(x AS Float64)`: summed as f64 and divided by the count of `x`); an order by one
+//! an in-memory table or `GpuTable`; a fused filter (the `WHERE` below the aggregation) only
+//! where the fusion translates it ([`crate::fusion::aggregate`]: the top-k's translation,
+//! string predicates included); `HAVING` where it translates over the keys and the
+//! aggregates the device computes exactly (not over a floating-point sum or an average,
+//! whose last bits may differ from DataFusion's); one or two group keys that are plain
+//! `Int64` or 64-bit timestamp columns; `COUNT(*)`, `COUNT(x)`, `SUM`, `MIN` and `MAX` of
+//! plain `Int64` or `Float64` columns and `AVG` of an `Int64` column (DataFusion's input
+//! `CAST(x AS Float64)`: summed as f64 and divided by the count of `x`); an order by one
 //! aggregate, then at most the group keys ascending with NULLs last, in key order (the
 //! device orders groups with equal ranking values so). Anything else keeps DataFusion's
 //! subtree, and the reason shows in EXPLAIN.
 //!
 //! # The run
 //!
-//! The key and value columns come from the device column cache, uploaded into it on a miss
-//! (as a whole-table selection reads them, [`crate::select::table`]), so that they stay
-//! resident for the next query. Its first hash table is sized for the groups the rule
-//! estimated from a sample, and the groups' selection is the one the cost model chose. The
-//! device returns the best `k` (+ offset) groups, in order,
-//! with their keys and accumulators; the host builds them into a batch of the aggregation's
-//! output (keys, then aggregates), drops the offset's groups and evaluates the spec's output
-//! projection on the rest. A device error, or the device declining the query (a NaN met by an
-//! f64 `MIN`/`MAX`), runs DataFusion's subtree instead.
+//! The key and value columns, and the filter's, come from the device column cache, uploaded
+//! into it on a miss (as a whole-table selection reads them, [`crate::select::table`]), so
+//! that they stay resident for the next query. With a filter, the aggregation's pass is the
+//! filter's generated program (compiled by NVRTC once per distinct filter and cached as every
+//! generated program is): it skips the rows the predicate rejects in its one read of the
+//! table, so no row mask is written or read back. Its first hash table is sized for the
+//! groups the rule estimated from a sample. `HAVING`'s program drops groups after the
+//! aggregation, before the selection (the one the cost model chose) ranks them. The device
+//! returns the best `k` (+ offset) groups, in order, with their keys and accumulators; the
+//! host builds them into a batch of the aggregation's output (keys, then aggregates), drops
+//! the offset's groups and evaluates the spec's output projection on the rest. A device
+//! error, or the device declining the query (a NaN met by an f64 `MIN`/`MAX`; a row of the
+//! filter or a group of `HAVING` that DataFusion fails on, or whose NaN bits only the host
+//! reproduces), runs DataFusion's subtree instead, which gives DataFusion's answer or error.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -46,16 +55,19 @@ use crate::device::column_cache::CacheUse;
 use crate::device::error::gpu_error;
 use crate::device::watch;
 use crate::device::{
-    AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES, AggValue, AggregateCall, AggregateColumn,
-    AggregateGroup, AggregateOp, AggregateOrder, AggregateTopK, DeviceAlgorithm, GpuDevice,
-    GpuError, GpuResult, KeyWidth, PooledBuffer, RankBy, contain_panics,
+    AGG_FILTERED_ENTRY, AGG_HAVING_ENTRY, AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES,
+    AggValue, AggregateCall, AggregateColumn, AggregateFilter, AggregateGroup, AggregateHaving,
+    AggregateOp, AggregateOrder, AggregateTopK, DeviceAlgorithm, GpuDevice, GpuError, GpuResult,
+    HavingColumn, KeyWidth, PooledBuffer, RankBy, contain_panics,
 };
 use crate::exec::metrics::device_watch;
+use crate::fusion::aggregate::{aggregate_filter, aggregate_having};
 use crate::fusion::{FusedProgram, KernelInput};
+use crate::input::TableInput;
 use crate::input::columns::{Reserved, TableColumn};
 use crate::input::memory::{memory_input, table_inputs};
 use crate::select::TransferMetrics;
-use crate::select::table::{cache_uploads, upload_missing};
+use crate::select::table::{cache_uploads, program_args, upload_missing};
 
 /// Groups the device's first hash table is sized for where the rule could not estimate them
 /// (it grows fourfold when it fills), and the most an estimate sizes it for.
@@ -82,6 +94,12 @@ pub struct AggregateDevicePlan {
     /// Per aggregate of the spec.
     outputs: Vec<Output>,
     order: AggregateOrder,
+    /// The generated pass over the rows the spec's filter passes (its inputs: the columns of
+    /// [`reads`](Self::reads), then the predicate's own).
+    filter: Option<Arc<FusedProgram>>,
+    /// The generated program that keeps the groups `HAVING` passes, and the output columns
+    /// its inputs are.
+    having: Option<(Arc<FusedProgram>, Vec<HavingColumn>)>,
     /// The table's rows at planning.
     pub rows: usize,
     /// The groups the rule estimated from a sample of the table (`None`: unknown).
@@ -99,12 +117,6 @@ impl AggregateDevicePlan {
         let Some(memory) = memory_input(&spec.table) else {
             return Err("the device reads in-memory tables and GpuTables only".into());
         };
-        if spec.filter.is_some() {
-            return Err("the device path takes no fused filter".into());
-        }
-        if spec.having.is_some() {
-            return Err("the device path takes no HAVING".into());
-        }
         let schema = spec.table.schema();
         if spec.group_keys.len() > AGG_MAX_KEYS {
             return Err(format!("more than {AGG_MAX_KEYS} group keys"));
@@ -136,6 +148,8 @@ impl AggregateDevicePlan {
                 descending: false,
                 nulls_first: false,
             },
+            filter: None,
+            having: None,
             rows: memory.batches().map(|b| b.num_rows()).sum(),
             groups: None,
             selection: DeviceAlgorithm::Radix,
@@ -152,7 +166,55 @@ impl AggregateDevicePlan {
             ));
         }
         plan.order = plan.order_of(spec)?;
+        if let Some(filter) = &spec.filter {
+            let program = aggregate_filter(filter, &schema, &plan.reads(), plan.keys.len())
+                .map_err(|why| format!("the filter has no device translation: {why}"))?;
+            plan.filter = Some(Arc::new(program));
+        }
+        if let Some(having) = &spec.having {
+            plan.having = Some(plan.having_of(spec, having)?);
+        }
         Ok(plan)
+    }
+
+    /// The program of the spec's `HAVING` over the aggregation's output, where the device
+    /// evaluates it exactly: over the keys, and aggregates but floating-point sums and
+    /// averages (added in another order than DataFusion's, their last bits may differ).
+    fn having_of(
+        &self,
+        spec: &AggregateTopKSpec,
+        having: &Arc<dyn PhysicalExpr>,
+    ) -> std::result::Result<(Arc<FusedProgram>, Vec<HavingColumn>), String> {
+        let keys = spec.group_keys.iter().map(|k| (&k.name, &k.data_type));
+        let aggregates = spec.aggregates.iter().map(|a| (&a.name, &a.output_type));
+        let fields: Vec<Field> = (keys.chain(aggregates))
+            .map(|(name, data_type)| Field::new(name, data_type.clone(), true))
+            .collect();
+        let schema = Schema::new(fields);
+        let program = aggregate_having(having, &schema)
+            .map_err(|why| format!("HAVING has no device translation: {why}"))?;
+        let key_count = spec.group_keys.len();
+        let column = |input: &KernelInput| match input {
+            KernelInput::Column(c) if *c < key_count => Ok(HavingColumn::Key(*c)),
+            KernelInput::Column(c) => match self.outputs.get(c - key_count) {
+                Some(Output::Op(op))
+                    if !matches!(
+                        self.ops[*op],
+                        AggregateOp::SumF64(_) | AggregateOp::SumI64AsF64(_)
+                    ) =>
+                {
+                    Ok(HavingColumn::Op(*op))
+                }
+                _ => Err(format!(
+                    "HAVING reads {}, a floating-point sum or average the device adds in \
+                     another order than DataFusion",
+                    schema.field(*c).name()
+                )),
+            },
+            other => Err(format!("HAVING reads {other:?}")),
+        };
+        let columns = (program.inputs.iter().map(column)).collect::<std::result::Result<_, _>>()?;
+        Ok((Arc::new(program), columns))
     }
 
     /// The ops computing `item` and where its value comes from.
@@ -241,9 +303,13 @@ impl AggregateDevicePlan {
         }
     }
 
-    /// The program whose inputs are the columns the device reads ([`Self::reads`]): what the
-    /// column cache holds of the table for it, and what a load after a CPU run loads.
+    /// The program whose inputs are the columns the device reads (the filter's program, or
+    /// [`Self::reads`] without one): what the column cache holds of the table for it, and
+    /// what a load after a CPU run loads.
     pub(crate) fn program(&self) -> FusedProgram {
+        if let Some(filter) = &self.filter {
+            return FusedProgram::clone(filter);
+        }
         FusedProgram {
             source: String::new(),
             inputs: self.reads().into_iter().map(KernelInput::Column).collect(),
@@ -266,7 +332,7 @@ impl AggregateDevicePlan {
         groups.clamp(1, GROUPS_MOST).min(rows.max(1))
     }
 
-    /// The table columns the device reads, each once: the keys', then the other values'.
+    /// The table columns the device aggregates, each once: the keys', then the other values'.
     pub(crate) fn reads(&self) -> Vec<usize> {
         let mut reads = self.keys.clone();
         reads.extend(self.values.iter().filter(|c| !self.keys.contains(c)));
@@ -370,17 +436,24 @@ pub(super) fn run(
     let names: Vec<String> = (spec.table.schema().fields().iter())
         .map(|f| f.name().clone())
         .collect();
-    let program = FusedProgram {
+    // The filter's program reads the aggregation's columns first, then the predicate's.
+    let unfiltered = FusedProgram {
         source: String::new(),
         inputs: plan.reads().into_iter().map(KernelInput::Column).collect(),
         key_kind: KeyWidth::W64,
         refines: false,
     };
-    let inputs = table_inputs(&memory, &program, &names)?
+    let program = plan.filter.as_deref().unwrap_or(&unfiltered);
+    let inputs = table_inputs(&memory, program, &names)?
         .ok_or_else(|| DataFusionError::Execution("the table's columns are unreadable".into()))?;
-    let columns = (inputs.iter().map(TableColumn::new)).collect::<Result<Vec<_>>>()?;
+    // The per-row inputs (dictionaries' lookup tables ship with the call): the aggregation's
+    // columns come first.
+    let columns = (inputs.iter().filter(|i| i.lookup.is_none()))
+        .map(TableColumn::new)
+        .collect::<Result<Vec<_>>>()?;
     let rows = columns.first().map_or(0, |c| c.rows);
-    if columns.iter().any(|c| c.rows != rows || c.width != Some(8)) {
+    let aggregated = &columns[..plan.reads().len().min(columns.len())];
+    if columns.iter().any(|c| c.rows != rows) || aggregated.iter().any(|c| c.width != Some(8)) {
         return Err(DataFusionError::Execution(
             "the device aggregates columns of 8-byte values of equal length".into(),
         ));
@@ -399,7 +472,7 @@ pub(super) fn run(
             &metrics.pinned_bytes_held,
         );
         let _entered = watch.enter();
-        match aggregate_resident(spec, plan, &device, &columns, metrics)? {
+        match aggregate_resident(spec, plan, &device, (&inputs, &columns), metrics)? {
             Some(top) => top,
             None => return Ok(None),
         }
@@ -414,14 +487,14 @@ pub(super) fn run(
     output_batch(spec, plan, &top.top, schema).map(Some)
 }
 
-/// The device's top-k over the aggregate of `columns` (those of
-/// [`AggregateDevicePlan::reads`]), read from the column cache or uploaded into it; `None`
-/// where it declined.
+/// The device's top-k over the aggregate of the program's `inputs` (those of
+/// [`AggregateDevicePlan::reads`], then the filter's), whose per-row `columns` are read from
+/// the column cache or uploaded into it; `None` where it declined.
 fn aggregate_resident(
     spec: &AggregateTopKSpec,
     plan: &AggregateDevicePlan,
     device: &Arc<GpuDevice>,
-    columns: &[TableColumn<'_, '_>],
+    (inputs, columns): (&[TableInput<'_>], &[TableColumn<'_, '_>]),
     metrics: &DeviceMetrics,
 ) -> Result<Option<AggregateTopK>> {
     let cache = &device.column_cache;
@@ -439,7 +512,7 @@ fn aggregate_resident(
         device,
         bytes: missing,
     };
-    let work = || aggregate_on(spec, plan, device, columns, &lookups, metrics);
+    let work = || aggregate_on(spec, plan, device, (inputs, columns), &lookups, metrics);
     let (top, uploaded) = contain_panics(work)
         .unwrap_or_else(|panic| Err(GpuError(format!("the CUDA bindings panicked: {panic}"))))
         .map_err(gpu_error)?;
@@ -459,20 +532,36 @@ fn aggregate_resident(
 }
 
 /// The device work of [`aggregate_resident`]: the missing columns' uploads (their new
-/// buffers, `None` where resident), then the aggregation and selection.
+/// buffers, `None` where resident), then the aggregation (by the filter's program where the
+/// plan has one) and selection.
 #[allow(clippy::type_complexity)]
 fn aggregate_on(
     spec: &AggregateTopKSpec,
     plan: &AggregateDevicePlan,
     device: &Arc<GpuDevice>,
-    columns: &[TableColumn<'_, '_>],
+    (inputs, columns): (&[TableInput<'_>], &[TableColumn<'_, '_>]),
     lookups: &[Option<CacheUse>],
     metrics: &DeviceMetrics,
 ) -> GpuResult<(AggregateTopK, Vec<Option<(PooledBuffer, Vec<usize>)>>)> {
+    let compiled =
+        |program: &FusedProgram, entry: &str| device.generated_kernel(&program.source, entry);
+    let kernel = match &plan.filter {
+        Some(program) => Some(compiled(program, AGG_FILTERED_ENTRY)?.0),
+        None => None,
+    };
+    let having = match &plan.having {
+        Some((program, _)) => Some(compiled(program, AGG_HAVING_ENTRY)?.0),
+        None => None,
+    };
     // Engines outlive the query (they idle for the next): not its memory.
     let mut engine = watch::outside(|| device.engine(KeyWidth::W64))?;
     let (uploaded, args) =
         upload_missing(&metrics.transfers, device, &mut engine, columns, lookups)?;
+    // The program's arguments: the columns', and its lookup tables', held until it ran.
+    let (program_args, _lookup_tables) = match kernel {
+        Some(_) => program_args(device, &mut engine, inputs, args.clone())?,
+        None => (Vec::new(), Vec::new()),
+    };
     device.idle_engine(engine);
     let column = |a: &[u64; 4]| AggregateColumn {
         values: a[0],
@@ -493,6 +582,16 @@ fn aggregate_on(
         k: spec.k,
         groups_estimate: plan.groups_estimate(rows),
         algorithm: plan.selection,
+        filter: (kernel.as_deref()).map(|kernel| AggregateFilter {
+            kernel,
+            inputs: &program_args,
+        }),
+        having: (having.as_deref().zip(plan.having.as_ref())).map(|(kernel, (_, columns))| {
+            AggregateHaving {
+                kernel,
+                columns: columns.as_slice(),
+            }
+        }),
     };
     let timer = metrics.device_time.timer();
     let started = Instant::now();
@@ -518,6 +617,22 @@ fn output_batch(
     schema: SchemaRef,
 ) -> Result<RecordBatch> {
     let top = &top[spec.offset.min(top.len())..];
+    let groups = groups_batch(spec, plan, top)?;
+    let options = RecordBatchOptions::new().with_row_count(Some(top.len()));
+    let columns = (spec.output.iter())
+        .map(|(expr, _)| expr.evaluate(&groups)?.into_array(groups.num_rows()))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(RecordBatch::try_new_with_options(
+        schema, columns, &options,
+    )?)
+}
+
+/// The aggregation's output rows of the groups `top`: keys, then aggregates.
+fn groups_batch(
+    spec: &AggregateTopKSpec,
+    plan: &AggregateDevicePlan,
+    top: &[AggregateGroup],
+) -> Result<RecordBatch> {
     let mut fields = Vec::new();
     let mut arrays: Vec<ArrayRef> = Vec::new();
     for (i, key) in spec.group_keys.iter().enumerate() {
@@ -530,14 +645,8 @@ fn output_batch(
         fields.push(Field::new(&item.name, item.output_type.clone(), true));
     }
     let options = RecordBatchOptions::new().with_row_count(Some(top.len()));
-    let groups =
-        RecordBatch::try_new_with_options(Arc::new(Schema::new(fields)), arrays, &options)?;
-    let columns = (spec.output.iter())
-        .map(|(expr, _)| expr.evaluate(&groups)?.into_array(groups.num_rows()))
-        .collect::<Result<Vec<_>>>()?;
-    Ok(RecordBatch::try_new_with_options(
-        schema, columns, &options,
-    )?)
+    let schema = Arc::new(Schema::new(fields));
+    Ok(RecordBatch::try_new_with_options(schema, arrays, &options)?)
 }
 
 /// One aggregate's column over `top` (`data_type`: Int64 or Float64, as the plan checked).

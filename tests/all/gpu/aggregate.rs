@@ -1,5 +1,7 @@
 //! Top-k over an aggregate: the host reference against DataFusion's GROUP BY (no GPU needed),
-//! and the device (aggregate.cu) against the host reference on random and adversarial groups.
+//! and the device (aggregate.cu) against the host reference on random and adversarial groups;
+//! a generated filtered pass against the reference over the rows its filter passes, and a
+//! generated HAVING against the reference's groups that pass it.
 
 use std::collections::HashMap;
 
@@ -8,8 +10,9 @@ use datafusion::arrow::datatypes::{Field, Schema};
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::prelude::SessionContext;
 use datafusion_gpu_topk::internal::device::{
-    AggValue, AggregateCall, AggregateColumn, AggregateDecline, AggregateGroup, AggregateOp,
-    AggregateOrder, HostColumn, RankBy, TopKEngine, aggregate_top_k_host,
+    AGG_FILTERED_ENTRY, AGG_HAVING_ENTRY, AggValue, AggregateCall, AggregateColumn,
+    AggregateDecline, AggregateFilter, AggregateGroup, AggregateHaving, AggregateOp,
+    AggregateOrder, HavingColumn, HostColumn, KeyWidth, RankBy, TopKEngine, aggregate_top_k_host,
 };
 
 use super::*;
@@ -173,6 +176,8 @@ fn check(device: &Arc<GpuDevice>, case: Case<'_>) -> usize {
         k: case.k,
         groups_estimate: case.estimate,
         algorithm: case.algorithm,
+        filter: None,
+        having: None,
     };
     let mut engine = TopKEngine::new(device, shaped.key_width()).unwrap();
     let uploaded = engine.upload_columns(&columns).unwrap();
@@ -539,4 +544,253 @@ async fn aggregate_reference_matches_datafusion() {
             AggValue::F64(Some(f64::MIN))
         ]
     );
+}
+
+/// A generated filtered pass (src/fusion/aggregate.rs) aggregates the rows its predicate
+/// passes (NULL as false), as the host reference over those rows; a row DataFusion would fail
+/// on (an integer division by zero) declines the call.
+#[test]
+fn aggregate_top_k_skips_the_rows_its_filter_rejects() {
+    use datafusion::common::ScalarValue;
+    use datafusion::logical_expr::Operator;
+    use datafusion::physical_expr::PhysicalExpr;
+    use datafusion::physical_expr::expressions::{BinaryExpr, Column, IsNullExpr, Literal};
+    use datafusion_gpu_topk::internal::fusion::aggregate_filter;
+    let Some(device) = gpu_or_skip("aggregate_top_k_skips_the_rows_its_filter_rejects") else {
+        return;
+    };
+    let mut rng = Rng::new(91);
+    let rows = 40_000;
+    let key = data(&mut rng, rows, 0.05, |r| r.below(500));
+    let value = data(&mut rng, rows, 0.1, |r| (r.below(41) as i64 - 20) as u64);
+    let schema = Schema::new(vec![
+        Field::new("k", DataType::Int64, true),
+        Field::new("v", DataType::Int64, true),
+    ]);
+    let lit = |v: i64| -> Arc<dyn PhysicalExpr> { Arc::new(Literal::new(ScalarValue::from(v))) };
+    let binary = |l, op, r| -> Arc<dyn PhysicalExpr> { Arc::new(BinaryExpr::new(l, op, r)) };
+    let (k, v): (Arc<dyn PhysicalExpr>, Arc<dyn PhysicalExpr>) =
+        (Arc::new(Column::new("k", 0)), Arc::new(Column::new("v", 1)));
+    // v > 3 OR k IS NULL.
+    let passing = binary(
+        binary(Arc::clone(&v), Operator::Gt, lit(3)),
+        Operator::Or,
+        Arc::new(IsNullExpr::new(k)),
+    );
+    // 100 / v > 1: v is 0 on some rows.
+    let failing = binary(binary(lit(100), Operator::Divide, v), Operator::Gt, lit(1));
+    let ops = [
+        AggregateOp::CountStar,
+        AggregateOp::SumI64(0),
+        AggregateOp::MinI64(0),
+    ];
+    let passes: Vec<bool> = (0..rows)
+        .map(|i| key.get(i).is_none() || value.get(i).is_some_and(|v| v as i64 > 3))
+        .collect();
+    let kept = |d: &Data| Data {
+        values: (d.values.iter().zip(&passes))
+            .filter(|(_, p)| **p)
+            .map(|(v, _)| *v)
+            .collect(),
+        valid: (d.valid.as_ref()).map(|valid| {
+            (valid.iter().zip(&passes))
+                .filter(|(_, p)| **p)
+                .map(|(v, _)| *v)
+                .collect()
+        }),
+    };
+    let (host_key, host_value) = (kept(&key), kept(&value));
+    let expected = aggregate_top_k_host(
+        &[host_key.host()],
+        &[host_value.host()],
+        &ops,
+        order(RankBy::Op(1), true, false),
+        40,
+    )
+    .expect("no NaN");
+    let (key_bytes, value_bytes) = (key.bytes(), value.bytes());
+    // Nullable keys (65 bits) and a nullable ranking sum (65): a 256-bit composite.
+    let mut engine = TopKEngine::new(&device, KeyWidth::W256).unwrap();
+    let uploaded = engine
+        .upload_columns(&[
+            (&key_bytes.0, key_bytes.1.as_deref()),
+            (&value_bytes.0, value_bytes.1.as_deref()),
+        ])
+        .unwrap();
+    let [key_column, value_column] = uploaded.columns[..] else {
+        panic!("two columns");
+    };
+    // Each program input's four arguments: values, bit offset, validity, its bit offset.
+    let inputs: Vec<u64> = [key_column, value_column]
+        .iter()
+        .flat_map(|c| [c.values, 0, c.validity, 0])
+        .collect();
+    for (predicate, want) in [(passing, Some(&expected)), (failing, None)] {
+        let program = aggregate_filter(&predicate, &schema, &[0, 1], 1).unwrap();
+        assert_eq!(program.inputs.len(), 2, "{}", program.source);
+        let (kernel, _) = device
+            .generated_kernel(&program.source, AGG_FILTERED_ENTRY)
+            .unwrap();
+        let call = AggregateCall {
+            keys: &[key_column],
+            values: &[value_column],
+            ops: &ops,
+            rows,
+            order: order(RankBy::Op(1), true, false),
+            k: 40,
+            groups_estimate: 1024,
+            algorithm: DeviceAlgorithm::Radix,
+            filter: Some(AggregateFilter {
+                kernel: &kernel,
+                inputs: &inputs,
+            }),
+            having: None,
+        };
+        assert_eq!(call.key_width(), KeyWidth::W256);
+        let got = engine.aggregate_top_k(&call).unwrap();
+        match want {
+            Some((top, groups)) => {
+                assert_eq!(got.report.declined, None);
+                assert_eq!(got.groups, *groups);
+                assert!(same_groups(&got.top, top), "{:?}\n{:?}", got.top, top);
+            }
+            None => assert_eq!(got.report.declined, Some(AggregateDecline::HostOnlyRow)),
+        }
+    }
+    drop(uploaded);
+}
+
+/// A generated `HAVING` (src/fusion/aggregate.rs) over a count, an integer sum and extremes of
+/// both types ranks only the groups it passes: the first k of the reference's groups in order
+/// that pass it; a group DataFusion would fail on (a division by zero) declines the call.
+#[test]
+fn aggregate_top_k_ranks_the_groups_having_keeps() {
+    use datafusion::common::ScalarValue;
+    use datafusion::logical_expr::Operator;
+    use datafusion::physical_expr::PhysicalExpr;
+    use datafusion::physical_expr::expressions::{BinaryExpr, Column, IsNotNullExpr, Literal};
+    use datafusion_gpu_topk::internal::fusion::{KernelInput, aggregate_having};
+    let mut rng = Rng::new(93);
+    let rows = 40_000;
+    let key = data(&mut rng, rows, 0.05, |r| r.below(500));
+    let int = data(&mut rng, rows, 0.1, |r| (r.below(41) as i64 - 20) as u64);
+    let float = data(&mut rng, rows, 0.1, |r| {
+        (r.below(100) as f64 * 0.25).to_bits()
+    });
+    let ops = [
+        AggregateOp::CountStar,
+        AggregateOp::SumI64(0),
+        AggregateOp::MinI64(0),
+        AggregateOp::MaxF64(1),
+    ];
+    // The aggregation's output: the key, then the ops' values.
+    let schema = Schema::new(vec![
+        Field::new("k", DataType::Int64, true),
+        Field::new("n", DataType::Int64, true),
+        Field::new("s", DataType::Int64, true),
+        Field::new("lo", DataType::Int64, true),
+        Field::new("hi", DataType::Float64, true),
+    ]);
+    let column =
+        |name: &str, at: usize| -> Arc<dyn PhysicalExpr> { Arc::new(Column::new(name, at)) };
+    let lit = |v: ScalarValue| -> Arc<dyn PhysicalExpr> { Arc::new(Literal::new(v)) };
+    let binary = |l, op, r| -> Arc<dyn PhysicalExpr> { Arc::new(BinaryExpr::new(l, op, r)) };
+    let and = |l, r| binary(l, Operator::And, r);
+    // n > 80 AND lo <= -19 AND hi < 24.5 AND s IS NOT NULL.
+    let passing = and(
+        and(
+            binary(column("n", 1), Operator::Gt, lit(ScalarValue::from(80i64))),
+            binary(
+                column("lo", 3),
+                Operator::LtEq,
+                lit(ScalarValue::from(-19i64)),
+            ),
+        ),
+        and(
+            binary(column("hi", 4), Operator::Lt, lit(ScalarValue::from(24.5))),
+            Arc::new(IsNotNullExpr::new(column("s", 2))),
+        ),
+    );
+    // 100 / (n - n) > 1: every group divides by zero.
+    let zero = binary(column("n", 1), Operator::Minus, column("n", 1));
+    let failing = binary(
+        binary(lit(ScalarValue::from(100i64)), Operator::Divide, zero),
+        Operator::Gt,
+        lit(ScalarValue::from(1i64)),
+    );
+    let order = order(RankBy::Op(1), true, false);
+    let (all, groups) = aggregate_top_k_host(
+        &[key.host()],
+        &[int.host(), float.host()],
+        &ops,
+        order,
+        rows,
+    )
+    .expect("no NaN");
+    let passes = |g: &AggregateGroup| match g.values[..] {
+        [
+            AggValue::Count(n),
+            AggValue::I64(s),
+            AggValue::I64(lo),
+            AggValue::F64(hi),
+        ] => {
+            n > 80 && s.is_some() && lo.is_some_and(|lo| lo <= -19) && hi.is_some_and(|h| h < 24.5)
+        }
+        _ => panic!("{g:?}"),
+    };
+    let expected: Vec<AggregateGroup> =
+        all.iter().filter(|g| passes(g)).take(30).cloned().collect();
+    // HAVING decides which groups are ranked: not the first 30 of them all.
+    assert!(!expected.is_empty() && expected[..] != all[..30]);
+    let Some(device) = gpu_or_skip("aggregate_top_k_ranks_the_groups_having_keeps") else {
+        return;
+    };
+    let bytes = [key.bytes(), int.bytes(), float.bytes()];
+    let columns: Vec<(&[u8], Option<&[u8]>)> = (bytes.iter())
+        .map(|(v, b)| (v.as_slice(), b.as_deref()))
+        .collect();
+    // Nullable keys (65 bits) and a nullable ranking sum (65): a 256-bit composite.
+    let mut engine = TopKEngine::new(&device, KeyWidth::W256).unwrap();
+    let uploaded = engine.upload_columns(&columns).unwrap();
+    let (keys, values) = uploaded.columns.split_at(1);
+    for (predicate, want) in [(passing, Some(&expected)), (failing, None)] {
+        let program = aggregate_having(&predicate, &schema).unwrap();
+        let having_columns: Vec<HavingColumn> = (program.inputs.iter())
+            .map(|input| match input {
+                KernelInput::Column(0) => HavingColumn::Key(0),
+                KernelInput::Column(c) => HavingColumn::Op(c - 1),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let (kernel, _) = device
+            .generated_kernel(&program.source, AGG_HAVING_ENTRY)
+            .unwrap();
+        let call = AggregateCall {
+            keys,
+            values,
+            ops: &ops,
+            rows,
+            order,
+            k: 30,
+            groups_estimate: 1024,
+            algorithm: DeviceAlgorithm::Radix,
+            filter: None,
+            having: Some(AggregateHaving {
+                kernel: &kernel,
+                columns: &having_columns,
+            }),
+        };
+        assert_eq!(call.key_width(), KeyWidth::W256);
+        let got = engine.aggregate_top_k(&call).unwrap();
+        match want {
+            Some(top) => {
+                assert_eq!(got.report.declined, None);
+                // Every group was aggregated; HAVING picked among them.
+                assert_eq!(got.groups, groups);
+                assert!(same_groups(&got.top, top), "{:?}\n{:?}", got.top, top);
+            }
+            None => assert_eq!(got.report.declined, Some(AggregateDecline::HostOnlyRow)),
+        }
+    }
+    drop(uploaded);
 }

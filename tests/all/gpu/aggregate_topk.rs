@@ -4,11 +4,14 @@
 //! values, k beyond the groups, OFFSET, ties at the k-th), with EXPLAIN ANALYZE saying
 //! `backend=cuda`, no fallback and the device's time in each phase; the columns stay in the
 //! column cache for the next query; under `auto` the plan follows what the cost model
-//! weighed; a device failure (injected) runs DataFusion's plan, with its answer.
+//! weighed; a device failure (injected) runs DataFusion's plan, with its answer; `WHERE`
+//! filters run in the device's pass (numbers, strings, NULLs, none passing) and `HAVING`
+//! before its selection, the predicate's columns resident for the next query, and a row
+//! DataFusion fails on gives DataFusion's error.
 
 use std::collections::HashSet;
 
-use datafusion::arrow::array::{RecordBatch, TimestampMicrosecondArray};
+use datafusion::arrow::array::{RecordBatch, StringArray, TimestampMicrosecondArray};
 use datafusion::arrow::datatypes::{Field, Schema, TimeUnit};
 use datafusion::physical_plan::{ExecutionPlan, collect};
 use datafusion::prelude::SessionContext;
@@ -23,7 +26,8 @@ use crate::common::{
 /// Partitions of `t` (`rows` in all): keys `uid` (300 values), `u` (5000 values), `k2`
 /// (7 values) and `ts` (20 hours), each with NULLs; values `v` (small integers, some NULL),
 /// `w` (mostly NULL, so that some groups of `u` have no value) and `f` (non-negative
-/// quarters: every sum exact in any order, no negative zero).
+/// quarters: every sum exact in any order, no negative zero); `lang`, a string for filters
+/// (empty or NULL at times).
 fn tweets(seed: u64, rows: usize) -> Vec<Vec<RecordBatch>> {
     let schema = Arc::new(Schema::new(vec![
         Field::new("uid", DataType::Int64, true),
@@ -33,6 +37,7 @@ fn tweets(seed: u64, rows: usize) -> Vec<Vec<RecordBatch>> {
         Field::new("v", DataType::Int64, true),
         Field::new("w", DataType::Int64, true),
         Field::new("f", DataType::Float64, true),
+        Field::new("lang", DataType::Utf8, true),
     ]));
     let part = rows / 6;
     let sizes: [&[usize]; 3] = [&[part, part], &[3 * part], &[part, rows - 5 * part]];
@@ -53,6 +58,9 @@ fn tweets(seed: u64, rows: usize) -> Vec<Vec<RecordBatch>> {
         let f: Vec<Option<f64>> = (draw(0.05, 200, 0).into_iter())
             .map(|x| x.map(|x| x as f64 / 4.0))
             .collect();
+        let lang: Vec<Option<&str>> = (draw(0.05, 5, 0).into_iter())
+            .map(|x| x.map(|x| ["en", "es", "", "ja", "eo"][x as usize]))
+            .collect();
         let columns: Vec<ArrayRef> = vec![
             Arc::new(Int64Array::from(uid)),
             Arc::new(Int64Array::from(u)),
@@ -61,6 +69,7 @@ fn tweets(seed: u64, rows: usize) -> Vec<Vec<RecordBatch>> {
             Arc::new(Int64Array::from(v)),
             Arc::new(Int64Array::from(w)),
             Arc::new(Float64Array::from(f)),
+            Arc::new(StringArray::from(lang)),
         ];
         RecordBatch::try_new(Arc::clone(&schema), columns).unwrap()
     })
@@ -87,6 +96,27 @@ const TAKEN: &[&str] = &[
     "SELECT k2, COUNT(*) AS n FROM t GROUP BY k2 ORDER BY n, k2 LIMIT 1000",
     "SELECT k2, SUM(v) AS s FROM t GROUP BY k2 ORDER BY s DESC, k2 LIMIT 5 OFFSET 3",
     "SELECT uid, COUNT(*) AS n FROM t GROUP BY uid ORDER BY n DESC, uid LIMIT 10 OFFSET 400",
+];
+
+/// Filtered shapes the device takes, its pass evaluating the filter, and `HAVING`.
+const FILTERED: &[&str] = &[
+    "SELECT uid, COUNT(*) AS n FROM t WHERE v > 0 GROUP BY uid ORDER BY n DESC, uid LIMIT 20",
+    "SELECT u, SUM(w) AS s FROM t WHERE f < 20.0 AND k2 IS NOT NULL GROUP BY u ORDER BY s DESC NULLS FIRST, u LIMIT 20",
+    "SELECT k2, ts, AVG(v) AS a FROM t WHERE uid BETWEEN -50 AND 50 GROUP BY k2, ts ORDER BY a, k2, ts LIMIT 25",
+    "SELECT uid, MAX(f) AS hi, MIN(v) AS lo FROM t WHERE v % 3 = 1 OR w IS NULL GROUP BY uid ORDER BY hi, uid LIMIT 12",
+    "SELECT uid, COUNT(*) AS n FROM t WHERE lang <> '' AND lang LIKE 'e%' GROUP BY uid ORDER BY n DESC, uid LIMIT 15",
+    "SELECT k2, SUM(f) AS s FROM t WHERE lang IN ('ja', '') OR lang IS NULL GROUP BY k2 ORDER BY s DESC, k2 LIMIT 10",
+    // The filter reads a key; CAST and float arithmetic.
+    "SELECT uid, COUNT(v) AS c FROM t WHERE uid > v AND CAST(v AS DOUBLE) * 0.5 < f GROUP BY uid ORDER BY c, uid LIMIT 30",
+    // No row passes: no group.
+    "SELECT uid, COUNT(*) AS n FROM t WHERE v > 1000 GROUP BY uid ORDER BY n, uid LIMIT 5",
+    // HAVING drops groups before the selection: counts, integer sums, extremes, keys.
+    "SELECT uid, COUNT(*) AS n FROM t GROUP BY uid HAVING COUNT(*) > 100 ORDER BY n, uid LIMIT 20",
+    "SELECT u, SUM(w) AS s FROM t GROUP BY u HAVING SUM(w) IS NOT NULL AND MIN(v) < -10 ORDER BY s DESC, u LIMIT 25",
+    "SELECT uid, MAX(f) AS hi FROM t WHERE lang <> 'ja' GROUP BY uid HAVING MAX(f) < 49.5 OR uid IS NULL ORDER BY hi DESC, uid LIMIT 15",
+    "SELECT k2, ts, AVG(v) AS a FROM t GROUP BY k2, ts HAVING COUNT(v) BETWEEN 50 AND 80 OR k2 = 2 ORDER BY a, k2, ts LIMIT 30 OFFSET 2",
+    // No group passes.
+    "SELECT uid, COUNT(*) AS n FROM t GROUP BY uid HAVING COUNT(*) > 1000000 ORDER BY n, uid LIMIT 5",
 ];
 
 /// A session with the operator on, `backend` forced, partitions of 3.
@@ -339,4 +369,44 @@ async fn a_device_failure_runs_datafusions_plan() {
         assert_eq!(metric(&plan, "gpu_fallbacks"), 1, "{fault}");
         assert_eq!(got, run_oracle(&plain, sql).await.unwrap(), "{fault}");
     }
+}
+
+/// Each filtered shape on the device (EXPLAIN says `backend=cuda`, no fallback), over memory
+/// and a `GpuTable`, with DataFusion's answer; a repeated filtered query finds the predicate's
+/// columns resident; a filter that fails on a row (an integer division by zero) gives
+/// DataFusion's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn filters_run_in_the_devices_pass() {
+    if gpu_or_skip("filters_run_in_the_devices_pass").is_none() {
+        return;
+    }
+    let dir = crate::common::test_dir("aggregate-device-filters");
+    let data = tweets(89, 30_000);
+    for storage in [Storage::Memory, Storage::GpuTable] {
+        let ours = device_session(Backend::Cuda);
+        let plain = session(false, 3, 1024);
+        register_as(&ours, "t", &data, storage, &dir).await;
+        register_as(&plain, "t", &data, storage, &dir).await;
+        for sql in FILTERED {
+            device_answers(&ours, &plain, sql).await;
+        }
+        // Every column of the string filter (the key and `lang`) is resident now.
+        let plan = physical_plan(&ours, FILTERED[4]).await.unwrap();
+        collect(Arc::clone(&plan), ours.task_ctx()).await.unwrap();
+        assert_eq!(metric(&plan, "cache_misses"), 0, "{storage:?}");
+        assert_eq!(metric(&plan, "cache_hits"), 2, "{storage:?}");
+        // v = -20 divides by zero: the device sends the query to DataFusion, which fails.
+        let sql = "SELECT uid, COUNT(*) AS n FROM t WHERE 100 / (v + 20) > 3 GROUP BY uid \
+                   ORDER BY n DESC, uid LIMIT 5";
+        let plan = physical_plan(&ours, sql).await.unwrap();
+        assert!(plan_text(&plan).contains("backend=cuda"), "{sql}");
+        let ours = collect(plan, ours.task_ctx())
+            .await
+            .unwrap_err()
+            .to_string();
+        let plain = run(&plain, sql).await.unwrap_err().to_string();
+        assert!(ours.contains("Divide by zero"), "{ours}");
+        assert_eq!(ours, plain);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

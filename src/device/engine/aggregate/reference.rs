@@ -1,5 +1,10 @@
 //! The host's top-k over an aggregate, a row at a time in a `HashMap`, with DataFusion 55's
 //! grouped accumulators' semantics: the reference the device's results are tested against.
+//! A call with a filter ([`super::AggregateFilter`]) is the reference over the rows its
+//! predicate passes: the caller hands it those rows alone (a row the device declines on, the
+//! reference never sees: DataFusion answers such a query); with a `HAVING`
+//! ([`super::AggregateHaving`]), the first k of the reference's groups in order (all of them
+//! asked for) that pass it.
 
 use std::cmp::Ordering;
 use std::collections::HashMap;

@@ -1,6 +1,7 @@
 //! The device path's translation and output without a GPU: the host reference of the device's
-//! aggregation ([`aggregate_top_k_host`]) in its place, over the columns the plan reads,
-//! builds the operator's output, which must be DataFusion's.
+//! aggregation ([`aggregate_top_k_host`]) in its place, over the columns the plan reads (the
+//! rows the spec's filter passes, as the filter's program gives the device), builds the
+//! operator's output, which must be DataFusion's.
 
 use datafusion::arrow::array::{Array, AsArray, Int64Array, TimestampMicrosecondArray};
 use datafusion::arrow::datatypes::{Float64Type, Int64Type, TimeUnit};
@@ -94,9 +95,30 @@ fn host(columns: &[(Vec<u64>, Vec<bool>)]) -> Vec<HostColumn<'_>> {
         .collect()
 }
 
-/// The host reference's best groups over the columns `plan` reads of the spec's table.
+/// The items of `all` whose row passes.
+fn kept<T>(all: Vec<T>, passes: &[bool]) -> Vec<T> {
+    (all.into_iter().zip(passes))
+        .filter(|(_, p)| **p)
+        .map(|(x, _)| x)
+        .collect()
+}
+
+/// The host reference's best groups over the columns `plan` reads of the spec's table, in
+/// the rows its filter passes.
 fn host_top(spec: &AggregateTopKSpec, plan: &AggregateDevicePlan) -> Vec<AggregateGroup> {
     let memory = memory_input(&spec.table).unwrap();
+    let mut passes = Vec::new();
+    for batch in memory.batches() {
+        let batch = batch.project(&memory.columns).unwrap();
+        match &spec.filter {
+            Some(filter) => {
+                let verdict = filter.evaluate(&batch).unwrap();
+                let verdict = verdict.into_array(batch.num_rows()).unwrap();
+                passes.extend(verdict.as_boolean().iter().map(|p| p == Some(true)));
+            }
+            None => passes.extend(std::iter::repeat_n(true, batch.num_rows())),
+        }
+    }
     let column = |c: usize| -> (Vec<u64>, Vec<bool>) {
         let (mut values, mut valid) = (Vec::new(), Vec::new());
         for batch in memory.batches() {
@@ -112,12 +134,30 @@ fn host_top(spec: &AggregateTopKSpec, plan: &AggregateDevicePlan) -> Vec<Aggrega
             }
             valid.extend((0..array.len()).map(|i| array.is_valid(i)));
         }
-        (values, valid)
+        (kept(values, &passes), kept(valid, &passes))
     };
     let read = |columns: &[usize]| columns.iter().map(|&c| column(c)).collect::<Vec<_>>();
     let (keys, values) = (read(&plan.keys), read(&plan.values));
+    // With HAVING, every group in order, then those it passes.
+    let k = match spec.having {
+        Some(_) => passes.len(),
+        None => spec.k,
+    };
     let (top, _) =
-        aggregate_top_k_host(&host(&keys), &host(&values), &plan.ops, plan.order, spec.k).unwrap();
+        aggregate_top_k_host(&host(&keys), &host(&values), &plan.ops, plan.order, k).unwrap();
+    let Some(having) = &spec.having else {
+        return top;
+    };
+    let groups = groups_batch(spec, plan, &top).unwrap();
+    let verdict = having.evaluate(&groups).unwrap();
+    let verdict = verdict.into_array(groups.num_rows()).unwrap();
+    let verdict: Vec<bool> = verdict
+        .as_boolean()
+        .iter()
+        .map(|p| p == Some(true))
+        .collect();
+    let mut top = kept(top, &verdict);
+    top.truncate(spec.k);
     top
 }
 
@@ -140,6 +180,16 @@ async fn the_device_paths_output_is_datafusions() {
         "SELECT ts, AVG(w) AS m FROM t GROUP BY ts ORDER BY m NULLS FIRST, ts LIMIT 20",
         "SELECT b, COUNT(*) AS n FROM t GROUP BY b ORDER BY n, b LIMIT 100 OFFSET 2",
         "SELECT a, COUNT(*) AS n FROM t GROUP BY a ORDER BY n DESC, a LIMIT 5 OFFSET 100",
+        "SELECT a, COUNT(*) AS n FROM t WHERE v > 0 GROUP BY a ORDER BY n DESC, a LIMIT 10",
+        "SELECT a, b, SUM(w) AS s FROM t WHERE f < 10.0 AND b IS NOT NULL GROUP BY a, b ORDER BY s NULLS FIRST, a, b LIMIT 9",
+        "SELECT ts, AVG(v) AS m FROM t WHERE w IS NULL OR w % 3 = 1 GROUP BY ts ORDER BY m DESC, ts LIMIT 5",
+        "SELECT a, MAX(f) AS hi FROM t WHERE a > v GROUP BY a ORDER BY hi, a LIMIT 8",
+        "SELECT a, COUNT(*) AS n FROM t WHERE v > 1000 GROUP BY a ORDER BY n, a LIMIT 8",
+        "SELECT a, COUNT(*) AS n FROM t GROUP BY a HAVING COUNT(*) > 30 ORDER BY n, a LIMIT 10",
+        "SELECT a, b, SUM(w) AS s FROM t WHERE v > 0 GROUP BY a, b HAVING SUM(w) IS NOT NULL AND MIN(v) < 5 ORDER BY s, a, b LIMIT 9",
+        "SELECT ts, MAX(f) AS hi FROM t GROUP BY ts HAVING MAX(f) < 19.5 OR ts IS NULL ORDER BY hi DESC, ts LIMIT 5 OFFSET 1",
+        "SELECT b, COUNT(*) AS n FROM t GROUP BY b HAVING COUNT(*) > 100000 ORDER BY n, b LIMIT 5",
+        "SELECT a, AVG(v) AS m FROM t GROUP BY a HAVING MAX(v) - MIN(v) >= 18 AND a % 2 = 0 ORDER BY m DESC, a LIMIT 7",
     ] {
         let plan = ours.sql(sql).await.unwrap().create_physical_plan().await;
         let plan = plan.unwrap();
@@ -189,4 +239,88 @@ async fn the_first_table_is_sized_by_the_estimate() {
     plan.groups = None;
     assert_eq!(plan.groups_estimate(usize::MAX), GROUPS_UNKNOWN);
     assert_eq!(plan.groups_estimate(100), 100);
+}
+
+/// A filter the fusion translates runs in the generated pass (over the aggregation's columns,
+/// then the predicate's own); one it does not keeps DataFusion's subtree, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn filters_run_on_the_device_where_they_translate() {
+    let mut config = GpuTopKConfig::default().with_backend(Backend::Cuda);
+    config.aggregate_topk = true;
+    let ctx = context(Some(config));
+    let backend = |sql: &'static str| {
+        let ctx = ctx.clone();
+        async move {
+            let plan = ctx.sql(sql).await.unwrap().create_physical_plan().await;
+            let plan = plan.unwrap();
+            let exec = operator(&plan).unwrap_or_else(|| panic!("{sql}: no operator"));
+            exec.backend().clone()
+        }
+    };
+    let sql = "SELECT a, SUM(v) AS s FROM t WHERE f > 2.5 AND b IN (1, 3) GROUP BY a \
+               ORDER BY s DESC, a LIMIT 4";
+    let plan = ctx.sql(sql).await.unwrap().create_physical_plan().await;
+    let plan = plan.unwrap();
+    let exec = operator(&plan).unwrap_or_else(|| panic!("{sql}: no operator"));
+    let AggregateBackend::Cuda(device) = exec.backend() else {
+        panic!("{sql}: not on the device");
+    };
+    let program = device.filter.as_ref().expect("the filter's program");
+    let schema = exec.spec().table.schema();
+    let names: Vec<&str> = (program.inputs.iter())
+        .map(|input| match input {
+            KernelInput::Column(c) => schema.field(*c).name().as_str(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    // a, v (the aggregation's), then f and b (the predicate's).
+    assert_eq!(names, ["a", "v", "f", "b"], "{}", program.source);
+    let AggregateBackend::Cuda(plan) =
+        backend("SELECT a, COUNT(*) AS n FROM t GROUP BY a ORDER BY n, a LIMIT 3").await
+    else {
+        panic!("no filter: not on the device");
+    };
+    assert!(plan.filter.is_none());
+    for (sql, why) in [
+        (
+            "SELECT a, COUNT(*) AS n FROM t WHERE ln(f) > 1.0 GROUP BY a ORDER BY n, a LIMIT 3",
+            ["the filter has no device translation", "ln"],
+        ),
+        (
+            "SELECT a, COUNT(*) AS n FROM t GROUP BY a HAVING SUM(f) > 3.0 ORDER BY n, a LIMIT 3",
+            ["HAVING reads sum(t.f)", "floating-point sum"],
+        ),
+        (
+            "SELECT a, AVG(v) AS m FROM t GROUP BY a HAVING AVG(v) > 1.0 ORDER BY m, a LIMIT 3",
+            ["HAVING reads avg(t.v)", "floating-point sum or average"],
+        ),
+        (
+            "SELECT a, MAX(f) AS m FROM t GROUP BY a HAVING ln(MAX(f)) > 1.0 ORDER BY m, a LIMIT 3",
+            ["HAVING has no device translation", "ln"],
+        ),
+    ] {
+        match backend(sql).await {
+            AggregateBackend::Cpu(reason) => {
+                assert!(why.iter().all(|w| reason.contains(w)), "{sql}: {reason}")
+            }
+            other => panic!("{sql}: {other:?}"),
+        }
+    }
+    // HAVING over exact aggregates (a MIN(v) that only HAVING reads among them) and keys.
+    let sql = "SELECT a, COUNT(*) AS n FROM t GROUP BY a HAVING MIN(v) < 0 AND a > 3 \
+               ORDER BY n, a LIMIT 3";
+    let AggregateBackend::Cuda(plan) = backend(sql).await else {
+        panic!("{sql}: not on the device");
+    };
+    let (_, columns) = plan.having.as_ref().expect("the HAVING program");
+    assert_eq!(columns, &[HavingColumn::Op(1)]);
+    // DataFusion moves the key's condition below the aggregation: a filter.
+    assert!(plan.filter.is_some());
+    let sql = "SELECT a, COUNT(*) AS n FROM t GROUP BY a HAVING MIN(v) < 0 OR a > 3 \
+               ORDER BY n, a LIMIT 3";
+    let AggregateBackend::Cuda(plan) = backend(sql).await else {
+        panic!("{sql}: not on the device");
+    };
+    let (_, columns) = plan.having.as_ref().expect("the HAVING program");
+    assert_eq!(columns, &[HavingColumn::Op(1), HavingColumn::Key(0)]);
 }
