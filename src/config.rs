@@ -190,7 +190,7 @@ extensions_options! {
         /// operator, `GpuAggregateTopKExec`, where every key, aggregate and expression of the
         /// query translates; it runs DataFusion's plan of the query where the device does not.
         /// A query that does not translate keeps DataFusion's plan, and EXPLAIN says why.
-        pub aggregate_topk: bool, default = false
+        pub aggregate_topk: bool, default = true
     }
 }
 

@@ -332,17 +332,24 @@ async fn untaken_aggregates_keep_datafusions_plan_and_say_why() {
     }
 }
 
-/// Off by default: the setting leaves DataFusion's aggregation in place.
+/// On by default; `SET gpu_topk.aggregate_topk = false` leaves DataFusion's aggregation in
+/// place, under the top-k operator.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn off_by_default() {
+async fn on_by_default_and_off_when_set() {
     let ours = session(true, 3, 64);
     register(&ours, "t", table(59));
     let sql = "SELECT g, COUNT(*) AS n FROM t GROUP BY g ORDER BY n DESC, g LIMIT 5";
     let plan = physical_plan(&ours, sql).await.unwrap();
+    assert_eq!(aggregate_operators(&plan).len(), 1, "{}", plan_text(&plan));
+    ours.sql("SET gpu_topk.aggregate_topk = false")
+        .await
+        .unwrap();
+    let plan = physical_plan(&ours, sql).await.unwrap();
+    let text = plan_text(&plan);
+    assert!(aggregate_operators(&plan).is_empty(), "{text}");
     assert!(
-        aggregate_operators(&plan).is_empty(),
-        "{}",
-        plan_text(&plan)
+        text.contains("GpuTopKExec") && text.contains("AggregateExec"),
+        "{text}"
     );
 }
 

@@ -11,7 +11,7 @@ use datafusion::physical_plan::display::DisplayableExecutionPlan;
 use datafusion::physical_plan::{ExecutionPlan, collect, displayable};
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_gpu_topk::datasets::tweets;
-use datafusion_gpu_topk::{GpuTopKConfig, GpuTopKExec};
+use datafusion_gpu_topk::{GpuAggregateTopKExec, GpuTopKConfig, GpuTopKExec};
 
 pub use crate::sessions::test_backend;
 use crate::sessions::{session_with_config, test_config};
@@ -135,9 +135,13 @@ pub fn plan_text(plan: &Arc<dyn ExecutionPlan>) -> String {
     displayable(plan.as_ref()).indent(true).to_string()
 }
 
-/// Number of `GpuTopKExec` nodes in a plan.
+/// Number of the operators' nodes in a plan: `GpuTopKExec`s, and `GpuAggregateTopKExec`s,
+/// which take a top-k over an aggregation whole.
 pub fn count_gpu_topk(plan: &Arc<dyn ExecutionPlan>) -> usize {
-    let here = usize::from(plan.downcast_ref::<GpuTopKExec>().is_some());
+    let here = usize::from(
+        plan.downcast_ref::<GpuTopKExec>().is_some()
+            || plan.downcast_ref::<GpuAggregateTopKExec>().is_some(),
+    );
     here + plan
         .children()
         .iter()

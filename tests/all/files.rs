@@ -30,11 +30,15 @@ use crate::common::{
     register_as, run, run_oracle, run_reporting, session, session_with, test_backend, test_dir,
 };
 
-/// A session with the operator (injecting `fault`) and the `jitter` function.
+/// A session with the operator, whose GPU selection fails at `fault`, and the `jitter`
+/// function. A top-k over an aggregation stays with
+/// `GpuTopKExec` above DataFusion's aggregation (its own operator's faults are tested in
+/// `gpu::aggregate_topk`), so that each query's fallbacks are its selections'.
 fn session_with_fault(partitions: usize, fault: FaultPoint) -> SessionContext {
-    let gpu = crate::sessions::base_config()
+    let mut gpu = crate::sessions::base_config()
         .with_backend(test_backend())
         .with_inject_fault(fault);
+    gpu.aggregate_topk = false;
     let ctx = session_with(partitions, 100, gpu);
     ctx.register_udf(ScalarUDF::from(Jitter::new()));
     ctx

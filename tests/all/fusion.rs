@@ -14,7 +14,7 @@ use datafusion_gpu_topk::internal::device::kernels::{
     compile_generated, kernels_without_dependency_wait, nvrtc_available,
 };
 use datafusion_gpu_topk::internal::fusion::{FusedProgram, KernelInput, Part};
-use datafusion_gpu_topk::{Backend, GpuTopKExec, SessionStateBuilderExt};
+use datafusion_gpu_topk::{Backend, GpuTopKConfig, GpuTopKExec, SessionStateBuilderExt};
 
 use crate::common::{physical_plan, register};
 use crate::differential::{schema, table};
@@ -24,9 +24,17 @@ fn planning_session() -> SessionContext {
     let state = SessionStateBuilder::new()
         .with_config(SessionConfig::new().with_target_partitions(2))
         .with_default_features()
-        .with_gpu_topk(crate::sessions::base_config().with_backend(Backend::Cpu))
+        .with_gpu_topk(planning_config())
         .build();
     SessionContext::new_with_state(state)
+}
+
+/// The CPU backend, with the top-k over an aggregate left to `GpuTopKExec` above
+/// DataFusion's aggregation: these tests place its fusion over the aggregation's output.
+fn planning_config() -> GpuTopKConfig {
+    let mut config = crate::sessions::base_config().with_backend(Backend::Cpu);
+    config.aggregate_topk = false;
+    config
 }
 
 fn find_exec(plan: &Arc<dyn ExecutionPlan>) -> Option<&GpuTopKExec> {

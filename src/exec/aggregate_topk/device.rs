@@ -444,6 +444,10 @@ pub(super) fn run(
         refines: false,
     };
     let program = plan.filter.as_deref().unwrap_or(&unfiltered);
+    // No rows, no groups (and no chunks to type the columns by).
+    if memory.batches().all(|b| b.num_rows() == 0) {
+        return output_batch(spec, plan, &[], schema).map(Some);
+    }
     let inputs = table_inputs(&memory, program, &names)?
         .ok_or_else(|| DataFusionError::Execution("the table's columns are unreadable".into()))?;
     // The per-row inputs (dictionaries' lookup tables ship with the call): the aggregation's
