@@ -583,7 +583,16 @@ impl TopKEngine {
                 pairs.id_at(0)
             ],
         )?;
-        let (sorted, m) = self.select_sorted(&pairs, ranked, call.k, call.algorithm)?;
+        // The model chose for the groups it estimated: a bitonic selection past its k (more
+        // groups than estimated) takes the radix route instead.
+        let k = call.k.min(ranked);
+        let bitonic_max =
+            crate::device::plan::bitonic_max_k(self.device.max_shared_per_block, self.kind);
+        let algorithm = match call.algorithm {
+            DeviceAlgorithm::Bitonic if k > bitonic_max => DeviceAlgorithm::Radix,
+            algorithm => algorithm,
+        };
+        let (sorted, m) = self.select_sorted(&pairs, ranked, k, algorithm)?;
         let stride = kw + 1 + plan.kinds.len();
         let out = self
             .device
