@@ -362,16 +362,29 @@ fn passes_every_kept_row(predicate: &Arc<dyn PhysicalExpr>, row_number: usize, k
 const GROUPS_SAMPLE: usize = 1 << 14;
 const GROUPS_SAMPLE_BATCHES: usize = 256;
 
+/// How [`estimate_groups`] counts the groups its sample missed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Unseen {
+    /// Chao's estimate, f1² / 2f2 from the groups seen once and twice: a lower bound, close
+    /// where the sample meets most groups (the per-group top-k's choices are measured with it).
+    Chao,
+    /// The geometric mean of Chao's bound and Shlosser's estimate (the groups seen scaled by
+    /// the sampling fraction, weighted by how often they were seen), which overshoots where
+    /// Chao's falls short: keys of skewed sizes whose small sample is mostly groups seen once,
+    /// as users by their tweets. A top-k over an aggregate sizes its hash table by it.
+    Hybrid,
+}
+
 /// The number of distinct `group_exprs` among the rows of `memory` that pass `filter`,
 /// estimated from a sample: every n-th row of every m-th batch, [`GROUPS_SAMPLE`] rows from
 /// at most [`GROUPS_SAMPLE_BATCHES`] batches (few batch operations at planning). Exact where
-/// the sample is the table; else the groups seen plus Chao's estimate of those unseen
-/// (f1² / 2f2, from the groups seen once and twice), at most one a passing row. `None` where
-/// an expression fails on the sample.
+/// the sample is the table; else the groups seen plus those unseen as `unseen` counts them,
+/// at most one a passing row. `None` where an expression fails on the sample.
 pub(super) fn estimate_groups(
     memory: &crate::input::memory::MemoryInput<'_>,
     filter: Option<&Arc<dyn PhysicalExpr>>,
     group_exprs: &[Arc<dyn PhysicalExpr>],
+    unseen: Unseen,
 ) -> Option<usize> {
     use datafusion::arrow::array::{AsArray, UInt32Array};
     use datafusion::arrow::compute::{filter_record_batch, take_record_batch};
@@ -426,10 +439,24 @@ pub(super) fn estimate_groups(
     }
     let once = counts.values().filter(|&&c| c == 1).count() as f64;
     let twice = counts.values().filter(|&&c| c == 2).count() as f64;
-    let unseen = once * once / (2.0 * twice.max(1.0));
     // Each sampled row stands for this many of the table.
     let scale = rows as f64 / sampled.max(1) as f64;
-    Some((seen + unseen as usize).min((passed as f64 * scale).round() as usize))
+    let most = (passed as f64 * scale).round() as usize;
+    let chao = (seen + (once * once / (2.0 * twice.max(1.0))) as usize).min(most);
+    match unseen {
+        Unseen::Chao => Some(chao),
+        Unseen::Hybrid => {
+            let q = 1.0 / scale;
+            let (mut spread, mut hit) = (0.0, 0.0);
+            for &c in counts.values() {
+                spread += (1.0 - q).powi(c as i32);
+                hit += c as f64 * q * (1.0 - q).powi(c as i32 - 1);
+            }
+            let shlosser = seen as f64 + once * spread / hit.max(f64::MIN_POSITIVE);
+            let shlosser = (shlosser.min(most as f64)).round() as usize;
+            Some(((chao as f64 * shlosser as f64).sqrt().round() as usize).clamp(seen, most))
+        }
+    }
 }
 
 /// `plan` with every [`GpuGroupTopKExec`] whose hash partitioning no operator above needs

@@ -82,7 +82,12 @@ fn group_plan(
     let group_exprs: Vec<_> = (absorbed.sort_exprs[..group_keys].iter())
         .map(|sort| Arc::clone(&sort.expr))
         .collect();
-    *groups = super::estimate_groups(&memory, absorbed.filter.as_ref(), &group_exprs);
+    *groups = super::estimate_groups(
+        &memory,
+        absorbed.filter.as_ref(),
+        &group_exprs,
+        super::Unseen::Chao,
+    );
     if config.backend == Backend::Cpu || config.algorithm == Algorithm::Cpu {
         return Err("CPU path forced by settings".into());
     }
