@@ -26,8 +26,9 @@
 //! operator then shows it in EXPLAIN.
 //!
 //! The groups of the keys are estimated from a sample of an in-memory table (as for a
-//! per-group top-k; unknown for files, which have no cheap sample), shown in EXPLAIN and
-//! sizing the device's hash table. A translated query runs on the device where the device's
+//! per-group top-k, but past Chao's lower bound where the keys' sizes are skewed:
+//! `group::Unseen::Hybrid`; unknown for files, which have no cheap sample), shown in EXPLAIN
+//! and sizing the device's hash table. A translated query runs on the device where the device's
 //! plan takes it (`AggregateDevicePlan`) and the setting allows: `cuda` always, `auto` where
 //! the cost model (`cost::choose_aggregate`) predicts the device's run below DataFusion's
 //! aggregation at the host's calibrated rate, both priced by the rows and the groups; `cpu`
