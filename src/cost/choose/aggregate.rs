@@ -8,9 +8,10 @@
 //! the device whatever the times (a run without one falls back to DataFusion's plan), `cpu`
 //! never does.
 
-use super::groups::Weighed;
-use super::{DEVICE_START, Estimate, STAGED_TRANSFER, Settings, forced_cpu, format_seconds};
+use super::groups::{Weighed, ends_before_start};
+use super::{Estimate, STAGED_TRANSFER, Settings, forced_cpu, format_seconds};
 use crate::config::Backend;
+use crate::cost::calibration::cpu::CpuRates;
 use crate::cost::facts::{DeviceFacts, Needs, StartFacts};
 use crate::cost::model::{Case, CostModel};
 use crate::device::{DeviceAlgorithm, DeviceSlot, KeyWidth};
@@ -94,24 +95,14 @@ pub(crate) fn aggregate_before_device(
     if forced_cpu(settings).is_some() {
         return Err(String::from("CPU path forced by settings").into());
     }
-    let unstarted = settings.backend == Backend::Auto && !start.started && start.slow_start;
-    if let (true, Some(rates)) = (unstarted, start.cpu.as_ref()) {
-        let cpu = rates.aggregate_time(estimate.rows(), estimate.groups());
-        if cpu < DEVICE_START.as_secs_f64() {
-            return Err(AggregateCpu {
-                reason: format!(
-                    "the GPU is not started, and the CPU path (about {}) ends before it \
-                     could: CPU path",
-                    format_seconds(cpu)
-                ),
-                weighed: Some(Weighed {
-                    cpu,
-                    gpu: None,
-                    gpu_warm: None,
-                }),
-                warm_up: None,
-            });
-        }
+    let cpu_time =
+        |rates: &CpuRates| Some(rates.aggregate_time(estimate.rows(), estimate.groups()));
+    if let Some((reason, weighed)) = ends_before_start(settings, start, cpu_time) {
+        return Err(AggregateCpu {
+            reason,
+            weighed: Some(weighed),
+            warm_up: None,
+        });
     }
     Ok(Needs {
         calibration: true,

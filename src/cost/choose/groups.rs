@@ -123,28 +123,41 @@ pub(crate) fn groups_before_device(
     if forced_cpu(settings).is_some() {
         return Err(String::from("CPU path forced by settings").into());
     }
-    let unstarted = settings.backend == Backend::Auto && !start.started && start.slow_start;
-    if let (true, Some(rates), Some(rows)) = (unstarted, start.cpu.as_ref(), estimate.rows) {
-        let cpu = rates.group_time(rows);
-        if cpu < DEVICE_START.as_secs_f64() {
-            return Err(GroupCpu {
-                reason: format!(
-                    "the GPU is not started, and the CPU path (about {}) ends before it \
-                     could: CPU path",
-                    format_seconds(cpu)
-                ),
-                weighed: Some(Weighed {
-                    cpu,
-                    gpu: None,
-                    gpu_warm: None,
-                }),
-                warm_up: None,
-            });
-        }
+    let cpu_time = |rates: &CpuRates| estimate.rows.map(|rows| rates.group_time(rows));
+    if let Some((reason, weighed)) = ends_before_start(settings, start, cpu_time) {
+        return Err(GroupCpu {
+            reason,
+            weighed: Some(weighed),
+            warm_up: None,
+        });
     }
     Ok(Needs {
         calibration: true,
         cpu: true,
+    })
+}
+
+/// Under `auto` with the device not started (and slow to start): the CPU path's reason and
+/// time where it, priced by `cpu_time` at the host's calibrated rates, ends before the
+/// device could start; `None` where the device is worth weighing.
+pub(super) fn ends_before_start(
+    settings: Settings<'_>,
+    start: &StartFacts,
+    cpu_time: impl FnOnce(&CpuRates) -> Option<f64>,
+) -> Option<(String, Weighed)> {
+    let unstarted = settings.backend == Backend::Auto && !start.started && start.slow_start;
+    let cpu = cpu_time(start.cpu.as_ref().filter(|_| unstarted)?)?;
+    (cpu < DEVICE_START.as_secs_f64()).then(|| {
+        let reason = format!(
+            "the GPU is not started, and the CPU path (about {}) ends before it could: CPU path",
+            format_seconds(cpu)
+        );
+        let weighed = Weighed {
+            cpu,
+            gpu: None,
+            gpu_warm: None,
+        };
+        (reason, weighed)
     })
 }
 
