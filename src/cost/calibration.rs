@@ -174,9 +174,18 @@ pub fn calibration(
         return Ok(calibration);
     }
     let started = Instant::now();
-    // The CPU selector's rate is the host's CPU calibration's, measured once for both.
-    let cpu_rows_per_s = cpu::cpu_rates(dir.as_deref()).topk_rows_per_s;
-    let (model, references, spread) = match measure(device, &params, cpu_rows_per_s) {
+    // The CPU selector's rate is the host's CPU calibration's, measured once for both, on
+    // other cores while the device is measured: neither waits for the other.
+    let (cpu_rows_per_s, measured) = std::thread::scope(|scope| {
+        let cpu = scope.spawn(|| cpu::cpu_rates(dir.as_deref()).topk_rows_per_s);
+        let measured = measure(device, &params);
+        (cpu.join(), measured)
+    });
+    let cpu_rows_per_s = cpu_rows_per_s.unwrap_or(cpu::FALLBACK.0);
+    let (model, references, spread) = match measured.map(|(mut model, references, spread)| {
+        model.machine.cpu_rows_per_s = cpu_rows_per_s;
+        (model, references, spread)
+    }) {
         Ok(measured) => measured,
         Err(e) => {
             let e = GpuError(format!("the calibration failed: {e}"));
@@ -254,26 +263,16 @@ const SMALL: usize = 1 << 16;
 const LARGE: usize = 1 << 26;
 const REFERENCE_K: usize = 32;
 
+/// Measures the device (the CPU selector's rate left 0 for the caller to fill in).
 fn measure(
     device: &Arc<GpuDevice>,
     params: &DeviceParams,
-    cpu_rows_per_s: f64,
 ) -> GpuResult<(CostModel, Vec<Reference>, f64)> {
     let mut spread = 1.0f64;
     let mut engine = TopKEngine::new(device, KeyWidth::W32)?;
     let floor = ReadFloor::new(device, &engine)?;
-    // Uniform 32-bit keys (xorshift), uploaded once with row ids 0..n.
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    let keys: Vec<u8> = (0..LARGE)
-        .flat_map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 32) as u32).to_le_bytes()
-        })
-        .collect();
-    let ids: Vec<u64> = (0..LARGE as u64).collect();
-    let mut input = engine.upload_pairs(&keys, &ids)?;
+    let (keys, ids) = reference_pairs();
+    let mut input = engine.upload_pair_bytes(&keys, &ids)?;
     input.set_positional(true);
 
     let machine = measure_machine(
@@ -283,7 +282,6 @@ fn measure(
         &floor,
         (&input, &keys),
         &mut spread,
-        cpu_rows_per_s,
     )?;
     let mut model = CostModel {
         machine,
@@ -377,7 +375,7 @@ fn measure(
 
 /// The machine's rates ([`Machine`]): the read floor over `input`'s keys, the launch gap, a
 /// read-back's round trip and the upload of `keys` from pinned staging; the CPU selector's
-/// rows per second are the host's (`cpu_rows_per_s`).
+/// rows per second are left 0 (the host's, filled in by the caller).
 fn measure_machine(
     device: &Arc<GpuDevice>,
     params: &DeviceParams,
@@ -385,7 +383,6 @@ fn measure_machine(
     floor: &ReadFloor,
     (input, keys): (&DevicePairs, &[u8]),
     spread: &mut f64,
-    cpu_rows_per_s: f64,
 ) -> GpuResult<Machine> {
     let read_s = times(engine, spread, |e| {
         floor.time_read(e, input.key_at(0), LARGE, 4)
@@ -423,9 +420,43 @@ fn measure_machine(
         shared_bw: params.shared_bandwidth(),
         max_shared_per_block: params.shared_per_block,
         sm_count: params.sm_count,
-        cpu_rows_per_s,
+        cpu_rows_per_s: 0.0,
         cpu_cores: cpu_cores(),
     })
+}
+
+/// The reference input as device bytes: `LARGE` uniform 32-bit keys (xorshift) and the row
+/// ids 0..n, written by several threads: one thread takes longer than the measurements.
+fn reference_pairs() -> (Vec<u8>, Vec<u8>) {
+    let mut keys = vec![0u8; 4 * LARGE];
+    let mut ids = vec![0u8; 8 * LARGE];
+    let threads = cpu_cores().clamp(1, 8);
+    let rows = LARGE.div_ceil(threads);
+    std::thread::scope(|scope| {
+        for (part, (keys, ids)) in keys
+            .chunks_mut(4 * rows)
+            .zip(ids.chunks_mut(8 * rows))
+            .enumerate()
+        {
+            scope.spawn(move || {
+                let mut x =
+                    0x9E37_79B9_7F4A_7C15u64 ^ (part as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+                let first = (part * rows) as u64;
+                for (i, (key, id)) in keys
+                    .chunks_exact_mut(4)
+                    .zip(ids.chunks_exact_mut(8))
+                    .enumerate()
+                {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    key.copy_from_slice(&((x >> 32) as u32).to_le_bytes());
+                    id.copy_from_slice(&(first + i as u64).to_le_bytes());
+                }
+            });
+        }
+    });
+    (keys, ids)
 }
 
 /// Fits each device algorithm's two constants from its runs over 2^16 and 2^26 of `input`'s

@@ -84,13 +84,25 @@ impl DeviceFacts {
     /// Starts the device (once per process), loads its kernels (compiled by NVRTC on first
     /// use, cached in the kernel cache directory) and, where `needs` says so, reads its
     /// calibration (measured once per device, then read from the same directory).
-    pub(crate) fn gather(settings: Settings<'_>, needs: Needs) -> Self {
+    ///
+    /// `program` (a generated program's source and entry point), where it is not compiled
+    /// yet, starts compiling on a thread of its own before the calibration: a query that runs
+    /// it waits for whichever ends last, not for both, and one that does not finds it
+    /// compiled next time.
+    pub(crate) fn gather(
+        settings: Settings<'_>,
+        needs: Needs,
+        program: Option<(&str, &str)>,
+    ) -> Self {
         let device = match gpu_status() {
             GpuStatus::Unavailable(why) => return DeviceFacts::NoGpu(why.clone()),
             GpuStatus::Available(device) => device,
         };
         if let Err(e) = device.kernels_with_cache_dir(settings.kernel_cache_dir) {
             return DeviceFacts::NoKernels(e.to_string());
+        }
+        if let Some((source, entry)) = program {
+            device.compile_in_background(source, entry);
         }
         let calibration = needs.calibration.then(|| {
             calibration::calibration(device, settings.kernel_cache_dir, settings.recalibrate)

@@ -175,7 +175,9 @@ fn backend_of(
     };
     let choice = cost::aggregate_before_device(settings, &estimate, &start)
         .and_then(|needs| {
-            let device = cost::DeviceFacts::gather(settings, needs);
+            let filter = (plan.filter.as_ref())
+                .map(|p| (p.source.as_str(), crate::device::AGG_FILTERED_ENTRY));
+            let device = cost::DeviceFacts::gather(settings, needs, filter);
             cost::choose_aggregate(settings, estimate, &device)
         })
         .map_err(&mut cpu)?;

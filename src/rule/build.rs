@@ -103,7 +103,9 @@ pub(super) fn build_top_k(
                 estimate.pages = pages;
             }
         }
-        (fusion, place_top_k(settings, &layout, k, estimate))
+        let program = (fusion.program.as_ref()).map(|p| (p.source.as_str(), fusion::ENTRY));
+        let placement = place_top_k(settings, &layout, k, estimate, program);
+        (fusion, placement)
     };
     let (mut fusion, mut placement) = place(cached);
     let streamed = matches!(
@@ -151,18 +153,19 @@ pub(super) fn build_top_k(
 
 /// The top-k's placement: the cost model's decision before the device, then, where that
 /// does not settle it, the device's facts gathered (the device started, its kernels loaded,
-/// its calibration read) and the decision over them.
+/// `program` compiling, its calibration read) and the decision over them.
 fn place_top_k(
     settings: cost::Settings<'_>,
     layout: &KeyLayout,
     k: usize,
     estimate: cost::Estimate,
+    program: Option<(&str, &str)>,
 ) -> Placement {
     let start = cost::StartFacts::read(settings);
     match cost::before_device(settings, layout, k, &estimate, &start) {
         cost::Stage::Decided(placement) => placement,
         cost::Stage::Gather(needs) => {
-            let device = cost::DeviceFacts::gather(settings, needs);
+            let device = cost::DeviceFacts::gather(settings, needs, program);
             cost::choose(settings, layout, k, estimate, &device)
         }
     }

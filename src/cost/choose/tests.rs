@@ -263,6 +263,7 @@ pub(super) const RATES: CpuRates = CpuRates {
     topk_rows_per_s: 100e6,
     group_rows_per_s: 10e6,
     aggregate_rows_per_s: 20e6,
+    aggregate_many_rows_per_s: 20e6,
     cores: 16,
 };
 

@@ -674,10 +674,24 @@ impl TopKEngine {
                 self.kind
             )));
         }
+        let id_bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
+        self.upload_pair_bytes(keys, &id_bytes)
+    }
+
+    /// [`upload_pairs`](Self::upload_pairs) with the ids given as their little-endian bytes.
+    pub fn upload_pair_bytes(&mut self, keys: &[u8], id_bytes: &[u8]) -> GpuResult<DevicePairs> {
+        let n = id_bytes.len() / 8;
+        if keys.len() != n * self.kind.key_bytes() || id_bytes.len() % 8 != 0 {
+            return Err(GpuError(format!(
+                "{} key bytes and {} id bytes for {:?} keys",
+                keys.len(),
+                id_bytes.len(),
+                self.kind
+            )));
+        }
         let pairs = self.alloc_pairs(n)?;
         self.upload_bytes(keys, pairs.key_at(0))?;
-        let id_bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
-        self.upload_bytes(&id_bytes, pairs.id_at(0))?;
+        self.upload_bytes(id_bytes, pairs.id_at(0))?;
         Ok(pairs)
     }
 

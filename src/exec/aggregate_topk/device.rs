@@ -96,7 +96,7 @@ pub struct AggregateDevicePlan {
     order: AggregateOrder,
     /// The generated pass over the rows the spec's filter passes (its inputs: the columns of
     /// [`reads`](Self::reads), then the predicate's own).
-    filter: Option<Arc<FusedProgram>>,
+    pub(crate) filter: Option<Arc<FusedProgram>>,
     /// The generated program that keeps the groups `HAVING` passes, and the output columns
     /// its inputs are.
     having: Option<(Arc<FusedProgram>, Vec<HavingColumn>)>,

@@ -173,7 +173,8 @@ fn group_plan(
         }),
     };
     let needs = cost::groups_before_device(settings, &estimate, &start).map_err(cpu)?;
-    let device = cost::DeviceFacts::gather(settings, needs);
+    let compile = Some((program.source.as_str(), crate::fusion::ENTRY));
+    let device = cost::DeviceFacts::gather(settings, needs, compile);
     let choice =
         cost::choose_groups(settings, &layout, estimate, *groups, k, &device).map_err(cpu)?;
     Ok(GroupDevicePlan {

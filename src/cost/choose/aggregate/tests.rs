@@ -26,13 +26,14 @@ fn aggregate(rows: usize, groups: Option<usize>, resident: f64) -> AggregateEsti
     }
 }
 
-/// A calibrated device whose host aggregates `aggregate_rows_per_s` rows a second a core on
-/// 16 cores.
+/// A calibrated device whose host aggregates `aggregate_rows_per_s` rows a second a core
+/// (into few groups or many) on 16 cores.
 fn device(aggregate_rows_per_s: f64) -> DeviceFacts {
     match ready(calibrated()) {
         DeviceFacts::Ready(facts) => DeviceFacts::Ready(GpuFacts {
             cpu: Some(CpuRates {
                 aggregate_rows_per_s,
+                aggregate_many_rows_per_s: aggregate_rows_per_s,
                 ..RATES
             }),
             ..facts
@@ -160,6 +161,7 @@ fn unknown_groups_are_priced_as_one_a_row() {
 
 const RATES_AT_20M: CpuRates = CpuRates {
     aggregate_rows_per_s: 20e6,
+    aggregate_many_rows_per_s: 20e6,
     ..RATES
 };
 
