@@ -32,8 +32,13 @@
 // NULL inputs are skipped; a SUM, MIN or MAX over a nullable column is NULL where its
 // column's COUNT (an accumulator the host adds) is 0.
 //
-// A full table is never a wrong answer: past `limit` groups, or after probing every slot, a
-// row is not counted and AGG_STATUS_FULL is set; the host grows the table and runs again.
+// A full table is never a wrong answer: past `limit` groups, or after probing every slot,
+// AGG_STATUS_FULL is set, the pass stops and the host grows the table and runs it again. The
+// groups claimed are counted per block and added to the table's count (ctl[0]) AGG_CLAIM_BATCH
+// at a time, and the rest when the block ends: one counter word that every new group updated
+// would serialise tens of millions of atomics on one address. The limit is therefore checked
+// at those additions (a table may pass it by the blocks' unadded claims before it is flagged),
+// and the count is exact once the pass ends.
 #pragma once
 
 #include "common.cuh"
@@ -48,6 +53,10 @@
 // or a NaN whose bits the device cannot reproduce): the host answers instead.
 #define AGG_STATUS_HOST 4ull
 #define AGG_NO_SLOT (~0ull)
+// Groups a block claims between two additions to the table's count.
+#define AGG_CLAIM_BATCH 64ull
+// Rows a thread takes between two reads of the status word (one word every thread reads).
+#define AGG_STATUS_EVERY 8u
 
 // Accumulator kinds (src/device/engine/aggregate.rs `AggregateOp::device_kind`).
 #define AGG_COUNT 0u
@@ -93,9 +102,22 @@ __device__ __forceinline__ bool agg_stopped(const AggTable &t) {
     return (agg_load_volatile(t.ctl + 1) & (AGG_STATUS_FULL | AGG_STATUS_HOST)) != 0;
 }
 
-// The slot of the group (key, nulls), claimed and published where it is new; AGG_NO_SLOT
-// where the table is full. Key words of NULL key columns must be 0.
-template <int KW> __device__ u64 agg_insert(const AggTable &t, const u64 (&key)[KW], u32 nulls) {
+// Adds `n` claimed groups to the table's count, flagging it full past its limit.
+__device__ __forceinline__ void agg_add_claims(const AggTable &t, u64 n) {
+    const u64 before = atomicAdd((unsigned long long *)t.ctl, (unsigned long long)n);
+    if (before + n > t.limit) agg_flag(t, AGG_STATUS_FULL);
+}
+
+// One more group claimed by this block (`claims`: the block's count, in shared memory).
+__device__ __forceinline__ void agg_claimed(const AggTable &t, u64 *claims) {
+    const u64 mine = atomicAdd((unsigned long long *)claims, 1ull) + 1;
+    if (mine % AGG_CLAIM_BATCH == 0) agg_add_claims(t, AGG_CLAIM_BATCH);
+}
+
+// The slot of the group (key, nulls), claimed and published where it is new (counted in the
+// block's `claims`); AGG_NO_SLOT where every slot is taken. Key words of NULL key columns must
+// be 0.
+template <int KW> __device__ u64 agg_insert(const AggTable &t, const u64 (&key)[KW], u32 nulls, u64 *claims) {
     const u64 want = AGG_READY | ((u64)nulls << 2);
     const u64 mask = t.cap - 1;
     u64 s = agg_hash<KW>(key, nulls) & mask;
@@ -105,16 +127,11 @@ template <int KW> __device__ u64 agg_insert(const AggTable &t, const u64 (&key)[
         if (state == AGG_EMPTY) {
             state = atomicCAS((unsigned long long *)(slot + KW), AGG_EMPTY, AGG_BUSY);
             if (state == AGG_EMPTY) {
-                const u64 before = atomicAdd((unsigned long long *)t.ctl, 1ull);
 #pragma unroll
                 for (int j = 0; j < KW; ++j) slot[j] = key[j];
                 __threadfence();
-                // Published even past the limit: threads waiting on the slot must not spin.
                 atomicExch((unsigned long long *)(slot + KW), want);
-                if (before >= t.limit) {
-                    agg_flag(t, AGG_STATUS_FULL);
-                    return AGG_NO_SLOT;
-                }
+                agg_claimed(t, claims);
                 return s;
             }
         }
@@ -249,11 +266,16 @@ struct AggAllRows {
 template <int KW, typename Pass>
 __device__ void agg_columns(const AggSpec *spec_in, u64 rows, const AggTable &t, Pass pass) {
     __shared__ AggSpec spec;
-    if (threadIdx.x == 0) spec = *spec_in;
+    __shared__ u64 claims;
+    if (threadIdx.x == 0) {
+        spec = *spec_in;
+        claims = 0;
+    }
     __syncthreads();
     const u32 n_accs = (u32)spec.n_accs;
+    u32 taken = 0;
     for (u64 row = (u64)blockIdx.x * blockDim.x + threadIdx.x; row < rows; row += (u64)gridDim.x * blockDim.x) {
-        if (agg_stopped(t)) return;
+        if (taken++ % AGG_STATUS_EVERY == 0 && agg_stopped(t)) break;
         if (!pass(row)) continue;
         u64 key[KW];
         u32 nulls = 0;
@@ -263,8 +285,8 @@ __device__ void agg_columns(const AggSpec *spec_in, u64 rows, const AggTable &t,
             key[j] = valid ? ((const u64 *)spec.key_values[j])[row] : 0;
             nulls |= valid ? 0u : 1u << j;
         }
-        const u64 slot = agg_insert<KW>(t, key, nulls);
-        if (slot == AGG_NO_SLOT) return;
+        const u64 slot = agg_insert<KW>(t, key, nulls, &claims);
+        if (slot == AGG_NO_SLOT) break;
         for (u32 a = 0; a < n_accs; ++a) {
             const u64 desc = spec.accs[a];
             u32 kind = (u32)(desc & 0xff);
@@ -282,4 +304,6 @@ __device__ void agg_columns(const AggSpec *spec_in, u64 rows, const AggTable &t,
             agg_update(t, a, kind, slot, bits, valid);
         }
     }
+    __syncthreads();
+    if (threadIdx.x == 0 && claims % AGG_CLAIM_BATCH != 0) agg_add_claims(t, claims % AGG_CLAIM_BATCH);
 }

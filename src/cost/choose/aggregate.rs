@@ -197,7 +197,7 @@ pub(crate) fn choose_aggregate(
 }
 
 /// The device's predicted run and the selection it takes among the groups: the columns not
-/// resident staged over PCIe, the hash aggregation into a table of twice the groups (the
+/// resident staged over PCIe, the hash aggregation into a table of four times the groups (the
 /// device's first table), and the fastest selection of k among the groups' ranking pairs.
 /// (The device's start is not in it: gathering the facts started the device.)
 fn device_seconds(model: &CostModel, estimate: &AggregateEstimate) -> (DeviceAlgorithm, f64) {
@@ -206,7 +206,7 @@ fn device_seconds(model: &CostModel, estimate: &AggregateEstimate) -> (DeviceAlg
     let kind = estimate.width();
     let row_bytes = estimate.table.bytes_per_row;
     let shipped = (rows * row_bytes) as f64 * (1.0 - estimate.table.resident);
-    let slots = (2 * groups.max(1)).next_power_of_two();
+    let slots = (4 * groups.max(1)).next_power_of_two();
     let slot_bytes = 8 * (estimate.keys + 1 + estimate.accumulators);
     let aggregate = model.aggregate_time((rows, row_bytes), (slots, slot_bytes), groups, kind);
     let k = estimate.k.min(groups);

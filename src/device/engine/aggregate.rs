@@ -29,8 +29,10 @@
 //!
 //! # The table
 //!
-//! Sized for twice the estimated groups (load factor at most 0.5); past half its slots the
-//! pass flags the table full, and the engine runs it again in a table four times larger.
+//! Sized for four times the estimated groups: the sample's estimate of skewed keys runs up to
+//! about half the true count, and the load factor should stay at most 0.5. Past half its
+//! slots the pass flags the table full (checked as blocks add their claims, aggregate.cuh),
+//! and the engine runs it again in a table four times larger.
 
 use super::*;
 
@@ -339,11 +341,11 @@ fn rank_bits(
     key_bits + 64 + u32::from(nullable)
 }
 
-/// The first table's slots for `estimate` groups of `rows` rows: twice the estimate, a power
-/// of two, never more than a table that cannot fill.
+/// The first table's slots for `estimate` groups of `rows` rows: four times the estimate, a
+/// power of two, never more than a table that cannot fill.
 fn table_slots(estimate: usize, rows: usize) -> usize {
     let most = (2 * rows.max(1)).next_power_of_two().max(AGG_MIN_SLOTS);
-    (2 * estimate.max(1))
+    (4 * estimate.max(1))
         .next_power_of_two()
         .clamp(AGG_MIN_SLOTS, most)
 }
@@ -762,9 +764,9 @@ mod tests {
     }
 
     #[test]
-    fn tables_hold_twice_the_estimate_within_what_the_rows_can_fill() {
+    fn tables_hold_four_times_the_estimate_within_what_the_rows_can_fill() {
         assert_eq!(table_slots(0, 10), AGG_MIN_SLOTS);
-        assert_eq!(table_slots(3000, 1 << 20), 8192);
+        assert_eq!(table_slots(3000, 1 << 20), 16384);
         assert_eq!(table_slots(1 << 30, 5000), 16384);
         for u in [0, 1, 1 << 63, u64::MAX, 0x7ff0_0000_0000_0000 ^ (1 << 63)] {
             let f = f64_of_ordered(u);
