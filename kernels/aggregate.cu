@@ -25,10 +25,10 @@
 
 #include "aggregate.cuh"
 
-template <int KW> __device__ void agg_compact(const u64 *slots, u64 cap, u64 *out, u64 *count) {
+template <int KW> __device__ void agg_compact(const u64 *slots, u64 cap, u64 width, u64 *out, u64 *count) {
     FOR_BLOCK_ROUNDS(i0, cap) {
         const u64 s = i0 + threadIdx.x;
-        const bool occupied = s < cap && __ldcg(slots + s * (KW + 1) + KW) >= AGG_READY;
+        const bool occupied = s < cap && __ldcg(slots + s * width + KW) >= AGG_READY;
         const u64 at = warp_append(occupied, count);
         if (occupied) out[at] = s;
     }
@@ -64,11 +64,11 @@ __device__ __forceinline__ void agg_put(AggComposite &w, u32 &at, u64 v, u32 wid
 }
 
 template <int KW>
-__device__ void agg_rank(const u64 *slots, const u64 *acc, u64 cap, const u64 *dense, u64 n, u32 kind, u32 rank_acc,
+__device__ void agg_rank(const u64 *slots, const u64 *acc, u64 width, const u64 *dense, u64 n, u32 kind, u32 rank_acc,
                          u32 count_acc, u32 flags, u32 key_nullable, u32 words, u64 *out_keys, u64 *out_ids) {
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         const u64 s = dense[i];
-        const u64 *slot = slots + s * (KW + 1);
+        const u64 *slot = slots + s * width;
         const u32 nulls = (u32)(slot[KW] >> 2);
         AggComposite w = {0, 0, 0, 0};
         u32 at = 0;
@@ -78,8 +78,8 @@ __device__ void agg_rank(const u64 *slots, const u64 *acc, u64 cap, const u64 *d
             agg_put(w, at, null ? 0ull : agg_ord_i64((i64)slot[j]), 64);
             if ((key_nullable >> j) & 1u) agg_put(w, at, null ? 1ull : 0ull, 1);
         }
-        const u64 a = acc[(u64)rank_acc * cap + s];
-        const u64 count = count_acc == 0xffffffffu ? 1 : acc[(u64)count_acc * cap + s];
+        const u64 a = acc[s * width + rank_acc];
+        const u64 count = count_acc == 0xffffffffu ? 1 : acc[s * width + count_acc];
         const bool null = (flags & AGG_RANK_NULLABLE) && count == 0;
         u64 v = 0;
         if (!null) {
@@ -121,12 +121,12 @@ __device__ void agg_rank(const u64 *slots, const u64 *acc, u64 cap, const u64 *d
 // (bits 0-7), a key column or accumulator (bits 8-15), the accumulator counting its non-NULL
 // inputs (bits 16-23, 0xff: never NULL). Empty slots' values are left unspecified.
 template <int KW>
-__device__ void agg_outputs(const u64 *slots, const u64 *acc, u64 cap, const u64 *desc, u32 n_cols, u64 *out,
-                            u32 *valid) {
+__device__ void agg_outputs(const u64 *slots, const u64 *acc, u64 cap, u64 width, const u64 *desc, u32 n_cols,
+                            u64 *out, u32 *valid) {
     FOR_BLOCK_ROUNDS(i0, cap) {
         const u64 s = i0 + threadIdx.x;
         const bool in = s < cap;
-        const u32 nulls = in ? (u32)(__ldcg(slots + s * (KW + 1) + KW) >> 2) : 0u;
+        const u32 nulls = in ? (u32)(__ldcg(slots + s * width + KW) >> 2) : 0u;
         for (u32 j = 0; j < n_cols; ++j) {
             const u64 d = desc[j];
             const u32 kind = (u32)(d & 0xff), at = (u32)(d >> 8) & 0xff, counted = (u32)(d >> 16) & 0xff;
@@ -134,14 +134,14 @@ __device__ void agg_outputs(const u64 *slots, const u64 *acc, u64 cap, const u64
             bool ok = in;
             if (in) {
                 if (kind == AGG_OUT_KEY) {
-                    v = slots[s * (KW + 1) + at];
+                    v = slots[s * width + at];
                     ok = ((nulls >> at) & 1u) == 0;
                 } else {
-                    const u64 a = acc[(u64)at * cap + s];
+                    const u64 a = acc[s * width + at];
                     v = kind == AGG_OUT_ORD_I64   ? a ^ 0x8000000000000000ull
                         : kind == AGG_OUT_ORD_F64 ? ((a >> 63) ? a ^ 0x8000000000000000ull : ~a)
                                                   : a;
-                    ok = counted == AGG_NO_COLUMN || acc[(u64)counted * cap + s] != 0;
+                    ok = counted == AGG_NO_COLUMN || acc[s * width + counted] != 0;
                 }
                 out[(u64)j * cap + s] = v;
             }
@@ -152,45 +152,48 @@ __device__ void agg_outputs(const u64 *slots, const u64 *acc, u64 cap, const u64
 }
 
 template <int KW>
-__device__ void agg_gather(const u64 *slots, const u64 *acc, u64 cap, u32 n_accs, const u64 *ids, u64 n, u64 *out) {
+__device__ void agg_gather(const u64 *slots, const u64 *acc, u64 width, u32 n_accs, const u64 *ids, u64 n, u64 *out) {
     const u64 stride = KW + 1 + n_accs;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         const u64 s = ids[i];
 #pragma unroll
-        for (int j = 0; j <= KW; ++j) out[i * stride + j] = slots[s * (KW + 1) + j];
-        for (u32 a = 0; a < n_accs; ++a) out[i * stride + KW + 1 + a] = acc[(u64)a * cap + s];
+        for (int j = 0; j <= KW; ++j) out[i * stride + j] = slots[s * width + j];
+        for (u32 a = 0; a < n_accs; ++a) out[i * stride + KW + 1 + a] = acc[s * width + a];
     }
 }
 
 #define AGG_ENTRIES(KW)                                                                                            \
     extern "C" __global__ void __launch_bounds__(AGG_THREADS)                                                      \
-        agg_columns_w##KW(const AggSpec *spec, u64 rows, u64 *slots, u64 *acc, u64 cap, u64 limit, u64 *ctl) {     \
+        agg_columns_w##KW(const AggSpec *spec, u64 rows, u64 *slots, u64 *acc, u64 cap, u64 limit, u64 *ctl,       \
+                          u64 width) {                                                                             \
         grid_dependency_wait();                                                                                    \
-        const AggTable t = {slots, acc, cap, limit, ctl};                                                          \
+        const AggTable t = {slots, acc, cap, limit, ctl, width};                                                   \
         agg_columns<KW>(spec, rows, t, AggAllRows());                                                              \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(AGG_THREADS)                                                      \
-        agg_compact_w##KW(const u64 *slots, u64 cap, u64 *out, u64 *count) {                                       \
+        agg_compact_w##KW(const u64 *slots, u64 cap, u64 width, u64 *out, u64 *count) {                            \
         grid_dependency_wait();                                                                                    \
-        agg_compact<KW>(slots, cap, out, count);                                                                   \
+        agg_compact<KW>(slots, cap, width, out, count);                                                            \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(AGG_THREADS)                                                      \
-        agg_rank_w##KW(const u64 *slots, const u64 *acc, u64 cap, const u64 *dense, u64 n, u32 kind, u32 rank_acc, \
-                       u32 count_acc, u32 flags, u32 key_nullable, u32 words, u64 *out_keys, u64 *out_ids) {       \
+        agg_rank_w##KW(const u64 *slots, const u64 *acc, u64 width, const u64 *dense, u64 n, u32 kind,             \
+                       u32 rank_acc, u32 count_acc, u32 flags, u32 key_nullable, u32 words, u64 *out_keys,         \
+                       u64 *out_ids) {                                                                             \
         grid_dependency_wait();                                                                                    \
-        agg_rank<KW>(slots, acc, cap, dense, n, kind, rank_acc, count_acc, flags, key_nullable, words, out_keys,   \
+        agg_rank<KW>(slots, acc, width, dense, n, kind, rank_acc, count_acc, flags, key_nullable, words, out_keys, \
                      out_ids);                                                                                     \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(AGG_THREADS)                                                      \
-        agg_outputs_w##KW(const u64 *slots, const u64 *acc, u64 cap, const u64 *desc, u32 n_cols, u64 *out,          \
-                          u32 *valid) {                                                                            \
+        agg_outputs_w##KW(const u64 *slots, const u64 *acc, u64 cap, u64 width, const u64 *desc, u32 n_cols,       \
+                          u64 *out, u32 *valid) {                                                                  \
         grid_dependency_wait();                                                                                    \
-        agg_outputs<KW>(slots, acc, cap, desc, n_cols, out, valid);                                                \
+        agg_outputs<KW>(slots, acc, cap, width, desc, n_cols, out, valid);                                         \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(AGG_THREADS)                                                      \
-        agg_gather_w##KW(const u64 *slots, const u64 *acc, u64 cap, u32 n_accs, const u64 *ids, u64 n, u64 *out) { \
+        agg_gather_w##KW(const u64 *slots, const u64 *acc, u64 width, u32 n_accs, const u64 *ids, u64 n,           \
+                         u64 *out) {                                                                               \
         grid_dependency_wait();                                                                                    \
-        agg_gather<KW>(slots, acc, cap, n_accs, ids, n, out);                                                      \
+        agg_gather<KW>(slots, acc, width, n_accs, ids, n, out);                                                    \
     }
 AGG_ENTRIES(1)
 AGG_ENTRIES(2)

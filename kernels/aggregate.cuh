@@ -3,8 +3,11 @@
 // runs `agg_columns`, which finds each row's group in an open-addressing table and updates the
 // group's accumulators with atomics.
 //
-// The table: `cap` slots (a power of two), slot s at `slots + s · (KW + 1)`: KW key words
-// (KW ≤ 2: one for integer and date keys, two for 128-bit keys), then a state word:
+// The table: `cap` slots (a power of two) of `width` words (a power of two), slot s at
+// `slots + s · width`: KW key words (KW ≤ 2: one for integer and date keys, two for 128-bit
+// keys), a state word, then the group's accumulators; a row's lookup and its updates touch one
+// slot, so one random memory access, not one for the key and one per accumulator column. The
+// state word:
 //   AGG_EMPTY   no group (the table is zeroed before the pass);
 //   AGG_BUSY    claimed by a thread that is writing the key words;
 //   AGG_READY | nulls << 2   the group of those key words and null mask (bit j: key column j
@@ -13,8 +16,8 @@
 // included) is a group of its own, and so is each NULL combination. Linear probing from a
 // splitmix64 hash of the key words and the null mask.
 //
-// Accumulator a of slot s is the u64 at `acc[a · cap + s]`, initialised by the host (zero,
-// or all ones for a minimum):
+// Accumulator a of slot s is the u64 at `acc[s · width + a]` (`acc`: slot 0's first
+// accumulator, `slots + KW + 1`), initialised by the host (zero, or all ones for a minimum):
 //   COUNT        u64, +1 a row (COUNT(x): a row whose x is not NULL);
 //   SUM i64      wrapping two's complement, as DataFusion 55's integer SUM (its
 //                `PrimitiveGroupsAccumulator` adds with `add_wrapping`): exact in any order;
@@ -74,6 +77,8 @@ struct AggTable {
     // Groups past which the table counts as full (the load factor's bound).
     u64 limit;
     u64 *ctl;
+    // Words per slot.
+    u64 width;
 };
 
 __device__ __forceinline__ u64 agg_mix(u64 h, u64 w) {
@@ -122,7 +127,7 @@ template <int KW> __device__ u64 agg_insert(const AggTable &t, const u64 (&key)[
     const u64 mask = t.cap - 1;
     u64 s = agg_hash<KW>(key, nulls) & mask;
     for (u64 probe = 0; probe < t.cap; ++probe, s = (s + 1) & mask) {
-        u64 *slot = t.slots + s * (KW + 1);
+        u64 *slot = t.slots + s * t.width;
         u64 state = agg_load_volatile(slot + KW);
         if (state == AGG_EMPTY) {
             state = atomicCAS((unsigned long long *)(slot + KW), AGG_EMPTY, AGG_BUSY);
@@ -149,7 +154,7 @@ template <int KW> __device__ u64 agg_insert(const AggTable &t, const u64 (&key)[
     return AGG_NO_SLOT;
 }
 
-__device__ __forceinline__ u64 *agg_at(const AggTable &t, u32 a, u64 slot) { return t.acc + a * t.cap + slot; }
+__device__ __forceinline__ u64 *agg_at(const AggTable &t, u32 a, u64 slot) { return t.acc + slot * t.width + a; }
 
 __device__ __forceinline__ u64 agg_ord_i64(i64 v) { return (u64)v ^ 0x8000000000000000ull; }
 __device__ __forceinline__ u64 agg_ord_f64(double v) {

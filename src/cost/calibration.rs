@@ -142,6 +142,28 @@ struct Cached {
 /// occupies the device; every session plans with the same figures).
 static CALIBRATION: Mutex<Option<Cached>> = Mutex::new(None);
 
+/// Whether [`calibration`] would measure the device now: neither this process nor the disk
+/// cache holds its calibration, or a recalibration is asked for.
+pub(crate) fn must_measure(
+    device: &Arc<GpuDevice>,
+    cache_dir: Option<&Path>,
+    recalibrate: bool,
+) -> bool {
+    let held = CALIBRATION.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(cached) = held.as_ref()
+        && (!recalibrate || cached.recalibrated)
+    {
+        return false;
+    }
+    if recalibrate {
+        return true;
+    }
+    let params = DeviceParams::read(device);
+    let dir = cache_dir.map(Path::to_path_buf).or_else(default_cache_dir);
+    let file = dir.map(|d| d.join(format!("calibration-{:032x}.txt", key(&params))));
+    file.is_none_or(|path| read_file(&path, &params).is_none())
+}
+
 /// The device's calibration: from memory, else the disk cache, else measured now (and
 /// written to the cache). `recalibrate` measures again, once per process.
 pub fn calibration(

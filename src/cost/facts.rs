@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::calibration::cpu::{CpuRates, cpu_rates};
+use super::calibration::cpu::{self, CpuRates, cpu_rates};
 use super::calibration::{self, Calibration};
 use super::choose::Settings;
 use crate::config::{Algorithm, Backend};
@@ -86,9 +86,9 @@ impl DeviceFacts {
     /// calibration (measured once per device, then read from the same directory).
     ///
     /// `program` (a generated program's source and entry point), where it is not compiled
-    /// yet, starts compiling on a thread of its own before the calibration: a query that runs
-    /// it waits for whichever ends last, not for both, and one that does not finds it
-    /// compiled next time.
+    /// yet and a calibration is measured now, compiles on a thread of its own meanwhile: the
+    /// first query of a fresh machine waits for whichever ends last, not for both. (Where
+    /// nothing is measured, the query compiles it only if it runs it.)
     pub(crate) fn gather(
         settings: Settings<'_>,
         needs: Needs,
@@ -101,11 +101,25 @@ impl DeviceFacts {
         if let Err(e) = device.kernels_with_cache_dir(settings.kernel_cache_dir) {
             return DeviceFacts::NoKernels(e.to_string());
         }
-        if let Some((source, entry)) = program {
-            device.compile_in_background(source, entry);
-        }
-        let calibration = needs.calibration.then(|| {
-            calibration::calibration(device, settings.kernel_cache_dir, settings.recalibrate)
+        let dir = settings.kernel_cache_dir;
+        let measuring = (needs.calibration
+            && calibration::must_measure(device, dir, settings.recalibrate))
+            || (needs.cpu && cpu::must_measure(dir));
+        let compile = program.filter(|(source, _)| measuring && !device.has_program(source));
+        let (calibration, cpu) = std::thread::scope(|scope| {
+            let compiling = compile.map(|(source, entry)| {
+                log::info!("compiling a generated program while calibrating");
+                scope.spawn(move || device.generated_kernel(source, entry))
+            });
+            let calibration = needs
+                .calibration
+                .then(|| calibration::calibration(device, dir, settings.recalibrate));
+            let cpu = needs.cpu.then(|| cpu_rates(dir));
+            // A compile error is the query's to report, where it runs the program.
+            if let Some(Err(e)) = compiling.map(|c| c.join()).transpose().ok().flatten() {
+                log::debug!("the generated program did not compile: {e}");
+            }
+            (calibration, cpu)
         });
         DeviceFacts::Ready(GpuFacts {
             slot: device.slot,
@@ -113,7 +127,7 @@ impl DeviceFacts {
             max_shared_per_block: device.max_shared_per_block,
             last_compile: device.last_compile_time(),
             calibration,
-            cpu: needs.cpu.then(|| cpu_rates(settings.kernel_cache_dir)),
+            cpu,
         })
     }
 }

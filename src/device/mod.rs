@@ -273,26 +273,10 @@ impl GpuDevice {
         Ok((kernel, took))
     }
 
-    /// Starts compiling (or loading from the disk cache) the generated program on a thread of
-    /// its own, unless it is already loaded or cached; a later
-    /// [`generated_kernel`](Self::generated_kernel) of the same source waits for it instead of
-    /// compiling again. A failure is only logged: the query's own call reports it.
-    pub(crate) fn compile_in_background(self: &Arc<Self>, source: &str, entry: &str) {
-        if self.compiled(source) {
-            return;
-        }
-        log::info!("compiling a generated program in the background");
-        let (device, source, entry) = (Arc::clone(self), source.to_string(), entry.to_string());
-        let spawned = std::thread::Builder::new()
-            .name("gpu-topk-compile".into())
-            .spawn(move || {
-                if let Err(e) = device.generated_kernel(&source, &entry) {
-                    log::debug!("the background compile failed: {e}");
-                }
-            });
-        if let Err(e) = spawned {
-            log::debug!("cannot start the background compile: {e}");
-        }
+    /// [`has_generated_kernel`](Self::has_generated_kernel), unobserved: whether running the
+    /// program compiles nothing.
+    pub(crate) fn has_program(&self, source: &str) -> bool {
+        self.compiled(source)
     }
 
     /// Whether the generated program with this source is loaded in this process, or its

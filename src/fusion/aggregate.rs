@@ -67,9 +67,9 @@ pub fn aggregate_filter(
 // rows that pass the query's filter.
 {header}
 extern "C" __global__ void __launch_bounds__(AGG_THREADS) {AGG_FILTERED_ENTRY}(
-{params}    const AggSpec *spec, u64 rows, u64 *slots, u64 *acc, u64 cap, u64 limit, u64 *ctl) {{
+{params}    const AggSpec *spec, u64 rows, u64 *slots, u64 *acc, u64 cap, u64 limit, u64 *ctl, u64 width) {{
     grid_dependency_wait();
-    const AggTable t = {{slots, acc, cap, limit, ctl}};
+    const AggTable t = {{slots, acc, cap, limit, ctl, width}};
     // Whether row i passes; a row only the host evaluates stops the pass.
     auto pass = [&](u64 i) -> bool {{
         bool host_only = false, ambiguous = false;

@@ -106,6 +106,16 @@ pub fn cpu_rates(cache_dir: Option<&Path>) -> CpuRates {
     rates
 }
 
+/// Whether [`cpu_rates`] would measure the host now: neither this process nor the file in
+/// `cache_dir` holds its rates.
+pub(crate) fn must_measure(cache_dir: Option<&Path>) -> bool {
+    if RATES.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+        return false;
+    }
+    let dir = cache_dir.map(Path::to_path_buf).or_else(default_cache_dir);
+    dir.is_none_or(|d| read_file(&d.join(file_name()), cpu_cores()).is_none())
+}
+
 /// The rates in the file at `path`, else measured (and written there).
 pub fn read_or_measure(path: Option<&Path>) -> CpuRates {
     let cores = cpu_cores();

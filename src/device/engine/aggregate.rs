@@ -376,12 +376,20 @@ fn spec_bytes(
     words.iter().flat_map(|w| w.to_le_bytes()).collect()
 }
 
-/// The hash table of one pass, on the device.
+/// The hash table of one pass, on the device: `cap` slots of `width` words (aggregate.cuh).
 struct AggTable {
     slots: PooledBuffer,
-    acc: PooledBuffer,
     ctl: PooledBuffer,
     cap: usize,
+    width: usize,
+    /// The address of slot 0's first accumulator (after its key words and state word).
+    acc: u64,
+}
+
+/// Words per slot for `kw` key words and `accumulators` accumulators: a power of two, so that
+/// no slot straddles two of the memory's 32-byte sectors more than it must.
+fn slot_width(kw: usize, accumulators: usize) -> usize {
+    (kw + 1 + accumulators.max(1)).next_power_of_two()
 }
 
 impl TopKEngine {
@@ -462,15 +470,14 @@ impl TopKEngine {
         cap: usize,
     ) -> GpuResult<AggTable> {
         let kw = call.keys.len();
-        let slots = self.device.pool.alloc(cap * (kw + 1) * 8, &self.stream)?;
-        self.memset_zero(slots.ptr(), cap * (kw + 1) * 8)?;
-        let acc = (self.device.pool).alloc(cap * plan.kinds.len().max(1) * 8, &self.stream)?;
+        let width = slot_width(kw, plan.kinds.len());
+        let slots = self.device.pool.alloc(cap * width * 8, &self.stream)?;
+        self.memset_zero(slots.ptr(), cap * width * 8)?;
+        let acc = slots.ptr() + (kw as u64 + 1) * 8;
         for (a, op) in plan.kinds.iter().enumerate() {
-            let at = acc.ptr() + (a * cap * 8) as u64;
             // A minimum starts at the largest image, every other accumulator at zero.
-            match op.is_min() {
-                true => self.memset_ones(at, cap * 8)?,
-                false => self.memset_zero(at, cap * 8)?,
+            if op.is_min() {
+                self.memset_words_ones(acc + a as u64 * 8, width * 8, cap)?;
             }
         }
         let ctl = self.device.pool.alloc(16, &self.stream)?;
@@ -482,10 +489,11 @@ impl TopKEngine {
                 spec,
                 call.rows,
                 slots.ptr(),
-                acc.ptr(),
+                acc,
                 cap,
                 limit,
-                ctl.ptr()
+                ctl.ptr(),
+                width
             ];
             args.extend_from_slice(table);
             self.launch_function(
@@ -506,18 +514,20 @@ impl TopKEngine {
                     spec,
                     call.rows,
                     slots.ptr(),
-                    acc.ptr(),
+                    acc,
                     cap,
                     limit,
-                    ctl.ptr()
+                    ctl.ptr(),
+                    width
                 ],
             )?;
         }
         Ok(AggTable {
             slots,
-            acc,
             ctl,
             cap,
+            width,
+            acc,
         })
     }
 
@@ -542,7 +552,7 @@ impl TopKEngine {
             self.grid_for(cap, 4),
             AGG_THREADS,
             0,
-            args![table.slots.ptr(), cap, dense.ptr(), count.ptr()],
+            args![table.slots.ptr(), cap, table.width, dense.ptr(), count.ptr()],
         )?;
         let (dense, ranked) = match call.having {
             None => (dense, groups),
@@ -571,8 +581,8 @@ impl TopKEngine {
             0,
             args![
                 table.slots.ptr(),
-                table.acc.ptr(),
-                cap,
+                table.acc,
+                table.width,
                 dense.ptr(),
                 ranked,
                 kind,
@@ -608,8 +618,8 @@ impl TopKEngine {
             0,
             args![
                 table.slots.ptr(),
-                table.acc.ptr(),
-                cap,
+                table.acc,
+                table.width,
                 n_accs,
                 sorted.id_at(0),
                 m,

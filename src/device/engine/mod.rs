@@ -514,6 +514,29 @@ impl TopKEngine {
         Ok(())
     }
 
+    /// Sets the 8-byte word at `dst + i · pitch` to all ones for each i below `count` (one
+    /// column of a table of rows `pitch` bytes apart).
+    fn memset_words_ones(&self, dst: u64, pitch: usize, count: usize) -> GpuResult<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        self.device.context.bind_to_thread()?;
+        // SAFETY: the `count` rows of `pitch` bytes from dst lie in a live buffer of this
+        // engine, used on this stream; each row's first 8 bytes are set (two 32-bit words).
+        unsafe {
+            cudarc::driver::sys::cuMemsetD2D32Async(
+                dst,
+                pitch,
+                u32::MAX,
+                2,
+                count,
+                self.stream.cu_stream(),
+            )
+        }
+        .result()?;
+        Ok(())
+    }
+
     fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> GpuResult<()> {
         if bytes == 0 {
             return Ok(());

@@ -92,8 +92,9 @@ impl TopKEngine {
             0,
             args![
                 table.slots.ptr(),
-                table.acc.ptr(),
+                table.acc,
                 cap,
+                table.width,
                 desc.ptr(),
                 n as u32,
                 out.ptr(),
