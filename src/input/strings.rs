@@ -211,7 +211,9 @@ pub(super) fn derive_prefix_words(chunks: &[ArrayRef]) -> GpuResult<Vec<u8>> {
 
 /// [`crate::keys::short_bytes`] over every chunk (`None` where any is not short, or there are
 /// none), on up to one thread a core; each dictionary's entries are read once however many
-/// chunks share them.
+/// chunks share them. Where some value is longer but the column's distinct values have
+/// distinct prefix words ([`crate::keys::distinct_prefixes`], over all chunks together), a
+/// whole prefix word: its field is exact all the same.
 pub(crate) fn short_chunks(chunks: &[ArrayRef]) -> Option<u32> {
     let mut seen = std::collections::HashSet::new();
     let mut pieces: Vec<ArrayRef> = Vec::new();
@@ -231,8 +233,21 @@ pub(crate) fn short_chunks(chunks: &[ArrayRef]) -> Option<u32> {
     if pieces.is_empty() {
         return None;
     }
-    let longest = on_cores(pieces, |piece| Ok(crate::keys::short_bytes(piece.as_ref()))).ok()?;
-    longest.into_iter().try_fold(0, |a, b| Some(a.max(b?)))
+    let longest = on_cores(pieces.clone(), |piece| {
+        Ok(crate::keys::short_bytes(piece.as_ref()))
+    })
+    .ok()?;
+    if let Some(longest) = longest.into_iter().try_fold(0, |a, b| Some(a.max(b?))) {
+        return Some(longest);
+    }
+    let distinct = on_cores(pieces, |piece| {
+        Ok(crate::keys::distinct_prefixes(piece.as_ref()))
+    })
+    .ok()?;
+    let mut distinct = distinct.into_iter();
+    let first = distinct.next()??;
+    distinct.try_fold(first, |all, piece| all.merge(piece?))?;
+    Some(crate::keys::PREFIX_WORD_BYTES as u32)
 }
 
 #[cfg(test)]
@@ -255,7 +270,8 @@ mod tests {
     }
 
     /// [`short_chunks`] is [`crate::keys::short_bytes`] over all chunks: the longest where
-    /// every chunk is short, `None` where one is not or there are none.
+    /// every chunk is short; else a whole prefix word where the distinct values' prefix words
+    /// tell them apart across all chunks; `None` where they do not or there are no chunks.
     #[test]
     fn short_chunks_are_short_bytes_of_all() {
         use datafusion::arrow::array::{DictionaryArray, StringArray};
@@ -274,9 +290,25 @@ mod tests {
             dictionary.slice(1, 1),
         ];
         assert_eq!(short_chunks(&mixed), Some(8));
+        // Long values whose prefix words differ: a ship instruction's.
         let long = [short[0].clone(), strings(&[Some("abcdefghijklmnopq")])];
-        assert_eq!(short_chunks(&long), None);
-        assert_eq!(short_chunks(&[strings(&[Some("a\0")])]), None);
+        assert_eq!(short_chunks(&long), Some(16));
+        assert_eq!(short_chunks(&[strings(&[Some("a\0")])]), Some(16));
+        // Two values under one prefix word, in one chunk or in two.
+        let shared = |a: &str, b: &str| [strings(&[Some(a), Some("ab")]), strings(&[Some(b)])];
+        assert_eq!(
+            short_chunks(&shared("abcdefghijklmnopq", "abcdefghijklmnopr")),
+            None
+        );
+        assert_eq!(short_chunks(&shared("a", "a\0")), None);
+        assert_eq!(short_chunks(&[strings(&[Some("a"), Some("a\0")])]), None);
+        // Too many distinct values to keep.
+        let many: Vec<String> = (0..=crate::keys::MAX_DISTINCT_PREFIXES)
+            .map(|i| format!("{i:05}-{}", "x".repeat(15)))
+            .collect();
+        let many: ArrayRef = Arc::new(StringArray::from_iter_values(many));
+        assert_eq!(short_chunks(&[many.slice(0, 10), many.clone()]), None);
+        assert_eq!(short_chunks(&[many.slice(0, 10)]), Some(16));
         assert_eq!(short_chunks(&[]), None);
     }
 

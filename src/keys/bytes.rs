@@ -16,6 +16,70 @@ pub(crate) fn has_prefix_words(data_type: &DataType) -> bool {
     bytes_type(data_type)
 }
 
+/// The most distinct values [`distinct_prefixes`] keeps: a key with more is not worth the
+/// memory, and its prefixes rarely tell all its values apart.
+pub(crate) const MAX_DISTINCT_PREFIXES: usize = 1 << 12;
+
+/// Each distinct value of a string or binary column (or a dictionary's entries) under its
+/// zero-padded prefix word, where no two distinct values share one (then comparing prefix
+/// words orders the values as comparing their bytes does, and equal words mean equal values,
+/// however long the values are); `None` where two do, where there are more than
+/// [`MAX_DISTINCT_PREFIXES`], and for other types. NULL slots are not looked at.
+pub(crate) fn distinct_prefixes(array: &dyn Array) -> Option<DistinctPrefixes> {
+    fn distinct<'a, V: AsRef<[u8]> + ?Sized + 'a>(
+        values: impl Iterator<Item = Option<&'a V>>,
+    ) -> Option<DistinctPrefixes> {
+        let mut seen = DistinctPrefixes::default();
+        for value in values.flatten() {
+            seen.insert(value.as_ref())?;
+        }
+        Some(seen)
+    }
+    use DataType::*;
+    match array.data_type() {
+        Utf8 => distinct(array.as_string::<i32>().iter()),
+        LargeUtf8 => distinct(array.as_string::<i64>().iter()),
+        Utf8View => distinct(array.as_string_view().iter()),
+        Binary => distinct(array.as_binary::<i32>().iter()),
+        LargeBinary => distinct(array.as_binary::<i64>().iter()),
+        BinaryView => distinct(array.as_binary_view().iter()),
+        Dictionary(..) => distinct_prefixes(array.as_any_dictionary().values().as_ref()),
+        _ => None,
+    }
+}
+
+/// Distinct values by their prefix words ([`distinct_prefixes`]).
+#[derive(Debug, Default)]
+pub(crate) struct DistinctPrefixes {
+    values: std::collections::HashMap<[u8; PREFIX_WORD_BYTES], Box<[u8]>>,
+}
+
+impl DistinctPrefixes {
+    /// Adds `value`; `None` where another value has its prefix word, or past
+    /// [`MAX_DISTINCT_PREFIXES`] values.
+    fn insert(&mut self, value: &[u8]) -> Option<()> {
+        let mut word = [0u8; PREFIX_WORD_BYTES];
+        let n = value.len().min(PREFIX_WORD_BYTES);
+        word[..n].copy_from_slice(&value[..n]);
+        match self.values.get(&word) {
+            Some(held) => (held.as_ref() == value).then_some(()),
+            None if self.values.len() >= MAX_DISTINCT_PREFIXES => None,
+            None => {
+                self.values.insert(word, value.into());
+                Some(())
+            }
+        }
+    }
+
+    /// Both sets' values, where they still tell every value apart.
+    pub(crate) fn merge(mut self, other: DistinctPrefixes) -> Option<DistinctPrefixes> {
+        for value in other.values.into_values() {
+            self.insert(&value)?;
+        }
+        Some(self)
+    }
+}
+
 /// The longest value of a string or binary column (or a dictionary of them), where every
 /// value is at most [`MAX_PREFIX_BYTES`] long and none ends in a zero byte: then a value's
 /// zero-padded prefix word is the value itself, equal words meaning equal values. `None`

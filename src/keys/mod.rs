@@ -63,7 +63,10 @@
 //! A byte key whose values are all short is exact after all: where every value of a column is
 //! at most 16 bytes and none ends in a zero byte ([`short_bytes`], known for an in-memory
 //! table at planning), its zero-padded prefix is the whole value, and
-//! [`KeyLayout::with_short_bytes`] lays it out as a field of all its bytes.
+//! [`KeyLayout::with_short_bytes`] lays it out as a field of all its bytes. So is one of few
+//! distinct values, however long, whose prefix words tell them all apart
+//! ([`distinct_prefixes`]: a ship instruction, a country's name): equal words then mean equal
+//! values, and the words' order is the values'.
 //!
 //! One file each: `spec` (a key's type and ordering), `layout` (where each field lies),
 //! `encode` (the column encoder and the batch's composites), `fixed` (fixed-width value bits),
@@ -84,8 +87,11 @@ mod tests;
 
 pub use crate::device::plan::{KeyWidth, Native};
 pub use crate::device::u256::U256;
+#[cfg(test)]
+pub(crate) use bytes::MAX_DISTINCT_PREFIXES;
 pub(crate) use bytes::{
-    PREFIX_WORD_BYTES, has_prefix_words, prefix_words, short_bytes, write_prefix_words,
+    PREFIX_WORD_BYTES, distinct_prefixes, has_prefix_words, prefix_words, short_bytes,
+    write_prefix_words,
 };
 pub use encode::EncodedKeys;
 #[cfg(test)]

@@ -198,7 +198,11 @@ async fn the_lineitem_tie_matches_datafusion() {
 /// With the device selecting (CUDA forced, on a GPU): a tie of a quarter of the table's rows
 /// takes the CPU path after the device's selection (`tie_fallbacks`, no device error), and
 /// the seven rows tying the k-th's prefix of [`SMALL_TIE_QUERY`] are ranked on the host; both
-/// give DataFusion's rows, twice (the second run from the column cache).
+/// give DataFusion's rows, three times (the later runs from the column cache). Once an
+/// in-memory table's ship instructions and modes are cached (the instructions by the first
+/// run, the modes by the second, which reads them once the instructions are exact), their
+/// prefix words tell their values apart: the keys are exact, the next keys rank their ties on
+/// the device, and at most a few rows are refined.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn large_prefix_ties_leave_the_device_and_small_ones_do_not() {
     use datafusion_gpu_topk::internal::device::{GpuStatus, gpu_status};
@@ -210,12 +214,22 @@ async fn large_prefix_ties_leave_the_device_and_small_ones_do_not() {
     let dir = test_dir("ties-device");
     for storage in [Storage::Memory, Storage::GpuTable, Storage::Parquet] {
         let (ours, plain) = cuda_and_plain(&data, storage, &dir).await;
-        for round in 0..2 {
+        for round in 0..3 {
             let what = format!("{storage:?}, round {round}");
             let plan = same_rows(&ours, &plain, LINEITEM_QUERY, &what).await;
             assert!(plan.contains("backend=cuda"), "{what}: {plan}");
             assert_eq!(metric(&plan, "gpu_fallbacks"), 0, "{what}: {plan}");
-            assert_eq!(metric(&plan, "tie_fallbacks"), 1, "{what}: {plan}");
+            match (round, storage) {
+                (2, Storage::Memory | Storage::GpuTable) => {
+                    assert_eq!(metric(&plan, "tie_fallbacks"), 0, "{what}: {plan}");
+                    assert!(metric(&plan, "rows_refined") < 16, "{what}: {plan}");
+                }
+                (0, _) | (_, Storage::Parquet) => {
+                    assert_eq!(metric(&plan, "tie_fallbacks"), 1, "{what}: {plan}");
+                }
+                // The modes are loaded by this run: its plan could not count on them.
+                _ => {}
+            }
             let plan = same_rows(&ours, &plain, SMALL_TIE_QUERY, &what).await;
             assert_eq!(metric(&plan, "gpu_fallbacks"), 0, "{what}: {plan}");
             assert_eq!(metric(&plan, "tie_fallbacks"), 0, "{what}: {plan}");

@@ -552,7 +552,13 @@ impl TopKEngine {
             self.grid_for(cap, 4),
             AGG_THREADS,
             0,
-            args![table.slots.ptr(), cap, table.width, dense.ptr(), count.ptr()],
+            args![
+                table.slots.ptr(),
+                cap,
+                table.width,
+                dense.ptr(),
+                count.ptr()
+            ],
         )?;
         let (dense, ranked) = match call.having {
             None => (dense, groups),
