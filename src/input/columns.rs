@@ -449,6 +449,67 @@ pub(crate) fn plan_resident_share(
     Some(device.map_or(0.0, |d| resident_share(d, &inputs)))
 }
 
+/// The layout of `specs`, the keys `sort_exprs` of the whole table `input`: byte keys whose
+/// prefix images the device holds, with every value short enough to be its own prefix word
+/// (or values told apart by their prefix words), are laid out whole, and the keys after them
+/// then rank their ties on the device ([`resident_short_bytes`]).
+pub(crate) fn resident_layout(
+    input: &Arc<dyn datafusion::physical_plan::ExecutionPlan>,
+    sort_exprs: &datafusion::physical_expr::LexOrdering,
+    specs: Vec<crate::keys::KeySpec>,
+    slot: Option<crate::device::DeviceSlot>,
+) -> std::result::Result<crate::keys::KeyLayout, String> {
+    let byte_columns = byte_key_columns(sort_exprs, &specs);
+    let short = match byte_columns.iter().any(Option::is_some) {
+        true => resident_short_bytes(input, &byte_columns, slot),
+        false => Vec::new(),
+    };
+    crate::keys::KeyLayout::with_known_bytes(specs, &short)
+}
+
+/// Per sort key: the input column of a byte key that is a plain column, else `None`.
+fn byte_key_columns(
+    sort_exprs: &datafusion::physical_expr::LexOrdering,
+    specs: &[crate::keys::KeySpec],
+) -> Vec<Option<usize>> {
+    use datafusion::physical_expr::expressions::Column;
+    (sort_exprs.iter().zip(specs))
+        .map(|(sort, spec)| {
+            let column = sort.expr.downcast_ref::<Column>()?;
+            spec.by_bytes().then(|| column.index())
+        })
+        .collect()
+}
+
+/// What a prefix layout's warm-up loads besides its program's columns: every sort key that is
+/// a plain column, a byte key as its prefix image, so that the next plan learns which byte
+/// keys are exact (and reads the keys after them) at once; `None` where the layout is exact
+/// or no key is a byte column.
+pub(crate) fn key_columns_program(
+    sort_exprs: &datafusion::physical_expr::LexOrdering,
+    layout: &crate::keys::KeyLayout,
+) -> Option<FusedProgram> {
+    use datafusion::physical_expr::expressions::Column;
+    let byte_columns = byte_key_columns(sort_exprs, layout.specs());
+    if layout.exact() || byte_columns.iter().all(Option::is_none) {
+        return None;
+    }
+    let inputs = (sort_exprs.iter().zip(&byte_columns))
+        .filter_map(|(sort, bytes)| match bytes {
+            Some(c) => Some(fusion::KernelInput::StringPrefix(*c)),
+            None => Some(fusion::KernelInput::Column(
+                sort.expr.downcast_ref::<Column>()?.index(),
+            )),
+        })
+        .collect();
+    Some(FusedProgram {
+        source: String::new(),
+        inputs,
+        key_kind: crate::device::KeyWidth::W64,
+        refines: false,
+    })
+}
+
 /// Per entry of `columns` (input column indices, `None` for keys that are no column): where
 /// `input` is an in-memory table whose column the device's column cache holds as a prefix
 /// image of values short enough to be their own prefix words, the longest value
@@ -568,5 +629,62 @@ impl Drop for Reserved<'_> {
         if self.bytes > 0 {
             self.device.column_cache.unreserve(self.bytes);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use datafusion::arrow::datatypes::DataType;
+    use datafusion::physical_expr::expressions::{Column, lit};
+    use datafusion::physical_expr::{LexOrdering, PhysicalSortExpr};
+
+    use super::key_columns_program;
+    use crate::fusion::KernelInput;
+    use crate::keys::{KeyLayout, KeySpec};
+
+    fn spec(data_type: DataType) -> KeySpec {
+        KeySpec {
+            data_type,
+            descending: false,
+            nulls_first: false,
+            nullable: true,
+        }
+    }
+
+    /// A prefix layout's warm-up reads every plain-column key, byte keys as prefix images; an
+    /// exact layout, or one without byte keys, adds nothing.
+    #[test]
+    fn a_prefix_layouts_warm_up_reads_every_key_column() {
+        let sort = |exprs: Vec<Arc<dyn datafusion::physical_expr::PhysicalExpr>>| {
+            LexOrdering::new(exprs.into_iter().map(PhysicalSortExpr::new_default)).unwrap()
+        };
+        let keys = sort(vec![
+            Arc::new(Column::new("instr", 2)),
+            Arc::new(Column::new("mode", 3)),
+            lit(1i64),
+            Arc::new(Column::new("okey", 0)),
+        ]);
+        let specs = vec![
+            spec(DataType::Utf8),
+            spec(DataType::Utf8),
+            spec(DataType::Int64),
+            spec(DataType::Int64),
+        ];
+        let layout = KeyLayout::with_prefixes(specs).unwrap();
+        assert!(!layout.exact());
+        let program = key_columns_program(&keys, &layout).unwrap();
+        assert_eq!(
+            program.inputs,
+            [
+                KernelInput::StringPrefix(2),
+                KernelInput::StringPrefix(3),
+                KernelInput::Column(0),
+            ]
+        );
+        let fixed = sort(vec![Arc::new(Column::new("okey", 0))]);
+        let exact = KeyLayout::with_prefixes(vec![spec(DataType::Int64)]).unwrap();
+        assert_eq!(key_columns_program(&fixed, &exact), None);
     }
 }

@@ -2,7 +2,6 @@
 
 use datafusion::arrow::row::RowConverter;
 use datafusion::physical_expr::LexOrdering;
-use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
 use crate::config::GpuTopKConfig;
@@ -38,20 +37,16 @@ pub(super) fn build_top_k(
     let input_schema = absorbed.input.schema();
     let specs = key_specs(&absorbed.sort_exprs, &input_schema).or_else(because)?;
     let cached = config.column_cache && crate::input::is_whole_table(&absorbed.input);
-    // Byte keys of a table whose prefix images the device holds, with every value short
-    // enough to be its own prefix word, are laid out whole: the keys after them then rank
-    // their ties on the device.
-    let byte_columns: Vec<Option<usize>> = (absorbed.sort_exprs.iter().zip(&specs))
-        .map(|(sort, spec)| {
-            let column = sort.expr.downcast_ref::<Column>()?;
-            spec.by_bytes().then(|| column.index())
-        })
-        .collect();
-    let short = match cached && byte_columns.iter().any(Option::is_some) {
-        true => crate::input::columns::resident_short_bytes(&absorbed.input, &byte_columns, device),
-        false => Vec::new(),
-    };
-    let layout = KeyLayout::with_known_bytes(specs, &short).or_else(because)?;
+    let layout = match cached {
+        true => crate::input::columns::resident_layout(
+            &absorbed.input,
+            &absorbed.sort_exprs,
+            specs,
+            device,
+        ),
+        false => KeyLayout::with_prefixes(specs),
+    }
+    .or_else(because)?;
     if !layout.exact() && !RowConverter::supports_fields(&layout.sort_fields()) {
         return because("the sort keys have no row format to compare them in full");
     }

@@ -704,7 +704,7 @@ impl TopKEngine {
     /// [`upload_pairs`](Self::upload_pairs) with the ids given as their little-endian bytes.
     pub fn upload_pair_bytes(&mut self, keys: &[u8], id_bytes: &[u8]) -> GpuResult<DevicePairs> {
         let n = id_bytes.len() / 8;
-        if keys.len() != n * self.kind.key_bytes() || id_bytes.len() % 8 != 0 {
+        if keys.len() != n * self.kind.key_bytes() || !id_bytes.len().is_multiple_of(8) {
             return Err(GpuError(format!(
                 "{} key bytes and {} id bytes for {:?} keys",
                 keys.len(),

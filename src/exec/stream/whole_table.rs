@@ -143,9 +143,32 @@ impl TopKRun {
     /// ([`SelectionPlan::warm_up`]), or a first run over Parquet files that read only their
     /// first rows. One load at a time; a load that does not fit the budget,
     /// or fails, leaves the cache as it was.
+    ///
+    /// A prefix layout's byte keys may turn out exact once their prefix images are cached
+    /// ([`crate::input::columns::resident_layout`]), which changes the layout and the program:
+    /// every key column is loaded first, and the program of the layout the next run will plan
+    /// is the one compiled and loaded, so that run can take the device.
     pub(super) fn warm_up(&self) {
-        let Some(program) = self.spec.fusion.program.clone() else {
+        let Some(mut program) = self.spec.fusion.program.clone() else {
             return;
+        };
+        let keys =
+            crate::input::columns::key_columns_program(&self.spec.sort_exprs, &self.spec.layout);
+        let replan = {
+            let spec = &self.spec;
+            let (sort_exprs, filter) = (spec.sort_exprs.clone(), spec.filter.clone());
+            let (specs, layout) = (spec.layout.specs().to_vec(), spec.layout.clone());
+            let input = Arc::clone(&self.input);
+            let slot = spec.device;
+            move || -> Option<Arc<FusedProgram>> {
+                let next = crate::input::columns::resident_layout(&input, &sort_exprs, specs, slot)
+                    .ok()
+                    .filter(|next| *next != layout)?;
+                let schema = input.schema();
+                let fusion =
+                    crate::fusion::plan(filter.as_ref(), &sort_exprs, &next, &schema, true);
+                fusion.program
+            }
         };
         let input = Arc::clone(&self.input);
         let context = Arc::clone(&self.context);
@@ -153,6 +176,12 @@ impl TopKRun {
         CacheLoader::spawn(
             self.spec.device.unwrap_or_default(),
             move |loader| async move {
+                if let Some(keys) = &keys {
+                    match load_inputs(&input, &context, keys, &loader, on_device).await {
+                        Ok(()) => program = replan().unwrap_or(program),
+                        Err(e) => log::debug!("gpu-topk: the key columns were not loaded: {e}"),
+                    }
+                }
                 // The next run's plan counts a compile the program still needs.
                 if let Err(e) = loader.compile(&program) {
                     log::debug!("gpu-topk: the generated program did not compile: {e}");
