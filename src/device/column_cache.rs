@@ -110,8 +110,10 @@ pub(crate) struct CacheEntry {
     zones: OnceLock<Option<Arc<ChunkZones>>>,
     /// Set once their derivation started.
     deriving: AtomicBool,
-    /// A string column's prefix image: the longest value where every value is short enough
-    /// for its prefix word to be the value itself (`keys::short_bytes`), else `None`.
+    /// A string column's prefix image: the bytes of its prefix words that tell its values
+    /// apart exactly (`input::strings::short_chunks`: the longest value where every value is
+    /// its own prefix word, or a whole word where few distinct values differ within it), else
+    /// `None`.
     short_bytes: Option<u32>,
 }
 
