@@ -195,8 +195,8 @@ fn group_plan(
     })
 }
 
-/// [`crate::keys::short_bytes`] over every batch of an in-memory input's column `index`: the
-/// longest value where all are short enough to be exact in a composite (0 for no batches).
+/// [`crate::input::strings::short_chunks`] over every batch of an in-memory input's column
+/// `index`: the bytes of its prefix words that are exact in a composite (0 for no batches).
 fn short_column(memory: &crate::input::memory::MemoryInput<'_>, index: usize) -> Option<u32> {
     let column = *memory.columns.get(index)?;
     let chunks = (memory.batches())
