@@ -111,7 +111,7 @@ pub(crate) struct CacheEntry {
     /// Set once their derivation started.
     deriving: AtomicBool,
     /// A string column's prefix image: the bytes of its prefix words that tell its values
-    /// apart exactly (`input::strings::short_chunks`: the longest value where every value is
+    /// apart exactly (`input::strings::exact_prefix_bytes`: the longest value where every value is
     /// its own prefix word, or a whole word where few distinct values differ within it), else
     /// `None`.
     short_bytes: Option<u32>,

@@ -216,10 +216,10 @@ impl<'i, 'a> TableColumn<'i, 'a> {
 
     /// [`NewEntry::short_bytes`] of the column's image: for a prefix image of given chunks,
     /// the bytes of its prefix words that tell its values apart exactly
-    /// ([`super::strings::short_chunks`]; one more read of the values, on the cores).
+    /// ([`super::strings::exact_prefix_bytes`]; one more read of the values, on the cores).
     pub(crate) fn short_bytes(&self) -> Option<u32> {
         (self.input.image == ColumnImage::Prefix && self.input.given())
-            .then(|| super::strings::short_chunks(&self.input.chunks))
+            .then(|| super::strings::exact_prefix_bytes(&self.input.chunks))
             .flatten()
     }
 
@@ -514,7 +514,7 @@ pub(crate) fn key_columns_program(
 /// Per entry of `columns` (input column indices, `None` for keys that are no column): where
 /// `input` is an in-memory table whose column the device's column cache holds as a prefix
 /// image whose words tell its values apart, the bytes of the words that do
-/// ([`super::strings::short_chunks`]); else `None`. Planning reads it to lay out such a key
+/// ([`super::strings::exact_prefix_bytes`]); else `None`. Planning reads it to lay out such a key
 /// exactly;
 /// the column cache observes the lookups, so a plan made before the image was cached is
 /// replaced once it is.

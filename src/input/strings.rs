@@ -209,12 +209,9 @@ pub(super) fn derive_prefix_words(chunks: &[ArrayRef]) -> GpuResult<Vec<u8>> {
     Ok(bytes)
 }
 
-/// [`crate::keys::short_bytes`] over every chunk (`None` where any is not short, or there are
-/// none), on up to one thread a core; each dictionary's entries are read once however many
-/// chunks share them. Where some value is longer but the column's distinct values have
-/// distinct prefix words ([`crate::keys::distinct_prefixes`], over all chunks together), a
-/// whole prefix word: its field is exact all the same.
-pub(crate) fn short_chunks(chunks: &[ArrayRef]) -> Option<u32> {
+/// The chunks' values in pieces a thread each: each dictionary's entries once however many
+/// chunks share them, other chunks in slices of 2^20 rows.
+fn value_pieces(chunks: &[ArrayRef]) -> Vec<ArrayRef> {
     let mut seen = std::collections::HashSet::new();
     let mut pieces: Vec<ArrayRef> = Vec::new();
     for chunk in chunks {
@@ -230,15 +227,36 @@ pub(crate) fn short_chunks(chunks: &[ArrayRef]) -> Option<u32> {
             ),
         }
     }
+    pieces
+}
+
+/// [`crate::keys::short_bytes`] over every chunk (`None` where any is not short, or there are
+/// none), on up to one thread a core; each dictionary's entries are read once however many
+/// chunks share them.
+pub(crate) fn short_chunks(chunks: &[ArrayRef]) -> Option<u32> {
+    short_pieces(value_pieces(chunks))
+}
+
+fn short_pieces(pieces: Vec<ArrayRef>) -> Option<u32> {
     if pieces.is_empty() {
         return None;
     }
-    let longest = on_cores(pieces.clone(), |piece| {
-        Ok(crate::keys::short_bytes(piece.as_ref()))
-    })
-    .ok()?;
-    if let Some(longest) = longest.into_iter().try_fold(0, |a, b| Some(a.max(b?))) {
+    let longest = on_cores(pieces, |piece| Ok(crate::keys::short_bytes(piece.as_ref()))).ok()?;
+    longest.into_iter().try_fold(0, |a, b| Some(a.max(b?)))
+}
+
+/// The bytes of the chunks' prefix words that tell their values apart exactly: where every
+/// value is short, [`short_chunks`]; else, where the column's distinct values have distinct
+/// prefix words ([`crate::keys::distinct_prefixes`], over all chunks together), a whole
+/// prefix word, whose field is exact all the same; else `None`. The second test hashes every
+/// row of a column of few values: a column cache's image pays it once, not each plan.
+pub(crate) fn exact_prefix_bytes(chunks: &[ArrayRef]) -> Option<u32> {
+    let pieces = value_pieces(chunks);
+    if let Some(longest) = short_pieces(pieces.clone()) {
         return Some(longest);
+    }
+    if pieces.is_empty() {
+        return None;
     }
     let distinct = on_cores(pieces, |piece| {
         Ok(crate::keys::distinct_prefixes(piece.as_ref()))
@@ -270,8 +288,9 @@ mod tests {
     }
 
     /// [`short_chunks`] is [`crate::keys::short_bytes`] over all chunks: the longest where
-    /// every chunk is short; else a whole prefix word where the distinct values' prefix words
-    /// tell them apart across all chunks; `None` where they do not or there are no chunks.
+    /// every chunk is short, `None` where one is not or there are none. [`exact_prefix_bytes`]
+    /// is the same where all are short; else a whole prefix word where the distinct values'
+    /// prefix words tell them apart across all chunks, `None` where they do not.
     #[test]
     fn short_chunks_are_short_bytes_of_all() {
         use datafusion::arrow::array::{DictionaryArray, StringArray};
@@ -284,32 +303,40 @@ mod tests {
         );
         let short = [strings(&[Some("ab"), None]), strings(&[Some("abcde")])];
         assert_eq!(short_chunks(&short), Some(5));
+        assert_eq!(exact_prefix_bytes(&short), Some(5));
         let mixed = [
             short[0].clone(),
             Arc::clone(&dictionary),
             dictionary.slice(1, 1),
         ];
         assert_eq!(short_chunks(&mixed), Some(8));
+        assert_eq!(exact_prefix_bytes(&mixed), Some(8));
         // Long values whose prefix words differ: a ship instruction's.
         let long = [short[0].clone(), strings(&[Some("abcdefghijklmnopq")])];
-        assert_eq!(short_chunks(&long), Some(16));
-        assert_eq!(short_chunks(&[strings(&[Some("a\0")])]), Some(16));
+        assert_eq!(short_chunks(&long), None);
+        assert_eq!(exact_prefix_bytes(&long), Some(16));
+        assert_eq!(short_chunks(&[strings(&[Some("a\0")])]), None);
+        assert_eq!(exact_prefix_bytes(&[strings(&[Some("a\0")])]), Some(16));
         // Two values under one prefix word, in one chunk or in two.
         let shared = |a: &str, b: &str| [strings(&[Some(a), Some("ab")]), strings(&[Some(b)])];
         assert_eq!(
-            short_chunks(&shared("abcdefghijklmnopq", "abcdefghijklmnopr")),
+            exact_prefix_bytes(&shared("abcdefghijklmnopq", "abcdefghijklmnopr")),
             None
         );
-        assert_eq!(short_chunks(&shared("a", "a\0")), None);
-        assert_eq!(short_chunks(&[strings(&[Some("a"), Some("a\0")])]), None);
+        assert_eq!(exact_prefix_bytes(&shared("a", "a\0")), None);
+        assert_eq!(
+            exact_prefix_bytes(&[strings(&[Some("a"), Some("a\0")])]),
+            None
+        );
         // Too many distinct values to keep.
         let many: Vec<String> = (0..=crate::keys::MAX_DISTINCT_PREFIXES)
             .map(|i| format!("{i:05}-{}", "x".repeat(15)))
             .collect();
         let many: ArrayRef = Arc::new(StringArray::from_iter_values(many));
-        assert_eq!(short_chunks(&[many.slice(0, 10), many.clone()]), None);
-        assert_eq!(short_chunks(&[many.slice(0, 10)]), Some(16));
+        assert_eq!(exact_prefix_bytes(&[many.slice(0, 10), many.clone()]), None);
+        assert_eq!(exact_prefix_bytes(&[many.slice(0, 10)]), Some(16));
         assert_eq!(short_chunks(&[]), None);
+        assert_eq!(exact_prefix_bytes(&[]), None);
     }
 
     /// Prefix words derived in pieces over the cores are those of the whole chunks.

@@ -195,8 +195,10 @@ fn group_plan(
     })
 }
 
-/// [`crate::input::strings::short_chunks`] over every batch of an in-memory input's column
-/// `index`: the bytes of its prefix words that are exact in a composite (0 for no batches).
+/// [`crate::keys::short_bytes`] over every batch of an in-memory input's column `index`: the
+/// longest value where all are short enough to be exact in a composite (0 for no batches).
+/// (Long values told apart by their prefix words are exact too, but finding that out hashes
+/// every row: the column cache does it once per image, not each plan.)
 fn short_column(memory: &crate::input::memory::MemoryInput<'_>, index: usize) -> Option<u32> {
     let column = *memory.columns.get(index)?;
     let chunks = (memory.batches())
