@@ -26,24 +26,40 @@ pub(crate) const MAX_DISTINCT_PREFIXES: usize = 1 << 12;
 /// however long the values are); `None` where two do, where there are more than
 /// [`MAX_DISTINCT_PREFIXES`], and for other types. NULL slots are not looked at.
 pub(crate) fn distinct_prefixes(array: &dyn Array) -> Option<DistinctPrefixes> {
-    fn distinct<'a, V: AsRef<[u8]> + ?Sized + 'a>(
-        values: impl Iterator<Item = Option<&'a V>>,
-    ) -> Option<DistinctPrefixes> {
-        let mut seen = DistinctPrefixes::default();
-        for value in values.flatten() {
-            seen.insert(value.as_ref())?;
-        }
+    fold_values(array, DistinctPrefixes::default(), |mut seen, value| {
+        seen.insert(value)?;
         Some(seen)
+    })
+}
+
+/// `f` folded over the non-NULL values of a string or binary column (a dictionary's entries,
+/// all of them, used or not), from `init`; `None` where `f` gives `None`, and for other types.
+fn fold_values<T>(array: &dyn Array, init: T, f: impl FnMut(T, &[u8]) -> Option<T>) -> Option<T> {
+    match array.as_any_dictionary_opt() {
+        Some(dictionary) => fold_plain(dictionary.values().as_ref(), init, f),
+        None => fold_plain(array, init, f),
+    }
+}
+
+/// [`fold_values`] over a column that is not a dictionary.
+fn fold_plain<T>(array: &dyn Array, init: T, f: impl FnMut(T, &[u8]) -> Option<T>) -> Option<T> {
+    fn fold<'a, V: AsRef<[u8]> + ?Sized + 'a, T>(
+        values: impl Iterator<Item = Option<&'a V>>,
+        init: T,
+        mut f: impl FnMut(T, &[u8]) -> Option<T>,
+    ) -> Option<T> {
+        values
+            .flatten()
+            .try_fold(init, |acc, value| f(acc, value.as_ref()))
     }
     use DataType::*;
     match array.data_type() {
-        Utf8 => distinct(array.as_string::<i32>().iter()),
-        LargeUtf8 => distinct(array.as_string::<i64>().iter()),
-        Utf8View => distinct(array.as_string_view().iter()),
-        Binary => distinct(array.as_binary::<i32>().iter()),
-        LargeBinary => distinct(array.as_binary::<i64>().iter()),
-        BinaryView => distinct(array.as_binary_view().iter()),
-        Dictionary(..) => distinct_prefixes(array.as_any_dictionary().values().as_ref()),
+        Utf8 => fold(array.as_string::<i32>().iter(), init, f),
+        LargeUtf8 => fold(array.as_string::<i64>().iter(), init, f),
+        Utf8View => fold(array.as_string_view().iter(), init, f),
+        Binary => fold(array.as_binary::<i32>().iter(), init, f),
+        LargeBinary => fold(array.as_binary::<i64>().iter(), init, f),
+        BinaryView => fold(array.as_binary_view().iter(), init, f),
         _ => None,
     }
 }
@@ -86,30 +102,10 @@ impl DistinctPrefixes {
 /// otherwise, and for other types. NULL slots are not looked at; a dictionary's entries all
 /// are, used or not.
 pub(crate) fn short_bytes(array: &dyn Array) -> Option<u32> {
-    fn longest<'a, V: AsRef<[u8]> + ?Sized + 'a>(
-        values: impl Iterator<Item = Option<&'a V>>,
-    ) -> Option<u32> {
-        let mut longest = 0;
-        for value in values.flatten() {
-            let value = value.as_ref();
-            if value.len() > PREFIX_WORD_BYTES || value.last() == Some(&0) {
-                return None;
-            }
-            longest = longest.max(value.len());
-        }
-        Some(longest as u32)
-    }
-    use DataType::*;
-    match array.data_type() {
-        Utf8 => longest(array.as_string::<i32>().iter()),
-        LargeUtf8 => longest(array.as_string::<i64>().iter()),
-        Utf8View => longest(array.as_string_view().iter()),
-        Binary => longest(array.as_binary::<i32>().iter()),
-        LargeBinary => longest(array.as_binary::<i64>().iter()),
-        BinaryView => longest(array.as_binary_view().iter()),
-        Dictionary(..) => short_bytes(array.as_any_dictionary().values().as_ref()),
-        _ => None,
-    }
+    fold_values(array, 0u32, |longest, value| {
+        let short = value.len() <= PREFIX_WORD_BYTES && value.last() != Some(&0);
+        short.then(|| longest.max(value.len() as u32))
+    })
 }
 
 /// Each row's first [`MAX_PREFIX_BYTES`] bytes, zero-padded, as a big-endian `u128` (0 for a
