@@ -159,9 +159,16 @@ pub(crate) fn must_measure(
         return true;
     }
     let params = DeviceParams::read(device);
-    let dir = cache_dir.map(Path::to_path_buf).or_else(default_cache_dir);
-    let file = dir.map(|d| d.join(format!("calibration-{:032x}.txt", key(&params))));
-    file.is_none_or(|path| read_file(&path, &params).is_none())
+    calibration_file(cache_dir, &params).is_none_or(|path| read_file(&path, &params).is_none())
+}
+
+/// `<cache dir>/calibration-<key>.txt` for the device of `params` (the default cache directory
+/// where `cache_dir` is `None`; `None` where there is none).
+fn calibration_file(cache_dir: Option<&Path>, params: &DeviceParams) -> Option<PathBuf> {
+    let dir = cache_dir
+        .map(Path::to_path_buf)
+        .or_else(default_cache_dir)?;
+    Some(dir.join(format!("calibration-{:032x}.txt", key(params))))
 }
 
 /// The device's calibration: from memory, else the disk cache, else measured now (and
@@ -172,16 +179,13 @@ pub fn calibration(
     recalibrate: bool,
 ) -> GpuResult<Arc<Calibration>> {
     let mut held = CALIBRATION.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = cache_dir.map(Path::to_path_buf).or_else(default_cache_dir);
     if let Some(cached) = held.as_ref()
         && (!recalibrate || cached.recalibrated)
     {
         return cached.calibration.clone();
     }
     let params = DeviceParams::read(device);
-    let file = dir
-        .as_ref()
-        .map(|d| d.join(format!("calibration-{:032x}.txt", key(&params))));
+    let file = calibration_file(cache_dir, &params);
     if !recalibrate
         && let Some(path) = &file
         && let Some(mut calibration) = read_file(path, &params)
@@ -199,15 +203,12 @@ pub fn calibration(
     // The CPU selector's rate is the host's CPU calibration's, measured once for both, on
     // other cores while the device is measured: neither waits for the other.
     let (cpu_rows_per_s, measured) = std::thread::scope(|scope| {
-        let cpu = scope.spawn(|| cpu::cpu_rates(dir.as_deref()).topk_rows_per_s);
+        let cpu = scope.spawn(|| cpu::cpu_rates(cache_dir).topk_rows_per_s);
         let measured = measure(device, &params);
         (cpu.join(), measured)
     });
     let cpu_rows_per_s = cpu_rows_per_s.unwrap_or(cpu::FALLBACK.0);
-    let (model, references, spread) = match measured.map(|(mut model, references, spread)| {
-        model.machine.cpu_rows_per_s = cpu_rows_per_s;
-        (model, references, spread)
-    }) {
+    let (mut model, references, spread) = match measured {
         Ok(measured) => measured,
         Err(e) => {
             let e = GpuError(format!("the calibration failed: {e}"));
@@ -219,6 +220,7 @@ pub fn calibration(
             return Err(e);
         }
     };
+    model.machine.cpu_rows_per_s = cpu_rows_per_s;
     let mut calibration = Calibration {
         params,
         model,

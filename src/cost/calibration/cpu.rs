@@ -100,10 +100,18 @@ pub fn cpu_rates(cache_dir: Option<&Path>) -> CpuRates {
     if let Some(rates) = *held {
         return rates;
     }
-    let dir = cache_dir.map(Path::to_path_buf).or_else(default_cache_dir);
-    let rates = read_or_measure(dir.as_deref().map(|d| d.join(file_name())).as_deref());
+    let rates = read_or_measure(rates_file(cache_dir).as_deref());
     *held = Some(rates);
     rates
+}
+
+/// The rates' file in `cache_dir` (the default cache directory where `None`; `None` where
+/// there is none).
+fn rates_file(cache_dir: Option<&Path>) -> Option<PathBuf> {
+    let dir = cache_dir
+        .map(Path::to_path_buf)
+        .or_else(default_cache_dir)?;
+    Some(dir.join(file_name()))
 }
 
 /// Whether [`cpu_rates`] would measure the host now: neither this process nor the file in
@@ -112,8 +120,7 @@ pub(crate) fn must_measure(cache_dir: Option<&Path>) -> bool {
     if RATES.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
         return false;
     }
-    let dir = cache_dir.map(Path::to_path_buf).or_else(default_cache_dir);
-    dir.is_none_or(|d| read_file(&d.join(file_name()), cpu_cores()).is_none())
+    rates_file(cache_dir).is_none_or(|path| read_file(&path, cpu_cores()).is_none())
 }
 
 /// The rates in the file at `path`, else measured (and written there).
@@ -179,14 +186,6 @@ pub(crate) const FALLBACK: (f64, f64, f64, f64) = (100e6, 5e6, 10e6, 5e6);
 /// Each rate on one core. With cores to spare, the four measurements run at once, one a
 /// core: the first query of a fresh host waits for the slowest, not the sum.
 fn measure(cores: usize) -> CpuRates {
-    let measurements = || {
-        (
-            topk_rows_per_second(),
-            group_rows_per_second(),
-            aggregate_rows_per_second(FEW_GROUPS),
-            aggregate_rows_per_second(MANY_GROUPS),
-        )
-    };
     let (topk, group, few, many) = if cores >= 8 {
         std::thread::scope(|s| {
             let topk = s.spawn(topk_rows_per_second);
@@ -198,7 +197,12 @@ fn measure(cores: usize) -> CpuRates {
             (joined(topk), joined(group), joined(few), many)
         })
     } else {
-        measurements()
+        (
+            topk_rows_per_second(),
+            group_rows_per_second(),
+            aggregate_rows_per_second(FEW_GROUPS),
+            aggregate_rows_per_second(MANY_GROUPS),
+        )
     };
     CpuRates {
         topk_rows_per_s: topk.unwrap_or(FALLBACK.0),
