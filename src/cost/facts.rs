@@ -105,7 +105,7 @@ impl DeviceFacts {
         let measuring = (needs.calibration
             && calibration::must_measure(device, dir, settings.recalibrate))
             || (needs.cpu && cpu::must_measure(dir));
-        let compile = program.filter(|(source, _)| measuring && !device.has_program(source));
+        let compile = program.filter(|(source, _)| measuring && !device.compiled(source));
         let (calibration, cpu) = std::thread::scope(|scope| {
             let compiling = compile.map(|(source, entry)| {
                 log::info!("compiling a generated program while calibrating");

@@ -273,12 +273,6 @@ impl GpuDevice {
         Ok((kernel, took))
     }
 
-    /// [`has_generated_kernel`](Self::has_generated_kernel), unobserved: whether running the
-    /// program compiles nothing.
-    pub(crate) fn has_program(&self, source: &str) -> bool {
-        self.compiled(source)
-    }
-
     /// Whether the generated program with this source is loaded in this process, or its
     /// CUBIN is in the disk cache: running it then compiles nothing.
     pub(crate) fn has_generated_kernel(&self, source: &str) -> bool {
@@ -288,7 +282,7 @@ impl GpuDevice {
     }
 
     /// [`has_generated_kernel`](Self::has_generated_kernel), unobserved.
-    fn compiled(&self, source: &str) -> bool {
+    pub(crate) fn compiled(&self, source: &str) -> bool {
         let entry = {
             let loaded = self.generated.lock().unwrap_or_else(|e| e.into_inner());
             loaded.get(source).cloned()
