@@ -45,7 +45,7 @@ pub use engine::{
     AggregateHaving, AggregateOp, AggregateOrder, AggregateReport, AggregateTopK, DeviceColumns,
     DevicePairs, EncodedChunk, EncodedColumn, EncodedPage, FusedReport, GROUP_SAMPLE, GatherColumn,
     GroupAlgorithm, GroupRanking, GroupSpec, HavingColumn, HostColumn, KeptPiece, KeptRows, RankBy,
-    TopKEngine, aggregate_top_k_host,
+    TopKEngine, agg_slot_width, aggregate_top_k_host,
 };
 pub use kernels::{GeneratedKernel, Kernels};
 pub(crate) use memory::{BufferPool, PinnedPool, PooledBuffer};

@@ -14,7 +14,7 @@ use crate::config::Backend;
 use crate::cost::calibration::cpu::CpuRates;
 use crate::cost::facts::{DeviceFacts, Needs, StartFacts};
 use crate::cost::model::{Case, CostModel};
-use crate::device::{DeviceAlgorithm, DeviceSlot, KeyWidth};
+use crate::device::{DeviceAlgorithm, DeviceSlot, KeyWidth, agg_slot_width};
 
 /// What the planner knows of a top-k over an aggregate.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -207,8 +207,7 @@ fn device_seconds(model: &CostModel, estimate: &AggregateEstimate) -> (DeviceAlg
     let row_bytes = estimate.table.bytes_per_row;
     let shipped = (rows * row_bytes) as f64 * (1.0 - estimate.table.resident);
     let slots = (4 * groups.max(1)).next_power_of_two();
-    // A slot's words, a power of two (the device's layout, aggregate.cuh).
-    let slot_bytes = 8 * (estimate.keys + 1 + estimate.accumulators.max(1)).next_power_of_two();
+    let slot_bytes = 8 * agg_slot_width(estimate.keys, estimate.accumulators);
     let aggregate = model.aggregate_time((rows, row_bytes), (slots, slot_bytes), groups, kind);
     let k = estimate.k.min(groups);
     let (selection, select) = match k {

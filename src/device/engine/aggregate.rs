@@ -343,7 +343,7 @@ fn rank_bits(
 
 /// The first table's slots for `estimate` groups of `rows` rows: four times the estimate, a
 /// power of two, never more than a table that cannot fill.
-fn table_slots(estimate: usize, rows: usize) -> usize {
+fn agg_table_slots(estimate: usize, rows: usize) -> usize {
     let most = (2 * rows.max(1)).next_power_of_two().max(AGG_MIN_SLOTS);
     (4 * estimate.max(1))
         .next_power_of_two()
@@ -388,7 +388,7 @@ struct AggTable {
 
 /// Words per slot for `kw` key words and `accumulators` accumulators: a power of two, so that
 /// no slot straddles two of the memory's 32-byte sectors more than it must.
-fn slot_width(kw: usize, accumulators: usize) -> usize {
+pub fn agg_slot_width(kw: usize, accumulators: usize) -> usize {
     (kw + 1 + accumulators.max(1)).next_power_of_two()
 }
 
@@ -417,7 +417,7 @@ impl TopKEngine {
         let spec = spec_bytes(call.keys, call.values, &plan);
         let spec_buffer = self.device.pool.alloc(spec.len(), &self.stream)?;
         self.upload_bytes(&spec, spec_buffer.ptr())?;
-        let mut cap = table_slots(call.groups_estimate, call.rows);
+        let mut cap = agg_table_slots(call.groups_estimate, call.rows);
         let timer = GpuTimer::start(&self.stream)?;
         let (table, groups) = loop {
             result.report.passes += 1;
@@ -470,7 +470,7 @@ impl TopKEngine {
         cap: usize,
     ) -> GpuResult<AggTable> {
         let kw = call.keys.len();
-        let width = slot_width(kw, plan.kinds.len());
+        let width = agg_slot_width(kw, plan.kinds.len());
         let slots = self.device.pool.alloc(cap * width * 8, &self.stream)?;
         self.memset_zero(slots.ptr(), cap * width * 8)?;
         let acc = slots.ptr() + (kw as u64 + 1) * 8;
@@ -781,9 +781,9 @@ mod tests {
 
     #[test]
     fn tables_hold_four_times_the_estimate_within_what_the_rows_can_fill() {
-        assert_eq!(table_slots(0, 10), AGG_MIN_SLOTS);
-        assert_eq!(table_slots(3000, 1 << 20), 16384);
-        assert_eq!(table_slots(1 << 30, 5000), 16384);
+        assert_eq!(agg_table_slots(0, 10), AGG_MIN_SLOTS);
+        assert_eq!(agg_table_slots(3000, 1 << 20), 16384);
+        assert_eq!(agg_table_slots(1 << 30, 5000), 16384);
         for u in [0, 1, 1 << 63, u64::MAX, 0x7ff0_0000_0000_0000 ^ (1 << 63)] {
             let f = f64_of_ordered(u);
             let b = f.to_bits();

@@ -230,7 +230,7 @@ pub use aggregate::{
     AGG_FILTERED_ENTRY, AGG_HAVING_ENTRY, AGG_MAX_ACCUMULATORS, AGG_MAX_KEYS, AGG_MAX_VALUES,
     AggValue, AggregateCall, AggregateColumn, AggregateDecline, AggregateFilter, AggregateGroup,
     AggregateHaving, AggregateOp, AggregateOrder, AggregateReport, AggregateTopK, DeviceColumns,
-    HavingColumn, HostColumn, RankBy, aggregate_top_k_host,
+    HavingColumn, HostColumn, RankBy, agg_slot_width, aggregate_top_k_host,
 };
 pub use fused::FusedReport;
 pub use groups::{
