@@ -6,8 +6,8 @@
 //                (aggregate.cuh's AggSpec), over every row; a generated program (src/fusion/
 //                aggregate.rs) runs the same pass over the rows its filter passes;
 //   agg_compact  the occupied slots' indices, dense (warp-aggregated appends);
-//   agg_rank     each dense group's ranking value as a composite key (the selectors' pairs),
-//                its slot as the row id;
+//   agg_rank     each dense group's ranking value (an accumulator, an average or a key) as
+//                a composite key (the selectors' pairs), its slot as the row id;
 //   agg_outputs  every slot's values of the aggregation's output columns (keys, accumulators
 //                decoded) with validity bitmaps, the columns a generated HAVING program
 //                (src/fusion/aggregate.rs) reads to drop groups before agg_rank;
@@ -41,6 +41,8 @@ template <int KW> __device__ void agg_compact(const u64 *slots, u64 cap, u64 wid
 #define AGG_RANK_ORDERED 3u
 #define AGG_RANK_AVG_I64 4u
 #define AGG_RANK_AVG_F64 5u
+// Key column `rank_acc` (its i64), NULL where the key is.
+#define AGG_RANK_KEY 6u
 // Rank flags.
 #define AGG_RANK_DESC 1u
 #define AGG_RANK_NULLS_FIRST 2u
@@ -78,14 +80,18 @@ __device__ void agg_rank(const u64 *slots, const u64 *acc, u64 width, const u64 
             agg_put(w, at, null ? 0ull : agg_ord_i64((i64)slot[j]), 64);
             if ((key_nullable >> j) & 1u) agg_put(w, at, null ? 1ull : 0ull, 1);
         }
-        const u64 a = acc[s * width + rank_acc];
-        const u64 count = count_acc == 0xffffffffu ? 1 : acc[s * width + count_acc];
+        const bool by_key = kind == AGG_RANK_KEY;
+        const u64 a = by_key ? slot[rank_acc] : acc[s * width + rank_acc];
+        const u64 count = by_key                    ? (u64)(((nulls >> rank_acc) & 1u) == 0)
+                          : count_acc == 0xffffffffu ? 1
+                                                     : acc[s * width + count_acc];
         const bool null = (flags & AGG_RANK_NULLABLE) && count == 0;
         u64 v = 0;
         if (!null) {
             switch (kind) {
             case AGG_RANK_U64: v = a; break;
-            case AGG_RANK_I64: v = agg_ord_i64((i64)a); break;
+            case AGG_RANK_I64:
+            case AGG_RANK_KEY: v = agg_ord_i64((i64)a); break;
             case AGG_RANK_F64: v = agg_ord_f64(__longlong_as_double((i64)a)); break;
             case AGG_RANK_ORDERED: v = a; break;
             case AGG_RANK_AVG_I64:

@@ -61,6 +61,9 @@
 // Rows a thread takes between two reads of the status word (one word every thread reads).
 #define AGG_STATUS_EVERY 8u
 
+// The spec's bounds (src/device/engine/aggregate.rs checks them).
+#define AGG_MAX_VALUES 4
+#define AGG_MAX_ACCS 8
 // Accumulator kinds (src/device/engine/aggregate.rs `AggregateOp::device_kind`).
 #define AGG_COUNT 0u
 #define AGG_SUM_I64 1u
@@ -168,10 +171,12 @@ __device__ __forceinline__ void agg_count(const AggTable &t, u32 a, u64 slot) {
 
 // COUNT where the lanes that reach the call together count their group's rows with one
 // atomic a group (`valid`: the row counts): a hot group (one user's many rows, a single group)
-// would otherwise serialise the warp's 32 atomics on one word.
+// would otherwise serialise the warp's 32 atomics on one word. Lanes match on the slot and the
+// accumulator: lanes at different accumulators of one row loop may reach this call together.
 __device__ __forceinline__ void agg_count_warp(const AggTable &t, u32 a, u64 slot, bool valid) {
     const u32 active = __activemask();
-    const u32 peers = __match_any_sync(active, valid ? slot : AGG_NO_SLOT);
+    const u64 word = slot * AGG_MAX_ACCS + a;
+    const u32 peers = __match_any_sync(active, valid ? word : AGG_NO_SLOT);
     if (valid && lane_id() == (u32)(__ffs(peers) - 1))
         atomicAdd((unsigned long long *)agg_at(t, a, slot), (unsigned long long)__popc(peers));
 }
@@ -237,9 +242,6 @@ __device__ __forceinline__ void agg_update(const AggTable &t, u32 a, u32 kind, u
 // ---- the pass over plain device columns -----------------------------------------------------
 
 #define AGG_THREADS 256
-// The spec's bounds (src/device/engine/aggregate.rs checks them).
-#define AGG_MAX_VALUES 4
-#define AGG_MAX_ACCS 8
 // An accumulator's kind: bits 0-7 (AGG_COUNT …, or AGG_SUM_I64_AS_F64: an i64 column summed
 // as f64, DataFusion's AVG of integers), its value column in bits 8-15 (0xff: none, COUNT(*)).
 #define AGG_SUM_I64_AS_F64 7u
@@ -265,11 +267,22 @@ struct AggAllRows {
     __device__ __forceinline__ bool operator()(u64) const { return true; }
 };
 
-// The pass over the spec's columns: each row that `pass(row)` keeps (a generated program's
-// filter, src/fusion/aggregate.rs, which flags AGG_STATUS_HOST where only the host can tell)
-// updates its group's accumulators.
-template <int KW, typename Pass>
-__device__ void agg_columns(const AggSpec *spec_in, u64 rows, const AggTable &t, Pass pass) {
+// values[c] without a run-time index, which would put the array in local memory.
+__device__ __forceinline__ u64 agg_pick(const u64 (&values)[AGG_MAX_VALUES], u32 c) {
+    u64 v = values[0];
+#pragma unroll
+    for (u32 j = 1; j < AGG_MAX_VALUES; ++j) v = c == j ? values[j] : v;
+    return v;
+}
+
+// The pass: every row that `row(i, spec, key, nulls, values, valid)` takes updates its group's
+// accumulators, as the spec's descriptors say. `row` says whether row i is aggregated and,
+// where it is, sets its key words (0 for a NULL key), their null mask (bit j: key j is NULL),
+// the value columns' 8 bytes and their validity (bit c: value c is not NULL). It reads the
+// spec's columns (agg_columns) or computes the keys and values itself (a generated program of
+// src/fusion/aggregate.rs, which may flag AGG_STATUS_HOST where only the host can tell).
+template <int KW, typename Row>
+__device__ void agg_rows(const AggSpec *spec_in, u64 rows, const AggTable &t, Row row) {
     __shared__ AggSpec spec;
     __shared__ u64 claims;
     if (threadIdx.x == 0) {
@@ -279,36 +292,53 @@ __device__ void agg_columns(const AggSpec *spec_in, u64 rows, const AggTable &t,
     __syncthreads();
     const u32 n_accs = (u32)spec.n_accs;
     u32 taken = 0;
-    for (u64 row = (u64)blockIdx.x * blockDim.x + threadIdx.x; row < rows; row += (u64)gridDim.x * blockDim.x) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < rows; i += (u64)gridDim.x * blockDim.x) {
         if (taken++ % AGG_STATUS_EVERY == 0 && agg_stopped(t)) break;
-        if (!pass(row)) continue;
         u64 key[KW];
         u32 nulls = 0;
-#pragma unroll
-        for (int j = 0; j < KW; ++j) {
-            const bool valid = agg_valid(spec.key_valid[j], spec.key_valid_offset[j], row);
-            key[j] = valid ? ((const u64 *)spec.key_values[j])[row] : 0;
-            nulls |= valid ? 0u : 1u << j;
-        }
+        u64 values[AGG_MAX_VALUES] = {};
+        u32 valid = 0;
+        if (!row(i, spec, key, nulls, values, valid)) continue;
         const u64 slot = agg_insert<KW>(t, key, nulls, &claims);
         if (slot == AGG_NO_SLOT) break;
         for (u32 a = 0; a < n_accs; ++a) {
             const u64 desc = spec.accs[a];
             u32 kind = (u32)(desc & 0xff);
             const u32 column = (u32)(desc >> 8) & 0xff;
-            u64 bits = 0;
-            bool valid = true;
-            if (column != AGG_NO_COLUMN) {
-                valid = agg_valid(spec.valid[column], spec.valid_offset[column], row);
-                if (valid) bits = ((const u64 *)spec.values[column])[row];
-            }
+            const bool ok = column == AGG_NO_COLUMN || ((valid >> column) & 1u);
+            u64 bits = column != AGG_NO_COLUMN && ok ? agg_pick(values, column) : 0;
             if (kind == AGG_SUM_I64_AS_F64) {
                 bits = (u64)__double_as_longlong(__ll2double_rn((i64)bits));
                 kind = AGG_SUM_F64;
             }
-            agg_update(t, a, kind, slot, bits, valid);
+            agg_update(t, a, kind, slot, bits, ok);
         }
     }
     __syncthreads();
     if (threadIdx.x == 0 && claims % AGG_CLAIM_BATCH != 0) agg_add_claims(t, claims % AGG_CLAIM_BATCH);
+}
+
+// The pass over the spec's columns (a value column's address is 0 where none is read): each
+// row that `pass(row)` keeps (a generated program's filter, src/fusion/aggregate.rs, which
+// flags AGG_STATUS_HOST where only the host can tell) updates its group's accumulators.
+template <int KW, typename Pass>
+__device__ void agg_columns(const AggSpec *spec_in, u64 rows, const AggTable &t, Pass pass) {
+    agg_rows<KW>(spec_in, rows, t,
+                 [&](u64 row, const AggSpec &spec, u64(&key)[KW], u32 &nulls, u64(&values)[AGG_MAX_VALUES],
+                     u32 &valid) {
+                     if (!pass(row)) return false;
+#pragma unroll
+                     for (int j = 0; j < KW; ++j) {
+                         const bool ok = agg_valid(spec.key_valid[j], spec.key_valid_offset[j], row);
+                         key[j] = ok ? ((const u64 *)spec.key_values[j])[row] : 0;
+                         nulls |= ok ? 0u : 1u << j;
+                     }
+#pragma unroll
+                     for (int c = 0; c < AGG_MAX_VALUES; ++c) {
+                         const bool ok = spec.values[c] != 0 && agg_valid(spec.valid[c], spec.valid_offset[c], row);
+                         values[c] = ok ? ((const u64 *)spec.values[c])[row] : 0;
+                         valid |= ok ? 1u << c : 0u;
+                     }
+                     return true;
+                 });
 }

@@ -34,6 +34,13 @@ __device__ __forceinline__ u64 sample_row(u64 j, u64 step) {
     return (j / SAMPLE_CLUSTER) * (SAMPLE_CLUSTER * step) + j % SAMPLE_CLUSTER;
 }
 
+// v - v.rem_euclid(step) (DataFusion's date_trunc by arithmetic), wrapping as its release build.
+__device__ __forceinline__ i64 trunc_step_i64(i64 v, i64 step) {
+    i64 r = v % step;
+    if (r < 0) r += step;
+    return (i64)((u64)v - (u64)r);
+}
+
 // ---- float arithmetic ------------------------------------------------------------------------
 
 __device__ __forceinline__ float quiet_f32(float a) { return __uint_as_float(__float_as_uint(a) | 0x00400000u); }

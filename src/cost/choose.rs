@@ -49,6 +49,20 @@ pub(crate) struct Estimate {
     pub pages: bool,
 }
 
+impl Estimate {
+    /// The estimate once the device's facts are gathered: a program that compiled meanwhile
+    /// (while the device calibrated, [`super::DeviceFacts::gather`]) costs no compile.
+    pub(crate) fn after_gather(mut self, program: Option<(&str, &str)>) -> Self {
+        if self.compile
+            && let Some((source, _)) = program
+            && crate::device::started_gpu().is_some_and(|d| d.compiled(source))
+        {
+            self.compile = false;
+        }
+        self
+    }
+}
+
 /// How much longer an upload from pageable host memory takes than one from pinned memory: the
 /// host copies into pinned staging first, overlapped with the transfer.
 const STAGED_TRANSFER: f64 = 1.1;
@@ -589,7 +603,7 @@ pub(crate) fn operator_seconds(
 }
 
 /// The generated program's compile, where the estimate says it has to be compiled.
-fn compile_seconds(last_compile: Option<Duration>, estimate: &Estimate) -> f64 {
+pub(super) fn compile_seconds(last_compile: Option<Duration>, estimate: &Estimate) -> f64 {
     if estimate.compile {
         last_compile.unwrap_or(COMPILE_ESTIMATE).as_secs_f64()
     } else {

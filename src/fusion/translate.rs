@@ -134,7 +134,7 @@ impl CType {
         format!("ord_{}({value})", self.suffix())
     }
 
-    fn is_float(self) -> bool {
+    pub(crate) fn is_float(self) -> bool {
         matches!(self, CType::F32 | CType::F64)
     }
 

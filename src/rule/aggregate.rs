@@ -55,7 +55,7 @@ use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMerge
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitioning};
 
 use super::absorb::{substitute_columns, substitute_ordering};
-use super::build::cost_settings;
+use super::build::{ASSUMED_STRING_ROW_BYTES, cost_settings};
 use super::{Declined, because};
 use crate::config::GpuTopKConfig;
 use crate::cost;
@@ -150,8 +150,16 @@ fn backend_of(
     let estimate = cost::AggregateEstimate {
         table: cost::Estimate {
             rows: Some(plan.rows),
-            bytes_per_row: 8 * program.inputs.len(),
-            compile: false,
+            bytes_per_row: (program.inputs.iter())
+                .map(|input| match input {
+                    // A string column read whole ships its row ends and bytes.
+                    crate::fusion::KernelInput::StringColumn(_) => ASSUMED_STRING_ROW_BYTES,
+                    _ => 8,
+                })
+                .sum(),
+            compile: (plan.pass.as_ref()).is_some_and(|p| {
+                crate::device::started_gpu().is_none_or(|d| !d.has_generated_kernel(&p.source))
+            }),
             resident: resident.unwrap_or(0.0),
             whole_table: resident.is_some(),
             decoded: false,
@@ -175,9 +183,13 @@ fn backend_of(
     };
     let choice = cost::aggregate_before_device(settings, &estimate, &start)
         .and_then(|needs| {
-            let filter = (plan.filter.as_ref())
+            let pass = (plan.pass.as_ref())
                 .map(|p| (p.source.as_str(), crate::device::AGG_FILTERED_ENTRY));
-            let device = cost::DeviceFacts::gather(settings, needs, filter);
+            let device = cost::DeviceFacts::gather(settings, needs, pass);
+            let estimate = cost::AggregateEstimate {
+                table: estimate.table.after_gather(pass),
+                ..estimate
+            };
             cost::choose_aggregate(settings, estimate, &device)
         })
         .map_err(&mut cpu)?;

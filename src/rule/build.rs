@@ -161,7 +161,7 @@ fn place_top_k(
         cost::Stage::Decided(placement) => placement,
         cost::Stage::Gather(needs) => {
             let device = cost::DeviceFacts::gather(settings, needs, program);
-            cost::choose(settings, layout, k, estimate, &device)
+            cost::choose(settings, layout, k, estimate.after_gather(program), &device)
         }
     }
 }
@@ -199,7 +199,7 @@ pub(super) fn key_specs(
 
 /// Device bytes assumed for a row of a string column read whole: its end offset and a
 /// string of average length.
-const ASSUMED_STRING_ROW_BYTES: usize = 8 + 32;
+pub(super) const ASSUMED_STRING_ROW_BYTES: usize = 8 + 32;
 
 /// What the cost model is told of the input: its rows (from the statistics, when they say),
 /// the bytes per row the operator moves to the device (the key columns' width, plus 8 for the

@@ -5,10 +5,11 @@
 //! further keys of each type the rule takes (`Int64`, `Timestamp(Microsecond)`, `Int32`,
 //! `Utf8`, `Date32`), NULLs, `Int64` values at times near the ends of the type (their sums
 //! wrap, as DataFusion's do), and `Float64` quarters (every sum exact in any order) with NaN.
-//! Random queries: one or two keys, `COUNT(*)`, `COUNT`, `SUM`, `MIN`, `MAX`, `AVG` and
-//! `COUNT(DISTINCT …)`, an order by an aggregate then the keys (a total order) or by the
-//! aggregate alone, `LIMIT` beyond the groups, `OFFSET`, `WHERE` and `HAVING` (some failing on
-//! a row or group), computed and reordered output columns.
+//! Random queries: one or two keys (a computed one among them), `COUNT(*)`, `COUNT`, `SUM`,
+//! `MIN`, `MAX`, `AVG` (of columns and of expressions) and `COUNT(DISTINCT …)`, an order by
+//! an aggregate then the keys (a total order) or by the aggregate alone, `LIMIT` beyond the
+//! groups, `OFFSET`, `WHERE` and `HAVING` (some failing on a row or group), computed and
+//! reordered output columns.
 //!
 //! Each answer must be DataFusion's: the same rows in the same order under a total order;
 //! where the order leaves ties, the same values of the order key in order, each row one of
@@ -211,9 +212,12 @@ impl Query {
     }
 }
 
-const KEYS: [&str; 9] = ["g", "g", "g", "h", "ts", "id", "i", "s", "d"];
+/// The keys: the device's first (every one but the string), computed ones among them.
+const KEYS: [&str; 10] = ["g", "g", "g", "h", "ts", "id", "i", "d", "g % 5", "s"];
+const DEVICE_KEYS: usize = 9;
 
-const AGGREGATES: [&str; 23] = [
+/// The aggregates: the device's first ([`DEVICE_AGGREGATES`] of them, but over `s`).
+const AGGREGATES: [&str; 29] = [
     "COUNT(*)",
     "COUNT(v)",
     "COUNT(w)",
@@ -233,11 +237,18 @@ const AGGREGATES: [&str; 23] = [
     "MAX(ts)",
     "AVG(v)",
     "AVG(f)",
+    "SUM(i)",
+    "MIN(i)",
+    "MAX(i)",
+    "AVG(i)",
+    "SUM(v * 2)",
+    "MAX(length(s))",
     "COUNT(DISTINCT v)",
     "COUNT(DISTINCT s)",
     "COUNT(DISTINCT f)",
     "COUNT(DISTINCT h)",
 ];
+const DEVICE_AGGREGATES: usize = 25;
 
 const FILTERS: [&str; 8] = [
     "v > 3",
@@ -301,8 +312,9 @@ fn rule_takes(aggregates: &[&str]) -> bool {
 }
 
 /// A random query of `t` (see the module documentation). Most are of the shapes the device
-/// path takes (over an in-memory table or `GpuTable`): `Int64` and timestamp keys, its
-/// aggregates, no `WHERE` or `HAVING`, ties ordered by the keys ascending or not at all.
+/// path takes (over an in-memory table or `GpuTable`): integer, date and timestamp keys, as
+/// columns or computed, its aggregates, no `WHERE` or `HAVING`, ties ordered by the keys
+/// ascending or not at all.
 fn random_query(rng: &mut Rng) -> Query {
     let device = rng.chance(0.6);
     let (keys, aggregates) = keys_and_aggregates(rng, device);
@@ -389,7 +401,7 @@ fn random_query(rng: &mut Rng) -> Query {
 /// One or two group keys and one to three aggregates (of the device's shapes where `device`).
 fn keys_and_aggregates(rng: &mut Rng, device: bool) -> (Vec<&'static str>, Vec<&'static str>) {
     let (key_set, aggregate_set): (&[&str], &[&str]) = match device {
-        true => (&KEYS[..6], &AGGREGATES[..19]),
+        true => (&KEYS[..DEVICE_KEYS], &AGGREGATES[..DEVICE_AGGREGATES]),
         false => (&KEYS, &AGGREGATES),
     };
     let mut keys = vec![pick(rng, key_set)];
@@ -403,9 +415,7 @@ fn keys_and_aggregates(rng: &mut Rng, device: bool) -> (Vec<&'static str>, Vec<&
     let count = 1 + rng.below(3) as usize;
     while aggregates.len() < count {
         let a = pick(rng, aggregate_set);
-        let device_takes = !["(s)", "(d)", "(ts)", "AVG(f)"]
-            .iter()
-            .any(|x| a.ends_with(x));
+        let device_takes = !a.ends_with("(s)");
         // A count of a key's distinct values is one a group: a different plan.
         let distinct_key =
             a.contains("DISTINCT") && keys.iter().any(|k| a.ends_with(&format!(" {k})")));

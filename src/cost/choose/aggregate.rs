@@ -6,10 +6,11 @@
 //! the CPU path runs and the columns are loaded into the column cache after it; where the CPU
 //! path ends before an unstarted device could start, the device is left alone. `cuda` takes
 //! the device whatever the times (a run without one falls back to DataFusion's plan), `cpu`
-//! never does.
+//! never does. A generated pass (a filter, computed keys or inputs) that is not compiled yet
+//! adds its compile to this run's device time, not to a warm one's.
 
 use super::groups::{Weighed, ends_before_start};
-use super::{Estimate, STAGED_TRANSFER, Settings, forced_cpu, format_seconds};
+use super::{Estimate, STAGED_TRANSFER, Settings, compile_seconds, forced_cpu, format_seconds};
 use crate::config::Backend;
 use crate::cost::calibration::cpu::CpuRates;
 use crate::cost::facts::{DeviceFacts, Needs, StartFacts};
@@ -155,9 +156,12 @@ pub(crate) fn choose_aggregate(
         .cpu
         .expect("aggregate_before_device asks for the CPU rates");
     let (selection, seconds) = device_seconds(&model, &estimate);
+    // A generated pass not compiled yet is compiled by this run, not by a warm one.
+    let seconds = seconds + compile_seconds(device.last_compile, &estimate.table);
     let warm = AggregateEstimate {
         table: Estimate {
             resident: 1.0,
+            compile: false,
             ..estimate.table
         },
         ..estimate

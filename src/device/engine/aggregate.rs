@@ -65,11 +65,27 @@ const AGG_NO_ACC: u32 = u32::MAX;
 /// A device column of 8-byte values (i64 or f64, by the operation that reads it): `values`
 /// the first row's address, `validity` an Arrow validity bitmap (0: no NULLs) whose row 0 is
 /// bit `validity_offset`.
+///
+/// Where a generated pass computes the keys and values ([`AggregateFilter`]), a column only
+/// says whether its values may be NULL ([`AggregateColumn::computed`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AggregateColumn {
     pub values: u64,
     pub validity: u64,
     pub validity_offset: u64,
+}
+
+impl AggregateColumn {
+    /// A key or value a generated pass computes, `nullable` or not: no address is read, and
+    /// a nonzero validity says that NULLs may occur (the NULL counts and the ranking's NULL
+    /// bits depend on it).
+    pub fn computed(nullable: bool) -> Self {
+        Self {
+            values: 0,
+            validity: u64::from(nullable),
+            validity_offset: 0,
+        }
+    }
 }
 
 /// An aggregate over the value column of the given index (none for `CountStar`).
@@ -130,14 +146,16 @@ impl AggregateOp {
     }
 }
 
-/// What ranks the groups: one of the call's ops, or an average: the quotient of a sum op and
+/// What ranks the groups: one of the call's ops, an average: the quotient of a sum op and
 /// a count op (`CountStar`, or the `Count` of the sum's column) as f64, DataFusion's
-/// `sum / count as f64`. DataFusion's AVG of integers sums them as f64: its sum op is
-/// `SumI64AsF64`; over `SumI64` the wrapped integer sum is divided.
+/// `sum / count as f64` (DataFusion's AVG of integers sums them as f64: its sum op is
+/// `SumI64AsF64`; over `SumI64` the wrapped integer sum is divided), or a group key column
+/// (as i64; NULL where the key is).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RankBy {
     Op(usize),
     Avg { sum: usize, count: usize },
+    Key(usize),
 }
 
 /// The groups' order: by `by`, descending or not, NULL ranking values first or last.
@@ -149,7 +167,8 @@ pub struct AggregateOrder {
 }
 
 /// A generated program's pass (src/fusion/aggregate.rs), run in place of `agg_columns` over
-/// the rows its filter passes: the kernel, and its inputs' arguments (four words an input).
+/// the rows its filter passes, reading the call's columns or computing the keys and values
+/// itself (`agg_rows`): the kernel, and its inputs' arguments (four words an input).
 /// A row only the host evaluates declines the call ([`AggregateDecline::HostOnlyRow`]).
 #[derive(Debug, Clone, Copy)]
 pub struct AggregateFilter<'a> {
@@ -282,9 +301,11 @@ impl AccumulatorPlan {
     }
 }
 
-/// How agg_rank encodes the ranking value: (kind, accumulator, count accumulator, nullable).
+/// How agg_rank encodes the ranking value: (kind, accumulator or key column, count
+/// accumulator, nullable).
 fn rank_encoding(
     order: AggregateOrder,
+    keys: &[AggregateColumn],
     ops: &[AggregateOp],
     plan: &AccumulatorPlan,
 ) -> GpuResult<(u32, u32, u32, bool)> {
@@ -323,6 +344,13 @@ fn rank_encoding(
             };
             Ok((kind, sum as u32, count as u32, nullable))
         }
+        RankBy::Key(j) => match keys.get(j) {
+            Some(key) => Ok((6, j as u32, AGG_NO_ACC, key.validity != 0)),
+            None => Err(GpuError(format!(
+                "the ranking reads key {j} of {}",
+                keys.len()
+            ))),
+        },
     }
 }
 
@@ -336,7 +364,7 @@ fn rank_bits(
 ) -> u32 {
     let key_bits: u32 = keys.iter().map(|c| 64 + u32::from(c.validity != 0)).sum();
     let nullable = AccumulatorPlan::new(values, ops)
-        .and_then(|plan| rank_encoding(order, ops, &plan))
+        .and_then(|plan| rank_encoding(order, keys, ops, &plan))
         .is_ok_and(|(_, _, _, nullable)| nullable);
     key_bits + 64 + u32::from(nullable)
 }
@@ -350,7 +378,8 @@ fn agg_table_slots(estimate: usize, rows: usize) -> usize {
         .clamp(AGG_MIN_SLOTS, most)
 }
 
-/// The agg_columns spec (aggregate.cu `AggSpec`) as little-endian words.
+/// The agg_columns spec (aggregate.cu `AggSpec`) as little-endian words; the addresses of
+/// value columns past `values` are 0, which agg_columns reads as "no column".
 fn spec_bytes(
     keys: &[AggregateColumn],
     values: &[AggregateColumn],
@@ -405,7 +434,7 @@ impl TopKEngine {
             )));
         }
         let plan = AccumulatorPlan::new(call.values, call.ops)?;
-        let rank = rank_encoding(call.order, call.ops, &plan)?;
+        let rank = rank_encoding(call.order, call.keys, call.ops, &plan)?;
         if call.key_width() != self.kind {
             return Err(GpuError(format!(
                 "an aggregate ranked by {:?} keys on an engine of {:?} keys",
@@ -755,9 +784,15 @@ mod tests {
         assert!(AccumulatorPlan::new(&values, &[AggregateOp::SumF64(3)]).is_err());
         let many = [AggregateOp::CountStar; 9];
         assert!(AccumulatorPlan::new(&values, &many).is_err());
-        let avg = |sum, count| rank_encoding(order(RankBy::Avg { sum, count }), &ops, &plan);
+        let rank = |by| rank_encoding(order(by), &two, &ops, &plan);
+        let avg = |sum, count| rank(RankBy::Avg { sum, count });
         assert_eq!(avg(0, 2).unwrap(), (4, 0, 2, true));
         assert!(avg(1, 2).is_err() && avg(0, 3).is_err() && avg(0, 9).is_err());
+        // By a key: its column, NULL where the column may be.
+        assert_eq!(rank(RankBy::Key(0)).unwrap(), (6, 0, AGG_NO_ACC, true));
+        assert_eq!(rank(RankBy::Key(1)).unwrap(), (6, 1, AGG_NO_ACC, false));
+        assert!(rank(RankBy::Key(2)).is_err());
+        assert_eq!(rank_bits(&two, &values, &ops, order(RankBy::Key(0))), 194);
     }
 
     /// The spec's words where aggregate.cu's `AggSpec` reads them.

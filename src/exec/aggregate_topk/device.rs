@@ -9,13 +9,22 @@
 //! where the fusion translates it ([`crate::fusion::aggregate`]: the top-k's translation,
 //! string predicates included); `HAVING` where it translates over the keys and the
 //! aggregates the device computes exactly (not over a floating-point sum or an average,
-//! whose last bits may differ from DataFusion's); one or two group keys that are plain
-//! `Int64` or 64-bit timestamp columns; `COUNT(*)`, `COUNT(x)`, `SUM`, `MIN` and `MAX` of
-//! plain `Int64` or `Float64` columns and `AVG` of an `Int64` column (DataFusion's input
-//! `CAST(x AS Float64)`: summed as f64 and divided by the count of `x`); an order by one
-//! aggregate, then at most the group keys ascending with NULLs last, in key order (the
-//! device orders groups with equal ranking values so). Anything else keeps DataFusion's
-//! subtree, and the reason shows in EXPLAIN.
+//! whose last bits may differ from DataFusion's) and reads 64-bit values only; one or two
+//! group keys of integer, date or timestamp types, as columns or expressions the fusion
+//! translates (`date_trunc`, arithmetic); `COUNT(*)`, `COUNT(x)`, `SUM` of integers
+//! (wrapping in i64) or `Float64`, `MIN` and `MAX` of integers, dates, timestamps or
+//! `Float64`, and `AVG` (DataFusion's input cast to `Float64`: summed as f64 and divided by
+//! its count), over columns or translated expressions (`length(s)`); an order by one
+//! aggregate or one group key, then at most the other group keys ascending with NULLs last,
+//! in key order (the device orders groups with equal ranking values so). Anything else keeps
+//! DataFusion's subtree, and the reason shows in EXPLAIN.
+//!
+//! Where every key is a plain `Int64` or timestamp column and every aggregate reads a plain
+//! `Int64` or `Float64` column, the precompiled pass (or the filter's generated program)
+//! reads them as they are; otherwise one generated program evaluates the filter, then the
+//! keys and the aggregates' inputs, row by row, and aggregates them in the same pass
+//! ([`crate::fusion::aggregate::aggregate_computed`]). Keys and values leave it as i64 (or
+//! f64 bits); the host casts the chosen groups' keys and extremes back to their types.
 //!
 //! # The run
 //!
@@ -61,7 +70,7 @@ use crate::device::{
     HavingColumn, KeyWidth, PooledBuffer, RankBy, contain_panics,
 };
 use crate::exec::metrics::device_watch;
-use crate::fusion::aggregate::{aggregate_filter, aggregate_having};
+use crate::fusion::aggregate::{aggregate_computed, aggregate_filter, aggregate_having};
 use crate::fusion::{FusedProgram, KernelInput};
 use crate::input::TableInput;
 use crate::input::columns::{Reserved, TableColumn};
@@ -83,6 +92,15 @@ enum Output {
     Avg { sum: usize, count: usize },
 }
 
+/// The keys and values a generated pass computes: the values' expressions over the table
+/// (the ops' value columns; the keys are the spec's), and whether each may be NULL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Computed {
+    values: Vec<Arc<dyn PhysicalExpr>>,
+    keys_nullable: Vec<bool>,
+    values_nullable: Vec<bool>,
+}
+
 /// The device's plan of a spec (see the module documentation).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AggregateDevicePlan {
@@ -94,9 +112,13 @@ pub struct AggregateDevicePlan {
     /// Per aggregate of the spec.
     outputs: Vec<Output>,
     order: AggregateOrder,
-    /// The generated pass over the rows the spec's filter passes (its inputs: the columns of
-    /// [`reads`](Self::reads), then the predicate's own).
-    pub(crate) filter: Option<Arc<FusedProgram>>,
+    /// The generated pass: over the rows the spec's filter passes (its inputs: the columns of
+    /// [`reads`](Self::reads), then the predicate's own), or computing the keys and values
+    /// (then [`computed`](Self::computed) says so).
+    pub(crate) pass: Option<Arc<FusedProgram>>,
+    /// Where the pass computes the keys and values (`keys` and `values` are then empty and the
+    /// ops read the pass's values).
+    computed: Option<Computed>,
     /// The generated program that keeps the groups `HAVING` passes, and the output columns
     /// its inputs are.
     having: Option<(Arc<FusedProgram>, Vec<HavingColumn>)>,
@@ -112,16 +134,54 @@ pub struct AggregateDevicePlan {
 }
 
 impl AggregateDevicePlan {
-    /// The device's plan of `spec`, or why the device does not compute it.
+    /// The device's plan of `spec`, or why the device does not compute it: over the table's
+    /// plain 64-bit columns where the keys and the aggregates' inputs are such columns (the
+    /// precompiled pass, or the filter's program), else by a generated pass that computes
+    /// them.
     pub fn of(spec: &AggregateTopKSpec) -> std::result::Result<Self, String> {
         let Some(memory) = memory_input(&spec.table) else {
             return Err("the device reads in-memory tables and GpuTables only".into());
         };
-        let schema = spec.table.schema();
         if spec.group_keys.len() > AGG_MAX_KEYS {
             return Err(format!("more than {AGG_MAX_KEYS} group keys"));
         }
-        let mut keys = Vec::with_capacity(spec.group_keys.len());
+        let rows = memory.batches().map(|b| b.num_rows()).sum();
+        let mut plan = match Self::over_columns(spec, rows) {
+            Ok(plan) => plan,
+            Err(_) => Self::computing(spec, rows)?,
+        };
+        if let Some(having) = &spec.having {
+            plan.having = Some(plan.having_of(spec, having)?);
+        }
+        Ok(plan)
+    }
+
+    fn empty(rows: usize) -> Self {
+        Self {
+            keys: Vec::new(),
+            values: Vec::new(),
+            ops: Vec::new(),
+            outputs: Vec::new(),
+            order: AggregateOrder {
+                by: RankBy::Op(0),
+                descending: false,
+                nulls_first: false,
+            },
+            pass: None,
+            computed: None,
+            having: None,
+            rows,
+            groups: None,
+            selection: DeviceAlgorithm::Radix,
+            memory_limit: 0,
+            fault: FaultPoint::None,
+        }
+    }
+
+    /// The plan over plain `Int64`/timestamp key columns and `Int64`/`Float64` value columns.
+    fn over_columns(spec: &AggregateTopKSpec, rows: usize) -> std::result::Result<Self, String> {
+        let schema = spec.table.schema();
+        let mut plan = Self::empty(rows);
         for key in &spec.group_keys {
             let key_64 = matches!(key.data_type, DataType::Int64 | DataType::Timestamp(..));
             if !key_64 {
@@ -136,45 +196,64 @@ impl AggregateDevicePlan {
                     key.expr
                 ));
             };
-            keys.push(c);
+            plan.keys.push(c);
         }
-        let mut plan = Self {
-            keys,
-            values: Vec::new(),
-            ops: Vec::new(),
-            outputs: Vec::new(),
-            order: AggregateOrder {
-                by: RankBy::Op(0),
-                descending: false,
-                nulls_first: false,
-            },
-            filter: None,
-            having: None,
-            rows: memory.batches().map(|b| b.num_rows()).sum(),
-            groups: None,
-            selection: DeviceAlgorithm::Radix,
-            memory_limit: 0,
-            fault: FaultPoint::None,
-        };
         for item in &spec.aggregates {
             let output = plan.aggregate(item, &schema)?;
             plan.outputs.push(output);
         }
-        if plan.values.len() > AGG_MAX_VALUES || plan.ops.len() > AGG_MAX_ACCUMULATORS {
-            return Err(format!(
-                "more than {AGG_MAX_VALUES} value columns or {AGG_MAX_ACCUMULATORS} accumulators"
-            ));
-        }
+        plan.check_bounds(plan.values.len())?;
         plan.order = plan.order_of(spec)?;
         if let Some(filter) = &spec.filter {
             let program = aggregate_filter(filter, &schema, &plan.reads(), plan.keys.len())
                 .map_err(|why| format!("the filter has no device translation: {why}"))?;
-            plan.filter = Some(Arc::new(program));
-        }
-        if let Some(having) = &spec.having {
-            plan.having = Some(plan.having_of(spec, having)?);
+            plan.pass = Some(Arc::new(program));
         }
         Ok(plan)
+    }
+
+    /// The plan whose generated pass computes the keys (integers, dates and timestamps, as
+    /// columns or expressions) and the aggregates' inputs (expressions the fusion translates).
+    fn computing(spec: &AggregateTopKSpec, rows: usize) -> std::result::Result<Self, String> {
+        let schema = spec.table.schema();
+        let mut plan = Self::empty(rows);
+        let mut values: Vec<Arc<dyn PhysicalExpr>> = Vec::new();
+        for key in &spec.group_keys {
+            if !integer_like(&key.data_type) {
+                return Err(format!(
+                    "key type {} runs on the CPU path only",
+                    key.data_type
+                ));
+            }
+        }
+        for item in &spec.aggregates {
+            let output = plan.computed_aggregate(item, &schema, &mut values)?;
+            plan.outputs.push(output);
+        }
+        plan.check_bounds(values.len())?;
+        plan.order = plan.order_of(spec)?;
+        let keys: Vec<Arc<dyn PhysicalExpr>> = (spec.group_keys.iter())
+            .map(|k| Arc::clone(&k.expr))
+            .collect();
+        let program = aggregate_computed(spec.filter.as_ref(), &keys, &values, &schema)?;
+        let nullable = |e: &Arc<dyn PhysicalExpr>| e.nullable(&schema).unwrap_or(true);
+        plan.computed = Some(Computed {
+            keys_nullable: keys.iter().map(nullable).collect(),
+            values_nullable: values.iter().map(nullable).collect(),
+            values,
+        });
+        plan.pass = Some(Arc::new(program));
+        Ok(plan)
+    }
+
+    /// Whether `values` value columns and the plan's ops fit the device's pass.
+    fn check_bounds(&self, values: usize) -> std::result::Result<(), String> {
+        if values > AGG_MAX_VALUES || self.ops.len() > AGG_MAX_ACCUMULATORS {
+            return Err(format!(
+                "more than {AGG_MAX_VALUES} value columns or {AGG_MAX_ACCUMULATORS} accumulators"
+            ));
+        }
+        Ok(())
     }
 
     /// The program of the spec's `HAVING` over the aggregation's output, where the device
@@ -194,7 +273,20 @@ impl AggregateDevicePlan {
         let program = aggregate_having(having, &schema)
             .map_err(|why| format!("HAVING has no device translation: {why}"))?;
         let key_count = spec.group_keys.len();
+        // agg_outputs writes every output column as 8-byte words.
+        let wide = |c: usize| {
+            let data_type = schema.field(c).data_type();
+            matches!(
+                data_type,
+                DataType::Int64 | DataType::Float64 | DataType::Timestamp(..)
+            )
+        };
         let column = |input: &KernelInput| match input {
+            KernelInput::Column(c) if !wide(*c) => Err(format!(
+                "HAVING reads {}, of type {}",
+                schema.field(*c).name(),
+                schema.field(*c).data_type()
+            )),
             KernelInput::Column(c) if *c < key_count => Ok(HavingColumn::Key(*c)),
             KernelInput::Column(c) => match self.outputs.get(c - key_count) {
                 Some(Output::Op(op))
@@ -274,6 +366,58 @@ impl AggregateDevicePlan {
         self.typed(item, want, Output::Op(at), described)
     }
 
+    /// The ops computing `item` over values the generated pass computes (`values`: their
+    /// expressions, each once), and where its value comes from.
+    fn computed_aggregate(
+        &mut self,
+        item: &super::AggregateItem,
+        schema: &Schema,
+        values: &mut Vec<Arc<dyn PhysicalExpr>>,
+    ) -> std::result::Result<Output, String> {
+        use DataType::{Float64, Int64};
+        let described = || {
+            let over = item.input.as_ref().map_or("*".into(), |e| e.to_string());
+            format!("{}({over})", item.kind.name())
+        };
+        let Some(input) = item.input.as_ref() else {
+            let at = self.push(AggregateOp::CountStar);
+            return self.typed(item, Int64, Output::Op(at), described);
+        };
+        let input_type = input.data_type(schema).map_err(|e| e.to_string())?;
+        let mut value = || match values.iter().position(|v| v.as_ref() == input.as_ref()) {
+            Some(at) => at,
+            None => {
+                values.push(Arc::clone(input));
+                values.len() - 1
+            }
+        };
+        let signed = matches!(
+            input_type,
+            DataType::Int8 | DataType::Int16 | DataType::Int32 | DataType::Int64
+        );
+        let (op, want): (fn(usize) -> AggregateOp, DataType) = match item.kind {
+            AggregateKind::CountDistinct => {
+                return Err(format!("{} runs on the CPU path only", described()));
+            }
+            AggregateKind::Avg if input_type == Float64 => {
+                let v = value();
+                let sum = self.push(AggregateOp::SumF64(v));
+                let count = self.push(AggregateOp::Count(v));
+                return self.typed(item, Float64, Output::Avg { sum, count }, described);
+            }
+            AggregateKind::Count => (AggregateOp::Count, Int64),
+            AggregateKind::Sum if signed => (AggregateOp::SumI64, Int64),
+            AggregateKind::Sum if input_type == Float64 => (AggregateOp::SumF64, Float64),
+            AggregateKind::Min if integer_like(&input_type) => (AggregateOp::MinI64, input_type),
+            AggregateKind::Max if integer_like(&input_type) => (AggregateOp::MaxI64, input_type),
+            AggregateKind::Min if input_type == Float64 => (AggregateOp::MinF64, Float64),
+            AggregateKind::Max if input_type == Float64 => (AggregateOp::MaxF64, Float64),
+            _ => return Err(format!("{} runs on the CPU path only", described())),
+        };
+        let at = self.push(op(value()));
+        self.typed(item, want, Output::Op(at), described)
+    }
+
     /// `output` where `item` has DataFusion's output type `want`.
     fn typed(
         &self,
@@ -307,8 +451,8 @@ impl AggregateDevicePlan {
     /// [`Self::reads`] without one): what the column cache holds of the table for it, and
     /// what a load after a CPU run loads.
     pub(crate) fn program(&self) -> FusedProgram {
-        if let Some(filter) = &self.filter {
-            return FusedProgram::clone(filter);
+        if let Some(pass) = &self.pass {
+            return FusedProgram::clone(pass);
         }
         FusedProgram {
             source: String::new(),
@@ -320,7 +464,8 @@ impl AggregateDevicePlan {
 
     /// The key columns and the device's accumulators (the cost model's table slot).
     pub(crate) fn table_words(&self) -> (usize, usize) {
-        (self.keys.len(), self.ops.len())
+        let keys = (self.computed.as_ref()).map_or(self.keys.len(), |c| c.keys_nullable.len());
+        (keys, self.ops.len())
     }
 
     /// The groups the device's first table is sized for: the estimate with a quarter more
@@ -344,20 +489,24 @@ impl AggregateDevicePlan {
         self.ops.len() - 1
     }
 
-    /// The device's order of the spec's: by an aggregate, its ties by the group keys
-    /// ascending with NULLs last (a prefix of them in key order may be spelled out).
+    /// The device's order of the spec's: by an aggregate or a group key, its ties by the group
+    /// keys ascending with NULLs last (a prefix of them in key order may be spelled out, less
+    /// the key that ranks).
     fn order_of(&self, spec: &AggregateTopKSpec) -> std::result::Result<AggregateOrder, String> {
         let key_count = spec.group_keys.len();
         let first = &spec.order[0];
-        let aggregate = plain_column(&first.expr)
-            .and_then(|c| c.checked_sub(key_count))
-            .filter(|&a| a < self.outputs.len());
-        let Some(aggregate) = aggregate else {
-            return Err("the first sort key is not an aggregate".into());
+        let by = match plain_column(&first.expr) {
+            Some(c) if c < key_count => RankBy::Key(c),
+            Some(c) if c - key_count < self.outputs.len() => match self.outputs[c - key_count] {
+                Output::Op(op) => RankBy::Op(op),
+                Output::Avg { sum, count } => RankBy::Avg { sum, count },
+            },
+            _ => return Err("the first sort key is neither an aggregate nor a group key".into()),
         };
-        let ties_by_keys = spec.order.len() <= key_count + 1
-            && (spec.order.iter().skip(1).enumerate()).all(|(i, sort)| {
-                plain_column(&sort.expr) == Some(i)
+        let ties: Vec<usize> = (0..key_count).filter(|&k| by != RankBy::Key(k)).collect();
+        let ties_by_keys = spec.order.len() <= ties.len() + 1
+            && (spec.order.iter().skip(1).zip(&ties)).all(|(sort, &key)| {
+                plain_column(&sort.expr) == Some(key)
                     && !sort.options.descending
                     && !sort.options.nulls_first
             });
@@ -366,15 +515,31 @@ impl AggregateDevicePlan {
                 "ties ordered otherwise than by the group keys ascending, NULLs last".into(),
             );
         }
-        let by = match self.outputs[aggregate] {
-            Output::Op(op) => RankBy::Op(op),
-            Output::Avg { sum, count } => RankBy::Avg { sum, count },
-        };
         Ok(AggregateOrder {
             by,
             descending: first.options.descending,
             nulls_first: first.options.nulls_first,
         })
+    }
+}
+
+/// Whether the device keeps values of `data_type` as exact i64s (group keys; MIN and MAX):
+/// integers that fit, dates and timestamps.
+fn integer_like(data_type: &DataType) -> bool {
+    use DataType::*;
+    matches!(
+        data_type,
+        Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32 | Date32 | Date64 | Timestamp(..)
+    )
+}
+
+/// `values` (i64s of a key or aggregate) as an array of `data_type`, one of the
+/// [`integer_like`] types or `Int64`.
+fn from_i64(values: &Int64Array, data_type: &DataType) -> Result<ArrayRef> {
+    match data_type {
+        // Arrow casts integers to Date32 from Int32 only.
+        DataType::Date32 => Ok(cast(&cast(values, &DataType::Int32)?, data_type)?),
+        _ => Ok(cast(values, data_type)?),
     }
 }
 
@@ -443,7 +608,7 @@ pub(super) fn run(
         key_kind: KeyWidth::W64,
         refines: false,
     };
-    let program = plan.filter.as_deref().unwrap_or(&unfiltered);
+    let program = plan.pass.as_deref().unwrap_or(&unfiltered);
     // No rows, no groups (and no chunks to type the columns by).
     if memory.batches().all(|b| b.num_rows() == 0) {
         return output_batch(spec, plan, &[], schema).map(Some);
@@ -456,6 +621,7 @@ pub(super) fn run(
         .map(TableColumn::new)
         .collect::<Result<Vec<_>>>()?;
     let rows = columns.first().map_or(0, |c| c.rows);
+    // The precompiled pass and a filter's read the aggregation's columns as 8-byte values.
     let aggregated = &columns[..plan.reads().len().min(columns.len())];
     if columns.iter().any(|c| c.rows != rows) || aggregated.iter().any(|c| c.width != Some(8)) {
         return Err(DataFusionError::Execution(
@@ -549,7 +715,7 @@ fn aggregate_on(
 ) -> GpuResult<(AggregateTopK, Vec<Option<(PooledBuffer, Vec<usize>)>>)> {
     let compiled =
         |program: &FusedProgram, entry: &str| device.generated_kernel(&program.source, entry);
-    let kernel = match &plan.filter {
+    let kernel = match &plan.pass {
         Some(program) => Some(compiled(program, AGG_FILTERED_ENTRY)?.0),
         None => None,
     };
@@ -574,8 +740,24 @@ fn aggregate_on(
     };
     let reads = plan.reads();
     let of = |c: &usize| column(&args[reads.iter().position(|r| r == c).expect("read")]);
-    let keys: Vec<AggregateColumn> = plan.keys.iter().map(of).collect();
-    let values: Vec<AggregateColumn> = plan.values.iter().map(of).collect();
+    let (keys, values): (Vec<AggregateColumn>, Vec<AggregateColumn>) = match &plan.computed {
+        Some(computed) => (
+            computed
+                .keys_nullable
+                .iter()
+                .map(|&n| AggregateColumn::computed(n))
+                .collect(),
+            computed
+                .values_nullable
+                .iter()
+                .map(|&n| AggregateColumn::computed(n))
+                .collect(),
+        ),
+        None => (
+            plan.keys.iter().map(of).collect(),
+            plan.values.iter().map(of).collect(),
+        ),
+    };
     let rows = columns.first().map_or(0, |c| c.rows);
     let call = AggregateCall {
         keys: &keys,
@@ -641,11 +823,11 @@ fn groups_batch(
     let mut arrays: Vec<ArrayRef> = Vec::new();
     for (i, key) in spec.group_keys.iter().enumerate() {
         let values: Int64Array = top.iter().map(|g| g.key[i]).collect();
-        arrays.push(cast(&values, &key.data_type)?);
+        arrays.push(from_i64(&values, &key.data_type)?);
         fields.push(Field::new(&key.name, key.data_type.clone(), true));
     }
     for (item, output) in spec.aggregates.iter().zip(&plan.outputs) {
-        arrays.push(aggregate_array(top, *output, &item.output_type));
+        arrays.push(aggregate_array(top, *output, &item.output_type)?);
         fields.push(Field::new(&item.name, item.output_type.clone(), true));
     }
     let options = RecordBatchOptions::new().with_row_count(Some(top.len()));
@@ -653,8 +835,13 @@ fn groups_batch(
     Ok(RecordBatch::try_new_with_options(schema, arrays, &options)?)
 }
 
-/// One aggregate's column over `top` (`data_type`: Int64 or Float64, as the plan checked).
-fn aggregate_array(top: &[AggregateGroup], output: Output, data_type: &DataType) -> ArrayRef {
+/// One aggregate's column over `top` (`data_type`: Float64, or an i64 the plan checked
+/// [`from_i64`] takes).
+fn aggregate_array(
+    top: &[AggregateGroup],
+    output: Output,
+    data_type: &DataType,
+) -> Result<ArrayRef> {
     let value = |g: &AggregateGroup| -> (Option<i64>, Option<f64>) {
         match output {
             Output::Op(op) => match g.values[op] {
@@ -669,9 +856,11 @@ fn aggregate_array(top: &[AggregateGroup], output: Output, data_type: &DataType)
         }
     };
     if *data_type == DataType::Float64 {
-        Arc::new(top.iter().map(|g| value(g).1).collect::<Float64Array>())
+        Ok(Arc::new(
+            top.iter().map(|g| value(g).1).collect::<Float64Array>(),
+        ))
     } else {
-        Arc::new(top.iter().map(|g| value(g).0).collect::<Int64Array>())
+        from_i64(&top.iter().map(|g| value(g).0).collect(), data_type)
     }
 }
 

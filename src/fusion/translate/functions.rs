@@ -87,6 +87,7 @@ impl Emitter<'_> {
                 );
             }
             "abs" | "floor" | "ceil" | "round" | "sqrt" => {}
+            "date_trunc" => return self.date_trunc(expr, args),
             _ => return declined("no device translation of this function"),
         }
         let a = match args {
@@ -182,6 +183,54 @@ impl Emitter<'_> {
             _ => return declined(&format!("{name} of {}", a.data_type)),
         };
         Ok(self.define(a.data_type.clone(), t, value, a.valid.clone()))
+    }
+
+    /// `date_trunc(granularity, timestamp)` where DataFusion truncates by arithmetic
+    /// (`v - v.rem_euclid(unit)`, or `v` where the unit is the timestamp's own or finer):
+    /// `microsecond` to `minute` in any time zone, `hour` and `day` without one. A literal
+    /// granularity only; the calendar's (`week` and longer, or `hour`/`day` in a zone) are
+    /// declined.
+    fn date_trunc(
+        &mut self,
+        expr: &Arc<dyn PhysicalExpr>,
+        args: &[Arc<dyn PhysicalExpr>],
+    ) -> Result<Value, Declined> {
+        use datafusion::arrow::datatypes::TimeUnit;
+        let declined = |why: &str| Err(format!("{expr}: {why}"));
+        let [granularity, timestamp] = args else {
+            return declined("unexpected arguments");
+        };
+        let granularity = match granularity.downcast_ref::<Literal>().map(Literal::value) {
+            Some(ScalarValue::Utf8(Some(g)) | ScalarValue::LargeUtf8(Some(g)))
+            | Some(ScalarValue::Utf8View(Some(g))) => g.to_lowercase(),
+            _ => return declined("a granularity other than a string literal"),
+        };
+        let t = self.emit(timestamp)?;
+        let DataType::Timestamp(unit, tz) = &t.data_type else {
+            return declined(&format!("date_trunc of {}", t.data_type));
+        };
+        // The timestamp's unit and the granularity, in nanoseconds.
+        let unit_ns: i64 = match unit {
+            TimeUnit::Second => 1_000_000_000,
+            TimeUnit::Millisecond => 1_000_000,
+            TimeUnit::Microsecond => 1_000,
+            TimeUnit::Nanosecond => 1,
+        };
+        let granularity_ns: i64 = match (granularity.as_str(), tz) {
+            ("microsecond", _) => 1_000,
+            ("millisecond", _) => 1_000_000,
+            ("second", _) => 1_000_000_000,
+            ("minute", _) => 60_000_000_000,
+            ("hour", None) => 3_600_000_000_000,
+            ("day", None) => 86_400_000_000_000,
+            _ => return declined(&format!("'{granularity}' truncation follows the calendar")),
+        };
+        let value = match granularity_ns / unit_ns {
+            // The unit itself or a finer one: the value as it is.
+            0 | 1 => t.value.clone(),
+            step => format!("trunc_step_i64({}, {step}ll)", t.value),
+        };
+        Ok(self.define(t.data_type.clone(), CType::I64, value, t.valid.clone()))
     }
 
     /// `timestamp ± interval literal` (`interval + timestamp` too), as arrow's

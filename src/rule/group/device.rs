@@ -175,6 +175,7 @@ fn group_plan(
     let needs = cost::groups_before_device(settings, &estimate, &start).map_err(cpu)?;
     let compile = Some((program.source.as_str(), crate::fusion::ENTRY));
     let device = cost::DeviceFacts::gather(settings, needs, compile);
+    let estimate = estimate.after_gather(compile);
     let choice =
         cost::choose_groups(settings, &layout, estimate, *groups, k, &device).map_err(cpu)?;
     Ok(GroupDevicePlan {

@@ -198,3 +198,26 @@ fn resident_columns_decide_and_cold_ones_are_loaded_after_the_cpu_path() {
     let streamed = choose_aggregate(auto, streamed, &facts).unwrap_err();
     assert_eq!(streamed.warm_up, None);
 }
+
+/// A generated pass still to compile adds the compile (the process's last one, else the
+/// estimate) to this run's device time, and nothing to a warm run's.
+#[test]
+fn an_uncompiled_pass_costs_its_compile_this_run_only() {
+    let auto = settings(Backend::Auto, Algorithm::Auto);
+    let facts = device(200e6);
+    let weigh = |compile| {
+        let mut estimate = aggregate(1_000_000, Some(1000), 1.0);
+        estimate.table.compile = compile;
+        let choice = choose_aggregate(auto, estimate, &facts);
+        choice.map_or_else(|c| c.weighed, |c| c.weighed).unwrap()
+    };
+    let (compiled, compiling) = (weigh(false), weigh(true));
+    let DeviceFacts::Ready(ready) = &facts else {
+        panic!("a ready device");
+    };
+    let estimated = super::super::COMPILE_ESTIMATE;
+    let compile = ready.last_compile.unwrap_or(estimated).as_secs_f64();
+    let added = compiling.gpu.unwrap() - compiled.gpu.unwrap();
+    assert!((added - compile).abs() < 1e-9, "{added} against {compile}");
+    assert_eq!(compiling.gpu_warm, compiled.gpu_warm);
+}

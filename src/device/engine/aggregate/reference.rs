@@ -104,7 +104,7 @@ enum Rank {
     F(f64),
 }
 
-fn rank_of(by: RankBy, values: &[AggValue]) -> Rank {
+fn rank_of(by: RankBy, key: &[Option<i64>], values: &[AggValue]) -> Rank {
     let f = |v: AggValue| match v {
         AggValue::Count(c) => Some(c as f64),
         AggValue::I64(v) => v.map(|v| v as f64),
@@ -120,6 +120,7 @@ fn rank_of(by: RankBy, values: &[AggValue]) -> Rank {
             (Some(s), AggValue::Count(c)) if c > 0 => Rank::F(s / c as f64),
             _ => Rank::Null,
         },
+        RankBy::Key(j) => key[j].map_or(Rank::Null, Rank::I),
     }
 }
 
@@ -186,7 +187,7 @@ pub fn aggregate_top_k_host(
         .collect();
     let mut ranked: Vec<(Rank, &AggregateGroup)> = all
         .iter()
-        .map(|g| (rank_of(order.by, &g.values), g))
+        .map(|g| (rank_of(order.by, &g.key, &g.values), g))
         .collect();
     ranked.sort_by(|a, b| compare(&(a.0, &a.1.key), &(b.0, &b.1.key), order));
     let top = ranked.into_iter().take(k).map(|(_, g)| g.clone()).collect();

@@ -3,7 +3,10 @@
 //! rows the spec's filter passes, as the filter's program gives the device), builds the
 //! operator's output, which must be DataFusion's.
 
-use datafusion::arrow::array::{Array, AsArray, Int64Array, TimestampMicrosecondArray};
+use datafusion::arrow::array::{
+    Array, AsArray, Date32Array, Int16Array, Int32Array, Int64Array, StringArray,
+    TimestampMicrosecondArray,
+};
 use datafusion::arrow::datatypes::{Float64Type, Int64Type, TimeUnit};
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::datasource::MemTable;
@@ -27,6 +30,10 @@ fn table() -> Vec<Vec<RecordBatch>> {
         Field::new("v", DataType::Int64, true),
         Field::new("w", DataType::Int64, true),
         Field::new("f", DataType::Float64, true),
+        Field::new("g", DataType::Int32, true),
+        Field::new("h", DataType::Int16, true),
+        Field::new("d", DataType::Date32, true),
+        Field::new("u", DataType::Utf8, true),
     ]));
     let mut state = 0x2545_f491_4f6c_dd1du64;
     let mut draw = move |null: u64, below: u64| -> Option<i64> {
@@ -49,6 +56,18 @@ fn table() -> Vec<Vec<RecordBatch>> {
             let f: Vec<Option<f64>> = (column(5, 80, 0).into_iter())
                 .map(|x| x.map(|x| x as f64 / 4.0))
                 .collect();
+            let g: Vec<Option<i32>> = (column(4, 9, -4).into_iter())
+                .map(|x| x.map(|x| x as i32))
+                .collect();
+            let h: Vec<Option<i16>> = (column(6, 30_000, -15_000).into_iter())
+                .map(|x| x.map(|x| x as i16))
+                .collect();
+            let d: Vec<Option<i32>> = (column(3, 15, 19_000).into_iter())
+                .map(|x| x.map(|x| x as i32))
+                .collect();
+            let u: Vec<Option<String>> = (column(7, 40, 0).into_iter())
+                .map(|x| x.map(|x| "é".repeat(x as usize % 5) + &"x".repeat(x as usize / 5)))
+                .collect();
             let columns: Vec<ArrayRef> = vec![
                 Arc::new(Int64Array::from(a)),
                 Arc::new(Int64Array::from(b)),
@@ -56,6 +75,10 @@ fn table() -> Vec<Vec<RecordBatch>> {
                 Arc::new(Int64Array::from(v)),
                 Arc::new(Int64Array::from(w)),
                 Arc::new(Float64Array::from(f)),
+                Arc::new(Int32Array::from(g)),
+                Arc::new(Int16Array::from(h)),
+                Arc::new(Date32Array::from(d)),
+                Arc::new(StringArray::from(u)),
             ];
             vec![RecordBatch::try_new(Arc::clone(&schema), columns).unwrap()]
         })
@@ -119,25 +142,59 @@ fn host_top(spec: &AggregateTopKSpec, plan: &AggregateDevicePlan) -> Vec<Aggrega
             None => passes.extend(std::iter::repeat_n(true, batch.num_rows())),
         }
     }
-    let column = |c: usize| -> (Vec<u64>, Vec<bool>) {
+    // A column's or a computed expression's values as the device holds them: f64 bits, or
+    // the i64 of an integer or date.
+    let column = |of: &dyn Fn(&RecordBatch) -> ArrayRef| -> (Vec<u64>, Vec<bool>) {
         let (mut values, mut valid) = (Vec::new(), Vec::new());
         for batch in memory.batches() {
-            let array = batch.column(memory.columns[c]);
+            let array = of(&batch.project(&memory.columns).unwrap());
             match array.data_type() {
-                DataType::Float64 => (array.as_primitive::<Float64Type>().values().iter())
-                    .for_each(|v| values.push(v.to_bits())),
-                _ => (cast(array, &DataType::Int64).unwrap())
-                    .as_primitive::<Int64Type>()
-                    .values()
-                    .iter()
-                    .for_each(|&v| values.push(v as u64)),
+                DataType::Float64 | DataType::Float32 => (cast(&array, &DataType::Float64)
+                    .unwrap())
+                .as_primitive::<Float64Type>()
+                .values()
+                .iter()
+                .for_each(|v| values.push(v.to_bits())),
+                _ => {
+                    let array = match array.data_type() {
+                        DataType::Date32 => cast(&array, &DataType::Int32).unwrap(),
+                        _ => array.clone(),
+                    };
+                    (cast(&array, &DataType::Int64).unwrap())
+                        .as_primitive::<Int64Type>()
+                        .values()
+                        .iter()
+                        .for_each(|&v| values.push(v as u64))
+                }
             }
             valid.extend((0..array.len()).map(|i| array.is_valid(i)));
         }
         (kept(values, &passes), kept(valid, &passes))
     };
-    let read = |columns: &[usize]| columns.iter().map(|&c| column(c)).collect::<Vec<_>>();
-    let (keys, values) = (read(&plan.keys), read(&plan.values));
+    let evaluated = |exprs: Vec<Arc<dyn PhysicalExpr>>| -> Vec<(Vec<u64>, Vec<bool>)> {
+        (exprs.iter())
+            .map(|e| column(&|b| e.evaluate(b).unwrap().into_array(b.num_rows()).unwrap()))
+            .collect()
+    };
+    let (keys, values) = match &plan.computed {
+        Some(computed) => (
+            evaluated(
+                spec.group_keys
+                    .iter()
+                    .map(|k| Arc::clone(&k.expr))
+                    .collect(),
+            ),
+            evaluated(computed.values.clone()),
+        ),
+        None => {
+            let read = |columns: &[usize]| {
+                (columns.iter())
+                    .map(|&c| column(&|b| Arc::clone(b.column(c))))
+                    .collect::<Vec<_>>()
+            };
+            (read(&plan.keys), read(&plan.values))
+        }
+    };
     // With HAVING, every group in order, then those it passes.
     let k = match spec.having {
         Some(_) => passes.len(),
@@ -190,6 +247,19 @@ async fn the_device_paths_output_is_datafusions() {
         "SELECT ts, MAX(f) AS hi FROM t GROUP BY ts HAVING MAX(f) < 19.5 OR ts IS NULL ORDER BY hi DESC, ts LIMIT 5 OFFSET 1",
         "SELECT b, COUNT(*) AS n FROM t GROUP BY b HAVING COUNT(*) > 100000 ORDER BY n, b LIMIT 5",
         "SELECT a, AVG(v) AS m FROM t GROUP BY a HAVING MAX(v) - MIN(v) >= 18 AND a % 2 = 0 ORDER BY m DESC, a LIMIT 7",
+        // Keys and inputs the generated pass computes: narrow integers, dates, expressions.
+        "SELECT g, COUNT(*) AS n, SUM(h) AS s FROM t GROUP BY g ORDER BY n DESC, g LIMIT 5",
+        "SELECT d, MIN(h) AS lo, MAX(g) AS hi, MAX(d) AS last FROM t GROUP BY d ORDER BY lo, d LIMIT 6",
+        "SELECT a - 1 AS k, COUNT(*) AS n FROM t GROUP BY a - 1 ORDER BY n DESC, k LIMIT 5",
+        "SELECT g, AVG(length(u)) AS l, COUNT(*) AS n FROM t WHERE u <> '' GROUP BY g HAVING COUNT(*) > 10 ORDER BY l DESC, g LIMIT 4",
+        "SELECT a, h, AVG(g) AS m FROM t GROUP BY a, h ORDER BY m DESC NULLS LAST, a, h LIMIT 7",
+        "SELECT b % 3 AS r, SUM(v * 2) AS s, MIN(f) AS lo FROM t WHERE g > -2 GROUP BY b % 3 ORDER BY s, r LIMIT 3",
+        "SELECT h, COUNT(g) AS c FROM t GROUP BY h ORDER BY c DESC, h LIMIT 3 OFFSET 1",
+        // Ordered by a group key.
+        "SELECT a, COUNT(*) AS n FROM t GROUP BY a ORDER BY a DESC NULLS FIRST LIMIT 6",
+        "SELECT date_trunc('minute', ts) AS m, COUNT(*) AS n FROM t WHERE v > 0 GROUP BY date_trunc('minute', ts) ORDER BY m LIMIT 4 OFFSET 1",
+        "SELECT a, b, MAX(v) AS hi FROM t GROUP BY a, b ORDER BY b, a LIMIT 7",
+        "SELECT g, d, COUNT(*) AS n FROM t GROUP BY g, d ORDER BY g DESC, d LIMIT 5",
     ] {
         let plan = ours.sql(sql).await.unwrap().create_physical_plan().await;
         let plan = plan.unwrap();
@@ -265,7 +335,7 @@ async fn filters_run_on_the_device_where_they_translate() {
     let AggregateBackend::Cuda(device) = exec.backend() else {
         panic!("{sql}: not on the device");
     };
-    let program = device.filter.as_ref().expect("the filter's program");
+    let program = device.pass.as_ref().expect("the filter's program");
     let schema = exec.spec().table.schema();
     let names: Vec<&str> = (program.inputs.iter())
         .map(|input| match input {
@@ -280,7 +350,7 @@ async fn filters_run_on_the_device_where_they_translate() {
     else {
         panic!("no filter: not on the device");
     };
-    assert!(plan.filter.is_none());
+    assert!(plan.pass.is_none());
     for (sql, why) in [
         (
             "SELECT a, COUNT(*) AS n FROM t WHERE ln(f) > 1.0 GROUP BY a ORDER BY n, a LIMIT 3",
@@ -315,7 +385,7 @@ async fn filters_run_on_the_device_where_they_translate() {
     let (_, columns) = plan.having.as_ref().expect("the HAVING program");
     assert_eq!(columns, &[HavingColumn::Op(1)]);
     // DataFusion moves the key's condition below the aggregation: a filter.
-    assert!(plan.filter.is_some());
+    assert!(plan.pass.is_some());
     let sql = "SELECT a, COUNT(*) AS n FROM t GROUP BY a HAVING MIN(v) < 0 OR a > 3 \
                ORDER BY n, a LIMIT 3";
     let AggregateBackend::Cuda(plan) = backend(sql).await else {
