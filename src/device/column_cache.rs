@@ -82,6 +82,13 @@ pub(crate) fn strings_key(mut key: CacheKey) -> CacheKey {
     key
 }
 
+/// The key of the codes image (an order-preserving i64 a row) of the string column whose own
+/// key is `key`, which the aggregation groups string keys by.
+pub(crate) fn codes_key(mut key: CacheKey) -> CacheKey {
+    key.push((PREFIX, 24));
+    key
+}
+
 /// Whether `key` names a column by identity (its words are no host addresses).
 fn by_identity(key: &CacheKey) -> bool {
     matches!(key.first(), Some(&(TABLE | FILES, _)))

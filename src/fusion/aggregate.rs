@@ -28,7 +28,7 @@ use datafusion::arrow::datatypes::{DataType, Schema};
 use datafusion::physical_expr::PhysicalExpr;
 
 use super::translate::{CType, Emitter, KernelInput};
-use super::{FusedProgram, host_default_nan, input_params};
+use super::{FusedProgram, host_default_nan, input_params, is_device_string};
 use crate::device::{AGG_FILTERED_ENTRY, AGG_HAVING_ENTRY, AGG_MAX_KEYS, AGG_MAX_VALUES, KeyWidth};
 
 /// The program that aggregates the rows of `columns` (table column indices: the aggregation's
@@ -95,8 +95,9 @@ extern "C" __global__ void __launch_bounds__(AGG_THREADS) {AGG_FILTERED_ENTRY}(
 /// values it computes itself: `keys` and `values` are expressions over `schema`, evaluated
 /// a row at a time by the translation (narrow integers, dates, arithmetic, `length` of a
 /// string, casts), or why the device cannot evaluate one of them. A key becomes its value
-/// as an i64 (an integer or date type: the plan checks the types; a float key is declined),
-/// a value its i64 (an integer) or its f64 bits (a float, f32 widened). aggregate.cuh's
+/// as an i64 (an integer or date type: the plan checks the types; a float key is declined; a
+/// plain string column's key its order-preserving code), a value its i64 (an integer) or its
+/// f64 bits (a float, f32 widened), a string value (counted) its validity alone. aggregate.cuh's
 /// `agg_rows` runs the pass; the spec's column addresses go unread.
 ///
 /// The filter is evaluated first: a row it rejects is not aggregated, and its keys' and
@@ -130,34 +131,49 @@ pub fn aggregate_computed(
     let filter_code = std::mem::take(&mut emitter.code);
     let mut outputs = String::new();
     for (j, key) in keys.iter().enumerate() {
-        let v = (emitter.emit(key))
-            .map_err(|why| format!("the key {key} has no device translation: {why}"))?;
-        if v.ctype.is_float() || v.ctype == CType::U64 {
-            return Err(format!("{key}: a key of type {}", v.data_type));
-        }
+        let untranslated = |why| format!("the key {key} has no device translation: {why}");
+        let string = key.data_type(schema).is_ok_and(|t| is_device_string(&t));
+        let (value, valid) = if string {
+            // A string key is grouped by its column's order-preserving codes.
+            emitter.string_codes(key).map_err(untranslated)?
+        } else {
+            let v = emitter.emit(key).map_err(untranslated)?;
+            if v.ctype.is_float() || v.ctype == CType::U64 {
+                return Err(format!("{key}: a key of type {}", v.data_type));
+            }
+            (v.value, v.valid)
+        };
         let _ = writeln!(
             outputs,
             "        key[{j}] = {valid} ? (u64)(i64)({value}) : 0ull;
                      nulls |= {valid} ? 0u : {bit}u;",
-            valid = v.valid,
-            value = v.value,
             bit = 1u32 << j
         );
     }
     for (j, value) in values.iter().enumerate() {
-        let v = (emitter.emit(value)).map_err(|why| {
-            format!("the aggregate input {value} has no device translation: {why}")
-        })?;
-        let bits = match v.ctype {
-            CType::F32 | CType::F64 => format!("(u64)__double_as_longlong((double)({}))", v.value),
-            CType::U64 => format!("(u64)({})", v.value),
-            _ => format!("(u64)(i64)({})", v.value),
+        let untranslated =
+            |why| format!("the aggregate input {value} has no device translation: {why}");
+        let string = value.data_type(schema).is_ok_and(|t| is_device_string(&t));
+        let (bits, valid) = if string {
+            // A string is only counted (the plan takes no other aggregate of one): its
+            // validity alone.
+            let (_, valid) = emitter.string_column(value).map_err(untranslated)?;
+            ("0ull".to_string(), valid)
+        } else {
+            let v = emitter.emit(value).map_err(untranslated)?;
+            let bits = match v.ctype {
+                CType::F32 | CType::F64 => {
+                    format!("(u64)__double_as_longlong((double)({}))", v.value)
+                }
+                CType::U64 => format!("(u64)({})", v.value),
+                _ => format!("(u64)(i64)({})", v.value),
+            };
+            (bits, v.valid)
         };
         let _ = writeln!(
             outputs,
             "        values[{j}] = {valid} ? {bits} : 0ull;
                      valid |= {valid} ? {bit}u : 0u;",
-            valid = v.valid,
             bit = 1u32 << j
         );
     }
@@ -449,13 +465,43 @@ mod tests {
         assert!(verdict < source.find("key[1] =").unwrap(), "{source}");
         assert!(source.contains("values[0] = ") && source.contains("__double_as_longlong"));
         assert!(kernels_without_dependency_wait(source).is_empty());
-        // A float key, a string value and too many keys are declined with the reason.
+        // A float key and too many keys are declined with the reason.
         let why = aggregate_computed(None, &[column("f", 3)], &[], &schema()).unwrap_err();
         assert!(why.contains("a key of type Float64"), "{why}");
-        let why = aggregate_computed(None, &[column("k", 0)], &[column("s", 2)], &schema());
-        assert!(why.unwrap_err().contains("the aggregate input s@2"));
         let three = [column("k", 0), column("v", 1), column("k", 0)];
         assert!(aggregate_computed(None, &three, &[], &schema()).is_err());
+    }
+
+    /// A string key `s` and a counted string value `s`: grouped by the column's codes,
+    /// counted by its strings' validity.
+    fn strings() -> FusedProgram {
+        aggregate_computed(None, &[column("s", 2)], &[column("s", 2)], &schema()).unwrap()
+    }
+
+    #[test]
+    fn a_string_key_reads_its_codes_and_a_string_value_its_validity() {
+        let program = strings();
+        assert_eq!(
+            program.inputs,
+            [KernelInput::StringCodes(2), KernelInput::StringColumn(2)]
+        );
+        let source = &program.source;
+        assert!(
+            source.contains("const i64 x0 = ((const i64 *)c0)[i];"),
+            "{source}"
+        );
+        assert!(
+            source.contains("key[0] = x0v ? (u64)(i64)(x0) : 0ull;"),
+            "{source}"
+        );
+        assert!(
+            source.contains("values[0] = x1v ? 0ull : 0ull;"),
+            "{source}"
+        );
+        // A string expression is no column with codes.
+        let upper = call(datafusion::functions::string::upper(), column("s", 2));
+        let why = aggregate_computed(None, &[upper], &[], &schema()).unwrap_err();
+        assert!(why.contains("is no plain string column"), "{why}");
     }
 
     #[test]
@@ -484,6 +530,7 @@ mod tests {
         });
         let others = [
             (computed(), AGG_FILTERED_ENTRY),
+            (strings(), AGG_FILTERED_ENTRY),
             (having(), AGG_HAVING_ENTRY),
         ];
         for (program, entry) in programs.into_iter().chain(others) {

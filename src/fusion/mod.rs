@@ -502,6 +502,7 @@ fn input_params(inputs: &[KernelInput]) -> (String, String) {
             KernelInput::StringColumn(c) => {
                 format!("row ends of input column {c}; its bytes' address")
             }
+            KernelInput::StringCodes(c) => format!("codes of string column {c}"),
         };
         let _ = writeln!(
             params,

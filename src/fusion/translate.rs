@@ -197,6 +197,9 @@ pub enum KernelInput {
     /// end offset (i64) as the values, the bytes' address as the second parameter
     /// (fused.cuh `load_str`). Only whole tables have this image (the column cache's).
     StringColumn(usize),
+    /// Each row's order-preserving code of a plain string column, by index, as an i64
+    /// (`input::codes`): what a string group key is aggregated by.
+    StringCodes(usize),
 }
 
 impl KernelInput {

@@ -59,6 +59,14 @@ impl<'i, 'a> TableColumn<'i, 'a> {
                 }
                 Some(PREFIX_BYTES)
             }
+            t if input.image == ColumnImage::Codes => {
+                if !crate::fusion::is_device_string(t) {
+                    return Err(DataFusionError::Execution(format!(
+                        "no codes of {t} columns"
+                    )));
+                }
+                Some(8)
+            }
             t if input.image == ColumnImage::Strings => {
                 if !crate::fusion::is_device_string(t) {
                     return Err(DataFusionError::Execution(format!(
@@ -295,6 +303,16 @@ impl<'i, 'a> TableColumn<'i, 'a> {
                     row += ends.len() / STRING_END_BYTES;
                     byte += window_bytes;
                 }
+                return self.upload_validity(engine, dst, offsets);
+            }
+            _ if self.input.image == ColumnImage::Codes => {
+                // Interned on the host's cores; the dictionary stays on the host, kept under
+                // the image's key for the queries' output.
+                let interned = super::codes::intern(&self.input.chunks)
+                    .map_err(|e| GpuError(e.to_string()))?;
+                super::codes::keep(&self.key, self.owners(), interned.dictionary);
+                let codes = Buffer::from_vec(interned.codes);
+                engine.upload_image(&[(0, codes.as_slice())], codes.len(), dst)?;
                 return self.upload_validity(engine, dst, offsets);
             }
             _ if self.input.image == ColumnImage::Prefix => {

@@ -129,7 +129,8 @@ pub(crate) fn table_inputs<'a>(
             KernelInput::HostPredicate => return Ok(None),
             KernelInput::Column(c)
             | KernelInput::StringPrefix(c)
-            | KernelInput::StringColumn(c) => {
+            | KernelInput::StringColumn(c)
+            | KernelInput::StringCodes(c) => {
                 let at = column(*c)?;
                 let chunks = batches.iter().map(|b| Arc::clone(b.column(at))).collect();
                 (chunks, None, names.get(*c))
@@ -205,12 +206,12 @@ fn gpu_table_inputs<'a>(
                 Some(table.input(*columns.get(*c)?, name(*c)))
             }
             KernelInput::StringPrefix(c) => Some(table.prefix_input(*columns.get(*c)?, name(*c))),
-            KernelInput::StringColumn(c) => {
+            KernelInput::StringColumn(c) | KernelInput::StringCodes(c) => {
                 let at = *columns.get(*c)?;
                 // A dictionary column's chunks are its codes: no strings to read.
                 table.columns[at].encoded.is_none().then_some(())?;
                 Some(TableInput {
-                    image: ColumnImage::Strings,
+                    image: ColumnImage::of(input)?.1,
                     ..table.input(at, name(*c))
                 })
             }

@@ -6,7 +6,8 @@
 //! (known to the cache by identity, [`gpu_table`]) or a scan of Parquet files ([`parquet`]:
 //! footers, pages decoded on the device, dictionaries renumbered into one). Each column a
 //! program reads becomes a [`TableInput`], read through one of its device images
-//! ([`ColumnImage`]): values, prefix words ([`strings`]) or string bytes. [`columns`] uploads
+//! ([`ColumnImage`]): values, prefix words ([`strings`]), string bytes or a string
+//! column's order-preserving codes ([`codes`]). [`columns`] uploads
 //! an image into the device column cache and says how much of a program's input is resident;
 //! [`zones`] keeps each cached chunk's least and greatest values so a pass skips the chunks
 //! no row of which can pass; [`loader`] loads columns in the background after a run on the
@@ -18,6 +19,7 @@
 //!
 //! [`GpuTable`]: gpu_table::GpuTable
 
+pub mod codes;
 pub mod columns;
 pub mod compact;
 pub mod gpu_table;
@@ -33,7 +35,7 @@ use datafusion::arrow::array::ArrayRef;
 use datafusion::arrow::datatypes::DataType;
 
 use crate::device::EncodedColumn;
-use crate::device::column_cache::{CacheKey, prefix_key, strings_key};
+use crate::device::column_cache::{CacheKey, codes_key, prefix_key, strings_key};
 use crate::fusion::KernelInput;
 use strings::{PREFIX_BYTES, STRING_END_BYTES};
 
@@ -82,6 +84,9 @@ pub enum ColumnImage {
     Prefix,
     /// A string column's row ends (i64) and bytes ([`KernelInput::StringColumn`]).
     Strings,
+    /// A string column's order-preserving codes, an i64 a row ([`KernelInput::StringCodes`],
+    /// [`codes`]).
+    Codes,
 }
 
 impl ColumnImage {
@@ -93,6 +98,7 @@ impl ColumnImage {
             }
             KernelInput::StringPrefix(c) => Some((*c, ColumnImage::Prefix)),
             KernelInput::StringColumn(c) => Some((*c, ColumnImage::Strings)),
+            KernelInput::StringCodes(c) => Some((*c, ColumnImage::Codes)),
             KernelInput::HostPredicate | KernelInput::DictionaryMatch { .. } => None,
         }
     }
@@ -103,6 +109,7 @@ impl ColumnImage {
             ColumnImage::Values => key,
             ColumnImage::Prefix => prefix_key(key),
             ColumnImage::Strings => strings_key(key),
+            ColumnImage::Codes => codes_key(key),
         }
     }
 
@@ -113,6 +120,7 @@ impl ColumnImage {
             ColumnImage::Values => data_type.primitive_width(),
             ColumnImage::Prefix => Some(PREFIX_BYTES),
             ColumnImage::Strings => Some(STRING_END_BYTES),
+            ColumnImage::Codes => Some(8),
         }
     }
 }

@@ -63,6 +63,7 @@ use crate::exec::{
     AggregateBackend, AggregateCosting, AggregateDevicePlan, AggregateItem, AggregateKind,
     AggregateTopKSpec, AggregateWarmUp, GpuAggregateTopKExec, GroupKey,
 };
+use crate::fusion::FusedProgram;
 
 type Exprs = Vec<Arc<dyn PhysicalExpr>>;
 
@@ -146,6 +147,21 @@ fn backend_of(
     plan.groups = costing.groups;
     let program = Arc::new(plan.program());
     let resident = crate::input::columns::plan_resident_share(&spec.table, &program, None);
+    // String keys' codes the cache lacks are interned on the host first.
+    let codes = FusedProgram {
+        inputs: (program.inputs.iter())
+            .filter(|i| matches!(i, crate::fusion::KernelInput::StringCodes(_)))
+            .cloned()
+            .collect(),
+        ..FusedProgram::clone(&program)
+    };
+    let interned_rows = match codes.inputs.len() {
+        0 => 0,
+        n => {
+            let share = crate::input::columns::plan_resident_share(&spec.table, &codes, None);
+            (n as f64 * plan.rows as f64 * (1.0 - share.unwrap_or(0.0))) as usize
+        }
+    };
     let (keys, accumulators) = plan.table_words();
     let estimate = cost::AggregateEstimate {
         table: cost::Estimate {
@@ -169,6 +185,7 @@ fn backend_of(
         keys,
         accumulators,
         k: spec.k,
+        interned_rows,
     };
     let settings = cost_settings(config);
     let start = cost::StartFacts::read(settings);

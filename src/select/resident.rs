@@ -50,7 +50,7 @@ impl ResidentColumns {
                     );
                     Ok(Arc::new(prefix) as ArrayRef)
                 }
-                KernelInput::StringColumn(_) => Err(exec_error(
+                KernelInput::StringColumn(_) | KernelInput::StringCodes(_) => Err(exec_error(
                     "device-resident columns of strings are read through the column cache"
                         .to_string(),
                 )),

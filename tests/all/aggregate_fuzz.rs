@@ -5,7 +5,7 @@
 //! further keys of each type the rule takes (`Int64`, `Timestamp(Microsecond)`, `Int32`,
 //! `Utf8`, `Date32`), NULLs, `Int64` values at times near the ends of the type (their sums
 //! wrap, as DataFusion's do), and `Float64` quarters (every sum exact in any order) with NaN.
-//! Random queries: one or two keys (a computed one among them), `COUNT(*)`, `COUNT`, `SUM`,
+//! Random queries: one or two keys (computed ones and a string expression among them), `COUNT(*)`, `COUNT`, `SUM`,
 //! `MIN`, `MAX`, `AVG` (of columns and of expressions) and `COUNT(DISTINCT …)`, an order by
 //! an aggregate then the keys (a total order) or by the aggregate alone, `LIMIT` beyond the
 //! groups, `OFFSET`, `WHERE` and `HAVING` (some failing on a row or group), computed and
@@ -212,11 +212,15 @@ impl Query {
     }
 }
 
-/// The keys: the device's first (every one but the string), computed ones among them.
-const KEYS: [&str; 10] = ["g", "g", "g", "h", "ts", "id", "i", "d", "g % 5", "s"];
-const DEVICE_KEYS: usize = 9;
+/// The keys: the device's first (every one but the string expression), computed ones among
+/// them.
+const KEYS: [&str; 11] = [
+    "g", "g", "g", "h", "ts", "id", "i", "d", "g % 5", "s", "upper(s)",
+];
+const DEVICE_KEYS: usize = 10;
 
-/// The aggregates: the device's first ([`DEVICE_AGGREGATES`] of them, but over `s`).
+/// The aggregates: the device's first ([`DEVICE_AGGREGATES`] of them, but over `s` other than
+/// `COUNT(s)`).
 const AGGREGATES: [&str; 29] = [
     "COUNT(*)",
     "COUNT(v)",
@@ -313,7 +317,7 @@ fn rule_takes(aggregates: &[&str]) -> bool {
 
 /// A random query of `t` (see the module documentation). Most are of the shapes the device
 /// path takes (over an in-memory table or `GpuTable`): integer, date and timestamp keys, as
-/// columns or computed, its aggregates, no `WHERE` or `HAVING`, ties ordered by the keys
+/// columns or computed, plain string columns, its aggregates, no `WHERE` or `HAVING`, ties ordered by the keys
 /// ascending or not at all.
 fn random_query(rng: &mut Rng) -> Query {
     let device = rng.chance(0.6);
@@ -415,7 +419,7 @@ fn keys_and_aggregates(rng: &mut Rng, device: bool) -> (Vec<&'static str>, Vec<&
     let count = 1 + rng.below(3) as usize;
     while aggregates.len() < count {
         let a = pick(rng, aggregate_set);
-        let device_takes = !a.ends_with("(s)");
+        let device_takes = !a.ends_with("(s)") || a == "COUNT(s)";
         // A count of a key's distinct values is one a group: a different plan.
         let distinct_key =
             a.contains("DISTINCT") && keys.iter().any(|k| a.ends_with(&format!(" {k})")));

@@ -7,7 +7,8 @@
 //! path ends before an unstarted device could start, the device is left alone. `cuda` takes
 //! the device whatever the times (a run without one falls back to DataFusion's plan), `cpu`
 //! never does. A generated pass (a filter, computed keys or inputs) that is not compiled yet
-//! adds its compile to this run's device time, not to a warm one's.
+//! adds its compile to this run's device time, not to a warm one's, and so does interning
+//! string keys whose codes are not resident.
 
 use super::groups::{Weighed, ends_before_start};
 use super::{Estimate, STAGED_TRANSFER, Settings, compile_seconds, forced_cpu, format_seconds};
@@ -32,6 +33,10 @@ pub(crate) struct AggregateEstimate {
     pub accumulators: usize,
     /// Groups selected (fetch + offset).
     pub k: usize,
+    /// Rows of string key columns whose codes the column cache lacks: the host interns them
+    /// before they ship (`input::codes`), a hash of every row as DataFusion's aggregation
+    /// makes, so priced at its rate.
+    pub interned_rows: usize,
 }
 
 impl AggregateEstimate {
@@ -156,14 +161,20 @@ pub(crate) fn choose_aggregate(
         .cpu
         .expect("aggregate_before_device asks for the CPU rates");
     let (selection, seconds) = device_seconds(&model, &estimate);
-    // A generated pass not compiled yet is compiled by this run, not by a warm one.
-    let seconds = seconds + compile_seconds(device.last_compile, &estimate.table);
+    // A generated pass not compiled yet is compiled by this run, not by a warm one; string
+    // keys not resident are interned by this run.
+    let interning = match estimate.interned_rows {
+        0 => 0.0,
+        rows => rates.aggregate_time(rows, estimate.groups()),
+    };
+    let seconds = seconds + compile_seconds(device.last_compile, &estimate.table) + interning;
     let warm = AggregateEstimate {
         table: Estimate {
             resident: 1.0,
             compile: false,
             ..estimate.table
         },
+        interned_rows: 0,
         ..estimate
     };
     let (_, warm) = device_seconds(&model, &warm);

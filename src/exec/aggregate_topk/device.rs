@@ -11,7 +11,8 @@
 //! aggregates the device computes exactly (not over a floating-point sum or an average,
 //! whose last bits may differ from DataFusion's) and reads 64-bit values only; one or two
 //! group keys of integer, date or timestamp types, as columns or expressions the fusion
-//! translates (`date_trunc`, arithmetic); `COUNT(*)`, `COUNT(x)`, `SUM` of integers
+//! translates (`date_trunc`, arithmetic), or plain string columns (grouped by their
+//! order-preserving codes, [`crate::input::codes`]); `COUNT(*)`, `COUNT(x)`, `SUM` of integers
 //! (wrapping in i64) or `Float64`, `MIN` and `MAX` of integers, dates, timestamps or
 //! `Float64`, and `AVG` (DataFusion's input cast to `Float64`: summed as f64 and divided by
 //! its count), over columns or translated expressions (`length(s)`); an order by one
@@ -24,7 +25,8 @@
 //! reads them as they are; otherwise one generated program evaluates the filter, then the
 //! keys and the aggregates' inputs, row by row, and aggregates them in the same pass
 //! ([`crate::fusion::aggregate::aggregate_computed`]). Keys and values leave it as i64 (or
-//! f64 bits); the host casts the chosen groups' keys and extremes back to their types.
+//! f64 bits); the host casts the chosen groups' keys and extremes back to their types, and
+//! looks a string key's codes up in the dictionary the host kept when it uploaded them.
 //!
 //! # The run
 //!
@@ -47,7 +49,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use datafusion::arrow::array::{
-    ArrayRef, Float64Array, Int64Array, RecordBatch, RecordBatchOptions,
+    ArrayRef, Float64Array, Int64Array, RecordBatch, RecordBatchOptions, new_empty_array,
 };
 use datafusion::arrow::compute::cast;
 use datafusion::arrow::datatypes::{DataType, Field, Schema, SchemaRef};
@@ -71,8 +73,10 @@ use crate::device::{
 };
 use crate::exec::metrics::device_watch;
 use crate::fusion::aggregate::{aggregate_computed, aggregate_filter, aggregate_having};
+use crate::fusion::is_device_string;
 use crate::fusion::{FusedProgram, KernelInput};
 use crate::input::TableInput;
+use crate::input::codes;
 use crate::input::columns::{Reserved, TableColumn};
 use crate::input::memory::{memory_input, table_inputs};
 use crate::select::TransferMetrics;
@@ -219,7 +223,9 @@ impl AggregateDevicePlan {
         let mut plan = Self::empty(rows);
         let mut values: Vec<Arc<dyn PhysicalExpr>> = Vec::new();
         for key in &spec.group_keys {
-            if !integer_like(&key.data_type) {
+            // A string key is grouped by its column's codes.
+            let codes = is_device_string(&key.data_type) && plain_column(&key.expr).is_some();
+            if !integer_like(&key.data_type) && !codes {
                 return Err(format!(
                     "key type {} runs on the CPU path only",
                     key.data_type
@@ -611,7 +617,8 @@ pub(super) fn run(
     let program = plan.pass.as_deref().unwrap_or(&unfiltered);
     // No rows, no groups (and no chunks to type the columns by).
     if memory.batches().all(|b| b.num_rows() == 0) {
-        return output_batch(spec, plan, &[], schema).map(Some);
+        let none = vec![None; spec.group_keys.len()];
+        return output_batch(spec, plan, &[], &none, schema).map(Some);
     }
     let inputs = table_inputs(&memory, program, &names)?
         .ok_or_else(|| DataFusionError::Execution("the table's columns are unreadable".into()))?;
@@ -647,6 +654,9 @@ pub(super) fn run(
             None => return Ok(None),
         }
     };
+    let Some(dictionaries) = key_dictionaries(spec, program, &columns)? else {
+        return Ok(None);
+    };
     metrics.groups.add(top.groups);
     let phases = [&metrics.device_aggregate_time, &metrics.device_select_time];
     for (time, ms) in phases.into_iter().zip(top.report.phases_ms) {
@@ -654,7 +664,42 @@ pub(super) fn run(
             f64::from(ms.max(0.0)) / 1e3,
         ));
     }
-    output_batch(spec, plan, &top.top, schema).map(Some)
+    output_batch(spec, plan, &top.top, &dictionaries, schema).map(Some)
+}
+
+/// Each group key's dictionary: a string key's, whose codes the program's `StringCodes`
+/// input read (kept since its image was uploaded, else interned again from the column's
+/// chunks); `None` for the other keys. `None` in all where a string key's column is neither
+/// kept nor given (DataFusion's subtree then answers).
+fn key_dictionaries(
+    spec: &AggregateTopKSpec,
+    program: &FusedProgram,
+    columns: &[TableColumn<'_, '_>],
+) -> Result<Option<Vec<Option<ArrayRef>>>> {
+    let mut dictionaries = Vec::with_capacity(spec.group_keys.len());
+    for key in &spec.group_keys {
+        let codes = plain_column(&key.expr).map(KernelInput::StringCodes);
+        let mut per_row = program.inputs.iter().filter(|i| !i.per_dictionary_entry());
+        let at = match codes {
+            Some(codes) if is_device_string(&key.data_type) => per_row.position(|i| *i == codes),
+            _ => None,
+        };
+        let Some(column) = at.and_then(|at| columns.get(at)) else {
+            dictionaries.push(None);
+            continue;
+        };
+        let dictionary = match codes::kept(&column.key) {
+            Some(dictionary) => dictionary,
+            None if !column.input.chunks.is_empty() => {
+                let dictionary = codes::intern(&column.input.chunks)?.dictionary;
+                codes::keep(&column.key, column.owners(), Arc::clone(&dictionary));
+                dictionary
+            }
+            None => return Ok(None),
+        };
+        dictionaries.push(Some(dictionary));
+    }
+    Ok(Some(dictionaries))
 }
 
 /// The device's top-k over the aggregate of the program's `inputs` (those of
@@ -800,10 +845,11 @@ fn output_batch(
     spec: &AggregateTopKSpec,
     plan: &AggregateDevicePlan,
     top: &[AggregateGroup],
+    dictionaries: &[Option<ArrayRef>],
     schema: SchemaRef,
 ) -> Result<RecordBatch> {
     let top = &top[spec.offset.min(top.len())..];
-    let groups = groups_batch(spec, plan, top)?;
+    let groups = groups_batch(spec, plan, top, dictionaries)?;
     let options = RecordBatchOptions::new().with_row_count(Some(top.len()));
     let columns = (spec.output.iter())
         .map(|(expr, _)| expr.evaluate(&groups)?.into_array(groups.num_rows()))
@@ -813,17 +859,31 @@ fn output_batch(
     )?)
 }
 
-/// The aggregation's output rows of the groups `top`: keys, then aggregates.
+/// The aggregation's output rows of the groups `top`: keys (a string key's codes decoded by
+/// its dictionary), then aggregates.
 fn groups_batch(
     spec: &AggregateTopKSpec,
     plan: &AggregateDevicePlan,
     top: &[AggregateGroup],
+    dictionaries: &[Option<ArrayRef>],
 ) -> Result<RecordBatch> {
     let mut fields = Vec::new();
     let mut arrays: Vec<ArrayRef> = Vec::new();
     for (i, key) in spec.group_keys.iter().enumerate() {
-        let values: Int64Array = top.iter().map(|g| g.key[i]).collect();
-        arrays.push(from_i64(&values, &key.data_type)?);
+        let keys: Vec<Option<i64>> = top.iter().map(|g| g.key[i]).collect();
+        arrays.push(match dictionaries.get(i).and_then(Option::as_ref) {
+            Some(dictionary) => codes::decode(dictionary, &keys)?,
+            None if is_device_string(&key.data_type) => match top.is_empty() {
+                true => new_empty_array(&key.data_type),
+                false => {
+                    return Err(DataFusionError::Internal(format!(
+                        "no dictionary of the string key {}",
+                        key.name
+                    )));
+                }
+            },
+            None => from_i64(&keys.into_iter().collect(), &key.data_type)?,
+        });
         fields.push(Field::new(&key.name, key.data_type.clone(), true));
     }
     for (item, output) in spec.aggregates.iter().zip(&plan.outputs) {

@@ -135,7 +135,9 @@ impl RunState {
                             .map(|b| Arc::clone(b.column(*c)))
                             .collect(),
                         KernelInput::HostPredicate => pending.predicates.clone(),
-                        KernelInput::StringPrefix(_) | KernelInput::StringColumn(_) => {
+                        KernelInput::StringPrefix(_)
+                        | KernelInput::StringColumn(_)
+                        | KernelInput::StringCodes(_) => {
                             return datafusion::common::internal_err!(
                                 "a streamed selection was given a program over a whole table's \
                                  string image"

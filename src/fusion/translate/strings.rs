@@ -89,7 +89,7 @@ impl Emitter<'_> {
     }
 
     /// The row's string (`Str`) of the string column `expr`, and its validity: C names.
-    fn string_column(
+    pub(crate) fn string_column(
         &mut self,
         expr: &Arc<dyn PhysicalExpr>,
     ) -> Result<(String, String), Declined> {
@@ -117,6 +117,24 @@ impl Emitter<'_> {
             });
         }
         Ok((value, valid))
+    }
+
+    /// The row's order-preserving code (`StringCodes`, an `i64`) of the string column `expr`,
+    /// and its validity: C names. What a group key of strings is aggregated by.
+    pub(crate) fn string_codes(
+        &mut self,
+        expr: &Arc<dyn PhysicalExpr>,
+    ) -> Result<(String, String), Declined> {
+        let Some(c) = self.string_column_index(expr) else {
+            return Err(format!("{expr} is no plain string column"));
+        };
+        if !self.strings {
+            return Err(format!(
+                "{expr}: the device groups by strings of whole tables only"
+            ));
+        }
+        let p = self.input(KernelInput::StringCodes(c));
+        Ok(self.read_input(p, CType::I64))
     }
 
     /// A boolean NULL: what a comparison with a NULL literal gives.

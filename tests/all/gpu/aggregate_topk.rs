@@ -96,6 +96,11 @@ const TAKEN: &[&str] = &[
     "SELECT k2, COUNT(*) AS n FROM t GROUP BY k2 ORDER BY n, k2 LIMIT 1000",
     "SELECT k2, SUM(v) AS s FROM t GROUP BY k2 ORDER BY s DESC, k2 LIMIT 5 OFFSET 3",
     "SELECT uid, COUNT(*) AS n FROM t GROUP BY uid ORDER BY n DESC, uid LIMIT 10 OFFSET 400",
+    // String keys (grouped by their codes) and a counted string.
+    "SELECT lang, COUNT(*) AS n, SUM(v) AS s FROM t GROUP BY lang ORDER BY n DESC, lang LIMIT 10",
+    "SELECT lang, uid, COUNT(*) AS n FROM t WHERE lang <> '' GROUP BY lang, uid ORDER BY n DESC, lang, uid LIMIT 25",
+    "SELECT lang, MAX(f) AS hi FROM t GROUP BY lang ORDER BY lang DESC NULLS FIRST LIMIT 4",
+    "SELECT uid, COUNT(lang) AS c FROM t GROUP BY uid ORDER BY c DESC, uid LIMIT 15",
 ];
 
 /// Filtered shapes the device takes, its pass evaluating the filter, and `HAVING`.

@@ -200,7 +200,9 @@ async fn generated_programs_match_datafusion_evaluation_across_reductions() {
                                         .unwrap(),
                                 ];
                             }
-                            KernelInput::StringPrefix(_) | KernelInput::StringColumn(_) => {
+                            KernelInput::StringPrefix(_)
+                            | KernelInput::StringColumn(_)
+                            | KernelInput::StringCodes(_) => {
                                 panic!("{sql}: a streamed program over a string image")
                             }
                         };

@@ -23,6 +23,7 @@ fn aggregate(rows: usize, groups: Option<usize>, resident: f64) -> AggregateEsti
         keys: 2,
         accumulators: 2,
         k: 10,
+        interned_rows: 0,
     }
 }
 
@@ -220,4 +221,38 @@ fn an_uncompiled_pass_costs_its_compile_this_run_only() {
     let added = compiling.gpu.unwrap() - compiled.gpu.unwrap();
     assert!((added - compile).abs() < 1e-9, "{added} against {compile}");
     assert_eq!(compiling.gpu_warm, compiled.gpu_warm);
+}
+
+/// String keys whose codes are not resident add their interning, at the host's aggregation
+/// rate, to this run's device time, and nothing to a warm run's; where that leaves the device
+/// winning only warm, the CPU path runs and loads the columns.
+#[test]
+fn interning_string_keys_costs_this_run_only() {
+    let auto = settings(Backend::Auto, Algorithm::Auto);
+    let facts = device(20e6);
+    let weigh = |interned_rows| {
+        let mut estimate = aggregate(10_000_000, Some(1_000_000), 0.0);
+        estimate.interned_rows = interned_rows;
+        choose_aggregate(auto, estimate, &facts)
+    };
+    let weighed = |c: &std::result::Result<AggregateChoice, AggregateCpu>| match c {
+        Ok(c) => c.weighed.unwrap(),
+        Err(c) => c.weighed.unwrap(),
+    };
+    let (plain, interning) = (weigh(0), weigh(10_000_000));
+    let (plain_weighed, interning_weighed) = (weighed(&plain), weighed(&interning));
+    let added = interning_weighed.gpu.unwrap() - plain_weighed.gpu.unwrap();
+    assert!(
+        (added - interning_weighed.cpu).abs() < 1e-9,
+        "{added} against {}",
+        interning_weighed.cpu
+    );
+    assert_eq!(interning_weighed.gpu_warm, plain_weighed.gpu_warm);
+    let loaded = interning.unwrap_err();
+    assert!(
+        loaded.reason.ends_with("CPU path, then loaded"),
+        "{}",
+        loaded.reason
+    );
+    assert!(loaded.warm_up.is_some());
 }

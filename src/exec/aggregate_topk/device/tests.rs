@@ -127,8 +127,12 @@ fn kept<T>(all: Vec<T>, passes: &[bool]) -> Vec<T> {
 }
 
 /// The host reference's best groups over the columns `plan` reads of the spec's table, in
-/// the rows its filter passes.
-fn host_top(spec: &AggregateTopKSpec, plan: &AggregateDevicePlan) -> Vec<AggregateGroup> {
+/// the rows its filter passes, and the group keys' dictionaries (a string key's codes'
+/// dictionary, as the device path's upload interns them).
+fn host_top(
+    spec: &AggregateTopKSpec,
+    plan: &AggregateDevicePlan,
+) -> (Vec<AggregateGroup>, Vec<Option<ArrayRef>>) {
     let memory = memory_input(&spec.table).unwrap();
     let mut passes = Vec::new();
     for batch in memory.batches() {
@@ -176,16 +180,29 @@ fn host_top(spec: &AggregateTopKSpec, plan: &AggregateDevicePlan) -> Vec<Aggrega
             .map(|e| column(&|b| e.evaluate(b).unwrap().into_array(b.num_rows()).unwrap()))
             .collect()
     };
+    let mut dictionaries = vec![None; spec.group_keys.len()];
     let (keys, values) = match &plan.computed {
-        Some(computed) => (
-            evaluated(
-                spec.group_keys
-                    .iter()
-                    .map(|k| Arc::clone(&k.expr))
-                    .collect(),
-            ),
-            evaluated(computed.values.clone()),
-        ),
+        Some(computed) => {
+            let mut keys = Vec::new();
+            for (j, key) in spec.group_keys.iter().enumerate() {
+                if !is_device_string(&key.data_type) {
+                    keys.extend(evaluated(vec![Arc::clone(&key.expr)]));
+                    continue;
+                }
+                let c = plain_column(&key.expr).expect("a string key is a column");
+                let chunks: Vec<ArrayRef> = (memory.batches())
+                    .map(|b| Arc::clone(b.project(&memory.columns).unwrap().column(c)))
+                    .collect();
+                let interned = codes::intern(&chunks).unwrap();
+                let valid: Vec<bool> = (chunks.iter())
+                    .flat_map(|a| (0..a.len()).map(|i| a.is_valid(i)).collect::<Vec<_>>())
+                    .collect();
+                let codes = interned.codes.iter().map(|&c| c as u64).collect();
+                keys.push((kept(codes, &passes), kept(valid, &passes)));
+                dictionaries[j] = Some(interned.dictionary);
+            }
+            (keys, evaluated(computed.values.clone()))
+        }
         None => {
             let read = |columns: &[usize]| {
                 (columns.iter())
@@ -203,9 +220,9 @@ fn host_top(spec: &AggregateTopKSpec, plan: &AggregateDevicePlan) -> Vec<Aggrega
     let (top, _) =
         aggregate_top_k_host(&host(&keys), &host(&values), &plan.ops, plan.order, k).unwrap();
     let Some(having) = &spec.having else {
-        return top;
+        return (top, dictionaries);
     };
-    let groups = groups_batch(spec, plan, &top).unwrap();
+    let groups = groups_batch(spec, plan, &top, &dictionaries).unwrap();
     let verdict = having.evaluate(&groups).unwrap();
     let verdict = verdict.into_array(groups.num_rows()).unwrap();
     let verdict: Vec<bool> = verdict
@@ -215,7 +232,7 @@ fn host_top(spec: &AggregateTopKSpec, plan: &AggregateDevicePlan) -> Vec<Aggrega
         .collect();
     let mut top = kept(top, &verdict);
     top.truncate(spec.k);
-    top
+    (top, dictionaries)
 }
 
 /// Each shape of the slice: the device path's plan and output over the host reference's
@@ -260,6 +277,14 @@ async fn the_device_paths_output_is_datafusions() {
         "SELECT date_trunc('minute', ts) AS m, COUNT(*) AS n FROM t WHERE v > 0 GROUP BY date_trunc('minute', ts) ORDER BY m LIMIT 4 OFFSET 1",
         "SELECT a, b, MAX(v) AS hi FROM t GROUP BY a, b ORDER BY b, a LIMIT 7",
         "SELECT g, d, COUNT(*) AS n FROM t GROUP BY g, d ORDER BY g DESC, d LIMIT 5",
+        // String keys, grouped by their codes.
+        "SELECT u, COUNT(*) AS n FROM t GROUP BY u ORDER BY n DESC, u LIMIT 6",
+        "SELECT u, SUM(v) AS s FROM t WHERE u <> '' GROUP BY u ORDER BY s NULLS FIRST, u LIMIT 5",
+        "SELECT u, a, COUNT(*) AS n FROM t WHERE u LIKE '%é%' GROUP BY u, a ORDER BY n DESC, u, a LIMIT 8",
+        "SELECT u, MAX(g) AS hi FROM t GROUP BY u ORDER BY u DESC NULLS FIRST LIMIT 5 OFFSET 2",
+        "SELECT b, u, AVG(f) AS m FROM t GROUP BY b, u ORDER BY u, b LIMIT 9",
+        "SELECT u, COUNT(*) AS n FROM t WHERE v > 1000 GROUP BY u ORDER BY n, u LIMIT 3",
+        "SELECT a, COUNT(u) AS c, COUNT(*) AS n FROM t GROUP BY a ORDER BY c DESC, a LIMIT 5",
     ] {
         let plan = ours.sql(sql).await.unwrap().create_physical_plan().await;
         let plan = plan.unwrap();
@@ -267,8 +292,9 @@ async fn the_device_paths_output_is_datafusions() {
         let AggregateBackend::Cuda(device) = exec.backend() else {
             panic!("{sql}: {:?}", exec.backend());
         };
-        let top = host_top(exec.spec(), device);
-        let got = output_batch(exec.spec(), device, &top, exec.schema()).unwrap();
+        let (top, dictionaries) = host_top(exec.spec(), device);
+        let got = output_batch(exec.spec(), device, &top, &dictionaries, exec.schema());
+        let got = got.unwrap();
         let want = plain.sql(sql).await.unwrap().collect().await.unwrap();
         // Rows alone: DataFusion hands out no batch where there are none.
         let text = |batches: &[RecordBatch]| {
