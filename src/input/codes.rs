@@ -277,7 +277,7 @@ mod tests {
     #[test]
     fn codes_across_pieces_are_the_values_ranks() {
         let rows = 2 * PIECE_ROWS + 123;
-        let value = |i: usize| (i % 3 != 0).then(|| format!("v{}", (i * 7919) % 5003));
+        let value = |i: usize| (!i.is_multiple_of(3)).then(|| format!("v{}", (i * 7919) % 5003));
         let first: Vec<Option<String>> = (0..rows).map(value).collect();
         let second: Vec<Option<String>> = (rows..rows + 1000).map(value).collect();
         let chunks = [
