@@ -42,28 +42,15 @@ pub(crate) struct Interned {
     pub codes: Vec<i64>,
 }
 
-/// `chunk`'s rows as `get` reads their bytes (`None`: NULL).
-fn rows<'a>(chunk: &dyn Array, get: impl Fn(usize) -> &'a [u8]) -> Vec<Option<&'a [u8]>> {
-    (0..chunk.len())
-        .map(|i| chunk.is_valid(i).then(|| get(i)))
-        .collect()
-}
-
 /// The byte values of one chunk (`None`: NULL).
 fn values(chunk: &dyn Array) -> Result<Vec<Option<&[u8]>>> {
+    fn bytes(v: Option<&str>) -> Option<&[u8]> {
+        v.map(str::as_bytes)
+    }
     Ok(match chunk.data_type() {
-        DataType::Utf8 => {
-            let a = chunk.as_string::<i32>();
-            rows(chunk, |i| a.value(i).as_bytes())
-        }
-        DataType::LargeUtf8 => {
-            let a = chunk.as_string::<i64>();
-            rows(chunk, |i| a.value(i).as_bytes())
-        }
-        DataType::Utf8View => {
-            let a = chunk.as_string_view();
-            rows(chunk, |i| a.value(i).as_bytes())
-        }
+        DataType::Utf8 => chunk.as_string::<i32>().iter().map(bytes).collect(),
+        DataType::LargeUtf8 => chunk.as_string::<i64>().iter().map(bytes).collect(),
+        DataType::Utf8View => chunk.as_string_view().iter().map(bytes).collect(),
         t => {
             return Err(DataFusionError::Execution(format!(
                 "no codes of {t} columns"

@@ -148,16 +148,19 @@ fn backend_of(
     let program = Arc::new(plan.program());
     let resident = crate::input::columns::plan_resident_share(&spec.table, &program, None);
     // String keys' codes the cache lacks are interned on the host first.
-    let codes = FusedProgram {
-        inputs: (program.inputs.iter())
-            .filter(|i| matches!(i, crate::fusion::KernelInput::StringCodes(_)))
-            .cloned()
-            .collect(),
-        ..FusedProgram::clone(&program)
-    };
-    let interned_rows = match codes.inputs.len() {
+    let codes: Vec<_> = (program.inputs.iter())
+        .filter(|i| matches!(i, crate::fusion::KernelInput::StringCodes(_)))
+        .cloned()
+        .collect();
+    let interned_rows = match codes.len() {
         0 => 0,
         n => {
+            let codes = FusedProgram {
+                source: String::new(),
+                inputs: codes,
+                key_kind: program.key_kind,
+                refines: false,
+            };
             let share = crate::input::columns::plan_resident_share(&spec.table, &codes, None);
             (n as f64 * plan.rows as f64 * (1.0 - share.unwrap_or(0.0))) as usize
         }

@@ -88,19 +88,30 @@ impl Emitter<'_> {
         is_device_string(field.data_type()).then_some(column.index())
     }
 
-    /// The row's string (`Str`) of the string column `expr`, and its validity: C names.
-    pub(crate) fn string_column(
-        &mut self,
+    /// The index of `expr`, a plain string column of a whole table (the only input whose
+    /// strings the device reads), or why the device cannot: it `does` nothing else.
+    fn whole_string_column(
+        &self,
         expr: &Arc<dyn PhysicalExpr>,
-    ) -> Result<(String, String), Declined> {
+        does: &str,
+    ) -> Result<usize, Declined> {
         let Some(c) = self.string_column_index(expr) else {
             return Err(format!("{expr} is no plain string column"));
         };
         if !self.strings {
             return Err(format!(
-                "{expr}: the device reads strings of whole tables only (in memory or Parquet)"
+                "{expr}: the device {does} of whole tables only (in memory or Parquet)"
             ));
         }
+        Ok(c)
+    }
+
+    /// The row's string (`Str`) of the string column `expr`, and its validity: C names.
+    pub(crate) fn string_column(
+        &mut self,
+        expr: &Arc<dyn PhysicalExpr>,
+    ) -> Result<(String, String), Declined> {
+        let c = self.whole_string_column(expr, "reads strings")?;
         let p = self.input(KernelInput::StringColumn(c));
         let (value, valid) = (format!("x{p}"), format!("x{p}v"));
         if !self.loaded.contains(&p) {
@@ -125,14 +136,7 @@ impl Emitter<'_> {
         &mut self,
         expr: &Arc<dyn PhysicalExpr>,
     ) -> Result<(String, String), Declined> {
-        let Some(c) = self.string_column_index(expr) else {
-            return Err(format!("{expr} is no plain string column"));
-        };
-        if !self.strings {
-            return Err(format!(
-                "{expr}: the device groups by strings of whole tables only"
-            ));
-        }
+        let c = self.whole_string_column(expr, "groups by strings")?;
         let p = self.input(KernelInput::StringCodes(c));
         Ok(self.read_input(p, CType::I64))
     }

@@ -235,9 +235,10 @@ fn interning_string_keys_costs_this_run_only() {
         estimate.interned_rows = interned_rows;
         choose_aggregate(auto, estimate, &facts)
     };
-    let weighed = |c: &std::result::Result<AggregateChoice, AggregateCpu>| match c {
-        Ok(c) => c.weighed.unwrap(),
-        Err(c) => c.weighed.unwrap(),
+    let weighed = |c: &std::result::Result<AggregateChoice, AggregateCpu>| {
+        c.as_ref()
+            .map_or_else(|c| c.weighed, |c| c.weighed)
+            .unwrap()
     };
     let (plain, interning) = (weigh(0), weigh(10_000_000));
     let (plain_weighed, interning_weighed) = (weighed(&plain), weighed(&interning));
